@@ -1,0 +1,207 @@
+// The one file that speaks torch: checks tensors, adapts them to the plain C++
+// kernel interface (adam_kernels.h) and releases the GIL while kernels run.
+// Errors raised here are ValueError/TypeError with the tensor's position; the
+// Python classes check earlier and name the parameter.
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "adam_kernels.h"
+
+namespace oa = offload_adam;
+namespace py = pybind11;
+
+namespace {
+
+using TensorList = std::vector<at::Tensor>;
+
+[[noreturn]] void fail_type(const std::string& msg) { throw py::type_error("offload_adam: " + msg); }
+[[noreturn]] void fail_value(const std::string& msg) { throw py::value_error("offload_adam: " + msg); }
+
+std::string where(const char* list, size_t i) { return std::string(list) + "[" + std::to_string(i) + "]"; }
+
+void check_cpu_contiguous(const at::Tensor& t, const char* list, size_t i) {
+  if (!t.device().is_cpu()) fail_value(where(list, i) + " must be a CPU tensor, got " + t.device().str());
+  if (!t.is_contiguous()) fail_value(where(list, i) + " must be contiguous");
+}
+
+void check_float32(const TensorList& ts, const char* list, int64_t numel_of_first, const TensorList& params) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    check_cpu_contiguous(ts[i], list, i);
+    if (ts[i].scalar_type() != at::kFloat)
+      fail_type(where(list, i) + " must be float32, got " + std::string(c10::toString(ts[i].scalar_type())));
+    if (ts[i].numel() != params[i].numel())
+      fail_value(where(list, i) + " has " + std::to_string(ts[i].numel()) + " elements, its param has " +
+                 std::to_string(params[i].numel()));
+  }
+  (void)numel_of_first;
+}
+
+// The one dtype shared by a list of 16/32-bit tensors (all must match).
+oa::DType common_dtype(const TensorList& ts, const char* list, bool allow_f32) {
+  oa::DType d = oa::DType::f32;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    oa::DType di;
+    switch (ts[i].scalar_type()) {
+      case at::kFloat: di = oa::DType::f32; break;
+      case at::kBFloat16: di = oa::DType::bf16; break;
+      case at::kHalf: di = oa::DType::f16; break;
+      default:
+        fail_type(where(list, i) + " has dtype " + std::string(c10::toString(ts[i].scalar_type())) +
+                  "; expected " + (allow_f32 ? "float32, bfloat16 or float16" : "bfloat16 or float16"));
+    }
+    if (!allow_f32 && di == oa::DType::f32) fail_type(where(list, i) + " must be bfloat16 or float16, got float32");
+    if (i == 0) d = di;
+    else if (di != d) fail_type(std::string(list) + " mixes dtypes: all tensors of one call must share one dtype");
+  }
+  return d;
+}
+
+void check_same_length(size_t n, const TensorList& ts, const char* list, bool optional) {
+  if (optional && ts.empty()) return;
+  if (ts.size() != n)
+    fail_value(std::string(list) + " has " + std::to_string(ts.size()) + " tensors, params has " + std::to_string(n));
+}
+
+// Builds the kernel's view of a bucket; the tensors must outlive its use.
+struct BucketView {
+  std::vector<oa::AdamTensor> tensors;
+  oa::Bucket bucket;
+};
+
+BucketView make_bucket(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                       const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs,
+                       const TensorList& lp_params) {
+  const size_t n = params.size();
+  check_same_length(n, grads, "grads", false);
+  check_same_length(n, exp_avgs, "exp_avgs", false);
+  check_same_length(n, exp_avg_sqs, "exp_avg_sqs", false);
+  check_same_length(n, max_exp_avg_sqs, "max_exp_avg_sqs", true);
+  check_same_length(n, lp_params, "lp_params", true);
+  check_float32(params, "params", 0, params);
+  check_float32(exp_avgs, "exp_avgs", 0, params);
+  check_float32(exp_avg_sqs, "exp_avg_sqs", 0, params);
+  check_float32(max_exp_avg_sqs, "max_exp_avg_sqs", 0, params);
+  for (size_t i = 0; i < n; ++i) {
+    check_cpu_contiguous(grads[i], "grads", i);
+    if (grads[i].numel() != params[i].numel())
+      fail_value(where("grads", i) + " has " + std::to_string(grads[i].numel()) + " elements, its param has " +
+                 std::to_string(params[i].numel()));
+  }
+  for (size_t i = 0; i < lp_params.size(); ++i) {
+    check_cpu_contiguous(lp_params[i], "lp_params", i);
+    if (lp_params[i].numel() != params[i].numel())
+      fail_value(where("lp_params", i) + " has " + std::to_string(lp_params[i].numel()) +
+                 " elements, its param has " + std::to_string(params[i].numel()));
+  }
+  BucketView v;
+  v.bucket.grad_dtype = common_dtype(grads, "grads", true);
+  v.bucket.lp_dtype = lp_params.empty() ? oa::DType::bf16 : common_dtype(lp_params, "lp_params", false);
+  v.tensors.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    oa::AdamTensor& t = v.tensors[i];
+    t.param = params[i].data_ptr<float>();
+    t.exp_avg = exp_avgs[i].data_ptr<float>();
+    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
+    t.max_exp_avg_sq = max_exp_avg_sqs.empty() ? nullptr : max_exp_avg_sqs[i].data_ptr<float>();
+    t.grad = grads[i].data_ptr();
+    t.param_lp = lp_params.empty() ? nullptr : lp_params[i].data_ptr();
+    t.numel = params[i].numel();
+  }
+  v.bucket.tensors = v.tensors.data();
+  v.bucket.count = static_cast<int64_t>(n);
+  return v;
+}
+
+int check_threads(int64_t num_threads) {
+  if (num_threads < 1) fail_value("num_threads must be >= 1, got " + std::to_string(num_threads));
+  return static_cast<int>(std::min<int64_t>(num_threads, 1024));
+}
+
+void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+               const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs, const TensorList& lp_params,
+               const TensorList& steps, double lr, double beta1, double beta2, double eps, double weight_decay,
+               bool decoupled, bool maximize, double grad_scale, int64_t num_threads) {
+  BucketView v = make_bucket(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lp_params);
+  check_same_length(params.size(), steps, "steps", false);
+  // torch keeps the step count as a float32 0-dim tensor per param; the kernel
+  // counts this step (+1) and writes the counts back only when it succeeded.
+  std::vector<float> new_steps(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const at::Tensor& s = steps[i];
+    if (!s.device().is_cpu() || s.numel() != 1 || s.scalar_type() != at::kFloat)
+      fail_type(where("steps", i) + " must be a one-element float32 CPU tensor (torch's state['step'])");
+    new_steps[i] = s.item<float>() + 1.0f;
+    v.tensors[i].step = static_cast<int64_t>(new_steps[i]);
+  }
+  oa::AdamHyper h;
+  h.lr = lr;
+  h.beta1 = beta1;
+  h.beta2 = beta2;
+  h.eps = eps;
+  h.weight_decay = weight_decay;
+  h.decoupled = decoupled;
+  h.amsgrad = !max_exp_avg_sqs.empty();
+  h.maximize = maximize;
+  h.grad_scale = grad_scale;
+  const int threads = check_threads(num_threads);
+  {
+    py::gil_scoped_release no_gil;
+    oa::adam_step(v.bucket, h, threads);
+  }
+  for (size_t i = 0; i < steps.size(); ++i) steps[i].fill_(new_steps[i]);
+}
+
+void stream_limit(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                  const TensorList& exp_avg_sqs, const TensorList& lp_params, int64_t num_threads) {
+  BucketView v = make_bucket(params, grads, exp_avgs, exp_avg_sqs, {}, lp_params);
+  const int threads = check_threads(num_threads);
+  py::gil_scoped_release no_gil;
+  oa::stream_limit(v.bucket, threads);
+}
+
+std::vector<double> grad_sq_sums(const TensorList& grads, int64_t num_threads) {
+  std::vector<oa::AdamTensor> tensors(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    check_cpu_contiguous(grads[i], "grads", i);
+    tensors[i].grad = grads[i].data_ptr();
+    tensors[i].numel = grads[i].numel();
+  }
+  oa::Bucket b;
+  b.grad_dtype = common_dtype(grads, "grads", true);
+  b.tensors = tensors.data();
+  b.count = static_cast<int64_t>(tensors.size());
+  std::vector<double> out(grads.size(), 0.0);
+  const int threads = check_threads(num_threads);
+  py::gil_scoped_release no_gil;
+  oa::grad_sq_sums(b, out.data(), threads);
+  return out;
+}
+
+std::vector<std::string> supported_isa_names() {
+  std::vector<std::string> out;
+  for (oa::Isa isa : oa::supported_isas()) out.emplace_back(oa::isa_name(isa));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "offload_adam fused CPU Adam/AdamW kernels";
+  m.def("adam_step", &adam_step, "One fused Adam/AdamW step over a bucket of tensors", py::arg("params"),
+        py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
+        py::arg("lp_params"), py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"),
+        py::arg("num_threads"));
+  m.def("stream_limit", &stream_limit, "The loads and stores of adam_step without its arithmetic",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("lp_params"),
+        py::arg("num_threads"));
+  m.def("grad_sq_sums", &grad_sq_sums, "Per-tensor sum of squares, accumulated in double", py::arg("grads"),
+        py::arg("num_threads"));
+  m.def("isa", [] { return std::string(oa::isa_name(oa::active_isa())); }, "The active ISA variant");
+  m.def("supported_isas", &supported_isa_names, "ISA variants this CPU runs, best first");
+  m.def("set_isa", &oa::set_isa, "Select an ISA variant: avx512, avx2, scalar or auto", py::arg("name"));
+  // Apply OFFLOAD_ADAM_ISA now, so a bad value fails the import, not the first step.
+  oa::active_isa();
+}

@@ -1,0 +1,136 @@
+// Run-time choice of the ISA variant: CPUID for what the processor has, XGETBV
+// for what the OS saves on context switch (an AVX-512 CPU under an OS or
+// hypervisor that does not enable ZMM state must not run AVX-512 code), and the
+// OFFLOAD_ADAM_ISA environment variable to force a variant.
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "adam_kernels.h"
+#include "isa_kernels.h"
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#define OA_X86 1
+#endif
+
+namespace offload_adam {
+namespace {
+
+#ifdef OA_X86
+struct CpuFeatures {
+  bool avx2 = false;    // AVX2 + FMA + F16C, and the OS saves YMM state
+  bool avx512 = false;  // AVX-512 F/BW/VL/DQ on top, and the OS saves ZMM + mask state
+};
+
+uint64_t xgetbv0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+  if (!(osxsave && avx)) return f;
+  const uint64_t xcr0 = xgetbv0();
+  const bool ymm_state = (xcr0 & 0x6) == 0x6;     // SSE + AVX state
+  const bool zmm_state = (xcr0 & 0xE6) == 0xE6;   // + opmask, ZMM_Hi256, Hi16_ZMM
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const bool avx2 = b & (1u << 5);
+  const bool avx512f = b & (1u << 16), avx512dq = b & (1u << 17), avx512bw = b & (1u << 30),
+             avx512vl = b & (1u << 31);
+  f.avx2 = ymm_state && avx2 && fma && f16c;
+  f.avx512 = f.avx2 && zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
+  return f;
+}
+#endif
+
+const IsaKernels* table_for(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return avx512_kernels();
+    case Isa::avx2: return avx2_kernels();
+    default: return scalar_kernels();
+  }
+}
+
+bool cpu_supports(Isa isa) {
+  if (isa == Isa::scalar) return true;
+#ifdef OA_X86
+  static const CpuFeatures f = detect();
+  // Features first: even building a variant's table runs code compiled for it.
+  if (!(isa == Isa::avx512 ? f.avx512 : f.avx2)) return false;
+  return table_for(isa) != nullptr;
+#else
+  return false;
+#endif
+}
+
+std::string supported_list() {
+  std::string s;
+  for (Isa isa : supported_isas()) s += (s.empty() ? "" : ", ") + std::string(isa_name(isa));
+  return s;
+}
+
+Isa parse(const std::string& name) {
+  if (name.empty() || name == "auto") return supported_isas().front();
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+    if (name == isa_name(isa)) {
+      if (!cpu_supports(isa)) {
+        throw std::runtime_error("offload_adam: ISA '" + name +
+                                 "' is not supported by this CPU/build; supported: " + supported_list());
+      }
+      return isa;
+    }
+  }
+  throw std::invalid_argument("offload_adam: unknown ISA '" + name +
+                              "' (OFFLOAD_ADAM_ISA expects avx512, avx2, scalar or auto); this CPU supports: " +
+                              supported_list());
+}
+
+std::atomic<int> g_active{-1};
+std::mutex g_init;
+
+}  // namespace
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar})
+    if (cpu_supports(isa)) out.push_back(isa);
+  return out;
+}
+
+Isa active_isa() {
+  int v = g_active.load(std::memory_order_acquire);
+  if (v >= 0) return static_cast<Isa>(v);
+  std::lock_guard<std::mutex> lock(g_init);
+  v = g_active.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("OFFLOAD_ADAM_ISA");
+    v = static_cast<int>(parse(env ? env : ""));  // throws on a bad value; stays unset
+    g_active.store(v, std::memory_order_release);
+  }
+  return static_cast<Isa>(v);
+}
+
+void set_isa(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_init);
+  g_active.store(static_cast<int>(parse(name)), std::memory_order_release);
+}
+
+const IsaKernels& active_kernels() { return *table_for(active_isa()); }
+
+}  // namespace offload_adam

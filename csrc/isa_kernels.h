@@ -1,0 +1,55 @@
+// The seam between the driver (adam_driver.cpp, baseline flags) and the ISA
+// translation units (isa_*.cpp, each compiled with its own -m flags). Only plain
+// structs and function pointers cross it, so no inline code compiled for one ISA
+// can leak into another through the linker.
+#pragma once
+
+#include <cstdint>
+
+namespace offload_adam {
+
+// A contiguous slice of one tensor; pointers already point at the slice start.
+struct Chunk {
+  float* param;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;  // amsgrad only
+  const void* grad;
+  void* param_lp;         // may be null
+  int64_t n;
+  float step_size;        // lr / (1 - beta1^t)
+  float inv_bias2_sqrt;   // 1 / sqrt(1 - beta2^t)
+};
+
+// Per-call constants, rounded to fp32 once.
+struct StepScalars {
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float eps;
+  float decay_factor;  // AdamW: 1 - lr*wd; Adam or wd == 0: exactly 1
+  float l2_decay;      // Adam's L2 weight decay (used only by the L2 instantiations)
+  float grad_scale;    // includes the sign flip for maximize
+};
+
+using AdamChunkFn = void (*)(const Chunk&, const StepScalars&);
+using StreamChunkFn = void (*)(const Chunk&);
+using SqSumFn = double (*)(const void* grad, int64_t n);
+
+// Index order: grad dtype (DType), lp dtype (0 none, 1 bf16, 2 f16), amsgrad, L2 decay.
+struct IsaKernels {
+  AdamChunkFn adam[3][3][2][2];
+  StreamChunkFn stream[3][3];
+  SqSumFn sq_sum[3];
+};
+
+// Defined in isa_scalar.cpp / isa_avx2.cpp / isa_avx512.cpp. The vector ones
+// return null when the build target is not x86-64.
+const IsaKernels* scalar_kernels();
+const IsaKernels* avx2_kernels();
+const IsaKernels* avx512_kernels();
+
+// The table of the active variant (isa_dispatch.cpp); throws when
+// OFFLOAD_ADAM_ISA names a bad value.
+const IsaKernels& active_kernels();
+
+}  // namespace offload_adam

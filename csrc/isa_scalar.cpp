@@ -1,0 +1,20 @@
+// The portable variant: adam_math.h over ScalarVec, compiled with the baseline
+// flags of the target. On non-x86 builds it is the only variant.
+#include <cstdint>
+#include <cstring>
+
+#include "isa_kernels.h"
+
+namespace offload_adam {
+namespace {  // internal linkage: each ISA unit keeps its own copy of the inline code
+#include "float_bits.h"
+#include "simd_scalar.h"
+#include "adam_math.h"
+}  // namespace
+
+const IsaKernels* scalar_kernels() {
+  static const IsaKernels k = make_kernels<ScalarVec>();
+  return &k;
+}
+
+}  // namespace offload_adam

@@ -1,0 +1,17 @@
+// A small persistent thread pool for the kernels. Plain C++ (no OpenMP, no
+// torch), so the kernels build and run in the C++ tests and can be driven from
+// any thread, including the offload engine's workers.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace offload_adam {
+
+// Runs fn(i) for every i in [0, n) on up to num_threads threads; the calling
+// thread is one of them. Indices are handed out dynamically (an atomic counter),
+// so a thread slowed by other work on its core takes fewer. Calls from several
+// threads are serialised. fn must not throw and must not call parallel_for.
+void parallel_for(int64_t n, int num_threads, const std::function<void(int64_t)>& fn);
+
+}  // namespace offload_adam
