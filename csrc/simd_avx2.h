@@ -19,26 +19,39 @@ struct Avx2Vec {
   static Avx2Vec load_f16(const uint16_t* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
   }
-  // Narrow 8 x u32 (each < 2^16) to 8 x u16 and store 16 bytes.
+  // Bytes of the 16-bit copy a vector store writes; a non-temporal store needs
+  // its address aligned to this.
+  static constexpr int64_t lp_store_bytes = 16;
+  // Narrow 8 x u32 (each < 2^16) to 8 x u16 and store 16 bytes. NT: a
+  // non-temporal store, which skips reading the line first (the copy is
+  // write-only) and does not pollute the cache; p must be 16-byte aligned.
+  template <bool NT = false>
   static void store_u16(uint16_t* p, __m256i w) {
     const __m256i packed = _mm256_packus_epi32(w, w);  // per 128-bit lane: [w0..3 w0..3 | w4..7 w4..7]
-    const __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);  // qwords 0 and 2 to the bottom
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(ordered));
+    const __m128i ordered = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // qwords 0, 2
+    if constexpr (NT) _mm_stream_si128(reinterpret_cast<__m128i*>(p), ordered);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), ordered);
   }
+  // Orders non-temporal stores before whatever signals the chunk is done.
+  static void fence() { _mm_sfence(); }
+  template <bool NT = false>
   void store_bf16(uint16_t* p) const {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     const __m256i rounded = _mm256_srli_epi32(
         _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
     const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    store_u16(p, _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan)));
+    store_u16<NT>(p, _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan)));
   }
+  template <bool NT = false>
   void store_f16(uint16_t* p) const {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if constexpr (NT) _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
   }
+  template <bool NT = false>
   void store_bf16_truncated(uint16_t* p) const {
-    store_u16(p, _mm256_srli_epi32(_mm256_castps_si256(v), 16));
+    store_u16<NT>(p, _mm256_srli_epi32(_mm256_castps_si256(v), 16));
   }
 
   friend Avx2Vec operator+(Avx2Vec a, Avx2Vec b) { return {_mm256_add_ps(a.v, b.v)}; }

@@ -18,23 +18,33 @@ struct Avx512Vec {
   static Avx512Vec load_f16(const uint16_t* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  static constexpr int64_t lp_store_bytes = 32;
+  template <bool NT = false>
   static void store_u16(uint16_t* p, __m512i w) {  // vpmovdw: 16 x u32 -> 16 x u16
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(w));
+    store_256<NT>(p, _mm512_cvtepi32_epi16(w));
   }
+  template <bool NT>
+  static void store_256(uint16_t* p, __m256i h) {
+    if constexpr (NT) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+  }
+  static void fence() { _mm_sfence(); }
+  template <bool NT = false>
   void store_bf16(uint16_t* p) const {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_srli_epi32(
         _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    store_u16(p, _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0)));
+    store_u16<NT>(p, _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0)));
   }
+  template <bool NT = false>
   void store_f16(uint16_t* p) const {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    store_256<NT>(p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  template <bool NT = false>
   void store_bf16_truncated(uint16_t* p) const {
-    store_u16(p, _mm512_srli_epi32(_mm512_castps_si512(v), 16));
+    store_u16<NT>(p, _mm512_srli_epi32(_mm512_castps_si512(v), 16));
   }
 
   friend Avx512Vec operator+(Avx512Vec a, Avx512Vec b) { return {_mm512_add_ps(a.v, b.v)}; }

@@ -14,9 +14,15 @@ struct ScalarVec {
 
   static ScalarVec load_bf16(const uint16_t* p) { return {bf16_to_float(*p)}; }
   static ScalarVec load_f16(const uint16_t* p) { return {f16_to_float(*p)}; }
+  // NT (non-temporal) matters only to the vector types; one element is never streamed.
+  static constexpr int64_t lp_store_bytes = 2;
+  static void fence() {}
+  template <bool NT = false>
   void store_bf16(uint16_t* p) const { *p = float_to_bf16(v); }
+  template <bool NT = false>
   void store_f16(uint16_t* p) const { *p = float_to_f16(v); }
   // The streaming-limit kernel's narrowing: keep the high half, no rounding.
+  template <bool NT = false>
   void store_bf16_truncated(uint16_t* p) const { *p = static_cast<uint16_t>(bits_of(v) >> 16); }
 
   friend ScalarVec operator+(ScalarVec a, ScalarVec b) { return {a.v + b.v}; }

@@ -270,6 +270,42 @@ void test_nonfinite_grads() {
   }
 }
 
+// The bf16 copy through an address that is not vector aligned takes the plain
+// store path; it must give the same bits as the aligned (streamed) one.
+void test_unaligned_lp() {
+  for (oa::Isa isa : oa::supported_isas()) {
+    oa::set_isa(oa::isa_name(isa));
+    const int64_t n = 1000;
+    State a = fresh_state(n, 11), b = fresh_state(n, 11);
+    std::vector<uint16_t> shifted(n + 1, 0xFFFF);
+    std::mt19937 rng(4);
+    const Grads g = make_grads(n, oa::DType::bf16, rng);
+    Config c;
+    c.grad = oa::DType::bf16;
+    c.lp = 1;
+    run_step(a, g, 1, c, 1);
+    b.lp.swap(shifted);  // run_step writes through b.lp.data(): point it one element in
+    oa::AdamTensor t;
+    t.param = b.p.data();
+    t.exp_avg = b.m.data();
+    t.exp_avg_sq = b.v.data();
+    t.grad = g.h16.data();
+    t.param_lp = b.lp.data() + 1;
+    t.numel = n;
+    t.step = 1;
+    oa::Bucket bucket;
+    bucket.tensors = &t;
+    bucket.count = 1;
+    bucket.grad_dtype = oa::DType::bf16;
+    oa::AdamHyper h;
+    h.lr = 1e-2;
+    h.weight_decay = c.weight_decay;
+    oa::adam_step(bucket, h, 1);
+    CHECK(std::memcmp(a.lp.data(), b.lp.data() + 1, n * 2) == 0 && b.lp[0] == 0xFFFF,
+          "isa=%s: unaligned bf16 copy differs", oa::isa_name(isa));
+  }
+}
+
 void test_stream_limit_and_sq_sums() {
   for (oa::Isa isa : oa::supported_isas()) {
     oa::set_isa(oa::isa_name(isa));
@@ -352,6 +388,7 @@ int main(int argc, char** argv) {
     test_bf16_conversions();
     test_variants_agree();
     test_nonfinite_grads();
+    test_unaligned_lp();
     test_stream_limit_and_sq_sums();
     test_isa_errors();
     std::printf("supported ISAs:");
