@@ -127,13 +127,15 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
   check_same_length(params.size(), steps, "steps", false);
   // torch keeps the step count as a float32 0-dim tensor per param; the kernel
   // counts this step (+1) and writes the counts back only when it succeeded.
-  std::vector<float> new_steps(steps.size());
+  // Read and written through the raw pointer: item()/fill_() would cost a
+  // dispatcher round trip per tensor, which dominates steps of many small params.
+  std::vector<float*> step_ptrs(steps.size());
   for (size_t i = 0; i < steps.size(); ++i) {
     const at::Tensor& s = steps[i];
     if (!s.device().is_cpu() || s.numel() != 1 || s.scalar_type() != at::kFloat)
       fail_type(where("steps", i) + " must be a one-element float32 CPU tensor (torch's state['step'])");
-    new_steps[i] = s.item<float>() + 1.0f;
-    v.tensors[i].step = static_cast<int64_t>(new_steps[i]);
+    step_ptrs[i] = s.data_ptr<float>();
+    v.tensors[i].step = static_cast<int64_t>(*step_ptrs[i]) + 1;
   }
   oa::AdamHyper h;
   h.lr = lr;
@@ -150,7 +152,7 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
     py::gil_scoped_release no_gil;
     oa::adam_step(v.bucket, h, threads);
   }
-  for (size_t i = 0; i < steps.size(); ++i) steps[i].fill_(new_steps[i]);
+  for (size_t i = 0; i < steps.size(); ++i) *step_ptrs[i] += 1.0f;
 }
 
 void stream_limit(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
@@ -202,6 +204,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", [] { return std::string(oa::isa_name(oa::active_isa())); }, "The active ISA variant");
   m.def("supported_isas", &supported_isa_names, "ISA variants this CPU runs, best first");
   m.def("set_isa", &oa::set_isa, "Select an ISA variant: avx512, avx2, scalar or auto", py::arg("name"));
-  // Apply OFFLOAD_ADAM_ISA now, so a bad value fails the import, not the first step.
-  oa::active_isa();
+  // OFFLOAD_ADAM_ISA is applied by the loader (offload_adam/_build.py) through
+  // set_isa, so a bad value raises ValueError/RuntimeError rather than ImportError.
 }

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Transfer benchmark: the engine's device<->host copies against the machine's pinned bandwidth.
+
+Rows, each for D2H (grads to the host) and H2D (bf16 params back):
+
+  pinned peak      one copy of the whole buffer between device memory and pinned host memory
+                   (torch's own pinned allocation): the machine's measured pinned bandwidth
+  pageable         the same copy with pageable host memory (what a failed pin falls back to)
+  engine param=P   the engine's path (offload_adam.engine_device.CudaDevice.d2h / h2d: side
+                   stream, timing events, host buffers from engine_host_memory's registered
+                   arenas) over the buffer cut into params of P MiB, one copy per param as the
+                   engine queues them (buckets group only its CPU work, not its copies)
+
+Bandwidth = bytes / (time from the first copy queued to the last copy's end event).
+Target (issue 3): engine D2H and H2D >= 80% of "pinned peak".
+
+    python bench/transfer_bench.py                    # 1 GiB of bf16, params of 1, 16, 128 MiB
+    python bench/transfer_bench.py --mb 64 --repeats 3 --out /tmp/x   # smoke run
+
+Writes results/transfer_bench_<host or --tag>.json. Without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+
+import torch
+
+
+def timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mb", type=float, default=1024, help="total MiB moved each way")
+    ap.add_argument("--param-mb", default="1,16,128", help="param sizes (MiB) to try")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--tag", default=socket.gethostname())
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("transfer_bench: no CUDA device here; nothing to measure")
+        return
+
+    from offload_adam.engine_device import CudaDevice
+    from offload_adam.engine_host_memory import HostArenas
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    numel = int(args.mb * 2**20) // 2
+    nbytes = numel * 2
+    device_buf = torch.randn(numel, device=dev).to(torch.bfloat16)
+    rows = []
+
+    def add(name, direction, seconds, samples):
+        rows.append({"name": name, "direction": direction, "seconds": seconds,
+                     "gb_per_s": nbytes / seconds / 1e9, "samples": samples})
+
+    pinned = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
+    pageable = torch.empty(numel, dtype=torch.bfloat16)
+    for name, host in (("pinned peak", pinned), ("pageable", pageable)):
+        add(name, "d2h", *timed(lambda: host.copy_(device_buf, non_blocking=True), args.repeats))
+        add(name, "h2d", *timed(lambda: device_buf.copy_(host, non_blocking=True), args.repeats))
+
+    cuda = CudaDevice(dev)
+    all_pinned = True
+    for param_mb in (float(x) for x in args.param_mb.split(",")):
+        per = max(1, int(param_mb * 2**20) // 2)
+        arenas = HostArenas(pin=True)
+        offsets = [(arenas.reserve("transfer", torch.bfloat16, min(per, numel - s)), s)
+                   for s in range(0, numel, per)]
+        arenas.allocate()
+        all_pinned &= arenas.pinned
+        views = [(arenas.view("transfer", torch.bfloat16, off, (min(per, numel - s),)),
+                  device_buf[s:s + per]) for off, s in offsets]
+
+        def run(direction):
+            last = None
+            for host, d in views:
+                last = cuda.d2h(host, d) if direction == "d2h" else cuda.h2d(d, host)
+            cuda.wait_host(last)
+
+        cuda.fence()
+        for direction in ("d2h", "h2d"):
+            add(f"engine param={param_mb:g}MiB", direction,
+                *timed(lambda: run(direction), args.repeats))
+        del views
+        arenas.unpin()
+
+    peak = {r["direction"]: r["gb_per_s"] for r in rows if r["name"] == "pinned peak"}
+    print(f"transfer_bench on {torch.cuda.get_device_name(dev)}, host {platform.node()}, "
+          f"torch {torch.__version__}, {args.mb:g} MiB each way, pinned arenas: {all_pinned}")
+    print(f"{'row':28} {'dir':4} {'ms':>9} {'GB/s':>8} {'of peak':>8}")
+    for r in rows:
+        r["of_peak"] = r["gb_per_s"] / peak[r["direction"]]
+        print(f"{r['name']:28} {r['direction']:4} {r['seconds'] * 1e3:9.2f} "
+              f"{r['gb_per_s']:8.2f} {r['of_peak']:8.1%}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"transfer_bench_{args.tag}.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                   "mb": args.mb, "rows": rows,
+                   "when": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

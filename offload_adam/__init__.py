@@ -1,0 +1,22 @@
+"""offload_adam: Adam/AdamW with fused C++ CPU kernels.
+
+Importing the package compiles nothing; the kernels are built (or the prebuilt
+extension is loaded) on the first optimizer step or the first call below.
+"""
+from .optimizer import Adam, AdamW
+
+__all__ = ["Adam", "AdamW", "kernel_isa", "supported_isas"]
+
+
+def kernel_isa() -> str:
+    """The active kernel variant: "avx512", "avx2" or "scalar"."""
+    from ._build import load_kernels
+
+    return load_kernels().isa()
+
+
+def supported_isas() -> list[str]:
+    """The kernel variants this CPU can run, best first."""
+    from ._build import load_kernels
+
+    return list(load_kernels().supported_isas())

@@ -1,0 +1,230 @@
+"""Finds or builds the compiled kernels: load_kernels() returns the module.
+
+Order: an ahead-of-time build (offload_adam._C, made by `OFFLOAD_ADAM_BUILD_EXT=1
+pip install --no-build-isolation .`) if it imports; otherwise a JIT build on
+first use, cached on disk.
+
+The JIT build has two steps. The kernel files are compiled to object files by a
+small build.ninja written here, because each ISA file needs its own flags and
+torch.utils.cpp_extension.load() gives every source the same flags. Then load()
+compiles the one binding file and links it with those objects. Both land in one
+folder named after a hash of every source, header, flag, the compiler, the
+sources' location, and the torch and Python versions, so any change builds into
+a fresh folder and nothing stale is ever linked or imported.
+
+Failures surface here, from load_kernels(), as RuntimeError with what to do,
+never later as a missing attribute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+from . import _sources
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+
+# Shown in the one line printed when a compile actually happens (2 cores: ~1 min).
+_EXPECTED_COMPILE_CPU_SECONDS = 120
+
+
+def load_kernels() -> ModuleType:
+    """The compiled kernel module (see csrc/binding.cpp), built on first use.
+
+    Thread-safe; the first successful call is cached for the process. The
+    environment variable OFFLOAD_ADAM_ISA (avx512|avx2|scalar|auto) selects the
+    kernel variant; a bad value raises ValueError or RuntimeError here.
+    """
+    global _module
+    with _lock:
+        if _module is None:
+            module = _import_ahead_of_time() or _jit_build()
+            # Applied here rather than at import, so a bad value raises
+            # ValueError/RuntimeError naming it, not ImportError.
+            isa = os.environ.get("OFFLOAD_ADAM_ISA")
+            if isa:
+                module.set_isa(isa)
+            _module = module
+        return _module
+
+
+def _import_ahead_of_time() -> ModuleType | None:
+    import torch  # noqa: F401  (loads libtorch before the extension needs its symbols)
+
+    try:
+        return importlib.import_module("offload_adam._C")
+    except ModuleNotFoundError as e:
+        if e.name != "offload_adam._C":
+            raise
+        return None
+    except ImportError as e:
+        # Typically an AOT build made against another torch (undefined symbols).
+        warnings.warn(
+            f"offload_adam: the prebuilt extension offload_adam._C does not load ({e}); "
+            "building the kernels just in time instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def _jit_build() -> ModuleType:
+    import torch
+    from torch.utils import cpp_extension
+
+    csrc = _sources.find_csrc(Path(__file__).parent)
+    ninja = _find_ninja()
+    cxx = shlex.split(os.environ.get("CXX", "c++"))
+    name = f"offload_adam_C_{_build_hash(csrc, cxx, torch.__version__)}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_dir = Path(root) / name
+    obj_dir = build_dir / "kernels"
+    obj_dir.mkdir(parents=True, exist_ok=True)
+
+    # One process builds, the others wait and then find everything cached.
+    with _FileLock(build_dir / "offload_adam.lock"):
+        # torch's own build lock is a plain file that a build killed midway (Ctrl-C
+        # during the first compile) leaves behind, and torch then waits on it
+        # forever. Holding our lock, which dies with its process, no other build
+        # of this folder is running: any such file is stale.
+        (build_dir / "lock").unlink(missing_ok=True)
+        objects = [obj_dir / (Path(src).stem + ".o") for src in _sources.KERNEL_SOURCES]
+        cached = all(o.is_file() for o in objects) and any(build_dir.glob(name + ".*"))
+        if not cached:
+            _require_compiler(cxx)
+            seconds = max(10, _EXPECTED_COMPILE_CPU_SECONDS // max(1, os.cpu_count() or 1))
+            print(f"offload_adam: compiling CPU kernels (first use, ~{seconds} s) into {build_dir}",
+                  file=sys.stderr, flush=True)
+        _compile_kernel_objects(ninja, cxx, csrc, obj_dir)
+        # A failed compile raises RuntimeError from torch, carrying the compiler output.
+        return cpp_extension.load(
+            name=name,
+            sources=[str(csrc / _sources.BINDING_SOURCE)],
+            extra_cflags=_sources.BINDING_FLAGS,
+            extra_ldflags=[str(o) for o in objects] + ["-pthread"],
+            extra_include_paths=[str(csrc)],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
+def _build_hash(csrc: Path, cxx: list[str], torch_version: str) -> str:
+    h = hashlib.sha256()
+    # The location is part of the key too: the build files name the sources by
+    # path, and a cache shared by two checkouts would rebuild silently on each switch.
+    h.update(str(csrc).encode() + b"\0")
+    for path in _sources.hashed_files(csrc):
+        h.update(path.name.encode() + b"\0")
+        h.update(path.read_bytes() if path.is_file() else b"<missing>")
+        h.update(b"\0")
+    flags = {src: _sources.kernel_flags(src) for src in _sources.KERNEL_SOURCES}
+    h.update(repr((flags, _sources.BINDING_FLAGS, cxx, torch_version,
+                   sys.version_info[:2], sys.abiflags if hasattr(sys, "abiflags") else "")).encode())
+    return h.hexdigest()[:8]
+
+
+def _find_ninja() -> str:
+    """The ninja binary, also made visible on PATH (torch runs plain `ninja`)."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    try:  # the pip package keeps its binary in the venv's bin/, not on PATH unless activated
+        import ninja as ninja_pkg
+
+        candidate = Path(ninja_pkg.BIN_DIR) / "ninja"
+        if candidate.is_file():
+            os.environ["PATH"] = str(candidate.parent) + os.pathsep + os.environ.get("PATH", "")
+            return str(candidate)
+    except (ImportError, AttributeError):
+        pass
+    raise RuntimeError(
+        "offload_adam: the ninja build tool is needed to compile the CPU kernels on first use "
+        "and was not found. Install it with `pip install ninja` (or your system's package, e.g. "
+        "`apt-get install ninja-build`), or install a prebuilt extension with "
+        "`OFFLOAD_ADAM_BUILD_EXT=1 pip install --no-build-isolation .`"
+    )
+
+
+def _require_compiler(cxx: list[str]) -> None:
+    if not cxx or shutil.which(cxx[0]) is None:
+        raise RuntimeError(
+            f"offload_adam: the C++ compiler {' '.join(cxx) or '(empty $CXX)'!r} was not found; it "
+            "is needed to compile the CPU kernels on first use. Install one (e.g. "
+            "`apt-get install g++`) or point the CXX environment variable at it."
+        )
+
+
+def _compile_kernel_objects(ninja: str, cxx: list[str], csrc: Path, obj_dir: Path) -> None:
+    """Writes obj_dir/build.ninja (one object per kernel file, its own flags) and runs it."""
+    lines = [
+        "ninja_required_version = 1.3",
+        f"cxx = {' '.join(shlex.quote(c) for c in cxx)}",
+        "rule cxx",
+        "  command = $cxx -MMD -MF $out.d $flags -c $in -o $out",
+        "  depfile = $out.d",
+        "  deps = gcc",
+        "  description = CXX $out",
+    ]
+    include = "-I" + shlex.quote(str(csrc))
+    for src in _sources.KERNEL_SOURCES:
+        obj = Path(src).stem + ".o"
+        lines.append(f"build {obj}: cxx {_ninja_path(csrc / src)}")
+        flags = " ".join(shlex.quote(f) for f in _sources.kernel_flags(src))
+        lines.append(f"  flags = {include} {flags}".replace("$", "$$"))
+    text = "\n".join(lines) + "\n"
+    build_file = obj_dir / "build.ninja"
+    if not build_file.is_file() or build_file.read_text() != text:
+        build_file.write_text(text)
+
+    command = [ninja, "-C", str(obj_dir)]
+    jobs = os.environ.get("MAX_JOBS", "")
+    if jobs.isdigit():
+        command += ["-j", jobs]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        raise RuntimeError(f"offload_adam: compiling the CPU kernels failed "
+                           f"(build folder {obj_dir}):\n{_text(result.stdout)}")
+
+
+def _ninja_path(path: Path) -> str:
+    """A path escaped for a ninja build line ($, space and colon are special there)."""
+    return str(path).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+def _text(output: bytes) -> str:
+    return output.decode(errors="replace")
+
+
+class _FileLock:
+    """An exclusive lock on a file, held across processes (no-op where fcntl is missing)."""
+
+    def __init__(self, path: Path):
+        self._path = path
+        self._file = None
+
+    def __enter__(self):
+        self._file = open(self._path, "a+")
+        try:
+            import fcntl
+        except ImportError:  # Windows: concurrent first builds are left to torch's own lock
+            return self
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()  # closing releases the lock
+        return False
+
+
+__all__ = ["load_kernels"]

@@ -1,0 +1,502 @@
+"""The offload engine: fp32 master weights and Adam moments in (pinned) host memory.
+
+What runs where, for a param on the GPU (bf16, fp16 or fp32):
+
+    backward (autograd's thread)   post-accumulate-grad hook per param: queue the
+                                   grad's device->host copy on a side stream into a
+                                   host buffer, note (grad tensor, version counter)
+    step() (the caller's thread)   1. every param whose grad has no up-to-date host
+                                      copy (edited, clipped, scaled, accumulated,
+                                      replaced since) is copied again: redo only that
+                                   2. queue one job per bucket on the worker
+                                   3. wait for the worker, then make the current stream
+                                      wait (GPU side) for the host->device copies
+    worker thread                  per bucket: wait for its grad copies' events, run
+                                   the fused kernel (GIL released) which also writes
+                                   the bf16/fp16 params into staging buffers, queue
+                                   the staging->param copy on the H2D side stream
+
+When does the CPU step start: at step(), bucket by bucket, never during
+backward. A bucket's grads are only known to be final at step(): another
+micro-batch may accumulate into them, or the user may clip, unscale, edit or
+drop them between backward and step. Stepping during backward would be exact
+only when none of that happens, which the engine cannot prove while backward is
+still running; so the default is exact in every case and hides only the
+transfers, not the CPU step. (See the report in issue 3 for a proposed opt-in.)
+
+The same engine runs bf16/fp16 CPU params: the "device copy" is the param and
+each transfer is a plain synchronous copy (engine_device.HostDevice), so all of
+the logic here is tested without a GPU.
+
+State: optimizer.state[p] holds "step" (0-dim fp32 CPU tensor), "exp_avg",
+"exp_avg_sq" (+ "max_exp_avg_sq") and "master_param", all fp32 on the CPU and
+shaped like the param: the CPU classes' format. The tensors are views into the
+engine's host arenas (engine_host_memory); whatever the user puts in the state
+(load_state_dict) is copied into the arenas at the next step.
+
+Nothing assumes whole tensors or one process: a param is whatever tensor the
+optimizer was given (a DTensor's local shard under FSDP2), and the only
+cross-param reduction is the clipping norm, exposed as `grad_sq_sum()` so that
+a sharded caller can all-reduce it before `clip_coefficient`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import weakref
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .engine_device import device_for, make_device
+from .engine_host_memory import HostArenas
+from .engine_profile import StepProfile
+from .engine_worker import Worker
+
+MASTER_KEY = "master_param"
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+_tokens = itertools.count(1)
+
+
+def _kernels():
+    from ._build import load_kernels
+    return load_kernels()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process owns (a DTensor's local shard under FSDP2)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s multiplier, computed as it does (fp32)."""
+    total = torch.tensor(total_norm, dtype=torch.float32)
+    coef = torch.tensor(float(max_norm), dtype=torch.float32) / (total + 1e-6)
+    return float(torch.clamp(coef, max=1.0))
+
+
+class _Slot:
+    """One offloaded param: its host buffers and the state of its grad's copy."""
+
+    def __init__(self, param: torch.Tensor, group_index: int, position: int):
+        local = _local(param)
+        self.param = param
+        self.group_index = group_index
+        self.position = position           # registration order, for bucketing
+        self.dtype = local.dtype
+        self.shape = tuple(local.shape)
+        self.numel = local.numel()
+        self.low_precision = local.dtype in LOW_PRECISION
+        self.amsgrad = False
+        self.bucket = 0
+        # host buffers (views into the arenas)
+        self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = None
+        self.host_grad = self.staging = None
+        self.step_t: Optional[torch.Tensor] = None
+        # the host copy of the grad: which tensor, at which version
+        self.copy_of = None
+        self.copy_version = -1
+        self.copy_token = 0
+        self.d2h = None
+        self.sq_sum = None                 # (copy_token, float)
+        self.freed = False                 # free_grads_after_copy dropped p.grad
+        self.master_d2h = None             # pending master initialisation copy
+        self.hook = None
+
+    def has_fresh_copy(self, grad: torch.Tensor) -> bool:
+        return (self.copy_of is not None and self.copy_of() is grad
+                and self.copy_version == grad._version)
+
+
+class _Bucket:
+    def __init__(self, index: int, slots: List[_Slot]):
+        self.index = index
+        self.slots = slots
+        self.group_index = slots[0].group_index
+        self.low_precision = slots[0].low_precision
+        self.h2d: list = []                # the last host->device copies from staging
+
+
+class OffloadEngine:
+    """Steps the offloaded params of one optimizer. Built and driven by it.
+
+    managed[i] lists the params of param_groups[i] the engine owns (all on one
+    device); amsgrad[i] says whether that group keeps max_exp_avg_sq."""
+
+    def __init__(self, managed: Sequence[Sequence[torch.Tensor]],
+                 amsgrad: Sequence[bool], *, decoupled: bool, overlap: bool = True,
+                 bucket_mb: float = 32.0, free_grads_after_copy: bool = False,
+                 num_threads: Optional[int] = None,
+                 available_host_bytes: Optional[int] = None, kernels=_kernels):
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        if num_threads is not None and int(num_threads) < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if free_grads_after_copy and not overlap:
+            raise ValueError("free_grads_after_copy=True needs overlap=True "
+                             "(grads are freed as they are copied during backward)")
+        all_params = [p for ps in managed for p in ps]
+        self.device = make_device(device_for([_local(p) for p in all_params]))
+        self.decoupled = decoupled
+        self.overlap = overlap
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.free_grads_after_copy = free_grads_after_copy
+        self._num_threads = None if num_threads is None else int(num_threads)
+        self._kernels = kernels  # the optimizer passes its own loader (tests count calls)
+        self._last_threads = self._num_threads or self.device.default_num_threads()
+        self.slots: List[_Slot] = []
+        self._by_param: Dict[torch.Tensor, _Slot] = {}
+        self._arenas: List[HostArenas] = []
+        self._available = available_host_bytes
+        self._profile = StepProfile()
+        self.last_step_profile: Optional[dict] = None
+        self._last_profile: Optional[StepProfile] = None
+        self._hook_order: List[_Slot] = []
+        self._rebucketed = False
+        self._want_norms = False
+        self._worker = Worker() if overlap else None
+        # Ends the worker, removes the hooks and unpins when the optimizer goes
+        # (or when this constructor fails), holding nothing that keeps the engine
+        # alive: the lists are the engine's own, filled in later.
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._worker, self._arenas, self.slots)
+        for i, (params, ams) in enumerate(zip(managed, amsgrad)):
+            self.add_group(i, params, ams)
+
+    def _threads(self) -> int:
+        """Kernel threads: the option, or follow torch.get_num_threads() as the
+        caller's thread sees it (it is per thread: read it in step(), not in the
+        worker). Remembered for the norm jobs queued from autograd's thread."""
+        if self._num_threads is not None:
+            return self._num_threads
+        self._last_threads = self.device.default_num_threads()
+        return self._last_threads
+
+    # ---- construction -------------------------------------------------------
+
+    def add_group(self, group_index: int, params: Sequence[torch.Tensor],
+                  amsgrad: bool) -> None:
+        if not params:
+            return
+        if self.slots:
+            device_for([_local(self.slots[0].param)] + [_local(p) for p in params])
+        arenas = HostArenas(pin=self.device.pins_memory)
+        new = []
+        for p in params:
+            s = _Slot(p, group_index, len(self.slots) + len(new))
+            s.amsgrad = amsgrad
+            keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+            s._offsets = {k: arenas.reserve("state", torch.float32, s.numel) for k in keys}
+            s._offsets["host_grad"] = arenas.reserve("transfer", s.dtype, s.numel)
+            if s.low_precision:
+                s._offsets["staging"] = arenas.reserve("transfer", s.dtype, s.numel)
+            new.append(s)
+        arenas.allocate(self._available)
+        for s in new:
+            for k, off in s._offsets.items():
+                dtype = s.dtype if k in ("host_grad", "staging") else torch.float32
+                role = "transfer" if k in ("host_grad", "staging") else "state"
+                setattr(s, k, arenas.view(role, dtype, off, s.shape))
+            del s._offsets
+            self._by_param[s.param] = s
+            if self.overlap:
+                s.hook = s.param.register_post_accumulate_grad_hook(
+                    _make_hook(weakref.ref(self), s))
+        self._arenas.append(arenas)
+        self.slots.extend(new)
+        self._rebuild_buckets(sorted(self.slots, key=lambda s: -s.position))
+
+    def _rebuild_buckets(self, order: List[_Slot]) -> None:
+        """Fills buckets of at most bucket_bytes (device bytes) per (group, dtype),
+        in `order` (the order grads arrive in backward), and runs buckets in the
+        order of their first grad."""
+        by_key: Dict[tuple, List[List[_Slot]]] = {}
+        for s in order:
+            chunks = by_key.setdefault((s.group_index, s.dtype), [[]])
+            last = chunks[-1]
+            size = sum(x.numel for x in last) * last[0].host_grad.element_size() if last else 0
+            if last and size + s.numel * s.host_grad.element_size() > self.bucket_bytes:
+                chunks.append([s])
+            else:
+                last.append(s)
+        rank = {id(s): i for i, s in enumerate(order)}
+        chunks = [c for cs in by_key.values() for c in cs if c]
+        chunks.sort(key=lambda c: rank[id(c[0])])
+        self.buckets = [_Bucket(i, c) for i, c in enumerate(chunks)]
+        for b in self.buckets:
+            for s in b.slots:
+                s.bucket = b.index
+
+    def host_bytes(self) -> int:
+        """Host memory held: master, moments, grad and staging buffers."""
+        return sum(a.nbytes() for a in self._arenas)
+
+    def pinned(self) -> bool:
+        return all(a.pinned for a in self._arenas)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # ---- backward: grads stream to the host ---------------------------------
+
+    def _on_grad(self, slot: _Slot) -> None:
+        grad = slot.param.grad
+        if grad is None:
+            return
+        if not self._rebucketed and slot.copy_token == 0:
+            self._hook_order.append(slot)
+        if slot.freed:
+            raise RuntimeError(
+                "offload_adam: a grad arrived twice before step() with "
+                "free_grads_after_copy=True (gradient accumulation?); the first one "
+                "was freed, so it cannot be accumulated. Use free_grads_after_copy="
+                "False to accumulate over micro-batches.")
+        with torch.no_grad():
+            self._copy_grad(slot, grad)
+        if self._want_norms:
+            token = slot.copy_token
+            self._worker.submit(lambda: self._sq_sum_job(slot, token))
+        if self.free_grads_after_copy:
+            slot.param.grad = None
+            slot.freed = True
+
+    def _copy_grad(self, slot: _Slot, grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(f"offload_adam: param of shape {list(slot.shape)} has "
+                               "a sparse grad; sparse grads are not supported")
+        # The token changes *before* the copy starts, so a norm computed from
+        # the buffer while it is being overwritten is recognised as stale.
+        slot.copy_token = next(_tokens)
+        slot.sq_sum = None
+        slot.copy_of = weakref.ref(grad)
+        slot.copy_version = grad._version
+        slot.d2h = self.device.d2h(slot.host_grad, _local(grad))
+        self._profile.add_d2h(slot.bucket, slot.d2h)
+
+    def _sq_sum_job(self, slot: _Slot, token: int) -> None:
+        self.device.wait_host(slot.d2h)
+        threads = self._num_threads or self._last_threads
+        (value,) = self._kernels().grad_sq_sums([slot.host_grad], threads)
+        if slot.copy_token == token:
+            slot.sq_sum = (token, value)
+
+    def _current_grads(self) -> List[_Slot]:
+        """Slots that take part in this step, each with an up-to-date host copy
+        of its grad (redoing the copies that went stale since backward)."""
+        ready = []
+        for s in self.slots:
+            grad = s.param.grad
+            if grad is None:
+                if s.freed:
+                    ready.append(s)
+                continue
+            s.freed = False  # the user gave it a new grad after we freed one
+            if not s.has_fresh_copy(grad):
+                self._copy_grad(s, grad)
+            ready.append(s)
+        return ready
+
+    # ---- clipping: norms from the host copies --------------------------------
+
+    def grad_sq_sum(self) -> float:
+        """Sum of squares of all current grads (inf/NaN propagate), from the host
+        copies: no second transfer and no GPU work."""
+        self._drain()
+        self._want_norms = self.overlap  # gather them while streaming from now on
+        slots = self._current_grads()
+        missing = [s for s in slots if s.sq_sum is None or s.sq_sum[0] != s.copy_token]
+        for s in missing:
+            self.device.wait_host(s.d2h)
+        threads = self._threads()
+        by_dtype: Dict[torch.dtype, List[_Slot]] = {}
+        for s in missing:
+            by_dtype.setdefault(s.dtype, []).append(s)
+        for group in by_dtype.values():
+            sums = self._kernels().grad_sq_sums([s.host_grad for s in group], threads)
+            for s, v in zip(group, sums):
+                s.sq_sum = (s.copy_token, float(v))
+        return math.fsum(s.sq_sum[1] for s in slots)
+
+    # ---- step ----------------------------------------------------------------
+
+    def _drain(self) -> None:
+        if self._worker is not None:
+            self._worker.drain()
+
+    def _run(self, job) -> None:
+        if self._worker is not None:
+            self._worker.submit(job)
+        else:
+            job()
+
+    def step(self, param_groups: List[dict], state, grad_scale: float = 1.0) -> None:
+        """One Adam step of every offloaded param that has a grad.
+
+        grad_scale multiplies every grad inside the kernel (clipping coefficient,
+        1/loss scale). Returns once the params read on the current stream are
+        the updated ones."""
+        t_enter = time.perf_counter()
+        profile = self._profile
+        self._drain()
+        if not self._rebucketed and self._hook_order:
+            seen = set(map(id, self._hook_order))
+            rest = sorted((s for s in self.slots if id(s) not in seen),
+                          key=lambda s: -s.position)
+            self._rebuild_buckets(self._hook_order + rest)
+            self._rebucketed = True
+            self._hook_order = []
+        self.device.fence()
+        with torch.no_grad():
+            ready = self._current_grads()
+            self._add_amsgrad_buffers(
+                [s for s in ready if s.max_exp_avg_sq is None
+                 and param_groups[s.group_index].get("amsgrad", False)])
+            for s in ready:
+                self._bind_state(s, state[s.param], param_groups[s.group_index])
+            take = set(map(id, ready))
+            threads = self._threads()
+            try:
+                for b in self.buckets:
+                    slots = [s for s in b.slots if id(s) in take]
+                    if slots:
+                        group = param_groups[b.group_index]
+                        self._run(lambda b=b, slots=slots, group=group: self._step_bucket(
+                            b, slots, group, grad_scale, threads, profile))
+                self._drain()
+            finally:
+                # Even when a bucket failed or the user interrupted: the copies
+                # already queued must be waited for before anyone reads the params.
+                self.device.publish([t for b in self.buckets for t in b.h2d])
+        for s in ready:
+            if s.freed:  # consumed: a second step() without backward skips it
+                s.freed = False
+                s.copy_of = None
+        profile.exposed_s = time.perf_counter() - t_enter
+        self._last_profile, self._profile = profile, StepProfile()
+
+    def profile(self) -> Optional[dict]:
+        return self._last_profile.as_dict() if self._last_profile else None
+
+    def _add_amsgrad_buffers(self, slots: List[_Slot]) -> None:
+        """amsgrad turned on after construction (load_state_dict, or by hand)."""
+        if not slots:
+            return
+        arenas = HostArenas(pin=self.device.pins_memory)
+        offsets = [arenas.reserve("state", torch.float32, s.numel) for s in slots]
+        arenas.allocate(self._available)
+        for s, off in zip(slots, offsets):
+            s.max_exp_avg_sq = arenas.view("state", torch.float32, off, s.shape)
+        self._arenas.append(arenas)
+
+    def _bind_state(self, s: _Slot, st: dict, group: dict) -> None:
+        """Makes optimizer.state[p] point at the arena buffers, creating the state
+        on a param's first step and copying in whatever load_state_dict put there."""
+        fresh = "exp_avg" not in st
+        keys = [("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)]
+        if s.max_exp_avg_sq is not None:
+            keys.append(("max_exp_avg_sq", s.max_exp_avg_sq))
+        for key, view in keys:
+            value = st.get(key)
+            if value is view:
+                continue
+            if value is None:
+                view.zero_()
+            else:
+                view.copy_(value.detach().reshape(s.shape))
+            st[key] = view
+        step = st.get("step")
+        if step is not s.step_t or step is None:
+            count = 0.0 if step is None else float(step)
+            s.step_t = torch.tensor(count, dtype=torch.float32)
+            st["step"] = s.step_t
+        master = st.get(MASTER_KEY)
+        if master is not s.master:
+            if master is None or fresh:
+                # First step (or a torch state dict without master): start from
+                # the param. Its bytes go through staging, which must be free.
+                for t in self.buckets[s.bucket].h2d:
+                    self.device.wait_host(t)
+                dst = s.staging if s.low_precision else s.master
+                s.master_d2h = self.device.d2h(dst, _local(s.param).detach())
+            else:
+                s.master.copy_(master.detach().reshape(s.shape))
+            st[MASTER_KEY] = s.master
+
+    def _step_bucket(self, bucket: _Bucket, slots: List[_Slot], group: dict,
+                     grad_scale: float, threads: int, profile: StepProfile) -> None:
+        dev = self.device
+        with torch.no_grad():
+            for s in slots:
+                dev.wait_host(s.d2h)
+            for t in bucket.h2d:           # staging is free again
+                dev.wait_host(t)
+            for s in slots:
+                if s.master_d2h is not None:
+                    dev.wait_host(s.master_d2h)
+                    if s.low_precision:
+                        s.master.copy_(s.staging)
+                    s.master_d2h = None
+            beta1, beta2 = group["betas"]
+            amsgrad = bool(group.get("amsgrad", False))
+            t0 = time.perf_counter()
+            self._kernels().adam_step(
+                [s.master for s in slots], [s.host_grad for s in slots],
+                [s.exp_avg for s in slots], [s.exp_avg_sq for s in slots],
+                [s.max_exp_avg_sq for s in slots] if amsgrad else [],
+                [s.staging for s in slots] if bucket.low_precision else [],
+                [s.step_t for s in slots],
+                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                float(group["weight_decay"]),
+                bool(group.get("decoupled_weight_decay", self.decoupled)),
+                bool(group.get("maximize", False)), float(grad_scale), threads)
+            profile.add_cpu(bucket.index, t0, time.perf_counter())
+            bucket.h2d = []
+            for s in slots:
+                src = s.staging if s.low_precision else s.master
+                t = dev.h2d(_local(s.param).detach(), src)
+                bucket.h2d.append(t)
+                profile.add_h2d(bucket.index, t)
+
+    def invalidate_copies(self) -> None:
+        """The grads changed in a way version counters do not show (GradScaler's
+        unscale_): the next step copies every grad again."""
+        if any(s.freed for s in self.slots):
+            raise RuntimeError(
+                "offload_adam: the grads were changed in place (GradScaler.unscale_?) "
+                "after free_grads_after_copy=True freed them; with that option let "
+                "GradScaler.step unscale (do not call unscale_) and clip with "
+                "max_grad_norm=")
+        for s in self.slots:
+            s.copy_of = None
+
+    def zero_grad(self) -> None:
+        """Called by the optimizer's zero_grad: grads freed by us are gone too."""
+        if self._worker is not None:
+            self._worker.raise_pending()
+        for s in self.slots:
+            s.freed = False
+            if s.copy_of is not None and s.copy_of() is None:
+                s.copy_of = None
+
+
+def _make_hook(engine_ref, slot):
+    def hook(param):
+        engine = engine_ref()
+        if engine is not None:
+            engine._on_grad(slot)
+    return hook
+
+
+def _shutdown(worker, arenas, slots) -> None:
+    for s in slots:
+        if s.hook is not None:
+            s.hook.remove()
+            s.hook = None
+    if worker is not None:
+        worker.close()
+    for a in arenas:
+        a.unpin()

@@ -1,0 +1,90 @@
+"""The engine's CPU worker: one thread running bucket steps in submission order.
+
+The fused kernel releases the GIL, so while the worker steps a bucket the
+Python thread keeps driving the GPU (or returns to the user). FIFO order is the
+whole synchronisation story: a bucket's step is queued after its grads' copies,
+and `drain()` waits for everything queued so far.
+
+Errors: the first exception a job raises is kept; later jobs are skipped and
+the exception (the original object, with its traceback) is raised by the next
+`raise_pending()` / `drain()` in the caller's thread. The thread holds no
+reference to the engine, so deleting the optimizer ends it (see `close`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Optional
+
+_STOP = object()
+
+
+class Worker:
+    def __init__(self, name: str = "offload_adam-worker"):
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self.cancelled = False
+        self._thread = threading.Thread(target=_run, name=name, daemon=True,
+                                        args=(self._jobs, self))
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._pending += 1
+        self._jobs.put(job)
+
+    def _done(self, error: Optional[BaseException]) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    def raise_pending(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def drain(self) -> None:
+        """Waits until every submitted job ran, then re-raises a job's error.
+
+        The wait wakes up regularly so that KeyboardInterrupt reaches the
+        caller; on any interruption the jobs not yet started are cancelled
+        (the one running finishes: a kernel cannot be stopped halfway), so the
+        next call does not wait for work nobody wants."""
+        try:
+            with self._lock:
+                while self._pending:
+                    self._idle.wait(0.1)
+        except BaseException:
+            self.cancelled = True
+            with self._lock:
+                while self._pending:
+                    self._idle.wait(0.1)
+            self.cancelled = False
+            raise
+        self.raise_pending()
+
+    def close(self) -> None:
+        self._jobs.put(_STOP)
+
+
+def _run(jobs: "queue.Queue", worker: Worker) -> None:
+    while True:
+        job = jobs.get()
+        if job is _STOP:
+            return
+        error = None
+        if worker._error is None and not worker.cancelled:
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 -- surfaced in the caller
+                error = e
+        worker._done(error)
+        del job, error

@@ -1,0 +1,600 @@
+"""Adam and AdamW for CPU tensors, stepped by the fused C++ kernels.
+
+The classes copy torch.optim.Adam/AdamW's interface: the same constructor and
+defaults, the same param-group keys and the same per-param state keys ("step" as
+a float32 0-dim tensor, "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), so a state
+dict moves between them and torch's optimizers both ways, and LR schedulers,
+GradScaler, add_param_group and named parameters work unchanged.
+
+What differs from torch is underneath:
+  * one kernel call steps every param of a group that shares a dtype (fp32, bf16
+    or fp16), instead of one op per tensor;
+  * bf16/fp16 params get an fp32 master copy, kept in the state under
+    "master_param" so it is saved and restored; the kernel updates the master and
+    rewrites the low-precision param from it in the same pass. The moments of such
+    params stay fp32 too (torch would keep them in the param's dtype).
+
+How a param is stepped (`_handling`): fp32 CPU params in place by the kernels
+("cpu", `_step_group_cpu`); CUDA params and bf16/fp16 CPU params by the offload
+engine ("engine", offload_adam/engine.py), which keeps their fp32 master and
+moments in (pinned) host memory and streams grads and params (for CPU params
+the "transfers" are plain copies). The engine's options are the keyword-only
+constructor arguments overlap, bucket_mb, free_grads_after_copy, num_threads and
+max_grad_norm.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.optim import Optimizer
+
+from .engine import OffloadEngine, clip_coefficient
+
+__all__ = ["Adam", "AdamW"]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_SUPPORTED_DTYPES = (torch.float32,) + _LOW_PRECISION
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The fp32 copy of a bf16/fp16 param. Lives in the state so checkpoints keep it.
+MASTER_KEY = "master_param"
+
+
+def _kernels():
+    # Imported here, not at module level: importing the package must not compile.
+    from ._build import load_kernels
+
+    return load_kernels()
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay):
+    """The checks torch.optim.Adam's constructor makes, with its messages, in its
+    order (less its foreach restrictions: foreach is ignored here)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    both_floats = isinstance(betas[0], float) and isinstance(betas[1], float)
+    both_tensors = isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor)
+    if not (both_floats or both_tensors):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor) and b.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+
+
+def _check_modes(group_or_defaults, where):
+    # The kernels run on the host outside autograd and CUDA graphs.
+    for key in ("capturable", "differentiable"):
+        if group_or_defaults.get(key, False):
+            raise ValueError(
+                f"offload_adam does not support {key}=True ({where}); "
+                f"use torch.optim.Adam/AdamW for {key} mode"
+            )
+
+
+def _scalar_beta(b):
+    # torch stores a tensor beta as a 0-dim tensor (its _to_scalar); do the same.
+    return b.reshape(()) if isinstance(b, torch.Tensor) else b
+
+
+def param_label(group, group_index, index, p):
+    """How error messages name a param: its name when the group has names."""
+    names = group.get("param_names")
+    where = repr(names[index]) if names else f"group {group_index}, param {index}"
+    return f"{where} (shape {tuple(p.shape)})"
+
+
+class _Bucket:
+    """The argument lists of one kernel call: a group's params of one dtype that
+    have grads. Everything but the grads is cached between steps."""
+
+    __slots__ = ("dtype", "params", "work", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+                 "lp_params", "steps", "copy_back")
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.params = []           # the params themselves
+        self.work = []             # fp32 tensors the kernel updates: the param or its master
+        self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs = [], [], []
+        self.lp_params = []        # low-precision outputs ([] for fp32)
+        self.steps = []
+        self.copy_back = []        # positions of non-contiguous params (stepped via a copy)
+
+
+class _Plan:
+    """A group's buckets for one pattern of which params have grads."""
+
+    __slots__ = ("group", "key", "route", "buckets")
+    NO_GRAD = -1    # route of a param that had no grad when the plan was built
+    ELSEWHERE = -2  # route of a param `_handling` gives to another path
+
+    def __init__(self, group, key, route, buckets):
+        self.group = group
+        self.key = key         # when any part changes, the plan is rebuilt
+        self.route = route     # per param of the group: bucket index, NO_GRAD or ELSEWHERE
+        self.buckets = buckets
+
+
+class Adam(Optimizer):
+    """torch.optim.Adam's interface, stepped by offload_adam's fused CPU kernels.
+
+    `foreach` and `fused` are accepted and ignored; `capturable` and
+    `differentiable` are not supported. Params are float32, bfloat16 or float16,
+    all on the CPU, or all on one CUDA device.
+
+    Offload engine options (CUDA params and bf16/fp16 CPU params):
+      overlap (True): copy each grad to the host as backward produces it; with
+        False everything happens inside step(). Both give the same results.
+      bucket_mb (32): size of the buckets the engine steps and transfers at once.
+      free_grads_after_copy (False): drop each grad (p.grad = None) as soon as it
+        is on the host, to save device memory. Then code between backward and
+        step() must not read or change p.grad (clip with opt.clip_grad_norm_), and
+        grads cannot be accumulated over micro-batches (an error says so).
+      num_threads (None): kernel threads; None = torch.get_num_threads(), minus
+        one for CUDA params (the thread driving the GPU keeps a core).
+      max_grad_norm (None): clip the grads' total 2-norm to this in every step,
+        inside the kernel (no pass over the grads on the device).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False,
+                 overlap=True, bucket_mb=32.0, free_grads_after_copy=False,
+                 num_threads=None, max_grad_norm=None):
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
+        self._engine = None
+        self._engine_options = {
+            "overlap": bool(overlap), "bucket_mb": float(bucket_mb),
+            "free_grads_after_copy": bool(free_grads_after_copy),
+            "num_threads": num_threads,
+        }
+        self.max_grad_norm = max_grad_norm
+        self._clip_coef = None
+        defaults = {
+            "lr": lr,
+            "betas": tuple(_scalar_beta(b) for b in betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+            "decoupled_weight_decay": decoupled_weight_decay,
+        }
+        _check_modes(defaults, "constructor argument")
+        self._reset_caches()
+        super().__init__(params, defaults)
+        self._start_engine()
+        # GradScaler then hands us grad_scale/found_inf instead of unscaling
+        # the grads itself: the kernel folds 1/scale into its single pass.
+        self._step_supports_amp_scaling = True
+
+    def _reset_caches(self):
+        self._plans = {}  # id(group) -> _Plan
+
+    def __getstate__(self):
+        # The engine (threads, hooks, pinned memory) is not pickled: an unpickled
+        # optimizer starts its own, with the same options, for its own params.
+        state = super().__getstate__()
+        state["_engine_options"] = self._engine_options
+        state["max_grad_norm"] = self.max_grad_norm
+        return state
+
+    def __setstate__(self, state):
+        options = state.pop("_engine_options", None)
+        max_grad_norm = state.pop("max_grad_norm", None)
+        super().__setstate__(state)
+        self._reset_caches()
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group.setdefault("decoupled_weight_decay", False)
+        if not hasattr(self, "_engine"):  # unpickling (load_state_dict keeps its engine)
+            self._engine = None
+            self._engine_options = options or {}
+            self.max_grad_norm = max_grad_norm
+            self._clip_coef = None
+            self._start_engine()
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        group = self.param_groups[index]
+        try:
+            _check_modes(group, f"param group {index}")
+            for i, p in enumerate(group["params"]):
+                self._handling(p, lambda: param_label(group, index, i, p))
+            self._check_one_device()
+            if getattr(self, "_engine_started", False):
+                managed = [p for p in group["params"] if self._is_engine(p)]
+                if managed and self._engine is None:
+                    self._start_engine()
+                elif managed:
+                    self._engine.add_group(index, managed, bool(group["amsgrad"]))
+        except Exception:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
+
+    def _check_one_device(self):
+        """All params on the CPU, or all on one CUDA device (one engine each)."""
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            names = ", ".join(sorted(str(d) for d in devices))
+            raise ValueError(
+                f"offload_adam: the params live on several devices ({names}); one "
+                "optimizer steps params of one device (use one optimizer per device)")
+
+    @staticmethod
+    def _is_engine(p):
+        return p.device.type != "cpu" or p.dtype is not torch.float32
+
+    def _start_engine(self):
+        self._engine_started = True
+        managed = [[p for p in g["params"] if self._is_engine(p)] for g in self.param_groups]
+        if any(managed):
+            self._engine = OffloadEngine(
+                managed, [bool(g["amsgrad"]) for g in self.param_groups],
+                decoupled=bool(self.defaults["decoupled_weight_decay"]),
+                kernels=lambda: _kernels(), **self._engine_options)
+
+    # ---- offload engine: profile, memory, clipping ---------------------------
+    @property
+    def last_step_profile(self):
+        """The engine's profile of the last step() (see engine_profile.py), or None."""
+        return self._engine.profile() if self._engine is not None else None
+
+    def host_bytes(self):
+        """Host memory the engine holds for master, moments and transfer buffers."""
+        return self._engine.host_bytes() if self._engine is not None else 0
+
+    def _direct_grads(self):
+        return [p.grad for g in self.param_groups for p in g["params"]
+                if p.grad is not None and not self._is_engine(p)]
+
+    def _total_norm(self):
+        """2-norm of all grads: the engine's from its host copies, the CPU
+        params' by the kernel. Double accumulation; inf/NaN propagate."""
+        total = self._engine.grad_sq_sum() if self._engine is not None else 0.0
+        grads = [g if g.is_contiguous() else g.contiguous() for g in self._direct_grads()]
+        if grads:
+            total += math.fsum(_kernels().grad_sq_sums(grads, torch.get_num_threads()))
+        return math.sqrt(total)
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ for this optimizer's params, without a
+        pass over the grads on the device: the norm comes from the host copies
+        and the coefficient is applied inside the next step's kernel (p.grad is
+        left as it is). Returns the total norm (a float32 tensor on the params'
+        device). Only the 2-norm."""
+        if float(norm_type) != 2.0:
+            raise NotImplementedError(
+                "offload_adam's clip_grad_norm_ computes the 2-norm only; use "
+                "torch.nn.utils.clip_grad_norm_ for other norms")
+        norm = self._total_norm()
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order 2.0 for gradients from `parameters` is "
+                f"non-finite, so it cannot be clipped. To disable this error and scale "
+                f"the gradients by the non-finite norm anyway, set "
+                f"`error_if_nonfinite=False`")
+        self._clip_coef = clip_coefficient(norm, max_norm)
+        device = self.param_groups[0]["params"][0].device if self.param_groups else "cpu"
+        return torch.tensor(norm, dtype=torch.float32, device=device)
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+        self._clip_coef = None
+        if self._engine is not None:
+            self._engine.zero_grad()
+
+    # ---- the one place that decides how a param is handled --------------------
+    def _handling(self, p, label):
+        """Returns how `p` is stepped: "cpu" (fp32 CPU params, in place by the
+        fused kernels) or "engine" (the offload engine: CUDA params and bf16/fp16
+        CPU params). Raises for a param no way can step. `label()` names it."""
+        if p.is_complex() or p.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(
+                f"offload_adam supports float32, bfloat16 and float16 params; "
+                f"param {label()} has dtype {p.dtype}"
+            )
+        if p.device.type not in ("cpu", "cuda"):
+            raise NotImplementedError(
+                f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}"
+            )
+        return "engine" if self._is_engine(p) else "cpu"
+
+    # ---- step ---------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs a single optimization step.
+
+        Args:
+            closure (Callable, optional): A closure that reevaluates the model
+                and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        # Set by GradScaler.step (as for torch's fused Adam): skip the whole step
+        # when it found inf/NaN; otherwise the grads are still scaled by grad_scale.
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) != 0.0:
+            self._clip_coef = None
+            return loss
+        grad_scale = getattr(self, "grad_scale", None)
+        inv_scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+        if found_inf is not None and grad_scale is None and self._engine is not None:
+            # GradScaler.unscale_ ran: it divides the grads in place without
+            # bumping their version counters, so the host copies are stale.
+            self._engine.invalidate_copies()
+            if self._clip_coef is not None:
+                raise RuntimeError(
+                    "offload_adam: opt.clip_grad_norm_ was called after "
+                    "GradScaler.unscale_(opt), which changes grads invisibly to it; "
+                    "use max_grad_norm= or torch.nn.utils.clip_grad_norm_ with GradScaler")
+
+        scale = inv_scale
+        if self.max_grad_norm is not None:
+            # The norm of the unscaled grads (GradScaler may not have unscaled).
+            scale *= clip_coefficient(self._total_norm() * inv_scale, self.max_grad_norm)
+        elif self._clip_coef is not None:
+            scale *= self._clip_coef
+        self._clip_coef = None
+
+        num_threads = torch.get_num_threads()
+        for index, group in enumerate(self.param_groups):
+            self._step_group_cpu(index, group, scale, num_threads)
+        if self._engine is not None:
+            self._engine.step(self.param_groups, self.state, grad_scale=scale)
+        return loss
+
+    def _step_group_cpu(self, index, group, inv_scale, num_threads):
+        """Steps the CPU params of one group: one kernel call per dtype."""
+        plan = self._plans.get(id(group))
+        grads = self._gather_grads(index, group, plan) if plan is not None else None
+        if grads is None:  # no plan yet, or the grads no longer fit it
+            plan = self._build_plan(index, group)
+            grads = self._gather_grads(index, group, plan)
+
+        beta1, beta2 = group["betas"]
+        hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                 float(group["weight_decay"]), bool(group["decoupled_weight_decay"]),
+                 bool(group["maximize"]), inv_scale, num_threads)
+        kernels = _kernels()
+        for bucket, bucket_grads in zip(plan.buckets, grads):
+            if not bucket_grads:
+                continue
+            work, lp_params = bucket.work, bucket.lp_params
+            if bucket.copy_back:
+                # Non-contiguous params: the kernel steps contiguous copies.
+                work, lp_params = list(work), list(lp_params)
+                for j in bucket.copy_back:
+                    p = bucket.params[j]
+                    if lp_params:
+                        lp_params[j] = torch.empty(p.shape, dtype=p.dtype)
+                    else:
+                        work[j] = p.contiguous()
+            kernels.adam_step(work, bucket_grads, bucket.exp_avgs, bucket.exp_avg_sqs,
+                              bucket.max_exp_avg_sqs, lp_params, bucket.steps, *hyper)
+            for j in bucket.copy_back:
+                bucket.params[j].copy_(lp_params[j] if lp_params else work[j])
+
+    def _gather_grads(self, index, group, plan):
+        """Per bucket, the grads to pass, or None when the plan no longer fits
+        (a param gained or lost its grad, or changed dtype)."""
+        if plan.group is not group or plan.key != self._plan_key(group):
+            return None
+        grads = [[] for _ in plan.buckets]
+        for i, (p, b) in enumerate(zip(group["params"], plan.route)):
+            if b == _Plan.ELSEWHERE:
+                continue
+            g = p.grad
+            if g is None:
+                if b >= 0:
+                    return None
+                continue
+            if b < 0 or g.dtype is not plan.buckets[b].dtype:
+                return None
+            if g.layout is not torch.strided:
+                raise RuntimeError(
+                    f"offload_adam does not support sparse gradients (param "
+                    f"{param_label(group, index, i, p)}, grad layout {g.layout}); "
+                    f"consider torch.optim.SparseAdam"
+                )
+            grads[b].append(g if g.is_contiguous() else g.contiguous())
+        return grads
+
+    def _plan_key(self, group):
+        # Things that invalidate a plan without passing through our methods.
+        return (id(group["params"]), len(group["params"]), bool(group["amsgrad"]))
+
+    def _build_plan(self, index, group):
+        buckets, by_dtype, route = [], {}, []
+        amsgrad = bool(group["amsgrad"])
+        for i, p in enumerate(group["params"]):
+            label = lambda: param_label(group, index, i, p)  # noqa: E731
+            if self._handling(p, label) != "cpu":
+                route.append(_Plan.ELSEWHERE)
+                continue
+            if p.grad is None:
+                route.append(_Plan.NO_GRAD)
+                continue
+            state = self._ready_state(p, amsgrad, label)
+            b = by_dtype.get(p.dtype)
+            if b is None:
+                b = by_dtype[p.dtype] = len(buckets)
+                buckets.append(_Bucket(p.dtype))
+            bucket = buckets[b]
+            route.append(b)
+            if not p.is_contiguous():
+                bucket.copy_back.append(len(bucket.params))
+            bucket.params.append(p)
+            if p.dtype is torch.float32:
+                bucket.work.append(p)
+            else:
+                bucket.work.append(state[MASTER_KEY])
+                bucket.lp_params.append(p)
+            bucket.exp_avgs.append(state["exp_avg"])
+            bucket.exp_avg_sqs.append(state["exp_avg_sq"])
+            if amsgrad:
+                bucket.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            bucket.steps.append(state["step"])
+        plan = _Plan(group, self._plan_key(group), route, buckets)
+        self._plans[id(group)] = plan
+        return plan
+
+    def _ready_state(self, p, amsgrad, label):
+        """Creates p's state on its first step (as torch does, lazily) or brings a
+        loaded one into the kernels' format: fp32, contiguous, CPU, step a float32
+        0-dim tensor, and the fp32 master for a low-precision param."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        step = state["step"]
+        if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32
+                and step.dim() == 0 and step.device.type == "cpu"):
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+        keys = _MOMENT_KEYS if amsgrad else _MOMENT_KEYS[:2]
+        for key in keys:
+            if key not in state:
+                state[key] = torch.zeros_like(p, dtype=torch.float32,
+                                              memory_format=torch.contiguous_format)
+            else:
+                state[key] = _as_fp32_like(state[key], p, key, label)
+        if p.dtype is torch.float32:
+            state.pop(MASTER_KEY, None)  # the param is its own master
+        elif MASTER_KEY in state:
+            state[MASTER_KEY] = _as_fp32_like(state[MASTER_KEY], p, MASTER_KEY, label)
+        else:
+            # A fresh param, or a state dict saved by torch: start from the param.
+            state[MASTER_KEY] = _as_fp32_like(p.detach(), p, MASTER_KEY, label)
+        return state
+
+    # ---- state dict ---------------------------------------------------------
+    def load_state_dict(self, state_dict):
+        """torch's load_state_dict, keeping fp32 state fp32 for bf16/fp16 params.
+
+        torch casts every loaded state tensor to its param's dtype, which would
+        round the moments and the master of a low-precision param. We let it load,
+        then put back fp32 copies of those from the dict torch loaded from (seen
+        through a pre-hook registered last, so it is the dict after the user's
+        pre-hooks), matched to params the way torch matches them.
+        """
+        seen = {}
+
+        def capture(optimizer, sd):
+            self._check_loaded_shapes(sd)
+            seen["state_dict"] = sd
+            # The engine's params keep their state on the host: hide their fp32
+            # tensors from torch's cast, which would first copy them to the param's
+            # device (the whole optimizer state on the GPU); they are put back below.
+            heavy = _MOMENT_KEYS + (MASTER_KEY,)
+            engine_ids = {i for i, p in self._loaded_params(sd) if self._is_engine(p)}
+            if not engine_ids:
+                return None
+            state = {k: ({key: v for key, v in st.items() if key not in heavy}
+                         if k in engine_ids and isinstance(st, dict) else st)
+                     for k, st in sd["state"].items()}
+            return {**sd, "state": state}
+
+        handle = self.register_load_state_dict_pre_hook(capture)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        self._reset_caches()
+        for saved_id, p in self._loaded_params(seen["state_dict"]):
+            saved = seen["state_dict"]["state"].get(saved_id)
+            if saved is None:
+                continue
+            state = self.state[p]
+            if not self._is_engine(p):
+                state.pop(MASTER_KEY, None)
+                continue
+            for key in _MOMENT_KEYS + (MASTER_KEY,):
+                value = saved.get(key)
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
+
+    def _loaded_params(self, state_dict):
+        """(saved id, param) pairs: torch's own matching, in group order."""
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            yield from zip(saved_group["params"], group["params"])
+
+    def _check_loaded_shapes(self, state_dict):
+        """Rejects state whose tensors do not fit their params (torch does not check)."""
+        for gi, (saved_group, group) in enumerate(zip(state_dict["param_groups"],
+                                                      self.param_groups)):
+            if len(saved_group["params"]) != len(group["params"]):
+                return  # torch raises its own error for this
+            for i, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
+                saved = state_dict["state"].get(saved_id)
+                if not isinstance(saved, dict):
+                    continue
+                for key, value in saved.items():
+                    if not isinstance(value, torch.Tensor):
+                        continue
+                    expected = () if key == "step" else p.shape
+                    if key == "step" and value.numel() == 1:
+                        continue
+                    if value.shape != expected:
+                        raise ValueError(
+                            f"loaded optimizer state {key!r} for param "
+                            f"{param_label(group, gi, i, p)} has shape {tuple(value.shape)}, "
+                            f"expected {tuple(expected)}"
+                        )
+
+
+def _as_fp32_like(t, p, key, label):
+    """`t` as a contiguous fp32 CPU tensor of p's shape (itself when it is one)."""
+    if t.shape != p.shape:
+        raise ValueError(
+            f"optimizer state {key!r} of param {label()} has shape {tuple(t.shape)}, "
+            f"expected {tuple(p.shape)}"
+        )
+    if t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t is not p:
+        return t
+    out = torch.empty(p.shape, dtype=torch.float32)
+    out.copy_(t)
+    return out
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW's interface, stepped by offload_adam's fused CPU kernels."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, overlap=True, bucket_mb=32.0,
+                 free_grads_after_copy=False, num_threads=None, max_grad_norm=None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable,
+                         differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True, overlap=overlap, bucket_mb=bucket_mb,
+                         free_grads_after_copy=free_grads_after_copy,
+                         num_threads=num_threads, max_grad_norm=max_grad_norm)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # As torch's AdamW: whatever was loaded, AdamW decouples weight decay.
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True

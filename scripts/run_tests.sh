@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The whole test suite: the pure C++ tests (CMake + ctest, when cmake is installed)
+# and the Python tests (pytest). Exits non-zero on any failure.
+# Arguments go to pytest (e.g. `scripts/run_tests.sh -k amsgrad`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup_venv.sh
+VENV_BIN="$PWD/.venv/bin"
+export PATH="$VENV_BIN:$PATH"   # ninja from the venv, for CMake and the JIT build
+
+if command -v cmake >/dev/null 2>&1; then
+  echo "== C++ tests (cmake + ctest)"
+  cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_MAKE_PROGRAM="$(command -v ninja)" >/dev/null
+  cmake --build build/cpp
+  ctest --test-dir build/cpp --output-on-failure
+else
+  echo "== C++ tests skipped: cmake not found (apt-get install cmake)" >&2
+fi
+
+echo "== Python tests (pytest)"
+"$VENV_BIN/python" -m pytest -q tests "$@"

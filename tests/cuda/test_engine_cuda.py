@@ -1,0 +1,188 @@
+"""The offload engine on a real GPU (skipped without CUDA).
+
+The CPU tests (tests/test_engine*.py) cover the pipeline logic; these cover
+what only a GPU shows: results, no optimizer bytes on the device, events
+rather than device syncs, pinned host memory, the device-mix error.
+Race check (not run by pytest): compute-sanitizer --tool racecheck and
+--tool synccheck on `python tests/cuda/test_engine_cuda.py` (the __main__ run).
+"""
+import copy
+
+import pytest
+import torch
+
+import offload_adam
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+BF16 = torch.bfloat16
+
+
+def make_model(dtype=BF16, seed=0, width=256):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, width),
+        torch.nn.GELU(), torch.nn.Linear(width, 8)).to("cuda", dtype)
+
+
+def loss_of(model, it, dtype=BF16):
+    g = torch.Generator(device="cuda").manual_seed(it)
+    x = torch.randn(16, 64, device="cuda", generator=g, dtype=dtype)
+    return model(x).float().pow(2).mean()
+
+
+def train(model, opt, iters, micro=1, edit=None):
+    for it in range(iters):
+        for m in range(micro):
+            loss_of(model, 10 * it + m).backward()
+        if edit:
+            edit(model)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_overlap_matches_no_overlap_and_torch(micro):
+    runs = []
+    for overlap in (True, False):
+        model = make_model()
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-3, overlap=overlap, bucket_mb=0.05)
+        train(model, opt, 3, micro=micro,
+              edit=lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1))
+        runs.append((model, opt))
+    (m1, o1), (m2, o2) = runs
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(p, o1.state[p]["master_param"].to("cuda", BF16))
+        assert o1.state[p]["master_param"].device.type == "cpu"
+    # torch's fused AdamW on fp32 masters, fed the same bf16 grads
+    model = make_model()
+    ref = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ropt = torch.optim.AdamW(ref, lr=1e-3)
+    for it in range(3):
+        for m in range(micro):
+            loss_of(model, 10 * it + m).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        for p, r in zip(model.parameters(), ref):
+            r.grad = p.grad.float()
+        ropt.step()
+        model.zero_grad()
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), ref):
+                p.copy_(r)
+    for p, r in zip(m1.parameters(), ref):
+        torch.testing.assert_close(o1.state[p]["master_param"], r.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_no_optimizer_memory_on_the_gpu():
+    model = make_model(width=1024)
+    opt = offload_adam.AdamW(model.parameters(), bucket_mb=1)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    loss_of(model, 0).backward()
+    torch.cuda.reset_peak_memory_stats()
+    before_step = torch.cuda.memory_allocated()
+    opt.step()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before_step < 1 << 20  # no state, no temporaries
+    opt.zero_grad()
+    assert torch.cuda.memory_allocated() <= base + (1 << 20)
+    assert opt.host_bytes() >= 16 * params // 2  # master + moments + buffers live on the host
+    assert opt._engine.pinned()
+
+
+def test_free_grads_after_copy_saves_device_memory():
+    model = make_model(width=1024)
+    opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=True)
+    loss_of(model, 0).backward()
+    assert all(p.grad is None for p in model.parameters())
+    norm = opt.clip_grad_norm_(1.0)
+    assert norm.device.type == "cuda" and torch.isfinite(norm)
+    opt.step()
+
+
+def test_step_uses_events_not_device_syncs():
+    model = make_model()
+    opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.05)
+    train(model, opt, 1)
+    loss_of(model, 1).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        opt.step()
+    names = {e.name for e in prof.events()}
+    assert "cudaDeviceSynchronize" not in names
+    assert "cudaStreamSynchronize" not in names
+
+
+def test_params_are_updated_when_step_returns():
+    model = make_model()
+    opt = offload_adam.AdamW(model.parameters(), lr=1e-2, bucket_mb=0.05)
+    loss_of(model, 0).backward()
+    opt.step()
+    # read on the current stream right away, with no sync by us
+    for p in model.parameters():
+        assert torch.equal(p.detach().cpu(), opt.state[p]["master_param"].to(BF16))
+    sd = model.state_dict()
+    for (name, t), p in zip(sd.items(), model.parameters()):
+        assert torch.equal(t, p)
+
+
+def test_fp32_params_and_grad_scaler_with_autocast():
+    runs = []
+    for overlap in (True, False):
+        model = make_model(dtype=torch.float32)
+        opt = offload_adam.AdamW(model.parameters(), overlap=overlap, bucket_mb=0.05)
+        scaler = torch.amp.GradScaler("cuda")
+        for it in range(3):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = loss_of(model, it, torch.float32)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_resume_is_bitwise():
+    model = make_model()
+    opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.05)
+    train(model, opt, 2)
+    sd, msd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    train(model, opt, 2)
+    model2 = make_model(seed=1)
+    model2.load_state_dict(msd)
+    opt2 = offload_adam.AdamW(model2.parameters(), bucket_mb=0.05)
+    opt2.load_state_dict(sd)
+    train(model2, opt2, 2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_cuda_and_cpu_mix_is_a_clear_error():
+    a = torch.nn.Parameter(torch.zeros(2, device="cuda"))
+    b = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="several devices"):
+        offload_adam.AdamW([a, b])
+
+
+def test_delete_frees_pinned_memory():
+    import gc
+    model = make_model(width=1024)
+    opt = offload_adam.AdamW(model.parameters())
+    loss_of(model, 0).backward()
+    opt.step()
+    del opt
+    gc.collect()
+    loss_of(model, 1).backward()  # hooks gone; nothing crashes
+
+
+if __name__ == "__main__":  # a small run for compute-sanitizer
+    model = make_model()
+    opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.05)
+    train(model, opt, 3, micro=2)
+    torch.cuda.synchronize()
+    print("ok")

@@ -1,0 +1,170 @@
+"""The build and loader (offload_adam/_build.py, offload_adam/_sources.py).
+
+Each load runs in a subprocess, because the loader caches the module per process
+and the point is what a fresh process prints and raises. A full compile takes
+about a minute on 2 cores, so the suite compiles at most once: every test reuses
+the default build cache (shared with the other test files), and the rebuild test
+copies it and deletes one object file.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from offload_adam import _sources
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC = REPO / "csrc"
+COMPILE_LINE = re.compile(r"^offload_adam: compiling CPU kernels \(first use, ~\d+ s\) into (.+)$", re.M)
+
+# Prelude of every child: the JIT path only, even where a prebuilt offload_adam._C exists.
+NO_AOT = "import sys; sys.modules['offload_adam._C'] = None\n"
+
+
+def run_child(code, env=None, cwd=None):
+    """Runs `code` in a fresh interpreter; returns (returncode, stdout, stderr)."""
+    full_env = dict(os.environ)
+    full_env.pop("OFFLOAD_ADAM_ISA", None)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd or REPO), os.environ.get("PYTHONPATH")]))
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", NO_AOT + textwrap.dedent(code)], env=full_env,
+                          cwd=cwd or REPO, capture_output=True, text=True, timeout=900)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+LOAD_AND_PRINT_PATH = """
+    from offload_adam._build import load_kernels
+    K = load_kernels()
+    print(K.__file__)
+    print(K.isa())
+"""
+
+
+@pytest.fixture(scope="module")
+def built_module_path():
+    """Path of the JIT-built module in the default cache (built here if cold)."""
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH)
+    assert rc == 0, err
+    assert len(COMPILE_LINE.findall(err)) <= 1, err
+    return Path(out.splitlines()[0])
+
+
+def test_sources_table_matches_csrc():
+    for name in [*_sources.KERNEL_SOURCES, _sources.BINDING_SOURCE]:
+        assert (CSRC / name).is_file(), name
+    assert _sources.find_csrc(REPO / "offload_adam") == CSRC
+    hashed = {p.name for p in _sources.hashed_files(CSRC)}
+    assert {p.name for p in CSRC.glob("*.h")} <= hashed
+
+
+def test_flags_never_target_the_build_machine():
+    for name in _sources.KERNEL_SOURCES:
+        for machine in ("x86_64", "aarch64"):
+            flags = _sources.kernel_flags(name, machine)
+            assert not any(f.startswith(("-march", "-mtune", "-mcpu")) for f in flags), flags
+            assert "-ffp-contract=off" in flags
+    assert "-mavx2" in _sources.kernel_flags("isa_avx2.cpp", "x86_64")
+    assert "-mavx512f" in _sources.kernel_flags("isa_avx512.cpp", "AMD64")
+    # Off x86 the ISA files are compiled without ISA flags (their #if guards empty them).
+    assert not any(f.startswith("-mavx") for f in _sources.kernel_flags("isa_avx512.cpp", "aarch64"))
+
+
+def test_second_load_is_cached_and_silent(built_module_path):
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH)
+    assert rc == 0, err
+    assert err == ""
+    assert Path(out.splitlines()[0]) == built_module_path
+
+
+def test_missing_object_rebuilds_and_prints_one_line(built_module_path, tmp_path):
+    # A copy of the cache with one kernel object gone: only that file recompiles.
+    build_dir = tmp_path / built_module_path.parent.name
+    shutil.copytree(built_module_path.parent, build_dir)
+    (build_dir / "kernels" / "thread_pool.o").unlink()
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert rc == 0, err
+    assert COMPILE_LINE.findall(err) == [str(build_dir)], err
+    assert err.count("\n") == 1, err
+    assert (build_dir / "kernels" / "thread_pool.o").is_file()
+    assert Path(out.splitlines()[0]).parent == build_dir
+
+
+def test_missing_ninja_is_a_clear_error_before_compiling(tmp_path):
+    rc, out, err = run_child("""
+        import shutil, sys
+        real_which = shutil.which
+        shutil.which = lambda cmd, *a, **k: None if cmd == "ninja" else real_which(cmd, *a, **k)
+        sys.modules["ninja"] = None   # the pip package is gone too
+        from offload_adam._build import load_kernels
+        try:
+            load_kernels()
+        except RuntimeError as e:
+            print("RuntimeError:", e)
+    """, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert rc == 0, err
+    assert "RuntimeError:" in out and "pip install ninja" in out, out
+    assert not COMPILE_LINE.search(err), err
+    assert not list(tmp_path.rglob("*.o"))
+
+
+def test_missing_compiler_is_a_clear_error(tmp_path):
+    rc, out, err = run_child("""
+        from offload_adam._build import load_kernels
+        try:
+            load_kernels()
+        except RuntimeError as e:
+            print("RuntimeError:", e)
+    """, env={"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/bin/g++"})
+    assert rc == 0, err
+    assert "RuntimeError:" in out and "apt-get install g++" in out and "/nonexistent/bin/g++" in out, out
+
+
+def test_compile_error_raises_runtime_error_with_compiler_output(tmp_path):
+    # A private copy of the loader and sources with one broken kernel file; the
+    # failure comes from the kernel objects, before the slow torch binding.
+    pkg = tmp_path / "tree" / "offload_adam"
+    pkg.mkdir(parents=True)
+    for name in ("_build.py", "_sources.py"):
+        shutil.copy(REPO / "offload_adam" / name, pkg / name)
+    (pkg / "__init__.py").write_text("")
+    shutil.copytree(CSRC, pkg.parent / "csrc")
+    (pkg.parent / "csrc" / "thread_pool.cpp").write_text("this is not C++;\n")
+    rc, out, err = run_child("""
+        from offload_adam._build import load_kernels
+        try:
+            load_kernels()
+        except RuntimeError as e:
+            print("RuntimeError:", e)
+    """, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "MAX_JOBS": "1"}, cwd=pkg.parent)
+    assert rc == 0, err
+    assert "RuntimeError:" in out and "thread_pool.cpp" in out and "error" in out, out
+
+
+def test_env_isa_bogus_is_a_value_error_naming_the_choices(built_module_path):
+    rc, out, err = run_child("""
+        from offload_adam._build import load_kernels
+        try:
+            load_kernels()
+        except ValueError as e:
+            print("ValueError:", e)
+    """, env={"OFFLOAD_ADAM_ISA": "bogus"})
+    assert rc == 0, err
+    assert "ValueError:" in out and "bogus" in out and "scalar" in out, out
+
+
+def test_env_isa_selects_the_variant(built_module_path):
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"OFFLOAD_ADAM_ISA": "scalar"})
+    assert rc == 0, err
+    assert out.splitlines()[1] == "scalar"
+
+
+def test_load_kernels_is_cached_in_process():
+    from offload_adam._build import load_kernels
+
+    assert load_kernels() is load_kernels()

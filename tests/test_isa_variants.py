@@ -1,0 +1,125 @@
+"""Every kernel variant (OFFLOAD_ADAM_ISA=avx512|avx2|scalar) is correct and all
+give bitwise-identical results; bad values fail with clear errors.
+
+Each variant runs in a subprocess because the variable is read when the module
+loads."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload_adam
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Steps bf16 and fp32 params of awkward sizes, checks K.isa() and the error vs the
+# float64 reference, and saves the results for the bitwise comparison.
+SCRIPT = r"""
+import sys, torch, offload_adam
+from offload_adam._build import load_kernels
+sys.path.insert(0, sys.argv[3])
+from reference import ReferenceAdam, assert_no_worse_than_torch
+assert load_kernels().isa() == sys.argv[1], (load_kernels().isa(), sys.argv[1])
+torch.set_num_threads(2)
+gen = torch.Generator().manual_seed(0)
+shapes = [(1,), (15,), (16,), (17,), (33,), (1000,), (0,), (31, 33)]
+out = {}
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for amsgrad in (False, True):
+        init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        ps = [x.clone().requires_grad_() for x in init]
+        qs = [x.float().requires_grad_() for x in init]
+        opt = offload_adam.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+        topt = torch.optim.AdamW(qs, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+        refs = [ReferenceAdam(x, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad) for x in init]
+        for _ in range(3):
+            for p, q, r in zip(ps, qs, refs):
+                g = torch.randn(p.shape, generator=gen).to(dtype)
+                p.grad, q.grad = g, g.float()
+                r.step(g)
+            opt.step()
+            topt.step()
+        masters = [p.detach() if dtype == torch.float32 else opt.state[p]["master_param"] for p in ps]
+        assert_no_worse_than_torch(masters, [q.detach() for q in qs], [r.p for r in refs])
+        key = f"{dtype}-{amsgrad}"
+        out[key] = [torch.cat([m.flatten() for m in masters]),
+                    torch.cat([p.detach().flatten().float() for p in ps])]
+torch.save(out, sys.argv[2])
+print("ok", sys.argv[1])
+"""
+
+
+def run_variant(isa, tmp_path, script=SCRIPT):
+    env = dict(os.environ, OFFLOAD_ADAM_ISA=isa)
+    out = tmp_path / f"{isa}.pt"
+    proc = subprocess.run([sys.executable, "-c", script, isa, str(out), str(REPO / "tests")],
+                          env=env, cwd=str(REPO), capture_output=True, text=True, timeout=600)
+    return proc, out
+
+
+def test_every_variant_is_correct_and_all_agree_bitwise(kernels, tmp_path):
+    isas = offload_adam.supported_isas()
+    assert isas[-1] == "scalar"
+    results = {}
+    for isa in isas:
+        proc, out = run_variant(isa, tmp_path)
+        assert proc.returncode == 0, f"{isa}:\n{proc.stdout}\n{proc.stderr}"
+        results[isa] = torch.load(out)
+    first = isas[0]
+    for isa in isas[1:]:
+        for key, tensors in results[first].items():
+            for a, b in zip(tensors, results[isa][key]):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (
+                    f"{first} and {isa} differ on {key}")
+
+
+ERROR_SCRIPT = r"""
+import sys
+from offload_adam._build import load_kernels
+try:
+    load_kernels()
+except Exception as e:
+    print(type(e).__name__ + ": " + str(e))
+else:
+    print("NO ERROR")
+"""
+
+
+def cpu_has_avx512():
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def test_unsupported_variant_raises_runtime_error(kernels, tmp_path):
+    if cpu_has_avx512():
+        pytest.skip("this CPU supports avx512")
+    proc, _ = run_variant("avx512", tmp_path, ERROR_SCRIPT)
+    line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr
+    assert line.startswith("RuntimeError"), line
+    assert "avx512" in line
+    for isa in offload_adam.supported_isas():
+        assert isa in line.split("avx512", 1)[1], f"{isa} not listed: {line}"
+
+
+def test_unknown_variant_raises_value_error(kernels, tmp_path):
+    proc, _ = run_variant("sse9", tmp_path, ERROR_SCRIPT)
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("ValueError") and "sse9" in line, line
+
+
+def test_set_isa_in_process(kernels):
+    active = kernels.isa()
+    try:
+        for isa in kernels.supported_isas():
+            kernels.set_isa(isa)
+            assert kernels.isa() == isa
+        with pytest.raises(ValueError, match="sse9"):
+            kernels.set_isa("sse9")
+    finally:
+        kernels.set_isa(active)
+    assert kernels.isa() == active

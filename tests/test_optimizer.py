@@ -1,0 +1,439 @@
+"""offload_adam.Adam/AdamW against the float64 reference and torch.optim.
+
+Every kernel-level check: our fp32 result (the param, or the master of a bf16/fp16
+param) is no further from the float64 reference than torch's fp32 AdamW is.
+"""
+import inspect
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import offload_adam
+from offload_adam import optimizer as optimizer_module
+from reference import ReferenceAdam, assert_lp_matches_master, assert_no_worse_than_torch
+
+CLASSES = {"Adam": (offload_adam.Adam, torch.optim.Adam),
+           "AdamW": (offload_adam.AdamW, torch.optim.AdamW)}
+SHAPES = [(17,), (8, 33), (1000,), (1,), (0,)]
+
+
+def fp32_of(opt, p):
+    """What our optimizer holds as p's exact value: p itself, or its fp32 master."""
+    return opt.state[p].get("master_param", p) if p.dtype != torch.float32 else p
+
+
+def run_three_ways(kind, dtype, steps=8, shapes=SHAPES, seed=0, grad_scale=1.0, **hyper):
+    """Steps ours (params of `dtype`), torch fp32 and the reference on the same grads."""
+    ours_cls, torch_cls = CLASSES[kind]
+    gen = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    ours = [x.clone().requires_grad_() for x in init]
+    theirs = [x.float().requires_grad_() for x in init]
+    opt = ours_cls(ours, **hyper)
+    topt = torch_cls(theirs, **hyper)
+    decoupled = kind == "AdamW" or hyper.get("decoupled_weight_decay", False)
+    wd = hyper.get("weight_decay", 1e-2 if kind == "AdamW" else 0.0)
+    refs = [ReferenceAdam(x, lr=hyper.get("lr", 1e-3), betas=hyper.get("betas", (0.9, 0.999)),
+                          eps=hyper.get("eps", 1e-8), weight_decay=wd, decoupled=decoupled,
+                          amsgrad=hyper.get("amsgrad", False),
+                          maximize=hyper.get("maximize", False)) for x in init]
+    for _ in range(steps):
+        for p, q, r in zip(ours, theirs, refs):
+            g = (torch.randn(p.shape, generator=gen) * 0.3).to(dtype)
+            p.grad = g
+            q.grad = g.float()
+            r.step(g)
+        opt.step()
+        topt.step()
+    return opt, ours, theirs, refs
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_reference(kernels, kind, dtype, amsgrad, maximize, weight_decay):
+    opt, ours, theirs, refs = run_three_ways(kind, dtype, lr=1e-2, amsgrad=amsgrad,
+                                             maximize=maximize, weight_decay=weight_decay)
+    masters = [fp32_of(opt, p) for p in ours]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert_no_worse_than_torch([m.detach() for m in masters], [q.detach() for q in theirs],
+                               [r.p for r in refs], what=f"{kind} {dtype}")
+    for p in ours:
+        st = opt.state[p]
+        assert st["step"].dtype == torch.float32 and st["step"].dim() == 0
+        assert st["step"].item() == 8
+        for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+            assert st[key].dtype == torch.float32 and st[key].shape == p.shape
+        if dtype != torch.float32:
+            assert_lp_matches_master(p.detach(), st["master_param"])
+        else:
+            assert "master_param" not in st
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_output_with_nan_and_rounding_ties(kernels, dtype):
+    # Values that sit exactly between two bf16/fp16 numbers, plus NaN grads.
+    gen = torch.Generator().manual_seed(1)
+    p = torch.randn(257, generator=gen).to(dtype).requires_grad_()
+    opt = offload_adam.AdamW([p], lr=1e-3, weight_decay=0.0)
+    g = torch.randn(257, generator=gen).to(dtype)
+    g[::7] = float("nan")
+    p.grad = g
+    opt.step()
+    master = opt.state[p]["master_param"]
+    assert torch.isnan(master[::7]).all()
+    assert_lp_matches_master(p.detach(), master)
+    # Force ties: set the master to halfway points and step with zero lr.
+    lo = torch.randn(257, generator=gen).to(dtype)
+    hi = torch.nextafter(lo.float(), torch.full_like(lo.float(), math.inf)).to(dtype)
+    mid = (lo.double() + (hi.double() - lo.double()) * 0.5).float()
+    master.copy_(mid)
+    opt.param_groups[0]["lr"] = 0.0
+    p.grad = torch.zeros(257, dtype=dtype)
+    opt.step()
+    assert_lp_matches_master(p.detach(), master)
+
+
+def test_nan_and_inf_grads_match_torch(kernels):
+    for kind in CLASSES:
+        ours_cls, torch_cls = CLASSES[kind]
+        p = torch.randn(64).requires_grad_()
+        q = p.detach().clone().requires_grad_()
+        opt, topt = ours_cls([p], lr=1e-2, weight_decay=0.1), torch_cls([q], lr=1e-2, weight_decay=0.1)
+        for k in range(3):
+            g = torch.randn(64)
+            g[k::9] = float("nan")
+            g[k + 3::11] = float("inf")
+            g[k + 5::13] = -float("inf")
+            p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            topt.step()
+        assert torch.equal(torch.isnan(p), torch.isnan(q))
+        fin = ~torch.isnan(q)
+        torch.testing.assert_close(p.detach()[fin], q.detach()[fin])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_params(kernels, dtype):
+    # A transposed weight steps exactly like its contiguous twin.
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(33, 17, generator=gen).to(dtype)
+    p_t = base.t().detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    assert not p_t.is_contiguous()
+    p_c = p_t.detach().contiguous().requires_grad_()
+    opts = [offload_adam.AdamW([p], lr=1e-2, amsgrad=True) for p in (p_t, p_c)]
+    for _ in range(3):
+        g = torch.randn(17, 33, generator=gen).to(dtype)
+        p_t.grad = g.t().contiguous().t()  # non-contiguous grad too
+        p_c.grad = g.clone()
+        for o in opts:
+            o.step()
+    assert not p_t.is_contiguous()
+    assert torch.equal(p_t.detach(), p_c.detach())
+    for key, value in opts[1].state[p_c].items():
+        assert torch.equal(opts[0].state[p_t][key], value), key
+
+
+def test_params_without_grad_are_skipped(kernels):
+    a = torch.randn(10).requires_grad_()
+    b = torch.randn(10).requires_grad_()
+    b0 = b.detach().clone()
+    opt = offload_adam.AdamW([a, b], lr=0.1, weight_decay=0.5)
+    a.grad = torch.randn(10)
+    opt.step()
+    assert torch.equal(b.detach(), b0) and b not in opt.state
+    b.grad = torch.randn(10)
+    opt.step()
+    a.grad = None
+    a1 = a.detach().clone()
+    opt.step()
+    assert torch.equal(a.detach(), a1)
+    assert opt.state[a]["step"].item() == 2 and opt.state[b]["step"].item() == 2
+
+
+def test_zero_size_params(kernels):
+    z = torch.zeros(0, 5).requires_grad_()
+    w = torch.randn(5).requires_grad_()
+    opt = offload_adam.AdamW([z, w, torch.zeros(0, dtype=torch.bfloat16).requires_grad_()])
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert opt.state[z]["exp_avg"].shape == (0, 5) and opt.state[z]["step"].item() == 1
+
+
+def make_twins(n=3, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(7, 5, generator=gen).requires_grad_() for _ in range(n)]
+    return ps, [p.detach().clone().requires_grad_() for p in ps]
+
+
+def set_grads(seed, *param_lists):
+    gen = torch.Generator().manual_seed(seed)
+    for group in zip(*param_lists):
+        g = torch.randn(group[0].shape, generator=gen)
+        for p in group:
+            p.grad = g.clone()
+
+
+def assert_params_close(a, b, **kw):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.detach(), y.detach(), **kw)
+
+
+def test_param_groups_and_add_param_group(kernels):
+    ps, qs = make_twins(4)
+    opt = offload_adam.AdamW([{"params": ps[:2]}, {"params": ps[2:3], "lr": 0.05, "amsgrad": True}], lr=0.01)
+    topt = torch.optim.AdamW([{"params": qs[:2]}, {"params": qs[2:3], "lr": 0.05, "amsgrad": True}], lr=0.01)
+    for k in range(5):
+        if k == 2:
+            opt.add_param_group({"params": [ps[3]], "weight_decay": 0.3})
+            topt.add_param_group({"params": [qs[3]], "weight_decay": 0.3})
+        set_grads(k, ps, qs)
+        opt.step()
+        topt.step()
+    assert_params_close(ps, qs)
+    assert [sorted(g) for g in opt.param_groups] == [sorted(g) for g in topt.param_groups]
+
+
+def test_group_keys_and_defaults_match_torch():
+    for kind, (ours_cls, torch_cls) in CLASSES.items():
+        p = torch.zeros(3, requires_grad=True)
+        ours, theirs = ours_cls([p]), torch_cls([p])
+        assert ours.defaults == theirs.defaults, kind
+        assert ours.param_groups[0].keys() == theirs.param_groups[0].keys()
+        sig_o = inspect.signature(ours_cls.__init__).parameters
+        sig_t = inspect.signature(torch_cls.__init__).parameters
+        # torch's arguments, in torch's order; then the offload engine's options,
+        # keyword-only (overlap, bucket_mb, ...: see offload_adam.Adam)
+        assert list(sig_o)[:len(sig_t)] == list(sig_t), kind
+        for name in list(sig_o)[len(sig_t):]:
+            assert sig_o[name].kind is inspect.Parameter.KEYWORD_ONLY, (kind, name)
+        for name in sig_t:
+            assert sig_o[name].default == sig_t[name].default, (kind, name)
+            assert sig_o[name].kind == sig_t[name].kind, (kind, name)
+    p = torch.zeros(3, requires_grad=True)
+    adam_dec = offload_adam.Adam([p], decoupled_weight_decay=True, weight_decay=0.1)
+    assert adam_dec.param_groups[0]["decoupled_weight_decay"] is True
+
+
+def test_adam_decoupled_weight_decay_equals_adamw(kernels):
+    ps, qs = make_twins()
+    a = offload_adam.Adam(ps, lr=0.01, weight_decay=0.2, decoupled_weight_decay=True)
+    b = offload_adam.AdamW(qs, lr=0.01, weight_decay=0.2)
+    for k in range(3):
+        set_grads(k, ps, qs)
+        a.step()
+        b.step()
+    for x, y in zip(ps, qs):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("make_sched", [
+    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e)),
+], ids=["StepLR", "LambdaLR"])
+def test_lr_schedulers(kernels, make_sched):
+    ps, qs = make_twins()
+    opt, topt = offload_adam.AdamW(ps, lr=0.1), torch.optim.AdamW(qs, lr=0.1)
+    s, ts = make_sched(opt), make_sched(topt)
+    for k in range(6):
+        set_grads(k, ps, qs)
+        opt.step()
+        topt.step()
+        s.step()
+        ts.step()
+        assert s.get_last_lr() == ts.get_last_lr()
+    assert_params_close(ps, qs)
+
+
+def test_tensor_lr(kernels):
+    ps, qs = make_twins()
+    opt = offload_adam.AdamW(ps, lr=torch.tensor(0.01))
+    topt = torch.optim.AdamW(qs, lr=torch.tensor(0.01))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    tsched = torch.optim.lr_scheduler.StepLR(topt, step_size=1, gamma=0.5)
+    for k in range(3):
+        set_grads(k, ps, qs)
+        opt.step()
+        topt.step()
+        sched.step()
+        tsched.step()
+    assert_params_close(ps, qs)
+
+
+def test_named_parameters(kernels):
+    model = torch.nn.Linear(4, 3)
+    twin = torch.nn.Linear(4, 3)
+    twin.load_state_dict(model.state_dict())
+    opt = offload_adam.AdamW(model.named_parameters(), lr=0.1)
+    topt = torch.optim.AdamW(twin.named_parameters(), lr=0.1)
+    x = torch.randn(6, 4)
+    for _ in range(3):
+        for m, o in ((model, opt), (twin, topt)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+    assert opt.state_dict()["param_groups"] == topt.state_dict()["param_groups"]
+    assert_params_close(model.parameters(), twin.parameters())
+
+
+def test_zero_grad_and_closure(kernels):
+    model = torch.nn.Linear(4, 1)
+    opt = offload_adam.AdamW(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    with torch.no_grad():  # step(closure) still computes grads
+        first = opt.step(closure).item()
+    for _ in range(20):
+        last = opt.step(closure).item()
+    assert last < first
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()  # nothing to do
+
+
+def test_foreach_and_fused_are_ignored(kernels):
+    ps, qs = make_twins()
+    a = offload_adam.AdamW(ps, lr=0.01, foreach=True, fused=True)
+    b = offload_adam.AdamW(qs, lr=0.01)
+    for k in range(2):
+        set_grads(k, ps, qs)
+        a.step()
+        b.step()
+    for x, y in zip(ps, qs):
+        assert torch.equal(x, y)
+
+
+class CountingKernels:
+    """Wraps the module to record adam_step calls."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def adam_step(self, *args):
+        self.calls.append(args)
+        return self.inner.adam_step(*args)
+
+
+def test_one_kernel_call_per_group_and_dtype(kernels, monkeypatch):
+    counting = CountingKernels(kernels)
+    monkeypatch.setattr(optimizer_module, "_kernels", lambda: counting)
+    g0 = [torch.randn(3).requires_grad_() for _ in range(5)] + \
+         [torch.randn(3, dtype=torch.bfloat16).requires_grad_() for _ in range(4)]
+    g1 = [torch.randn(3).requires_grad_() for _ in range(3)]
+    opt = offload_adam.AdamW([{"params": g0}, {"params": g1}])
+    for p in g0 + g1:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert len(counting.calls) == 3
+    assert sorted(len(c[0]) for c in counting.calls) == [3, 4, 5]
+    assert all(c[-1] == torch.get_num_threads() for c in counting.calls)
+    counting.calls.clear()
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        opt.step()
+        assert all(c[-1] == 1 for c in counting.calls)
+    finally:
+        torch.set_num_threads(old)
+
+
+def best_step_time(opt, repeats=5):
+    opt.step()  # state and plans are built on the first step
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def test_step_with_many_params_is_cheap(kernels):
+    # Thousands of small params: the per-param Python work must stay small. The
+    # yardstick is torch's fused CPU AdamW on the same params (one C++ call per
+    # step too), measured under the same load.
+    ps = [torch.randn(4).requires_grad_() for _ in range(4000)]
+    qs = [p.detach().clone().requires_grad_() for p in ps]
+    for p in ps + qs:
+        p.grad = torch.ones(4)
+    ours = best_step_time(offload_adam.AdamW(ps))
+    theirs = best_step_time(torch.optim.AdamW(qs, fused=True))
+    assert ours < 1.5 * theirs, f"4000 params: {ours * 1e3:.1f} ms vs torch fused {theirs * 1e3:.1f} ms"
+
+
+def test_import_compiles_nothing():
+    code = ("import sys, torch, offload_adam; "
+            "opt = offload_adam.AdamW([torch.zeros(3, requires_grad=True)]); "
+            "assert 'offload_adam._build' not in sys.modules, 'loader imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(_repo_root()))
+
+
+def _repo_root():
+    from pathlib import Path
+    return Path(__file__).resolve().parents[1]
+
+
+def test_kernel_isa_exports(kernels):
+    assert offload_adam.kernel_isa() == kernels.isa()
+    assert offload_adam.supported_isas() == list(kernels.supported_isas())
+    assert offload_adam.kernel_isa() in offload_adam.supported_isas()
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["scaled", "unscale_and_clip"])
+def test_grad_scaler_matches_torch_fused(kernels, clip):
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    twin.load_state_dict(model.state_dict())
+    opt = offload_adam.AdamW(model.parameters(), lr=1e-2)
+    topt = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2) for _ in range(2)]
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for k in range(8):
+        for m, o, s in ((model, opt, scalers[0]), (twin, topt, scalers[1])):
+            o.zero_grad()
+            s.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+            if k == 3:  # an overflow: the step must be skipped and the scale halved
+                m[0].weight.grad[0, 0] = float("inf")
+            if clip:
+                s.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm=0.5)
+            s.step(o)
+            s.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+        assert_params_close(model.parameters(), twin.parameters(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert opt.state[p]["step"].item() == topt.state[q]["step"].item() == 7
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+
+
+def test_grad_scale_attribute_unscales(kernels):
+    ps, qs = make_twins()
+    opt, ref = offload_adam.AdamW(ps, lr=0.01), offload_adam.AdamW(qs, lr=0.01)
+    set_grads(0, ps, qs)
+    for p in ps:
+        p.grad.mul_(1024.0)
+    opt.grad_scale = torch.tensor(1024.0)
+    opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    ref.step()
+    for x, y in zip(ps, qs):
+        assert torch.equal(x, y)
+    opt.found_inf = torch.tensor(1.0)
+    before = [p.detach().clone() for p in ps]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, ps))
+    assert opt.state[ps[0]]["step"].item() == 1

@@ -1,0 +1,191 @@
+"""State dicts move between offload_adam and torch.optim.Adam/AdamW both ways."""
+import copy
+import io
+
+import pytest
+import torch
+
+import offload_adam
+
+LP = [torch.bfloat16, torch.float16]
+
+
+def make_params(dtype=torch.float32, seed=0, shapes=((6, 5), (7,), (3, 4))):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in shapes]
+
+
+def clone_params(ps, dtype=None):
+    return [p.detach().clone().to(dtype or p.dtype).requires_grad_() for p in ps]
+
+
+def grads_for(ps, seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    return [torch.randn(p.shape, generator=gen) for p in ps]
+
+
+def run(opt, ps, first, count):
+    for k in range(first, first + count):
+        for p, g in zip(ps, grads_for(ps, k)):
+            p.grad = g.to(p.dtype)
+        opt.step()
+
+
+def roundtrip(sd):
+    """Through torch.save/torch.load, as a checkpoint would go."""
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def assert_close_lists(a, b, **kw):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x.detach(), y.detach(), **kw)
+
+
+@pytest.mark.parametrize("kind,amsgrad", [("AdamW", False), ("AdamW", True), ("Adam", False)])
+def test_state_dict_format_matches_torch(kernels, kind, amsgrad):
+    ps, qs = make_params(), make_params()
+    ours = getattr(offload_adam, kind)(ps, lr=0.01, amsgrad=amsgrad)
+    theirs = getattr(torch.optim, kind)(qs, lr=0.01, amsgrad=amsgrad)
+    run(ours, ps, 0, 2)
+    run(theirs, qs, 0, 2)
+    a, b = ours.state_dict(), theirs.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys()
+        for key, value in b["state"][i].items():
+            mine = a["state"][i][key]
+            assert (mine.dtype, mine.shape) == (value.dtype, value.shape), key
+        assert a["state"][i]["step"].dtype == torch.float32 and a["state"][i]["step"].dim() == 0
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_ours_to_torch_and_back(kernels, kind):
+    ps = make_params()
+    ours = getattr(offload_adam, kind)(ps, lr=0.01, weight_decay=0.1, amsgrad=True)
+    run(ours, ps, 0, 3)
+    sd = roundtrip(ours.state_dict())
+
+    # ours -> torch: torch continuing equals ours continuing.
+    qs = clone_params(ps)
+    theirs = getattr(torch.optim, kind)(qs, lr=0.5)  # hyperparameters come from the dict
+    theirs.load_state_dict(copy.deepcopy(sd))
+    assert theirs.param_groups[0]["lr"] == 0.01
+    run(theirs, qs, 3, 4)
+    run(ours, ps, 3, 4)
+    assert_close_lists(ps, qs)
+
+    # torch -> ours: a fresh ours loading torch's dict continues like torch.
+    rs = clone_params(qs)
+    again = getattr(offload_adam, kind)(rs)
+    again.load_state_dict(roundtrip(theirs.state_dict()))
+    run(again, rs, 7, 3)
+    run(theirs, qs, 7, 3)
+    assert_close_lists(rs, qs)
+    assert again.state[rs[0]]["step"].item() == 10
+
+
+@pytest.mark.parametrize("dtype", LP)
+def test_low_precision_roundtrip_is_exact(kernels, dtype):
+    ps = make_params(dtype)
+    ours = offload_adam.AdamW(ps, lr=0.01, amsgrad=True)
+    run(ours, ps, 0, 3)
+    sd = roundtrip(ours.state_dict())
+    assert sd["state"][0]["master_param"].dtype == torch.float32
+
+    qs = clone_params(ps)
+    resumed = offload_adam.AdamW(qs)
+    resumed.load_state_dict(sd)
+    for p, q in zip(ps, qs):
+        for key, value in ours.state[p].items():
+            assert resumed.state[q][key].dtype == torch.float32, key
+            assert torch.equal(resumed.state[q][key], value), key
+    run(ours, ps, 3, 3)
+    run(resumed, qs, 3, 3)
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+        assert torch.equal(ours.state[p]["master_param"], resumed.state[q]["master_param"])
+
+
+@pytest.mark.parametrize("dtype", LP)
+def test_torch_dict_for_low_precision_params(kernels, dtype):
+    # torch keeps bf16/fp16 moments; ours upcasts them and starts the master from the params.
+    qs = make_params(dtype)
+    theirs = torch.optim.AdamW(qs, lr=0.01)
+    run(theirs, qs, 0, 2)
+    ps = clone_params(qs)
+    ours = offload_adam.AdamW(ps)
+    ours.load_state_dict(roundtrip(theirs.state_dict()))
+    for p, q in zip(ps, qs):
+        assert ours.state[p]["exp_avg"].dtype == torch.float32
+        assert torch.equal(ours.state[p]["exp_avg"], theirs.state[q]["exp_avg"].float())
+        assert "master_param" not in ours.state[p]
+    run(ours, ps, 2, 1)
+    # The master started at the bf16 param and took one step from there.
+    for p, q in zip(ps, qs):
+        m = ours.state[p]["master_param"]
+        assert m.dtype == torch.float32 and ours.state[p]["step"].item() == 3
+        assert (m - q.detach().float()).abs().max() < 0.05
+    # And back into torch: it loads (casting to the param dtype) and steps.
+    theirs2 = torch.optim.AdamW(clone_params(ps))
+    theirs2.load_state_dict(ours.state_dict())
+    assert theirs2.state[theirs2.param_groups[0]["params"][0]]["exp_avg"].dtype == dtype
+
+
+def test_fp32_params_drop_a_loaded_master(kernels):
+    ps = make_params(torch.bfloat16)
+    ours = offload_adam.AdamW(ps)
+    run(ours, ps, 0, 1)
+    fp32 = clone_params(ps, torch.float32)
+    other = offload_adam.AdamW(fp32)
+    other.load_state_dict(ours.state_dict())
+    assert "master_param" not in other.state[fp32[0]]
+    run(other, fp32, 1, 1)
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_shape_mismatch_names_the_param(kernels, named):
+    ps = make_params()
+    src = offload_adam.AdamW(ps)
+    run(src, ps, 0, 1)
+    sd = src.state_dict()
+    wrong = make_params(shapes=((6, 5), (8,), (3, 4)))
+    params = [("a", wrong[0]), ("b.weight", wrong[1]), ("c", wrong[2])] if named else wrong
+    dst = offload_adam.AdamW(params)
+    before = dst.state_dict()
+    with pytest.raises(ValueError, match=r"b\.weight" if named else r"group 0, param 1") as e:
+        dst.load_state_dict(sd)
+    assert "(7,)" in str(e.value) and "(8,)" in str(e.value) and "exp_avg" in str(e.value)
+    assert dst.state_dict() == before  # nothing was loaded
+
+
+def test_load_keeps_decoupled_for_adamw_and_runs_user_hooks(kernels):
+    ps = make_params()
+    adam = torch.optim.Adam(clone_params(ps), lr=0.02)
+    run(adam, adam.param_groups[0]["params"], 0, 1)
+    ours = offload_adam.AdamW(ps)
+    ours.register_load_state_dict_pre_hook(
+        lambda opt, sd: {**sd, "param_groups": [{**g, "lr": 0.03} for g in sd["param_groups"]]})
+    ours.load_state_dict(adam.state_dict())
+    assert ours.param_groups[0]["decoupled_weight_decay"] is True
+    assert ours.param_groups[0]["lr"] == 0.03
+    run(ours, ps, 1, 1)
+
+
+def test_load_then_scheduler_and_pickle(kernels):
+    ps = make_params(torch.bfloat16)
+    ours = offload_adam.AdamW(ps, lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(ours, 1, 0.5)
+    run(ours, ps, 0, 1)
+    sched.step()
+    sd = ours.state_dict()
+    assert sd["param_groups"][0]["lr"] == 0.05 and "initial_lr" in sd["param_groups"][0]
+    clone = copy.deepcopy(ours)  # pickles through __getstate__/__setstate__
+    qs = clone.param_groups[0]["params"]
+    run(ours, ps, 1, 2)
+    run(clone, qs, 1, 2)
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)

@@ -1,0 +1,89 @@
+"""bench/step_bench.py runs end to end on a tiny size: table header, JSON schema, ratios consistent with times."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "bench" / "step_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    # Build (or load) the kernels here first, so the subprocess's time is the benchmark's, not the compiler's.
+    from offload_adam._build import load_kernels
+    load_kernels()
+    out = tmp_path_factory.mktemp("step_bench")
+    cmd = [sys.executable, str(SCRIPT), "--numel", "5003", "--tensors", "3", "--steps", "2", "--warmup", "1",
+           "--rounds", "2", "--threads", "1", "--tag", "pytest", "--out", str(out), "--no-plot",
+           "--no-deepspeed"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout, json.loads((out / "step_bench_pytest.json").read_text())
+
+
+def test_table_header_and_machine_line(bench_run):
+    stdout, _ = bench_run
+    assert stdout.startswith("offload_adam step microbenchmark: 5,003 params in 3 tensors")
+    assert "machine: " in stdout and "1 threads" in stdout and "torch " in stdout
+    for col in ("contender", "median ms", "min ms", "max ms", "ns/param", "GB/s", "limit/t", "t/ours"):
+        assert col in stdout
+    assert "[fp32]" in stdout and "[mixed]" in stdout
+    assert "deepspeed: not installed/unavailable: skipped (--no-deepspeed)" in stdout
+
+
+def test_json_schema(bench_run):
+    _, doc = bench_run
+    assert doc["schema"] == "offload_adam.step_bench/1"
+    m = doc["machine"]
+    for key in ("host", "date", "cpu_model", "logical_cpus", "threads", "isas_supported", "isa_default",
+                "torch", "cpu_flags", "deepspeed"):
+        assert key in m
+    assert m["threads"] == 1 and m["isas_supported"] and m["deepspeed"]["available"] is False
+    assert doc["config"]["numel"] == 5003 and doc["config"]["tensors"] == 3
+    assert set(doc["cases"]) == {"fp32", "mixed"}
+    for case, res in doc["cases"].items():
+        assert res["bytes_per_param"] == 28
+        names = {r["name"] for r in res["results"]}
+        for isa in m["isas_supported"]:
+            assert f"ours[{isa}]" in names and f"limit[{isa}]" in names
+        assert any(r["kind"] == "torch" for r in res["results"])
+        ds = [r for r in res["results"] if r["kind"] == "deepspeed"]
+        assert ds and all(r["status"] == "unavailable" and "unavailable" in r["reason"] for r in ds)
+
+
+def test_numbers_consistent(bench_run):
+    _, doc = bench_run
+    n = doc["config"]["numel"]
+    expected_samples = doc["config"]["steps"] * doc["config"]["rounds"]
+    for case, res in doc["cases"].items():
+        ok = {r["name"]: r for r in res["results"] if r["status"] == "ok"}
+        # Our kernels, the limits and torch must all have run; only optional peers may be unavailable.
+        for r in res["results"]:
+            if r["kind"] in ("ours", "ours_class", "limit", "torch"):
+                assert r["status"] == "ok", (case, r)
+        for r in ok.values():
+            assert len(r["times_s"]) == expected_samples
+            assert all(t > 0 for t in r["times_s"])
+            assert r["min_s"] <= r["median_s"] <= r["max_s"]
+            assert math.isclose(r["ns_per_param"], r["median_s"] / n * 1e9, rel_tol=1e-9)
+            assert math.isclose(r["gb_per_s"], 28 * n / r["median_s"] / 1e9, rel_tol=1e-9)
+            lim = ok[r["limit_name"]]
+            assert math.isclose(r["vs_limit"], lim["median_s"] / r["median_s"], rel_tol=1e-9)
+        best = ok[res["best_ours"]]
+        assert best["median_s"] == min(r["median_s"] for r in ok.values() if r["kind"] == "ours")
+        for r in ok.values():
+            assert math.isclose(r["ours_speedup"], r["median_s"] / best["median_s"], rel_tol=1e-9)
+        ratios = res["ratios"]
+        limit = ok[res["best_limit"]]
+        assert math.isclose(ratios["ours_vs_limit"], limit["median_s"] / best["median_s"], rel_tol=1e-9)
+        torch_best = ok[res["best_torch"]]
+        assert math.isclose(ratios["ours_vs_torch_best"], torch_best["median_s"] / best["median_s"], rel_tol=1e-9)
+        for name, r in ok.items():
+            if r["kind"] == "torch":
+                assert math.isclose(ratios[f"ours_vs[{name}]"], r["median_s"] / best["median_s"], rel_tol=1e-9)
