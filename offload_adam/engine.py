@@ -16,13 +16,28 @@ What runs where, for a param on the GPU (bf16, fp16 or fp32):
                                    the bf16/fp16 params into staging buffers, queue
                                    the staging->param copy on the H2D side stream
 
-When does the CPU step start: at step(), bucket by bucket, never during
-backward. A bucket's grads are only known to be final at step(): another
-micro-batch may accumulate into them, or the user may clip, unscale, edit or
-drop them between backward and step. Stepping during backward would be exact
-only when none of that happens, which the engine cannot prove while backward is
-still running; so the default is exact in every case and hides only the
-transfers, not the CPU step. (See the report in issue 3 for a proposed opt-in.)
+When does the CPU step start: by default (step_in_backward=False) at step(),
+bucket by bucket. A bucket's grads are only known to be final at step():
+another micro-batch may accumulate into them, or the user may clip, unscale,
+edit or drop them, or an LR scheduler may change lr, between backward and step.
+So the default is exact in every case and hides the transfers, not the CPU step.
+
+step_in_backward=True (opt-in) starts a bucket's kernel during backward, in the
+worker, as soon as every param of the bucket that got its grad from a hook in
+the previous backward has fired its hook in this one (the buckets and their
+order are learned in the first backward, so the first step starts at step()).
+Only the engine's own host buffers are written then (master, moments, step,
+staging): the params themselves are written at step(), so a param read later in
+backward (a detached use, a recomputation) still sees its old value. The early
+step uses the group's hyperparameters at that moment and a grad scale of 1.
+step() checks that nothing it depends on changed since (each stepped grad is
+the tensor and version that was copied, the hyperparameters are equal, the
+state was not replaced); a hook firing again for a stepped param (accumulation
+over micro-batches), zero_grad() before step(), clipping and GradScaler are
+errors too. There is no undo (a backup of master and moments would cost 12
+B/param of host memory and the bandwidth to write it), so such an error leaves
+the params that were stepped early stepped (their params written, the state
+consistent per param) and the others not stepped, and says so.
 
 The same engine runs bf16/fp16 CPU params: the "device copy" is the param and
 each transfer is a plain synchronous copy (engine_device.HostDevice), so all of
@@ -106,6 +121,11 @@ class _Slot:
         self.freed = False                 # free_grads_after_copy dropped p.grad
         self.master_d2h = None             # pending master initialisation copy
         self.hook = None
+        # step_in_backward bookkeeping (see the module docstring)
+        self.hooked = False                # its hook copied a grad since the last step()
+        self.expected = False              # ... and did in the previous iteration
+        self.early_token = 0               # copy_token stepped during backward (0: none)
+        self.stepped_early = False         # that step ran (set by the worker)
 
     def has_fresh_copy(self, grad: torch.Tensor) -> bool:
         return (self.copy_of is not None and self.copy_of() is grad
@@ -119,6 +139,21 @@ class _Bucket:
         self.group_index = slots[0].group_index
         self.low_precision = slots[0].low_precision
         self.h2d: list = []                # the last host->device copies from staging
+        self.waiting = 0                   # step_in_backward: expected hooks still to come
+        self.early_hyper = None            # the hyperparameters its early step used
+
+
+def _hyper(group: dict, decoupled: bool) -> tuple:
+    """A group's step hyperparameters, as the kernel receives them."""
+    beta1, beta2 = group["betas"]
+    return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group.get("decoupled_weight_decay", decoupled)),
+            bool(group.get("maximize", False)), bool(group.get("amsgrad", False)))
+
+
+_HYPER_NAMES = ("lr", "beta1", "beta2", "eps", "weight_decay",
+                "decoupled_weight_decay", "maximize", "amsgrad")
 
 
 class OffloadEngine:
@@ -130,8 +165,9 @@ class OffloadEngine:
     def __init__(self, managed: Sequence[Sequence[torch.Tensor]],
                  amsgrad: Sequence[bool], *, decoupled: bool, overlap: bool = True,
                  bucket_mb: float = 32.0, free_grads_after_copy: bool = False,
-                 num_threads: Optional[int] = None,
-                 available_host_bytes: Optional[int] = None, kernels=_kernels):
+                 num_threads: Optional[int] = None, step_in_backward: bool = False,
+                 owner=None, available_host_bytes: Optional[int] = None,
+                 kernels=_kernels):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         if num_threads is not None and int(num_threads) < 1:
@@ -139,12 +175,21 @@ class OffloadEngine:
         if free_grads_after_copy and not overlap:
             raise ValueError("free_grads_after_copy=True needs overlap=True "
                              "(grads are freed as they are copied during backward)")
+        if step_in_backward and not overlap:
+            raise ValueError("step_in_backward=True needs overlap=True (the step "
+                             "starts from the grads copied during backward)")
+        if step_in_backward and owner is None:
+            raise ValueError("step_in_backward=True needs the owning optimizer "
+                             "(owner=weakref.ref(optimizer))")
         all_params = [p for ps in managed for p in ps]
         self.device = make_device(device_for([_local(p) for p in all_params]))
         self.decoupled = decoupled
         self.overlap = overlap
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.free_grads_after_copy = free_grads_after_copy
+        self.step_in_backward = bool(step_in_backward)
+        self._owner = owner                # weakref to the optimizer (its groups, state)
+        self._early_error: Optional[str] = None
         self._num_threads = None if num_threads is None else int(num_threads)
         self._kernels = kernels  # the optimizer passes its own loader (tests count calls)
         self._last_threads = self._num_threads or self.device.default_num_threads()
@@ -247,6 +292,15 @@ class OffloadEngine:
         grad = slot.param.grad
         if grad is None:
             return
+        if slot.early_token:
+            msg = ("a grad arrived again for a param whose step already started "
+                   "during backward (gradient accumulation over micro-batches, or "
+                   "a param used again after its grad was final)")
+            self._early_error = self._early_error or msg
+            raise RuntimeError(
+                f"offload_adam: {msg}; step_in_backward=True forbids this. The "
+                "next step() or zero_grad() raises too and says what was stepped; "
+                "use step_in_backward=False to accumulate.")
         if not self._rebucketed and slot.copy_token == 0:
             self._hook_order.append(slot)
         if slot.freed:
@@ -260,9 +314,133 @@ class OffloadEngine:
         if self._want_norms:
             token = slot.copy_token
             self._worker.submit(lambda: self._sq_sum_job(slot, token))
+        if self.step_in_backward:
+            self._maybe_start_early(slot)
         if self.free_grads_after_copy:
             slot.param.grad = None
             slot.freed = True
+
+    # ---- step_in_backward: the kernel starts during backward ------------------
+
+    def _maybe_start_early(self, slot: _Slot) -> None:
+        """Counts the hook; queues the bucket's kernel once every param of it
+        that got a grad from a hook in the previous iteration has one now."""
+        slot.hooked = True
+        if not self._rebucketed or not slot.expected:
+            return
+        slot.expected = False              # counted once per iteration
+        bucket = self.buckets[slot.bucket]
+        bucket.waiting -= 1
+        if bucket.waiting:
+            return
+        owner = self._owner()
+        if owner is None:
+            return
+        group = owner.param_groups[bucket.group_index]
+        hyper = _hyper(group, self.decoupled)
+        slots = [s for s in bucket.slots if s.hooked]
+        with torch.no_grad():
+            if hyper[-1]:
+                self._add_amsgrad_buffers([s for s in slots if s.max_exp_avg_sq is None])
+            for s in slots:
+                self._bind_state(s, owner.state[s.param], group)
+        for s in slots:
+            s.early_token = s.copy_token
+        bucket.early_hyper = hyper
+        threads = self._num_threads or self._last_threads
+        profile = self._profile
+        self._worker.submit(lambda: self._early_step(bucket, slots, hyper, threads, profile))
+
+    def _early_step(self, bucket: _Bucket, slots: List[_Slot], hyper: tuple,
+                    threads: int, profile: StepProfile) -> None:
+        self._kernel_step(bucket, slots, hyper, 1.0, threads, profile)
+        for s in slots:
+            s.stepped_early = True
+
+    def _early_problem(self, param_groups: List[dict], state,
+                       grad_scale: float) -> Optional[str]:
+        """What changed since the early steps started (None: nothing did)."""
+        if self._early_error is not None:
+            return self._early_error
+        early = [s for s in self.slots if s.early_token]
+        if not early:
+            return None
+        if grad_scale != 1.0:
+            return (f"step() scales the grads by {grad_scale!r} (a clipping "
+                    "coefficient or 1/loss scale), but they were stepped unscaled")
+        for s in early:
+            where = f"a param of shape {list(s.shape)} in param group {s.group_index}"
+            grad = s.param.grad
+            if grad is None:
+                if not s.freed:
+                    return f"the grad of {where} was dropped after it was copied"
+            elif not s.has_fresh_copy(grad) or s.copy_token != s.early_token:
+                return (f"the grad of {where} changed after it was copied during "
+                        "backward (edited in place, replaced, clipped or scaled)")
+            st = state[s.param]
+            if (st.get("exp_avg") is not s.exp_avg or st.get(MASTER_KEY) is not s.master
+                    or st.get("step") is not s.step_t):
+                return (f"the optimizer state of {where} was replaced "
+                        "(load_state_dict?) after its step started")
+        for b in self.buckets:
+            if b.early_hyper is None:
+                continue
+            now = _hyper(param_groups[b.group_index], self.decoupled)
+            changed = [f"{n} {a!r} -> {c!r}" for n, a, c in
+                       zip(_HYPER_NAMES, b.early_hyper, now) if a != c]
+            if changed:
+                return (f"param group {b.group_index}'s hyperparameters changed after "
+                        f"its step started ({', '.join(changed)}; an LR scheduler "
+                        "stepped between backward and step()?)")
+        return None
+
+    def fail_early(self, reason: str) -> None:
+        """Raises the step_in_backward error for `reason`, after writing the
+        params whose step already ran (so each param equals its master)."""
+        pending = self._early_error is not None or any(s.early_token for s in self.slots)
+        stepped = self._commit_early() if pending else 0
+        if stepped:
+            what = (f"The Adam step of {stepped} params already ran during backward, "
+                    "with the grads and hyperparameters as they were then, and cannot "
+                    "be undone (no copy of the previous state is kept): those params "
+                    "and their state are stepped, the other params are not. Restore a "
+                    "checkpoint to continue exactly")
+        else:
+            what = "Nothing was stepped"
+        raise RuntimeError(
+            f"offload_adam: {reason}; step_in_backward=True forbids this (the step "
+            f"would differ from a plain step). {what}. Use step_in_backward=False "
+            "(the default) to clip, scale, edit or accumulate grads or change "
+            "hyperparameters between backward and step().")
+
+    def _commit_early(self) -> int:
+        """Writes the params of the early steps that ran, forgets them and starts
+        a new iteration. Returns how many params were stepped."""
+        try:
+            self._drain()
+        finally:
+            stepped = [s for s in self.slots if s.stepped_early]
+            self.device.fence()
+            for b in self.buckets:
+                done = [s for s in b.slots if s.stepped_early]
+                if done:
+                    self._write_params(b, done, self._profile)
+            self.device.publish([t for b in self.buckets for t in b.h2d])
+            self._new_iteration()
+        return len(stepped)
+
+    def _new_iteration(self) -> None:
+        """The params that got grads from hooks this iteration are the ones the
+        next iteration's buckets wait for."""
+        self._early_error = None
+        for b in self.buckets:
+            b.early_hyper = None
+            b.waiting = 0
+            for s in b.slots:
+                s.expected = s.hooked and self._rebucketed
+                b.waiting += s.expected
+                s.hooked = s.stepped_early = False
+                s.early_token = 0
 
     def _copy_grad(self, slot: _Slot, grad: torch.Tensor) -> None:
         if grad.is_sparse:
@@ -341,7 +519,15 @@ class OffloadEngine:
         the updated ones."""
         t_enter = time.perf_counter()
         profile = self._profile
-        self._drain()
+        try:
+            self._drain()
+        except BaseException:
+            if any(s.early_token for s in self.slots):
+                self._commit_early()  # what ran stays consistent
+            raise
+        problem = self._early_problem(param_groups, state, grad_scale)
+        if problem is not None:
+            self.fail_early(problem)
         if not self._rebucketed and self._hook_order:
             seen = set(map(id, self._hook_order))
             rest = sorted((s for s in self.slots if id(s) not in seen),
@@ -352,25 +538,33 @@ class OffloadEngine:
         self.device.fence()
         with torch.no_grad():
             ready = self._current_grads()
+            early = [s for s in ready if s.stepped_early]
+            ready_late = [s for s in ready if not s.stepped_early]
             self._add_amsgrad_buffers(
-                [s for s in ready if s.max_exp_avg_sq is None
+                [s for s in ready_late if s.max_exp_avg_sq is None
                  and param_groups[s.group_index].get("amsgrad", False)])
-            for s in ready:
+            for s in ready_late:
                 self._bind_state(s, state[s.param], param_groups[s.group_index])
-            take = set(map(id, ready))
+            take = set(map(id, ready_late))
+            done_early = set(map(id, early))
             threads = self._threads()
             try:
                 for b in self.buckets:
+                    stepped = [s for s in b.slots if id(s) in done_early]
+                    if stepped:  # stepped during backward: only the params to write
+                        self._write_params(b, stepped, profile)
                     slots = [s for s in b.slots if id(s) in take]
                     if slots:
-                        group = param_groups[b.group_index]
-                        self._run(lambda b=b, slots=slots, group=group: self._step_bucket(
-                            b, slots, group, grad_scale, threads, profile))
+                        hyper = _hyper(param_groups[b.group_index], self.decoupled)
+                        self._run(lambda b=b, slots=slots, hyper=hyper: self._step_bucket(
+                            b, slots, hyper, grad_scale, threads, profile))
                 self._drain()
             finally:
                 # Even when a bucket failed or the user interrupted: the copies
                 # already queued must be waited for before anyone reads the params.
                 self.device.publish([t for b in self.buckets for t in b.h2d])
+                if self.step_in_backward:
+                    self._new_iteration()
         for s in ready:
             if s.freed:  # consumed: a second step() without backward skips it
                 s.freed = False
@@ -426,8 +620,14 @@ class OffloadEngine:
                 s.master.copy_(master.detach().reshape(s.shape))
             st[MASTER_KEY] = s.master
 
-    def _step_bucket(self, bucket: _Bucket, slots: List[_Slot], group: dict,
+    def _step_bucket(self, bucket: _Bucket, slots: List[_Slot], hyper: tuple,
                      grad_scale: float, threads: int, profile: StepProfile) -> None:
+        self._kernel_step(bucket, slots, hyper, grad_scale, threads, profile)
+        self._write_params(bucket, slots, profile)
+
+    def _kernel_step(self, bucket: _Bucket, slots: List[_Slot], hyper: tuple,
+                     grad_scale: float, threads: int, profile: StepProfile) -> None:
+        """The fused kernel over `slots`: master, moments, step and staging."""
         dev = self.device
         with torch.no_grad():
             for s in slots:
@@ -440,21 +640,23 @@ class OffloadEngine:
                     if s.low_precision:
                         s.master.copy_(s.staging)
                     s.master_d2h = None
-            beta1, beta2 = group["betas"]
-            amsgrad = bool(group.get("amsgrad", False))
+            lr, beta1, beta2, eps, weight_decay, decoupled, maximize, amsgrad = hyper
             t0 = time.perf_counter()
             self._kernels().adam_step(
                 [s.master for s in slots], [s.host_grad for s in slots],
                 [s.exp_avg for s in slots], [s.exp_avg_sq for s in slots],
                 [s.max_exp_avg_sq for s in slots] if amsgrad else [],
                 [s.staging for s in slots] if bucket.low_precision else [],
-                [s.step_t for s in slots],
-                float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                float(group["weight_decay"]),
-                bool(group.get("decoupled_weight_decay", self.decoupled)),
-                bool(group.get("maximize", False)), float(grad_scale), threads)
+                [s.step_t for s in slots], lr, beta1, beta2, eps, weight_decay,
+                decoupled, maximize, float(grad_scale), threads)
             profile.add_cpu(bucket.index, t0, time.perf_counter())
-            bucket.h2d = []
+            bucket.h2d = []  # waited for above: done
+
+    def _write_params(self, bucket: _Bucket, slots: List[_Slot],
+                      profile: StepProfile) -> None:
+        """Queues the copies of the stepped values into the params."""
+        dev = self.device
+        with torch.no_grad():
             for s in slots:
                 src = s.staging if s.low_precision else s.master
                 t = dev.h2d(_local(s.param).detach(), src)
@@ -475,6 +677,10 @@ class OffloadEngine:
 
     def zero_grad(self) -> None:
         """Called by the optimizer's zero_grad: grads freed by us are gone too."""
+        if any(s.early_token for s in self.slots) or self._early_error is not None:
+            self.fail_early(self._early_error or
+                            "zero_grad() was called after steps started during "
+                            "backward, before step()")
         if self._worker is not None:
             self._worker.raise_pending()
         for s in self.slots:

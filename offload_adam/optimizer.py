@@ -19,12 +19,20 @@ How a param is stepped (`_handling`): fp32 CPU params in place by the kernels
 engine ("engine", offload_adam/engine.py), which keeps their fp32 master and
 moments in (pinned) host memory and streams grads and params (for CPU params
 the "transfers" are plain copies). The engine's options are the keyword-only
-constructor arguments overlap, bucket_mb, free_grads_after_copy, num_threads and
-max_grad_norm.
+constructor arguments overlap, bucket_mb, free_grads_after_copy, num_threads,
+max_grad_norm and step_in_backward.
+
+When the CPU step starts: by default at step(), exact whatever the user does
+between backward and step() (clip, scale, edit, accumulate, GradScaler, an LR
+scheduler). step_in_backward=True starts each bucket's step during backward as
+soon as its grads are on the host, which hides the CPU step behind the rest of
+backward, but forbids all of those: each is a RuntimeError (never a silently
+different result). See engine.py's docstring and bench/results/early_start_cpu.txt.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
 
 import torch
@@ -144,21 +152,43 @@ class Adam(Optimizer):
         one for CUDA params (the thread driving the GPU keeps a core).
       max_grad_norm (None): clip the grads' total 2-norm to this in every step,
         inside the kernel (no pass over the grads on the device).
+      step_in_backward (False): start each bucket's CPU step during backward, as
+        soon as every param of it that got a grad in the previous backward has
+        its grad on the host (from the second step on), instead of at step().
+        Needs overlap=True. Exact only when nothing changes between backward and
+        step(), so the following raise RuntimeError (at step(), zero_grad() or
+        the hook, as noted): editing, replacing, dropping, clipping
+        (torch.nn.utils.clip_grad_norm_, opt.clip_grad_norm_; max_grad_norm= is
+        a ValueError here) or scaling a stepped grad; GradScaler; changing lr or
+        another hyperparameter (an LR scheduler stepped before opt.step());
+        load_state_dict; zero_grad() before step(); a second backward into a
+        stepped param (accumulation, raised from backward()). There is no undo:
+        after such an error the params already stepped in backward stay stepped
+        (param, master, moments and step agree) and the others are not, and the
+        message says so. The default is False because it is exact in every case.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
                  overlap=True, bucket_mb=32.0, free_grads_after_copy=False,
-                 num_threads=None, max_grad_norm=None):
+                 num_threads=None, max_grad_norm=None, step_in_backward=False):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
+        if step_in_backward and not overlap:
+            raise ValueError("step_in_backward=True needs overlap=True (the step "
+                             "starts from the grads copied during backward)")
+        if step_in_backward and max_grad_norm is not None:
+            raise ValueError(
+                "max_grad_norm= cannot be used with step_in_backward=True: clipping "
+                "needs the norm of all grads, known only after backward, and the "
+                "step starts during backward")
         self._engine = None
         self._engine_options = {
             "overlap": bool(overlap), "bucket_mb": float(bucket_mb),
             "free_grads_after_copy": bool(free_grads_after_copy),
-            "num_threads": num_threads,
+            "num_threads": num_threads, "step_in_backward": bool(step_in_backward),
         }
         self.max_grad_norm = max_grad_norm
         self._clip_coef = None
@@ -253,7 +283,8 @@ class Adam(Optimizer):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
                 decoupled=bool(self.defaults["decoupled_weight_decay"]),
-                kernels=lambda: _kernels(), **self._engine_options)
+                owner=weakref.ref(self), kernels=lambda: _kernels(),
+                **self._engine_options)
 
     # ---- offload engine: profile, memory, clipping ---------------------------
     @property
@@ -288,6 +319,10 @@ class Adam(Optimizer):
             raise NotImplementedError(
                 "offload_adam's clip_grad_norm_ computes the 2-norm only; use "
                 "torch.nn.utils.clip_grad_norm_ for other norms")
+        if self._engine is not None and self._engine.step_in_backward:
+            self._engine.fail_early(
+                "opt.clip_grad_norm_ was called: clipping scales every grad by a "
+                "coefficient known only after the whole backward")
         norm = self._total_norm()
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(
@@ -338,6 +373,11 @@ class Adam(Optimizer):
         # Set by GradScaler.step (as for torch's fused Adam): skip the whole step
         # when it found inf/NaN; otherwise the grads are still scaled by grad_scale.
         found_inf = getattr(self, "found_inf", None)
+        if (found_inf is not None and self._engine is not None
+                and self._engine.step_in_backward):
+            self._engine.fail_early(
+                "GradScaler.step was used: the loss scale and found_inf are known "
+                "only at step(), and a skipped step cannot be undone")
         if found_inf is not None and float(found_inf) != 0.0:
             self._clip_coef = None
             return loss
@@ -585,13 +625,15 @@ class AdamW(Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, overlap=True, bucket_mb=32.0,
-                 free_grads_after_copy=False, num_threads=None, max_grad_norm=None):
+                 free_grads_after_copy=False, num_threads=None, max_grad_norm=None,
+                 step_in_backward=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, overlap=overlap, bucket_mb=bucket_mb,
                          free_grads_after_copy=free_grads_after_copy,
-                         num_threads=num_threads, max_grad_norm=max_grad_norm)
+                         num_threads=num_threads, max_grad_norm=max_grad_norm,
+                         step_in_backward=step_in_backward)
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Iteration time (forward + backward + step) with step_in_backward False vs True.
+
+A small bf16 decoder-like MLP stack on the CPU, stepped by offload_adam.AdamW
+through the offload engine (on CPU the transfers are plain copies). With
+step_in_backward=True each bucket's Adam step runs in the engine's worker thread
+during the rest of backward; with False (the default) it runs at step(). The
+gain is bounded by how much backward is left after each bucket's grads are
+ready, and by the cores the step and backward share (on 2 cores, little).
+
+Rounds alternate the two modes (each its own model and optimizer, same seed);
+the first iterations are warm-up (the first step learns the buckets).
+
+    python bench/early_start_bench.py                        # defaults
+    python bench/early_start_bench.py --threads 2 --dim 1024 --layers 8 --iters 20
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import offload_adam  # noqa: E402
+
+
+def machine() -> str:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (f"{model}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
+            f"python {platform.python_version()}")
+
+
+def make_model(dim: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)]
+    return torch.nn.Sequential(*blocks).to(torch.bfloat16)
+
+
+def iteration_times(step_in_backward: bool, args) -> list:
+    model = make_model(args.dim, args.layers)
+    opt = offload_adam.AdamW(model.parameters(), lr=1e-4, bucket_mb=args.bucket_mb,
+                             step_in_backward=step_in_backward)
+    x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    times = []
+    for it in range(args.warmup + args.iters):
+        t0 = time.perf_counter()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if it >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--bucket-mb", type=float, default=2.0)
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    nparams = sum(p.numel() for p in make_model(args.dim, args.layers).parameters())
+    times = {False: [], True: []}
+    for _ in range(args.rounds):
+        for mode in (False, True):
+            times[mode] += iteration_times(mode, args)
+    print(f"machine: {machine()}")
+    print(f"model: {args.layers} x (Linear {args.dim}->{4 * args.dim}, GELU, Linear), bf16, "
+          f"{nparams / 1e6:.1f}M params, batch {args.batch}, bucket_mb {args.bucket_mb}, "
+          f"torch threads {args.threads}, {args.rounds} rounds x {args.iters} iterations "
+          f"(+{args.warmup} warm-up)")
+    print(f"{'step_in_backward':>18} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
+    for mode in (False, True):
+        t = times[mode]
+        print(f"{str(mode):>18} {1e3 * statistics.median(t):10.1f} {1e3 * min(t):8.1f} "
+              f"{1e3 * max(t):8.1f}")
+    gain = 1 - statistics.median(times[True]) / statistics.median(times[False])
+    print(f"median iteration time change with step_in_backward=True: {-100 * gain:+.1f}%")
+
+
+if __name__ == "__main__":
+    main()
