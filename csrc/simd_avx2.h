@@ -27,8 +27,9 @@ struct Avx2Vec {
   // write-only) and does not pollute the cache; p must be 16-byte aligned.
   template <bool NT = false>
   static void store_u16(uint16_t* p, __m256i w) {
-    const __m256i packed = _mm256_packus_epi32(w, w);  // per 128-bit lane: [w0..3 w0..3 | w4..7 w4..7]
-    const __m128i ordered = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // qwords 0, 2
+    // Pack the two 128-bit halves against each other: an extract and a 128-bit
+    // pack, cheaper than a 256-bit pack plus the cross-lane vpermq it needs.
+    const __m128i ordered = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
     if constexpr (NT) _mm_stream_si128(reinterpret_cast<__m128i*>(p), ordered);
     else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), ordered);
   }
