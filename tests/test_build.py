@@ -55,6 +55,16 @@ def built_module_path():
     return Path(out.splitlines()[0])
 
 
+
+# A child that loads the kernels and prints a RuntimeError instead of dying of it.
+LOAD_REPORTING_RUNTIME_ERROR = """
+    from offload_adam._build import load_kernels
+    try:
+        load_kernels()
+    except RuntimeError as e:
+        print("RuntimeError:", e)
+"""
+
 def test_sources_table_matches_csrc():
     for name in [*_sources.KERNEL_SOURCES, _sources.BINDING_SOURCE]:
         assert (CSRC / name).is_file(), name
@@ -114,13 +124,7 @@ def test_missing_ninja_is_a_clear_error_before_compiling(tmp_path):
 
 
 def test_missing_compiler_is_a_clear_error(tmp_path):
-    rc, out, err = run_child("""
-        from offload_adam._build import load_kernels
-        try:
-            load_kernels()
-        except RuntimeError as e:
-            print("RuntimeError:", e)
-    """, env={"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/bin/g++"})
+    rc, out, err = run_child(LOAD_REPORTING_RUNTIME_ERROR, env={"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/bin/g++"})
     assert rc == 0, err
     assert "RuntimeError:" in out and "apt-get install g++" in out and "/nonexistent/bin/g++" in out, out
 
@@ -135,13 +139,7 @@ def test_compile_error_raises_runtime_error_with_compiler_output(tmp_path):
     (pkg / "__init__.py").write_text("")
     shutil.copytree(CSRC, pkg.parent / "csrc")
     (pkg.parent / "csrc" / "thread_pool.cpp").write_text("this is not C++;\n")
-    rc, out, err = run_child("""
-        from offload_adam._build import load_kernels
-        try:
-            load_kernels()
-        except RuntimeError as e:
-            print("RuntimeError:", e)
-    """, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "MAX_JOBS": "1"}, cwd=pkg.parent)
+    rc, out, err = run_child(LOAD_REPORTING_RUNTIME_ERROR, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "MAX_JOBS": "1"}, cwd=pkg.parent)
     assert rc == 0, err
     assert "RuntimeError:" in out and "thread_pool.cpp" in out and "error" in out, out
 
