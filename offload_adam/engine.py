@@ -111,6 +111,9 @@ class _Slot:
         # host buffers (views into the arenas)
         self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = None
         self.host_grad = self.staging = None
+        # CPU params stepped only inside step(): the kernel writes the rounded
+        # param straight into it (staging *is* the param) in its one pass.
+        self.staging_is_param = False
         self.step_t: Optional[torch.Tensor] = None
         # the host copy of the grad: which tensor, at which version
         self.copy_of = None
@@ -237,7 +240,13 @@ class OffloadEngine:
             keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
             s._offsets = {k: arenas.reserve("state", torch.float32, s.numel) for k in keys}
             s._offsets["host_grad"] = arenas.reserve("transfer", s.dtype, s.numel)
-            if s.low_precision:
+            # A CPU param is its own "device copy": when nothing reads it while the
+            # kernel runs (the kernel runs inside step() unless step_in_backward,
+            # which must leave params alone until step()), the kernel writes it
+            # directly, saving the staging buffer and the copy out of it.
+            s.staging_is_param = (self.device.type == "cpu" and s.low_precision
+                                  and not self.step_in_backward and _local(p).is_contiguous())
+            if s.low_precision and not s.staging_is_param:
                 s._offsets["staging"] = arenas.reserve("transfer", s.dtype, s.numel)
             new.append(s)
         arenas.allocate(self._available)
@@ -614,7 +623,7 @@ class OffloadEngine:
                 # the param. Its bytes go through staging, which must be free.
                 for t in self.buckets[s.bucket].h2d:
                     self.device.wait_host(t)
-                dst = s.staging if s.low_precision else s.master
+                dst = _staging(s) if s.low_precision else s.master
                 s.master_d2h = self.device.d2h(dst, _local(s.param).detach())
             else:
                 s.master.copy_(master.detach().reshape(s.shape))
@@ -638,7 +647,7 @@ class OffloadEngine:
                 if s.master_d2h is not None:
                     dev.wait_host(s.master_d2h)
                     if s.low_precision:
-                        s.master.copy_(s.staging)
+                        s.master.copy_(_staging(s))
                     s.master_d2h = None
             lr, beta1, beta2, eps, weight_decay, decoupled, maximize, amsgrad = hyper
             t0 = time.perf_counter()
@@ -646,7 +655,7 @@ class OffloadEngine:
                 [s.master for s in slots], [s.host_grad for s in slots],
                 [s.exp_avg for s in slots], [s.exp_avg_sq for s in slots],
                 [s.max_exp_avg_sq for s in slots] if amsgrad else [],
-                [s.staging for s in slots] if bucket.low_precision else [],
+                [_staging(s) for s in slots] if bucket.low_precision else [],
                 [s.step_t for s in slots], lr, beta1, beta2, eps, weight_decay,
                 decoupled, maximize, float(grad_scale), threads)
             profile.add_cpu(bucket.index, t0, time.perf_counter())
@@ -658,6 +667,8 @@ class OffloadEngine:
         dev = self.device
         with torch.no_grad():
             for s in slots:
+                if s.staging_is_param:
+                    continue  # the kernel wrote the param itself
                 src = s.staging if s.low_precision else s.master
                 t = dev.h2d(_local(s.param).detach(), src)
                 bucket.h2d.append(t)
@@ -687,6 +698,20 @@ class OffloadEngine:
             s.freed = False
             if s.copy_of is not None and s.copy_of() is None:
                 s.copy_of = None
+
+
+def _staging(slot) -> torch.Tensor:
+    """Where the kernel writes a low-precision param: the staging buffer, or the
+    param itself (looked up each time: `p.data = ...` may have replaced it)."""
+    if not slot.staging_is_param:
+        return slot.staging
+    param = _local(slot.param).detach()
+    if not param.is_contiguous():
+        raise RuntimeError(
+            f"offload_adam: a bf16/fp16 CPU param of shape {list(slot.shape)} became "
+            "non-contiguous after the optimizer was built (p.data replaced?); "
+            "rebuild the optimizer")
+    return param
 
 
 def _make_hook(engine_ref, slot):
