@@ -54,6 +54,7 @@ std::vector<Chunk> make_chunks(const Bucket& b, Fill fill) {
       c.grad = static_cast<const char*>(t.grad) + off * gsize;
       c.param_lp = t.param_lp ? static_cast<char*>(t.param_lp) + off * 2 : nullptr;
       c.n = std::min(kChunk, t.numel - off);
+      c.tensor = k;
       chunks.push_back(c);
     }
   }
@@ -111,11 +112,9 @@ void grad_sq_sums(const Bucket& b, double* out, int num_threads) {
   const IsaKernels& kernels = active_kernels();
   // Partial sums per chunk, added per tensor afterwards in chunk order, so the
   // result does not depend on which thread ran which chunk.
-  std::vector<int64_t> owner;
   for (int64_t k = 0; k < b.count; ++k) {
     if (b.tensors[k].numel > 0 && b.tensors[k].grad == nullptr)
       throw std::invalid_argument("offload_adam: tensor " + std::to_string(k) + " has a null grad");
-    for (int64_t off = 0; off < b.tensors[k].numel; off += kChunk) owner.push_back(k);
   }
   const std::vector<Chunk> chunks = make_chunks(b, [](const AdamTensor&, Chunk&) {});
   std::vector<double> partial(chunks.size(), 0.0);
@@ -123,7 +122,7 @@ void grad_sq_sums(const Bucket& b, double* out, int num_threads) {
   parallel_for(static_cast<int64_t>(chunks.size()), num_threads,
                [&](int64_t i) { partial[i] = kernels.sq_sum[gi](chunks[i].grad, chunks[i].n); });
   for (int64_t k = 0; k < b.count; ++k) out[k] = 0.0;
-  for (size_t i = 0; i < chunks.size(); ++i) out[owner[i]] += partial[i];
+  for (size_t i = 0; i < chunks.size(); ++i) out[chunks[i].tensor] += partial[i];
 }
 
 }  // namespace offload_adam

@@ -26,7 +26,7 @@ void check_cpu_contiguous(const at::Tensor& t, const char* list, size_t i) {
   if (!t.is_contiguous()) fail_value(where(list, i) + " must be contiguous");
 }
 
-void check_float32(const TensorList& ts, const char* list, int64_t numel_of_first, const TensorList& params) {
+void check_float32(const TensorList& ts, const char* list, const TensorList& params) {
   for (size_t i = 0; i < ts.size(); ++i) {
     check_cpu_contiguous(ts[i], list, i);
     if (ts[i].scalar_type() != at::kFloat)
@@ -35,7 +35,6 @@ void check_float32(const TensorList& ts, const char* list, int64_t numel_of_firs
       fail_value(where(list, i) + " has " + std::to_string(ts[i].numel()) + " elements, its param has " +
                  std::to_string(params[i].numel()));
   }
-  (void)numel_of_first;
 }
 
 // The one dtype shared by a list of 16/32-bit tensors (all must match).
@@ -79,10 +78,10 @@ BucketView make_bucket(const TensorList& params, const TensorList& grads, const 
   check_same_length(n, exp_avg_sqs, "exp_avg_sqs", false);
   check_same_length(n, max_exp_avg_sqs, "max_exp_avg_sqs", true);
   check_same_length(n, lp_params, "lp_params", true);
-  check_float32(params, "params", 0, params);
-  check_float32(exp_avgs, "exp_avgs", 0, params);
-  check_float32(exp_avg_sqs, "exp_avg_sqs", 0, params);
-  check_float32(max_exp_avg_sqs, "max_exp_avg_sqs", 0, params);
+  check_float32(params, "params", params);
+  check_float32(exp_avgs, "exp_avgs", params);
+  check_float32(exp_avg_sqs, "exp_avg_sqs", params);
+  check_float32(max_exp_avg_sqs, "max_exp_avg_sqs", params);
   for (size_t i = 0; i < n; ++i) {
     check_cpu_contiguous(grads[i], "grads", i);
     if (grads[i].numel() != params[i].numel())

@@ -17,6 +17,7 @@ struct Chunk {
   const void* grad;
   void* param_lp;         // may be null
   int64_t n;
+  int64_t tensor;         // index of its tensor in the bucket
   float step_size;        // lr / (1 - beta1^t)
   float inv_bias2_sqrt;   // 1 / sqrt(1 - beta2^t)
 };

@@ -77,6 +77,8 @@ _tokens = itertools.count(1)
 
 
 def _kernels():
+    """The compiled kernels (offload_adam/_build.py). Imported here, not at module
+    level: importing the package must not compile anything."""
     from ._build import load_kernels
     return load_kernels()
 

@@ -38,7 +38,7 @@ from collections import defaultdict
 import torch
 from torch.optim import Optimizer
 
-from .engine import OffloadEngine, clip_coefficient
+from .engine import OffloadEngine, _kernels, clip_coefficient
 
 __all__ = ["Adam", "AdamW"]
 
@@ -47,13 +47,6 @@ _SUPPORTED_DTYPES = (torch.float32,) + _LOW_PRECISION
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 # The fp32 copy of a bf16/fp16 param. Lives in the state so checkpoints keep it.
 MASTER_KEY = "master_param"
-
-
-def _kernels():
-    # Imported here, not at module level: importing the package must not compile.
-    from ._build import load_kernels
-
-    return load_kernels()
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -283,6 +276,7 @@ class Adam(Optimizer):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
                 decoupled=bool(self.defaults["decoupled_weight_decay"]),
+                # looked up per call, so tests can swap this module's _kernels
                 owner=weakref.ref(self), kernels=lambda: _kernels(),
                 **self._engine_options)
 

@@ -96,6 +96,20 @@ def run(model, opt, iters, edit=None, micro=1, start=0):
         opt.zero_grad()
 
 
+def train_shadow(shadow, ref, ropt, steps, micro=1):
+    """The reference run: `shadow` (bf16, holding ref's params rounded) makes the
+    grads of `run`'s batches, `ropt` steps the fp32 `ref` with them."""
+    for it in range(steps):
+        for m in range(micro):
+            loss_of(shadow, 10 * it + m, BF16).backward()
+        copy_grads(shadow, ref)
+        ropt.step()
+        shadow.zero_grad()
+        with torch.no_grad():
+            for p, q in zip(shadow.parameters(), ref.parameters()):
+                p.copy_(q)
+
+
 def test_overlap_and_not_are_bitwise_equal_to_the_cpu_class(kernels):
     """Engine (both modes) == the same kernel on fp32 copies, bit for bit."""
     results = []
@@ -108,14 +122,7 @@ def test_overlap_and_not_are_bitwise_equal_to_the_cpu_class(kernels):
     # fed the grads of a bf16 shadow model that holds its params rounded
     shadow, ref = make_pair()
     ropt = offload_adam.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
-    for it in range(3):
-        loss_of(shadow, 10 * it, BF16).backward()
-        copy_grads(shadow, ref)
-        ropt.step()
-        shadow.zero_grad()
-        with torch.no_grad():
-            for p, q in zip(shadow.parameters(), ref.parameters()):
-                p.copy_(q)
+    train_shadow(shadow, ref, ropt, steps=3)
     (m1, o1), (m2, o2) = results
     for p1, p2, q in zip(m1.parameters(), m2.parameters(), ref.parameters()):
         assert torch.equal(p1, p2)
@@ -187,15 +194,7 @@ def test_grad_accumulation_over_micro_batches(kernels):
     model, ref = make_pair()
     ropt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     shadow = copy.deepcopy(model)
-    for it in range(2):
-        for m in range(3):
-            loss_of(shadow, 10 * it + m, BF16).backward()
-        copy_grads(shadow, ref)
-        ropt.step()
-        shadow.zero_grad()
-        with torch.no_grad():
-            for p, q in zip(shadow.parameters(), ref.parameters()):
-                p.copy_(q)
+    train_shadow(shadow, ref, ropt, steps=2, micro=3)
     (m1, o1), (m2, o2) = out
     for p1, p2, q in zip(m1.parameters(), m2.parameters(), ref.parameters()):
         assert torch.equal(p1, p2)
