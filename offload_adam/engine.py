@@ -7,14 +7,24 @@ What runs where, for a param on the GPU (bf16, fp16 or fp32):
                                    host buffer, note (grad tensor, version counter)
     step() (the caller's thread)   1. every param whose grad has no up-to-date host
                                       copy (edited, clipped, scaled, accumulated,
-                                      replaced since) is copied again: redo only that
+                                      replaced since: a new tensor or version) is
+                                      copied again: redo only that; the others get
+                                      their fingerprint compared on the device
+                                      (verify_grads), a check queued per bucket
                                    2. queue one job per bucket on the worker
                                    3. wait for the worker, then make the current stream
                                       wait (GPU side) for the host->device copies
-    worker thread                  per bucket: wait for its grad copies' events, run
-                                   the fused kernel (GIL released) which also writes
-                                   the bf16/fp16 params into staging buffers, queue
-                                   the staging->param copy on the H2D side stream
+    worker thread                  per bucket: wait for its check and copy again the
+                                   grads it found changed (p.grad.data edits and
+                                   GradScaler.unscale_ leave version counters alone),
+                                   wait for its grad copies' events, run the fused
+                                   kernel (GIL released) which also writes the
+                                   bf16/fp16 params into staging buffers, queue the
+                                   staging->param copy on the H2D side stream
+
+The fingerprint check is waited for by the bucket's job, not by step(): the
+CPU starts on the first buckets while the device may still run the end of
+backward.
 
 When does the CPU step start: by default (step_in_backward=False) at step(),
 bucket by bucket. A bucket's grads are only known to be final at step():
@@ -41,7 +51,9 @@ consistent per param) and the others not stepped, and says so.
 
 The same engine runs bf16/fp16 CPU params: the "device copy" is the param and
 each transfer is a plain synchronous copy (engine_device.HostDevice), so all of
-the logic here is tested without a GPU.
+the logic here is tested without a GPU. Grads are the exception: the kernel
+reads the live p.grad (HostDevice.aliases_grads), which needs neither a copy
+nor a check; the tests also run with the copy forced, the GPU's path.
 
 State: optimizer.state[p] holds "step" (0-dim fp32 CPU tensor), "exp_avg",
 "exp_avg_sq" (+ "max_exp_avg_sq") and "master_param", all fp32 on the CPU and
@@ -65,7 +77,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .engine_device import device_for, make_device
+from .engine_device import device_for, grad_fingerprint, make_device
 from .engine_host_memory import HostArenas
 from .engine_profile import StepProfile
 from .engine_worker import Worker
@@ -122,6 +134,7 @@ class _Slot:
         self.copy_version = -1
         self.copy_token = 0
         self.d2h = None
+        self.fingerprint = None            # grad_fingerprint of the grad copied (verify_grads)
         self.sq_sum = None                 # (copy_token, float)
         self.freed = False                 # free_grads_after_copy dropped p.grad
         self.master_d2h = None             # pending master initialisation copy
@@ -135,6 +148,16 @@ class _Slot:
     def has_fresh_copy(self, grad: torch.Tensor) -> bool:
         return (self.copy_of is not None and self.copy_of() is grad
                 and self.copy_version == grad._version)
+
+
+class _Check:
+    """Fingerprint comparisons queued on the device for some slots: `result()`
+    waits for them and lists which changed; `done` is the device event after
+    which a grad may be copied again (the grads' state when it was queued)."""
+
+    def __init__(self, slots, grads, now, result, done):
+        self.slots, self.grads, self.now = slots, grads, now
+        self.result, self.done = result, done
 
 
 class _Bucket:
@@ -171,7 +194,7 @@ class OffloadEngine:
                  amsgrad: Sequence[bool], *, decoupled: bool, overlap: bool = True,
                  bucket_mb: float = 32.0, free_grads_after_copy: bool = False,
                  num_threads: Optional[int] = None, step_in_backward: bool = False,
-                 owner=None, available_host_bytes: Optional[int] = None,
+                 verify_grads: bool = True, owner=None, available_host_bytes: Optional[int] = None,
                  kernels=_kernels):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
@@ -190,9 +213,15 @@ class OffloadEngine:
         self.device = make_device(device_for([_local(p) for p in all_params]))
         self.decoupled = decoupled
         self.overlap = overlap
+        self.step_in_backward = bool(step_in_backward)
+        # CPU params: the kernel reads the live p.grad at step() instead of a
+        # copy, unless an early step must read the grad during backward.
+        self._alias_grads = self.device.aliases_grads and not self.step_in_backward
+        # A copy reused after the call that made it is checked against the grad
+        # (grad_fingerprint): edits that leave version counters alone are seen.
+        self.verify_grads = bool(verify_grads) and not self._alias_grads
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.free_grads_after_copy = free_grads_after_copy
-        self.step_in_backward = bool(step_in_backward)
         self._owner = owner                # weakref to the optimizer (its groups, state)
         self._early_error: Optional[str] = None
         self._num_threads = None if num_threads is None else int(num_threads)
@@ -241,7 +270,8 @@ class OffloadEngine:
             s.amsgrad = amsgrad
             keys = ["master", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
             s._offsets = {k: arenas.reserve("state", torch.float32, s.numel) for k in keys}
-            s._offsets["host_grad"] = arenas.reserve("transfer", s.dtype, s.numel)
+            if not self._alias_grads:
+                s._offsets["host_grad"] = arenas.reserve("transfer", s.dtype, s.numel)
             # A CPU param is its own "device copy": when nothing reads it while the
             # kernel runs (the kernel runs inside step() unless step_in_backward,
             # which must leave params alone until step()), the kernel writes it
@@ -274,8 +304,8 @@ class OffloadEngine:
         for s in order:
             chunks = by_key.setdefault((s.group_index, s.dtype), [[]])
             last = chunks[-1]
-            size = sum(x.numel for x in last) * last[0].host_grad.element_size() if last else 0
-            if last and size + s.numel * s.host_grad.element_size() > self.bucket_bytes:
+            size = sum(x.numel for x in last) * last[0].dtype.itemsize if last else 0
+            if last and size + s.numel * s.dtype.itemsize > self.bucket_bytes:
                 chunks.append([s])
             else:
                 last.append(s)
@@ -385,7 +415,8 @@ class OffloadEngine:
             if grad is None:
                 if not s.freed:
                     return f"the grad of {where} was dropped after it was copied"
-            elif not s.has_fresh_copy(grad) or s.copy_token != s.early_token:
+            elif (not s.has_fresh_copy(grad) or s.copy_token != s.early_token
+                  or self._edited_in_place([s])):
                 return (f"the grad of {where} changed after it was copied during "
                         "backward (edited in place, replaced, clipped or scaled)")
             st = state[s.param]
@@ -453,7 +484,11 @@ class OffloadEngine:
                 s.hooked = s.stepped_early = False
                 s.early_token = 0
 
-    def _copy_grad(self, slot: _Slot, grad: torch.Tensor) -> None:
+    def _copy_grad(self, slot: _Slot, grad: torch.Tensor, fingerprint=None,
+                   after=None) -> None:
+        """Starts the host copy of `grad` (after the work queued on the current
+        stream, or after the device event `after`); `fingerprint` is the grad's
+        when the caller has it."""
         if grad.is_sparse:
             raise RuntimeError(f"offload_adam: param of shape {list(slot.shape)} has "
                                "a sparse grad; sparse grads are not supported")
@@ -463,8 +498,49 @@ class OffloadEngine:
         slot.sq_sum = None
         slot.copy_of = weakref.ref(grad)
         slot.copy_version = grad._version
-        slot.d2h = self.device.d2h(slot.host_grad, _local(grad))
+        local = _local(grad).detach()
+        if self._alias_grads:  # nothing to transfer: the kernel reads the grad itself
+            slot.host_grad = local if local.is_contiguous() else local.contiguous()
+            slot.d2h = None
+            return
+        if self.verify_grads and fingerprint is None:
+            fingerprint = grad_fingerprint(local)
+        slot.fingerprint = fingerprint
+        slot.d2h = self.device.d2h(slot.host_grad, local, after=after)
         self._profile.add_d2h(slot.bucket, slot.d2h)
+
+    def _start_check(self, slots: List[_Slot]) -> Optional["_Check"]:
+        """Queues the comparison of each slot's grad (up to date by version and
+        identity) with its fingerprint, on the device, without waiting for it."""
+        slots = [s for s in slots if s.fingerprint is not None]
+        if not slots:
+            return None
+        grads = [s.param.grad for s in slots]
+        now = [grad_fingerprint(_local(g)) for g in grads]
+        changed = torch.stack(now) != torch.stack([s.fingerprint for s in slots])
+        result, done = self.device.fetch(changed)
+        return _Check(slots, grads, now, result, done)
+
+    def _redo_changed(self, check: Optional["_Check"]) -> None:
+        """Waits for `check` and copies again the grads it found changed (after
+        the device work that was queued when the check was)."""
+        if check is None:
+            return
+        for s, g, fp, changed in zip(check.slots, check.grads, check.now, check.result()):
+            if changed:
+                self._copy_grad(s, g, fingerprint=fp, after=check.done)
+
+    def _edited_in_place(self, slots: List[_Slot]) -> List[_Slot]:
+        """The slots whose grad no longer matches its fingerprint (waits)."""
+        check = self._start_check(slots)
+        if check is None:
+            return []
+        return [s for s, c in zip(check.slots, check.result()) if c]
+
+    @property
+    def sees_in_place_edits(self) -> bool:
+        """Whether a grad changed without a version bump is noticed."""
+        return self._alias_grads or self.verify_grads
 
     def _sq_sum_job(self, slot: _Slot, token: int) -> None:
         self.device.wait_host(slot.d2h)
@@ -473,10 +549,16 @@ class OffloadEngine:
         if slot.copy_token == token:
             slot.sq_sum = (token, value)
 
-    def _current_grads(self) -> List[_Slot]:
+    def _current_grads(self, checks: Optional[dict] = None) -> List[_Slot]:
         """Slots that take part in this step, each with an up-to-date host copy
-        of its grad (redoing the copies that went stale since backward)."""
-        ready = []
+        of its grad (redoing the copies that went stale since backward: a new
+        tensor, a version bump or, with verify_grads, a changed fingerprint).
+
+        The fingerprint comparisons need the device's result. With `checks` (a
+        dict) they are only queued, one per bucket, into checks[bucket index]
+        for the bucket's job to wait for (_redo_changed): step() must not wait
+        for the rest of backward on the device before the CPU starts."""
+        ready, reused = [], []
         for s in self.slots:
             grad = s.param.grad
             if grad is None:
@@ -484,9 +566,22 @@ class OffloadEngine:
                     ready.append(s)
                 continue
             s.freed = False  # the user gave it a new grad after we freed one
-            if not s.has_fresh_copy(grad):
+            if self._alias_grads or not s.has_fresh_copy(grad):
                 self._copy_grad(s, grad)
+            else:
+                reused.append(s)
             ready.append(s)
+        if checks is None:
+            for s in self._edited_in_place(reused):
+                self._copy_grad(s, s.param.grad)
+            return ready
+        by_bucket: Dict[int, List[_Slot]] = {}
+        for s in reused:
+            by_bucket.setdefault(s.bucket, []).append(s)
+        for index, slots in by_bucket.items():
+            check = self._start_check(slots)
+            if check is not None:
+                checks[index] = check
         return ready
 
     # ---- clipping: norms from the host copies --------------------------------
@@ -495,7 +590,8 @@ class OffloadEngine:
         """Sum of squares of all current grads (inf/NaN propagate), from the host
         copies: no second transfer and no GPU work."""
         self._drain()
-        self._want_norms = self.overlap  # gather them while streaming from now on
+        # gather them while streaming from now on (aliased grads: at the call)
+        self._want_norms = self.overlap and not self._alias_grads
         slots = self._current_grads()
         missing = [s for s in slots if s.sq_sum is None or s.sq_sum[0] != s.copy_token]
         for s in missing:
@@ -512,9 +608,9 @@ class OffloadEngine:
 
     # ---- step ----------------------------------------------------------------
 
-    def _drain(self) -> None:
+    def _drain(self, finish: bool = False) -> None:
         if self._worker is not None:
-            self._worker.drain()
+            self._worker.drain(finish)
 
     def _run(self, job) -> None:
         if self._worker is not None:
@@ -548,7 +644,8 @@ class OffloadEngine:
             self._hook_order = []
         self.device.fence()
         with torch.no_grad():
-            ready = self._current_grads()
+            checks: Dict[int, _Check] = {}
+            ready = self._current_grads(checks)
             early = [s for s in ready if s.stepped_early]
             ready_late = [s for s in ready if not s.stepped_early]
             self._add_amsgrad_buffers(
@@ -568,8 +665,8 @@ class OffloadEngine:
                     if slots:
                         hyper = _hyper(param_groups[b.group_index], self.decoupled)
                         self._run(lambda b=b, slots=slots, hyper=hyper: self._step_bucket(
-                            b, slots, hyper, grad_scale, threads, profile))
-                self._drain()
+                            b, slots, hyper, grad_scale, threads, profile, checks.get(b.index)))
+                self._drain(finish=True)  # all buckets or, after a second ^C, fewer
             finally:
                 # Even when a bucket failed or the user interrupted: the copies
                 # already queued must be waited for before anyone reads the params.
@@ -580,6 +677,8 @@ class OffloadEngine:
             if s.freed:  # consumed: a second step() without backward skips it
                 s.freed = False
                 s.copy_of = None
+            if self._alias_grads:  # do not keep the grad alive past zero_grad()
+                s.host_grad = None
         profile.exposed_s = time.perf_counter() - t_enter
         self._last_profile, self._profile = profile, StepProfile()
 
@@ -632,7 +731,9 @@ class OffloadEngine:
             st[MASTER_KEY] = s.master
 
     def _step_bucket(self, bucket: _Bucket, slots: List[_Slot], hyper: tuple,
-                     grad_scale: float, threads: int, profile: StepProfile) -> None:
+                     grad_scale: float, threads: int, profile: StepProfile,
+                     check: Optional["_Check"] = None) -> None:
+        self._redo_changed(check)
         self._kernel_step(bucket, slots, hyper, grad_scale, threads, profile)
         self._write_params(bucket, slots, profile)
 
@@ -685,6 +786,8 @@ class OffloadEngine:
                 "after free_grads_after_copy=True freed them; with that option let "
                 "GradScaler.step unscale (do not call unscale_) and clip with "
                 "max_grad_norm=")
+        if self.sees_in_place_edits:
+            return  # the next step sees the change by itself
         for s in self.slots:
             s.copy_of = None
 

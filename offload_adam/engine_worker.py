@@ -51,25 +51,40 @@ class Worker:
         if error is not None:
             raise error
 
-    def drain(self) -> None:
+    def drain(self, finish: bool = False) -> None:
         """Waits until every submitted job ran, then re-raises a job's error.
 
         The wait wakes up regularly so that KeyboardInterrupt reaches the
-        caller; on any interruption the jobs not yet started are cancelled
-        (the one running finishes: a kernel cannot be stopped halfway), so the
-        next call does not wait for work nobody wants."""
+        caller. On an interruption the jobs not yet started are cancelled (the
+        one running finishes: a kernel cannot be stopped halfway), so the next
+        call does not wait for work nobody wants. With finish=True (the jobs of
+        one step) the first interruption instead lets every queued job run
+        before it is re-raised, so the step is all or nothing; a second one
+        cancels what has not started."""
         try:
-            with self._lock:
-                while self._pending:
-                    self._idle.wait(0.1)
+            self._wait()
         except BaseException:
-            self.cancelled = True
-            with self._lock:
-                while self._pending:
-                    self._idle.wait(0.1)
-            self.cancelled = False
+            if not (finish and self._wait_once_more()):
+                self.cancelled = True
+                try:
+                    self._wait()
+                finally:
+                    self.cancelled = False
             raise
         self.raise_pending()
+
+    def _wait(self) -> None:
+        with self._lock:
+            while self._pending:
+                self._idle.wait(0.1)
+
+    def _wait_once_more(self) -> bool:
+        """True when every job finished, False when interrupted again."""
+        try:
+            self._wait()
+        except BaseException:
+            return False
+        return True
 
     def close(self) -> None:
         self._jobs.put(_STOP)

@@ -145,6 +145,13 @@ class Adam(Optimizer):
         one for CUDA params (the thread driving the GPU keeps a core).
       max_grad_norm (None): clip the grads' total 2-norm to this in every step,
         inside the kernel (no pass over the grads on the device).
+      verify_grads (True): a grad copied to the host before step() (during
+        backward, or by opt.clip_grad_norm_) is checked at its next use against
+        a fingerprint taken when it was copied, so that in-place changes that
+        leave its version counter alone (p.grad.data edits, GradScaler.unscale_)
+        are copied again instead of missed. Costs one read of the grads on the
+        device per step; turn it off only if nothing edits grads through .data.
+        (bf16/fp16 CPU params need no check: the kernel reads the live p.grad.)
       step_in_backward (False): start each bucket's CPU step during backward, as
         soon as every param of it that got a grad in the previous backward has
         its grad on the host (from the second step on), instead of at step().
@@ -165,7 +172,8 @@ class Adam(Optimizer):
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
                  overlap=True, bucket_mb=32.0, free_grads_after_copy=False,
-                 num_threads=None, max_grad_norm=None, step_in_backward=False):
+                 num_threads=None, max_grad_norm=None, step_in_backward=False,
+                 verify_grads=True):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
@@ -182,6 +190,7 @@ class Adam(Optimizer):
             "overlap": bool(overlap), "bucket_mb": float(bucket_mb),
             "free_grads_after_copy": bool(free_grads_after_copy),
             "num_threads": num_threads, "step_in_backward": bool(step_in_backward),
+            "verify_grads": bool(verify_grads),
         }
         self.max_grad_norm = max_grad_norm
         self._clip_coef = None
@@ -381,7 +390,7 @@ class Adam(Optimizer):
             # GradScaler.unscale_ ran: it divides the grads in place without
             # bumping their version counters, so the host copies are stale.
             self._engine.invalidate_copies()
-            if self._clip_coef is not None:
+            if self._clip_coef is not None and not self._engine.sees_in_place_edits:
                 raise RuntimeError(
                     "offload_adam: opt.clip_grad_norm_ was called after "
                     "GradScaler.unscale_(opt), which changes grads invisibly to it; "
@@ -620,14 +629,14 @@ class AdamW(Adam):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, overlap=True, bucket_mb=32.0,
                  free_grads_after_copy=False, num_threads=None, max_grad_norm=None,
-                 step_in_backward=False):
+                 step_in_backward=False, verify_grads=True):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, overlap=overlap, bucket_mb=bucket_mb,
                          free_grads_after_copy=free_grads_after_copy,
                          num_threads=num_threads, max_grad_norm=max_grad_norm,
-                         step_in_backward=step_in_backward)
+                         step_in_backward=step_in_backward, verify_grads=verify_grads)
 
     def __setstate__(self, state):
         super().__setstate__(state)

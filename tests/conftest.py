@@ -22,3 +22,15 @@ def kernels():
     from offload_adam._build import load_kernels
 
     return load_kernels()
+
+
+@pytest.fixture(params=["live-grad", "copied-grad"])
+def grad_path(request, monkeypatch):
+    """The two ways the engine gets a grad. bf16/fp16 CPU params hand the kernel
+    the live p.grad; a GPU copies each grad to the host during backward and
+    checks the copy (version, identity, fingerprint) when it is reused. Forcing
+    the copy on CPU runs the GPU's logic without one."""
+    from offload_adam.engine_device import HostDevice
+
+    monkeypatch.setattr(HostDevice, "aliases_grads", request.param == "live-grad")
+    return request.param

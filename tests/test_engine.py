@@ -7,11 +7,15 @@ offload_adam.AdamW on fp32 CPU copies: the same kernel without the engine, so
 equal bit for bit.
 """
 import copy
+import threading
 
 import pytest
 import torch
 
 import offload_adam
+
+# Every test runs on both grad paths (conftest.grad_path).
+pytestmark = pytest.mark.usefixtures("grad_path")
 
 BF16 = torch.bfloat16
 
@@ -149,6 +153,17 @@ def _edit_one(model, opt):
     model.head.weight.grad[0].fill_(0.25)
 
 
+def _edit_data(model, opt):
+    model.head.weight.grad.data.mul_(-3)  # .data: a new version counter, no bump
+
+
+def _unscale_in_place(model, opt):
+    # GradScaler.unscale_'s op: changes the grads and bumps no version counter
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        grads, torch.zeros(1), torch.full((1,), 0.25))
+
+
 def _drop_one(model, opt):
     model.head.bias.grad = None
 
@@ -157,30 +172,103 @@ def _replace_one(model, opt):
     model.embed.weight.grad = model.embed.weight.grad * 3
 
 
-@pytest.mark.parametrize("edit", [_clip, _scale, _edit_one, _drop_one, _replace_one])
+EDITS = [_clip, _scale, _edit_one, _edit_data, _unscale_in_place, _drop_one, _replace_one]
+
+
+def _edited_runs(edit, **options):
+    """The params after two steps with `edit` between backward and step, with
+    overlap=True (options) and with overlap=False (everything inside step())."""
+    out = []
+    for overlap in (True, False):
+        model, _ = make_pair()
+        opt = offload_adam.AdamW(model.parameters(), overlap=overlap, eps=1e-2,
+                                 **{**OPTS, **options})
+        run(model, opt, 2, edit=edit)
+        out.append(list(model.parameters()))
+    return out
+
+
+@pytest.mark.parametrize("edit", EDITS)
 def test_changes_between_backward_and_step_are_seen(kernels, edit):
     """Whatever happens to p.grad after backward, the step uses what is there at
     step(): compare with overlap=False, which copies everything inside step().
     (eps is large so that scaling a grad changes Adam's update.)"""
-    out = []
-    for overlap in (True, False):
-        model, _ = make_pair()
-        opt = offload_adam.AdamW(model.parameters(), overlap=overlap, eps=1e-2, **OPTS)
-        run(model, opt, 2, edit=edit)
-        out.append(model)
-    for p, q in zip(out[0].parameters(), out[1].parameters()):
+    a, b = _edited_runs(edit)
+    for p, q in zip(a, b):
         assert torch.equal(p, q)
 
 
-def test_only_changed_grads_are_copied_again(kernels):
+@pytest.mark.parametrize("edit", [_edit_data, _unscale_in_place])
+def test_hidden_edits_are_caught_by_the_fingerprint(kernels, grad_path, edit):
+    """Without verify_grads a copied grad changed behind its version counter is
+    missed (the check above would fail): the fingerprint is what sees it. Live
+    grads need no check."""
+    a, b = _edited_runs(edit, verify_grads=False)
+    same = all(torch.equal(p, q) for p, q in zip(a, b))
+    assert same == (grad_path == "live-grad")
+
+
+def test_only_changed_grads_are_copied_again(kernels, grad_path):
     model, _ = make_pair()
     opt = offload_adam.AdamW(model.parameters(), **OPTS)
     loss_of(model, 0, BF16).backward()
     tokens = {id(s): s.copy_token for s in opt._engine.slots}
     model.head.weight.grad.mul_(2)
+    model.head.bias.grad.data.mul_(2)
+    seen = []
+    real = opt._engine._kernels
+    opt._engine._kernels = lambda: _Spy(real(), seen)
     opt.step()
     changed = [s for s in opt._engine.slots if s.copy_token != tokens[id(s)]]
-    assert [s.param for s in changed] == [model.head.weight]
+    if grad_path == "copied-grad":
+        assert [s.param for s in changed] == [model.head.weight, model.head.bias]
+    else:  # nothing is copied: the kernel reads each grad where it is
+        grads = {p.grad.data_ptr() for p in model.parameters() if p.grad is not None}
+        assert seen and set(seen) == grads
+        assert all(s.host_grad is None for s in opt._engine.slots)  # not kept alive
+
+
+def test_fingerprint_checks_are_waited_for_by_the_bucket_jobs(kernels, grad_path):
+    """step() only queues the comparisons; each bucket's job waits for its own
+    (on a GPU, step() must not wait for the rest of backward)."""
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    engine = opt._engine
+    waited_in = []
+    fetch = engine.device.fetch
+
+    def recording_fetch(t):
+        result, done = fetch(t)
+
+        def recorded():
+            waited_in.append(threading.current_thread().name)
+            return result()
+        return recorded, done
+
+    engine.device.fetch = recording_fetch
+    loss_of(model, 0, BF16).backward()
+    model.head.bias.grad.data.mul_(2)
+    opt.step()
+    if grad_path == "live-grad":
+        assert waited_in == []
+    else:
+        assert waited_in and set(waited_in) == {"offload_adam-worker"}
+        assert len(waited_in) == len({s.bucket for s in engine.slots
+                                      if s.param.grad is not None})
+
+
+class _Spy:
+    """The kernels, noting the address of every grad adam_step reads."""
+
+    def __init__(self, kernels, seen):
+        self._kernels, self._seen = kernels, seen
+
+    def adam_step(self, params, grads, *args):
+        self._seen.extend(g.data_ptr() for g in grads)
+        return self._kernels.adam_step(params, grads, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
 
 
 def test_grad_accumulation_over_micro_batches(kernels):
@@ -316,21 +404,24 @@ def test_del_optimizer_frees_buffers_and_hooks(kernels):
 
 
 @pytest.mark.parametrize("early", [False, True])
-def test_profile_and_host_bytes(kernels, early):
+def test_profile_and_host_bytes(kernels, grad_path, early):
     model, _ = make_pair()
     opt = offload_adam.AdamW(model.parameters(), **OPTS, step_in_backward=early)
     assert opt.last_step_profile is None
     n = sum(p.numel() for p in model.parameters())
-    # master + 2 moments (fp32) + host grad (bf16), plus alignment; a staging
-    # buffer (bf16) only when the kernel may run while backward reads the params:
-    # otherwise a CPU param is written by the kernel directly, with no copy.
-    per_param = 16 if early else 14
+    # master + 2 moments (fp32), plus alignment; a host grad (bf16) when grads
+    # are copied (a live grad is read in place, except for early steps); a
+    # staging buffer (bf16) only when the kernel may run while backward reads
+    # the params: otherwise a CPU param is written by the kernel directly.
+    copied = early or grad_path == "copied-grad"
+    per_param = 12 + 2 * copied + 2 * early
     assert per_param * n <= opt.host_bytes() < per_param * n + 64 * 5 * len(list(model.parameters()))
     run(model, opt, 1)
     prof = opt.last_step_profile
     assert set(prof) == {"d2h_s", "cpu_step_s", "h2d_s", "exposed_s", "timeline"}
     phases = {r["phase"] for r in prof["timeline"]}
-    assert phases == ({"d2h", "cpu_step", "h2d"} if early else {"d2h", "cpu_step"})
+    assert phases == {"d2h", "cpu_step", "h2d"} - ({"h2d"} if not early else set()) \
+        - ({"d2h"} if not copied else set())
     for r in prof["timeline"]:
         assert r["end_s"] >= r["start_s"] and isinstance(r["bucket"], int)
     assert prof["exposed_s"] >= prof["cpu_step_s"] > 0
@@ -358,7 +449,7 @@ def test_free_grads_after_copy(kernels):
         loss_of(model, 1, BF16).backward()
 
 
-def _scaler_run(overlap, unscale, clip=None, max_grad_norm=None):
+def _scaler_run(overlap, unscale, clip=None, max_grad_norm=None, opt_clip=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
                                 torch.nn.Linear(16, 4)).to(BF16)
@@ -374,10 +465,24 @@ def _scaler_run(overlap, unscale, clip=None, max_grad_norm=None):
             scaler.unscale_(opt)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if opt_clip:
+            opt.clip_grad_norm_(opt_clip)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
     return opt, list(model.parameters())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_opt_clip_after_unscale(kernels, overlap):
+    """opt.clip_grad_norm_ after GradScaler.unscale_ sees the unscaled grads
+    (fingerprints, or live grads) and equals clipping inside the kernel with
+    the grads still scaled (the scale is a power of two: bitwise)."""
+    o1, a = _scaler_run(True, unscale=False, max_grad_norm=0.5)
+    o2, b = _scaler_run(overlap, unscale=True, opt_clip=0.5)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        assert torch.equal(o1.state[p]["master_param"], o2.state[q]["master_param"])
 
 
 def test_grad_scaler(kernels):
@@ -399,3 +504,25 @@ def test_grad_scaler(kernels):
     for p, q in zip(d, e):
         torch.testing.assert_close(o1.state[p]["master_param"], o2.state[q]["master_param"],
                                    rtol=0, atol=3e-4)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+@pytest.mark.parametrize("chunk", [64, 1 << 22])
+def test_grad_fingerprint(monkeypatch, dtype, chunk):
+    """The fingerprint moves for the edits a user makes through .data, also
+    those that keep the sum of the bit patterns (negating a tensor with as many
+    positive as negative elements), and not for an untouched or copied grad."""
+    from offload_adam import engine_device
+
+    monkeypatch.setattr(engine_device, "_FINGERPRINT_CHUNK", chunk)
+    fp = engine_device.grad_fingerprint
+    half = torch.rand(500, generator=torch.Generator().manual_seed(0)) + 0.5
+    g = torch.cat([half, -half]).to(dtype)
+    base = fp(g)
+    assert torch.equal(base, fp(g.clone()))
+    one_ulp = g.clone()
+    one_ulp.view(torch.int16 if g.element_size() == 2 else torch.int32)[7] += 1
+    for edited in (-g, g * 2, one_ulp, g.clamp(-1, 1), torch.zeros_like(g)):
+        assert not torch.equal(fp(edited), base)
+    wide = torch.stack([g, g])  # non-contiguous columns
+    assert torch.equal(fp(wide.t()), fp(wide.t().contiguous()))

@@ -13,6 +13,9 @@ import torch
 
 import offload_adam
 
+# Every test runs on both grad paths (conftest.grad_path).
+pytestmark = pytest.mark.usefixtures("grad_path")
+
 from test_engine import BF16, TinyTransformer, loss_of
 
 OPTS = dict(lr=3e-3, weight_decay=0.1, bucket_mb=0.01)
@@ -109,6 +112,10 @@ def _replaced(model, opt):
     model.head.weight.grad = model.head.weight.grad.clone()
 
 
+def _data_edit(model, opt):
+    model.head.weight.grad.data.mul_(0.5)  # no version bump: the fingerprint sees it
+
+
 def _dropped(model, opt):
     model.head.weight.grad = None
 
@@ -129,6 +136,7 @@ def _reloaded(model, opt):
 CHANGES = {
     "scaled": (_scaled, "changed after it was copied"),
     "replaced": (_replaced, "changed after it was copied"),
+    ".data edit": (_data_edit, "changed after it was copied"),
     "dropped": (_dropped, "was dropped"),
     "torch clip": (_torch_clip, "changed after it was copied"),
     "lr": (_lr, r"param group 1's hyperparameters changed after its step started \(lr 0.01 -> 0.005"),

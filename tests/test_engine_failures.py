@@ -14,6 +14,9 @@ from offload_adam.engine_device import device_for
 from offload_adam.engine_host_memory import HostArenas, check_host_memory
 from offload_adam.engine_worker import Worker
 
+# Every test runs on both grad paths (conftest.grad_path).
+pytestmark = pytest.mark.usefixtures("grad_path")
+
 BF16 = torch.bfloat16
 
 
@@ -80,24 +83,48 @@ def test_worker_drain_survives_keyboard_interrupt():
     w.close()
 
 
-def test_keyboard_interrupt_in_step_then_training_goes_on(kernels):
-    model = make_model()
-    opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.0001)
+def _slow_kernels(opt, seconds):
     real = opt._engine._kernels
 
     class Slow:
         def adam_step(self, *args):
-            time.sleep(0.3)
+            time.sleep(seconds)
             return real().adam_step(*args)
 
         def grad_sq_sums(self, *args):
             return real().grad_sq_sums(*args)
 
     opt._engine._kernels = lambda: Slow()
+    return real
+
+
+def _interrupt_main(*delays):
+    for d in delays:
+        threading.Timer(d, _thread.interrupt_main).start()
+
+
+@pytest.mark.parametrize("interrupts", [1, 2])
+def test_keyboard_interrupt_in_step_then_training_goes_on(kernels, interrupts):
+    """One ^C in step(): every bucket is still stepped, then KeyboardInterrupt
+    (the step is all or nothing). A second ^C gives up on the buckets not
+    started; each param is then stepped or not, never half. Either way the
+    next iteration runs."""
+    model = make_model()
+    opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.0001)
+    real = _slow_kernels(opt, 0.3)
     loss_of(model, 0).backward()
-    threading.Timer(0.1, _thread.interrupt_main).start()
+    _interrupt_main(*[0.1, 0.5][:interrupts])
     with pytest.raises(KeyboardInterrupt):
         opt.step()
+    steps = [float(opt.state[p]["step"]) if opt.state.get(p) else 0.0
+             for p in model.parameters()]
+    if interrupts == 1:
+        assert steps == [1.0] * len(steps)
+    else:
+        assert 0 < sum(steps) < len(steps) and set(steps) <= {0.0, 1.0}
+    for p in model.parameters():
+        if opt.state.get(p) and float(opt.state[p]["step"]) == 1.0:
+            assert torch.equal(p, opt.state[p]["master_param"].to(BF16))
     opt._engine._kernels = real
     opt.zero_grad()
     loss_of(model, 1).backward()

@@ -73,6 +73,23 @@ def test_overlap_matches_no_overlap_and_torch(micro):
         torch.testing.assert_close(o1.state[p]["master_param"], r.cpu(), rtol=1e-5, atol=1e-6)
 
 
+def test_hidden_grad_edits_are_seen():
+    """p.grad.data edits (no version bump) between backward and step: the
+    fingerprint check copies those grads again; equal to overlap=False."""
+    def edit(model):
+        for p in list(model.parameters())[::2]:
+            p.grad.data.mul_(-2)
+    runs = []
+    for overlap in (True, False):
+        model = make_model()
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-3, eps=1e-2, overlap=overlap,
+                                 bucket_mb=0.05)
+        train(model, opt, 3, edit=edit)
+        runs.append(model)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        assert torch.equal(p, q)
+
+
 def test_no_optimizer_memory_on_the_gpu():
     model = make_model(width=1024)
     opt = offload_adam.AdamW(model.parameters(), bucket_mb=1)
