@@ -28,12 +28,16 @@ class Worker:
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         self.cancelled = False
+        self._closed = False
         self._thread = threading.Thread(target=_run, name=name, daemon=True,
                                         args=(self._jobs, self))
         self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
         with self._lock:
+            if self._closed:  # no thread would ever run it: drain() would wait forever
+                raise RuntimeError("offload_adam: this optimizer's engine was closed; "
+                                   "build a new optimizer")
             self._pending += 1
         self._jobs.put(job)
 
@@ -87,6 +91,8 @@ class Worker:
         return True
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._jobs.put(_STOP)
 
 

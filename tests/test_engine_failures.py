@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import offload_adam
+from small_mlp import loss_of, make_model
 from offload_adam import engine as engine_module
 from offload_adam.engine_device import device_for
 from offload_adam.engine_host_memory import HostArenas, check_host_memory
@@ -18,17 +19,6 @@ from offload_adam.engine_worker import Worker
 pytestmark = pytest.mark.usefixtures("grad_path")
 
 BF16 = torch.bfloat16
-
-
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 4)).to(BF16)
-
-
-def loss_of(model, seed):
-    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed)).to(BF16)
-    return model(x).float().pow(2).sum()
 
 
 class Boom(ValueError):

@@ -18,8 +18,8 @@ def bench_run(tmp_path_factory):
     from offload_adam._build import load_kernels
     load_kernels()
     out = tmp_path_factory.mktemp("step_bench")
-    cmd = [sys.executable, str(SCRIPT), "--numel", "5003", "--tensors", "3", "--steps", "2", "--warmup", "1",
-           "--rounds", "2", "--threads", "1", "--tag", "pytest", "--out", str(out), "--no-plot",
+    cmd = [sys.executable, str(SCRIPT), "--numel", "5003", "--tensors", "3", "--steps", "4", "--warmup", "1",
+           "--threads", "1", "--tag", "pytest", "--out", str(out), "--no-plot",
            "--no-deepspeed"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -39,7 +39,7 @@ def test_table_header_and_machine_line(bench_run):
 
 def test_json_schema(bench_run):
     _, doc = bench_run
-    assert doc["schema"] == "offload_adam.step_bench/1"
+    assert doc["schema"] == "offload_adam.step_bench/2"
     m = doc["machine"]
     for key in ("host", "date", "cpu_model", "logical_cpus", "threads", "isas_supported", "isa_default",
                 "torch", "cpu_flags", "deepspeed"):
@@ -60,7 +60,7 @@ def test_json_schema(bench_run):
 def test_numbers_consistent(bench_run):
     _, doc = bench_run
     n = doc["config"]["numel"]
-    expected_samples = doc["config"]["steps"] * doc["config"]["rounds"]
+    expected_samples = doc["config"]["steps"]
     for case, res in doc["cases"].items():
         ok = {r["name"]: r for r in res["results"] if r["status"] == "ok"}
         # Our kernels, the limits and torch must all have run; only optional peers may be unavailable.
@@ -87,3 +87,14 @@ def test_numbers_consistent(bench_run):
         for name, r in ok.items():
             if r["kind"] == "torch":
                 assert math.isclose(ratios[f"ours_vs[{name}]"], r["median_s"] / best["median_s"], rel_tol=1e-9)
+        # paired ratios: the median over passes of the two times of the same pass
+        paired = res["ratios_paired"]
+        per_pass = sorted(a / b for a, b in zip(limit["times_s"], best["times_s"]))
+        assert math.isclose(paired["ours_vs_limit"], (per_pass[1] + per_pass[2]) / 2, rel_tol=1e-9)
+        torch_rows = [r for r in ok.values() if r["kind"] == "torch"]
+        fastest = [min(r["times_s"][i] for r in torch_rows) for i in range(expected_samples)]
+        per_pass = sorted(t / o for t, o in zip(fastest, best["times_s"]))
+        assert math.isclose(paired["ours_vs_torch_best"], (per_pass[1] + per_pass[2]) / 2, rel_tol=1e-9)
+        for r in ok.values():
+            if r["kind"] == "ours":
+                assert f"{r['name']}_vs_limit[{r['isa']}]" in paired
