@@ -28,7 +28,7 @@ optimizer state is pre-filled with the same moments as ours) and warm-up steps b
 touch 1.8 GB per step, far beyond any cache, so one contender's warm caches cannot help the next.
 
 Interleaving: all contenders are set up at once (~1 GiB each at 64M params), then each pass times one step
-of every contender, in an order that rotates from pass to pass. On a shared VM the memory bandwidth drifts
+of every contender, in an order shuffled anew for every pass (seeded). On a shared VM the memory bandwidth drifts
 by several percent over seconds; contenders timed seconds apart would compare different machines. Each
 ratio is therefore also reported *paired*: the median over passes of the ratio of the two contenders' times
 in the same pass (a second or so apart). The paired ratios are the ones the targets are judged on; the
@@ -45,6 +45,7 @@ import gc
 import json
 import os
 import platform
+import random
 import re
 import socket
 import statistics
@@ -70,7 +71,7 @@ def parse_args(argv=None):
     ap.add_argument("--tensors", type=int, default=8, help="split the params into this many tensors")
     ap.add_argument("--threads", type=int, default=0, help="threads for every contender (default: all cores)")
     ap.add_argument("--steps", type=int, default=50,
-                    help="timed passes: each times one step of every contender (order rotates)")
+                    help="timed passes: each times one step of every contender (order shuffled)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per contender before the passes")
     ap.add_argument("--cases", default="fp32,mixed", help="comma-separated subset of fp32,mixed")
     ap.add_argument("--tag", default="", help="results file suffix (default: host name)")
@@ -294,9 +295,12 @@ def run_case(case, contenders, unavailable):
     gc.collect()
     names = [c[0] for c in contenders if c[0] in steps]
     times = {c[0]: [] for c in contenders}
+    order = random.Random(1234)
     for i in range(ARGS.steps):
-        k = i % max(len(names), 1)
-        for name in names[k:] + names[:k]:
+        # A fresh order each pass: which contender runs before which (and leaves its dirty cache lines
+        # and clock state behind) changes, so no contender always follows the same one.
+        order.shuffle(names)
+        for name in names:
             if name in errors:
                 continue
             try:

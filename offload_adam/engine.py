@@ -80,7 +80,7 @@ import torch
 from .engine_device import device_for, grad_fingerprint, make_device
 from .engine_host_memory import HostArenas
 from .engine_profile import StepProfile
-from .engine_worker import Worker
+from .engine_worker import Worker, interrupts_deferred
 
 MASTER_KEY = "master_param"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -237,7 +237,10 @@ class OffloadEngine:
         self._hook_order: List[_Slot] = []
         self._rebucketed = False
         self._want_norms = False
-        self._worker = Worker() if overlap else None
+        # CPU params with live grads have nothing to overlap: their step runs on
+        # the caller's thread (a kernel run from a second thread slowed the next
+        # forward and backward by ~30% on 2 cores in the end-to-end benchmark).
+        self._worker = Worker() if overlap and not self._alias_grads else None
         # Ends the worker, removes the hooks and unpins when the optimizer goes
         # (or when this constructor fails), holding nothing that keeps the engine
         # alive: the lists are the engine's own, filled in later.
@@ -657,16 +660,20 @@ class OffloadEngine:
             done_early = set(map(id, early))
             threads = self._threads()
             try:
-                for b in self.buckets:
-                    stepped = [s for s in b.slots if id(s) in done_early]
-                    if stepped:  # stepped during backward: only the params to write
-                        self._write_params(b, stepped, profile)
-                    slots = [s for s in b.slots if id(s) in take]
-                    if slots:
-                        hyper = _hyper(param_groups[b.group_index], self.decoupled)
-                        self._run(lambda b=b, slots=slots, hyper=hyper: self._step_bucket(
-                            b, slots, hyper, grad_scale, threads, profile, checks.get(b.index)))
-                self._drain(finish=True)  # all buckets or, after a second ^C, fewer
+                with interrupts_deferred() as deferring:
+                    for b in self.buckets:
+                        stepped = [s for s in b.slots if id(s) in done_early]
+                        if stepped:  # stepped during backward: only the params to write
+                            self._write_params(b, stepped, profile)
+                        slots = [s for s in b.slots if id(s) in take]
+                        if slots:
+                            hyper = _hyper(param_groups[b.group_index], self.decoupled)
+                            self._run(lambda b=b, slots=slots, hyper=hyper: self._step_bucket(
+                                b, slots, hyper, grad_scale, threads, profile,
+                                checks.get(b.index)))
+                    # all buckets, or fewer after a second ^C (with the default
+                    # handler the first one is held until the step is done)
+                    self._drain(finish=not deferring)
             finally:
                 # Even when a bucket failed or the user interrupted: the copies
                 # already queued must be waited for before anyone reads the params.

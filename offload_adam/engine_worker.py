@@ -13,9 +13,11 @@ reference to the engine, so deleting the optimizer ends it (see `close`).
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import signal
 import threading
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 _STOP = object()
 
@@ -94,6 +96,39 @@ class Worker:
         with self._lock:
             self._closed = True
         self._jobs.put(_STOP)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[bool]:
+    """Makes a step all or nothing under Ctrl-C: on the main thread with
+    Python's default SIGINT handler, the first SIGINT inside the block is held
+    until the block ends and then raised as KeyboardInterrupt; a second one is
+    raised at once (the user insists: the buckets not started are left alone).
+    Yields whether it is deferring (elsewhere, or under a handler of the
+    user's, signals keep their usual course). Nested blocks share the outer
+    one's hold."""
+    current = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if getattr(current, "offload_adam_hold", False):
+        yield True
+        return
+    if current is not signal.default_int_handler:
+        yield False
+        return
+    held = []
+
+    def hold(signum, frame):
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+    hold.offload_adam_hold = True
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield True
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _run(jobs: "queue.Queue", worker: Worker) -> None:

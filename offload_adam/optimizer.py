@@ -39,6 +39,7 @@ import torch
 from torch.optim import Optimizer
 
 from .engine import OffloadEngine, _kernels, clip_coefficient
+from .engine_worker import interrupts_deferred
 
 __all__ = ["Adam", "AdamW"]
 
@@ -149,8 +150,10 @@ class Adam(Optimizer):
         backward, or by opt.clip_grad_norm_) is checked at its next use against
         a fingerprint taken when it was copied, so that in-place changes that
         leave its version counter alone (p.grad.data edits, GradScaler.unscale_)
-        are copied again instead of missed. Costs one read of the grads on the
-        device per step; turn it off only if nothing edits grads through .data.
+        are copied again instead of missed. Costs two passes over the grads on
+        the device per step (at the copy, and at reuse in step()), ~12 ms per
+        billion params each on an H100 (estimated); turn it off only if nothing
+        edits grads behind their version counters.
         (bf16/fp16 CPU params need no check: the kernel reads the live p.grad.)
       step_in_backward (False): start each bucket's CPU step during backward, as
         soon as every param of it that got a grad in the previous backward has
@@ -405,10 +408,11 @@ class Adam(Optimizer):
         self._clip_coef = None
 
         num_threads = torch.get_num_threads()
-        for index, group in enumerate(self.param_groups):
-            self._step_group_cpu(index, group, scale, num_threads)
-        if self._engine is not None:
-            self._engine.step(self.param_groups, self.state, grad_scale=scale)
+        with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
+            for index, group in enumerate(self.param_groups):
+                self._step_group_cpu(index, group, scale, num_threads)
+            if self._engine is not None:
+                self._engine.step(self.param_groups, self.state, grad_scale=scale)
         return loss
 
     def _step_group_cpu(self, index, group, inv_scale, num_threads):

@@ -1,6 +1,7 @@
 """The offload engine when things go wrong: worker errors, interrupts, a backward
 that raises halfway, too little host memory, failed pinning, mixed devices."""
 import _thread
+import signal
 import threading
 import time
 import warnings
@@ -210,3 +211,33 @@ def test_bad_engine_options():
         offload_adam.AdamW([p], max_grad_norm=-1.0)
     with pytest.raises(NotImplementedError, match="2-norm"):
         offload_adam.AdamW([p]).clip_grad_norm_(1.0, norm_type=1.0)
+
+
+def test_interrupts_deferred_holds_the_first_and_nests():
+    """The mechanism behind an all-or-nothing step() under Ctrl-C."""
+    from offload_adam.engine_worker import interrupts_deferred
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred() as deferring:
+            assert deferring
+            _thread.interrupt_main()
+            time.sleep(0.05)  # the handler runs here and holds it
+            with interrupts_deferred() as inner:  # nested: shares the hold
+                assert inner
+            reached.append("end of block")
+    assert reached == ["end of block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):  # a second one is raised at once
+        with interrupts_deferred():
+            _thread.interrupt_main()
+            time.sleep(0.05)
+            _thread.interrupt_main()
+            time.sleep(0.05)
+            reached.append("not reached")
+    assert reached == ["end of block"]
+    off_main = []
+    t = threading.Thread(target=lambda: off_main.append(interrupts_deferred().__enter__()))
+    t.start()
+    t.join()
+    assert off_main == [False]  # no signals there: nothing to defer
