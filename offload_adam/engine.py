@@ -412,6 +412,9 @@ class OffloadEngine:
         if grad_scale != 1.0:
             return (f"step() scales the grads by {grad_scale!r} (a clipping "
                     "coefficient or 1/loss scale), but they were stepped unscaled")
+        # one wait on the device for all of them
+        edited = set(map(id, self._edited_in_place(
+            [s for s in early if s.param.grad is not None and s.has_fresh_copy(s.param.grad)])))
         for s in early:
             where = f"a param of shape {list(s.shape)} in param group {s.group_index}"
             grad = s.param.grad
@@ -419,7 +422,7 @@ class OffloadEngine:
                 if not s.freed:
                     return f"the grad of {where} was dropped after it was copied"
             elif (not s.has_fresh_copy(grad) or s.copy_token != s.early_token
-                  or self._edited_in_place([s])):
+                  or id(s) in edited):
                 return (f"the grad of {where} changed after it was copied during "
                         "backward (edited in place, replaced, clipped or scaled)")
             st = state[s.param]
@@ -574,9 +577,8 @@ class OffloadEngine:
             else:
                 reused.append(s)
             ready.append(s)
-        if checks is None:
-            for s in self._edited_in_place(reused):
-                self._copy_grad(s, s.param.grad)
+        if checks is None:  # the caller needs the copies now: one check, waited for
+            self._redo_changed(self._start_check(reused))
             return ready
         by_bucket: Dict[int, List[_Slot]] = {}
         for s in reused:

@@ -149,6 +149,18 @@ def _snapshot(opt, model):
             if opt.state.get(p)}
 
 
+def _in_second_backward():
+    """A step_in_backward run one step in, with the second backward done (its
+    early steps queued); returns the masters from before it too."""
+    model, opt = make(True)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    before = _snapshot(opt, model)
+    backward(model, 1)
+    return model, opt, before
+
+
 def _check_left_state(opt, model, before, after_plain, message):
     """Each param: stepped as by a plain step, or not stepped; as many stepped
     as the message says; param == master rounded."""
@@ -182,12 +194,7 @@ def _reference_after_plain_step(it):
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_change_after_backward_is_an_error(kernels, change):
     edit, pattern = CHANGES[change]
-    model, opt = make(True)
-    backward(model, 0)
-    opt.step()
-    opt.zero_grad()
-    before = _snapshot(opt, model)
-    backward(model, 1)
+    model, opt, before = _in_second_backward()
     assert early_params(opt)
     edit(model, opt)
     with pytest.raises(RuntimeError, match="step_in_backward=True forbids") as err:
@@ -223,12 +230,7 @@ def test_clip_grad_norm_and_grad_scaler_are_errors(kernels):
 
 
 def test_zero_grad_before_step_is_an_error(kernels):
-    model, opt = make(True)
-    backward(model, 0)
-    opt.step()
-    opt.zero_grad()
-    before = _snapshot(opt, model)
-    backward(model, 1)
+    model, opt, before = _in_second_backward()
     with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called") as err:
         opt.zero_grad()
     after = dict(zip(model.parameters(), _reference_after_plain_step(1)))
@@ -238,12 +240,7 @@ def test_zero_grad_before_step_is_an_error(kernels):
 
 
 def test_accumulation_is_an_error(kernels):
-    model, opt = make(True)
-    backward(model, 0)
-    opt.step()
-    opt.zero_grad()
-    before = _snapshot(opt, model)
-    backward(model, 1)
+    model, opt, before = _in_second_backward()
     with pytest.raises(RuntimeError, match="a grad arrived again.*accumulation"):
         backward(model, 11)
     with pytest.raises(RuntimeError, match="a grad arrived again") as err:
