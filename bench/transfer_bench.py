@@ -8,8 +8,11 @@ Rows, each for D2H (grads to the host) and H2D (bf16 params back):
   pageable         the same copy with pageable host memory (what a failed pin falls back to)
   engine param=P   the engine's path (offload_adam.engine_device.CudaDevice.d2h / h2d: side
                    stream, timing events, host buffers from engine_host_memory's registered
-                   arenas) over the buffer cut into params of P MiB, one copy per param as the
-                   engine queues them (buckets group only its CPU work, not its copies)
+                   arenas) over the buffer cut into params of P MiB, one copy per param (a
+                   param larger than a bucket is cut into pieces: the same thing)
+  small x N        N params of --small-kb each (norms, biases): one copy each, and "packed":
+                   one copy per bucket of them, through a gather/scatter on the device, as
+                   the engine sends the params below engine_layout.PACK_BELOW_BYTES
 
 Bandwidth = bytes / (time from the first copy queued to the last copy's end event).
 Target (issue 3): engine D2H and H2D >= 80% of "pinned peak".
@@ -48,6 +51,8 @@ def main():
     ap.add_argument("--mb", type=float, default=1024, help="total MiB moved each way")
     ap.add_argument("--param-mb", default="1,16,128", help="param sizes (MiB) to try")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--small-kb", type=float, default=8, help="size of each small param (KiB)")
+    ap.add_argument("--small-count", type=int, default=2048, help="number of small params")
     ap.add_argument("--tag", default=socket.gethostname())
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -64,9 +69,9 @@ def main():
     device_buf = torch.randn(numel, device=dev).to(torch.bfloat16)
     rows = []
 
-    def add(name, direction, seconds, samples):
+    def add(name, direction, seconds, samples, moved=nbytes):
         rows.append({"name": name, "direction": direction, "seconds": seconds,
-                     "gb_per_s": nbytes / seconds / 1e9, "samples": samples})
+                     "bytes": moved, "gb_per_s": moved / seconds / 1e9, "samples": samples})
 
     pinned = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
     pageable = torch.empty(numel, dtype=torch.bfloat16)
@@ -76,36 +81,46 @@ def main():
 
     cuda = CudaDevice(dev)
     all_pinned = True
-    for param_mb in (float(x) for x in args.param_mb.split(",")):
-        per = max(1, int(param_mb * 2**20) // 2)
-        arenas = HostArenas(pin=True)
-        offsets = [(arenas.reserve("transfer", torch.bfloat16, min(per, numel - s)), s)
-                   for s in range(0, numel, per)]
+
+    def engine_rows(name, sizes, packed):
+        nonlocal all_pinned
+        arenas = HostArenas(cuda)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets = [arenas.reserve("grad", torch.bfloat16, n) for n in sizes]
         arenas.allocate()
         all_pinned &= arenas.pinned
-        views = [(arenas.view("transfer", torch.bfloat16, off, (min(per, numel - s),)),
-                  device_buf[s:s + per]) for off, s in offsets]
+        hosts = [arenas.view("grad", off, (n,)) for off, n in zip(offsets, sizes)]
+        devs = [device_buf[s:s + n] for s, n in zip(starts, sizes)]
+        moved = 2 * sum(sizes)
 
         def run(direction):
+            pairs = [(hosts, devs)] if packed else [([h], [d]) for h, d in zip(hosts, devs)]
             last = None
-            for host, d in views:
-                last = cuda.d2h(host, d) if direction == "d2h" else cuda.h2d(d, host)
+            for h, d in pairs:
+                last = cuda.d2h(h, d) if direction == "d2h" else cuda.h2d(d, h, cuda.fence())
             cuda.wait_host(last)
 
-        cuda.fence()
         for direction in ("d2h", "h2d"):
-            add(f"engine param={param_mb:g}MiB", direction,
-                *timed(lambda: run(direction), args.repeats))
-        del views
-        arenas.unpin()
+            seconds, samples = timed(lambda: run(direction), args.repeats)
+            add(name, direction, seconds, samples, moved)
+        arenas.release()
+
+    for param_mb in (float(x) for x in args.param_mb.split(",")):
+        per = max(1, int(param_mb * 2**20) // 2)
+        engine_rows(f"engine param={param_mb:g}MiB",
+                    [min(per, numel - s) for s in range(0, numel, per)], packed=False)
+    small = [max(1, int(args.small_kb * 1024) // 2)] * args.small_count
+    if sum(small) <= numel:
+        engine_rows(f"small x {args.small_count}, one copy each", small, packed=False)
+        engine_rows(f"small x {args.small_count}, packed", small, packed=True)
 
     peak = {r["direction"]: r["gb_per_s"] for r in rows if r["name"] == "pinned peak"}
     print(f"transfer_bench on {torch.cuda.get_device_name(dev)}, host {platform.node()}, "
           f"torch {torch.__version__}, {args.mb:g} MiB each way, pinned arenas: {all_pinned}")
-    print(f"{'row':28} {'dir':4} {'ms':>9} {'GB/s':>8} {'of peak':>8}")
+    print(f"{'row':36} {'dir':4} {'ms':>9} {'GB/s':>8} {'of peak':>8}")
     for r in rows:
         r["of_peak"] = r["gb_per_s"] / peak[r["direction"]]
-        print(f"{r['name']:28} {r['direction']:4} {r['seconds'] * 1e3:9.2f} "
+        print(f"{r['name']:36} {r['direction']:4} {r['seconds'] * 1e3:9.2f} "
               f"{r['gb_per_s']:8.2f} {r['of_peak']:8.1%}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"transfer_bench_{args.tag}.json")

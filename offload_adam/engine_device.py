@@ -1,219 +1,278 @@
 """The device side of the offload engine, behind one small interface.
 
-The engine moves three things per step: grads device->host, the fp32 master
-param device->host once (when a param's state is created), and the updated
-low-precision param host->device. Everything it needs from the device is here:
+The engine moves grads device->host, updated params host->device and, once per
+param, the param itself device->host (to start its fp32 master). All it needs
+from the device is this (`dsts`/`srcs`: a tensor or equal-length lists):
 
-    d2h(dst_host, src_dev, after=None)
-                            -> Transfer   copy on the D2H side stream, after the work
-                                           already queued on the caller's current stream
-                                           (or after the event `after`)
-    h2d(dst_dev, src_host)  -> Transfer   copy on the H2D side stream, after `fence()`
-    fence()                               remember "all work queued so far on the current
-                                           stream"; the next h2d copies wait for it
-    wait_host(transfer)                   block this thread until the copy has landed
-    publish(transfers)                    make the current stream wait for the copies
-                                           (a GPU-side wait: the host does not block)
-    fetch(t) -> (result, done)            queue t's copy to the host: result() waits for
-                                           it and returns t.tolist(); `done` is an event
-                                           after the work queued so far (for `after`)
+    d2h(dsts, srcs, after=None) -> Transfer  copy on the D2H side stream, after the
+                                              work queued so far on the caller's
+                                              current stream (or after event `after`)
+    h2d(dsts, srcs, after)      -> Transfer  copy on the H2D side stream, after event
+                                              `after` (a fence: backward may still read
+                                              the params until then)
+    fence()            -> event              "the work queued so far on the current stream"
+    wait_host(*transfers)                    block this thread until the copies landed
+    publish(transfers)                       make the current stream wait for the copies
+                                              (a device-side wait: the host goes on)
+    fetch(t)           -> (result, done)     t's values: result() waits and returns
+                                              t.tolist(); `done` is a fence after it
+    pin(t) / unpin(t)                        page-lock host memory in place, and undo it
 
-`HostDevice` runs the same pipeline for bf16/fp16 *CPU* params: the "device copy"
-is the param itself and every transfer is a plain synchronous copy, so the
-hooks, buckets, ordering, redo and resume logic are exercised without a GPU.
-`CudaDevice` is the only place that touches streams and events.
+A list of many small tensors is one copy through a temporary on the device (a
+gather before D2H, a scatter after H2D), so that norms and biases do not cost a
+DMA each; the host side of such a list must be views of one buffer.
 
-A grad copied before step() may be changed in place later in a way its version
-counter does not show (`p.grad.data.mul_()`, GradScaler.unscale_).
-`grad_fingerprint` is the cheap check for that: taken when a grad is copied and
-again when the copy is reused, on the device that holds the grad.
+The rules the engine follows (checked by engine_device_sim.AsyncSimDevice on
+CPU, and by compute-sanitizer on a GPU):
+  * the host touches a host buffer only after `wait_host` on every copy that
+    uses it (a D2H destination before reading it; an H2D source before
+    rewriting it; any of them before unpinning or freeing it);
+  * an H2D copy into a param waits for a fence taken after the last work that
+    reads the param (backward);
+  * a grad is not changed by later work while its D2H copy may still read it:
+    the copies of a backward are published at its end, so whatever the user
+    does next (clip, edit, another micro-batch) is ordered after them.
+
+Implementations: `HostDevice` (CPU params: every copy is a plain copy, done on
+the spot), `CudaDevice` (the only code that touches streams and events) and,
+for tests, `engine_device_sim.AsyncSimDevice`, selected with `simulated()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
 
-@dataclass
 class Transfer:
-    """One queued copy. `host_start` is the perf_counter() time it was queued.
+    """One queued copy. `host_start` is the perf_counter() time it was queued;
+    `seconds()` is how long it ran, resolved lazily (on CUDA it waits for the
+    copy's timing events, which the step itself never does)."""
 
-    On CPU the copy is already done and `host_end` is set. On CUDA `start`/`end`
-    are timing events around the copy; `seconds()` reads their elapsed time
-    (which waits for the copy), so profiles are resolved lazily."""
-
-    host_start: float
-    host_end: Optional[float] = None
-    start: Any = None
-    end: Any = None
-    _seconds: Optional[float] = field(default=None, repr=False)
+    def __init__(self, host_start: float, host_end: Optional[float] = None,
+                 waiter: Optional[Callable[[], float]] = None, end: Any = None):
+        self.host_start = host_start
+        self.end = end                 # the device event after the copy (CUDA)
+        self._seconds = None if host_end is None else host_end - host_start
+        self._waiter = waiter
 
     def seconds(self) -> float:
         if self._seconds is None:
-            if self.host_end is not None:
-                self._seconds = self.host_end - self.host_start
-            else:
-                self.end.synchronize()
-                self._seconds = self.start.elapsed_time(self.end) / 1e3
+            self._seconds = self._waiter()
         return self._seconds
 
 
-# Elements per reduction in grad_fingerprint: bounds its int64 temporaries on
-# the device (two of 8 MiB).
-_FINGERPRINT_CHUNK = 1 << 20
-_fingerprint_weights: dict = {}
+def as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _weights(device: torch.device, n: int) -> torch.Tensor:
-    """Fixed pseudo-random odd int64 weights, one per position in a chunk."""
-    key = (device, _FINGERPRINT_CHUNK)
-    w = _fingerprint_weights.get(key)
-    if w is None:
-        gen = torch.Generator().manual_seed(0x0FF10AD)
-        w = torch.randint(-2**62, 2**62, (_FINGERPRINT_CHUNK,), generator=gen,
-                          dtype=torch.int64).bitwise_or_(1).to(device)
-        _fingerprint_weights[key] = w
-    return w[:n]
-
-
-def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
-    """An int64 (a 0-dim tensor on the grad's device, computed without waiting
-    for it) that changes when the grad's values change: the sum, modulo 2^64, of
-    each element's bit pattern times an odd weight fixed for its position (per
-    chunk). One changed element always moves it (an odd weight is invertible
-    modulo 2^64); several changes cancel out only by a 2^-64 chance, whatever
-    they are (sign flips, swaps, scaling). Device memory traffic per element:
-    the grad read once plus two int64 temporaries written and read (~35 B for
-    a bf16 grad): about 12 ms per billion elements at an H100's 3 TB/s, an
-    estimate (not measured: no GPU here). A fused CUDA kernel would need 2 B."""
-    g = grad.detach().reshape(-1)  # a grad is contiguous: no copy
-    bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=g.device)
-    for i in range(0, g.numel(), _FINGERPRINT_CHUNK):
-        part = bits[i:i + _FINGERPRINT_CHUNK]
-        total += (part.to(torch.int64) * _weights(g.device, part.numel())).sum()
-    return total
+def host_span(views: List[torch.Tensor]):
+    """(one 1-D view covering all `views`, each view's offset in it): the host
+    side of a packed copy. The views must be contiguous and share a storage."""
+    starts = [v.storage_offset() for v in views]
+    lo = min(starts)
+    hi = max(s + v.numel() for s, v in zip(starts, views))
+    flat = views[0].as_strided((hi - lo,), (1,), lo)
+    return flat, [s - lo for s in starts]
 
 
 class HostDevice:
-    """CPU params: transfers are plain copies done on the spot.
-
-    The grads need no transfer at all: with aliases_grads the engine hands the
-    kernel the live p.grad at step() (no copy, and in-place edits are seen by
-    construction). Tests turn it off to run the copy-and-verify path a GPU takes."""
+    """bf16/fp16 CPU params in the engine (step_in_backward, free_grads_after_copy):
+    the "device copy" is the param, every transfer a plain copy done on the spot."""
 
     type = "cpu"
     pins_memory = False
-    aliases_grads = True
 
     def __init__(self, device: torch.device):
         self.device = device
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> Transfer:
+    def _copy(self, dsts, srcs) -> Transfer:
         t0 = time.perf_counter()
-        dst.copy_(src)
+        for d, s in zip(as_list(dsts), as_list(srcs)):
+            d.copy_(s)
         return Transfer(t0, time.perf_counter())
+
+    def d2h(self, dsts, srcs, after=None) -> Transfer:
+        return self._copy(dsts, srcs)
+
+    def h2d(self, dsts, srcs, after=None) -> Transfer:
+        return self._copy(dsts, srcs)
+
+    def fence(self):
+        return None
+
+    def wait_host(self, *transfers) -> None:
+        pass
+
+    def publish(self, transfers) -> None:
+        pass
 
     def fetch(self, t: torch.Tensor):
         values = t.tolist()
         return (lambda: values), None
 
-    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        return Transfer(t0, time.perf_counter())
+    def pin(self, t: torch.Tensor) -> bool:
+        return False
 
-    def fence(self) -> None:
-        pass
-
-    def wait_host(self, transfer: Optional[Transfer]) -> None:
-        pass
-
-    def publish(self, transfers) -> None:
+    def unpin(self, t: torch.Tensor) -> None:
         pass
 
     def default_num_threads(self) -> int:
         return torch.get_num_threads()
 
 
+def _register(t: torch.Tensor) -> None:
+    """Page-lock `t`'s memory in place (exactly its bytes: torch's pinned
+    allocator would round a 12 GiB arena up to 16 GiB)."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        # The failed call also set CUDA's (non-sticky) last error, which torch's
+        # next kernel-launch check would report as its own: clear it.
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:
+            clear()
+        raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+
+
+def _unregister(t: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    except Exception:  # interpreter shutdown: nothing sensible left to do
+        pass
+
+
 class CudaDevice:
     """CUDA params: two side streams (D2H, H2D) and events; never a device sync.
 
-    Thread safety: d2h() is called from autograd's device thread (hooks) and
-    from the thread calling step(); h2d() from the engine's worker thread. CUDA
-    streams and events may be used from any thread; `torch.cuda.device(...)`
-    pins the right device in each.
+    Threads: d2h() runs on autograd's device thread (hooks) and on the thread
+    calling step(); h2d() on the engine's worker. Streams and events work from
+    any thread; `torch.cuda.device(...)` selects the right device in each.
+    Lifetimes: a device tensor read or written by a side stream is marked with
+    record_stream, so the caching allocator does not hand its memory out again
+    (zero_grad, free_grads_after_copy, `p.data = ...`) before the copy ran; a
+    temporary of a packed copy is allocated on the side stream that uses it.
     """
 
     type = "cuda"
     pins_memory = True
-    aliases_grads = False
 
     def __init__(self, device: torch.device):
         self.device = device
         with torch.cuda.device(device):
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
-        self._fence = None
 
-    def _timed_copy(self, stream, dst, src, wait_for) -> Transfer:
+    def _current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def _timed(self, stream, ready, body) -> Transfer:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            if wait_for is not None:
-                stream.wait_event(wait_for)
+            if ready is not None:
+                stream.wait_event(ready)
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
             start.record(stream)
-            dst.copy_(src, non_blocking=True)
+            body()
             end.record(stream)
-        return Transfer(t0, start=start, end=end)
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> Transfer:
-        # The grad was produced on the caller's current stream (autograd sets it
-        # in hooks): copy only after that work. A copy started from the worker
-        # thread (whose current stream is not the user's) passes the event.
-        ready = after if after is not None else torch.cuda.current_stream(self.device).record_event()
-        transfer = self._timed_copy(self.d2h_stream, dst, src, ready)
-        # The caching allocator must not hand `src` to someone else (e.g. after
-        # zero_grad or free_grads_after_copy) before the side stream read it.
-        src.record_stream(self.d2h_stream)
+        def seconds():
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return Transfer(t0, waiter=seconds, end=end)
+
+    def d2h(self, dsts, srcs, after=None) -> Transfer:
+        # The grads were produced on the caller's current stream (autograd makes
+        # it current in hooks): copy only after that work.
+        ready = after if after is not None else self._current().record_event()
+        return self._copy(self.d2h_stream, ready, as_list(dsts), as_list(srcs), to_host=True)
+
+    def h2d(self, dsts, srcs, after) -> Transfer:
+        return self._copy(self.h2d_stream, after, as_list(dsts), as_list(srcs), to_host=False)
+
+    def _copy(self, stream, ready, dsts, srcs, to_host: bool) -> Transfer:
+        """One copy, or a pack of them through one temporary on the device: a
+        gather then one D2H, or one H2D then a scatter."""
+        device_side = srcs if to_host else dsts
+
+        def body():
+            if len(srcs) == 1:
+                dsts[0].copy_(srcs[0], non_blocking=True)
+                return
+            host, offsets = host_span(dsts if to_host else srcs)
+            tmp = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            views = [tmp[o:o + t.numel()].view(t.shape) for o, t in zip(offsets, device_side)]
+            if to_host:
+                torch._foreach_copy_(views, srcs)
+                host.copy_(tmp, non_blocking=True)
+            else:
+                tmp.copy_(host, non_blocking=True)
+                torch._foreach_copy_(dsts, views)
+
+        transfer = self._timed(stream, ready, body)
+        for t in device_side:
+            t.record_stream(stream)
         return transfer
+
+    def fence(self):
+        return self._current().record_event()
+
+    def wait_host(self, *transfers) -> None:
+        for t in transfers:
+            if t is not None and t.end is not None:
+                t.end.synchronize()  # releases the GIL while it waits
+
+    def publish(self, transfers) -> None:
+        cur = self._current()
+        for t in transfers:
+            cur.wait_event(t.end)
 
     def fetch(self, t: torch.Tensor):
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         with torch.cuda.device(self.device):
-            host.copy_(t, non_blocking=True)
-            done = torch.cuda.current_stream(self.device).record_event()
+            host.copy_(t, non_blocking=True)  # on the current stream: `t` stays valid
+            done = self._current().record_event()
 
         def result():
             done.synchronize()
             return host.tolist()
         return result, done
 
-    def fence(self) -> None:
-        # Backward kernels still queued may read the params: H2D writes wait for
-        # everything queued on the current stream up to now.
-        self._fence = torch.cuda.current_stream(self.device).record_event()
+    def pin(self, t: torch.Tensor) -> bool:
+        _register(t)
+        return True
 
-    def h2d(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
-        return self._timed_copy(self.h2d_stream, dst, src, self._fence)
-
-    def wait_host(self, transfer: Optional[Transfer]) -> None:
-        if transfer is not None and transfer.end is not None:
-            transfer.end.synchronize()  # releases the GIL while it waits
-
-    def publish(self, transfers) -> None:
-        cur = torch.cuda.current_stream(self.device)
-        for t in transfers:
-            cur.wait_event(t.end)
+    def unpin(self, t: torch.Tensor) -> None:
+        _unregister(t)
 
     def default_num_threads(self) -> int:
         # Leave one core to the thread that drives the GPU.
         return max(1, torch.get_num_threads() - 1)
+
+
+# ---- choosing the device ------------------------------------------------------------
+
+_simulated: list = []  # the AsyncSimDevice of the innermost simulated() block
+
+
+@contextlib.contextmanager
+def simulated(device) -> Iterator[Any]:
+    """Inside this block, optimizers built for CPU params step them the way they
+    step CUDA params (every param in the engine, every transfer through
+    `device`, an engine_device_sim.AsyncSimDevice): the GPU's path, on CPU."""
+    _simulated.append(device)
+    try:
+        yield device
+    finally:
+        _simulated.pop()
+
+
+def simulating() -> bool:
+    return bool(_simulated)
 
 
 def device_for(params) -> torch.device:
@@ -231,7 +290,7 @@ def device_for(params) -> torch.device:
 
 def make_device(device: torch.device):
     if device.type == "cpu":
-        return HostDevice(device)
+        return _simulated[-1] if _simulated else HostDevice(device)
     if device.type == "cuda":
         return CudaDevice(device)
     raise ValueError(f"offload_adam: params on {device} are not supported "

@@ -1,10 +1,21 @@
-"""Host buffers of the offload engine: one arena per dtype, checked, then pinned.
+"""Host buffers of the offload engine: one arena per role, checked, then pinned.
 
 Why arenas: torch's pinned allocator rounds every request up to a power of two
-(a 12 GiB state would pin 16 GiB) and pins tensor by tensor. We allocate one
-plain tensor per (role, dtype), check the total against the free host memory
-*before* allocating, and page-lock each arena in place with cudaHostRegister
-(exactly its size). Per-param buffers are views into the arenas.
+(a 12 GiB state would pin 16 GiB) and pins tensor by tensor. Each role (master,
+exp_avg, grad copies, ...) gets one plain tensor; the total is checked against
+the free host memory *before* anything is allocated, and each arena is page-
+locked in place by the device (cudaHostRegister: exactly its size). Per-param
+buffers are views into the arenas, 64-byte aligned (the kernels split work on
+cache lines).
+
+Why each role is its own allocation, started at its own offset: the kernel
+streams master, moments, grad and bf16 copy of one tensor side by side. Laid
+end to end in one allocation, a 64M-element tensor put them exactly 256 MiB
+apart, and the streams collided in the caches: the step ran 1.7x slower than
+on separately allocated tensors (measured on the 2-core AVX-512 dev machine;
+bench/step_bench.py --tensors 1). Separate allocations whose starts differ by a
+role-specific odd number of cache lines (`_SKEW_LINES`) keep every pair of
+streams apart modulo the page size.
 
 If pinning fails (RLIMIT, driver, too little lockable memory) we warn and keep
 the pageable memory: transfers still work, only slower and less asynchronous.
@@ -16,6 +27,12 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+_LINE = 64
+_PAGE = 4096
+# Start offset of each successive role within its page, in cache lines: 29
+# lines = 1856 bytes, so the first 6 roles start at distinct offsets modulo 4096.
+_SKEW_LINES = 29
 
 
 def available_host_bytes() -> Optional[int]:
@@ -41,83 +58,68 @@ def check_host_memory(needed: int, available: Optional[int] = None) -> None:
             f"({available} bytes) is available")
 
 
-def _register(t: torch.Tensor) -> bool:
-    """Page-lock `t`'s memory in place. True on success."""
-    cudart = torch.cuda.cudart()
-    nbytes = t.numel() * t.element_size()
-    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
-    if int(err) != 0:
-        # The failed call also set CUDA's (non-sticky) "last error", which torch's
-        # next kernel-launch check would report as its own: clear it when the
-        # binding exists (untested here: no GPU on the dev machine).
-        clear = getattr(cudart, "cudaGetLastError", None)
-        if clear is not None:
-            clear()
-        raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
-    return True
-
-
-def _unregister(ptr: int) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # interpreter shutdown: nothing sensible left to do
-        pass
-
-
 class HostArenas:
-    """Carves per-param views out of one flat tensor per (role, dtype).
+    """Carves per-param views out of one flat tensor per role.
 
-    Usage: reserve() every buffer, then allocate() once, then view() them."""
+    Usage: reserve() every buffer, then allocate() once, then view() them;
+    release() unpins (the device must have no copy in flight on them)."""
 
-    def __init__(self, pin: bool):
-        self.pin = pin
-        self._sizes: Dict[Tuple[str, torch.dtype], int] = {}
-        self._arenas: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
-        self._registered: List[int] = []
+    def __init__(self, device):
+        self.device = device  # pins and unpins (engine_device)
+        self._sizes: Dict[str, Tuple[torch.dtype, int]] = {}
+        self._arenas: Dict[str, torch.Tensor] = {}
+        self._pinned: List[torch.Tensor] = []
         self.pinned = False
 
     def reserve(self, role: str, dtype: torch.dtype, numel: int) -> int:
-        """Returns the offset of a future `numel`-element buffer."""
-        key = (role, dtype)
-        offset = self._sizes.get(key, 0)
-        # Keep every buffer 64-byte aligned: the kernels split work on cache lines.
-        per_line = max(1, 64 // torch.empty((), dtype=dtype).element_size())
-        self._sizes[key] = offset + (numel + per_line - 1) // per_line * per_line
+        """Returns the offset of a future `numel`-element buffer of `role`."""
+        size = torch.empty((), dtype=dtype).element_size()
+        old_dtype, offset = self._sizes.get(role, (dtype, 0))
+        if old_dtype != dtype:
+            raise ValueError(f"arena {role!r} holds {old_dtype}, not {dtype}")
+        per_line = max(1, _LINE // size)
+        self._sizes[role] = (dtype, offset + -(-numel // per_line) * per_line)
         return offset
 
     def nbytes(self) -> int:
-        return sum(n * torch.empty((), dtype=d).element_size()
-                   for (_, d), n in self._sizes.items())
+        return sum(n * torch.empty((), dtype=d).element_size() for d, n in self._sizes.values())
 
     def allocate(self, available: Optional[int] = None) -> None:
         check_host_memory(self.nbytes(), available)
-        for key, n in self._sizes.items():
-            self._arenas[key] = torch.empty(n, dtype=key[1])
-        if self.pin:
+        for i, (role, (dtype, n)) in enumerate(self._sizes.items()):
+            size = torch.empty((), dtype=dtype).element_size()
+            skew = (i * _SKEW_LINES * _LINE) % _PAGE
+            # A page of slack at each end: the arena starts `skew` bytes into a
+            # page of its own and ends inside the allocation, so pinning it
+            # (page-granular) never touches a page another tensor shares.
+            raw = torch.empty(n + (2 * _PAGE + skew) // size, dtype=dtype)
+            start = ((-raw.data_ptr()) % _PAGE + skew) // size
+            self._arenas[role] = raw[start:start + n]
+        if self.device.pins_memory:
             self.pinned = self._pin_all()
 
     def _pin_all(self) -> bool:
         try:
             for t in self._arenas.values():
                 if t.numel():
-                    _register(t)
-                    self._registered.append(t.data_ptr())
+                    self.device.pin(t)
+                    self._pinned.append(t)
             return True
         except Exception as e:  # noqa: BLE001 -- any failure means "not pinned"
-            self.unpin()
+            self.release()
             warnings.warn(
                 f"offload_adam: could not pin {self.nbytes()} bytes of host memory "
                 f"({e}); using pageable memory, transfers will be slower",
                 RuntimeWarning, stacklevel=4)
             return False
 
-    def unpin(self) -> None:
-        while self._registered:
-            _unregister(self._registered.pop())
+    def release(self) -> None:
+        while self._pinned:
+            self.device.unpin(self._pinned.pop())
         self.pinned = False
 
-    def view(self, role: str, dtype: torch.dtype, offset: int, shape) -> torch.Tensor:
+    def view(self, role: str, offset: int, shape) -> torch.Tensor:
         numel = 1
         for s in shape:
             numel *= s
-        return self._arenas[(role, dtype)][offset:offset + numel].view(shape)
+        return self._arenas[role][offset:offset + numel].view(shape)

@@ -35,13 +35,16 @@ class Worker:
                                         args=(self._jobs, self))
         self._thread.start()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None], continues: bool = False) -> None:
+        """Queues `job`. continues=True: it finishes what the job before it
+        started (the rest of a param cut in pieces), so a cancellation lets it
+        run when that one ran: a param is stepped whole or not at all."""
         with self._lock:
             if self._closed:  # no thread would ever run it: drain() would wait forever
                 raise RuntimeError("offload_adam: this optimizer's engine was closed; "
                                    "build a new optimizer")
             self._pending += 1
-        self._jobs.put(job)
+        self._jobs.put((job, continues))
 
     def _done(self, error: Optional[BaseException]) -> None:
         with self._lock:
@@ -132,15 +135,18 @@ def interrupts_deferred() -> Iterator[bool]:
 
 
 def _run(jobs: "queue.Queue", worker: Worker) -> None:
+    last_ran = False
     while True:
-        job = jobs.get()
-        if job is _STOP:
+        item = jobs.get()
+        if item is _STOP:
             return
+        job, continues = item
         error = None
-        if worker._error is None and not worker.cancelled:
+        last_ran = worker._error is None and (not worker.cancelled or (continues and last_ran))
+        if last_ran:
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 -- surfaced in the caller
                 error = e
         worker._done(error)
-        del job, error
+        del job, item, error

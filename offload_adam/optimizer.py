@@ -1,4 +1,4 @@
-"""Adam and AdamW for CPU tensors, stepped by the fused C++ kernels.
+"""Adam and AdamW stepped by the fused C++ CPU kernels, with torch's interface.
 
 The classes copy torch.optim.Adam/AdamW's interface: the same constructor and
 defaults, the same param-group keys and the same per-param state keys ("step" as
@@ -6,48 +6,43 @@ a float32 0-dim tensor, "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), so a state
 dict moves between them and torch's optimizers both ways, and LR schedulers,
 GradScaler, add_param_group and named parameters work unchanged.
 
-What differs from torch is underneath:
-  * one kernel call steps every param of a group that shares a dtype (fp32, bf16
-    or fp16), instead of one op per tensor;
-  * bf16/fp16 params get an fp32 master copy, kept in the state under
-    "master_param" so it is saved and restored; the kernel updates the master and
-    rewrites the low-precision param from it in the same pass. The moments of such
-    params stay fp32 too (torch would keep them in the param's dtype).
-
-How a param is stepped (`_handling`): fp32 CPU params in place by the kernels
-("cpu", `_step_group_cpu`); CUDA params and bf16/fp16 CPU params by the offload
-engine ("engine", offload_adam/engine.py), which keeps their fp32 master and
-moments in (pinned) host memory and streams grads and params (for CPU params
-the "transfers" are plain copies). The engine's options are the keyword-only
-constructor arguments overlap, bucket_mb, free_grads_after_copy, num_threads,
-max_grad_norm and step_in_backward.
+What differs from torch is underneath, and decided in one place (`_in_engine`):
+  * CPU params are stepped in place (inplace.py): one kernel call per group and
+    dtype; bf16/fp16 params get an fp32 master ("master_param" in the state)
+    that the kernel updates and rounds into the param in the same pass;
+  * CUDA params go through the offload engine (engine.py), which keeps fp32
+    master and moments in pinned host memory and streams grads and params. So
+    do bf16/fp16 CPU params with step_in_backward or free_grads_after_copy (the
+    options that need the pipeline), and every param of an optimizer built
+    inside engine_device.simulated() (the tests' asynchronous CPU device).
+The moments of low-precision params stay fp32 (torch would keep them in the
+param's dtype).
 
 When the CPU step starts: by default at step(), exact whatever the user does
 between backward and step() (clip, scale, edit, accumulate, GradScaler, an LR
 scheduler). step_in_backward=True starts each bucket's step during backward as
-soon as its grads are on the host, which hides the CPU step behind the rest of
-backward, but forbids all of those: each is a RuntimeError (never a silently
-different result). See engine.py's docstring and bench/results/early_start_cpu.txt.
+soon as its grads are on the host (engine_early.py), and refuses, with a
+RuntimeError, everything that would make it differ.
 """
+
 from __future__ import annotations
 
 import math
 import weakref
-from collections import defaultdict
 
 import torch
 from torch.optim import Optimizer
 
-from .engine import OffloadEngine, _kernels, clip_coefficient
+from .engine import OffloadEngine
+from .engine_device import simulating
 from .engine_worker import interrupts_deferred
+from .inplace import MASTER_KEY, MOMENT_KEYS, InPlace, param_label
+from .kernel_step import clip_coefficient, grad_sq_sums
 
 __all__ = ["Adam", "AdamW"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED_DTYPES = (torch.float32,) + _LOW_PRECISION
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-# The fp32 copy of a bf16/fp16 param. Lives in the state so checkpoints keep it.
-MASTER_KEY = "master_param"
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -84,47 +79,20 @@ def _check_modes(group_or_defaults, where):
             )
 
 
+def _check_param(p, label):
+    """Raises for a param no path can step. `label()` names it."""
+    if p.is_complex() or p.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"offload_adam supports float32, bfloat16 and float16 params; "
+            f"param {label()} has dtype {p.dtype}")
+    if p.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(
+            f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}")
+
+
 def _scalar_beta(b):
     # torch stores a tensor beta as a 0-dim tensor (its _to_scalar); do the same.
     return b.reshape(()) if isinstance(b, torch.Tensor) else b
-
-
-def param_label(group, group_index, index, p):
-    """How error messages name a param: its name when the group has names."""
-    names = group.get("param_names")
-    where = repr(names[index]) if names else f"group {group_index}, param {index}"
-    return f"{where} (shape {tuple(p.shape)})"
-
-
-class _Bucket:
-    """The argument lists of one kernel call: a group's params of one dtype that
-    have grads. Everything but the grads is cached between steps."""
-
-    __slots__ = ("dtype", "params", "work", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                 "lp_params", "steps", "copy_back")
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-        self.params = []           # the params themselves
-        self.work = []             # fp32 tensors the kernel updates: the param or its master
-        self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs = [], [], []
-        self.lp_params = []        # low-precision outputs ([] for fp32)
-        self.steps = []
-        self.copy_back = []        # positions of non-contiguous params (stepped via a copy)
-
-
-class _Plan:
-    """A group's buckets for one pattern of which params have grads."""
-
-    __slots__ = ("group", "key", "route", "buckets")
-    NO_GRAD = -1    # route of a param that had no grad when the plan was built
-    ELSEWHERE = -2  # route of a param `_handling` gives to another path
-
-    def __init__(self, group, key, route, buckets):
-        self.group = group
-        self.key = key         # when any part changes, the plan is rebuilt
-        self.route = route     # per param of the group: bucket index, NO_GRAD or ELSEWHERE
-        self.buckets = buckets
 
 
 class Adam(Optimizer):
@@ -154,7 +122,7 @@ class Adam(Optimizer):
         the device per step (at the copy, and at reuse in step()), ~12 ms per
         billion params each on an H100 (estimated); turn it off only if nothing
         edits grads behind their version counters.
-        (bf16/fp16 CPU params need no check: the kernel reads the live p.grad.)
+        (CPU params stepped in place need no check: the kernel reads p.grad.)
       step_in_backward (False): start each bucket's CPU step during backward, as
         soon as every param of it that got a grad in the previous backward has
         its grad on the host (from the second step on), instead of at step().
@@ -183,6 +151,9 @@ class Adam(Optimizer):
         if step_in_backward and not overlap:
             raise ValueError("step_in_backward=True needs overlap=True (the step "
                              "starts from the grads copied during backward)")
+        if free_grads_after_copy and not overlap:
+            raise ValueError("free_grads_after_copy=True needs overlap=True "
+                             "(grads are freed as they are copied during backward)")
         if step_in_backward and max_grad_norm is not None:
             raise ValueError(
                 "max_grad_norm= cannot be used with step_in_backward=True: clipping "
@@ -195,6 +166,8 @@ class Adam(Optimizer):
             "num_threads": num_threads, "step_in_backward": bool(step_in_backward),
             "verify_grads": bool(verify_grads),
         }
+        # Built inside engine_device.simulated(): every param goes to the engine.
+        self._simulated = simulating()
         self.max_grad_norm = max_grad_norm
         self._clip_coef = None
         defaults = {
@@ -219,7 +192,7 @@ class Adam(Optimizer):
         self._step_supports_amp_scaling = True
 
     def _reset_caches(self):
-        self._plans = {}  # id(group) -> _Plan
+        self._inplace = InPlace(lambda p: not self._in_engine(p))
 
     def __getstate__(self):
         # The engine (threads, hooks, pinned memory) is not pickled: an unpickled
@@ -227,11 +200,13 @@ class Adam(Optimizer):
         state = super().__getstate__()
         state["_engine_options"] = self._engine_options
         state["max_grad_norm"] = self.max_grad_norm
+        state.pop("_inplace", None)
         return state
 
     def __setstate__(self, state):
         options = state.pop("_engine_options", None)
         max_grad_norm = state.pop("max_grad_norm", None)
+        simulated = state.pop("_simulated", False)
         super().__setstate__(state)
         self._reset_caches()
         for group in self.param_groups:
@@ -245,6 +220,7 @@ class Adam(Optimizer):
         if not hasattr(self, "_engine"):  # unpickling (load_state_dict keeps its engine)
             self._engine = None
             self._engine_options = options or {}
+            self._simulated = simulated
             self.max_grad_norm = max_grad_norm
             self._clip_coef = None
             self._start_engine()
@@ -256,10 +232,10 @@ class Adam(Optimizer):
         try:
             _check_modes(group, f"param group {index}")
             for i, p in enumerate(group["params"]):
-                self._handling(p, lambda: param_label(group, index, i, p))
+                _check_param(p, lambda: param_label(group, index, i, p))
             self._check_one_device()
             if getattr(self, "_engine_started", False):
-                managed = [p for p in group["params"] if self._is_engine(p)]
+                managed = [p for p in group["params"] if self._in_engine(p)]
                 if managed and self._engine is None:
                     self._start_engine()
                 elif managed:
@@ -277,20 +253,22 @@ class Adam(Optimizer):
                 f"offload_adam: the params live on several devices ({names}); one "
                 "optimizer steps params of one device (use one optimizer per device)")
 
-    @staticmethod
-    def _is_engine(p):
-        return p.device.type != "cpu" or p.dtype is not torch.float32
+    def _in_engine(self, p):
+        """The one place that decides how a param is stepped: True for the
+        offload engine, False for in place on the CPU (inplace.py)."""
+        if p.device.type != "cpu" or self._simulated:
+            return True
+        options = self._engine_options
+        pipeline = options.get("step_in_backward") or options.get("free_grads_after_copy")
+        return bool(pipeline) and p.dtype is not torch.float32
 
     def _start_engine(self):
         self._engine_started = True
-        managed = [[p for p in g["params"] if self._is_engine(p)] for g in self.param_groups]
+        managed = [[p for p in g["params"] if self._in_engine(p)] for g in self.param_groups]
         if any(managed):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
-                decoupled=bool(self.defaults["decoupled_weight_decay"]),
-                # looked up per call, so tests can swap this module's _kernels
-                owner=weakref.ref(self), kernels=lambda: _kernels(),
-                **self._engine_options)
+                owner=weakref.ref(self), **self._engine_options)
 
     # ---- offload engine: profile, memory, clipping ---------------------------
     @property
@@ -302,17 +280,14 @@ class Adam(Optimizer):
         """Host memory the engine holds for master, moments and transfer buffers."""
         return self._engine.host_bytes() if self._engine is not None else 0
 
-    def _direct_grads(self):
-        return [p.grad for g in self.param_groups for p in g["params"]
-                if p.grad is not None and not self._is_engine(p)]
-
     def _total_norm(self):
-        """2-norm of all grads: the engine's from its host copies, the CPU
+        """2-norm of all grads: the engine's from its host copies, the in-place
         params' by the kernel. Double accumulation; inf/NaN propagate."""
         total = self._engine.grad_sq_sum() if self._engine is not None else 0.0
-        grads = [g if g.is_contiguous() else g.contiguous() for g in self._direct_grads()]
+        grads = [g if g.is_contiguous() else g.contiguous()
+                 for g in self._inplace.grads(self.param_groups)]
         if grads:
-            total += math.fsum(_kernels().grad_sq_sums(grads, torch.get_num_threads()))
+            total += math.fsum(grad_sq_sums(grads, torch.get_num_threads()))
         return math.sqrt(total)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
@@ -326,7 +301,7 @@ class Adam(Optimizer):
                 "offload_adam's clip_grad_norm_ computes the 2-norm only; use "
                 "torch.nn.utils.clip_grad_norm_ for other norms")
         if self._engine is not None and self._engine.step_in_backward:
-            self._engine.fail_early(
+            self._engine.early.fail(
                 "opt.clip_grad_norm_ was called: clipping scales every grad by a "
                 "coefficient known only after the whole backward")
         norm = self._total_norm()
@@ -345,22 +320,6 @@ class Adam(Optimizer):
         self._clip_coef = None
         if self._engine is not None:
             self._engine.zero_grad()
-
-    # ---- the one place that decides how a param is handled --------------------
-    def _handling(self, p, label):
-        """Returns how `p` is stepped: "cpu" (fp32 CPU params, in place by the
-        fused kernels) or "engine" (the offload engine: CUDA params and bf16/fp16
-        CPU params). Raises for a param no way can step. `label()` names it."""
-        if p.is_complex() or p.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(
-                f"offload_adam supports float32, bfloat16 and float16 params; "
-                f"param {label()} has dtype {p.dtype}"
-            )
-        if p.device.type not in ("cpu", "cuda"):
-            raise NotImplementedError(
-                f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}"
-            )
-        return "engine" if self._is_engine(p) else "cpu"
 
     # ---- step ---------------------------------------------------------------
     @torch.no_grad()
@@ -381,7 +340,7 @@ class Adam(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if (found_inf is not None and self._engine is not None
                 and self._engine.step_in_backward):
-            self._engine.fail_early(
+            self._engine.early.fail(
                 "GradScaler.step was used: the loss scale and found_inf are known "
                 "only at step(), and a skipped step cannot be undone")
         if found_inf is not None and float(found_inf) != 0.0:
@@ -410,132 +369,10 @@ class Adam(Optimizer):
         num_threads = torch.get_num_threads()
         with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
             for index, group in enumerate(self.param_groups):
-                self._step_group_cpu(index, group, scale, num_threads)
+                self._inplace.step_group(index, group, self.state, scale, num_threads)
             if self._engine is not None:
                 self._engine.step(self.param_groups, self.state, grad_scale=scale)
         return loss
-
-    def _step_group_cpu(self, index, group, inv_scale, num_threads):
-        """Steps the CPU params of one group: one kernel call per dtype."""
-        plan = self._plans.get(id(group))
-        grads = self._gather_grads(index, group, plan) if plan is not None else None
-        if grads is None:  # no plan yet, or the grads no longer fit it
-            plan = self._build_plan(index, group)
-            grads = self._gather_grads(index, group, plan)
-
-        beta1, beta2 = group["betas"]
-        hyper = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                 float(group["weight_decay"]), bool(group["decoupled_weight_decay"]),
-                 bool(group["maximize"]), inv_scale, num_threads)
-        kernels = _kernels()
-        for bucket, bucket_grads in zip(plan.buckets, grads):
-            if not bucket_grads:
-                continue
-            work, lp_params = bucket.work, bucket.lp_params
-            if bucket.copy_back:
-                # Non-contiguous params: the kernel steps contiguous copies.
-                work, lp_params = list(work), list(lp_params)
-                for j in bucket.copy_back:
-                    p = bucket.params[j]
-                    if lp_params:
-                        lp_params[j] = torch.empty(p.shape, dtype=p.dtype)
-                    else:
-                        work[j] = p.contiguous()
-            kernels.adam_step(work, bucket_grads, bucket.exp_avgs, bucket.exp_avg_sqs,
-                              bucket.max_exp_avg_sqs, lp_params, bucket.steps, *hyper)
-            for j in bucket.copy_back:
-                bucket.params[j].copy_(lp_params[j] if lp_params else work[j])
-
-    def _gather_grads(self, index, group, plan):
-        """Per bucket, the grads to pass, or None when the plan no longer fits
-        (a param gained or lost its grad, or changed dtype)."""
-        if plan.group is not group or plan.key != self._plan_key(group):
-            return None
-        grads = [[] for _ in plan.buckets]
-        for i, (p, b) in enumerate(zip(group["params"], plan.route)):
-            if b == _Plan.ELSEWHERE:
-                continue
-            g = p.grad
-            if g is None:
-                if b >= 0:
-                    return None
-                continue
-            if b < 0 or g.dtype is not plan.buckets[b].dtype:
-                return None
-            if g.layout is not torch.strided:
-                raise RuntimeError(
-                    f"offload_adam does not support sparse gradients (param "
-                    f"{param_label(group, index, i, p)}, grad layout {g.layout}); "
-                    f"consider torch.optim.SparseAdam"
-                )
-            grads[b].append(g if g.is_contiguous() else g.contiguous())
-        return grads
-
-    def _plan_key(self, group):
-        # Things that invalidate a plan without passing through our methods.
-        return (id(group["params"]), len(group["params"]), bool(group["amsgrad"]))
-
-    def _build_plan(self, index, group):
-        buckets, by_dtype, route = [], {}, []
-        amsgrad = bool(group["amsgrad"])
-        for i, p in enumerate(group["params"]):
-            label = lambda: param_label(group, index, i, p)  # noqa: E731
-            if self._handling(p, label) != "cpu":
-                route.append(_Plan.ELSEWHERE)
-                continue
-            if p.grad is None:
-                route.append(_Plan.NO_GRAD)
-                continue
-            state = self._ready_state(p, amsgrad, label)
-            b = by_dtype.get(p.dtype)
-            if b is None:
-                b = by_dtype[p.dtype] = len(buckets)
-                buckets.append(_Bucket(p.dtype))
-            bucket = buckets[b]
-            route.append(b)
-            if not p.is_contiguous():
-                bucket.copy_back.append(len(bucket.params))
-            bucket.params.append(p)
-            if p.dtype is torch.float32:
-                bucket.work.append(p)
-            else:
-                bucket.work.append(state[MASTER_KEY])
-                bucket.lp_params.append(p)
-            bucket.exp_avgs.append(state["exp_avg"])
-            bucket.exp_avg_sqs.append(state["exp_avg_sq"])
-            if amsgrad:
-                bucket.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-            bucket.steps.append(state["step"])
-        plan = _Plan(group, self._plan_key(group), route, buckets)
-        self._plans[id(group)] = plan
-        return plan
-
-    def _ready_state(self, p, amsgrad, label):
-        """Creates p's state on its first step (as torch does, lazily) or brings a
-        loaded one into the kernels' format: fp32, contiguous, CPU, step a float32
-        0-dim tensor, and the fp32 master for a low-precision param."""
-        state = self.state[p]
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        step = state["step"]
-        if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32
-                and step.dim() == 0 and step.device.type == "cpu"):
-            state["step"] = torch.tensor(float(step), dtype=torch.float32)
-        keys = _MOMENT_KEYS if amsgrad else _MOMENT_KEYS[:2]
-        for key in keys:
-            if key not in state:
-                state[key] = torch.zeros_like(p, dtype=torch.float32,
-                                              memory_format=torch.contiguous_format)
-            else:
-                state[key] = _as_fp32_like(state[key], p, key, label)
-        if p.dtype is torch.float32:
-            state.pop(MASTER_KEY, None)  # the param is its own master
-        elif MASTER_KEY in state:
-            state[MASTER_KEY] = _as_fp32_like(state[MASTER_KEY], p, MASTER_KEY, label)
-        else:
-            # A fresh param, or a state dict saved by torch: start from the param.
-            state[MASTER_KEY] = _as_fp32_like(p.detach(), p, MASTER_KEY, label)
-        return state
 
     # ---- state dict ---------------------------------------------------------
     def load_state_dict(self, state_dict):
@@ -555,8 +392,8 @@ class Adam(Optimizer):
             # The engine's params keep their state on the host: hide their fp32
             # tensors from torch's cast, which would first copy them to the param's
             # device (the whole optimizer state on the GPU); they are put back below.
-            heavy = _MOMENT_KEYS + (MASTER_KEY,)
-            engine_ids = {i for i, p in self._loaded_params(sd) if self._is_engine(p)}
+            heavy = MOMENT_KEYS + (MASTER_KEY,)
+            engine_ids = {i for i, p in self._loaded_params(sd) if self._in_engine(p)}
             if not engine_ids:
                 return None
             state = {k: ({key: v for key, v in st.items() if key not in heavy}
@@ -575,10 +412,10 @@ class Adam(Optimizer):
             if saved is None:
                 continue
             state = self.state[p]
-            if not self._is_engine(p):
-                state.pop(MASTER_KEY, None)
+            if p.dtype is torch.float32 and not self._in_engine(p):
+                state.pop(MASTER_KEY, None)  # the param is its own master
                 continue
-            for key in _MOMENT_KEYS + (MASTER_KEY,):
+            for key in MOMENT_KEYS + (MASTER_KEY,):
                 value = saved.get(key)
                 if isinstance(value, torch.Tensor):
                     state[key] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
@@ -610,20 +447,6 @@ class Adam(Optimizer):
                             f"{param_label(group, gi, i, p)} has shape {tuple(value.shape)}, "
                             f"expected {tuple(expected)}"
                         )
-
-
-def _as_fp32_like(t, p, key, label):
-    """`t` as a contiguous fp32 CPU tensor of p's shape (itself when it is one)."""
-    if t.shape != p.shape:
-        raise ValueError(
-            f"optimizer state {key!r} of param {label()} has shape {tuple(t.shape)}, "
-            f"expected {tuple(p.shape)}"
-        )
-    if t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t is not p:
-        return t
-    out = torch.empty(p.shape, dtype=torch.float32)
-    out.copy_(t)
-    return out
 
 
 class AdamW(Adam):

@@ -1,4 +1,16 @@
-"""Shared pytest setup for the optimizer tests."""
+"""Shared pytest setup: the kernels, and the two ways the optimizer steps a param.
+
+`path` runs a test both ways: "in-place" (CPU params stepped by the kernel
+directly, reading the live p.grad) and through the offload engine on the
+asynchronous simulated device (engine_device_sim.AsyncSimDevice: the GPU's
+path, with copies that land late and CUDA's ordering rules checked), with
+several seeds of random latency and once with every copy held as late as
+CUDA allows. The device's violations fail the test.
+
+OFFLOAD_ADAM_SIM_SEEDS=N sets how many random seeds (default 2); a long soak
+is `OFFLOAD_ADAM_SIM_SEEDS=50 bash scripts/run_tests.sh tests/test_engine.py`.
+"""
+import contextlib
 import os
 
 import pytest
@@ -15,6 +27,9 @@ try:
 except ImportError:  # hypothesis is optional; test_properties.py skips without it
     pass
 
+SIM_SEEDS = int(os.environ.get("OFFLOAD_ADAM_SIM_SEEDS", "2"))
+PATHS = ["in-place"] + [f"sim-seed{s}" for s in range(SIM_SEEDS)] + ["sim-latest"]
+
 
 @pytest.fixture(scope="session")
 def kernels():
@@ -24,13 +39,59 @@ def kernels():
     return load_kernels()
 
 
-@pytest.fixture(params=["live-grad", "copied-grad"])
-def grad_path(request, monkeypatch):
-    """The two ways the engine gets a grad. bf16/fp16 CPU params hand the kernel
-    the live p.grad; a GPU copies each grad to the host during backward and
-    checks the copy (version, identity, fingerprint) when it is reused. Forcing
-    the copy on CPU runs the GPU's logic without one."""
-    from offload_adam.engine_device import HostDevice
+class Path:
+    """Where the test's optimizers run; `sim` is the simulated device or None."""
 
-    monkeypatch.setattr(HostDevice, "aliases_grads", request.param == "live-grad")
-    return request.param
+    def __init__(self, name, sim=None):
+        self.name, self.sim = name, sim
+
+    @property
+    def engine(self) -> bool:
+        return self.sim is not None
+
+    @contextlib.contextmanager
+    def outside(self):
+        """Builds optimizers the normal way inside it (a reference run)."""
+        from offload_adam import engine_device
+
+        saved = list(engine_device._simulated)
+        engine_device._simulated.clear()
+        try:
+            yield
+        finally:
+            engine_device._simulated[:] = saved
+
+
+def sim_path(name):
+    """A context yielding a Path for `name` (one of PATHS)."""
+    from offload_adam.engine_device import simulated
+    from offload_adam.engine_device_sim import AsyncSimDevice
+
+    @contextlib.contextmanager
+    def run():
+        if name == "in-place":
+            yield Path(name)
+            return
+        latest = name == "sim-latest"
+        sim = AsyncSimDevice(seed=0 if latest else int(name[len("sim-seed"):]),
+                             latency="latest" if latest else "random")
+        try:
+            with simulated(sim), sim.watch():
+                yield Path(name, sim)
+            sim.check()
+        finally:
+            sim.close()
+    return run()
+
+
+@pytest.fixture(params=PATHS)
+def path(request, kernels):
+    with sim_path(request.param) as p:
+        yield p
+
+
+@pytest.fixture
+def sim(kernels):
+    """An engine-only test: on the simulated device (random latency, seed 0)."""
+    with sim_path("sim-seed0") as p:
+        yield p

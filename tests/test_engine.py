@@ -1,85 +1,52 @@
-"""The offload engine on CPU: bf16 params run the whole pipeline (hooks, host
-copies, buckets, redo, staging, resume) with plain copies for transfers.
+"""The offload engine's contract (offload_adam/engine.py), on every path.
 
-References: torch.optim.AdamW on fp32 copies (fp32 master, bf16 param = master
-rounded), compared with a tolerance (different but equivalent float order), and
-offload_adam.AdamW on fp32 CPU copies: the same kernel without the engine, so
-equal bit for bit.
+Each test runs in place (CPU params, the kernel reads p.grad) and through the
+engine on the asynchronous simulated device (conftest.path): the same training
+must give the same bits, whatever the user does between backward and step(),
+and the device must see no ordering violation. References: torch.optim.AdamW
+on fp32 twins (a tolerance: another order of float operations) and our own
+in-place path built outside the simulation (bit for bit).
 """
+import _thread
 import copy
+import gc
 import threading
+import time
+import weakref
 
 import pytest
 import torch
 
 import offload_adam
-
-# Every test runs on both grad paths (conftest.grad_path).
-pytestmark = pytest.mark.usefixtures("grad_path")
-
-BF16 = torch.bfloat16
-
-
-class TinyTransformer(torch.nn.Module):
-    def __init__(self, vocab=37, dim=32, layers=2):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        layer = torch.nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True)
-        self.body = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(dim, vocab)
-        self.unused = torch.nn.Linear(dim, dim)  # never gets a grad
-
-    def forward(self, tokens):
-        return self.head(self.body(self.embed(tokens)))
+from offload_adam import kernel_step
+from offload_adam.engine import OffloadEngine
+from models import (BF16, OPTS, assert_param_is_master_rounded, assert_same, copy_grads,
+                    loss_of, make_mlp, make_pair, mlp_loss, run, steps_of, train_shadow)
 
 
-def make_pair(seed=0):
-    torch.manual_seed(seed)
-    ref = TinyTransformer()
-    model = copy.deepcopy(ref).to(BF16)
-    ref.load_state_dict({k: v.to(BF16).float() for k, v in ref.state_dict().items()})
-    return model, ref
-
-
-def loss_of(model, seed, dtype):
-    g = torch.Generator().manual_seed(1000 + seed)
-    tokens = torch.randint(0, 37, (2, 8), generator=g)
-    logits = model(tokens).to(dtype)
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
-
-
-def copy_grads(model, ref):
-    for p, q in zip(model.parameters(), ref.parameters()):
-        q.grad = None if p.grad is None else p.grad.float()
-
-
-def masters(opt, model):
-    return [opt.state[p].get("master_param") for p in model.parameters()]
-
-
-def assert_bf16_is_master_rounded(opt, model):
-    for p in model.parameters():
-        st = opt.state.get(p)
-        if st:
-            assert torch.equal(p, st["master_param"].to(BF16))
-
-
-OPTS = dict(lr=3e-3, weight_decay=0.1, bucket_mb=0.01)
+def in_place_run(path, steps, edit=None, micro=1, **options):
+    """The same training, in place (the reference the engine must equal)."""
+    with path.outside():
+        model, _ = make_pair()
+        opt = offload_adam.AdamW(model.parameters(), **{**OPTS, **options})
+    run(model, opt, steps, edit=edit, micro=micro)
+    return model, opt
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_transformer_matches_torch_adamw(kernels, overlap):
+def test_transformer_matches_torch_adamw(path, overlap):
     model, ref = make_pair()
     opt = offload_adam.AdamW(model.parameters(), overlap=overlap, **OPTS)
     ropt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     for it in range(4):
-        loss_of(model, it, BF16).backward()
+        loss_of(model, it).backward()
         copy_grads(model, ref)
         opt.step()
         ropt.step()
         opt.zero_grad()
         ropt.zero_grad()
-    assert len(opt._engine.buckets) > 3
+    if path.engine:
+        assert len(opt._engine.buckets) > 3
     for p, q in zip(model.parameters(), ref.parameters()):
         if q in ropt.state:
             torch.testing.assert_close(opt.state[p]["master_param"], q, rtol=1e-5, atol=1e-6)
@@ -87,54 +54,25 @@ def test_transformer_matches_torch_adamw(kernels, overlap):
         else:
             assert not opt.state.get(p)  # unused: no state, as torch
             assert torch.equal(p.float(), q)
-    assert_bf16_is_master_rounded(opt, model)
+    assert_param_is_master_rounded(opt, model)
 
 
-def run(model, opt, iters, edit=None, micro=1, start=0):
-    for it in range(start, start + iters):
-        for m in range(micro):
-            loss_of(model, 10 * it + m, BF16).backward()
-        if edit is not None:
-            edit(model, opt)
-        opt.step()
-        opt.zero_grad()
-
-
-def train_shadow(shadow, ref, ropt, steps, micro=1):
-    """The reference run: `shadow` (bf16, holding ref's params rounded) makes the
-    grads of `run`'s batches, `ropt` steps the fp32 `ref` with them."""
-    for it in range(steps):
-        for m in range(micro):
-            loss_of(shadow, 10 * it + m, BF16).backward()
-        copy_grads(shadow, ref)
-        ropt.step()
-        shadow.zero_grad()
-        with torch.no_grad():
-            for p, q in zip(shadow.parameters(), ref.parameters()):
-                p.copy_(q)
-
-
-def test_overlap_and_not_are_bitwise_equal_to_the_cpu_class(kernels):
-    """Engine (both modes) == the same kernel on fp32 copies, bit for bit."""
-    results = []
-    for overlap in (True, False):
-        model, _ = make_pair()
-        opt = offload_adam.AdamW(model.parameters(), overlap=overlap, **OPTS)
-        run(model, opt, 3)
-        results.append((model, opt))
-    # the reference: fp32 CPU params (the optimizer's direct path, no engine),
-    # fed the grads of a bf16 shadow model that holds its params rounded
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bitwise_equal_to_fp32_params_fed_the_same_grads(path, overlap):
+    """The bf16 model == fp32 params stepped by the same kernel with the bf16
+    model's grads (the master is exactly an fp32 param), bit for bit."""
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), overlap=overlap, **OPTS)
+    run(model, opt, 3)
     shadow, ref = make_pair()
-    ropt = offload_adam.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    with path.outside():
+        ropt = offload_adam.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     train_shadow(shadow, ref, ropt, steps=3)
-    (m1, o1), (m2, o2) = results
-    for p1, p2, q in zip(m1.parameters(), m2.parameters(), ref.parameters()):
-        assert torch.equal(p1, p2)
-        assert torch.equal(p1, q.to(BF16))
-        if o1.state.get(p1):
-            assert torch.equal(o1.state[p1]["master_param"], q)
-            assert torch.equal(o2.state[p2]["master_param"], q)
-            assert torch.equal(o1.state[p1]["exp_avg_sq"], ropt.state[q]["exp_avg_sq"])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q.to(BF16))
+        if opt.state.get(p):
+            assert torch.equal(opt.state[p]["master_param"], q)
+            assert torch.equal(opt.state[p]["exp_avg_sq"], ropt.state[q]["exp_avg_sq"])
         else:
             assert not ropt.state.get(q)
 
@@ -175,137 +113,62 @@ def _replace_one(model, opt):
 EDITS = [_clip, _scale, _edit_one, _edit_data, _unscale_in_place, _drop_one, _replace_one]
 
 
-def _edited_runs(edit, **options):
-    """The params after two steps with `edit` between backward and step, with
-    overlap=True (options) and with overlap=False (everything inside step())."""
-    out = []
-    for overlap in (True, False):
-        model, _ = make_pair()
-        opt = offload_adam.AdamW(model.parameters(), overlap=overlap, eps=1e-2,
-                                 **{**OPTS, **options})
-        run(model, opt, 2, edit=edit)
-        out.append(list(model.parameters()))
-    return out
-
-
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("edit", EDITS)
-def test_changes_between_backward_and_step_are_seen(kernels, edit):
-    """Whatever happens to p.grad after backward, the step uses what is there at
-    step(): compare with overlap=False, which copies everything inside step().
-    (eps is large so that scaling a grad changes Adam's update.)"""
-    a, b = _edited_runs(edit)
-    for p, q in zip(a, b):
-        assert torch.equal(p, q)
+def test_changes_between_backward_and_step_are_seen(path, edit, overlap):
+    """Whatever happens to p.grad after backward, the step uses what is there
+    at step(): the in-place path reads it there. (eps is large so that scaling
+    a grad changes Adam's update.)"""
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), overlap=overlap, **OPTS, eps=1e-2)
+    run(model, opt, 2, edit=edit)
+    assert_same((model, opt), in_place_run(path, 2, edit=edit, eps=1e-2))
 
 
 @pytest.mark.parametrize("edit", [_edit_data, _unscale_in_place])
-def test_hidden_edits_are_caught_by_the_fingerprint(kernels, grad_path, edit):
+def test_hidden_edits_are_caught_by_the_fingerprint(path, edit):
     """Without verify_grads a copied grad changed behind its version counter is
-    missed (the check above would fail): the fingerprint is what sees it. Live
-    grads need no check."""
-    a, b = _edited_runs(edit, verify_grads=False)
-    same = all(torch.equal(p, q) for p, q in zip(a, b))
-    assert same == (grad_path == "live-grad")
-
-
-def test_only_changed_grads_are_copied_again(kernels, grad_path):
+    missed (the test above would fail): the fingerprint is what sees it. The
+    in-place path reads the live grad and needs no check."""
     model, _ = make_pair()
-    opt = offload_adam.AdamW(model.parameters(), **OPTS)
-    loss_of(model, 0, BF16).backward()
-    tokens = {id(s): s.copy_token for s in opt._engine.slots}
-    model.head.weight.grad.mul_(2)
-    model.head.bias.grad.data.mul_(2)
-    seen = []
-    real = opt._engine._kernels
-    opt._engine._kernels = lambda: _Spy(real(), seen)
-    opt.step()
-    changed = [s for s in opt._engine.slots if s.copy_token != tokens[id(s)]]
-    if grad_path == "copied-grad":
-        assert [s.param for s in changed] == [model.head.weight, model.head.bias]
-    else:  # nothing is copied: the kernel reads each grad where it is
-        grads = {p.grad.data_ptr() for p in model.parameters() if p.grad is not None}
-        assert seen and set(seen) == grads
-        assert all(s.host_grad is None for s in opt._engine.slots)  # not kept alive
-
-
-def test_fingerprint_checks_are_waited_for_by_the_bucket_jobs(kernels, grad_path):
-    """step() only queues the comparisons; each bucket's job waits for its own
-    (on a GPU, step() must not wait for the rest of backward)."""
-    model, _ = make_pair()
-    opt = offload_adam.AdamW(model.parameters(), **OPTS)
-    engine = opt._engine
-    waited_in = []
-    fetch = engine.device.fetch
-
-    def recording_fetch(t):
-        result, done = fetch(t)
-
-        def recorded():
-            waited_in.append(threading.current_thread().name)
-            return result()
-        return recorded, done
-
-    engine.device.fetch = recording_fetch
-    loss_of(model, 0, BF16).backward()
-    model.head.bias.grad.data.mul_(2)
-    opt.step()
-    if grad_path == "live-grad":
-        assert waited_in == []
-    else:
-        assert waited_in and set(waited_in) == {"offload_adam-worker"}
-        assert len(waited_in) == len({s.bucket for s in engine.slots
-                                      if s.param.grad is not None})
-
-
-class _Spy:
-    """The kernels, noting the address of every grad adam_step reads."""
-
-    def __init__(self, kernels, seen):
-        self._kernels, self._seen = kernels, seen
-
-    def adam_step(self, params, grads, *args):
-        self._seen.extend(g.data_ptr() for g in grads)
-        return self._kernels.adam_step(params, grads, *args)
-
-    def __getattr__(self, name):
-        return getattr(self._kernels, name)
-
-
-def test_grad_accumulation_over_micro_batches(kernels):
-    out = []
-    for overlap in (True, False):
-        model, _ = make_pair()
-        opt = offload_adam.AdamW(model.parameters(), overlap=overlap, **OPTS)
-        run(model, opt, 2, micro=3)
-        out.append((model, opt))
-    # reference: the same accumulated grads summed by hand, stepped by torch
-    model, ref = make_pair()
-    ropt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
-    shadow = copy.deepcopy(model)
-    train_shadow(shadow, ref, ropt, steps=2, micro=3)
-    (m1, o1), (m2, o2) = out
-    for p1, p2, q in zip(m1.parameters(), m2.parameters(), ref.parameters()):
-        assert torch.equal(p1, p2)
-        if q in ropt.state:
-            torch.testing.assert_close(o1.state[p1]["master_param"], q, rtol=1e-5, atol=1e-6)
+    opt = offload_adam.AdamW(model.parameters(), verify_grads=False, **OPTS, eps=1e-2)
+    run(model, opt, 2, edit=edit)
+    ref, _ = in_place_run(path, 2, edit=edit, eps=1e-2)
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert same == (not path.engine)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_clip_fast_path_matches_torch_clip(kernels, overlap):
+def test_grad_accumulation_over_micro_batches(path, overlap):
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), overlap=overlap, **OPTS)
+    run(model, opt, 2, micro=3)
+    assert_same((model, opt), in_place_run(path, 2, micro=3))
+    # and the accumulated grads summed by hand, stepped by torch
+    shadow, ref = make_pair()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    train_shadow(shadow, ref, ropt, steps=2, micro=3)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q in ropt.state:
+            torch.testing.assert_close(opt.state[p]["master_param"], q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_clip_grad_norm_inside_the_kernel_matches_torch(path, overlap):
     model, _ = make_pair()
     opt = offload_adam.AdamW(model.parameters(), overlap=overlap, **OPTS)
     model2, _ = make_pair()
     opt2 = offload_adam.AdamW(model2.parameters(), overlap=overlap, max_grad_norm=0.05, **OPTS)
-    model3, ref = make_pair()
+    _, ref = make_pair()
     ropt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     for it in range(3):
-        loss_of(model, it, BF16).backward()
-        loss_of(model2, it, BF16).backward()
+        loss_of(model, it).backward()
+        loss_of(model2, it).backward()
         copy_grads(model, ref)
         before = {p: p.grad.clone() for p in model.parameters() if p.grad is not None}
         norm = opt.clip_grad_norm_(0.05)
         for p, g in before.items():
-            assert torch.equal(p.grad, g)  # the fast path leaves p.grad alone
+            assert torch.equal(p.grad, g)  # p.grad is left alone: the kernel clips
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
         opt.step(), opt2.step(), ropt.step()
@@ -319,7 +182,7 @@ def test_clip_fast_path_matches_torch_clip(kernels, overlap):
                                        opt2.state[p2]["master_param"], rtol=1e-5, atol=1e-7)
 
 
-def test_state_dict_resume_is_bitwise(kernels):
+def test_state_dict_resume_is_bitwise(path):
     model, _ = make_pair()
     opt = offload_adam.AdamW(model.parameters(), **OPTS)
     run(model, opt, 2)
@@ -335,14 +198,28 @@ def test_state_dict_resume_is_bitwise(kernels):
     opt2 = offload_adam.AdamW(model2.parameters(), **OPTS)
     opt2.load_state_dict(sd)
     run(model2, opt2, 2, start=2)
-    for p, q in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(p, q)
-        if opt.state.get(p):
-            for key in ("master_param", "exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(opt.state[p][key], opt2.state[q][key]), key
+    assert_same((model, opt), (model2, opt2))
 
 
-def test_scheduler_groups_and_step_without_backward(kernels):
+def test_load_state_dict_between_steps(path):
+    """A state dict loaded into a running optimizer takes effect at the next
+    step (the engine copies it in once the last step's copies are done)."""
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    run(model, opt, 1)
+    sd, msd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    run(model, opt, 2, start=1)
+    model.load_state_dict(msd)
+    opt.load_state_dict(sd)
+    run(model, opt, 2, start=1)
+    reference, ropt = make_pair()[0], None
+    with path.outside():
+        ropt = offload_adam.AdamW(reference.parameters(), **OPTS)
+    run(reference, ropt, 3)
+    assert_same((model, opt), (reference, ropt))
+
+
+def test_scheduler_groups_and_step_without_backward(path):
     model, _ = make_pair()
     groups = [{"params": list(model.body.parameters()), "weight_decay": 0.0},
               {"params": list(model.embed.parameters()) + list(model.head.parameters())
@@ -351,14 +228,14 @@ def test_scheduler_groups_and_step_without_backward(kernels):
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     opt.step()  # no backward yet: nothing happens
     assert not opt.state
-    model2, ref = make_pair()
+    _, ref = make_pair()
     rgroups = [{"params": list(ref.body.parameters()), "weight_decay": 0.0},
                {"params": list(ref.embed.parameters()) + list(ref.head.parameters())
                 + list(ref.unused.parameters()), "lr": 1e-2}]
     ropt = torch.optim.AdamW(rgroups, lr=3e-3)
     rsched = torch.optim.lr_scheduler.StepLR(ropt, 1, gamma=0.5)
     for it in range(3):
-        loss_of(model, it, BF16).backward()
+        loss_of(model, it).backward()
         copy_grads(model, ref)
         opt.step(), ropt.step(), sched.step(), rsched.step()
         opt.zero_grad(), ropt.zero_grad()
@@ -371,99 +248,68 @@ def test_scheduler_groups_and_step_without_backward(kernels):
     assert not opt.state.get(model.unused.weight)
 
 
-def test_several_optimizers_and_mixed_fp32_cpu(kernels):
+def test_add_param_group_while_training(path):
+    def train():
+        model, _ = make_pair()
+        opt = offload_adam.AdamW(list(model.body.parameters()), **OPTS)
+        run(model, opt, 1)
+        opt.add_param_group({"params": list(model.embed.parameters())
+                             + list(model.head.parameters()), "lr": 1e-2})
+        run(model, opt, 2, start=1)
+        return model, opt
+
+    ours = train()
+    with path.outside():
+        reference = train()
+    assert_same(ours, reference)
+
+
+def test_several_optimizers_and_fp32_params(path):
     model, _ = make_pair()
-    extra = torch.nn.Linear(4, 4)  # fp32 CPU: the direct path, beside the engine
+    extra = torch.nn.Linear(4, 4)  # fp32 params beside the bf16 ones
     opt1 = offload_adam.AdamW(list(model.body.parameters()) + list(extra.parameters()), **OPTS)
     opt2 = offload_adam.Adam(list(model.embed.parameters()) + list(model.head.parameters()),
                              lr=1e-3, bucket_mb=0.01)
     for it in range(2):
-        (loss_of(model, it, BF16) + extra(torch.ones(4)).sum()).backward()
+        (loss_of(model, it) + extra(torch.ones(4)).sum()).backward()
         opt1.step(), opt2.step()
         opt1.zero_grad(), opt2.zero_grad()
-    assert "master_param" not in opt1.state[extra.weight]
-    assert_bf16_is_master_rounded(opt1, model)
-    assert_bf16_is_master_rounded(opt2, model)
+    assert ("master_param" in opt1.state[extra.weight]) == path.engine
+    assert_param_is_master_rounded(opt1, model)
+    assert_param_is_master_rounded(opt2, model)
 
 
-def test_del_optimizer_frees_buffers_and_hooks(kernels, grad_path):
-    import gc
-    import weakref
-    model, _ = make_pair()
-    opt = offload_adam.AdamW(model.parameters(), **OPTS)
-    run(model, opt, 1)
-    arena = weakref.ref(opt._engine._arenas[0]._arenas[("state", torch.float32)])
-    engine = weakref.ref(opt._engine)
-    # live grads: nothing to overlap, the step runs on the caller's thread
-    assert (opt._engine._worker is None) == (grad_path == "live-grad")
-    thread = opt._engine._worker._thread if opt._engine._worker else None
-    del opt
-    gc.collect()
-    assert engine() is None and arena() is None
-    if thread is not None:
-        thread.join(timeout=5)
-        assert not thread.is_alive()
-    loss_of(model, 0, BF16).backward()  # hooks are gone or harmless
-
-
-@pytest.mark.parametrize("early", [False, True])
-def test_profile_and_host_bytes(kernels, grad_path, early):
-    model, _ = make_pair()
-    opt = offload_adam.AdamW(model.parameters(), **OPTS, step_in_backward=early)
-    assert opt.last_step_profile is None
-    n = sum(p.numel() for p in model.parameters())
-    # master + 2 moments (fp32), plus alignment; a host grad (bf16) when grads
-    # are copied (a live grad is read in place, except for early steps); a
-    # staging buffer (bf16) only when the kernel may run while backward reads
-    # the params: otherwise a CPU param is written by the kernel directly.
-    copied = early or grad_path == "copied-grad"
-    per_param = 12 + 2 * copied + 2 * early
-    assert per_param * n <= opt.host_bytes() < per_param * n + 64 * 5 * len(list(model.parameters()))
-    run(model, opt, 1)
-    prof = opt.last_step_profile
-    assert set(prof) == {"d2h_s", "cpu_step_s", "h2d_s", "exposed_s", "timeline"}
-    phases = {r["phase"] for r in prof["timeline"]}
-    assert phases == {"d2h", "cpu_step", "h2d"} - ({"h2d"} if not early else set()) \
-        - ({"d2h"} if not copied else set())
-    for r in prof["timeline"]:
-        assert r["end_s"] >= r["start_s"] and isinstance(r["bucket"], int)
-    assert prof["exposed_s"] >= prof["cpu_step_s"] > 0
-
-
-def test_free_grads_after_copy(kernels):
+def test_free_grads_after_copy(path):
     out = []
     for free in (True, False):
         model, _ = make_pair()
         opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=free, **OPTS)
         for it in range(2):
-            loss_of(model, it, BF16).backward()
+            loss_of(model, it).backward()
             if free:
                 assert all(p.grad is None for p in model.parameters())
             opt.clip_grad_norm_(0.1)
             opt.step()
             opt.zero_grad()
-        out.append(model)
-    for p, q in zip(*(m.parameters() for m in out)):
+        out.append((model, opt))
+    for p, q in zip(*(m.parameters() for m, _ in out)):
         assert torch.equal(p, q)
     model, _ = make_pair()
     opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=True, **OPTS)
-    loss_of(model, 0, BF16).backward()
+    loss_of(model, 0).backward()
     with pytest.raises(RuntimeError, match="accumulat"):
-        loss_of(model, 1, BF16).backward()
+        loss_of(model, 1).backward()
 
 
 def _scaler_run(overlap, unscale, clip=None, max_grad_norm=None, opt_clip=None):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                torch.nn.Linear(16, 4)).to(BF16)
+    model = make_mlp()
     # eps large enough that a grad left scaled changes the update (Adam is
     # otherwise nearly invariant to the grads' scale)
     opt = offload_adam.AdamW(model.parameters(), overlap=overlap, eps=1e-2,
                              max_grad_norm=max_grad_norm, **OPTS)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     for it in range(3):
-        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(it)).to(BF16)
-        scaler.scale(model(x).float().pow(2).sum()).backward()
+        scaler.scale(mlp_loss(model, it)).backward()
         if unscale:
             scaler.unscale_(opt)
         if clip:
@@ -477,7 +323,7 @@ def _scaler_run(overlap, unscale, clip=None, max_grad_norm=None, opt_clip=None):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_opt_clip_after_unscale(kernels, overlap):
+def test_opt_clip_after_unscale(path, overlap):
     """opt.clip_grad_norm_ after GradScaler.unscale_ sees the unscaled grads
     (fingerprints, or live grads) and equals clipping inside the kernel with
     the grads still scaled (the scale is a power of two: bitwise)."""
@@ -488,20 +334,18 @@ def test_opt_clip_after_unscale(kernels, overlap):
         assert torch.equal(o1.state[p]["master_param"], o2.state[q]["master_param"])
 
 
-def test_grad_scaler(kernels):
-    """Low-precision params under torch.amp.GradScaler. unscale_ changes grads
-    without bumping version counters: the engine must copy them again. (bf16:
-    GradScaler refuses to unscale fp16 grads; on CUDA the usual case is fp32
-    params, which the engine steps there.) The scale is a power of two, so
-    unscaling in the kernel or before is the same."""
+def test_grad_scaler(path):
+    """bf16 params under torch.amp.GradScaler. unscale_ changes grads without
+    bumping version counters: the engine copies them again. The scale is a
+    power of two, so unscaling in the kernel or before is the same."""
     _, a = _scaler_run(True, unscale=True)
     _, b = _scaler_run(False, unscale=True)
     _, c = _scaler_run(True, unscale=False)
     for p, q, r in zip(a, b, c):
         assert torch.equal(p, q) and torch.equal(p, r)
-    # clipping: in-kernel (max_grad_norm, grads still scaled) vs unscale_ + torch's
-    # clip, which rounds the clipped grads to bf16 (the kernel keeps them fp32):
-    # equal up to that rounding, moved by Adam's normalisation at most ~lr.
+    # in-kernel clipping (grads still scaled) vs unscale_ + torch's clip, which
+    # rounds the clipped grads to bf16 (the kernel keeps them fp32): equal up to
+    # that rounding, moved by Adam's normalisation at most ~lr.
     o1, d = _scaler_run(True, unscale=False, max_grad_norm=0.5)
     o2, e = _scaler_run(False, unscale=True, clip=0.5)
     for p, q in zip(d, e):
@@ -509,23 +353,319 @@ def test_grad_scaler(kernels):
                                    rtol=0, atol=3e-4)
 
 
-@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
-@pytest.mark.parametrize("chunk", [64, 1 << 22])
-def test_grad_fingerprint(monkeypatch, dtype, chunk):
-    """The fingerprint moves for the edits a user makes through .data, also
-    those that keep the sum of the bit patterns (negating a tensor with as many
-    positive as negative elements), and not for an untouched or copied grad."""
-    from offload_adam import engine_device
+def _wide_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(4096, 32), torch.nn.LayerNorm(32),
+                               torch.nn.Linear(32, 32)).to(BF16)
 
-    monkeypatch.setattr(engine_device, "_FINGERPRINT_CHUNK", chunk)
-    fp = engine_device.grad_fingerprint
-    half = torch.rand(500, generator=torch.Generator().manual_seed(0)) + 0.5
-    g = torch.cat([half, -half]).to(dtype)
-    base = fp(g)
-    assert torch.equal(base, fp(g.clone()))
-    one_ulp = g.clone()
-    one_ulp.view(torch.int16 if g.element_size() == 2 else torch.int32)[7] += 1
-    for edited in (-g, g * 2, one_ulp, g.clamp(-1, 1), torch.zeros_like(g)):
-        assert not torch.equal(fp(edited), base)
-    wide = torch.stack([g, g])  # non-contiguous columns
-    assert torch.equal(fp(wide.t()), fp(wide.t().contiguous()))
+
+def _wide_loss(model, seed):
+    tokens = torch.randint(0, 4096, (64,), generator=torch.Generator().manual_seed(seed))
+    return model(tokens).float().pow(2).mean()
+
+
+def test_large_params_in_pieces_and_small_ones_packed(path):
+    """An embedding of 4 x 32768 elements and 0.1 MB buckets: it is cut into 4
+    pieces in 4 buckets; the norm, the bias and the small weight travel packed.
+    Same bits as in place."""
+    model = _wide_model()
+    opt = offload_adam.AdamW(model.parameters(), lr=3e-3, bucket_mb=0.1)
+    run(model, opt, 3, loss=_wide_loss)
+    if path.engine:
+        embed = opt._engine._by_param[model[0].weight]
+        assert [p.numel for p in embed.pieces] == [32768] * 4
+        assert len({p.bucket.index for p in embed.pieces}) == 4
+        packed = [p.rec.param for b in opt._engine.buckets for p in b.pieces if p.packed]
+        assert len(packed) == 4 and all(p is not model[0].weight for p in packed)
+    with path.outside():
+        ref = _wide_model()
+        ropt = offload_adam.AdamW(ref.parameters(), lr=3e-3, bucket_mb=0.1)
+    run(ref, ropt, 3, loss=_wide_loss)
+    assert_same((model, opt), (ref, ropt))
+
+
+def test_hook_that_finds_no_grad_does_nothing(path):
+    """A post-accumulate-grad hook registered before the optimizer's may take the
+    grad (an optimizer-in-backward pattern): that param is left alone."""
+    model = make_mlp()
+    dropped = model[2].weight
+    before = dropped.detach().clone()
+    dropped.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    mlp_loss(model, 0).backward()
+    assert dropped.grad is None
+    opt.step()
+    assert not opt.state.get(dropped)
+    assert torch.equal(dropped, before)
+    assert steps_of(opt, model) == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_cast_after_building_is_followed_or_refused(path):
+    """model.to(dtype) after the optimizer was built: in place, the optimizer
+    follows the params (as torch's does); the engine, whose host buffers were
+    sized for the old dtype, refuses with a message saying what to do."""
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    run(model, opt, 1, loss=mlp_loss)
+    model.to(torch.float16)
+    x = torch.randn(5, 8).to(torch.float16)
+    model(x).float().sum().backward()
+    if path.engine:
+        with pytest.raises(RuntimeError, match=r"is now torch.float16.*Build the optimizer after"):
+            opt.step()
+    else:
+        opt.step()
+        assert steps_of(opt, model) == [2.0] * 4
+        assert_param_is_master_rounded(opt, model)
+
+
+# ---- when things go wrong ---------------------------------------------------------------
+MLP_OPTS = dict(lr=3e-3, weight_decay=0.1, eps=1e-2, bucket_mb=0.0001)
+
+
+class Boom(ValueError):
+    pass
+
+
+def _kernels_that(monkeypatch, before_step):
+    """The real kernels, with `before_step()` run before each adam_step."""
+    real = kernel_step.kernels()
+
+    class Wrapped:
+        def adam_step(self, *args):
+            before_step(args)
+            return real.adam_step(*args)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(kernel_step, "kernels", Wrapped)
+
+
+def test_a_kernel_error_surfaces_with_the_original_exception(path, monkeypatch):
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+    mlp_loss(model, 0).backward()
+    armed = [True]
+
+    def fail_once(args):
+        if armed.pop() if armed else False:
+            raise Boom("kernel failed")
+
+    _kernels_that(monkeypatch, fail_once)
+    with pytest.raises(Boom, match="kernel failed"):
+        opt.step()
+    opt.zero_grad()  # usable afterwards
+    mlp_loss(model, 1).backward()
+    opt.step()
+    assert_param_is_master_rounded(opt, model)
+
+
+def _interrupt_main(*delays):
+    timers = [threading.Timer(d, _thread.interrupt_main) for d in delays]
+    for t in timers:
+        t.start()
+    return timers
+
+
+@pytest.mark.parametrize("interrupts", [1, 2])
+def test_keyboard_interrupt_in_step_then_training_goes_on(path, monkeypatch, interrupts):
+    """One ^C in step(): every bucket is still stepped, then KeyboardInterrupt
+    (the step is all or nothing). A second ^C gives up on the buckets not
+    started; each param is then stepped or not, never half. Either way the
+    next iteration runs."""
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+    _kernels_that(monkeypatch, lambda args: time.sleep(0.8))
+    mlp_loss(model, 0).backward()
+    timers = _interrupt_main(*[0.1, 0.5][:interrupts])  # both during the first kernel
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    for t in timers:
+        t.join()
+    steps = steps_of(opt, model)
+    if interrupts == 1 or not path.engine:  # in place: one kernel call, not cancellable
+        assert steps == [1.0] * len(steps)
+    else:
+        assert 0 < sum(steps) < len(steps) and set(steps) <= {0.0, 1.0}
+    assert_param_is_master_rounded(opt, model)
+    monkeypatch.undo()
+    opt.zero_grad()
+    mlp_loss(model, 1).backward()
+    opt.step()  # returns: nothing left waiting
+
+
+class FailHalfway(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise Boom("backward failed")
+
+
+def test_backward_that_raises_halfway(path):
+    """Hooks fired for the last layer only; the next iteration is exact."""
+    results = []
+    for broken in (True, False):
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+        if broken:
+            x = torch.randn(5, 8).to(BF16)
+            h = FailHalfway.apply(model[1](model[0](x)))
+            with pytest.raises(Boom):
+                model[2](h).float().sum().backward()
+            assert model[2].weight.grad is not None and model[0].weight.grad is None
+            opt.zero_grad()
+        run(model, opt, 2, loss=mlp_loss)
+        results.append((model, opt))
+    assert_same(*results)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sparse_grad_is_a_clear_error(path, overlap):
+    """A bf16 sparse embedding: refused, naming the param, from the hook
+    (overlap) or from step()."""
+    emb = torch.nn.Embedding(10, 4, sparse=True).to(BF16)
+    opt = offload_adam.AdamW(emb.parameters(), overlap=overlap)
+    match = r"shape \[10, 4\].*sparse" if path.engine else r"sparse gradients.*shape \(10, 4\)"
+    if overlap and path.engine:
+        with pytest.raises(RuntimeError, match=match):
+            emb(torch.tensor([1, 2])).float().sum().backward()
+    else:
+        emb(torch.tensor([1, 2])).float().sum().backward()
+        with pytest.raises(RuntimeError, match=match):
+            opt.step()
+    assert not opt.state.get(emb.weight)
+
+
+def test_param_made_non_contiguous(path):
+    """p.data replaced by a non-contiguous tensor after the optimizer was
+    built: stepped through a copy in place; refused by the engine (its pieces
+    are ranges of a contiguous param), naming the shape."""
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+    w = model[0].weight
+    w.data = w.detach().t().contiguous().t()
+    original = w.detach().clone()
+    mlp_loss(model, 0).backward()
+    if path.engine:
+        with pytest.raises(RuntimeError, match=r"shape \[16, 8\].*became non-contiguous"):
+            opt.step()
+        assert torch.equal(w, original)
+    else:
+        opt.step()
+        assert not torch.equal(w, original)
+        assert_param_is_master_rounded(opt, model)
+
+
+def test_close_and_del_let_everything_go(sim):
+    """close() does what dropping the optimizer does: no hook fires afterwards,
+    the worker exits, host memory is released once no copy uses it, and a
+    step() after it is an error, not a hang."""
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+    run(model, opt, 1, loss=mlp_loss)
+    engine = opt._engine
+    thread = engine._worker._thread
+    engine.close()
+    assert all(r.hook is None for r in engine.recs)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    mlp_loss(model, 1).backward()  # the hooks are gone: nothing is copied
+    assert all(r.copy is None or r.copy.grad() is not p.grad
+               for r, p in zip(engine.recs, model.parameters()))
+    with pytest.raises(RuntimeError, match="engine was closed"):
+        opt.step()
+    engine.close()  # a second close is a no-op
+
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+    run(model, opt, 1, loss=mlp_loss)
+    arenas = [a for group in opt._engine._state_arenas + opt._engine._transfer_arenas
+              for a in group._arenas.values()]
+    engine, thread = weakref.ref(opt._engine), opt._engine._worker._thread
+    del opt
+    gc.collect()
+    assert engine() is None
+    freed = {span[1] for span in sim.sim._freed}  # unpinned, after their copies
+    assert all(a.data_ptr() in freed for a in arenas if a.numel())
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    mlp_loss(model, 0).backward()  # hooks are gone or harmless
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_profile_and_host_bytes(path, early):
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS, step_in_backward=early)
+    engine = path.engine or early
+    assert opt.last_step_profile is None
+    n = sum(p.numel() for p in model.parameters())
+    # the engine: master + 2 moments (fp32) + grad copy and staging (bf16), plus
+    # alignment; in place, the state is the optimizer's own tensors
+    per_param = 16 if engine else 0
+    assert per_param * n <= opt.host_bytes() <= per_param * n + 3 * 64 * 14 + 5 * 8192
+    run(model, opt, 1)
+    prof = opt.last_step_profile
+    if not engine:
+        assert prof is None
+        return
+    assert set(prof) == {"d2h_s", "cpu_step_s", "h2d_s", "exposed_s", "timeline"}
+    assert {r["phase"] for r in prof["timeline"]} == {"d2h", "cpu_step", "h2d"}
+    for r in prof["timeline"]:
+        assert r["end_s"] >= r["start_s"] and isinstance(r["bucket"], int)
+    assert prof["exposed_s"] >= prof["cpu_step_s"] > 0
+
+
+def test_num_threads_reaches_every_kernel_call(path, monkeypatch):
+    """num_threads is what the engine's step and norm kernels get; the result
+    does not depend on it."""
+    option = torch.get_num_threads() + 1  # differs from the default anywhere
+    runs = []
+    for threads in (option, None):
+        seen = []
+        _kernels_that(monkeypatch, lambda args: seen.append(args[-1]))
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), num_threads=threads, **MLP_OPTS)
+        for it in range(2):
+            mlp_loss(model, it).backward()
+            opt.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+        monkeypatch.undo()
+        expected = threads if path.engine and threads else torch.get_num_threads()
+        assert seen and set(seen) == {expected}
+        runs.append((model, opt))
+    assert_same(*runs)
+
+
+def test_too_little_host_memory_and_failed_pinning(sim, monkeypatch):
+    model = make_mlp()
+    with pytest.raises(MemoryError, match="available"):
+        OffloadEngine([list(model.parameters())], [False], available_host_bytes=100)
+
+    def refuse(t):
+        raise RuntimeError("cudaHostRegister failed with error 2")
+
+    monkeypatch.setattr(sim.sim, "pin", refuse)
+    with pytest.warns(RuntimeWarning, match="could not pin .*pageable"):
+        opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+        run(model, opt, 1, loss=mlp_loss)
+    assert not opt._engine.pinned()
+    assert_param_is_master_rounded(opt, model)
+
+
+def test_bad_engine_options():
+    p = torch.nn.Parameter(torch.zeros(2, dtype=BF16))
+    with pytest.raises(ValueError, match="bucket_mb"):
+        offload_adam.AdamW([p], bucket_mb=0, free_grads_after_copy=True)
+    with pytest.raises(ValueError, match="num_threads"):
+        offload_adam.AdamW([p], num_threads=0, free_grads_after_copy=True)
+    with pytest.raises(ValueError, match="overlap=True"):
+        offload_adam.AdamW([p], overlap=False, free_grads_after_copy=True)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        offload_adam.AdamW([p], max_grad_norm=-1.0)
+    with pytest.raises(NotImplementedError, match="2-norm"):
+        offload_adam.AdamW([p]).clip_grad_norm_(1.0, norm_type=1.0)

@@ -1,24 +1,25 @@
-"""step_in_backward=True: the CPU step starts during backward.
+"""step_in_backward=True (offload_adam/engine_early.py): the CPU step starts
+during backward.
 
 It must equal the default (the step at step()) bit for bit, and everything that
 would make it differ must be a clear RuntimeError that says what was stepped.
 The state such an error leaves is pinned down here: every param is either
 stepped once with the grads as they were at backward (equal to a plain step) or
-not stepped at all, and each param equals its master rounded.
+not stepped at all, and each param equals its master rounded. Every test runs
+on the host device (CPU params, copies on the spot) and on the asynchronous
+simulated device (conftest.path).
 """
+import gc
 import re
+import weakref
 
 import pytest
 import torch
 
 import offload_adam
-
-# Every test runs on both grad paths (conftest.grad_path).
-pytestmark = pytest.mark.usefixtures("grad_path")
-
-from test_engine import BF16, TinyTransformer, loss_of
-
-OPTS = dict(lr=3e-3, weight_decay=0.1, bucket_mb=0.01)
+from offload_adam import kernel_step
+from models import (BF16, OPTS, TinyTransformer, assert_param_is_master_rounded, assert_same,
+                    loss_of, make_mlp, mlp_loss, run, steps_of)
 
 
 class Model(TinyTransformer):
@@ -47,15 +48,16 @@ def make(step_in_backward, seed=0, **kw):
 
 def backward(model, it):
     model.odd = it % 2 == 1
-    loss_of(model, it, BF16).backward()
+    loss_of(model, it).backward()
 
 
 def early_params(opt):
     """The params whose step was queued during the last backward."""
-    return [s.param for s in opt._engine.slots if s.early_token]
+    started = opt._engine.early._started
+    return [r.param for r in opt._engine.recs if id(r) in started]
 
 
-def test_bitwise_equal_to_the_default(kernels):
+def test_bitwise_equal_to_the_default(path):
     runs = []
     for early in (False, True):
         model, opt = make(early)
@@ -72,18 +74,11 @@ def test_bitwise_equal_to_the_default(kernels):
     # every param that got a grad before does
     n_grads = sum(1 for p in runs[0][0].parameters() if p in runs[0][1].state)
     assert started[0] == 0 and min(started[1:]) > n_grads // 2
-    (m1, o1), (m2, o2) = runs
-    for p, q in zip(m1.parameters(), m2.parameters()):
-        assert torch.equal(p, q)
-        if o1.state.get(p):
-            for key in ("master_param", "exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(o1.state[p][key], o2.state[q][key]), key
-        else:
-            assert not o2.state.get(q)
-    assert not o2.state.get(m2.unused.weight)
+    assert_same(*runs)
+    assert not runs[1][1].state.get(runs[1][0].unused.weight)
 
 
-def test_free_grads_after_copy_too(kernels):
+def test_free_grads_after_copy_too(path):
     runs = []
     for early in (False, True):
         model, opt = make(early, free_grads_after_copy=True)
@@ -91,9 +86,8 @@ def test_free_grads_after_copy_too(kernels):
             backward(model, it)
             opt.step()
             opt.zero_grad()
-        runs.append(model)
-    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
-        assert torch.equal(p, q)
+        runs.append((model, opt))
+    assert_same(*runs)
 
 
 def test_bad_options():
@@ -180,9 +174,10 @@ def _check_left_state(opt, model, before, after_plain, message):
     assert "the other params are not" in message
 
 
-def _reference_after_plain_step(it):
+def _reference_after_plain_step(path, it):
     """The masters after step `it` of a plain run (default mode)."""
-    model, opt = make(False)
+    with path.outside():
+        model, opt = make(False)
     for i in range(it + 1):
         backward(model, i)
         opt.step()
@@ -192,7 +187,7 @@ def _reference_after_plain_step(it):
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_a_change_after_backward_is_an_error(kernels, change):
+def test_a_change_after_backward_is_an_error(path, change):
     edit, pattern = CHANGES[change]
     model, opt, before = _in_second_backward()
     assert early_params(opt)
@@ -201,7 +196,7 @@ def test_a_change_after_backward_is_an_error(kernels, change):
         opt.step()
     message = str(err.value)
     assert re.search(pattern, message), message
-    after = dict(zip(model.parameters(), _reference_after_plain_step(1)))
+    after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
     _check_left_state(opt, model, before, after, message)
     # training goes on: the next iterations run (and start early again)
     opt.zero_grad()
@@ -212,7 +207,7 @@ def test_a_change_after_backward_is_an_error(kernels, change):
         opt.zero_grad()
 
 
-def test_clip_grad_norm_and_grad_scaler_are_errors(kernels):
+def test_clip_grad_norm_and_grad_scaler_are_errors(path):
     model, opt = make(True)
     backward(model, 0)
     with pytest.raises(RuntimeError, match="clip_grad_norm_ was called.*Nothing was stepped"):
@@ -224,26 +219,132 @@ def test_clip_grad_norm_and_grad_scaler_are_errors(kernels):
         opt.clip_grad_norm_(1.0)
     opt.zero_grad()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    scaler.scale(loss_of(model, 2, BF16)).backward()
+    scaler.scale(loss_of(model, 2)).backward()
     with pytest.raises(RuntimeError, match="GradScaler.step was used.*params already ran"):
         scaler.step(opt)
 
 
-def test_zero_grad_before_step_is_an_error(kernels):
+def test_zero_grad_before_step_is_an_error(path):
     model, opt, before = _in_second_backward()
     with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called") as err:
         opt.zero_grad()
-    after = dict(zip(model.parameters(), _reference_after_plain_step(1)))
+    after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
     _check_left_state(opt, model, before, after, str(err.value))
     opt.step()  # no grads: nothing happens
     _check_left_state(opt, model, before, after, str(err.value))
 
 
-def test_accumulation_is_an_error(kernels):
+def test_accumulation_is_an_error(path):
     model, opt, before = _in_second_backward()
     with pytest.raises(RuntimeError, match="a grad arrived again.*accumulation"):
         backward(model, 11)
     with pytest.raises(RuntimeError, match="a grad arrived again") as err:
         opt.step()
-    after = dict(zip(model.parameters(), _reference_after_plain_step(1)))
+    after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
     _check_left_state(opt, model, before, after, str(err.value))
+
+
+# ---- less travelled branches ------------------------------------------------------------
+# bucket_mb this small puts every param of the MLP in a bucket of its own.
+MLP_OPTS = dict(lr=3e-3, weight_decay=0.1, eps=1e-2, bucket_mb=0.0001)
+
+
+def test_dead_owner_starts_no_early_step(path):
+    """The engine's hooks outlive the optimizer while someone holds the
+    engine; with the owner gone (no groups, no state) they only copy the grads
+    and start nothing. The engine still steps when driven directly."""
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **MLP_OPTS)
+    run(model, opt, 1, loss=mlp_loss)
+    engine, groups, state = opt._engine, opt.param_groups, opt.state
+    owner = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert owner() is None
+    mlp_loss(model, 1).backward()
+    assert all(r.copy is not None for r in engine.recs) and not engine.early._started
+    engine.step(groups, state)
+    assert [float(state[p]["step"]) for p in model.parameters()] == [2.0] * 4
+    for p in model.parameters():
+        assert torch.equal(p, state[p]["master_param"].to(BF16))
+
+
+@pytest.mark.parametrize("when", ["from the start", "turned on after step 1"])
+def test_amsgrad_early_start_is_bitwise_equal_to_the_default(path, when):
+    """amsgrad with steps started in backward, also when amsgrad is switched on
+    later (its max_exp_avg_sq buffers are then added by the early start)."""
+    runs = []
+    for early in (False, True):
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=early,
+                                 amsgrad=when == "from the start", **MLP_OPTS)
+        started = []
+        for it in range(4):
+            if it == 1:
+                for g in opt.param_groups:
+                    g["amsgrad"] = True
+            mlp_loss(model, it).backward()
+            started.append(len(early_params(opt)) if early else 0)
+            opt.step()
+            opt.zero_grad()
+        assert started == ([0, 4, 4, 4] if early else [0, 0, 0, 0])
+        runs.append((model, opt))
+    assert_same(*runs)
+    (m0, o0), (m, o) = runs
+    for p, q in zip(m0.parameters(), m.parameters()):
+        assert torch.equal(o0.state[p]["max_exp_avg_sq"], o.state[q]["max_exp_avg_sq"])
+    # amsgrad really ran: max_exp_avg_sq is not exp_avg_sq
+    assert any(not torch.equal(o.state[p]["max_exp_avg_sq"], o.state[p]["exp_avg_sq"])
+               for p in m.parameters())
+
+
+def test_grad_scale_after_early_steps_is_an_error(path):
+    """The early steps used the grads unscaled: a step() that asks for a scale
+    (clipping coefficient, 1/loss scale) cannot be honoured and says so."""
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **MLP_OPTS)
+    run(model, opt, 1, loss=mlp_loss)
+    mlp_loss(model, 1).backward()
+    assert early_params(opt)
+    with pytest.raises(RuntimeError, match=r"scales the grads by 0\.5 .*stepped unscaled"
+                       r".*The Adam step of 4 params already ran"):
+        opt._engine.step(opt.param_groups, opt.state, grad_scale=0.5)
+    assert steps_of(opt, model) == [2.0] * 4
+    assert_param_is_master_rounded(opt, model)
+
+
+class Boom(ValueError):
+    pass
+
+
+def test_failing_early_kernel_leaves_stepped_params_consistent(path, monkeypatch):
+    """An early step whose kernel raises: step() re-raises that exception, the
+    bucket stepped before it has its param written (param == master rounded),
+    the failed and the skipped ones are not stepped, and training goes on."""
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **MLP_OPTS)
+    run(model, opt, 1, loss=mlp_loss)
+    before = [p.detach().clone() for p in model.parameters()]
+    real, calls = kernel_step.kernels(), []
+
+    class FailSecond:
+        def adam_step(self, *args):
+            calls.append(1)
+            if len(calls) == 2:  # the first bucket runs, the second fails
+                raise Boom("kernel failed")
+            return real.adam_step(*args)
+
+    monkeypatch.setattr(kernel_step, "kernels", FailSecond)
+    mlp_loss(model, 1).backward()
+    with pytest.raises(Boom, match="kernel failed"):
+        opt.step()
+    monkeypatch.undo()
+    steps = steps_of(opt, model)
+    assert sorted(steps) == [1.0, 1.0, 1.0, 2.0]
+    assert_param_is_master_rounded(opt, model)
+    for p, b, n in zip(model.parameters(), before, steps):
+        assert torch.equal(p, b) == (n == 1.0)
+    opt.zero_grad()
+    run(model, opt, 2, start=2, loss=mlp_loss)
+    assert sorted(steps_of(opt, model)) == [3.0, 3.0, 3.0, 4.0]
+    assert_param_is_master_rounded(opt, model)

@@ -1,0 +1,478 @@
+"""An adversarial asynchronous device for CPU tensors: CUDA's stream rules, checked.
+
+The offload engine talks to its device through the interface of engine_device.py
+(d2h, h2d, fence, wait_host, publish, fetch, pin/unpin). On a GPU, a mistake in
+how it orders copies (a missing wait, a missing fence, a buffer reused while a
+copy still reads it) gives wrong numbers only now and then. This device runs the
+same interface on CPU tensors the way CUDA would, and is hostile about timing:
+
+  * two side streams (D2H, H2D), each a FIFO run by its own thread; every copy
+    waits for the events it was ordered after, then a random delay (seeded), or
+    is held until someone needs it ("latest": as late as CUDA allows);
+  * a copy reads its source and writes its destination when it *executes*, not
+    when it is queued; the host side of a device->host copy is poisoned (NaN) at
+    queue time, so a host read before the copy landed sees NaN;
+  * events complete when their stream reaches them; `publish` makes the compute
+    stream (the caller's own work) wait for copies without blocking the host.
+
+The "compute stream" is the code that runs on the caller's threads: on CPU it
+executes at once, so the device watches it instead. A TorchDispatchMode (entered
+by `watch()`, and on every thread that calls the device) sees each aten op, which
+tensors it reads and writes, and checks the happens-before rules that CUDA
+leaves to the programmer:
+
+  * a host buffer (one side of a copy) touched by the host while a copy that
+    uses it has not been waited for by the host (`wait_host`, or a `fetch`
+    result): the host may run ahead of the device (e.g. overwriting the source
+    of a host->device copy that has not run yet);
+  * a device tensor (a param, a grad) touched by compute work while a copy that
+    conflicts with it (one writes) is neither published to the compute stream
+    nor waited for by the host; a published copy is waited for here, as the
+    compute stream would;
+  * a host->device copy queued without an `after` event that covers the last
+    compute work on its destination (a missing fence: backward may still read
+    the params), a device->host copy ordered before the work that produced its
+    source;
+  * a copy whose host source changed between queueing and executing, or whose
+    device source changed although nothing ordered the change after the copy;
+  * a host buffer unpinned (freed) while a copy still uses it; it is poisoned
+    too, so a copy that runs later moves NaN.
+
+Every violation is recorded with a message; `check()` raises them (tests call
+it at the end of each test). The engine cannot tell this device from a GPU: it
+is selected with `engine_device.simulated(...)`, which makes the optimizer hand
+every CPU param (fp32 included) to the engine, as it does CUDA params.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .engine_device import Transfer, as_list
+
+_local = threading.local()  # .inside: the device's own ops (not checked)
+
+
+@contextlib.contextmanager
+def _unchecked():
+    before = getattr(_local, "inside", False)
+    _local.inside = True
+    try:
+        yield
+    finally:
+        _local.inside = before
+
+
+def _span(t: torch.Tensor):
+    """(storage address, first byte, end byte) of the bytes `t` can touch."""
+    base = t.untyped_storage().data_ptr()
+    size = t.element_size()
+    lo = hi = t.storage_offset()
+    for n, s in zip(t.shape, t.stride()):
+        if n == 0:
+            return base, 0, 0
+        if s > 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return base, base + lo * size, base + (hi + 1) * size
+
+
+def _overlaps(a, b) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _checksum(ts: Sequence[torch.Tensor]) -> List[bytes]:
+    with _unchecked():
+        return [t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+                if t.numel() else b"" for t in ts]
+
+
+def _poison(t: torch.Tensor) -> None:
+    with _unchecked():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        else:
+            t.fill_(0x55)
+
+
+@dataclass(eq=False)
+class _Copy:
+    """One queued copy (or a pack of copies) on a side stream."""
+
+    kind: str                      # "d2h" | "h2d"
+    stream: "_Stream"
+    seq: int
+    dsts: List[torch.Tensor]
+    srcs: List[torch.Tensor]
+    after: List["_Copy"]           # copies that must have executed first
+    after_epoch: int               # compute work ordered before this copy
+    hold: float                    # seconds it waits before running unless forced
+    host_side: list = field(default_factory=list)    # spans of its host tensors
+    device_side: list = field(default_factory=list)  # spans of its device tensors
+    src_sums: Optional[List[bytes]] = None
+    executed: threading.Event = field(default_factory=threading.Event)
+    forced: threading.Event = field(default_factory=threading.Event)
+    host_synced: bool = False      # the host waited for it (directly or not)
+    published: bool = False        # the compute stream waits for it
+    transfer: Optional[Transfer] = None
+
+    def name(self) -> str:
+        what = "device->host" if self.kind == "d2h" else "host->device"
+        return f"{what} copy #{self.seq} ({sum(t.numel() for t in self.dsts)} elements)"
+
+    @property
+    def writes_host(self) -> bool:
+        return self.kind == "d2h"
+
+
+class SimEvent:
+    """A point on the compute stream: the copies published to it and not yet
+    waited for by the host (it comes after them) and the compute epoch."""
+
+    def __init__(self, copies: List[_Copy], epoch: int):
+        self.copies, self.epoch = copies, epoch
+
+
+class _Stream:
+    def __init__(self, device: "AsyncSimDevice", name: str):
+        self.device, self.name = device, name
+        self.pending: List[_Copy] = []        # queued, not executed, in order
+        self.cv = threading.Condition(device.lock)
+        self.seq = 0
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name=f"sim-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        dev = self.device
+        while True:
+            with dev.lock:
+                while not self.pending and not self.stopped:
+                    self.cv.wait()
+                if self.stopped and not self.pending:
+                    return
+                op = self.pending[0]
+            for dep in op.after:
+                dep.forced.set()
+                dep.executed.wait()
+            op.forced.wait(op.hold)
+            dev._execute(op)
+            with dev.lock:
+                self.pending.pop(0)
+                op.executed.set()
+                dev.progress.notify_all()
+
+
+class AsyncSimDevice:
+    """The device interface of engine_device.py on CPU tensors, asynchronous
+    and checked (see the module docstring).
+
+    seed: the random delays. latency: "random" (most copies run after up to
+    `max_delay` seconds, some are held until needed) or "latest" (every copy is
+    held until something waits for it: the most adversarial order)."""
+
+    type = "sim"
+    pins_memory = True
+
+    def __init__(self, device: torch.device = torch.device("cpu"), seed: int = 0,
+                 latency: str = "random", max_delay: float = 0.002):
+        if latency not in ("random", "latest"):
+            raise ValueError(f"latency must be 'random' or 'latest', got {latency!r}")
+        self.device = device
+        self.lock = threading.RLock()
+        self.progress = threading.Condition(self.lock)
+        self._rng = random.Random(seed)
+        self._latency, self._max_delay = latency, max_delay
+        self._copies: List[_Copy] = []       # copies that may still conflict with something
+        self._epoch = 0                      # compute work so far (one per aten op)
+        self._last_access: dict = {}         # device storage -> (last read epoch, last write epoch)
+        self._freed: list = []               # spans of unpinned host buffers
+        self._freed_tensors: list = []
+        self._pinned: list = []              # spans of pinned host buffers
+        self.violations: List[str] = []
+        self._mode = _Watch(self)
+        self._streams = {"d2h": _Stream(self, "d2h"), "h2d": _Stream(self, "h2d")}
+
+    # ---- the device interface ---------------------------------------------------
+
+    def pin(self, t: torch.Tensor) -> bool:
+        with self.lock:
+            self._pinned.append(_span(t))
+        return True
+
+    def unpin(self, t: torch.Tensor) -> None:
+        span = _span(t)
+        with self.lock:
+            for op in self._in_flight():
+                if any(_overlaps(span, s) for s in op.host_side) and not (
+                        op.executed.is_set() and op.host_synced):
+                    self._violation(f"a host buffer was unpinned/freed while {op.name()} "
+                                    "still used it (wait for the copies first)")
+            self._pinned = [s for s in self._pinned if not _overlaps(s, span)]
+            # Kept alive: its address must not be reused while it counts as freed.
+            self._freed.append(span)
+            self._freed_tensors.append(t)
+        _poison(t)
+
+    def fence(self) -> SimEvent:
+        self._last_fence = self._now()   # what an h2d without `after` waits for
+        return self._last_fence
+
+    def _now(self) -> SimEvent:
+        """An event on the compute stream: after the work so far, which includes
+        waiting for the copies published to it."""
+        with self.lock:
+            return SimEvent([op for op in self._in_flight() if op.published], self._epoch)
+
+    def d2h(self, dsts, srcs, after: Optional[SimEvent] = None) -> Transfer:
+        dsts, srcs = as_list(dsts), as_list(srcs)
+        ev = after if after is not None else self._now()
+        return self._queue("d2h", dsts, srcs, ev).transfer
+
+    def h2d(self, dsts, srcs, after: Optional[SimEvent] = None) -> Transfer:
+        dsts, srcs = as_list(dsts), as_list(srcs)
+        if after is None:
+            after = getattr(self, "_last_fence", None) or SimEvent([], -1)
+        return self._queue("h2d", dsts, srcs, after).transfer
+
+    def wait_host(self, *transfers) -> None:
+        for t in transfers:
+            if t is None:
+                continue
+            op = getattr(t, "sim_copy", None)
+            if op is None:
+                continue
+            self._force(op)
+            op.executed.wait()
+            with self.lock:
+                self._mark(op, "host_synced")
+
+    def publish(self, transfers) -> None:
+        with self.lock:
+            for t in transfers:
+                op = getattr(t, "sim_copy", None)
+                if op is not None:
+                    self._mark(op, "published")
+
+    def fetch(self, t: torch.Tensor):
+        values = t.tolist()
+        done = self._now()
+
+        def result():
+            for op in done.copies:
+                self._force(op)
+                op.executed.wait()
+            with self.lock:
+                for op in done.copies:
+                    self._mark(op, "host_synced")
+            return values
+        return result, done
+
+    def default_num_threads(self) -> int:
+        return torch.get_num_threads()
+
+    # ---- checking -------------------------------------------------------------------
+
+    def watch(self):
+        """A context in which the calling thread's aten ops are checked (the
+        compute stream and the host, as seen from this thread)."""
+        return self._mode
+
+    def check(self) -> None:
+        """Raises AssertionError listing every violation seen so far."""
+        self.settle()
+        with self.lock:
+            found, self.violations = self.violations, []
+        if found:
+            raise AssertionError("CUDA stream-ordering violations on the simulated device:\n  "
+                                 + "\n  ".join(dict.fromkeys(found)))
+
+    def settle(self) -> None:
+        """Lets every queued copy run (the end of a test)."""
+        with self.lock:
+            ops = [op for s in self._streams.values() for op in s.pending]
+        for op in ops:
+            op.forced.set()
+            op.executed.wait()
+
+    def close(self) -> None:
+        self.settle()
+        with self.lock:
+            for s in self._streams.values():
+                s.stopped = True
+                s.cv.notify_all()
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _violation(self, msg: str) -> None:
+        self.violations.append(msg)
+
+    def _in_flight(self) -> List[_Copy]:
+        # A copy the host waited for can conflict with nothing any more: forget
+        # it. One that only ran (or that the compute stream waited for) stays:
+        # as far as the host knows, it may not have run yet.
+        self._copies = [op for op in self._copies
+                        if not (op.executed.is_set() and op.host_synced)]
+        return self._copies
+
+    def _queue(self, kind, dsts, srcs, after: SimEvent) -> _Copy:
+        if len(dsts) != len(srcs):
+            raise ValueError(f"{kind}: {len(dsts)} destinations for {len(srcs)} sources")
+        host, dev = (dsts, srcs) if kind == "d2h" else (srcs, dsts)
+        stream = self._streams[kind]
+        with self.lock:
+            stream.seq += 1
+            hold = (1.0 if self._latency == "latest" or self._rng.random() < 0.2
+                    else self._rng.random() * self._max_delay)
+            op = _Copy(kind, stream, stream.seq, dsts, srcs, list(after.copies), after.epoch,
+                       hold, [_span(t) for t in host], [_span(t) for t in dev])
+            for span in op.device_side:
+                read, write = self._last_access.get(span[0], (-1, -1))
+                needed = max(read, write) if kind == "h2d" else write
+                if needed > after.epoch:
+                    what = ("the compute work that last used its destination (a "
+                            "missing fence: backward may still read the param)"
+                            if kind == "h2d" else "the compute work that produced its source")
+                    self._violation(f"{op.name()} is not ordered after {what}")
+            for span in op.host_side:
+                if any(_overlaps(span, f) for f in self._freed):
+                    self._violation(f"{op.name()} uses a host buffer that was unpinned/freed")
+                if kind == "h2d":
+                    # A new copy from a host buffer means the host wrote new data
+                    # into it (the kernel, which this device cannot watch): the
+                    # earlier copies from it must have been waited for first.
+                    for old in self._in_flight():
+                        if (old.kind == "h2d" and not old.host_synced
+                                and any(_overlaps(span, h) for h in old.host_side)):
+                            self._violation(
+                                f"{op.name()} sends a host buffer again while {old.name()} "
+                                "from it was never waited for by the host (the host "
+                                "rewrote its source without waiting)")
+            op.src_sums = _checksum(srcs)
+            if kind == "d2h":
+                for d in dsts:  # undefined until the copy lands (poisoned before it can)
+                    _poison(d)
+            op.transfer = Transfer(time.perf_counter(), waiter=lambda op=op: self._timed(op))
+            op.transfer.sim_copy = op
+            self._copies.append(op)
+            stream.pending.append(op)
+            stream.cv.notify_all()
+        return op
+
+    def _timed(self, op: _Copy) -> float:
+        self._force(op)
+        op.executed.wait()
+        return op.ran_for
+
+    def _execute(self, op: _Copy) -> None:
+        t0 = time.perf_counter()
+        with _unchecked():
+            if _checksum(op.srcs) != op.src_sums:
+                side = "host source" if op.kind == "h2d" else "device source"
+                self._violation(f"the {side} of {op.name()} changed between queueing and "
+                                "executing it (written while the copy was in flight)")
+            for span in op.host_side:
+                if any(_overlaps(span, f) for f in self._freed):
+                    self._violation(f"{op.name()} ran on a host buffer that was freed")
+            for d, s in zip(op.dsts, op.srcs):
+                # .data: a device write leaves autograd's version counters alone
+                # (the engine bumps them itself at step(), as torch's step does).
+                d.data.copy_(s)
+        op.ran_for = time.perf_counter() - t0
+
+    def _force(self, op: _Copy) -> None:
+        """Runs `op` as soon as possible (and what must run before it)."""
+        with self.lock:
+            for x in self._before(op):
+                x.forced.set()
+
+    def _mark(self, op: _Copy, flag: str) -> None:
+        """Sets `flag` on `op` and on what must have run before it. Holds the lock."""
+        for x in self._before(op):
+            setattr(x, flag, True)
+
+    def _before(self, op: _Copy) -> List[_Copy]:
+        """`op`, the earlier copies of its stream (FIFO) and what it waited for,
+        transitively."""
+        todo, seen = [op], {}
+        while todo:
+            x = todo.pop()
+            if id(x) not in seen:
+                seen[id(x)] = x
+                todo.extend(x.after)
+                todo.extend(y for y in self._copies if y.stream is x.stream and y.seq < x.seq)
+        return list(seen.values())
+
+    def _on_op(self, func, reads, writes) -> None:
+        """One aten op on a watched thread: check it against the copies in flight."""
+        waits = []
+        with self.lock:
+            self._epoch += 1
+            accesses = [(s, False) for s in reads] + [(s, True) for s in writes]
+            for span, is_write in accesses:
+                host = any(_overlaps(span, p) for p in self._pinned) or any(
+                    _overlaps(span, h) for op in self._copies for h in op.host_side)
+                for op in self._in_flight():
+                    sides = op.host_side if host else op.device_side
+                    if not any(_overlaps(span, s) for s in sides):
+                        continue
+                    op_writes = op.writes_host if host else not op.writes_host
+                    if not (is_write or op_writes):
+                        continue  # two reads never conflict
+                    if host:
+                        if not (op.host_synced and op.executed.is_set()):
+                            self._violation(
+                                f"the host {'wrote' if is_write else 'read'} a buffer that "
+                                f"{op.name()} {'writes' if op_writes else 'reads'} before "
+                                f"waiting for that copy ({func})")
+                    elif op.published or op.host_synced:
+                        waits.append(op)
+                    else:
+                        self._violation(
+                            f"compute work ({func}) {'wrote' if is_write else 'read'} a device "
+                            f"tensor that {op.name()} {'writes' if op_writes else 'reads'}, "
+                            "with nothing ordering the two (no publish/wait)")
+                if not host:
+                    read, write = self._last_access.get(span[0], (-1, -1))
+                    self._last_access[span[0]] = ((read, self._epoch) if is_write
+                                                  else (self._epoch, write))
+        for op in waits:  # the compute stream waits for published copies
+            self._force(op)
+            op.executed.wait()
+
+
+class _Watch(TorchDispatchMode):
+    def __init__(self, device: AsyncSimDevice):
+        super().__init__()
+        self.sim = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not getattr(_local, "inside", False):
+            reads, writes = [], []
+            schema = func._schema.arguments
+            for i, arg in enumerate(schema):
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+                if not tensors:
+                    continue
+                alias = arg.alias_info
+                if alias is not None and not alias.is_write:
+                    continue  # a view: no data touched
+                spans = [_span(t) for t in tensors
+                         if t.device.type == "cpu" and t.layout is torch.strided]
+                (writes if alias is not None and alias.is_write else reads).extend(spans)
+            if reads or writes:
+                with _unchecked():
+                    self.sim._on_op(func, reads, writes)
+        return func(*args, **kwargs)

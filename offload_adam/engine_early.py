@@ -1,0 +1,206 @@
+"""step_in_backward=True: a bucket's CPU step starts during backward.
+
+By default a bucket is stepped at step(), the first moment its grads are known
+to be final. With step_in_backward the worker starts a bucket's kernel as soon
+as every piece of it whose param got a grad in the previous backward has its
+grad copied in this one (the buckets and their order are learned in the first
+backward, so the first step starts at step()). Only the engine's own host
+buffers are written then (master, moments, step, staging); the params are
+written at step(), so a param read later in backward still sees its old value.
+The early step uses the group's hyperparameters at that moment and a grad
+scale of 1.
+
+It is exact only if nothing changes between backward and step(), so step()
+checks (`verify`): every stepped grad is still the tensor, version and values
+(fingerprint) that were copied, the hyperparameters are equal, the state was
+not replaced; a second grad for a stepped param (accumulation), zero_grad()
+before step(), clipping and GradScaler are errors too. There is no undo (a
+backup of master and moments would cost 12 B/param of host memory and the
+bandwidth to write it): an error leaves the params stepped early stepped
+(params written, state consistent per param) and the others not, and says so.
+
+The copies an early step reads are ordered before anything the user does after
+backward (the engine publishes a backward's copies at its end), so a change
+after backward cannot tear what was stepped: it is seen here and refused.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Optional
+
+from .engine_grads import start_check
+from .engine_layout import local
+from .kernel_step import Hyper
+
+MASTER_KEY = "master_param"
+
+
+class EarlyStart:
+    def __init__(self, engine, owner):
+        if not engine.overlap:
+            raise ValueError("step_in_backward=True needs overlap=True (the step "
+                             "starts from the grads copied during backward)")
+        if owner is None:
+            raise ValueError("step_in_backward=True needs the owning optimizer "
+                             "(owner=weakref.ref(optimizer))")
+        self._engine = weakref.ref(engine)
+        self._owner = owner                  # weakref to the optimizer: groups, state
+        self.error: Optional[str] = None     # found by a hook, raised at step()
+        self._hooked: Dict[int, object] = {}     # recs that got a grad this iteration
+        self._expected: set = set()              # ... and in the previous one
+        self._waiting: Dict[int, int] = {}       # bucket index -> expected pieces to come
+        self._started: Dict[int, object] = {}    # rec id -> the GradCopy its step read
+        self._stepped: set = set()               # ids of the pieces whose kernel ran
+        self._hyper: Dict[int, Hyper] = {}       # bucket index -> what its step used
+
+    # ---- during backward ----------------------------------------------------------------
+
+    def before_copy(self, rec) -> None:
+        if id(rec) in self._started:
+            msg = ("a grad arrived again for a param whose step already started "
+                   "during backward (gradient accumulation over micro-batches, or "
+                   "a param used again after its grad was final)")
+            self.error = self.error or msg
+            raise RuntimeError(
+                f"offload_adam: {msg}; step_in_backward=True forbids this. The "
+                "next step() or zero_grad() raises too and says what was stepped; "
+                "use step_in_backward=False to accumulate.")
+
+    def after_copy(self, rec) -> None:
+        """Counts the grad in; starts every bucket it completes."""
+        self._hooked[id(rec)] = rec
+        if id(rec) not in self._expected:
+            return
+        self._expected.discard(id(rec))   # counted once per iteration
+        engine = self._engine()
+        for piece in rec.pieces:
+            b = piece.bucket
+            self._waiting[b.index] -= 1
+            if self._waiting[b.index] == 0:
+                self._start(engine, b)
+
+    def _start(self, engine, bucket) -> None:
+        owner = self._owner()
+        if owner is None:
+            return  # the optimizer is gone: no groups to step with
+        hyper = Hyper.of(owner.param_groups[bucket.group])
+        pieces = [p for p in bucket.pieces if id(p.rec) in self._hooked]
+        engine.flush_pack(bucket)
+        recs = list({id(p.rec): p.rec for p in pieces}.values())
+        engine.bind_state(recs, owner.param_groups, owner.state)
+        for rec in recs:
+            self._started[id(rec)] = rec.copy
+        self._hyper[bucket.index] = hyper
+        threads = engine._num_threads or engine._last_threads
+
+        def job():
+            engine.bucket_job(bucket, pieces, hyper, 1.0, threads, None, write=False)
+            self._stepped.update(map(id, pieces))
+        engine._worker.submit(job)
+
+    # ---- at step() ----------------------------------------------------------------------
+
+    def stepped(self) -> set:
+        """Ids of the pieces stepped during backward (step() writes their params)."""
+        return self._stepped
+
+    def verify(self, param_groups, state, grad_scale: float) -> None:
+        """Waits for the early steps; raises if anything they used changed."""
+        engine = self._engine()
+        try:
+            engine._drain()
+        except BaseException:
+            if self._started:
+                self.commit()   # what ran stays consistent
+            raise
+        problem = self._problem(engine, param_groups, state, grad_scale)
+        if problem is not None:
+            self.fail(problem)
+
+    def _problem(self, engine, param_groups, state, grad_scale) -> Optional[str]:
+        if self.error is not None:
+            return self.error
+        early = [r for r in engine.recs if id(r) in self._started]
+        if not early:
+            return None
+        if grad_scale != 1.0:
+            return (f"step() scales the grads by {grad_scale!r} (a clipping "
+                    "coefficient or 1/loss scale), but they were stepped unscaled")
+        same = [r for r in early if r.copy is self._started[id(r)] and r.copy.is_of(r.param.grad)]
+        check = start_check(engine.device, same, local)   # one wait for all
+        same = set(map(id, same))
+        edited = {id(r) for r, _, _ in check.changed()} if check is not None else set()
+        for rec in early:
+            grad = rec.param.grad
+            if grad is None:
+                if not rec.freed:
+                    return f"the grad of {rec.label()} was dropped after it was copied"
+            elif id(rec) not in same or id(rec) in edited:
+                return (f"the grad of {rec.label()} changed after it was copied during "
+                        "backward (edited in place, replaced, clipped or scaled)")
+            st = state[rec.param]
+            if (st.get("exp_avg") is not rec.exp_avg or st.get(MASTER_KEY) is not rec.master
+                    or st.get("step") is not rec.step_t):
+                return (f"the optimizer state of {rec.label()} was replaced "
+                        "(load_state_dict?) after its step started")
+        for b in engine.buckets:
+            used = self._hyper.get(b.index)
+            changes = used.changes(Hyper.of(param_groups[b.group])) if used else []
+            if changes:
+                return (f"param group {b.group}'s hyperparameters changed after "
+                        f"its step started ({', '.join(changes)}; an LR scheduler "
+                        "stepped between backward and step()?)")
+        return None
+
+    def fail(self, reason: str) -> None:
+        """Raises the step_in_backward error for `reason`, after writing the
+        params whose step already ran (so each param equals its master)."""
+        stepped = self.commit() if (self.error is not None or self._started) else 0
+        if stepped:
+            what = (f"The Adam step of {stepped} params already ran during backward, "
+                    "with the grads and hyperparameters as they were then, and cannot "
+                    "be undone (no copy of the previous state is kept): those params "
+                    "and their state are stepped, the other params are not. Restore a "
+                    "checkpoint to continue exactly")
+        else:
+            what = "Nothing was stepped"
+        raise RuntimeError(
+            f"offload_adam: {reason}; step_in_backward=True forbids this (the step "
+            f"would differ from a plain step). {what}. Use step_in_backward=False "
+            "(the default) to clip, scale, edit or accumulate grads or change "
+            "hyperparameters between backward and step().")
+
+    def commit(self) -> int:
+        """Writes the params of the early steps that ran, forgets them and starts
+        a new iteration. Returns how many params were stepped."""
+        engine = self._engine()
+        try:
+            engine._drain()
+        finally:
+            fence = engine.device.fence()
+            stepped = {id(p.rec) for b in engine.buckets for p in b.pieces
+                       if id(p) in self._stepped}
+            for b in engine.buckets:
+                done = [p for p in b.pieces if id(p) in self._stepped]
+                if done:
+                    engine._write_back(b, done, fence)
+            engine.device.publish([t for b in engine.buckets for t in b.h2d])
+            self.new_iteration()
+        return len(stepped)
+
+    def on_zero_grad(self) -> None:
+        if self._started or self.error is not None:
+            self.fail(self.error or "zero_grad() was called after steps started during "
+                      "backward, before step()")
+
+    def new_iteration(self) -> None:
+        """The params that got grads this iteration are the ones the next
+        iteration's buckets wait for (once the bucket order is learned)."""
+        engine = self._engine()
+        learned = engine._hook_order is None
+        self._expected = set(self._hooked) if learned else set()
+        self._waiting = {b.index: sum(1 for p in b.pieces if id(p.rec) in self._expected)
+                         for b in engine.buckets}
+        self.error = None
+        self._hooked, self._started, self._stepped, self._hyper = {}, {}, set(), {}

@@ -1,0 +1,178 @@
+"""Where each offloaded element lives: params, their pieces, buckets, host buffers.
+
+A *piece* is a contiguous range of one param's elements and the unit of work:
+one host copy of its grad, one kernel call over its master and moments, one
+copy of its update back. A param larger than a bucket is cut into bucket-sized
+pieces (at multiples of 32768 elements, the kernel's chunk), so that the D2H of
+piece k+1 overlaps the CPU step of piece k instead of one giant bucket stalling
+the pipeline. A non-contiguous param is one piece of its own shape.
+
+A *bucket* is a run of pieces of one param group and dtype, about `bucket_mb`
+of device bytes, in the order backward produces their grads: the unit of the
+pipeline. Pieces smaller than PACK_BELOW_BYTES (norms, biases) are *packed*:
+their grads go to the host in one copy per bucket, their updates back in one,
+instead of one DMA each (engine_device gathers/scatters them on the device).
+
+Host memory (engine_host_memory arenas): the state (fp32 master, exp_avg,
+exp_avg_sq, max_exp_avg_sq) is laid out once per param, in registration order;
+the transfer buffers (grad copies, bf16/fp16 staging of the update) are laid
+out per bucket, so that a bucket's packed pieces are adjacent, and are laid out
+anew when the buckets change (`TransferBuffers`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .engine_host_memory import HostArenas
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+PACK_BELOW_BYTES = 1 << 18
+SPLIT_ALIGN = 32768
+STATE_ROLES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process owns (a DTensor's local shard under FSDP2)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+class ParamRec:
+    """One offloaded param: where its state lives and the state of its grad copy."""
+
+    def __init__(self, param: torch.Tensor, group: int, position: int):
+        t = local(param)
+        self.param = param
+        self.group = group
+        self.position = position           # registration order
+        self.dtype = t.dtype
+        self.shape = tuple(t.shape)
+        self.numel = t.numel()
+        self.low_precision = t.dtype in LOW_PRECISION
+        self.flat = t.is_contiguous()       # cut into ranges and packed only then
+        self.pieces: List[Piece] = []
+        # whole-param host views: what optimizer.state[param] shows
+        self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = None
+        self.step_t: Optional[torch.Tensor] = None
+        self.copy = None                    # engine_grads.GradCopy of its grad, or None
+        self.freed = False                  # free_grads_after_copy dropped p.grad
+        self.hook = None
+
+    def label(self) -> str:
+        return f"a param of shape {list(self.shape)} in param group {self.group}"
+
+    def live(self) -> torch.Tensor:
+        """The param's local tensor now, checked against what it was when the
+        optimizer was built (`p.data = ...` or `model.to(...)` may change it)."""
+        t = local(self.param).detach()
+        if t.dtype != self.dtype or tuple(t.shape) != self.shape:
+            raise RuntimeError(
+                f"offload_adam: {self.label()} (dtype {self.dtype}) is now {t.dtype} of "
+                f"shape {list(t.shape)}: it was cast or replaced after the optimizer was "
+                "built. Build the optimizer after moving/casting the model (its state "
+                "follows the params it was given)")
+        if self.flat and not t.is_contiguous():
+            raise RuntimeError(
+                f"offload_adam: {self.label()} became non-contiguous after the optimizer "
+                "was built (p.data replaced?); rebuild the optimizer")
+        return t
+
+
+class Piece:
+    """Elements [start, stop) of one param, and its host buffers."""
+
+    def __init__(self, rec: ParamRec, start: int, stop: int, packed: bool):
+        self.rec, self.start, self.stop, self.packed = rec, start, stop, packed
+        self.bucket: Optional[Bucket] = None
+        self.grad: Optional[torch.Tensor] = None      # host copy of the grad (transfer)
+        self.staging: Optional[torch.Tensor] = None   # bf16/fp16 update (transfer)
+        # Its own step count: the kernel counts each piece's step, and a param
+        # cut in pieces is stepped by several calls (state["step"] is the first).
+        self.step_t: Optional[torch.Tensor] = None
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece of `t` (a whole-param tensor: the param, its grad, a state view)."""
+        if not self.rec.flat:
+            return t
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return t.view(-1)[self.start:self.stop]
+
+    def state(self, role: str) -> torch.Tensor:
+        return self.of(getattr(self.rec, role))
+
+
+class Bucket:
+    def __init__(self, index: int, pieces: List[Piece]):
+        self.index = index
+        self.pieces = pieces
+        self.group = pieces[0].rec.group
+        self.low_precision = pieces[0].rec.low_precision
+        self.h2d: list = []              # the last H2D copies reading its host buffers
+        for p in pieces:
+            p.bucket = self
+
+
+def cut(rec: ParamRec, bucket_bytes: int) -> List[Piece]:
+    """rec's pieces: one, or bucket-sized ranges of a large contiguous param."""
+    size = rec.dtype.itemsize
+    if not rec.flat or rec.numel * size <= bucket_bytes:
+        return [Piece(rec, 0, rec.numel, rec.flat and rec.numel * size < PACK_BELOW_BYTES)]
+    per = max(SPLIT_ALIGN, bucket_bytes // size // SPLIT_ALIGN * SPLIT_ALIGN)
+    return [Piece(rec, a, min(a + per, rec.numel), False) for a in range(0, rec.numel, per)]
+
+
+def make_buckets(pieces: Sequence[Piece], bucket_bytes: int) -> List[Bucket]:
+    """Runs of `pieces` (in the order their grads arrive) of one group and dtype,
+    up to bucket_bytes each, ordered by their first piece."""
+    runs: Dict[tuple, List[List[Piece]]] = {}
+    for p in pieces:
+        chunks = runs.setdefault((p.rec.group, p.rec.dtype), [[]])
+        last = chunks[-1]
+        size = sum(x.numel for x in last) * p.rec.dtype.itemsize
+        if last and size + p.numel * p.rec.dtype.itemsize > bucket_bytes:
+            chunks.append([p])
+        else:
+            last.append(p)
+    rank = {id(p): i for i, p in enumerate(pieces)}
+    chunks = sorted((c for cs in runs.values() for c in cs if c), key=lambda c: rank[id(c[0])])
+    return [Bucket(i, c) for i, c in enumerate(chunks)]
+
+
+def allocate_state(recs: Sequence[ParamRec], device, available: Optional[int],
+                   roles: Sequence[str] = STATE_ROLES) -> HostArenas:
+    """fp32 host buffers of `roles` for each rec (whole-param views)."""
+    arenas = HostArenas(device)
+    offsets = [{role: arenas.reserve(role, torch.float32, r.numel) for role in roles}
+               for r in recs]
+    arenas.allocate(available)
+    for r, offs in zip(recs, offsets):
+        for role, off in offs.items():
+            setattr(r, role, arenas.view(role, off, r.shape))
+    return arenas
+
+
+def allocate_transfers(buckets: Sequence[Bucket], device,
+                       available: Optional[int]) -> HostArenas:
+    """Grad and staging buffers of every piece, bucket after bucket."""
+    arenas = HostArenas(device)
+    offsets = []
+    for b in buckets:
+        for p in b.pieces:
+            dtype = p.rec.dtype
+            offsets.append((p, arenas.reserve(f"grad {dtype}", dtype, p.numel),
+                            arenas.reserve(f"staging {dtype}", dtype, p.numel)
+                            if p.rec.low_precision else None))
+    arenas.allocate(available)
+    for p, g, s in offsets:
+        shape = (p.numel,) if p.rec.flat else p.rec.shape
+        p.grad = arenas.view(f"grad {p.rec.dtype}", g, shape)
+        p.staging = None if s is None else arenas.view(f"staging {p.rec.dtype}", s, shape)
+    return arenas

@@ -1,0 +1,74 @@
+"""optimizer.state[p] of an offloaded param: views of the engine's host buffers.
+
+The state keeps torch's keys and shapes ("step", "exp_avg", "exp_avg_sq",
+"max_exp_avg_sq", plus "master_param", all fp32 on the CPU), so it saves,
+loads and moves to torch.optim.AdamW like torch's own. The tensors are views
+into the engine's arenas. `bind_state` makes the state show them, at a param's
+first step (creating it) and after load_state_dict (copying the loaded values
+in), and is a no-op otherwise.
+
+A master starts as its param: the param is copied to the host (bf16/fp16
+through staging) and waited for right there, once per param, so that the
+state is whole even when a step stops before this param's bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+MASTER_KEY = "master_param"
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def bind_state(device, recs: Sequence, param_groups, state,
+               allocate: Callable[[Sequence, tuple], None]) -> None:
+    """Makes state[rec.param] show rec's host buffers for each rec;
+    `allocate(recs, roles)` adds host buffers (max_exp_avg_sq when amsgrad was
+    turned on after the optimizer was built)."""
+    ams = [r for r in recs if param_groups[r.group].get("amsgrad", False)
+           and r.max_exp_avg_sq is None]
+    if ams:
+        allocate(ams, ("max_exp_avg_sq",))
+    fresh = [rec for rec in recs if _bind(device, rec, state[rec.param])]
+    if fresh:
+        _masters_from_params(device, fresh)
+
+
+def _bind(device, rec, st: dict) -> bool:
+    """True when rec's master must start from the param."""
+    fresh = "exp_avg" not in st
+    for key in MOMENT_KEYS:
+        view, value = getattr(rec, key), st.get(key)
+        if view is None or value is view:
+            continue
+        if value is None:
+            view.zero_()
+        else:
+            view.copy_(value.detach().reshape(rec.shape))
+        st[key] = view
+    if st.get("step") is not rec.step_t:
+        count = float(st.get("step", 0.0))
+        for piece in rec.pieces:   # a param cut in pieces counts its step per piece
+            piece.step_t.fill_(count)
+        st["step"] = rec.step_t
+    master = st.get(MASTER_KEY)
+    if master is rec.master:
+        return False
+    st[MASTER_KEY] = rec.master
+    if master is None or fresh:
+        return True
+    # The master is an fp32 param's H2D source: the last step's copies may
+    # still read it. Wait for them before writing.
+    device.wait_host(*[t for p in rec.pieces for t in p.bucket.h2d])
+    rec.master.copy_(master.detach().reshape(rec.shape))
+    return False
+
+
+def _masters_from_params(device, recs: Sequence) -> None:
+    pieces = [p for rec in recs for p in rec.pieces]
+    device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
+    device.wait_host(*[device.d2h(p.staging if p.rec.low_precision else p.state("master"),
+                                  p.of(p.rec.live())) for p in pieces])
+    for p in pieces:
+        if p.rec.low_precision:
+            p.state("master").copy_(p.staging)

@@ -1,0 +1,210 @@
+"""CPU params stepped in place: one fused kernel call per param group and dtype.
+
+A CPU param has nothing to transfer: the kernel reads its live grad and writes
+the param itself, fp32 in place, bf16/fp16 rounded from an fp32 master (kept
+in the state as "master_param") in the same pass. This is how the optimizer
+steps every CPU param, unless an engine option needs the pipeline
+(step_in_backward, free_grads_after_copy) or engine_device.simulated() asks for
+the GPU's path.
+
+The argument lists of a group's kernel calls (`_Plan`) are built once and
+reused while the same params have grads; only the grads are gathered per step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.autograd.graph import increment_version
+
+from .kernel_step import Hyper, adam_step
+
+MASTER_KEY = "master_param"
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def param_label(group: dict, group_index: int, index: int, p: torch.Tensor) -> str:
+    """How error messages name a param: its name when the group has names."""
+    names = group.get("param_names")
+    where = repr(names[index]) if names else f"group {group_index}, param {index}"
+    return f"{where} (shape {tuple(p.shape)})"
+
+
+class _Call:
+    """The argument lists of one kernel call: a group's params of one dtype that
+    have grads. Everything but the grads is cached between steps."""
+
+    __slots__ = ("dtype", "params", "work", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+                 "lp_params", "steps", "copy_back")
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.params: List[torch.Tensor] = []
+        self.work: List[torch.Tensor] = []       # fp32 tensors updated: the param or its master
+        self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs = [], [], []
+        self.lp_params: List[torch.Tensor] = []  # the bf16/fp16 params written ([] for fp32)
+        self.steps: List[torch.Tensor] = []
+        self.copy_back: List[int] = []           # non-contiguous params: stepped via a copy
+
+
+class _Plan:
+    """A group's calls for one pattern of which params have grads."""
+
+    __slots__ = ("group", "key", "route", "calls")
+    NO_GRAD = -1    # route of a param that had no grad when the plan was built
+    ELSEWHERE = -2  # route of a param stepped by the engine
+
+    def __init__(self, group, key, route, calls):
+        self.group, self.key, self.route, self.calls = group, key, route, calls
+
+
+class InPlace:
+    """Steps the in-place params of an optimizer's groups."""
+
+    def __init__(self, is_mine: Callable[[torch.Tensor], bool]):
+        self._is_mine = is_mine
+        self._plans: Dict[int, _Plan] = {}
+
+    def reset(self) -> None:
+        self._plans = {}
+
+    def step_group(self, index: int, group: dict, state, grad_scale: float,
+                   num_threads: int) -> None:
+        plan = self._plans.get(id(group))
+        grads = self._gather(index, group, plan) if plan is not None else None
+        if grads is None:  # no plan yet, or the grads no longer fit it
+            plan = self._build(index, group, state)
+            grads = self._gather(index, group, plan)
+        hyper = Hyper.of(group)
+        for call, call_grads in zip(plan.calls, grads):
+            if not call_grads:
+                continue
+            work, lp_params = call.work, call.lp_params
+            if call.copy_back:
+                work, lp_params = list(work), list(lp_params)
+                for j in call.copy_back:
+                    p = call.params[j]
+                    if lp_params:
+                        lp_params[j] = torch.empty(p.shape, dtype=p.dtype)
+                    else:
+                        work[j] = p.contiguous()
+            adam_step(work, call_grads, call.exp_avgs, call.exp_avg_sqs, call.max_exp_avg_sqs,
+                      lp_params, call.steps, hyper, grad_scale, num_threads)
+            for j in call.copy_back:
+                call.params[j].copy_(lp_params[j] if lp_params else work[j])
+            # The kernel wrote the params through their pointers: tell autograd,
+            # as torch's in-place step does (a backward of an older forward raises).
+            for p in call.params:
+                increment_version(p)
+
+    def grads(self, param_groups) -> List[torch.Tensor]:
+        return [p.grad for g in param_groups for p in g["params"]
+                if p.grad is not None and self._is_mine(p)]
+
+    def _gather(self, index, group, plan) -> Optional[List[List[torch.Tensor]]]:
+        """Per call, the grads to pass, or None when the plan no longer fits
+        (a param gained or lost its grad, or changed dtype)."""
+        if plan.group is not group or plan.key != self._key(group):
+            return None
+        grads: List[List[torch.Tensor]] = [[] for _ in plan.calls]
+        for i, (p, c) in enumerate(zip(group["params"], plan.route)):
+            if c == _Plan.ELSEWHERE:
+                continue
+            g = p.grad
+            if g is None:
+                if c >= 0:
+                    return None
+                continue
+            if c < 0 or g.dtype is not plan.calls[c].dtype or p.dtype is not plan.calls[c].dtype:
+                return None
+            _check_dense(g, group, index, i, p)
+            grads[c].append(g if g.is_contiguous() else g.contiguous())
+        return grads
+
+    @staticmethod
+    def _key(group) -> tuple:
+        # Things that invalidate a plan without passing through our methods.
+        return (id(group["params"]), len(group["params"]), bool(group["amsgrad"]))
+
+    def _build(self, index, group, state) -> _Plan:
+        calls: List[_Call] = []
+        by_dtype: Dict[torch.dtype, int] = {}
+        route = []
+        amsgrad = bool(group["amsgrad"])
+        for i, p in enumerate(group["params"]):
+            if not self._is_mine(p):
+                route.append(_Plan.ELSEWHERE)
+                continue
+            if p.grad is None:
+                route.append(_Plan.NO_GRAD)
+                continue
+            _check_dense(p.grad, group, index, i, p)
+            st = ready_state(state, p, amsgrad, lambda: param_label(group, index, i, p))
+            c = by_dtype.setdefault(p.dtype, len(calls))
+            if c == len(calls):
+                calls.append(_Call(p.dtype))
+            call = calls[c]
+            route.append(c)
+            if not p.is_contiguous():
+                call.copy_back.append(len(call.params))
+            call.params.append(p)
+            if p.dtype is torch.float32:
+                call.work.append(p)
+            else:
+                call.work.append(st[MASTER_KEY])
+                call.lp_params.append(p)
+            call.exp_avgs.append(st["exp_avg"])
+            call.exp_avg_sqs.append(st["exp_avg_sq"])
+            if amsgrad:
+                call.max_exp_avg_sqs.append(st["max_exp_avg_sq"])
+            call.steps.append(st["step"])
+        plan = _Plan(group, self._key(group), route, calls)
+        self._plans[id(group)] = plan
+        return plan
+
+
+def _check_dense(g, group, index, i, p) -> None:
+    if g.layout is not torch.strided:
+        raise RuntimeError(
+            f"offload_adam does not support sparse gradients (param "
+            f"{param_label(group, index, i, p)}, grad layout {g.layout}); "
+            f"consider torch.optim.SparseAdam")
+
+
+def ready_state(state, p: torch.Tensor, amsgrad: bool, label) -> dict:
+    """Creates p's state on its first step (as torch does, lazily) or brings a
+    loaded one into the kernels' format: fp32, contiguous, CPU, step a float32
+    0-dim tensor, and the fp32 master of a low-precision param."""
+    st = state[p]
+    step = st.get("step")
+    if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32
+            and step.dim() == 0 and step.device.type == "cpu"):
+        st["step"] = torch.tensor(0.0 if step is None else float(step), dtype=torch.float32)
+    for key in MOMENT_KEYS if amsgrad else MOMENT_KEYS[:2]:
+        if key not in st:
+            st[key] = torch.zeros_like(p, dtype=torch.float32,
+                                       memory_format=torch.contiguous_format)
+        else:
+            st[key] = as_fp32_like(st[key], p, key, label)
+    if p.dtype is torch.float32:
+        st.pop(MASTER_KEY, None)  # the param is its own master
+    elif MASTER_KEY in st:
+        st[MASTER_KEY] = as_fp32_like(st[MASTER_KEY], p, MASTER_KEY, label)
+    else:
+        # A fresh param, or a state dict saved by torch: start from the param.
+        st[MASTER_KEY] = as_fp32_like(p.detach(), p, MASTER_KEY, label)
+    return st
+
+
+def as_fp32_like(t: torch.Tensor, p: torch.Tensor, key: str, label) -> torch.Tensor:
+    """`t` as a contiguous fp32 CPU tensor of p's shape (itself when it is one)."""
+    if t.shape != p.shape:
+        raise ValueError(
+            f"optimizer state {key!r} of param {label()} has shape {tuple(t.shape)}, "
+            f"expected {tuple(p.shape)}")
+    if t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t is not p:
+        return t
+    out = torch.empty(p.shape, dtype=torch.float32)
+    out.copy_(t)
+    return out

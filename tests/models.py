@@ -1,0 +1,112 @@
+"""Models, data and training loops the optimizer and engine tests share.
+
+TinyTransformer: 14 params of many shapes (an embedding, attention, norms,
+biases, a head, and a layer that never gets a grad). make_mlp: 4 params, for
+many short runs. Both in bf16 (the engine's usual case); the fp32 twin of a
+model (`make_pair`) holds its params rounded, as a master starts.
+"""
+import copy
+
+import torch
+
+BF16 = torch.bfloat16
+OPTS = dict(lr=3e-3, weight_decay=0.1, bucket_mb=0.01)
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self, vocab=37, dim=32, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        layer = torch.nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True)
+        self.body = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(dim, vocab)
+        self.unused = torch.nn.Linear(dim, dim)  # never gets a grad
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens)))
+
+
+def make_pair(seed=0):
+    """(bf16 model, fp32 twin holding the same values)."""
+    torch.manual_seed(seed)
+    ref = TinyTransformer()
+    model = copy.deepcopy(ref).to(BF16)
+    ref.load_state_dict({k: v.to(BF16).float() for k, v in ref.state_dict().items()})
+    return model, ref
+
+
+def loss_of(model, seed, dtype=BF16):
+    g = torch.Generator().manual_seed(1000 + seed)
+    tokens = torch.randint(0, 37, (2, 8), generator=g)
+    logits = model(tokens).to(dtype)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+
+
+def make_mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4)).to(BF16)
+
+
+def mlp_loss(model, seed):
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed)).to(BF16)
+    return model(x).float().pow(2).sum()
+
+
+def copy_grads(model, ref):
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.grad = None if p.grad is None else p.grad.float()
+
+
+def run(model, opt, iters, edit=None, micro=1, start=0, loss=loss_of):
+    """`iters` training steps; `edit(model, opt)` between backward and step."""
+    for it in range(start, start + iters):
+        for m in range(micro):
+            loss(model, 10 * it + m).backward()
+        if edit is not None:
+            edit(model, opt)
+        opt.step()
+        opt.zero_grad()
+
+
+def train_shadow(shadow, ref, ropt, steps, micro=1):
+    """The reference run: `shadow` (bf16, holding ref's params rounded) makes the
+    grads of `run`'s batches, `ropt` steps the fp32 `ref` with them."""
+    for it in range(steps):
+        for m in range(micro):
+            loss_of(shadow, 10 * it + m).backward()
+        copy_grads(shadow, ref)
+        ropt.step()
+        shadow.zero_grad()
+        with torch.no_grad():
+            for p, q in zip(shadow.parameters(), ref.parameters()):
+                p.copy_(q)
+
+
+def state_of(opt, model, keys=("master_param", "exp_avg", "exp_avg_sq", "step")):
+    """Every param's state entries (None for a param never stepped), cloned."""
+    return [{k: opt.state[p][k].clone() for k in keys if k in opt.state[p]}
+            if opt.state.get(p) else None for p in model.parameters()]
+
+
+def assert_same(a, b):
+    """Two runs (model, opt) ended bit for bit equal: params and state."""
+    (m1, o1), (m2, o2) = a, b
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+    for s1, s2 in zip(state_of(o1, m1), state_of(o2, m2)):
+        assert (s1 is None) == (s2 is None)
+        for key in s1 or {}:
+            assert torch.equal(s1[key], s2[key]), key
+
+
+def assert_param_is_master_rounded(opt, model):
+    for p in model.parameters():
+        st = opt.state.get(p)
+        if st and p.dtype != torch.float32:
+            assert torch.equal(p, st["master_param"].to(p.dtype))
+
+
+def steps_of(opt, model):
+    return [float(opt.state[p]["step"]) if opt.state.get(p) else 0.0
+            for p in model.parameters()]

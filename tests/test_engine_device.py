@@ -1,0 +1,104 @@
+"""The device interface (offload_adam/engine_device.py): the host device, the
+Python side of CudaDevice that runs without a GPU, and choosing the device."""
+import pytest
+import torch
+
+import offload_adam
+from offload_adam import engine_device
+from offload_adam.engine_device import (HostDevice, Transfer, device_for, host_span,
+                                        make_device, simulated, simulating)
+from offload_adam.engine_device_sim import AsyncSimDevice
+
+
+def test_host_device_copies_on_the_spot():
+    dev = HostDevice(torch.device("cpu"))
+    a, b = torch.zeros(3), torch.zeros(2)
+    t = dev.d2h([a, b], [torch.ones(3), torch.full((2,), 2.0)])
+    assert torch.equal(a, torch.ones(3)) and torch.equal(b, torch.full((2,), 2.0))
+    assert t.seconds() >= 0 and dev.fence() is None
+    result, done = dev.fetch(torch.tensor([True, False]))
+    assert result() == [True, False] and done is None
+
+
+def test_transfer_seconds_is_computed_once():
+    cpu = Transfer(1.0, 3.5)
+    assert cpu.seconds() == 2.5
+    calls = []
+    timed = Transfer(0.0, waiter=lambda: calls.append(1) or 0.25)
+    assert timed.seconds() == 0.25 and timed.seconds() == 0.25
+    assert calls == [1]  # waited for once, then remembered
+
+
+def test_host_span_covers_views_of_one_buffer():
+    base = torch.arange(100.0)
+    views = [base[10:14], base[40:41], base[20:30]]
+    flat, offsets = host_span(views)
+    assert flat.data_ptr() == base[10:].data_ptr() and flat.numel() == 31
+    assert offsets == [0, 30, 10]
+    for v, o in zip(views, offsets):
+        assert torch.equal(flat[o:o + v.numel()], v)
+
+
+class FakeCudart:
+    def __init__(self, error):
+        self.error, self.calls, self.cleared = error, [], 0
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr, nbytes, flags))
+        return self.error
+
+    def cudaGetLastError(self):
+        self.cleared += 1
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+
+
+def test_register_and_unregister_call_cudart(monkeypatch):
+    """The Python side of page-locking (the calls themselves need a GPU): the
+    exact byte count, and a failure clears CUDA's last error before raising."""
+    t = torch.empty(6, dtype=torch.bfloat16)
+    ok = FakeCudart(0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: ok)
+    engine_device._register(t)
+    engine_device._unregister(t)
+    assert ok.calls == [("register", t.data_ptr(), 12, 0), ("unregister", t.data_ptr())]
+    assert ok.cleared == 0
+    bad = FakeCudart(3)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: bad)
+    with pytest.raises(RuntimeError, match="cudaHostRegister failed with error 3"):
+        engine_device._register(t)
+    assert bad.cleared == 1
+
+    def gone():
+        raise RuntimeError("interpreter shutting down")
+
+    monkeypatch.setattr(torch.cuda, "cudart", gone)
+    engine_device._unregister(t)  # swallowed
+
+
+def test_make_device_and_device_for():
+    assert isinstance(make_device(torch.device("cpu")), HostDevice)
+    with pytest.raises(ValueError, match="params on meta are not supported"):
+        make_device(torch.device("meta"))
+    with pytest.raises(ValueError, match="several devices"):
+        device_for([torch.zeros(2), torch.zeros(2, device="meta")])
+    # (a CUDA + CPU mix is checked in tests/cuda; meta is refused even earlier)
+    with pytest.raises((ValueError, NotImplementedError), match="devices|meta"):
+        offload_adam.AdamW([torch.nn.Parameter(torch.zeros(2)),
+                            torch.nn.Parameter(torch.zeros(2, device="meta"))])
+
+
+def test_simulated_sends_cpu_params_to_the_engine(kernels):
+    sim = AsyncSimDevice(seed=0)
+    try:
+        assert not simulating()
+        with simulated(sim):
+            assert simulating() and make_device(torch.device("cpu")) is sim
+            opt = offload_adam.AdamW([torch.nn.Parameter(torch.zeros(3))])
+        assert not simulating()
+        assert opt._engine is not None and opt._engine.device is sim
+        plain = offload_adam.AdamW([torch.nn.Parameter(torch.zeros(3))])
+        assert plain._engine is None  # fp32 CPU params: in place
+    finally:
+        sim.close()

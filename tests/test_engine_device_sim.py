@@ -1,0 +1,304 @@
+"""The asynchronous simulated device (offload_adam/engine_device_sim.py) has teeth.
+
+Three layers: each of CUDA's ordering rules, broken on purpose against the bare
+device, is caught; the engine with one wait or fence removed (a deliberately
+broken variant) fails on it; and the four ordering faults found in engine v1
+each have a scenario here that v1 failed (see the closing note of issue 8) and
+the engine passes, on every seed and with every copy held as late as CUDA allows.
+"""
+import gc
+import threading
+
+import pytest
+import torch
+
+import offload_adam
+from offload_adam import engine as engine_module
+from offload_adam.engine import OffloadEngine
+from offload_adam.engine_device import simulated
+from offload_adam.engine_device_sim import AsyncSimDevice, SimEvent
+from models import OPTS, make_mlp, make_pair, mlp_loss, run
+
+
+@pytest.fixture
+def dev():
+    sim = AsyncSimDevice(seed=0, latency="latest")
+    yield sim
+    sim.close()
+
+
+def _violations(sim):
+    with pytest.raises(AssertionError, match="violations") as err:
+        sim.check()
+    return str(err.value)
+
+
+# ---- the rules, one by one ----------------------------------------------------------------
+
+def test_a_copy_runs_late_and_reads_its_source_when_it_runs(dev):
+    grad, host = torch.ones(4), torch.zeros(4)
+    t = dev.d2h(host, grad)
+    assert host.isnan().all()  # undefined until it lands: poisoned
+    dev.wait_host(t)
+    assert torch.equal(host, grad)
+    dev.check()
+
+
+def test_host_read_before_the_copy_landed_sees_poison(dev):
+    host = torch.zeros(4)
+    dev.d2h(host, torch.ones(4))
+    assert host.sum().isnan()  # what a kernel reading it now would get
+
+
+def test_compute_write_to_a_source_in_flight_is_caught(dev):
+    grad, host = torch.ones(4), torch.zeros(4)
+    with dev.watch():
+        t = dev.d2h(host, grad)
+        grad.mul_(3)  # the user edits the grad after backward, nothing ordered
+    dev.wait_host(t)
+    assert "nothing ordering the two" in _violations(dev)
+
+
+def test_a_published_copy_orders_later_compute_work(dev):
+    grad, host = torch.ones(4), torch.zeros(4)
+    with dev.watch():
+        t = dev.d2h(host, grad)
+        dev.publish([t])
+        grad.mul_(3)  # waits for the copy, as the compute stream would
+    dev.wait_host(t)
+    assert torch.equal(host, torch.ones(4))
+    dev.check()
+
+
+def test_host_rewriting_a_source_in_flight_is_caught(dev):
+    param, staging = torch.zeros(4), torch.ones(4)
+    dev.pin(staging)
+    with dev.watch():
+        t = dev.h2d(param, staging, dev.fence())
+        dev.publish([t])
+        staging.fill_(2)  # the host did not wait for the copy
+    dev.wait_host(t)
+    found = _violations(dev)
+    assert "the host wrote a buffer" in found and "changed between queueing" in found
+
+
+def test_an_h2d_copy_without_a_fence_is_caught(dev):
+    param = torch.zeros(4)
+    with dev.watch():
+        early = dev.fence()
+        param.add_(1)  # backward reads/writes the param after that fence
+        dev.wait_host(dev.h2d(param, torch.ones(4), early))
+    assert "missing fence" in _violations(dev)
+
+
+def test_unpinning_a_buffer_in_use_is_caught(dev):
+    host = torch.zeros(4)
+    dev.pin(host)
+    dev.d2h(host, torch.ones(4))
+    dev.unpin(host)
+    assert "unpinned/freed while" in _violations(dev)
+
+
+def test_latest_holds_a_copy_until_it_is_needed(dev):
+    host = torch.zeros(4)
+    t = dev.d2h(host, torch.ones(4))
+    threading.Event().wait(0.05)
+    assert not t.sim_copy.executed.is_set()
+    dev.wait_host(t)
+    assert t.sim_copy.executed.is_set()
+
+
+# ---- the engine with a wait or a fence removed ----------------------------------------------
+
+def _train(sim, model_fn=make_mlp, loss=mlp_loss, steps=3, **options):
+    with simulated(sim), sim.watch():
+        model = model_fn()
+        opt = offload_adam.AdamW(model.parameters(), **{**OPTS, "bucket_mb": 0.0001, **options})
+        run(model, opt, steps, loss=loss)
+        params = [p.detach().clone() for p in model.parameters()]
+    return params
+
+
+def _reference(**options):
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **{**OPTS, "bucket_mb": 0.0001, **options})
+    run(model, opt, 3, loss=mlp_loss)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _skip_waits(sim, monkeypatch, kind, thread="any"):
+    """The device forgets the host waits on `kind` copies ("d2h"/"h2d") made
+    from the worker or the main thread: the engine without those waits."""
+    real = sim.wait_host
+
+    def wait_host(*transfers):
+        here = threading.current_thread().name
+        skip = thread == "any" or (thread == "worker") == (here == "offload_adam-worker")
+        real(*[t for t in transfers
+               if not (skip and getattr(t, "sim_copy", None) and t.sim_copy.kind == kind)])
+    monkeypatch.setattr(sim, "wait_host", wait_host)
+
+
+def test_the_intact_engine_passes(dev, kernels):
+    assert all(torch.equal(a, b) for a, b in zip(_train(dev), _reference()))
+    dev.check()
+
+
+def test_without_waiting_for_the_grads_the_kernel_reads_poison(dev, kernels, monkeypatch):
+    # (without verify_grads: waiting for a fingerprint check also waits, through
+    # the compute stream, for the copies of the backward published before it)
+    _skip_waits(dev, monkeypatch, "d2h", "worker")
+    params = _train(dev, verify_grads=False)
+    assert any(p.isnan().any() for p in params)
+
+
+def test_without_publishing_the_steps_copies_the_next_forward_races_them(dev, kernels,
+                                                                         monkeypatch):
+    real = dev.publish
+    monkeypatch.setattr(dev, "publish", lambda ts: real(
+        [t for t in ts if t.sim_copy.kind != "h2d"]))
+    _train(dev)
+    assert "read a device tensor that host->device copy" in _violations(dev)
+
+
+def test_without_the_fence_the_h2d_races_backward(dev, kernels, monkeypatch):
+    monkeypatch.setattr(dev, "fence", lambda: SimEvent([], -1))
+    _train(dev)
+    assert "missing fence" in _violations(dev)
+
+
+def test_without_publishing_a_backwards_copies_an_edit_races_them(dev, kernels, monkeypatch):
+    real = dev.publish
+    monkeypatch.setattr(dev, "publish", lambda ts: real(
+        [t for t in ts if t.sim_copy.kind != "d2h"]))
+
+    def edit(model, opt):
+        model[0].weight.grad.mul_(0.5)
+
+    with simulated(dev), dev.watch():
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        run(model, opt, 2, edit=edit, loss=mlp_loss)
+    assert "nothing ordering the two" in _violations(dev)
+
+
+# ---- the four faults of engine v1 (issue 8) -----------------------------------------------
+
+@pytest.mark.parametrize("latency", ["latest", "random"])
+def test_fault_a_early_steps_are_not_torn_by_an_edit_after_backward(kernels, latency):
+    """(a) step_in_backward: the early kernel waits for the grad's D2H copy, and
+    the copy must be ordered before what the user does after backward. Here the
+    user scales a grad after backward: step() refuses, and every param is
+    either stepped from the grads as they were at backward, or not at all."""
+    sim = AsyncSimDevice(seed=3, latency=latency)
+    with simulated(sim), sim.watch():
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **OPTS)
+        run(model, opt, 1, loss=mlp_loss)
+        twin = make_mlp()
+        twin.load_state_dict(model.state_dict())
+        mlp_loss(model, 10).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+        with pytest.raises(RuntimeError, match="changed after it was copied"):
+            opt.step()
+        stepped = [p.detach().clone() for p in model.parameters()]
+    sim.check()
+    sim.close()
+    # the plain step from the backward's own grads
+    ref = make_mlp()
+    ropt = offload_adam.AdamW(ref.parameters(), **OPTS)
+    run(ref, ropt, 1, loss=mlp_loss)
+    before = [p.detach().clone() for p in ref.parameters()]
+    for p, g in zip(ref.parameters(), grads):
+        p.grad = g
+    ropt.step()
+    for now, plain, old in zip(stepped, ref.parameters(), before):
+        assert torch.equal(now, plain) or torch.equal(now, old)
+
+
+def _fault_b(sim, after_step):
+    """(b) deleting the optimizer after a backward without step() (D2H copies in
+    flight) or right after a step (H2D copies in flight) must wait for them
+    before unpinning and freeing host memory."""
+    with simulated(sim), sim.watch():
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        run(model, opt, 1, loss=mlp_loss)
+        mlp_loss(model, 1).backward()
+        if after_step:
+            opt.step()
+        del opt
+        gc.collect()
+
+
+def _fault_c(sim):
+    """(c) fp32 params: the master is the H2D source; loading a state dict
+    rewrites it at the next step, which must first wait for the last H2D."""
+    def loss(model, seed):
+        return model(torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))).pow(2).sum()
+
+    with simulated(sim), sim.watch():
+        model = make_mlp().float()
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        run(model, opt, 1, loss=loss)
+        sd = opt.state_dict()
+        loss(model, 1).backward()
+        opt.step()
+        opt.load_state_dict(sd)
+        opt.step()  # the same grads again, from the loaded state
+
+
+def _fault_d(sim):
+    """(d) add_param_group re-lays the buckets and their transfer buffers: the
+    H2D copies of the last step still read the old ones."""
+    with simulated(sim), sim.watch():
+        model, _ = make_pair()
+        opt = offload_adam.AdamW(list(model.body.parameters()), **OPTS)
+        run(model, opt, 1)
+        opt.add_param_group({"params": list(model.head.parameters())})
+        run(model, opt, 1, start=1)
+
+
+def _no_host_waits_on_h2d(sim, monkeypatch):
+    real = sim.wait_host
+    monkeypatch.setattr(sim, "wait_host", lambda *ts: real(
+        *[t for t in ts if t is None or t.sim_copy.kind != "h2d"]))
+
+
+FAULTS = {
+    # name: (scenario, how the v1 engine went wrong, what the device then says)
+    "b: del after backward": (lambda sim: _fault_b(sim, False),
+                              lambda sim, mp: mp.setattr(engine_module, "_transfers_of",
+                                                         lambda recs, buckets: []),
+                              "unpinned/freed while"),
+    "b: del after step": (lambda sim: _fault_b(sim, True),
+                          lambda sim, mp: mp.setattr(engine_module, "_transfers_of",
+                                                     lambda recs, buckets: []),
+                          "unpinned/freed while"),
+    "c: load between steps": (_fault_c, _no_host_waits_on_h2d, "the host wrote a buffer"),
+    "d: rebucketing": (_fault_d, lambda sim, mp: mp.setattr(OffloadEngine, "_wait_all",
+                                                            lambda self: None),
+                       "unpinned/freed while"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("broken", [False, True], ids=["engine", "v1's mistake"])
+def test_faults_b_c_d(kernels, monkeypatch, fault, broken):
+    """Each scenario passes on the engine; with the wait that v1 lacked
+    removed again, the device reports the race."""
+    scenario, break_it, message = FAULTS[fault]
+    sim = AsyncSimDevice(seed=1, latency="latest")
+    try:
+        if broken:
+            break_it(sim, monkeypatch)
+        scenario(sim)
+        if broken:
+            assert message in _violations(sim)
+        else:
+            sim.check()
+    finally:
+        monkeypatch.undo()
+        sim.close()

@@ -1,0 +1,88 @@
+"""The engine's worker thread and Ctrl-C handling (offload_adam/engine_worker.py)."""
+import _thread
+import signal
+import threading
+import time
+
+import pytest
+
+from offload_adam.engine_worker import Worker, interrupts_deferred
+
+
+def test_worker_runs_jobs_in_order_and_reraises_the_first_error():
+    w = Worker()
+    ran = []
+
+    def boom():
+        raise ValueError("job failed")
+
+    for job in (lambda: ran.append(1), boom, lambda: ran.append(3)):
+        w.submit(job)
+    with pytest.raises(ValueError, match="job failed"):
+        w.drain()
+    assert ran == [1]  # jobs after a failure are skipped
+    w.submit(lambda: ran.append(4))
+    w.drain()
+    assert ran == [1, 4]
+    w.close()
+    with pytest.raises(RuntimeError, match="engine was closed"):
+        w.submit(lambda: None)
+
+
+def test_worker_drain_survives_keyboard_interrupt():
+    w = Worker()
+    ran = []
+    w.submit(lambda: time.sleep(0.5) or ran.append(1))
+    w.submit(lambda: ran.append(2))  # cancelled by the interrupt
+    threading.Timer(0.1, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        w.drain()
+    assert ran == [1]
+    w.submit(lambda: ran.append(3))  # no deadlock: the next drain works
+    w.drain()
+    assert ran == [1, 3]
+    w.close()
+
+
+def test_interrupts_deferred_holds_the_first_and_nests():
+    """The mechanism behind an all-or-nothing step() under Ctrl-C."""
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred() as deferring:
+            assert deferring
+            _thread.interrupt_main()
+            time.sleep(0.05)  # the handler runs here and holds it
+            with interrupts_deferred() as inner:  # nested: shares the hold
+                assert inner
+            reached.append("end of block")
+    assert reached == ["end of block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):  # a second one is raised at once
+        with interrupts_deferred():
+            _thread.interrupt_main()
+            time.sleep(0.05)
+            _thread.interrupt_main()
+            time.sleep(0.05)
+            reached.append("not reached")
+    assert reached == ["end of block"]
+    off_main = []
+    t = threading.Thread(target=lambda: off_main.append(interrupts_deferred().__enter__()))
+    t.start()
+    t.join()
+    assert off_main == [False]  # no signals there: nothing to defer
+
+
+def test_a_cancelled_step_finishes_a_param_it_started():
+    """After an interrupt, the jobs not started are skipped, except one that
+    continues the job before it when that one ran (a param cut in pieces)."""
+    w = Worker()
+    ran = []
+    w.submit(lambda: time.sleep(0.4) or ran.append("a1"))
+    w.submit(lambda: ran.append("a2"), continues=True)   # the rest of "a"
+    w.submit(lambda: ran.append("b1"))
+    w.submit(lambda: ran.append("b2"), continues=True)   # its start was skipped
+    threading.Timer(0.1, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        w.drain()
+    assert ran == ["a1", "a2"]
+    w.close()
