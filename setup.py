@@ -20,8 +20,9 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
-# The table of sources and flags shared with the JIT loader; run by path because
-# importing the package would import torch.
+# The reader of csrc/kernel_sources.txt (the kernel files and their flags, shared
+# with the JIT loader and CMake); run by path because importing the package would
+# import torch.
 SOURCES = runpy.run_path(str(ROOT / "offload_adam" / "_sources.py"))
 CSRC = "csrc"
 
@@ -54,10 +55,11 @@ def aot_extension():
             out_dir.mkdir(parents=True, exist_ok=True)
             cxx = shlex.split(os.environ.get("CXX", "c++"))
             jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
+            table = SOURCES["KernelTable"].read(ROOT / CSRC)
 
             def compile_one(src):
                 obj = out_dir / (Path(src).stem + ".o")
-                cmd = cxx + SOURCES["kernel_flags"](src) + [
+                cmd = cxx + table.flags(src) + [
                     "-I" + str(ROOT / CSRC), "-c", str(ROOT / CSRC / src), "-o", str(obj)]
                 print(" ".join(shlex.quote(c) for c in cmd), flush=True)
                 result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -67,7 +69,7 @@ def aot_extension():
                 return obj
 
             with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-                return list(pool.map(compile_one, SOURCES["KERNEL_SOURCES"]))
+                return list(pool.map(compile_one, table.sources))
 
     ext = CppExtension(
         name="offload_adam._C",

@@ -99,14 +99,15 @@ def _jit_build() -> ModuleType:
         # forever. Holding our lock, which dies with its process, no other build
         # of this folder is running: any such file is stale.
         (build_dir / "lock").unlink(missing_ok=True)
-        objects = [obj_dir / (Path(src).stem + ".o") for src in _sources.KERNEL_SOURCES]
+        table = _sources.KernelTable.read(csrc)
+        objects = [obj_dir / (Path(src).stem + ".o") for src in table.sources]
         cached = all(o.is_file() for o in objects) and any(build_dir.glob(name + ".*"))
         if not cached:
             _require_compiler(cxx)
             seconds = max(10, _EXPECTED_COMPILE_CPU_SECONDS // max(1, os.cpu_count() or 1))
             print(f"offload_adam: compiling CPU kernels (first use, ~{seconds} s) into {build_dir}",
                   file=sys.stderr, flush=True)
-        _compile_kernel_objects(ninja, cxx, csrc, obj_dir)
+        _compile_kernel_objects(ninja, cxx, csrc, table, obj_dir)
         # A failed compile raises RuntimeError from torch, carrying the compiler output.
         return cpp_extension.load(
             name=name,
@@ -128,7 +129,8 @@ def _build_hash(csrc: Path, cxx: list[str], torch_version: str) -> str:
         h.update(path.name.encode() + b"\0")
         h.update(path.read_bytes() if path.is_file() else b"<missing>")
         h.update(b"\0")
-    flags = {src: _sources.kernel_flags(src) for src in _sources.KERNEL_SOURCES}
+    table = _sources.KernelTable.read(csrc)
+    flags = {src: table.flags(src) for src in table.sources}
     h.update(repr((flags, _sources.BINDING_FLAGS, cxx, torch_version,
                    sys.version_info[:2], sys.abiflags if hasattr(sys, "abiflags") else "")).encode())
     return h.hexdigest()[:8]
@@ -165,7 +167,8 @@ def _require_compiler(cxx: list[str]) -> None:
         )
 
 
-def _compile_kernel_objects(ninja: str, cxx: list[str], csrc: Path, obj_dir: Path) -> None:
+def _compile_kernel_objects(ninja: str, cxx: list[str], csrc: Path, table: _sources.KernelTable,
+                            obj_dir: Path) -> None:
     """Writes obj_dir/build.ninja (one object per kernel file, its own flags) and runs it."""
     lines = [
         "ninja_required_version = 1.3",
@@ -177,10 +180,10 @@ def _compile_kernel_objects(ninja: str, cxx: list[str], csrc: Path, obj_dir: Pat
         "  description = CXX $out",
     ]
     include = "-I" + shlex.quote(str(csrc))
-    for src in _sources.KERNEL_SOURCES:
+    for src in table.sources:
         obj = Path(src).stem + ".o"
         lines.append(f"build {obj}: cxx {_ninja_path(csrc / src)}")
-        flags = " ".join(shlex.quote(f) for f in _sources.kernel_flags(src))
+        flags = " ".join(shlex.quote(f) for f in table.flags(src))
         lines.append(f"  flags = {include} {flags}".replace("$", "$$"))
     text = "\n".join(lines) + "\n"
     build_file = obj_dir / "build.ninja"

@@ -1,13 +1,16 @@
-"""The C++ sources of offload_adam and the compiler flags of each: the one table.
+"""The C++ sources of offload_adam and the compiler flags of each.
 
-Both builds read it: the JIT loader (offload_adam/_build.py) and the ahead-of-time
-build (setup.py, which executes this file by path before torch or the package can
-be imported). So it imports nothing beyond the standard library.
+The kernel files and their flags are not listed here: they come from the one
+table csrc/kernel_sources.txt, which CMakeLists.txt reads too, so the three
+builds (the JIT loader offload_adam/_build.py, the ahead-of-time build in
+setup.py, and CMake) cannot drift apart. setup.py executes this file by path
+before torch or the package can be imported, so it imports nothing beyond the
+standard library.
 
 Why per-file flags: every ISA variant lives in its own translation unit compiled
 with exactly the instructions it may use, and the dispatcher picks one at run time
 from what the CPU reports. Nothing is compiled with -march=native, so a build made
-on one machine runs correctly on any other x86-64 machine.
+on one machine runs correctly on any other machine of its architecture.
 """
 
 from __future__ import annotations
@@ -15,23 +18,12 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-# Flags of every kernel file. -ffp-contract=off keeps the compiler from fusing
-# a*b+c on its own, so the scalar path (the reference) rounds exactly as written;
-# the vector paths fuse only where their source says so. -fno-math-errno lets
-# sqrt become one instruction.
-COMMON_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-pthread"]
+# The table of kernel files and flags, in the csrc folder (see its header).
+TABLE_FILE = "kernel_sources.txt"
 
-# Kernel translation units and the extra instruction-set flags of each. On
-# non-x86 machines the ISA flags are dropped; the ISA files then compile to
-# nothing (their code sits behind #if guards) and only the scalar path remains.
-KERNEL_SOURCES: dict[str, list[str]] = {
-    "isa_scalar.cpp": [],
-    "isa_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
-    "isa_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
-    "adam_driver.cpp": [],
-    "isa_dispatch.cpp": [],
-    "thread_pool.cpp": [],
-}
+# What CMake adds by itself (CMAKE_CXX_STANDARD, POSITION_INDEPENDENT_CODE,
+# Threads) and the Python builds must say: added to every kernel file's flags.
+BUILD_FLAGS = ["-std=c++17", "-fPIC", "-pthread"]
 
 # The torch binding: compiled by torch.utils.cpp_extension with torch's own flags.
 BINDING_SOURCE = "binding.cpp"
@@ -40,20 +32,57 @@ BINDING_SOURCE = "binding.cpp"
 BINDING_FLAGS = ["-O3"]
 
 # File patterns shipped in the wheel (as offload_adam/csrc) and hashed for the JIT cache.
-SHIPPED_PATTERNS = ["*.cpp", "*.h"]
+SHIPPED_PATTERNS = ["*.cpp", "*.h", TABLE_FILE]
 
-_X86_MACHINES = {"x86_64", "amd64", "i386", "i686", "x86"}
+# The table's machine names and what platform.machine() calls them.
+_MACHINE_ALIASES = {
+    "x86_64": {"x86_64", "amd64", "i386", "i686", "x86"},
+    "aarch64": {"aarch64", "arm64"},
+}
 
 
-def is_x86(machine: str | None = None) -> bool:
-    """True on x86 machines, where the AVX2/AVX-512 translation units are built."""
-    return (machine or platform.machine()).lower() in _X86_MACHINES
+def machine_name(machine: str | None = None) -> str:
+    """The table's name for `machine` (default: this one): x86_64, aarch64, or itself lowercased."""
+    machine = (machine or platform.machine()).lower()
+    return next((name for name, aliases in _MACHINE_ALIASES.items() if machine in aliases), machine)
 
 
-def kernel_flags(source: str, machine: str | None = None) -> list[str]:
-    """The full compiler flags of one kernel file (a key of KERNEL_SOURCES)."""
-    isa = KERNEL_SOURCES[source] if is_x86(machine) else []
-    return COMMON_FLAGS + isa
+class KernelTable:
+    """csrc/kernel_sources.txt, parsed: the kernel files in order and the flags of each."""
+
+    def __init__(self, text: str, origin: str = TABLE_FILE):
+        self._common: list[tuple[str, list[str]]] = []      # (machine, flags) of the * rows
+        self._rows: dict[str, tuple[str, list[str]]] = {}   # file -> (machine, flags)
+        for number, line in enumerate(text.splitlines(), 1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            if len(fields) < 2:
+                raise ValueError(f"{origin}:{number}: expected 'file machine [flags...]', got {line!r}")
+            name, machine, flags = fields[0], fields[1], fields[2:]
+            if name == "*":
+                self._common.append((machine, flags))
+            elif name in self._rows:
+                raise ValueError(f"{origin}:{number}: {name} is listed twice")
+            else:
+                self._rows[name] = (machine, flags)
+
+    @classmethod
+    def read(cls, csrc: str | Path) -> "KernelTable":
+        path = Path(csrc) / TABLE_FILE
+        return cls(path.read_text(), str(path))
+
+    @property
+    def sources(self) -> list[str]:
+        """The kernel files, in the table's order."""
+        return list(self._rows)
+
+    def flags(self, source: str, machine: str | None = None) -> list[str]:
+        """The full compiler flags of one kernel file when building for `machine` (default: this one)."""
+        target = machine_name(machine)
+        row_machine, row_flags = self._rows[source]
+        common = [f for m, flags in self._common if m in ("any", target) for f in flags]
+        return common + BUILD_FLAGS + (row_flags if row_machine in ("any", target) else [])
 
 
 def find_csrc(package_dir: str | Path) -> Path:
@@ -75,6 +104,7 @@ def find_csrc(package_dir: str | Path) -> Path:
 def hashed_files(csrc: str | Path) -> list[Path]:
     """Every file whose content decides the compiled module, in a stable order."""
     csrc = Path(csrc)
-    files = {csrc / name for name in KERNEL_SOURCES} | {csrc / BINDING_SOURCE}
+    files = {csrc / name for name in KernelTable.read(csrc).sources}
+    files |= {csrc / BINDING_SOURCE, csrc / TABLE_FILE}
     files |= set(csrc.glob("*.h"))
     return sorted(files)

@@ -7,6 +7,7 @@ the default build cache (shared with the other test files), and the rebuild test
 copies it and deletes one object file.
 """
 
+import json
 import os
 import re
 import shutil
@@ -65,24 +66,63 @@ LOAD_REPORTING_RUNTIME_ERROR = """
         print("RuntimeError:", e)
 """
 
+TABLE = _sources.KernelTable.read(CSRC)
+
+
 def test_sources_table_matches_csrc():
-    for name in [*_sources.KERNEL_SOURCES, _sources.BINDING_SOURCE]:
+    for name in [*TABLE.sources, _sources.BINDING_SOURCE]:
         assert (CSRC / name).is_file(), name
+    # Every .cpp but the binding is a kernel file of the table.
+    assert {p.name for p in CSRC.glob("*.cpp")} == {*TABLE.sources, _sources.BINDING_SOURCE}
     assert _sources.find_csrc(REPO / "offload_adam") == CSRC
     hashed = {p.name for p in _sources.hashed_files(CSRC)}
-    assert {p.name for p in CSRC.glob("*.h")} <= hashed
+    assert {p.name for p in CSRC.glob("*.h")} | {_sources.TABLE_FILE} <= hashed
+    assert _sources.TABLE_FILE in (REPO / "MANIFEST.in").read_text()
 
 
 def test_flags_never_target_the_build_machine():
-    for name in _sources.KERNEL_SOURCES:
-        for machine in ("x86_64", "aarch64"):
-            flags = _sources.kernel_flags(name, machine)
+    for name in TABLE.sources:
+        for machine in ("x86_64", "aarch64", "riscv64"):
+            flags = TABLE.flags(name, machine)
             assert not any(f.startswith(("-march", "-mtune", "-mcpu")) for f in flags), flags
-            assert "-ffp-contract=off" in flags
-    assert "-mavx2" in _sources.kernel_flags("isa_avx2.cpp", "x86_64")
-    assert "-mavx512f" in _sources.kernel_flags("isa_avx512.cpp", "AMD64")
+            assert "-ffp-contract=off" in flags and "-std=c++17" in flags
+    assert "-mavx2" in TABLE.flags("isa_avx2.cpp", "x86_64")
+    assert "-mavx512f" in TABLE.flags("isa_avx512.cpp", "AMD64")
     # Off x86 the ISA files are compiled without ISA flags (their #if guards empty them).
-    assert not any(f.startswith("-mavx") for f in _sources.kernel_flags("isa_avx512.cpp", "aarch64"))
+    for machine in ("aarch64", "arm64", "riscv64"):
+        assert not any(f.startswith("-mavx") for f in TABLE.flags("isa_avx512.cpp", machine))
+
+
+def test_table_rows_are_checked():
+    table = _sources.KernelTable("* any -O2\n# a comment\n\na.cpp x86_64 -mfoo  # trailing\nb.cpp any\n")
+    assert table.sources == ["a.cpp", "b.cpp"]
+    assert table.flags("a.cpp", "x86_64")[-1] == "-mfoo" and "-mfoo" not in table.flags("a.cpp", "aarch64")
+    assert table.flags("b.cpp", "aarch64") == ["-O2", *_sources.BUILD_FLAGS]
+    with pytest.raises(ValueError, match=r"t\.txt:1: expected"):
+        _sources.KernelTable("lonely.cpp\n", "t.txt")
+    with pytest.raises(ValueError, match="listed twice"):
+        _sources.KernelTable("a.cpp any\na.cpp any\n")
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_cmake_compiles_what_the_table_says(machine, tmp_path):
+    # CMake reads the same table; its compile commands (configure only, the host
+    # compiler standing in for a cross one) carry exactly the table's flags.
+    cmake = (REPO / "CMakeLists.txt").read_text()
+    assert not any(name in cmake for name in TABLE.sources) and "-mavx" not in cmake
+    proc = subprocess.run(["cmake", "-S", str(REPO), "-B", str(tmp_path), "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+                           "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_SYSTEM_NAME=Linux",
+                           f"-DCMAKE_SYSTEM_PROCESSOR={machine}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    commands = json.loads((tmp_path / "compile_commands.json").read_text())
+    compiled = {Path(c["file"]).name: c["command"].split() for c in commands}
+    for name in TABLE.sources:
+        want = [f for f in TABLE.flags(name, machine) if f not in ("-fPIC", "-pthread")]
+        args = compiled[name]
+        assert all(f in args for f in want), (name, want, args)
+        extra = {f for f in args if f.startswith("-m") or f.startswith("--param")} - set(want)
+        assert not extra, (name, extra)
 
 
 def test_second_load_is_cached_and_silent(built_module_path):
