@@ -17,10 +17,10 @@ namespace offload_adam {
 // Element types the kernels read or write besides fp32.
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
 
-// The instruction-set variants. Every build contains all of them on x86-64
-// (each compiled in its own translation unit with its own flags); non-x86 builds
-// contain only the scalar one.
-enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+// The instruction-set variants. An x86-64 build contains avx512, avx2 and scalar
+// (each compiled in its own translation unit with its own flags), an AArch64
+// build neon and scalar, any other build the scalar one only.
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, neon = 3 };
 
 // One tensor of a bucket. All pointers refer to `numel` contiguous elements.
 struct AdamTensor {
@@ -73,7 +73,7 @@ void grad_sq_sums(const Bucket& bucket, double* out, int num_threads);
 Isa active_isa();
 const char* isa_name(Isa isa);
 std::vector<Isa> supported_isas();   // compiled in *and* supported by this CPU and OS, best first
-// Selects a variant by name ("avx512", "avx2", "scalar", or "auto"/"" for the best).
+// Selects a variant by name ("avx512", "avx2", "neon", "scalar", or "auto"/"" for the best).
 // Throws std::invalid_argument for an unknown name and std::runtime_error for one
 // this CPU does not support; both messages name the value and the supported ones.
 void set_isa(const std::string& name);

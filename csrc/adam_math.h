@@ -1,6 +1,6 @@
 // The Adam/AdamW update, written once over a vector type V (ScalarVec, Avx2Vec,
-// Avx512Vec). With V = ScalarVec it is the readable reference; the ISA units
-// instantiate it with their vector type and with ScalarVec for the tail, so
+// Avx512Vec, NeonVec). With V = ScalarVec it is the readable reference; the ISA
+// units instantiate it with their vector type and with ScalarVec for the tail, so
 // every element sees the same operations in the same order on every ISA and
 // the variants agree bit for bit (all TUs build with -ffp-contract=off; fused
 // multiply-adds are written out where they are wanted).

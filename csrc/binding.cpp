@@ -202,7 +202,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_threads"));
   m.def("isa", [] { return std::string(oa::isa_name(oa::active_isa())); }, "The active ISA variant");
   m.def("supported_isas", &supported_isa_names, "ISA variants this CPU runs, best first");
-  m.def("set_isa", &oa::set_isa, "Select an ISA variant: avx512, avx2, scalar or auto", py::arg("name"));
+  m.def("set_isa", &oa::set_isa, "Select an ISA variant: avx512, avx2, neon, scalar or auto", py::arg("name"));
   // OFFLOAD_ADAM_ISA is applied by the loader (offload_adam/_build.py) through
   // set_isa, so a bad value raises ValueError/RuntimeError rather than ImportError.
 }

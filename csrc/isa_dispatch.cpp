@@ -1,7 +1,11 @@
-// Run-time choice of the ISA variant: CPUID for what the processor has, XGETBV
-// for what the OS saves on context switch (an AVX-512 CPU under an OS or
-// hypervisor that does not enable ZMM state must not run AVX-512 code), and the
-// OFFLOAD_ADAM_ISA environment variable to force a variant.
+// Run-time choice of the ISA variant, and the OFFLOAD_ADAM_ISA environment
+// variable to force one.
+//   x86-64: CPUID for what the processor has, XGETBV for what the OS saves on
+//     context switch (an AVX-512 CPU under an OS or hypervisor that does not
+//     enable ZMM state must not run AVX-512 code).
+//   AArch64: NEON is part of the base architecture; on Linux the HWCAP_ASIMD
+//     bit of getauxval(AT_HWCAP) confirms it.
+// Best first: avx512, avx2, neon, scalar (the scalar variant always runs).
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
@@ -16,16 +20,23 @@
 #include <cpuid.h>
 #define OA_X86 1
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 namespace offload_adam {
 namespace {
 
-#ifdef OA_X86
+// The variants, best first.
+constexpr Isa kIsas[] = {Isa::avx512, Isa::avx2, Isa::neon, Isa::scalar};
+
 struct CpuFeatures {
   bool avx2 = false;    // AVX2 + FMA + F16C, and the OS saves YMM state
   bool avx512 = false;  // AVX-512 F/BW/VL/DQ on top, and the OS saves ZMM + mask state
+  bool neon = false;    // AArch64 Advanced SIMD
 };
 
+#ifdef OA_X86
 uint64_t xgetbv0() {
   uint32_t eax, edx;
   __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
@@ -49,26 +60,39 @@ CpuFeatures detect() {
   f.avx512 = f.avx2 && zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
   return f;
 }
+#elif defined(__aarch64__)
+CpuFeatures detect() {
+  CpuFeatures f;
+#if defined(__linux__) && defined(HWCAP_ASIMD)
+  f.neon = (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
+#else
+  f.neon = true;  // mandatory in AArch64 (macOS, BSDs)
+#endif
+  return f;
+}
+#else
+CpuFeatures detect() { return {}; }
 #endif
 
 const IsaKernels* table_for(Isa isa) {
   switch (isa) {
     case Isa::avx512: return avx512_kernels();
     case Isa::avx2: return avx2_kernels();
+    case Isa::neon: return neon_kernels();
     default: return scalar_kernels();
   }
 }
 
 bool cpu_supports(Isa isa) {
-  if (isa == Isa::scalar) return true;
-#ifdef OA_X86
   static const CpuFeatures f = detect();
-  // Features first: even building a variant's table runs code compiled for it.
-  if (!(isa == Isa::avx512 ? f.avx512 : f.avx2)) return false;
-  return table_for(isa) != nullptr;
-#else
+  switch (isa) {
+    case Isa::scalar: return true;
+    // Features first: even building a variant's table runs code compiled for it.
+    case Isa::avx512: return f.avx512 && table_for(isa) != nullptr;
+    case Isa::avx2: return f.avx2 && table_for(isa) != nullptr;
+    case Isa::neon: return f.neon && table_for(isa) != nullptr;
+  }
   return false;
-#endif
 }
 
 std::string supported_list() {
@@ -79,7 +103,9 @@ std::string supported_list() {
 
 Isa parse(const std::string& name) {
   if (name.empty() || name == "auto") return supported_isas().front();
-  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar}) {
+  std::string known;
+  for (Isa isa : kIsas) {
+    known += std::string(isa_name(isa)) + ", ";
     if (name == isa_name(isa)) {
       if (!cpu_supports(isa)) {
         throw std::runtime_error("offload_adam: ISA '" + name +
@@ -88,9 +114,8 @@ Isa parse(const std::string& name) {
       return isa;
     }
   }
-  throw std::invalid_argument("offload_adam: unknown ISA '" + name +
-                              "' (OFFLOAD_ADAM_ISA expects avx512, avx2, scalar or auto); this CPU supports: " +
-                              supported_list());
+  throw std::invalid_argument("offload_adam: unknown ISA '" + name + "' (OFFLOAD_ADAM_ISA expects " + known +
+                              "or auto); this CPU supports: " + supported_list());
 }
 
 std::atomic<int> g_active{-1};
@@ -102,13 +127,14 @@ const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
+    case Isa::neon: return "neon";
     default: return "scalar";
   }
 }
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::avx512, Isa::avx2, Isa::scalar})
+  for (Isa isa : kIsas)
     if (cpu_supports(isa)) out.push_back(isa);
   return out;
 }

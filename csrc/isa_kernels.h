@@ -43,11 +43,13 @@ struct IsaKernels {
   SqSumFn sq_sum[3];
 };
 
-// Defined in isa_scalar.cpp / isa_avx2.cpp / isa_avx512.cpp. The vector ones
-// return null when the build target is not x86-64.
+// Defined in isa_scalar.cpp / isa_avx2.cpp / isa_avx512.cpp / isa_neon.cpp. The
+// vector ones return null when the build target is not their architecture
+// (x86-64, AArch64).
 const IsaKernels* scalar_kernels();
 const IsaKernels* avx2_kernels();
 const IsaKernels* avx512_kernels();
+const IsaKernels* neon_kernels();
 
 // The table of the active variant (isa_dispatch.cpp); throws when
 // OFFLOAD_ADAM_ISA names a bad value.

@@ -9,7 +9,7 @@ __all__ = ["Adam", "AdamW", "kernel_isa", "supported_isas"]
 
 
 def kernel_isa() -> str:
-    """The active kernel variant: "avx512", "avx2" or "scalar"."""
+    """The active kernel variant: "avx512", "avx2", "neon" or "scalar"."""
     from ._build import load_kernels
 
     return load_kernels().isa()

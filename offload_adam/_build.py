@@ -43,7 +43,7 @@ def load_kernels() -> ModuleType:
     """The compiled kernel module (see csrc/binding.cpp), built on first use.
 
     Thread-safe; the first successful call is cached for the process. The
-    environment variable OFFLOAD_ADAM_ISA (avx512|avx2|scalar|auto) selects the
+    environment variable OFFLOAD_ADAM_ISA (avx512|avx2|neon|scalar|auto) selects the
     kernel variant; a bad value raises ValueError or RuntimeError here.
     """
     global _module

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: the pure C++ tests (CMake + ctest, when cmake is installed)
-# and the Python tests (pytest). Exits non-zero on any failure.
+# The whole test suite: the pure C++ tests (CMake + ctest, when cmake is installed;
+# natively, then cross-built for aarch64 and run under qemu) and the Python tests
+# (pytest). Exits non-zero on any failure.
 # Arguments go to pytest (e.g. `scripts/run_tests.sh -k amsgrad`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,8 @@ if command -v cmake >/dev/null 2>&1; then
   cmake -S . -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_MAKE_PROGRAM="$(command -v ninja)" >/dev/null
   cmake --build build/cpp
   ctest --test-dir build/cpp --output-on-failure
+  # The same C++ tests built for aarch64 and run under qemu (the NEON variant).
+  bash scripts/cross_test_aarch64.sh
 else
   echo "== C++ tests skipped: cmake not found (apt-get install cmake)" >&2
 fi

@@ -1,4 +1,4 @@
-"""Every kernel variant (OFFLOAD_ADAM_ISA=avx512|avx2|scalar) is correct and all
+"""Every kernel variant (OFFLOAD_ADAM_ISA=avx512|avx2|neon|scalar) is correct and all
 give bitwise-identical results; bad values fail with clear errors.
 
 Each variant runs in a subprocess because the variable is read when the module
@@ -14,6 +14,9 @@ import torch
 import offload_adam
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Every variant a build can have (isa_dispatch.cpp), best first.
+KNOWN_ISAS = ["avx512", "avx2", "neon", "scalar"]
 
 # Steps bf16 and fp32 params of awkward sizes, checks K.isa() and the error vs the
 # float64 reference, and saves the results for the bitwise comparison.
@@ -62,7 +65,7 @@ def run_variant(isa, tmp_path, script=SCRIPT):
 
 def test_every_variant_is_correct_and_all_agree_bitwise(kernels, tmp_path):
     isas = offload_adam.supported_isas()
-    assert isas[-1] == "scalar"
+    assert isas[-1] == "scalar" and set(isas) <= set(KNOWN_ISAS)
     results = {}
     for isa in isas:
         proc, out = run_variant(isa, tmp_path)
@@ -88,28 +91,24 @@ else:
 """
 
 
-def cpu_has_avx512():
-    try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def test_unsupported_variant_raises_runtime_error(kernels, tmp_path):
-    if cpu_has_avx512():
-        pytest.skip("this CPU supports avx512")
-    proc, _ = run_variant("avx512", tmp_path, ERROR_SCRIPT)
+@pytest.mark.parametrize("isa", KNOWN_ISAS[:-1])
+def test_unsupported_variant_raises_runtime_error(kernels, isa, tmp_path):
+    supported = offload_adam.supported_isas()
+    if isa in supported:
+        pytest.skip(f"this CPU supports {isa}")
+    proc, _ = run_variant(isa, tmp_path, ERROR_SCRIPT)
     line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr
     assert line.startswith("RuntimeError"), line
-    assert "avx512" in line
-    for isa in offload_adam.supported_isas():
-        assert isa in line.split("avx512", 1)[1], f"{isa} not listed: {line}"
+    assert isa in line
+    for other in supported:
+        assert other in line.split(isa, 1)[1], f"{other} not listed: {line}"
 
 
 def test_unknown_variant_raises_value_error(kernels, tmp_path):
     proc, _ = run_variant("sse9", tmp_path, ERROR_SCRIPT)
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("ValueError") and "sse9" in line, line
+    assert "expects " + ", ".join(KNOWN_ISAS) in line, line
 
 
 def test_set_isa_in_process(kernels):

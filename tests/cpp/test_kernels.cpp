@@ -1,7 +1,11 @@
 // C++ tests of the kernels, no torch: every ISA variant against the scalar
 // variant (bit for bit) and against a float64 reference, at sizes around the
-// vector widths and the chunk size; the 16-bit conversions exhaustively; the
-// ISA selection errors. Usage: test_kernels [--env-isa NAME]
+// vector widths and the chunk size; the 16-bit conversions of the reference
+// exhaustively, and those of every variant on every 16-bit value, every rounding
+// midpoint and a sweep of all fp32 bit patterns; the ISA selection errors.
+// Usage: test_kernels [--env-isa NAME]. The aarch64 build runs under qemu
+// (scripts/cross_test_aarch64.sh).
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +35,9 @@ static int g_failures = 0;
   } while (0)
 
 // ---- 16-bit conversions ----------------------------------------------------
+
+uint16_t to_16(float x, oa::DType d) { return d == oa::DType::bf16 ? bits::float_to_bf16(x) : bits::float_to_f16(x); }
+float from_16(uint16_t x, oa::DType d) { return d == oa::DType::bf16 ? bits::bf16_to_float(x) : bits::f16_to_float(x); }
 
 void test_f16_conversions() {
   int bad = 0;
@@ -81,6 +88,90 @@ void test_bf16_conversions() {
   CHECK(bad == 0, "%d bf16 conversion mismatches", bad);
 }
 
+// ---- the 16-bit conversions of every variant ----------------------------------
+// Each variant's own loads and stores of bf16/fp16, reached through the public
+// calls: stream_limit stores v ^ grad as the param and (for an fp16 copy) rounds
+// it, so with v = 0 it shows exactly what a grad load gave and what the fp16
+// store makes of any fp32 bit pattern; adam_step with zero grads and moments and
+// no weight decay leaves each param as it was (p*1 - step*0/eps) and rounds it
+// for the copy. Inputs: all 2^16 values of both formats, their rounding
+// midpoints and the floats on either side, the edge classes (zeros, subnormals,
+// fp16 overflow, inf, signalling and quiet NaNs with payloads), and every 4093rd
+// fp32 bit pattern (~1M: all 2^32 would take minutes under qemu).
+
+std::vector<float> conversion_probes() {
+  std::vector<float> out;
+  auto with_neighbours = [&](float f, float next) {
+    const float mid = f + 0.5f * (next - f);  // exact: both formats have < 24 significant bits
+    out.insert(out.end(), {f, mid, std::nextafter(mid, 2.0f * next), std::nextafter(mid, 0.0f * f)});
+  };
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const uint16_t x = static_cast<uint16_t>(h), up = static_cast<uint16_t>(h + 1);
+    if ((h & 0x7FFF) < 0x7C00) with_neighbours(bits::f16_to_float(x), bits::f16_to_float(up));
+    else out.push_back(bits::f16_to_float(x));  // inf and NaNs
+    if ((h & 0x7FFF) < 0x7F80) with_neighbours(bits::bf16_to_float(x), bits::bf16_to_float(up));
+    else out.push_back(bits::bf16_to_float(x));
+  }
+  for (uint32_t u : {0x00000000u, 0x00000001u, 0x007FFFFFu, 0x00800000u, 0x7F7FFFFFu, 0x7F800000u,
+                     0x7F800001u, 0x7FA00000u, 0x7FBFFFFFu, 0x7FC00000u, 0x7FC00001u, 0x7FFFE000u,
+                     0x7FFFFFFFu, 0x33000000u, 0x33000001u, 0x337FFFFFu, 0x477FEFFFu, 0x477FF000u})
+    out.insert(out.end(), {bits::float_of(u), bits::float_of(u | 0x80000000u)});
+  for (uint64_t u = 0; u <= 0xFFFFFFFFu; u += 4093) out.push_back(bits::float_of(static_cast<uint32_t>(u)));
+  return out;
+}
+
+void test_conversions_of_every_variant() {
+  const std::vector<float> probes = conversion_probes();
+  const int64_t n = static_cast<int64_t>(probes.size());
+  std::vector<uint16_t> all16(0x10000);
+  for (uint32_t h = 0; h < 0x10000; ++h) all16[h] = static_cast<uint16_t>(h);
+  for (oa::Isa isa : oa::supported_isas()) {
+    oa::set_isa(oa::isa_name(isa));
+    // Grad loads of every bf16 and fp16 value, and the fp16 store of each loaded fp16.
+    for (oa::DType d : {oa::DType::bf16, oa::DType::f16}) {
+      std::vector<float> p(0x10000), m(0x10000), v(0x10000, 0.0f);
+      std::vector<uint16_t> lp(0x10000);
+      oa::AdamTensor t;
+      t.param = p.data(), t.exp_avg = m.data(), t.exp_avg_sq = v.data();
+      t.grad = all16.data(), t.param_lp = lp.data(), t.numel = 0x10000;
+      oa::Bucket b;
+      b.tensors = &t, b.count = 1, b.grad_dtype = d, b.lp_dtype = oa::DType::f16;
+      oa::stream_limit(b, 1);
+      int bad = 0;
+      for (uint32_t h = 0; h < 0x10000; ++h) {
+        const float want = from_16(static_cast<uint16_t>(h), d);
+        bad += bits::bits_of(p[h]) != bits::bits_of(want) || lp[h] != bits::float_to_f16(want);
+      }
+      CHECK(bad == 0, "isa=%s: %d %s grad loads (or their fp16 copies) differ from the reference",
+            oa::isa_name(isa), bad, d == oa::DType::bf16 ? "bf16" : "fp16");
+    }
+    // The fp16 store of any fp32 bit pattern (stream_limit), then the rounded
+    // bf16 and fp16 stores of the step (adam_step with nothing to change).
+    std::vector<float> p(probes), m(n, 0.0f), v(n, 0.0f), zeros(n, 0.0f);
+    std::vector<uint16_t> lp(n);
+    oa::AdamTensor t;
+    t.param = p.data(), t.exp_avg = m.data(), t.exp_avg_sq = v.data();
+    t.grad = probes.data(), t.param_lp = lp.data(), t.numel = n, t.step = 1;
+    oa::Bucket b;
+    b.tensors = &t, b.count = 1, b.grad_dtype = oa::DType::f32, b.lp_dtype = oa::DType::f16;
+    oa::stream_limit(b, 1);
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad += lp[i] != bits::float_to_f16(probes[i]);
+    CHECK(bad == 0, "isa=%s: %d fp16 stores differ from the reference", oa::isa_name(isa), bad);
+    t.grad = zeros.data();
+    for (oa::DType d : {oa::DType::bf16, oa::DType::f16}) {
+      p = probes, m.assign(n, 0.0f), v.assign(n, 0.0f), lp.assign(n, 0xFFFF);
+      b.lp_dtype = d;
+      oa::AdamHyper h;  // weight_decay 0: decay factor exactly 1
+      oa::adam_step(b, h, 1);
+      bad = 0;
+      for (int64_t i = 0; i < n; ++i) bad += lp[i] != to_16(probes[i], d);
+      CHECK(bad == 0, "isa=%s: %d rounded %s copies differ from the reference", oa::isa_name(isa), bad,
+            d == oa::DType::bf16 ? "bf16" : "fp16");
+    }
+  }
+}
+
 // ---- the step ----------------------------------------------------------------
 
 struct Config {
@@ -97,9 +188,6 @@ struct State {
   std::vector<float> p, m, v, vmax;
   std::vector<uint16_t> lp;
 };
-
-uint16_t to_16(float x, oa::DType d) { return d == oa::DType::bf16 ? bits::float_to_bf16(x) : bits::float_to_f16(x); }
-float from_16(uint16_t x, oa::DType d) { return d == oa::DType::bf16 ? bits::bf16_to_float(x) : bits::f16_to_float(x); }
 
 // Grads as stored (fp32 or 16-bit) and as the kernel sees them (fp32).
 struct Grads {
@@ -217,7 +305,7 @@ bool same(const State& a, const State& b, bool lp) {
 }
 
 void test_variants_agree() {
-  const std::vector<int64_t> sizes = {0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100, 32767, 32768, 32769, 70001};
+  const std::vector<int64_t> sizes = {0, 1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100, 32767, 32768, 32769, 70001};
   std::vector<Config> configs;
   for (oa::DType g : {oa::DType::f32, oa::DType::bf16, oa::DType::f16})
     for (int lp : {0, 1, 2}) {
@@ -349,21 +437,23 @@ void test_isa_errors() {
   try {
     oa::set_isa("sse9");
   } catch (const std::invalid_argument& e) {
-    threw = std::string(e.what()).find("sse9") != std::string::npos;
+    const std::string what = e.what();
+    threw = what.find("sse9") != std::string::npos && what.find("avx512, avx2, neon, scalar") != std::string::npos;
   }
-  CHECK(threw, "an unknown ISA must throw invalid_argument naming it");
+  CHECK(threw, "an unknown ISA must throw invalid_argument naming it and the choices");
   const auto supported = oa::supported_isas();
   CHECK(!supported.empty() && supported.back() == oa::Isa::scalar, "scalar must always be supported");
-  bool has512 = false;
-  for (oa::Isa i : supported) has512 |= i == oa::Isa::avx512;
-  if (!has512) {
+  for (const char* name : {"avx512", "avx2", "neon"}) {
+    bool listed = false;
+    for (oa::Isa i : supported) listed |= std::string(name) == oa::isa_name(i);
+    if (listed) continue;
     threw = false;
     try {
-      oa::set_isa("avx512");
+      oa::set_isa(name);
     } catch (const std::runtime_error& e) {
       threw = std::string(e.what()).find("supported") != std::string::npos;
     }
-    CHECK(threw, "an unsupported ISA must throw runtime_error listing the supported ones");
+    CHECK(threw, "%s, unsupported here, must throw runtime_error listing the supported ones", name);
   }
   oa::set_isa("auto");
   CHECK(oa::active_isa() == supported.front(), "auto must pick the best variant");
@@ -386,6 +476,7 @@ int main(int argc, char** argv) {
   } else {
     test_f16_conversions();
     test_bf16_conversions();
+    test_conversions_of_every_variant();
     test_variants_agree();
     test_nonfinite_grads();
     test_unaligned_lp();

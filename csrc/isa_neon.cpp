@@ -1,0 +1,31 @@
+// The NEON variant: adam_math.h over NeonVec, for AArch64. NEON is part of the
+// AArch64 base architecture, so this unit needs no ISA flag
+// (csrc/kernel_sources.txt) and runs on every AArch64 CPU; isa_dispatch.cpp
+// still asks the OS (getauxval HWCAP_ASIMD) before using it.
+#include <cstdint>
+#include <cstring>
+
+#include "isa_kernels.h"
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+
+namespace offload_adam {
+namespace {
+#include "float_bits.h"
+#include "simd_scalar.h"
+#include "simd_neon.h"
+#include "adam_math.h"
+}  // namespace
+
+const IsaKernels* neon_kernels() {
+  static const IsaKernels k = make_kernels<NeonVec>();
+  return &k;
+}
+
+}  // namespace offload_adam
+#else
+namespace offload_adam {
+const IsaKernels* neon_kernels() { return nullptr; }
+}  // namespace offload_adam
+#endif

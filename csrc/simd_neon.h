@@ -1,0 +1,63 @@
+// 4 fp32 lanes in a 128-bit NEON register (AArch64 Advanced SIMD, part of the
+// base architecture). Every operation mirrors ScalarVec (simd_scalar.h) bit for
+// bit: vfmaq_f32 is a fused multiply-add like __builtin_fmaf, vsqrtq_f32 and
+// vdivq_f32 are correctly rounded, the bf16 rounding is the scalar integer
+// recipe, and FCVTN/FCVTL (the fp16 conversions) round to nearest even and keep
+// a NaN's sign and top payload bits with the quiet bit set, as float_bits.h does.
+// All of this holds under the default FPCR (round to nearest, no flush to zero,
+// no default NaN), which is what Linux gives a process.
+// Included inside isa_neon.cpp's anonymous namespace, after <arm_neon.h>.
+#pragma once
+
+struct NeonVec {
+  static constexpr int64_t width = 4;
+  float32x4_t v;
+
+  static NeonVec set1(float x) { return {vdupq_n_f32(x)}; }
+  static NeonVec load(const float* p) { return {vld1q_f32(p)}; }
+  void store(float* p) const { vst1q_f32(p, v); }
+
+  // bf16 -> fp32 is a 16-bit left shift of the bit pattern (one SHLL).
+  static NeonVec load_bf16(const uint16_t* p) { return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))}; }
+  static NeonVec load_f16(const uint16_t* p) { return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))}; }
+  // No non-temporal stores here (NT is ignored, fence() does nothing): ACLE has
+  // no such intrinsic, and STNP stores a register pair, two vectors' worth of the
+  // 8-byte copy. Arm's cores detect runs of full-line writes and stop reading the
+  // lines first on their own (the "write streaming mode" of the Neoverse and
+  // Cortex-A technical reference manuals), which is what the x86 variants use
+  // non-temporal stores for. Unmeasured: there was no Arm machine to measure on.
+  static constexpr int64_t lp_store_bytes = 8;
+  static void fence() {}
+  template <bool NT = false>
+  void store_bf16(uint16_t* p) const {
+    const uint32x4_t u = vreinterpretq_u32_f32(v);
+    const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    const uint16x4_t rounded = vshrn_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7FFF)), lsb), 16);
+    const uint16x4_t not_nan = vmovn_u32(vceqq_f32(v, v));  // all ones in each lane that is a number
+    vst1_u16(p, vbsl_u16(not_nan, rounded, vdup_n_u16(0x7FC0)));
+  }
+  template <bool NT = false>
+  void store_f16(uint16_t* p) const { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
+  template <bool NT = false>
+  void store_bf16_truncated(uint16_t* p) const { vst1_u16(p, vshrn_n_u32(vreinterpretq_u32_f32(v), 16)); }
+
+  friend NeonVec operator+(NeonVec a, NeonVec b) { return {vaddq_f32(a.v, b.v)}; }
+  friend NeonVec operator*(NeonVec a, NeonVec b) { return {vmulq_f32(a.v, b.v)}; }
+  friend NeonVec operator/(NeonVec a, NeonVec b) { return {vdivq_f32(a.v, b.v)}; }
+  static NeonVec fma(NeonVec a, NeonVec b, NeonVec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }  // c + a*b
+  static NeonVec sqrt(NeonVec a) { return {vsqrtq_f32(a.v)}; }
+  static NeonVec max_nan(NeonVec a, NeonVec b) {
+    // The scalar rule spelled out (a if a is NaN or a > b, else b): FMAX would
+    // also propagate NaNs, but it quiets them and orders -0 below +0.
+    const uint32x4_t take_a = vorrq_u32(vcgtq_f32(a.v, b.v), vmvnq_u32(vceqq_f32(a.v, a.v)));
+    return {vbslq_f32(take_a, a.v, b.v)};
+  }
+  static NeonVec bit_xor(NeonVec a, NeonVec b) {
+    return {vreinterpretq_f32_u32(veorq_u32(vreinterpretq_u32_f32(a.v), vreinterpretq_u32_f32(b.v)))};
+  }
+  double sum() const {
+    const float64x2_t lo = vcvt_f64_f32(vget_low_f32(v));
+    const float64x2_t hi = vcvt_high_f64_f32(v);
+    return vaddvq_f64(vaddq_f64(lo, hi));
+  }
+};
