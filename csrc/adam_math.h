@@ -65,7 +65,11 @@ inline void adam_elements(const Chunk& c, const StepScalars& s, int64_t i) {
 }
 
 template <class V, int G, int LP, bool AMSGRAD, bool L2>
-void adam_chunk(const Chunk& c, const StepScalars& s) {
+void adam_chunk(const Chunk& chunk, const StepScalars& scalars) {
+  // Local copies: no store through the arrays can alias them, so the compiler
+  // keeps the pointers and the broadcast constants in registers across the loop.
+  const Chunk c = chunk;
+  const StepScalars s = scalars;
   int64_t i = 0;
   if (LP != 0 && can_stream<V>(c.param_lp)) {
     for (; i + V::width <= c.n; i += V::width) adam_elements<V, G, LP, AMSGRAD, L2, true>(c, s, i);

@@ -1,10 +1,13 @@
 // Scalar conversions between fp32 and the 16-bit float formats, written on the
 // bit patterns so that they are exact and portable (no F16C, no compiler
-// __fp16). They are the reference the vector variants must match bit for bit:
+// __fp16; the fp16 subnormals take one exact fp32 operation each, as in the
+// default round-to-nearest mode). They are the reference the vector variants
+// must match bit for bit:
 //   bf16: round to nearest even; NaN -> 0x7FC0 (canonical quiet NaN, as c10 does).
 //   fp16: round to nearest even with subnormals, overflow to inf; NaN keeps its
 //         sign and top payload bits with the quiet bit set (what F16C's
-//         vcvtps2ph does, so the scalar tail and the AVX paths agree).
+//         vcvtps2ph and AArch64's FCVTN do, so the scalar tail and the
+//         vector paths agree).
 // No #includes here: ISA translation units include this inside their own
 // anonymous namespace after including <cstdint> and <cstring>.
 #pragma once
@@ -53,14 +56,8 @@ inline uint16_t float_to_f16(float f) {
     const uint32_t r = a - 0x38000000u;
     return static_cast<uint16_t>(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
   }
-  if (a <= 0x33000000u) return static_cast<uint16_t>(sign);  // <= 2^-25 rounds to zero
-  // Subnormal half: value = q * 2^-24 with q = mantissa >> (126 - exp), rounded to even.
-  const uint32_t exp = a >> 23;
-  const uint32_t man = (a & 0x7FFFFFu) | 0x800000u;
-  const uint32_t shift = 126u - exp;  // 14..24
-  uint32_t q = man >> shift;
-  const uint32_t rem = man & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1u);
-  if (rem > half || (rem == half && (q & 1u))) ++q;  // q == 0x400 is the smallest normal: still right
-  return static_cast<uint16_t>(sign | q);
+  // Subnormal half (or zero): in a + 0.5 the float's last mantissa bit weighs
+  // 2^-24, the half's smallest subnormal, so the add rounds a to a multiple of it
+  // (to nearest even) and the low bits of the sum are the half's.
+  return static_cast<uint16_t>(sign | (bits_of(float_of(a) + 0.5f) - 0x3F000000u));
 }
