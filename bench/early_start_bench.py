@@ -17,8 +17,6 @@ the first iterations are warm-up (the first step learns the buckets).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
@@ -28,20 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import offload_adam  # noqa: E402
-
-
-def machine() -> str:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return (f"{model}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, "
-            f"python {platform.python_version()}")
+from offload_adam.bench.machine import machine_info, one_line  # noqa: E402
 
 
 def make_model(dim: int, layers: int) -> torch.nn.Module:
@@ -86,7 +71,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for mode in (False, True):
             times[mode] += iteration_times(mode, args)
-    print(f"machine: {machine()}")
+    print(f"machine: {one_line(machine_info())}")
     print(f"model: {args.layers} x (Linear {args.dim}->{4 * args.dim}, GELU, Linear), bf16, "
           f"{nparams / 1e6:.1f}M params, batch {args.batch}, bucket_mb {args.bucket_mb}, "
           f"torch threads {args.threads}, {args.rounds} rounds x {args.iters} iterations "

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import time
@@ -60,6 +59,7 @@ def main():
         print("transfer_bench: no CUDA device here; nothing to measure")
         return
 
+    from offload_adam.bench.machine import machine_info, one_line
     from offload_adam.engine_device import CudaDevice
     from offload_adam.engine_host_memory import HostArenas
 
@@ -115,8 +115,9 @@ def main():
         engine_rows(f"small x {args.small_count}, packed", small, packed=True)
 
     peak = {r["direction"]: r["gb_per_s"] for r in rows if r["name"] == "pinned peak"}
-    print(f"transfer_bench on {torch.cuda.get_device_name(dev)}, host {platform.node()}, "
-          f"torch {torch.__version__}, {args.mb:g} MiB each way, pinned arenas: {all_pinned}")
+    machine = machine_info(query_kernels=False)
+    print(f"transfer_bench: {args.mb:g} MiB each way, pinned arenas: {all_pinned}")
+    print(f"machine: {one_line(machine)}")
     print(f"{'row':36} {'dir':4} {'ms':>9} {'GB/s':>8} {'of peak':>8}")
     for r in rows:
         r["of_peak"] = r["gb_per_s"] / peak[r["direction"]]
@@ -125,9 +126,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"transfer_bench_{args.tag}.json")
     with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                   "mb": args.mb, "rows": rows,
-                   "when": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(dev), "machine": machine,
+                   "mb": args.mb, "all_pinned": all_pinned, "rows": rows}, f, indent=1)
     print("wrote", path)
 
 

@@ -1,4 +1,5 @@
-"""What the benchmark reports: the machine, the loss-curve check, the terminal table, the JSON file.
+"""What the benchmark reports: the loss-curve check, the terminal table, the JSON file (the machine
+it ran on comes from machine.py).
 
 The JSON holds every number the table shows and more (per-step losses, the per-bucket timeline of one
 offloaded step, the size sweep); `validate` checks its shape, so a consumer (the README, the plots, a CI
@@ -8,12 +9,8 @@ job) can rely on it.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import sys
 from typing import Optional
 
-import torch
 
 SCHEMA = "offload_adam.bench.e2e/1"
 
@@ -33,63 +30,6 @@ FP32_RTOL = 1e-4
 BF16_FACTOR = 2.0
 BF16_SLACK = 1e-3
 BF16_FALLBACK_RTOL = 3e-2
-
-
-def machine_info(query_kernels: bool = True) -> dict:
-    """The machine and software the numbers come from. `query_kernels` asks offload_adam for its ISA,
-    which loads the kernels (compiling them on a cold cache): skipped when no run uses them."""
-    info = {
-        "cpu_model": _cpu_model(),
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "host_ram_bytes": _meminfo("MemTotal"),
-        "host_ram_available_bytes": _meminfo("MemAvailable"),
-        "os": platform.platform(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": None,
-        "gpu_memory_bytes": None,
-        "offload_adam_isa": None,
-        "offload_adam_supported_isas": None,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info["gpu"] = props.name
-        info["gpu_memory_bytes"] = props.total_memory
-    if not query_kernels:
-        info["offload_adam_isa"] = "not loaded (no offload_adam optimizer in this run)"
-        return info
-    try:
-        import offload_adam
-        info["offload_adam_isa"] = offload_adam.kernel_isa()
-        info["offload_adam_supported_isas"] = offload_adam.supported_isas()
-    except Exception as e:  # not built / not importable: say so rather than guess
-        info["offload_adam_isa"] = f"unavailable: {type(e).__name__}: {e}"
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _meminfo(key: str) -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 # ---- the loss check ---------------------------------------------------------------------------------

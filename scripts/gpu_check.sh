@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one run that fits one device call (under 10
+# minutes on an H100): builds the kernels, runs tests/cuda, compute-sanitizer
+# (racecheck, synccheck) on a small training run, the transfer benchmark against
+# pinned bandwidth, the step benchmark on this host's CPU, and the end-to-end
+# comparison with the peers plus the size sweep. Every log and JSON goes under
+# bench/results/<gpu name>/, with summary.txt (each stage's exit code and time);
+# when $OUT is set (the device tool), a tarball of that folder is left there.
+#
+#   bash scripts/gpu_wheels.sh         # here, first: optional peers as wheels in .whl/
+#   bash scripts/gpu_check.sh          # there (the device tool: carry .whl)
+#
+# A stage that fails or runs out of time is recorded and the next one runs; the
+# whole run stops at GPU_CHECK_SECONDS (default 560). The exit code is the
+# number of failed stages (0: all passed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-560}))
+
+gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')" 2>/dev/null)
+if [[ -z "$gpu" ]]; then
+  echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False)" >&2
+  exit 1
+fi
+name=$(echo "$gpu" | tr -c 'A-Za-z0-9._-\n' '_')
+R=bench/results/$name
+mkdir -p "$R"
+: >"$R/summary.txt"
+
+# Optional peers (torchao) travel as wheels: nothing can be fetched on the machine.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gpu_check_site .whl/*.whl >"$R/wheels.log" 2>&1 &&
+    export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+failed=0
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, record
+  local stage_name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  local left=$((DEADLINE - SECONDS))
+  ((limit > left)) && limit=$left
+  if ((limit < 10)); then
+    echo "$stage_name: not run (out of time)" | tee -a "$R/summary.txt"
+    failed=$((failed + 1))
+    return
+  fi
+  timeout "$limit" "$@" >"$R/$stage_name.log" 2>&1
+  rc=$?
+  ((rc == 124)) && echo "(stopped after ${limit} s)" >>"$R/$stage_name.log"
+  ((rc != 0)) && failed=$((failed + 1))
+  echo "$stage_name: exit $rc, $((SECONDS - start)) s" | tee -a "$R/summary.txt"
+}
+
+{
+  echo "gpu: $gpu"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1
+  "$PY" -c "import torch, platform; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', platform.python_version())"
+  lscpu 2>/dev/null | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-400
+} >"$R/machine.txt" 2>&1
+
+stage build 150 "$PY" -c "import offload_adam; print('isa', offload_adam.kernel_isa(), 'supported', offload_adam.supported_isas())"
+stage cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/cuda
+stage racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
+stage synccheck 60 compute-sanitizer --tool synccheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
+stage transfer_bench 60 "$PY" bench/transfer_bench.py --mb 512 --repeats 5 --out "$R" --tag "$name"
+stage step_bench 90 "$PY" bench/step_bench.py --numel 33554432 --steps 12 --warmup 2 --no-deepspeed \
+  --no-plot --out "$R" --tag "${name}_host"
+stage e2e 200 "$PY" -m offload_adam.bench --device cuda --size 350m --steps 12 --warmup 4 \
+  --sweep --sweep-budget 90 --no-progress --out "$R/e2e"
+
+echo "failed stages: $failed" | tee -a "$R/summary.txt"
+if [[ -n "${OUT:-}" ]]; then
+  tar -czf "$OUT/gpu_check_$name.tar.gz" -C bench/results "$name"
+  cp "$R/summary.txt" "$OUT/summary.txt"
+fi
+exit "$failed"
