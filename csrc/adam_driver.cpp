@@ -1,8 +1,10 @@
 // Turns a bucket into cache-line-aligned chunks and runs the active ISA's chunk
 // kernel over them on the thread pool. Everything per tensor that depends on
-// the step count (bias corrections) is computed here once, in double.
+// the step count (bias corrections, the stochastic-rounding key) is computed
+// here once, in double or in integers.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -13,6 +15,7 @@
 
 namespace offload_adam {
 namespace {
+#include "float_bits.h"  // kDitherPhase, kDitherHigh
 
 // 32768 elements: a multiple of 16 floats (one 64-byte line), so chunk borders
 // fall on line borders of any line-aligned tensor and no two threads write the
@@ -27,14 +30,36 @@ int lp_index(const Bucket& b, const AdamTensor& t) {
   throw std::invalid_argument("offload_adam: the low-precision param copy must be bf16 or fp16, not fp32");
 }
 
-void check_tensor(const AdamTensor& t, int64_t index, bool amsgrad, bool need_state) {
-  if (t.numel < 0) throw std::invalid_argument("offload_adam: tensor " + std::to_string(index) + " has negative numel");
+static_assert(kChunk % kQuantBlock == 0, "a chunk must hold whole q8 blocks");
+
+void check_tensor(const Bucket& b, int64_t index, bool amsgrad) {
+  const AdamTensor& t = b.tensors[index];
+  const std::string name = "offload_adam: tensor " + std::to_string(index);
+  if (t.numel < 0) throw std::invalid_argument(name + " has negative numel");
+  if (t.first_index < 0 || t.first_index % kChunk != 0)
+    throw std::invalid_argument(name + " has first_index " + std::to_string(t.first_index) +
+                                "; it must be a non-negative multiple of " + std::to_string(kChunk));
   if (t.numel == 0) return;
-  const bool missing = t.param == nullptr || t.grad == nullptr ||
-                       (need_state && (t.exp_avg == nullptr || t.exp_avg_sq == nullptr)) ||
-                       (amsgrad && t.max_exp_avg_sq == nullptr);
-  if (missing) throw std::invalid_argument("offload_adam: tensor " + std::to_string(index) + " has a null buffer");
+  const bool q8 = b.state_dtype == StateDType::q8;
+  const bool missing = t.param == nullptr || t.grad == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr ||
+                       (amsgrad && t.max_exp_avg_sq == nullptr) ||
+                       (q8 && (t.exp_avg_scale == nullptr || t.exp_avg_sq_scale == nullptr));
+  if (missing) throw std::invalid_argument(name + " has a null buffer");
 }
+
+void check_bucket(const Bucket& b, bool amsgrad) {
+  if (amsgrad && b.state_dtype == StateDType::q8)
+    throw std::invalid_argument(
+        "offload_adam: amsgrad is not supported with 8-bit (q8) moments: its running max would need a third "
+        "8-bit array with its own block scales, and re-coding it against each step's new block scale cannot "
+        "keep it from decreasing; use fp32 or bf16 moments for amsgrad");
+  for (int64_t k = 0; k < b.count; ++k) {
+    check_tensor(b, k, amsgrad);
+    lp_index(b, b.tensors[k]);
+  }
+}
+
+int64_t moment_bytes(StateDType d) { return d == StateDType::f32 ? 4 : d == StateDType::bf16 ? 2 : 1; }
 
 // Splits every tensor of the bucket into chunks of at most kChunk elements.
 template <class Fill>
@@ -45,16 +70,26 @@ std::vector<Chunk> make_chunks(const Bucket& b, Fill fill) {
     Chunk base{};
     fill(t, base);
     const int64_t gsize = b.grad_dtype == DType::f32 ? 4 : 2;
+    const int64_t msize = moment_bytes(b.state_dtype);
+    auto at = [](auto* ptr, int64_t bytes) -> decltype(ptr) {
+      return ptr ? reinterpret_cast<decltype(ptr)>(reinterpret_cast<char*>(ptr) + bytes) : nullptr;
+    };
     for (int64_t off = 0; off < t.numel; off += kChunk) {
       Chunk c = base;
-      c.param = t.param ? t.param + off : nullptr;
-      c.exp_avg = t.exp_avg ? t.exp_avg + off : nullptr;
-      c.exp_avg_sq = t.exp_avg_sq ? t.exp_avg_sq + off : nullptr;
-      c.max_exp_avg_sq = t.max_exp_avg_sq ? t.max_exp_avg_sq + off : nullptr;
+      c.param = at(t.param, off * 4);
+      c.exp_avg = at(t.exp_avg, off * msize);
+      c.exp_avg_sq = at(t.exp_avg_sq, off * msize);
+      c.max_exp_avg_sq = at(t.max_exp_avg_sq, off * msize);
+      c.exp_avg_scale = at(t.exp_avg_scale, off / kQuantBlock * 4);
+      c.exp_avg_sq_scale = at(t.exp_avg_sq_scale, off / kQuantBlock * 4);
       c.grad = static_cast<const char*>(t.grad) + off * gsize;
-      c.param_lp = t.param_lp ? static_cast<char*>(t.param_lp) + off * 2 : nullptr;
+      c.param_lp = at(t.param_lp, off * 2);
       c.n = std::min(kChunk, t.numel - off);
       c.tensor = k;
+      // A chunk never crosses a multiple of 2^32 (first_index and off are multiples of kChunk).
+      const uint64_t index = static_cast<uint64_t>(t.first_index + off);
+      c.index = static_cast<uint32_t>(index);
+      c.dither_key += static_cast<uint32_t>(index >> 32) * kDitherHigh;  // after the step part (fill)
       chunks.push_back(c);
     }
   }
@@ -64,11 +99,9 @@ std::vector<Chunk> make_chunks(const Bucket& b, Fill fill) {
 }  // namespace
 
 void adam_step(const Bucket& b, const AdamHyper& h, int num_threads) {
-  for (int64_t k = 0; k < b.count; ++k) check_tensor(b.tensors[k], k, h.amsgrad, true);
-  for (int64_t k = 0; k < b.count; ++k) {
+  check_bucket(b, h.amsgrad);
+  for (int64_t k = 0; k < b.count; ++k)
     if (b.tensors[k].step < 1) throw std::invalid_argument("offload_adam: step counts start at 1");
-    lp_index(b, b.tensors[k]);
-  }
   const IsaKernels& kernels = active_kernels();
   const bool l2 = !h.decoupled && h.weight_decay != 0.0;
   StepScalars s;
@@ -85,26 +118,41 @@ void adam_step(const Bucket& b, const AdamHyper& h, int num_threads) {
     const double t_step = static_cast<double>(t.step);
     c.step_size = static_cast<float>(h.lr / (1.0 - std::pow(h.beta1, t_step)));
     c.inv_bias2_sqrt = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(h.beta2, t_step)));
+    c.dither_key = static_cast<uint32_t>(static_cast<uint64_t>(t.step) * kDitherPhase);
   });
-  const int gi = static_cast<int>(b.grad_dtype);
+  const int si = static_cast<int>(b.state_dtype), gi = static_cast<int>(b.grad_dtype);
   parallel_for(static_cast<int64_t>(chunks.size()), num_threads, [&](int64_t i) {
     const Chunk& c = chunks[i];
     const int li = c.param_lp ? static_cast<int>(b.lp_dtype) : 0;
-    kernels.adam[gi][li][h.amsgrad ? 1 : 0][l2 ? 1 : 0](c, s);
+    kernels.adam[si][gi][li][h.amsgrad ? 1 : 0][l2 ? 1 : 0](c, s);
   });
 }
 
 void stream_limit(const Bucket& b, int num_threads) {
-  for (int64_t k = 0; k < b.count; ++k) {
-    check_tensor(b.tensors[k], k, false, true);
-    lp_index(b, b.tensors[k]);
-  }
+  check_bucket(b, false);
   const IsaKernels& kernels = active_kernels();
   const std::vector<Chunk> chunks = make_chunks(b, [](const AdamTensor&, Chunk&) {});
-  const int gi = static_cast<int>(b.grad_dtype);
+  const int si = static_cast<int>(b.state_dtype), gi = static_cast<int>(b.grad_dtype);
   parallel_for(static_cast<int64_t>(chunks.size()), num_threads, [&](int64_t i) {
     const Chunk& c = chunks[i];
-    kernels.stream[gi][c.param_lp ? static_cast<int>(b.lp_dtype) : 0](c);
+    kernels.stream[si][gi][c.param_lp ? static_cast<int>(b.lp_dtype) : 0](c);
+  });
+}
+
+// Conversions run over kChunk-element pieces (whole blocks) in parallel.
+void q8_encode(const float* values, int64_t n, bool second, uint8_t* codes, float* scales, int num_threads) {
+  const Q8EncodeFn fn = active_kernels().q8_encode[second ? 1 : 0];
+  parallel_for((n + kChunk - 1) / kChunk, num_threads, [&](int64_t i) {
+    const int64_t off = i * kChunk;
+    fn(values + off, std::min(kChunk, n - off), codes + off, scales + off / kQuantBlock);
+  });
+}
+
+void q8_decode(const uint8_t* codes, const float* scales, int64_t n, bool second, float* values, int num_threads) {
+  const Q8DecodeFn fn = active_kernels().q8_decode[second ? 1 : 0];
+  parallel_for((n + kChunk - 1) / kChunk, num_threads, [&](int64_t i) {
+    const int64_t off = i * kChunk;
+    fn(codes + off, scales + off / kQuantBlock, std::min(kChunk, n - off), values + off);
   });
 }
 

@@ -1,10 +1,11 @@
 // offload_adam kernels: the public C++ interface. Plain C++17, no torch headers.
 //
-// One call steps a *bucket*: a list of tensors that share the grad dtype and the
-// low-precision output dtype. This is the shape the offload engine needs (many
-// small tensors per call, grads possibly bf16/fp16 straight off the GPU, and the
-// low-precision param copy for the host-to-device transfer written in the same
-// pass), and the CPU optimizer classes call it once per param group and dtype.
+// One call steps a *bucket*: a list of tensors that share the grad dtype, the
+// low-precision output dtype and the storage format of the moments. This is the
+// shape the offload engine needs (many small tensors per call, grads possibly
+// bf16/fp16 straight off the GPU, and the low-precision param copy for the
+// host-to-device transfer written in the same pass), and the CPU optimizer classes
+// call it once per param group and dtype.
 #pragma once
 
 #include <cstddef>
@@ -17,6 +18,31 @@ namespace offload_adam {
 // Element types the kernels read or write besides fp32.
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
 
+// How exp_avg and exp_avg_sq (and max_exp_avg_sq) are stored; the master is always fp32.
+// Per param: bytes one step moves (bf16 grads in, bf16 param copy out) / bytes held
+// (master + moments):
+//   f32   4-byte floats                                                  28 B / 12 B
+//   bf16  bf16 bit patterns (uint16): exp_avg rounded to nearest even,
+//         exp_avg_sq (and its max) with stochastic rounding              20 B /  8 B
+//   q8    one 8-bit code (uint8) per element plus one fp32 scale per moment per
+//         block of kQuantBlock elements: exp_avg a sign + e4m3 minifloat,
+//         exp_avg_sq stored as sqrt(v) in an e4m4 minifloat, both relative to
+//         the block's power-of-two scale                                 16 B + 16/256 / 6 B + 8/256
+// The exact encodings, the rounding and why: adam_math.h and float_bits.h. amsgrad is
+// supported for f32 and bf16 (max_exp_avg_sq in the same format as exp_avg_sq), not
+// for q8 (adam_step throws std::invalid_argument saying why).
+enum class StateDType : int { f32 = 0, bf16 = 1, q8 = 2 };
+
+// Elements per 8-bit block (one fp32 scale per moment per block). It divides the
+// driver's 32768-element chunk, so a tensor stepped in ranges that start at multiples of
+// 32768 finds its scales as a slice of the tensor's scale array. 256 elements: the
+// block's new values (2 x 1 KiB) wait in L1 while its new scale is found; the scales cost
+// 8/256 B/param; the study (bench/moment_format_study.py) finds 64 to 2048 equally good.
+constexpr int64_t kQuantBlock = 256;
+
+// ceil(numel / kQuantBlock): the length of each q8 scale array.
+constexpr int64_t quant_blocks(int64_t numel) { return (numel + kQuantBlock - 1) / kQuantBlock; }
+
 // The instruction-set variants. An x86-64 build contains avx512, avx2 and scalar
 // (each compiled in its own translation unit with its own flags), an AArch64
 // build neon and scalar, any other build the scalar one only.
@@ -25,13 +51,19 @@ enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, neon = 3 };
 // One tensor of a bucket. All pointers refer to `numel` contiguous elements.
 struct AdamTensor {
   float* param = nullptr;           // fp32 master (or the fp32 param itself), updated in place
-  float* exp_avg = nullptr;         // fp32 first moment, updated in place
-  float* exp_avg_sq = nullptr;      // fp32 second moment, updated in place
-  float* max_exp_avg_sq = nullptr;  // fp32 running max of exp_avg_sq; amsgrad only, else null
+  void* exp_avg = nullptr;          // first moment in Bucket::state_dtype, updated in place
+  void* exp_avg_sq = nullptr;       // second moment in Bucket::state_dtype, updated in place
+  void* max_exp_avg_sq = nullptr;   // running max of exp_avg_sq, same format; amsgrad only, else null
+  float* exp_avg_scale = nullptr;   // q8 only: quant_blocks(numel) block scales of exp_avg
+  float* exp_avg_sq_scale = nullptr;// q8 only: quant_blocks(numel) block scales of exp_avg_sq
   const void* grad = nullptr;       // Bucket::grad_dtype
   void* param_lp = nullptr;         // Bucket::lp_dtype copy of the updated param, or null
   int64_t numel = 0;
   int64_t step = 0;                 // step count *after* this update (1 on the first step)
+  // Index of element 0 in its whole tensor, when a tensor is stepped in ranges (a
+  // multiple of 32768; 0 otherwise). It seeds the stochastic rounding, so a tensor gets
+  // the same bits however it is split into ranges.
+  int64_t first_index = 0;
 };
 
 struct Bucket {
@@ -39,6 +71,7 @@ struct Bucket {
   int64_t count = 0;
   DType grad_dtype = DType::f32;
   DType lp_dtype = DType::bf16;  // meaningful only for tensors whose param_lp is set; never f32
+  StateDType state_dtype = StateDType::f32;
 };
 
 struct AdamHyper {
@@ -56,17 +89,26 @@ struct AdamHyper {
 
 // Runs one Adam/AdamW step over the bucket with `num_threads` threads (the caller
 // counts as one). Work is split into cache-line-aligned chunks. Throws
-// std::invalid_argument on malformed input (null pointers, lp_dtype f32, ...).
+// std::invalid_argument on malformed input (null pointers, lp_dtype f32, amsgrad
+// with q8 moments, a first_index not a multiple of 32768, ...).
 void adam_step(const Bucket& bucket, const AdamHyper& hyper, int num_threads);
 
-// The streaming limit: exactly the loads and stores of adam_step (grad, param,
-// moments in; param, moments and the optional lp copy out) with no floating-point
-// math. It scrambles the buffers. Benchmarks divide by its time.
+// The streaming limit: exactly the loads and stores of adam_step without amsgrad (grad,
+// param, moments and q8 scales in; param, moments, scales and the optional lp copy out)
+// in the bucket's state format, with no floating-point math. It scrambles the buffers.
+// Benchmarks divide by its time.
 void stream_limit(const Bucket& bucket, int num_threads);
 
 // Sum of squares of each tensor's grad, accumulated in double (out[i] for tensor i).
 // Inf/NaN grads give inf/NaN sums, so it doubles as a non-finite check.
 void grad_sq_sums(const Bucket& bucket, double* out, int num_threads);
+
+// q8 moments to and from fp32, for checkpoints and for loading another optimizer's
+// state: `second` selects exp_avg_sq's code (the values are v; the code holds sqrt(v)).
+// Encoding rounds to nearest (no step, no dither) and writes quant_blocks(n) scales.
+void q8_encode(const float* values, int64_t n, bool second, uint8_t* codes, float* scales, int num_threads);
+void q8_decode(const uint8_t* codes, const float* scales, int64_t n, bool second, float* values,
+               int num_threads);
 
 // ISA selection. The active variant starts as the best one the CPU supports, or
 // the one named by the environment variable OFFLOAD_ADAM_ISA when it is set.

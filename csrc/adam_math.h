@@ -14,11 +14,61 @@
 //   amsgrad:      vmax = max(vmax, v), and vmax replaces v below
 //   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //   lp = round_to_nearest_even(p) in bf16 or fp16, when asked
-// Bytes per element: reads grad (4, or 2 for bf16/fp16) + p, m, v (12);
-// writes p, m, v (12) + lp (2 when asked, streamed past the cache when aligned, so
-// no read-for-ownership); amsgrad adds 4 read + 4 written.
-// That is 28 B for fp32 grads and for bf16 grads with a bf16 copy: the kernel
-// is bound by memory bandwidth, and nothing else may touch memory.
+// The moments are read in their stored format and widened to fp32, the update is
+// done in fp32 (from the new moments before they are narrowed again), and the new
+// moments are narrowed once.
+//
+// Bytes per element (the kernel is bound by memory bandwidth, and nothing else may
+// touch memory): reads grad (4, or 2 for bf16/fp16) + p (4) + m, v; writes p (4) + m,
+// v + lp (2 when asked, streamed past the cache when aligned, so no read-for-ownership).
+//   fp32 moments (4 + 4 B):  28 B for fp32 grads, and for bf16 grads with a bf16 copy
+//   bf16 moments (2 + 2 B):  20 B for bf16 grads with a bf16 copy (24 for fp32 grads, no copy)
+//   q8 moments   (1 + 1 B):  16 B for bf16 grads with a bf16 copy, + 16/256 B of scales
+// amsgrad adds its vmax read and written (8 B fp32, 4 B bf16; not offered for q8).
+//
+// ---- The stored formats of the moments (a study: bench/moment_format_study.py,
+// ---- 600 Adam steps on LLM-like grads; its output: bench/results/moment_format_study.txt) ----
+// bf16: exp_avg rounded to nearest even. exp_avg_sq (and vmax) with stochastic
+//   rounding: with beta2 = 0.999 a step changes v by 0.1% of (g^2 - v), below half a
+//   bf16 ulp (0.2-0.4%), so round-to-nearest can never lower v: it ratchets up (in the
+//   study sqrt(v) ends 2.6% high on average, the update is 2.7% off fp32's and a noisy
+//   quadratic's final loss 9% higher). Stochastic rounding keeps v right on average:
+//   update error 1.0%, bias 0.0%, loss equal. exp_avg (beta1 = 0.9) moves enough per
+//   step for round-to-nearest, which errs less than stochastic rounding there.
+// q8: per block of kQuantBlock = 256 elements, one fp32 scale per moment: the power of
+//   two just above the block's largest magnitude (at least 2^-110), so that a code is
+//   a pure function of the value's bits (float_bits.h: q8_block, float_to_q8). Each
+//   element a 1-byte minifloat of value / scale, relative range [2^-16, 1):
+//     exp_avg:     sign + e4m3 (3 mantissa bits), rounded to nearest.
+//     exp_avg_sq:  sqrt(v) as e4m4 (4 mantissa bits; v down to 2^-32 of the block's
+//                  largest), stochastic rounding, and a positive sqrt(v) is never code
+//                  0. The update computes sqrt(v) anyway.
+//   Why: the elements of a block span orders of magnitude (the study's grads: 400x
+//   within a block plus outliers), so the code must be logarithmic: a linear absmax
+//   code sets most of v to 0 and the update explodes (error 10^4 x). A v of 0 under a
+//   nonzero m explodes m / (sqrt(v) + eps) whatever the code; the floor at code 1
+//   makes that impossible (allowing it: error 5.2x, a loss 774x higher). Range matters
+//   more than the last mantissa bit (m e3m4: 56% error; sqrt(v) e3m5: 33%; v itself
+//   e5m3 is as good as sqrt(v) e4m4). Rounding v to nearest stalls it like bf16 does
+//   (bias -24%, error 30%, loss 15% higher); stochastic rounding: bias -0.2%, update
+//   error 9.6%, zero-mean (the quadratic's loss is no worse than fp32's). Block size:
+//   64 to 2048 give 9.7% to 10.1%.
+//   A non-finite value in a block makes that block's scale NaN: the next step reads
+//   the whole block back as NaN (fp32 and bf16 moments keep a NaN to its element).
+// Stochastic rounding bits (float_bits.h, dither_bits): element k of a tensor at
+// step t draws r = k * 0xC13FA9A9 + t * 0x9E3779B9 (mod 2^32) and rounds up when the
+// dropped bits plus the top bits of r carry. Per element the thresholds advance by
+// the golden ratio each step: uniform over time, but alternating instead of
+// independent, so successive rounding errors partly cancel (the study: update error
+// 1.28% -> 0.96% for bf16, 10.5% -> 9.6% for q8, against independent random bits; a
+// hashed start per element instead of the lattice: the same). Counter based, so
+// every ISA, thread count and split of a tensor into ranges gets the same bits.
+// Arithmetic per element, one core, buffers in L2 (bench/kernel_cost.cpp, a 2-core
+// AMD EPYC VM, ns): AVX-512 fp32 0.35, bf16 0.50, q8 0.71; AVX2 0.50, 0.70, 0.95.
+// The q8 codes cost 0.36-0.45 ns on top of fp32 (decode 4-6 and encode 8-11 integer
+// ops per vector per moment, the block maxima). Where two cores share ~55 GB/s, as
+// on that VM, the q8 step (0.30 ns/param of bytes) is bound by this arithmetic;
+// with more cores per memory channel it is bound by its bytes like the others.
 //
 // Included inside an ISA unit's anonymous namespace after its vector header.
 #pragma once
@@ -43,71 +93,327 @@ bool can_stream(const void* lp) {
   return lp != nullptr && reinterpret_cast<uintptr_t>(lp) % V::lp_store_bytes == 0;
 }
 
+// ---- Moment storage: one policy per format ----------------------------------
+// A policy is a small struct made per chunk (plus, for q8, a scratch buffer of the
+// chunk's kernel). The chunk is walked in segments (the whole chunk for fp32 and
+// bf16, one block for q8): begin_segment, then for every vector load_m / load_v /
+// load_vmax and store_moments, then end_segment. Each segment gets a copy of the
+// policy, so that its fields stay in registers.
+// decays() gives the coefficients of the old moments: beta1 and beta2, times what
+// load_m and load_v leave out (q8: the block scale s, so m = beta1 s * code value and
+// v = beta2 s^2 * code value^2; s is a power of two, so folding it in is exact, but
+// for sqrt(v) below 2^-63, where s^2 leaves the normal range).
+// store_moments receives the new m, v, vmax and root = sqrt(vmax, or v), and the
+// segment's running maxima of |m| and root, which only q8 keeps (for its new scales).
+
+template <class V>
+struct SegmentMax {
+  V m = V::set1(0.0f);
+  V root = V::set1(0.0f);
+};
+
+struct Decays {
+  float m, v;
+};
+
+struct NoScratch {};
+
+struct F32Moments {
+  using Scratch = NoScratch;
+  static constexpr int64_t segment = int64_t{1} << 62;  // the whole chunk
+  float* m;
+  float* v;
+  float* vmax;
+  F32Moments(const Chunk& c, Scratch&)
+      : m(static_cast<float*>(c.exp_avg)), v(static_cast<float*>(c.exp_avg_sq)),
+        vmax(static_cast<float*>(c.max_exp_avg_sq)) {}
+};
+inline Decays decays(const F32Moments&, const StepScalars& s) { return {s.beta1, s.beta2}; }
+template <class V> V load_m(const F32Moments& s, int64_t i) { return V::load(s.m + i); }
+template <class V> V load_v(const F32Moments& s, int64_t i) { return V::load(s.v + i); }
+template <class V> V load_vmax(const F32Moments& s, int64_t i) { return V::load(s.vmax + i); }
+template <bool AMSGRAD, class V>
+void store_moments(const F32Moments& s, SegmentMax<V>&, int64_t i, V m, V v, V vmax, V) {
+  m.store(s.m + i);
+  v.store(s.v + i);
+  if constexpr (AMSGRAD) vmax.store(s.vmax + i);
+}
+
+struct Bf16Moments {
+  using Scratch = NoScratch;
+  static constexpr int64_t segment = int64_t{1} << 62;
+  uint16_t* m;
+  uint16_t* v;
+  uint16_t* vmax;
+  uint32_t index, key;  // stochastic rounding (dither_bits)
+  Bf16Moments(const Chunk& c, Scratch&)
+      : m(static_cast<uint16_t*>(c.exp_avg)), v(static_cast<uint16_t*>(c.exp_avg_sq)),
+        vmax(static_cast<uint16_t*>(c.max_exp_avg_sq)), index(c.index), key(c.dither_key) {}
+};
+inline Decays decays(const Bf16Moments&, const StepScalars& s) { return {s.beta1, s.beta2}; }
+template <class V> V load_m(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.m + i); }
+template <class V> V load_v(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.v + i); }
+template <class V> V load_vmax(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.vmax + i); }
+template <bool AMSGRAD, class V>
+void store_moments(const Bf16Moments& s, SegmentMax<V>&, int64_t i, V m, V v, V vmax, V) {
+  m.store_bf16(s.m + i);
+  const V r = V::random_bits(s.index + static_cast<uint32_t>(i), s.key);
+  v.store_bf16_random(s.v + i, r);
+  // The same bits for vmax: rounding is monotone in its input for fixed bits, so the
+  // stored vmax stays >= the stored v.
+  if constexpr (AMSGRAD) vmax.store_bf16_random(s.vmax + i, r);
+}
+
+// The stochastic-rounding bits of element k of a block (DITHER), or a half step
+// (round to nearest).
+struct Dither {
+  uint32_t index, key;  // the block's first element's index (low 32 bits), dither_bits' key
+};
+template <class V, bool DITHER>
+V rounding_bits(const Dither& d, int64_t k) {
+  if constexpr (DITHER) return V::random_bits(d.index + static_cast<uint32_t>(k), d.key);
+  else return V::set1(float_of(0x80000000u));
+}
+
+// The largest |x| of x[0, n), a NaN if any x is NaN (a max of bit patterns: exact and
+// order-free, so every ISA finds the same bits).
+template <class V>
+float block_absmax(const float* x, int64_t n) {
+  V acc = V::set1(0.0f);
+  int64_t j = 0;
+  for (; j + V::width <= n; j += V::width) acc = V::max_magnitude(acc, V::load(x + j));
+  ScalarVec all{acc.max_lanes()};
+  for (; j < n; ++j) all = ScalarVec::max_magnitude(all, ScalarVec::load(x + j));
+  return all.v;
+}
+
+// Narrows one block of new values x[0, n) to codes[0, n), given the block's largest
+// magnitude amax, and writes its new scale.
+template <class V, bool SIGNED, bool DITHER>
+void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* scale, const Dither& d) {
+  const Q8Block blk = q8_block(amax);
+  *scale = blk.scale;
+  int64_t j = 0;
+  for (; j + V::width <= n; j += V::width)
+    V::load(x + j).template store_q8<SIGNED>(codes + j, rounding_bits<V, DITHER>(d, j), blk.base);
+  for (; j < n; ++j)
+    ScalarVec::load(x + j).template store_q8<SIGNED>(codes + j, rounding_bits<ScalarVec, DITHER>(d, j), blk.base);
+}
+
+struct Q8Scratch {  // a block's new m and sqrt(v): they wait in L1 for the block's new scales
+  alignas(64) float m[kQuantBlock];
+  alignas(64) float root[kQuantBlock];
+};
+
+struct Q8Moments {
+  using Scratch = Q8Scratch;
+  static constexpr int64_t segment = kQuantBlock;
+  uint8_t* m;        // codes
+  uint8_t* v;        // codes of sqrt(v)
+  float* m_scale;    // one per block
+  float* v_scale;
+  float* m_new;      // the scratch buffer
+  float* root_new;
+  uint32_t index, key;  // stochastic rounding of sqrt(v) (dither_bits)
+  int64_t base = 0;  // the current block's first element (chunk-relative)
+  float m_old = 0.0f, v_old = 0.0f;  // its scales as read
+  Q8Moments(const Chunk& c, Scratch& scratch)
+      : m(static_cast<uint8_t*>(c.exp_avg)), v(static_cast<uint8_t*>(c.exp_avg_sq)), m_scale(c.exp_avg_scale),
+        v_scale(c.exp_avg_sq_scale), m_new(scratch.m), root_new(scratch.root), index(c.index), key(c.dither_key) {}
+};
+inline void begin_segment(Q8Moments& s, int64_t b0) {
+  s.base = b0;
+  s.m_old = s.m_scale[b0 / kQuantBlock];
+  s.v_old = s.v_scale[b0 / kQuantBlock];
+}
+inline Decays decays(const Q8Moments& s, const StepScalars& sc) {
+  return {sc.beta1 * s.m_old, sc.beta2 * (s.v_old * s.v_old)};
+}
+template <class V> V load_m(const Q8Moments& s, int64_t i) { return V::template load_q8<true>(s.m + i); }
+template <class V> V load_v(const Q8Moments& s, int64_t i) {
+  const V root = V::template load_q8<false>(s.v + i);
+  return root * root;
+}
+template <bool AMSGRAD, class V>
+void store_moments(const Q8Moments& s, SegmentMax<V>& mx, int64_t i, V m, V, V, V root) {
+  static_assert(!AMSGRAD, "amsgrad is not offered with q8 moments");
+  m.store(s.m_new + (i - s.base));
+  root.store(s.root_new + (i - s.base));
+  mx.m = V::max_magnitude(mx.m, m);
+  mx.root = V::max_magnitude(mx.root, root);
+}
+template <class V>
+void end_segment(const Q8Moments& s, int64_t b0, int64_t n, const SegmentMax<ScalarVec>& mx) {
+  const int64_t block = b0 / kQuantBlock;
+  encode_block<V, true, false>(s.m_new, n, mx.m.v, s.m + b0, s.m_scale + block, Dither{});
+  const Dither d{s.index + static_cast<uint32_t>(b0), s.key};
+  encode_block<V, false, true>(s.root_new, n, mx.root.v, s.v + b0, s.v_scale + block, d);
+}
+// fp32 and bf16 have nothing to do between segments.
+template <class M> void begin_segment(M&, int64_t) {}
+template <class V, class M> void end_segment(const M&, int64_t, int64_t, const SegmentMax<ScalarVec>&) {}
+
+template <StateDType S> struct MomentsFor;
+template <> struct MomentsFor<StateDType::f32> { using type = F32Moments; };
+template <> struct MomentsFor<StateDType::bf16> { using type = Bf16Moments; };
+template <> struct MomentsFor<StateDType::q8> { using type = Q8Moments; };
+
+// ---- The step ------------------------------------------------------------------
+
 // One vector's worth (V::width elements) of the update at element i.
-template <class V, int G, int LP, bool AMSGRAD, bool L2, bool NT>
-inline void adam_elements(const Chunk& c, const StepScalars& s, int64_t i) {
+template <class V, int G, int LP, bool AMSGRAD, bool L2, bool NT, class M>
+inline void adam_elements(const Chunk& c, const StepScalars& s, const M& mom, Decays d, SegmentMax<V>& mx, int64_t i) {
   V g = load_grad<V, G>(c.grad, i) * V::set1(s.grad_scale);
   V p = V::load(c.param + i);
   if constexpr (L2) g = V::fma(V::set1(s.l2_decay), p, g);
   else p = p * V::set1(s.decay_factor);
-  const V m = V::fma(V::set1(s.beta1), V::load(c.exp_avg + i), V::set1(s.one_minus_beta1) * g);
-  V v = V::fma(V::set1(s.beta2), V::load(c.exp_avg_sq + i), (V::set1(s.one_minus_beta2) * g) * g);
-  m.store(c.exp_avg + i);
-  v.store(c.exp_avg_sq + i);
-  if constexpr (AMSGRAD) {
-    v = V::max_nan(V::load(c.max_exp_avg_sq + i), v);
-    v.store(c.max_exp_avg_sq + i);
-  }
-  const V denom = V::fma(V::sqrt(v), V::set1(c.inv_bias2_sqrt), V::set1(s.eps));
+  const V m = V::fma(V::set1(d.m), load_m<V>(mom, i), V::set1(s.one_minus_beta1) * g);
+  const V v = V::fma(V::set1(d.v), load_v<V>(mom, i), (V::set1(s.one_minus_beta2) * g) * g);
+  V vmax = v;
+  if constexpr (AMSGRAD) vmax = V::max_nan(load_vmax<V>(mom, i), v);
+  const V root = V::sqrt(vmax);
+  store_moments<AMSGRAD>(mom, mx, i, m, v, vmax, root);
+  const V denom = V::fma(root, V::set1(c.inv_bias2_sqrt), V::set1(s.eps));
   p = V::fma(V::set1(-c.step_size), m / denom, p);
   p.store(c.param + i);
   if constexpr (LP != 0) store_lp<V, LP, NT>(c.param_lp, i, p);
 }
 
-template <class V, int G, int LP, bool AMSGRAD, bool L2>
-void adam_chunk(const Chunk& chunk, const StepScalars& scalars) {
-  // Local copies: no store through the arrays can alias them, so the compiler
-  // keeps the pointers and the broadcast constants in registers across the loop.
-  const Chunk c = chunk;
-  const StepScalars s = scalars;
-  int64_t i = 0;
-  if (LP != 0 && can_stream<V>(c.param_lp)) {
-    for (; i + V::width <= c.n; i += V::width) adam_elements<V, G, LP, AMSGRAD, L2, true>(c, s, i);
-    V::fence();
-  } else {
-    for (; i + V::width <= c.n; i += V::width) adam_elements<V, G, LP, AMSGRAD, L2, false>(c, s, i);
-  }
-  for (; i < c.n; ++i) adam_elements<ScalarVec, G, LP, AMSGRAD, L2, false>(c, s, i);
+// Elements [b0, b0 + n) of the chunk; returns the segment's largest |m| and root
+// (kept by q8 only; 0 for the others). mom is a copy: its fields stay in registers.
+template <class V, int G, int LP, bool AMSGRAD, bool L2, bool NT, class M>
+SegmentMax<ScalarVec> adam_segment(const Chunk& c, const StepScalars& s, const M mom, int64_t b0, int64_t n) {
+  const Decays d = decays(mom, s);
+  SegmentMax<V> mx;
+  SegmentMax<ScalarVec> tail;
+  int64_t i = b0;
+  for (; i + V::width <= b0 + n; i += V::width) adam_elements<V, G, LP, AMSGRAD, L2, NT>(c, s, mom, d, mx, i);
+  for (; i < b0 + n; ++i) adam_elements<ScalarVec, G, LP, AMSGRAD, L2, NT>(c, s, mom, d, tail, i);
+  return {ScalarVec::max_magnitude(tail.m, ScalarVec{mx.m.max_lanes()}),
+          ScalarVec::max_magnitude(tail.root, ScalarVec{mx.root.max_lanes()})};
 }
 
-// The streaming limit: the same loads and stores as adam_elements (without
-// amsgrad), the loaded values only permuted and xor-ed so that no load or store
-// can be optimised away, and the bf16 copy narrowed by truncation. Its time is
-// what moving the bytes alone costs.
-template <class V, int G, int LP, bool NT>
+template <class V, StateDType S, int G, int LP, bool AMSGRAD, bool L2>
+void adam_chunk(const Chunk& chunk, const StepScalars& scalars) {
+  // Local copies: no store of the loop can alias them, so they stay in registers.
+  const Chunk c = chunk;
+  const StepScalars s = scalars;
+  using M = typename MomentsFor<S>::type;
+  typename M::Scratch scratch;
+  M mom(c, scratch);
+  const bool nt = LP != 0 && can_stream<V>(c.param_lp);
+  for (int64_t b0 = 0; b0 < c.n; b0 += M::segment) {
+    const int64_t n = c.n - b0 < M::segment ? c.n - b0 : M::segment;
+    begin_segment(mom, b0);
+    const SegmentMax<ScalarVec> mx = nt ? adam_segment<V, G, LP, AMSGRAD, L2, true>(c, s, mom, b0, n)
+                                        : adam_segment<V, G, LP, AMSGRAD, L2, false>(c, s, mom, b0, n);
+    end_segment<V>(mom, b0, n, mx);
+  }
+  if (nt) V::fence();
+}
+
+// ---- The streaming limit ---------------------------------------------------------
+// The same loads and stores as adam_elements without amsgrad, in the chunk's state
+// format: the loaded values only permuted and xor-ed so that no load or store can be
+// optimised away, 16-bit values narrowed by truncation, 8-bit codes and block scales
+// swapped between the two moments. Its time is what moving the bytes alone costs.
+template <class V, StateDType S, int G, int LP, bool NT>
 inline void stream_elements(const Chunk& c, int64_t i) {
   const V g = load_grad<V, G>(c.grad, i);
   const V p = V::load(c.param + i);
-  const V m = V::load(c.exp_avg + i);
-  const V v = V::load(c.exp_avg_sq + i);
-  const V p_new = V::bit_xor(v, g);
+  V p_new = p;
+  if constexpr (S == StateDType::f32) {
+    float* m = static_cast<float*>(c.exp_avg);
+    float* v = static_cast<float*>(c.exp_avg_sq);
+    const V mv = V::load(m + i);
+    p_new = V::bit_xor(V::load(v + i), g);
+    p.store(m + i);
+    mv.store(v + i);
+  } else if constexpr (S == StateDType::bf16) {
+    uint16_t* m = static_cast<uint16_t*>(c.exp_avg);
+    uint16_t* v = static_cast<uint16_t*>(c.exp_avg_sq);
+    const V mv = V::load_bf16(m + i);
+    p_new = V::bit_xor(V::load_bf16(v + i), g);
+    p.template store_bf16_truncated<false>(m + i);
+    mv.template store_bf16_truncated<false>(v + i);
+  } else {
+    uint8_t* m = static_cast<uint8_t*>(c.exp_avg) + i;
+    uint8_t* v = static_cast<uint8_t*>(c.exp_avg_sq) + i;
+    uint8_t mb[V::width], vb[V::width];
+    std::memcpy(mb, m, sizeof mb);
+    std::memcpy(vb, v, sizeof vb);
+    std::memcpy(m, vb, sizeof vb);
+    std::memcpy(v, mb, sizeof mb);
+    p_new = V::bit_xor(p, g);
+  }
   p_new.store(c.param + i);
-  p.store(c.exp_avg + i);
-  m.store(c.exp_avg_sq + i);
   if constexpr (LP == 1) p_new.template store_bf16_truncated<NT>(static_cast<uint16_t*>(c.param_lp) + i);
   else if constexpr (LP == 2) p_new.template store_f16<NT>(static_cast<uint16_t*>(c.param_lp) + i);
 }
 
-template <class V, int G, int LP>
-void stream_chunk(const Chunk& c) {
+template <class V, StateDType S, int G, int LP, bool NT>
+void stream_range(const Chunk& c) {
   int64_t i = 0;
+  for (; i + V::width <= c.n; i += V::width) stream_elements<V, S, G, LP, NT>(c, i);
+  for (; i < c.n; ++i) stream_elements<ScalarVec, S, G, LP, NT>(c, i);
+}
+
+template <class V, StateDType S, int G, int LP>
+void stream_chunk(const Chunk& c) {
   if (LP != 0 && can_stream<V>(c.param_lp)) {  // the same store policy as adam_chunk
-    for (; i + V::width <= c.n; i += V::width) stream_elements<V, G, LP, true>(c, i);
+    stream_range<V, S, G, LP, true>(c);
     V::fence();
   } else {
-    for (; i + V::width <= c.n; i += V::width) stream_elements<V, G, LP, false>(c, i);
+    stream_range<V, S, G, LP, false>(c);
   }
-  for (; i < c.n; ++i) stream_elements<ScalarVec, G, LP, false>(c, i);
+  if constexpr (S == StateDType::q8) {
+    for (int64_t b = 0; b < quant_blocks(c.n); ++b) {
+      const float t = c.exp_avg_scale[b];
+      c.exp_avg_scale[b] = c.exp_avg_sq_scale[b];
+      c.exp_avg_sq_scale[b] = t;
+    }
+  }
+}
+
+// ---- q8 <-> fp32 (checkpoints, another optimizer's state) --------------------------
+// SECOND: the values are v and the codes hold sqrt(v). Encoding rounds to nearest.
+template <class V, bool SECOND>
+void q8_encode_values(const float* x, int64_t n, uint8_t* codes, float* scales) {
+  alignas(64) float roots[kQuantBlock];
+  for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
+    const int64_t len = n - b0 < kQuantBlock ? n - b0 : kQuantBlock;
+    const float* src = x + b0;
+    if constexpr (SECOND) {
+      int64_t j = 0;
+      for (; j + V::width <= len; j += V::width) V::sqrt(V::load(src + j)).store(roots + j);
+      for (; j < len; ++j) ScalarVec::sqrt(ScalarVec::load(src + j)).store(roots + j);
+      src = roots;
+    }
+    encode_block<V, !SECOND, false>(src, len, block_absmax<V>(src, len), codes + b0, scales + b0 / kQuantBlock,
+                                    Dither{});
+  }
+}
+
+// The moment a code stands for: m = code value * scale, v = (code value * scale)^2.
+template <class V>
+V q8_decode_m(const uint8_t* codes, float scale) { return V::template load_q8<true>(codes) * V::set1(scale); }
+template <class V>
+V q8_decode_v(const uint8_t* codes, float scale) {
+  const V root = V::template load_q8<false>(codes) * V::set1(scale);
+  return root * root;
+}
+
+template <class V, bool SECOND>
+void q8_decode_values(const uint8_t* codes, const float* scales, int64_t n, float* out) {
+  for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
+    const int64_t end = n - b0 < kQuantBlock ? n : b0 + kQuantBlock;
+    const float scale = scales[b0 / kQuantBlock];
+    int64_t j = b0;
+    for (; j + V::width <= end; j += V::width)
+      (SECOND ? q8_decode_v<V>(codes + j, scale) : q8_decode_m<V>(codes + j, scale)).store(out + j);
+    for (; j < end; ++j)
+      (SECOND ? q8_decode_v<ScalarVec>(codes + j, scale) : q8_decode_m<ScalarVec>(codes + j, scale)).store(out + j);
+  }
 }
 
 // Sum of squares: fp32 vector partial sums over short blocks (64 vectors, so
@@ -133,21 +439,37 @@ double sq_sum(const void* grad, int64_t n) {
 }
 
 // Fills the table of instantiations for vector type V.
+template <class V, StateDType S, int G, int LP>
+void fill_kernels(IsaKernels& k) {
+  const int si = static_cast<int>(S);
+  k.adam[si][G][LP][0][0] = &adam_chunk<V, S, G, LP, false, false>;
+  k.adam[si][G][LP][0][1] = &adam_chunk<V, S, G, LP, false, true>;
+  if constexpr (S != StateDType::q8) {
+    k.adam[si][G][LP][1][0] = &adam_chunk<V, S, G, LP, true, false>;
+    k.adam[si][G][LP][1][1] = &adam_chunk<V, S, G, LP, true, true>;
+  }
+  k.stream[si][G][LP] = &stream_chunk<V, S, G, LP>;
+}
+
+template <class V, StateDType S>
+void fill_state_kernels(IsaKernels& k) {
+  fill_kernels<V, S, 0, 0>(k), fill_kernels<V, S, 0, 1>(k), fill_kernels<V, S, 0, 2>(k);
+  fill_kernels<V, S, 1, 0>(k), fill_kernels<V, S, 1, 1>(k), fill_kernels<V, S, 1, 2>(k);
+  fill_kernels<V, S, 2, 0>(k), fill_kernels<V, S, 2, 1>(k), fill_kernels<V, S, 2, 2>(k);
+}
+
 template <class V>
 IsaKernels make_kernels() {
   IsaKernels k{};
-#define OA_ADAM_ROW(G, LP)                                     \
-  k.adam[G][LP][0][0] = &adam_chunk<V, G, LP, false, false>; \
-  k.adam[G][LP][0][1] = &adam_chunk<V, G, LP, false, true>;  \
-  k.adam[G][LP][1][0] = &adam_chunk<V, G, LP, true, false>;  \
-  k.adam[G][LP][1][1] = &adam_chunk<V, G, LP, true, true>;   \
-  k.stream[G][LP] = &stream_chunk<V, G, LP>;
-  OA_ADAM_ROW(0, 0) OA_ADAM_ROW(0, 1) OA_ADAM_ROW(0, 2)
-  OA_ADAM_ROW(1, 0) OA_ADAM_ROW(1, 1) OA_ADAM_ROW(1, 2)
-  OA_ADAM_ROW(2, 0) OA_ADAM_ROW(2, 1) OA_ADAM_ROW(2, 2)
-#undef OA_ADAM_ROW
+  fill_state_kernels<V, StateDType::f32>(k);
+  fill_state_kernels<V, StateDType::bf16>(k);
+  fill_state_kernels<V, StateDType::q8>(k);
   k.sq_sum[0] = &sq_sum<V, 0>;
   k.sq_sum[1] = &sq_sum<V, 1>;
   k.sq_sum[2] = &sq_sum<V, 2>;
+  k.q8_encode[0] = &q8_encode_values<V, false>;
+  k.q8_encode[1] = &q8_encode_values<V, true>;
+  k.q8_decode[0] = &q8_decode_values<V, false>;
+  k.q8_decode[1] = &q8_decode_values<V, true>;
   return k;
 }

@@ -1,13 +1,16 @@
-// Scalar conversions between fp32 and the 16-bit float formats, written on the
-// bit patterns so that they are exact and portable (no F16C, no compiler
-// __fp16; the fp16 subnormals take one exact fp32 operation each, as in the
-// default round-to-nearest mode). They are the reference the vector variants
-// must match bit for bit:
-//   bf16: round to nearest even; NaN -> 0x7FC0 (canonical quiet NaN, as c10 does).
+// Scalar conversions between fp32 and the stored formats, written on the bit
+// patterns so that they are exact and portable (no F16C, no compiler __fp16; the
+// fp16 subnormals take one exact fp32 operation each, as in the default
+// round-to-nearest mode). They are the reference the vector variants must match
+// bit for bit:
+//   bf16: round to nearest even; NaN -> 0x7FC0 (canonical quiet NaN, as c10 does);
+//         or stochastic rounding with given random bits (the bf16 second moment).
 //   fp16: round to nearest even with subnormals, overflow to inf; NaN keeps its
 //         sign and top payload bits with the quiet bit set (what F16C's
 //         vcvtps2ph and AArch64's FCVTN do, so the scalar tail and the
 //         vector paths agree).
+//   q8:   the 8-bit moment codes (what they are and why: adam_math.h).
+//   dither_bits: the random bits of stochastic rounding.
 // No #includes here: ISA translation units include this inside their own
 // anonymous namespace after including <cstdint> and <cstring>.
 #pragma once
@@ -60,4 +63,92 @@ inline uint16_t float_to_f16(float f) {
   // 2^-24, the half's smallest subnormal, so the add rounds a to a multiple of it
   // (to nearest even) and the low bits of the sum are the half's.
   return static_cast<uint16_t>(sign | (bits_of(float_of(a) + 0.5f) - 0x3F000000u));
+}
+
+// Stochastic rounding to bf16: adds the top 16 bits of `random` to the 16 bits that
+// are dropped, so x rounds up with probability (dropped bits) / 2^16 and the stored
+// value is x on average. NaN -> 0x7FC0; the largest finite values may round to inf.
+inline uint16_t float_to_bf16_random(float f, uint32_t random) {
+  const uint32_t u = bits_of(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + (random >> 16)) >> 16);
+}
+
+// The random bits of stochastic rounding: element k of a tensor at step t draws
+//   r = k * kDitherStep + t * kDitherPhase   (mod 2^32; + (k >> 32) * kDitherHigh),
+// a rank-1 lattice: along a tensor the thresholds are spread like a low-discrepancy
+// sequence (2^32 / the plastic number), and per element they advance by the golden
+// ratio each step, uniform over time but alternating, so successive rounding errors
+// partly cancel. No hashing: one multiply-add per vector.
+constexpr uint32_t kDitherStep = 0xC13FA9A9u;   // 2^32 / 1.3247... (plastic number)
+constexpr uint32_t kDitherPhase = 0x9E3779B9u;  // 2^32 / 1.6180... (golden ratio)
+constexpr uint32_t kDitherHigh = 0x2545F491u;   // any odd constant: elements 2^32 apart differ
+inline uint32_t dither_bits(uint32_t index, uint32_t key) { return index * kDitherStep + key; }
+
+// ---- The 8-bit moment codes -------------------------------------------------
+// Per block, a scale: the power of two just above the block's largest magnitude.
+// A code's magnitude c (7 bits for exp_avg, 8 for sqrt(exp_avg_sq)) is a minifloat
+// relative to it, with a 4-bit exponent and kQ8Shift = 23 - mantissa bits: c = 0 is
+// 0, and c > 0 is the fp32 number with bits (c << shift) + kQ8Base, i.e.
+// 2^(e - 16) * (1 + f / 2^M) for e = c >> M, f = c mod 2^M: all of [2^-16, 1) in 16
+// binades; the value is that times the scale.
+//   signed (exp_avg):      bit 7 the sign, bits 6..0 e4m3: values up to 0.9375
+//   unsigned (sqrt(v)):    bits 7..0 e4m4: values up to 0.96875
+constexpr uint32_t kQ8Base = 111u << 23;  // bits of 2^-16
+template <bool SIGNED>
+constexpr int kQ8Shift = SIGNED ? 20 : 19;
+template <bool SIGNED>
+constexpr int32_t kQ8Top = SIGNED ? 127 : 255;  // the largest magnitude code
+
+// The code's value relative to the block scale.
+template <bool SIGNED>
+inline float q8_to_float(uint8_t code) {
+  const uint32_t c = code, mag = SIGNED ? c & 0x7Fu : c;
+  const uint32_t b = mag ? (mag << kQ8Shift<SIGNED>) + kQ8Base : 0u;
+  return float_of(SIGNED ? b | ((c & 0x80u) << 24) : b);
+}
+
+// A block's scale, from its largest magnitude amax: 2^k with 2^(k-1) <= amax < 2^k
+// (at least 2^-110, so that every code's value stays a normal float), and `base`, the
+// bits of 2^-16 * scale (the value of the smallest code step), which the encoder
+// subtracts from a value's bits: the codes are a pure function of bits. amax = 0
+// gives scale 0; amax not finite or >= 2^126 gives scale NaN (the block then decodes
+// to NaN whatever its codes). Both get base 0x7F800000, which codes every finite
+// value as 0.
+struct Q8Block {
+  float scale;
+  uint32_t base;
+};
+inline Q8Block q8_block(float amax) {
+  const uint32_t a = bits_of(amax) & 0x7FFFFFFFu;
+  uint32_t e = a >> 23;  // biased exponent of amax
+  if (a == 0) return {0.0f, 0x7F800000u};
+  if (e >= 253) return {float_of(0x7FC00000u), 0x7F800000u};
+  if (e < 16) e = 16;
+  return {float_of((e + 1) << 23), (e - 15) << 23};
+}
+
+// Codes a new moment x of a block whose code base is `base` (q8_block). The top
+// kQ8Shift bits of `random` are added below the kept bits before they are dropped:
+// a constant half step (0x80000000) rounds to nearest (ties up), random bits round
+// stochastically. The magnitude is then clamped to the code range; an unsigned code
+// (sqrt(v)) of a positive x is at least 1, so a second moment is never stored as 0
+// while it is not. (The arithmetic is in 32-bit integers that wrap, as on every
+// vector unit; only NaNs with a large payload can wrap, in a block whose scale is
+// NaN anyway.)
+template <bool SIGNED>
+inline uint8_t float_to_q8(float x, uint32_t random, uint32_t base) {
+  constexpr int sh = kQ8Shift<SIGNED>;
+  const uint32_t a = bits_of(x) & 0x7FFFFFFFu;
+  const int32_t d = static_cast<int32_t>(a + (random >> (32 - sh)) - base);  // < 0: below the smallest code
+  int32_t c = d >> sh;                                                        // arithmetic shift
+  c = c < kQ8Top<SIGNED> ? c : kQ8Top<SIGNED>;
+  if (SIGNED) {
+    c = c > 0 ? c : 0;
+    c |= (bits_of(x) >> 24) & 0x80u;
+  } else {
+    const int32_t floor = a != 0 ? 1 : 0;
+    c = c > floor ? c : floor;
+  }
+  return static_cast<uint8_t>(c);
 }

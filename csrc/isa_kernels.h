@@ -6,20 +6,29 @@
 
 #include <cstdint>
 
+#include "adam_kernels.h"  // StateDType, kQuantBlock: enums and constants only
+
 namespace offload_adam {
 
-// A contiguous slice of one tensor; pointers already point at the slice start.
+// A contiguous slice of one tensor; pointers already point at the slice start. A
+// chunk starts at a multiple of 32768 elements of its tensor, so at a q8 block border.
 struct Chunk {
   float* param;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;  // amsgrad only
+  void* exp_avg;           // in the bucket's StateDType
+  void* exp_avg_sq;
+  void* max_exp_avg_sq;    // amsgrad only
+  float* exp_avg_scale;    // q8: the scale of the chunk's first block
+  float* exp_avg_sq_scale;
   const void* grad;
-  void* param_lp;         // may be null
+  void* param_lp;          // may be null
   int64_t n;
-  int64_t tensor;         // index of its tensor in the bucket
-  float step_size;        // lr / (1 - beta1^t)
-  float inv_bias2_sqrt;   // 1 / sqrt(1 - beta2^t)
+  int64_t tensor;          // index of its tensor in the bucket
+  float step_size;         // lr / (1 - beta1^t)
+  float inv_bias2_sqrt;    // 1 / sqrt(1 - beta2^t)
+  // Stochastic rounding (float_bits.h, dither_bits): element k of the chunk draws
+  // (index + k) * kDitherStep + dither_key.
+  uint32_t index;          // low 32 bits of the chunk's first element's index in its tensor
+  uint32_t dither_key;     // step * kDitherPhase + (index >> 32) * kDitherHigh (mod 2^32)
 };
 
 // Per-call constants, rounded to fp32 once.
@@ -35,12 +44,18 @@ struct StepScalars {
 using AdamChunkFn = void (*)(const Chunk&, const StepScalars&);
 using StreamChunkFn = void (*)(const Chunk&);
 using SqSumFn = double (*)(const void* grad, int64_t n);
+// q8 <-> fp32 over whole blocks (n may end in a partial block); scales: one per block.
+using Q8EncodeFn = void (*)(const float* values, int64_t n, uint8_t* codes, float* scales);
+using Q8DecodeFn = void (*)(const uint8_t* codes, const float* scales, int64_t n, float* values);
 
-// Index order: grad dtype (DType), lp dtype (0 none, 1 bf16, 2 f16), amsgrad, L2 decay.
+// Index order: state format (StateDType), grad dtype (DType), lp dtype (0 none, 1 bf16,
+// 2 f16), amsgrad, L2 decay. The q8 amsgrad entries are null (not supported).
 struct IsaKernels {
-  AdamChunkFn adam[3][3][2][2];
-  StreamChunkFn stream[3][3];
+  AdamChunkFn adam[3][3][3][2][2];
+  StreamChunkFn stream[3][3][3];
   SqSumFn sq_sum[3];
+  Q8EncodeFn q8_encode[2];  // [0] exp_avg, [1] exp_avg_sq
+  Q8DecodeFn q8_decode[2];
 };
 
 // Defined in isa_scalar.cpp / isa_avx2.cpp / isa_avx512.cpp / isa_neon.cpp. The

@@ -64,4 +64,59 @@ struct Avx512Vec {
     const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
   }
+
+  // ---- bf16 and 8-bit moments: each mirrors its ScalarVec twin (float_bits.h) ----
+  static __m512i i32(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static Avx512Vec random_bits(uint32_t first, uint32_t key) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i step = _mm512_mullo_epi32(lane, i32(kDitherStep));  // a constant: folded at compile time
+    return {_mm512_castsi512_ps(_mm512_add_epi32(i32(dither_bits(first, key)), step))};
+  }
+  void store_bf16_random(uint16_t* p, Avx512Vec random) const {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i offset = _mm512_srli_epi32(_mm512_castps_si512(random.v), 16);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, offset), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    store_u16<false>(p, _mm512_mask_blend_epi32(nan, rounded, i32(0x7FC0)));
+  }
+  template <bool SIGNED>
+  static Avx512Vec load_q8(const uint8_t* p) {  // 16 codes: 16 bytes
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (SIGNED) {  // sign-extended: bit 31 is the code's sign
+      const __m512i c = _mm512_cvtepi8_epi32(bytes);
+      const __m512i mag = _mm512_and_si512(c, i32(0x7F));
+      const __m512i b = _mm512_maskz_add_epi32(_mm512_test_epi32_mask(mag, mag),  // code 0 is 0
+                                               _mm512_slli_epi32(mag, kQ8Shift<true>), i32(kQ8Base));
+      return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(b, c, i32(0x80000000u), 0xF8))};  // b | (c & sign)
+    } else {
+      const __m512i c = _mm512_cvtepu8_epi32(bytes);
+      return {_mm512_castsi512_ps(_mm512_maskz_add_epi32(_mm512_test_epi32_mask(c, c),
+                                                         _mm512_slli_epi32(c, kQ8Shift<false>), i32(kQ8Base)))};
+    }
+  }
+  template <bool SIGNED>
+  void store_q8(uint8_t* p, Avx512Vec random, uint32_t base) const {
+    constexpr int sh = kQ8Shift<SIGNED>;
+    const __m512i x = _mm512_castps_si512(v);
+    const __m512i a = _mm512_and_si512(x, i32(0x7FFFFFFFu));
+    const __m512i offset = _mm512_srli_epi32(_mm512_castps_si512(random.v), 32 - sh);
+    const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(a, offset), i32(base));
+    __m512i c = _mm512_srai_epi32(d, sh);
+    if constexpr (SIGNED) {
+      c = _mm512_max_epi32(_mm512_min_epi32(c, i32(kQ8Top<true>)), _mm512_setzero_si512());
+      c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi32(x, 24), i32(0x80), 0xF8);  // c | (x >> 24 & 0x80)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(c));  // vpmovdb
+    } else {  // the floor (0, or 1 for a positive x); the top (255) is vpmovusdb's saturation
+      c = _mm512_max_epi32(c, _mm512_min_epu32(a, i32(1)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(c));
+    }
+  }
+  static Avx512Vec max_magnitude(Avx512Vec acc, Avx512Vec x) {
+    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x.v), i32(0x7FFFFFFFu));
+    return {_mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc.v), mag))};
+  }
+  float max_lanes() const {
+    const uint32_t m = _mm512_reduce_max_epu32(_mm512_castps_si512(v));
+    return float_of(m);
+  }
 };

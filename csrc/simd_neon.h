@@ -60,4 +60,50 @@ struct NeonVec {
     const float64x2_t hi = vcvt_high_f64_f32(v);
     return vaddvq_f64(vaddq_f64(lo, hi));
   }
+
+  // ---- bf16 and 8-bit moments: each mirrors its ScalarVec twin (float_bits.h) ----
+  static NeonVec random_bits(uint32_t first, uint32_t key) {
+    static constexpr uint32_t kStep[4] = {0u, kDitherStep, 2u * kDitherStep, 3u * kDitherStep};
+    return {vreinterpretq_f32_u32(vaddq_u32(vdupq_n_u32(dither_bits(first, key)), vld1q_u32(kStep)))};
+  }
+  void store_bf16_random(uint16_t* p, NeonVec random) const {
+    const uint32x4_t offset = vshrq_n_u32(vreinterpretq_u32_f32(random.v), 16);
+    const uint16x4_t rounded = vshrn_n_u32(vaddq_u32(vreinterpretq_u32_f32(v), offset), 16);
+    const uint16x4_t not_nan = vmovn_u32(vceqq_f32(v, v));
+    vst1_u16(p, vbsl_u16(not_nan, rounded, vdup_n_u16(0x7FC0)));
+  }
+  template <bool SIGNED>
+  static NeonVec load_q8(const uint8_t* p) {  // 4 codes: 4 bytes
+    uint32_t word;
+    std::memcpy(&word, p, 4);
+    const uint32x4_t c = vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(word)))));
+    const uint32x4_t mag = SIGNED ? vandq_u32(c, vdupq_n_u32(0x7F)) : c;
+    uint32x4_t b = vaddq_u32(vshlq_n_u32(mag, kQ8Shift<SIGNED>), vdupq_n_u32(kQ8Base));
+    b = vandq_u32(b, vtstq_u32(mag, mag));  // code 0 is 0
+    if constexpr (SIGNED) b = vorrq_u32(b, vshlq_n_u32(vandq_u32(c, vdupq_n_u32(0x80)), 24));
+    return {vreinterpretq_f32_u32(b)};
+  }
+  template <bool SIGNED>
+  void store_q8(uint8_t* p, NeonVec random, uint32_t base) const {
+    constexpr int sh = kQ8Shift<SIGNED>;
+    const uint32x4_t x = vreinterpretq_u32_f32(v);
+    const uint32x4_t a = vandq_u32(x, vdupq_n_u32(0x7FFFFFFFu));
+    const uint32x4_t offset = vshrq_n_u32(vreinterpretq_u32_f32(random.v), 32 - sh);
+    const int32x4_t d = vreinterpretq_s32_u32(vsubq_u32(vaddq_u32(a, offset), vdupq_n_u32(base)));
+    int32x4_t c = vminq_s32(vshrq_n_s32(d, sh), vdupq_n_s32(kQ8Top<SIGNED>));  // arithmetic shift
+    if constexpr (SIGNED) {
+      c = vmaxq_s32(c, vdupq_n_s32(0));
+      c = vorrq_s32(c, vreinterpretq_s32_u32(vandq_u32(vshrq_n_u32(x, 24), vdupq_n_u32(0x80))));
+    } else {  // the floor: 1 for a positive x
+      c = vmaxq_s32(c, vreinterpretq_s32_u32(vminq_u32(a, vdupq_n_u32(1))));
+    }
+    const uint16x4_t w = vmovn_u32(vreinterpretq_u32_s32(c));  // each lane is in [0, 255]
+    const uint32_t bytes = vget_lane_u32(vreinterpret_u32_u8(vmovn_u16(vcombine_u16(w, w))), 0);
+    std::memcpy(p, &bytes, 4);
+  }
+  static NeonVec max_magnitude(NeonVec acc, NeonVec x) {
+    const uint32x4_t mag = vandq_u32(vreinterpretq_u32_f32(x.v), vdupq_n_u32(0x7FFFFFFFu));
+    return {vreinterpretq_f32_u32(vmaxq_u32(vreinterpretq_u32_f32(acc.v), mag))};
+  }
+  float max_lanes() const { return float_of(vmaxvq_u32(vreinterpretq_u32_f32(v))); }
 };

@@ -1,7 +1,26 @@
 // The scalar "vector": one float. It is the readable reference of the vector
-// types (simd_avx2.h, simd_avx512.h) and the tail of every vector loop, so each
+// types (simd_avx2.h, simd_avx512.h, simd_neon.h) and the tail of every vector loop, so each
 // operation here must give bit-identical results to its vector twin.
 // Included inside an ISA translation unit's anonymous namespace, after float_bits.h.
+//
+// The members every vector type V has (a new ISA implements exactly these):
+//   width, lp_store_bytes                  lanes; bytes of one 16-bit vector store
+//   set1, load, store                      fp32 broadcast, load, store
+//   load_bf16, load_f16                    16-bit floats widened to fp32
+//   store_bf16<NT>, store_f16<NT>          rounded to nearest even (NT: non-temporal)
+//   store_bf16_truncated<NT>               the streaming-limit kernel's narrowing
+//   fence                                  orders non-temporal stores
+//   + * / fma sqrt max_nan bit_xor         arithmetic (fma written out, never contracted)
+//   sum                                    lanes added in double
+// and, for the bf16 and 8-bit moments:
+//   random_bits(first, key)                per-lane stochastic-rounding bits (as fp32 bit patterns)
+//   store_bf16_random(p, random)           bf16 with stochastic rounding
+//   load_q8<SIGNED>                        8-bit codes -> fp32 values relative to the block scale
+//   store_q8<SIGNED>(p, random, base)      fp32 moments -> 8-bit codes of their block (float_bits.h)
+//   max_magnitude, max_lanes               running max of |x| and its largest lane, compared
+//                                          as bit patterns (NaN > inf > finite: exact, NaN kept)
+// A V whose lanes hold random bits is only ever passed to the stores above; x86-64
+// and AArch64 move fp32 registers bit for bit, so the bit patterns survive.
 #pragma once
 
 struct ScalarVec {
@@ -36,4 +55,20 @@ struct ScalarVec {
   static ScalarVec bit_xor(ScalarVec a, ScalarVec b) { return {float_of(bits_of(a.v) ^ bits_of(b.v))}; }
   // Sum of the lanes, in double.
   double sum() const { return static_cast<double>(v); }
+
+  // Lane k (here the only one) holds dither_bits(first + k, key).
+  static ScalarVec random_bits(uint32_t first, uint32_t key) { return {float_of(dither_bits(first, key))}; }
+  void store_bf16_random(uint16_t* p, ScalarVec random) const { *p = float_to_bf16_random(v, bits_of(random.v)); }
+  template <bool SIGNED>
+  static ScalarVec load_q8(const uint8_t* p) { return {q8_to_float<SIGNED>(*p)}; }
+  template <bool SIGNED>
+  void store_q8(uint8_t* p, ScalarVec random, uint32_t base) const {
+    *p = float_to_q8<SIGNED>(v, bits_of(random.v), base);
+  }
+  // acc holds magnitudes (sign bit clear); their bit patterns order like the values.
+  static ScalarVec max_magnitude(ScalarVec acc, ScalarVec x) {
+    const uint32_t a = bits_of(acc.v), b = bits_of(x.v) & 0x7FFFFFFFu;
+    return {float_of(a > b ? a : b)};
+  }
+  float max_lanes() const { return v; }
 };

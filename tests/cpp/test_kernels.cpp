@@ -1,10 +1,12 @@
 // C++ tests of the kernels, no torch: every ISA variant against the scalar
-// variant (bit for bit) and against a float64 reference, at sizes around the
-// vector widths and the chunk size; the 16-bit conversions of the reference
-// exhaustively, and those of every variant on every 16-bit value, every rounding
-// midpoint and a sweep of all fp32 bit patterns; the ISA selection errors.
+// variant (bit for bit) and against a float64 reference, for each moment format
+// (fp32, bf16, q8), at sizes around the vector widths, the q8 block and the chunk
+// size; the 16-bit conversions of the reference exhaustively, and those of every
+// variant on every 16-bit value, every rounding midpoint and a sweep of all fp32
+// bit patterns; the 8-bit codes exhaustively; the ISA selection errors.
 // Usage: test_kernels [--env-isa NAME]. The aarch64 build runs under qemu
 // (scripts/cross_test_aarch64.sh).
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "adam_kernels.h"
@@ -36,8 +39,6 @@ static int g_failures = 0;
 
 // ---- 16-bit conversions ----------------------------------------------------
 
-uint16_t to_16(float x, oa::DType d) { return d == oa::DType::bf16 ? bits::float_to_bf16(x) : bits::float_to_f16(x); }
-float from_16(uint16_t x, oa::DType d) { return d == oa::DType::bf16 ? bits::bf16_to_float(x) : bits::f16_to_float(x); }
 
 void test_f16_conversions() {
   int bad = 0;
@@ -87,6 +88,9 @@ void test_bf16_conversions() {
   }
   CHECK(bad == 0, "%d bf16 conversion mismatches", bad);
 }
+
+uint16_t to_16(float x, oa::DType d) { return d == oa::DType::bf16 ? bits::float_to_bf16(x) : bits::float_to_f16(x); }
+float from_16(uint16_t x, oa::DType d) { return d == oa::DType::bf16 ? bits::bf16_to_float(x) : bits::f16_to_float(x); }
 
 // ---- the 16-bit conversions of every variant ----------------------------------
 // Each variant's own loads and stores of bf16/fp16, reached through the public
@@ -172,9 +176,117 @@ void test_conversions_of_every_variant() {
   }
 }
 
+// ---- the 8-bit codes and stochastic rounding (the scalar reference) -----------
+
+// The documented value of a q8 magnitude code, computed from the formula rather than the bits.
+double q8_value(uint32_t mag, int man_bits) {
+  if (mag == 0) return 0.0;
+  const int e = static_cast<int>(mag >> man_bits), f = static_cast<int>(mag & ((1u << man_bits) - 1));
+  return std::ldexp(1.0 + f / double(1 << man_bits), e - 16);
+}
+
+// Codes a value relative to a block scale of 1 (the code base of scale 1 is 2^-16's bits).
+template <bool SIGNED>
+uint8_t enc(float x, uint32_t random) { return bits::float_to_q8<SIGNED>(x, random, bits::kQ8Base); }
+
+template <bool SIGNED>
+void test_q8_codes_one() {
+  constexpr int man = SIGNED ? 3 : 4;
+  constexpr uint32_t top = SIGNED ? 127 : 255;  // the largest magnitude code
+  const uint32_t nearest = 0x80000000u;
+  int bad = 0;
+  for (uint32_t c = 0; c < 256; ++c) {
+    const uint32_t mag = SIGNED ? c & 0x7F : c;
+    const double want = (SIGNED && (c & 0x80) ? -1.0 : 1.0) * q8_value(mag, man);
+    const float got = bits::q8_to_float<SIGNED>(static_cast<uint8_t>(c));
+    bad += got != want || (SIGNED && std::signbit(got) != bool(c & 0x80));
+    bad += enc<SIGNED>(got, nearest) != c;  // every code survives the round trip
+    bad += enc<SIGNED>(got, 0) != c || enc<SIGNED>(got, 0xFFFFFFFFu) != c;
+    if (mag == 0 || mag == top) continue;
+    // Between this code and the next: nearest rounds ties up; stochastic rounding
+    // is unbiased: averaged over every 16-bit random value, it returns x to within
+    // 2^-16 of a step.
+    const double next = q8_value(mag + 1, man), lo = q8_value(mag, man), mid = 0.5 * (lo + next);
+    const uint32_t sign = SIGNED ? c & 0x80 : 0;
+    const float s = sign ? -1.0f : 1.0f;
+    bad += enc<SIGNED>(s * float(mid), nearest) != ((mag + 1) | sign);
+    bad += enc<SIGNED>(std::nextafter(s * float(mid), 0.0f), nearest) != c;
+    const float x = float(lo + 0.3 * (next - lo));
+    double mean = 0.0;
+    for (uint32_t r = 0; r < 0x10000; ++r) mean += bits::q8_to_float<SIGNED>(enc<SIGNED>(s * x, r << 16));
+    mean /= 0x10000;
+    bad += std::abs(mean - s * x) > (next - lo) * 1e-4;
+  }
+  CHECK(bad == 0, "%d q8 (signed=%d) code mismatches", bad, int(SIGNED));
+  // Range ends: saturation at the top; zero is code 0; NaN and inf saturate.
+  CHECK(enc<SIGNED>(0.9999999f, nearest) == top, "saturation");
+  CHECK(enc<SIGNED>(0.0f, nearest) == 0 && enc<SIGNED>(NAN, 0) == top &&
+            (enc<SIGNED>(INFINITY, 0) & 0x7F) == (top & 0x7F), "zero, NaN, inf");
+  // Below the smallest code: the first moment flushes to zero, a positive second
+  // moment (sqrt(v)) stays at code 1 whatever the rounding bits: never 0 while v > 0.
+  const float tiny = 1e-30f;
+  CHECK(enc<SIGNED>(tiny, nearest) == (SIGNED ? 0 : 1) && (SIGNED || enc<false>(tiny, 0) == 1),
+        "the floor of the unsigned code");
+}
+
+void test_q8_codes() {
+  test_q8_codes_one<true>();
+  test_q8_codes_one<false>();
+  CHECK(bits::q8_to_float<true>(0x80) == 0.0f, "-0");
+  // Block scales: the power of two just above the largest magnitude, its code base
+  // 2^-16 of it; zero, non-finite and tiny maxima.
+  int bad = 0;
+  for (float amax : {1.0f, 0.75f, 3.0e-3f, 1e-20f, 7.0e30f}) {
+    const bits::Q8Block b = bits::q8_block(amax);
+    int e;
+    bad += std::frexp(b.scale, &e) != 0.5f || !(amax < b.scale && b.scale <= 2 * amax) ||
+           bits::float_of(b.base) != std::ldexp(b.scale, -16);
+    // the same codes as the value relative to the scale, coded against a scale of 1
+    for (float rel : {0.9f, -0.3f, 1e-4f, 2e-5f, 1e-6f})
+      bad += bits::float_to_q8<true>(rel * b.scale, 0x80000000u, b.base) != enc<true>(rel, 0x80000000u) ||
+             bits::float_to_q8<false>(std::abs(rel) * b.scale, 0x12345678u, b.base) != enc<false>(std::abs(rel), 0x12345678u);
+  }
+  CHECK(bad == 0, "%d block scale mismatches", bad);
+  CHECK(bits::q8_block(0.0f).scale == 0.0f && std::isnan(bits::q8_block(NAN).scale) &&
+            std::isnan(bits::q8_block(INFINITY).scale) && std::isnan(bits::q8_block(1e38f).scale) &&
+            bits::q8_block(1e-36f).scale == std::ldexp(1.0f, -110),
+        "block scales of 0, NaN, inf, huge and tiny maxima");
+  CHECK(bits::float_to_q8<true>(1e-3f, 0x80000000u, bits::q8_block(0.0f).base) == 0 &&
+            bits::float_to_q8<false>(0.0f, 0xFFFFFFFFu, bits::q8_block(0.0f).base) == 0,
+        "an all-zero block codes to zeros");
+}
+
+void test_bf16_random() {
+  int bad = 0;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> ud(-4.0f, 4.0f);
+  for (int k = 0; k < 2000; ++k) {
+    const float x = ud(rng);
+    const uint16_t down = static_cast<uint16_t>(bits::bits_of(x) >> 16);
+    bad += bits::float_to_bf16_random(x, 0) != down;  // no random bits: truncation
+    double mean = 0.0;
+    for (uint32_t r = 0; r < 0x10000; r += 7) mean += bits::bf16_to_float(bits::float_to_bf16_random(x, r << 16));
+    mean /= (0x10000 + 6) / 7;
+    const float ulp = bits::bf16_to_float(down + 1) - bits::bf16_to_float(down);
+    bad += std::abs(mean - x) > std::abs(ulp) * 2e-3;  // unbiased (to the sampling grid)
+  }
+  CHECK(bad == 0, "%d stochastic bf16 roundings off", bad);
+  CHECK(bits::float_to_bf16_random(NAN, 0xFFFFFFFFu) == 0x7FC0 && bits::float_to_bf16_random(INFINITY, 0xFFFFFFFFu) == 0x7F80,
+        "NaN / inf under stochastic rounding");
+  // The dither lattice: consecutive elements' thresholds spread over [0, 2^32) like a
+  // low-discrepancy sequence: any 64 consecutive ones leave no gap wider than 2^32/16.
+  std::vector<uint32_t> r;
+  for (uint32_t k = 1000; k < 1064; ++k) r.push_back(bits::dither_bits(k, 12345u));
+  std::sort(r.begin(), r.end());
+  uint32_t gap = r.front() + (0xFFFFFFFFu - r.back());
+  for (size_t k = 1; k < r.size(); ++k) gap = std::max(gap, r[k] - r[k - 1]);
+  CHECK(gap < (1u << 28), "dither lattice gap %u", gap);
+}
+
 // ---- the step ----------------------------------------------------------------
 
 struct Config {
+  oa::StateDType state = oa::StateDType::f32;
   oa::DType grad = oa::DType::f32;
   int lp = 0;  // 0 none, 1 bf16, 2 f16
   bool amsgrad = false;
@@ -184,9 +296,40 @@ struct Config {
   double grad_scale = 1.0;
 };
 
+const char* state_name(oa::StateDType d) {
+  return d == oa::StateDType::f32 ? "f32" : d == oa::StateDType::bf16 ? "bf16" : "q8";
+}
+
+size_t moment_bytes(oa::StateDType d) { return d == oa::StateDType::f32 ? 4 : d == oa::StateDType::bf16 ? 2 : 1; }
+
+// The optimizer state as the kernel stores it, and its decoded values (in double).
 struct State {
-  std::vector<float> p, m, v, vmax;
+  oa::StateDType fmt = oa::StateDType::f32;
+  std::vector<float> p;
+  std::vector<uint8_t> m, v, vmax;      // raw stored moments, numel * moment_bytes
+  std::vector<float> m_scale, v_scale;  // q8: one per block
   std::vector<uint16_t> lp;
+
+  int64_t n() const { return static_cast<int64_t>(p.size()); }
+  double decode(const std::vector<uint8_t>& buf, const std::vector<float>& scale, bool second, int64_t i) const {
+    if (fmt == oa::StateDType::f32) {
+      float x;
+      std::memcpy(&x, buf.data() + 4 * i, 4);
+      return x;
+    }
+    if (fmt == oa::StateDType::bf16) {
+      uint16_t h;
+      std::memcpy(&h, buf.data() + 2 * i, 2);
+      return bits::bf16_to_float(h);
+    }
+    const double sc = scale[i / oa::kQuantBlock];
+    if (!second) return bits::q8_to_float<true>(buf[i]) * sc;
+    const double root = bits::q8_to_float<false>(buf[i]) * sc;
+    return root * root;
+  }
+  double m_at(int64_t i) const { return decode(m, m_scale, false, i); }
+  double v_at(int64_t i) const { return decode(v, v_scale, true, i); }
+  double vmax_at(int64_t i) const { return decode(vmax, v_scale, true, i); }
 };
 
 // Grads as stored (fp32 or 16-bit) and as the kernel sees them (fp32).
@@ -214,21 +357,27 @@ Grads make_grads(int64_t n, oa::DType d, std::mt19937& rng) {
   return g;
 }
 
-void run_step(State& s, const Grads& g, int64_t step, const Config& c, int threads) {
+// The kernel's view of elements [first, first + numel) of s.
+oa::AdamTensor tensor_of(State& s, const Grads& g, const Config& c, int64_t step, int64_t first, int64_t numel) {
+  const size_t mb = moment_bytes(s.fmt);
   oa::AdamTensor t;
-  t.param = s.p.data();
-  t.exp_avg = s.m.data();
-  t.exp_avg_sq = s.v.data();
-  t.max_exp_avg_sq = c.amsgrad ? s.vmax.data() : nullptr;
-  t.grad = c.grad == oa::DType::f32 ? static_cast<const void*>(g.f32.data()) : g.h16.data();
-  t.param_lp = c.lp ? s.lp.data() : nullptr;
-  t.numel = static_cast<int64_t>(s.p.size());
+  t.param = s.p.data() + first;
+  t.exp_avg = s.m.data() + first * mb;
+  t.exp_avg_sq = s.v.data() + first * mb;
+  t.max_exp_avg_sq = c.amsgrad ? s.vmax.data() + first * mb : nullptr;
+  if (s.fmt == oa::StateDType::q8) {
+    t.exp_avg_scale = s.m_scale.data() + first / oa::kQuantBlock;
+    t.exp_avg_sq_scale = s.v_scale.data() + first / oa::kQuantBlock;
+  }
+  t.grad = c.grad == oa::DType::f32 ? static_cast<const void*>(g.f32.data() + first) : g.h16.data() + first;
+  t.param_lp = c.lp ? s.lp.data() + first : nullptr;
+  t.numel = numel;
   t.step = step;
-  oa::Bucket b;
-  b.tensors = &t;
-  b.count = 1;
-  b.grad_dtype = c.grad;
-  b.lp_dtype = c.lp == 2 ? oa::DType::f16 : oa::DType::bf16;
+  t.first_index = first;
+  return t;
+}
+
+oa::AdamHyper hyper_of(const Config& c) {
   oa::AdamHyper h;
   h.lr = 1e-2;
   h.weight_decay = c.weight_decay;
@@ -236,57 +385,170 @@ void run_step(State& s, const Grads& g, int64_t step, const Config& c, int threa
   h.amsgrad = c.amsgrad;
   h.maximize = c.maximize;
   h.grad_scale = c.grad_scale;
-  oa::adam_step(b, h, threads);
+  return h;
 }
 
-// Float64 reference of the same steps (the formula of adam_math.h, in double).
-struct Ref {
-  std::vector<double> p, m, v, vmax;
-};
-
-void ref_step(Ref& r, const std::vector<float>& grad, int64_t step, const Config& c) {
-  const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8;
-  for (size_t i = 0; i < r.p.size(); ++i) {
-    double g = grad[i] * c.grad_scale * (c.maximize ? -1.0 : 1.0);
-    if (c.decoupled) r.p[i] *= 1.0 - lr * c.weight_decay;
-    else g += c.weight_decay * r.p[i];
-    r.m[i] = b1 * r.m[i] + (1 - b1) * g;
-    r.v[i] = b2 * r.v[i] + (1 - b2) * g * g;
-    double v = r.v[i];
-    if (c.amsgrad) v = r.vmax[i] = std::max(r.vmax[i], v);
-    const double denom = std::sqrt(v) / std::sqrt(1 - std::pow(b2, step)) + eps;
-    r.p[i] -= lr / (1 - std::pow(b1, step)) * r.m[i] / denom;
-  }
+oa::Bucket bucket_of(const oa::AdamTensor* ts, int64_t count, const Config& c, oa::StateDType fmt) {
+  oa::Bucket b;
+  b.tensors = ts;
+  b.count = count;
+  b.grad_dtype = c.grad;
+  b.lp_dtype = c.lp == 2 ? oa::DType::f16 : oa::DType::bf16;
+  b.state_dtype = fmt;
+  return b;
 }
 
-State fresh_state(int64_t n, uint32_t seed) {
+void run_step(State& s, const Grads& g, int64_t step, const Config& c, int threads) {
+  const oa::AdamTensor t = tensor_of(s, g, c, step, 0, s.n());
+  oa::adam_step(bucket_of(&t, 1, c, s.fmt), hyper_of(c), threads);
+}
+
+State fresh_state(int64_t n, uint32_t seed, oa::StateDType fmt = oa::StateDType::f32) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   State s;
+  s.fmt = fmt;
   s.p.resize(n);
   for (auto& x : s.p) x = nd(rng);
-  s.m.assign(n, 0.0f);
-  s.v.assign(n, 0.0f);
-  s.vmax.assign(n, 0.0f);
+  // All-zero bytes are zero moments in every format (q8: code 0, scale 0).
+  s.m.assign(n * moment_bytes(fmt), 0);
+  s.v.assign(n * moment_bytes(fmt), 0);
+  s.vmax.assign(n * moment_bytes(fmt), 0);
+  s.m_scale.assign(oa::quant_blocks(n), 0.0f);
+  s.v_scale.assign(oa::quant_blocks(n), 0.0f);
   s.lp.assign(n, 0xFFFF);  // poisoned: every element must be written
   return s;
 }
 
-// Runs 3 steps with `isa`, checks against the float64 reference; returns the state.
-State run_case(oa::Isa isa, int64_t n, const Config& c, int threads) {
-  oa::set_isa(oa::isa_name(isa));
-  State s = fresh_state(n, 7u + static_cast<uint32_t>(n));
-  Ref r{std::vector<double>(s.p.begin(), s.p.end()), std::vector<double>(n, 0.0), std::vector<double>(n, 0.0),
-        std::vector<double>(n, 0.0)};
-  std::mt19937 rng(99);
-  for (int64_t step = 1; step <= 3; ++step) {
-    const Grads g = make_grads(n, c.grad, rng);
-    run_step(s, g, step, c, threads);
-    ref_step(r, g.seen, step, c);
+// Float64 reference of the same steps (the formula of adam_math.h, in double, the
+// moments never rounded), with error budgets: how far the kernel's stored moments
+// and params may be from it, given each format's rounding. Per stored value:
+//   f32:  none (fp32 arithmetic only: `kArith` relative per step)
+//   bf16: m to nearest even: 2^-8 of |m| (half an ulp; an ulp is 2^-8..2^-7 of the
+//         value); v and vmax stochastic: under one ulp, 2^-7 of v
+//   q8:   m to nearest: half a step, 2^-4 of |m|, or 1/15 at the saturated top code,
+//         plus 2^-15 of the block scale for values below the smallest code; sqrt(v)
+//         stochastic: under one step, 2^-4 of sqrt(v), plus 2^-15 of the scale
+// The budgets follow the recursion: the next step's fp32 moment carries beta times
+// the stored error, the update's error follows from the moments' intervals, and the
+// param's error adds the update's times the step size (plus wd times it, for L2).
+constexpr double kArith = 1e-6;  // generous for a few fp32 roundings per step
+
+struct Ref {
+  std::vector<double> p, m, v, vmax;
+  std::vector<double> ep, em, ev, evmax;  // budgets for p and for the *stored* moments
+};
+
+Ref fresh_ref(const State& s) {
+  const size_t n = s.p.size();
+  std::vector<double> z(n, 0.0);
+  return Ref{std::vector<double>(s.p.begin(), s.p.end()), z, z, z, z, z, z, z};
+}
+
+void ref_step(Ref& r, const State& s, const std::vector<float>& grad, int64_t step, const Config& c) {
+  const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8;
+  const bool bf16 = s.fmt == oa::StateDType::bf16, q8 = s.fmt == oa::StateDType::q8;
+  const double m_rel = bf16 ? 0x1p-8 : q8 ? 1.0 / 15 : 0.0;
+  const double v_rel = bf16 ? 0x1p-7 : 0.0, root_rel = q8 ? 0x1p-4 : 0.0;
+  const double step_size = lr / (1 - std::pow(b1, step)), c2 = 1.0 / std::sqrt(1 - std::pow(b2, step));
+  for (size_t i = 0; i < r.p.size(); ++i) {
+    double g = grad[i] * c.grad_scale * (c.maximize ? -1.0 : 1.0);
+    double eg = 0.0;  // error of g (L2 decay reads the param)
+    const double decay = c.decoupled ? 1.0 - lr * c.weight_decay : 1.0;
+    if (c.decoupled) {
+      r.p[i] *= decay;
+    } else {
+      // g + wd * p can cancel: its fp32 rounding is relative to the terms, not to g.
+      eg = c.weight_decay * r.ep[i] + kArith * (std::abs(g) + c.weight_decay * std::abs(r.p[i]));
+      g += c.weight_decay * r.p[i];
+    }
+    r.m[i] = b1 * r.m[i] + (1 - b1) * g;
+    r.v[i] = b2 * r.v[i] + (1 - b2) * g * g;
+    // The fp32 moments of this step in the kernel: within em_new / ev_new of the reference.
+    const double em_new = b1 * r.em[i] + (1 - b1) * eg + kArith * (std::abs(r.m[i]) + std::abs(g));
+    const double ev_new =
+        b2 * r.ev[i] + (1 - b2) * (2 * std::abs(g) * eg + eg * eg) + kArith * (r.v[i] + g * g);
+    double v_used = r.v[i], ev_used = ev_new, evmax_new = 0.0;
+    if (c.amsgrad) {
+      r.vmax[i] = std::max(r.vmax[i], r.v[i]);
+      evmax_new = std::max(r.evmax[i], ev_new);
+      v_used = r.vmax[i];
+      ev_used = evmax_new;
+    }
+    // The update's error from the moments' intervals (u is monotone in m and in v).
+    const double u_ref = r.m[i] / (std::sqrt(v_used) * c2 + eps);
+    double du = 0.0;
+    for (double dm : {-em_new, em_new})
+      for (double dv : {-ev_used, ev_used}) {
+        const double u = (r.m[i] + dm) / (std::sqrt(std::max(0.0, v_used + dv)) * c2 + eps);
+        du = std::max(du, std::abs(u - u_ref));
+      }
+    r.p[i] -= step_size * u_ref;
+    r.ep[i] = r.ep[i] * std::abs(decay) + step_size * (du + kArith * std::abs(u_ref)) + kArith * std::abs(r.p[i]);
+    // The rounding of the stored moments.
+    const int64_t blk = static_cast<int64_t>(i) / oa::kQuantBlock;
+    const double m_floor = q8 ? 0x1p-15 * s.m_scale[blk] : 0.0;
+    r.em[i] = em_new + m_rel * (std::abs(r.m[i]) + em_new) + m_floor;
+    auto stored_v_error = [&](double v, double ev) {
+      if (!q8) return ev + v_rel * (v + ev);
+      const double floor = 0x1p-15 * s.v_scale[blk];
+      const double hi = std::sqrt(v + ev) * (1 + root_rel) + floor;
+      const double lo = std::max(0.0, std::sqrt(std::max(0.0, v - ev)) * (1 - root_rel) - floor);
+      return std::max(hi * hi - v, v - lo * lo);
+    };
+    r.ev[i] = stored_v_error(r.v[i], ev_new);
+    if (c.amsgrad) r.evmax[i] = stored_v_error(r.vmax[i], evmax_new);
   }
-  double worst = 0.0;
-  for (int64_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(s.p[i] - r.p[i]) / (std::abs(r.p[i]) + 1e-2));
-  CHECK(worst < 2e-5, "isa=%s n=%lld: relative error %.3g vs float64", oa::isa_name(isa), (long long)n, worst);
+}
+
+// Compares the kernel's state with the reference within the budgets; returns the failures.
+int check_against_ref(const State& s, const Ref& r, const Config& c) {
+  int bad = 0;
+  for (int64_t i = 0; i < s.n(); ++i) {
+    const double tiny = 1e-30;
+    bad += !(std::abs(s.p[i] - r.p[i]) <= r.ep[i] + tiny);
+    bad += !(std::abs(s.m_at(i) - r.m[i]) <= r.em[i] + tiny);
+    bad += !(std::abs(s.v_at(i) - r.v[i]) <= r.ev[i] + tiny);
+    if (c.amsgrad) bad += !(std::abs(s.vmax_at(i) - r.vmax[i]) <= r.evmax[i] + tiny);
+  }
+  if (s.fmt == oa::StateDType::q8) {
+    // Each block's scale is the power of two just above its largest magnitude.
+    for (int64_t b = 0; b < oa::quant_blocks(s.n()); ++b) {
+      double mmax = 0.0, rmax = 0.0;
+      for (int64_t i = b * oa::kQuantBlock; i < std::min(s.n(), (b + 1) * oa::kQuantBlock); ++i) {
+        mmax = std::max(mmax, std::abs(s.m_at(i)));
+        rmax = std::max(rmax, std::sqrt(s.v_at(i)));
+      }
+      for (auto [scale, top] : {std::pair<double, double>{s.m_scale[b], mmax}, {s.v_scale[b], rmax}}) {
+        int e;
+        const bool pow2 = scale == 0.0 || std::frexp(scale, &e) == 0.5;
+        bad += !(pow2 && top < scale && (scale == 0.0 || top >= scale / 2 * (14.0 / 15)));
+      }
+    }
+  }
+  return bad;
+}
+
+// Steps a fresh state `steps` times with `isa`; when `ref` is set, checks every step
+// against the float64 reference.
+State run_case(oa::Isa isa, int64_t n, const Config& c, const std::vector<Grads>& grads, int threads, bool ref) {
+  oa::set_isa(oa::isa_name(isa));
+  State s = fresh_state(n, 7u + static_cast<uint32_t>(n), c.state);
+  Ref r = fresh_ref(s);
+  for (size_t k = 0; k < grads.size(); ++k) {
+    const int64_t step = static_cast<int64_t>(k) + 1;
+    run_step(s, grads[k], step, c, threads);
+    if (!ref) continue;
+    ref_step(r, s, grads[k].seen, step, c);
+    const int bad = check_against_ref(s, r, c);
+    CHECK(bad == 0, "isa=%s state=%s n=%lld step=%lld: %d values outside the float64 reference's budget",
+          oa::isa_name(isa), state_name(c.state), (long long)n, (long long)step, bad);
+  }
+  if (ref && c.state == oa::StateDType::f32) {  // the fp32 kernel's own, tighter check
+    double worst = 0.0;
+    for (int64_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(s.p[i] - r.p[i]) / (std::abs(r.p[i]) + 1e-2));
+    CHECK(worst < 2e-5, "isa=%s n=%lld: relative error %.3g vs float64", oa::isa_name(isa), (long long)n, worst);
+  }
   if (c.lp) {
     int bad = 0;
     const oa::DType d = c.lp == 2 ? oa::DType::f16 : oa::DType::bf16;
@@ -298,64 +560,181 @@ State run_case(oa::Isa isa, int64_t n, const Config& c, int threads) {
 }
 
 bool same(const State& a, const State& b, bool lp) {
-  auto eq = [](const void* x, const void* y, size_t bytes) { return std::memcmp(x, y, bytes) == 0; };
-  const size_t n = a.p.size() * sizeof(float);
-  return eq(a.p.data(), b.p.data(), n) && eq(a.m.data(), b.m.data(), n) && eq(a.v.data(), b.v.data(), n) &&
-         eq(a.vmax.data(), b.vmax.data(), n) && (!lp || eq(a.lp.data(), b.lp.data(), a.lp.size() * 2));
+  auto eq = [](const auto& x, const auto& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof x[0]) == 0;
+  };
+  return eq(a.p, b.p) && eq(a.m, b.m) && eq(a.v, b.v) && eq(a.vmax, b.vmax) && eq(a.m_scale, b.m_scale) &&
+         eq(a.v_scale, b.v_scale) && (!lp || eq(a.lp, b.lp));
 }
 
-void test_variants_agree() {
-  const std::vector<int64_t> sizes = {0, 1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100, 32767, 32768, 32769, 70001};
+std::vector<Config> step_configs() {
   std::vector<Config> configs;
-  for (oa::DType g : {oa::DType::f32, oa::DType::bf16, oa::DType::f16})
-    for (int lp : {0, 1, 2}) {
-      Config c;
-      c.grad = g;
-      c.lp = lp;
-      configs.push_back(c);
-    }
-  Config adam_l2;
-  adam_l2.decoupled = false;
-  adam_l2.weight_decay = 0.1;
-  adam_l2.amsgrad = true;
-  adam_l2.maximize = true;
-  adam_l2.grad_scale = 1.0 / 1024;
-  configs.push_back(adam_l2);
-  Config no_decay;
-  no_decay.weight_decay = 0.0;
-  no_decay.grad = oa::DType::bf16;
-  no_decay.lp = 1;
-  no_decay.amsgrad = true;
-  configs.push_back(no_decay);
+  for (oa::StateDType st : {oa::StateDType::f32, oa::StateDType::bf16, oa::StateDType::q8}) {
+    for (oa::DType g : {oa::DType::f32, oa::DType::bf16, oa::DType::f16})
+      for (int lp : {0, 1, 2}) {
+        Config c;
+        c.state = st;
+        c.grad = g;
+        c.lp = lp;
+        configs.push_back(c);
+      }
+    const bool ams = st != oa::StateDType::q8;  // q8 has no amsgrad
+    Config adam_l2;
+    adam_l2.state = st;
+    adam_l2.decoupled = false;
+    adam_l2.weight_decay = 0.1;
+    adam_l2.amsgrad = ams;
+    adam_l2.maximize = true;
+    adam_l2.grad_scale = 1.0 / 1024;
+    configs.push_back(adam_l2);
+    Config no_decay;
+    no_decay.state = st;
+    no_decay.weight_decay = 0.0;
+    no_decay.grad = oa::DType::bf16;
+    no_decay.lp = 1;
+    no_decay.amsgrad = ams;
+    configs.push_back(no_decay);
+  }
+  return configs;
+}
 
-  for (const Config& c : configs)
+// Every ISA and thread count against the scalar variant, bit for bit, at sizes around
+// the vector widths, the q8 block (256) and the chunk (32768); the scalar and the
+// best variant against the float64 reference.
+void test_variants_agree() {
+  const std::vector<int64_t> sizes = {0,   1,   3,   4,           5,     7,     8,     9,     15,    16,   17, 31,
+                                      32,  33,  255, 256, 257, 3 * 256 + 5, 32767, 32768, 32771, 70001};
+  const auto isas = oa::supported_isas();
+  for (const Config& c : step_configs())
     for (int64_t n : sizes) {
-      const State ref = run_case(oa::Isa::scalar, n, c, 1);
-      for (oa::Isa isa : oa::supported_isas())
+      std::mt19937 rng(99);
+      std::vector<Grads> grads;
+      for (int k = 0; k < 4; ++k) grads.push_back(make_grads(n, c.grad, rng));
+      const State ref = run_case(oa::Isa::scalar, n, c, grads, 1, true);
+      for (oa::Isa isa : isas)
         for (int threads : {1, 3}) {
-          const State s = run_case(isa, n, c, threads);
-          CHECK(same(s, ref, c.lp != 0), "isa=%s threads=%d n=%lld grad=%d lp=%d: differs from scalar",
-                oa::isa_name(isa), threads, (long long)n, static_cast<int>(c.grad), c.lp);
+          const State s = run_case(isa, n, c, grads, threads, isa == isas.front() && threads == 3);
+          CHECK(same(s, ref, c.lp != 0), "isa=%s threads=%d state=%s n=%lld grad=%d lp=%d ams=%d: differs from scalar",
+                oa::isa_name(isa), threads, state_name(c.state), (long long)n, static_cast<int>(c.grad), c.lp,
+                int(c.amsgrad));
         }
     }
+}
+
+// A tensor stepped in ranges (first_index, scale slices) gets the same bytes as in one piece.
+void test_ranges_match_whole() {
+  for (oa::StateDType st : {oa::StateDType::bf16, oa::StateDType::q8}) {
+    const int64_t n = 3 * 32768 + 1000;
+    Config c;
+    c.state = st;
+    c.grad = oa::DType::bf16;
+    c.lp = 1;
+    std::mt19937 rng(5);
+    const Grads g = make_grads(n, c.grad, rng);
+    State whole = fresh_state(n, 1, st), parts = fresh_state(n, 1, st);
+    for (int64_t step = 1; step <= 2; ++step) {
+      run_step(whole, g, step, c, 2);
+      const oa::AdamTensor ts[2] = {tensor_of(parts, g, c, step, 0, 2 * 32768),
+                                    tensor_of(parts, g, c, step, 2 * 32768, n - 2 * 32768)};
+      oa::adam_step(bucket_of(ts, 2, c, st), hyper_of(c), 2);
+    }
+    CHECK(same(whole, parts, true), "state=%s: a tensor stepped in two ranges differs from one piece", state_name(st));
+  }
 }
 
 void test_nonfinite_grads() {
   for (oa::Isa isa : oa::supported_isas()) {
     oa::set_isa(oa::isa_name(isa));
-    const int64_t n = 40;
-    State s = fresh_state(n, 3);
+    // fp32 and bf16 moments: a NaN or inf grad reaches only its own element.
+    for (oa::StateDType st : {oa::StateDType::f32, oa::StateDType::bf16}) {
+      const int64_t n = 40;
+      State s = fresh_state(n, 3, st);
+      Grads g;
+      g.f32.assign(n, 0.5f);
+      g.f32[3] = NAN;
+      g.f32[20] = INFINITY;
+      Config c;
+      c.state = st;
+      c.lp = 1;
+      c.amsgrad = true;
+      run_step(s, g, 1, c, 1);
+      CHECK(std::isnan(s.p[3]) && std::isnan(s.p[20]) && std::isfinite(s.p[4]), "isa=%s %s: NaN/inf grads",
+            oa::isa_name(isa), state_name(st));
+      CHECK(s.lp[3] == 0x7FC0 && std::isnan(s.vmax_at(3)) && std::isnan(s.m_at(3)) && std::isfinite(s.m_at(4)),
+            "isa=%s %s: NaN must reach the bf16 copy, m and vmax", oa::isa_name(isa), state_name(st));
+    }
+    // q8: a non-finite value makes its block's scales NaN; this step's update is
+    // still per element (it uses the fp32 moments), the next one reads the whole
+    // block back as NaN. Other blocks are untouched.
+    const int64_t n = 3 * 256;
+    State s = fresh_state(n, 3, oa::StateDType::q8);
     Grads g;
     g.f32.assign(n, 0.5f);
     g.f32[3] = NAN;
-    g.f32[20] = INFINITY;
+    g.f32[300] = -INFINITY;
     Config c;
-    c.lp = 1;
-    c.amsgrad = true;
+    c.state = oa::StateDType::q8;
     run_step(s, g, 1, c, 1);
-    CHECK(std::isnan(s.p[3]) && std::isnan(s.p[20]) && std::isfinite(s.p[4]), "isa=%s: NaN/inf grads", oa::isa_name(isa));
-    CHECK(s.lp[3] == 0x7FC0 && std::isnan(s.vmax[3]), "isa=%s: NaN must reach the bf16 copy and vmax", oa::isa_name(isa));
+    CHECK(std::isnan(s.m_scale[0]) && std::isnan(s.v_scale[0]) && std::isnan(s.m_scale[1]) &&
+              std::isnan(s.v_scale[1]) && std::isfinite(s.m_scale[2]) && std::isfinite(s.v_scale[2]),
+          "isa=%s q8: a non-finite grad must make its block's scales NaN, only its block's", oa::isa_name(isa));
+    CHECK(std::isnan(s.p[3]) && std::isfinite(s.p[4]) && std::isfinite(s.p[299]) && std::isfinite(s.p[600]),
+          "isa=%s q8: the step with the NaN grad", oa::isa_name(isa));
+    g.f32.assign(n, 0.5f);
+    run_step(s, g, 2, c, 1);
+    int nan_blocks01 = 0, finite2 = 0;
+    for (int64_t i = 0; i < n; ++i) (i < 512 ? nan_blocks01 : finite2) += i < 512 ? std::isnan(s.p[i]) : std::isfinite(s.p[i]);
+    CHECK(nan_blocks01 == 512 && finite2 == 256, "isa=%s q8: the next step: %d NaN in blocks 0-1, %d finite in block 2",
+          oa::isa_name(isa), nan_blocks01, finite2);
   }
+}
+
+// Zero grads from zero state: nothing moves but the decay, and q8 scales stay 0.
+void test_zero_grads() {
+  for (oa::Isa isa : oa::supported_isas()) {
+    oa::set_isa(oa::isa_name(isa));
+    for (oa::StateDType st : {oa::StateDType::f32, oa::StateDType::bf16, oa::StateDType::q8}) {
+      const int64_t n = 1000;
+      State s = fresh_state(n, 8, st);
+      const State before = s;
+      Grads g;
+      g.f32.assign(n, 0.0f);
+      Config c;
+      c.state = st;
+      c.weight_decay = 0.0;
+      run_step(s, g, 1, c, 2);
+      CHECK(same(s, before, false), "isa=%s %s: zero grads must leave a zero state and the params alone",
+            oa::isa_name(isa), state_name(st));
+    }
+  }
+}
+
+void test_q8_amsgrad_rejected() {
+  State s = fresh_state(10, 1, oa::StateDType::q8);
+  Grads g;
+  g.f32.assign(10, 1.0f);
+  Config c;
+  c.state = oa::StateDType::q8;
+  c.amsgrad = true;
+  bool threw = false;
+  try {
+    run_step(s, g, 1, c, 1);
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("amsgrad") != std::string::npos;
+  }
+  CHECK(threw, "amsgrad with q8 moments must throw invalid_argument naming amsgrad");
+  threw = false;
+  const oa::AdamTensor t = [&] {
+    oa::AdamTensor x = tensor_of(s, g, Config{}, 1, 0, 10);
+    x.first_index = 100;
+    return x;
+  }();
+  try {
+    oa::adam_step(bucket_of(&t, 1, Config{}, oa::StateDType::q8), hyper_of(Config{}), 1);
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("first_index") != std::string::npos;
+  }
+  CHECK(threw, "a first_index not a multiple of 32768 must throw");
 }
 
 // The bf16 copy through an address that is not vector aligned takes the plain
@@ -365,70 +744,118 @@ void test_unaligned_lp() {
     oa::set_isa(oa::isa_name(isa));
     const int64_t n = 1000;
     State a = fresh_state(n, 11), b = fresh_state(n, 11);
-    std::vector<uint16_t> shifted(n + 1, 0xFFFF);
     std::mt19937 rng(4);
     const Grads g = make_grads(n, oa::DType::bf16, rng);
     Config c;
     c.grad = oa::DType::bf16;
     c.lp = 1;
     run_step(a, g, 1, c, 1);
-    b.lp.swap(shifted);  // run_step writes through b.lp.data(): point it one element in
-    oa::AdamTensor t;
-    t.param = b.p.data();
-    t.exp_avg = b.m.data();
-    t.exp_avg_sq = b.v.data();
-    t.grad = g.h16.data();
-    t.param_lp = b.lp.data() + 1;
-    t.numel = n;
-    t.step = 1;
-    oa::Bucket bucket;
-    bucket.tensors = &t;
-    bucket.count = 1;
-    bucket.grad_dtype = oa::DType::bf16;
-    oa::AdamHyper h;
-    h.lr = 1e-2;
-    h.weight_decay = c.weight_decay;
-    oa::adam_step(bucket, h, 1);
-    CHECK(std::memcmp(a.lp.data(), b.lp.data() + 1, n * 2) == 0 && b.lp[0] == 0xFFFF,
+    std::vector<uint16_t> shifted(n + 1, 0xFFFF);
+    oa::AdamTensor t = tensor_of(b, g, c, 1, 0, n);
+    t.param_lp = shifted.data() + 1;
+    oa::adam_step(bucket_of(&t, 1, c, oa::StateDType::f32), hyper_of(c), 1);
+    CHECK(std::memcmp(a.lp.data(), shifted.data() + 1, n * 2) == 0 && shifted[0] == 0xFFFF,
           "isa=%s: unaligned bf16 copy differs", oa::isa_name(isa));
   }
 }
 
+// The streaming limit moves each format's bytes: the param takes v^g (fp32, bf16) or
+// p^g (q8); fp32/bf16 moments shift (p -> m -> v, narrowed by truncation for bf16);
+// q8 codes and scales swap between the moments.
 void test_stream_limit_and_sq_sums() {
   for (oa::Isa isa : oa::supported_isas()) {
     oa::set_isa(oa::isa_name(isa));
-    const int64_t n = 32768 * 2 + 45;
-    State s = fresh_state(n, 5);
-    for (int64_t i = 0; i < n; ++i) s.m[i] = 0.25f * i, s.v[i] = -1.0f * i;
-    const State before = s;
-    std::mt19937 rng(1);
-    const Grads g = make_grads(n, oa::DType::bf16, rng);
-    oa::AdamTensor t;
-    t.param = s.p.data();
-    t.exp_avg = s.m.data();
-    t.exp_avg_sq = s.v.data();
-    t.grad = g.h16.data();
-    t.param_lp = s.lp.data();
-    t.numel = n;
-    oa::Bucket b;
-    b.tensors = &t;
-    b.count = 1;
-    b.grad_dtype = oa::DType::bf16;
-    b.lp_dtype = oa::DType::bf16;
-    oa::stream_limit(b, 2);
-    int bad = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t want = bits::bits_of(before.v[i]) ^ bits::bits_of(g.seen[i]);
-      bad += bits::bits_of(s.p[i]) != want || s.m[i] != before.p[i] || s.v[i] != before.m[i] ||
-             s.lp[i] != (want >> 16);
-    }
-    CHECK(bad == 0, "isa=%s: stream_limit moved %d elements wrongly", oa::isa_name(isa), bad);
+    for (oa::StateDType st : {oa::StateDType::f32, oa::StateDType::bf16, oa::StateDType::q8}) {
+      const int64_t n = 32768 * 2 + 45;
+      State s = fresh_state(n, 5, st);
+      for (size_t i = 0; i < s.m.size(); ++i) s.m[i] = static_cast<uint8_t>(i * 7), s.v[i] = static_cast<uint8_t>(i * 13 + 1);
+      for (size_t b = 0; b < s.m_scale.size(); ++b) s.m_scale[b] = 0.5f * b, s.v_scale[b] = -1.0f * b;
+      const State before = s;
+      std::mt19937 rng(1);
+      Config c;
+      c.state = st;
+      c.grad = oa::DType::bf16;
+      c.lp = 1;
+      const Grads g = make_grads(n, c.grad, rng);
+      const oa::AdamTensor t = tensor_of(s, g, c, 1, 0, n);
+      const oa::Bucket b = bucket_of(&t, 1, c, st);
+      oa::stream_limit(b, 2);
+      int bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t want;
+        if (st == oa::StateDType::q8) {
+          want = bits::bits_of(before.p[i]) ^ bits::bits_of(g.seen[i]);
+          bad += s.m[i] != before.v[i] || s.v[i] != before.m[i];
+        } else if (st == oa::StateDType::bf16) {
+          uint16_t vb, mb, m_now, v_now;
+          std::memcpy(&vb, before.v.data() + 2 * i, 2);
+          std::memcpy(&mb, before.m.data() + 2 * i, 2);
+          std::memcpy(&m_now, s.m.data() + 2 * i, 2);
+          std::memcpy(&v_now, s.v.data() + 2 * i, 2);
+          want = (static_cast<uint32_t>(vb) << 16) ^ bits::bits_of(g.seen[i]);
+          bad += m_now != (bits::bits_of(before.p[i]) >> 16) || v_now != mb;
+        } else {
+          want = bits::bits_of(static_cast<float>(before.v_at(i))) ^ bits::bits_of(g.seen[i]);
+          bad += s.m_at(i) != before.p[i] || s.v_at(i) != before.m_at(i);
+        }
+        bad += bits::bits_of(s.p[i]) != want || s.lp[i] != (want >> 16);
+      }
+      if (st == oa::StateDType::q8) bad += s.m_scale != before.v_scale || s.v_scale != before.m_scale;
+      CHECK(bad == 0, "isa=%s state=%s: stream_limit moved %d elements wrongly", oa::isa_name(isa), state_name(st), bad);
 
-    double got = 0.0;
-    oa::grad_sq_sums(b, &got, 2);
-    double want = 0.0;
-    for (float x : g.seen) want += static_cast<double>(x) * x;
-    CHECK(std::abs(got - want) <= 1e-6 * want, "isa=%s: sum of squares %.10g vs %.10g", oa::isa_name(isa), got, want);
+      double got = 0.0;
+      oa::grad_sq_sums(b, &got, 2);
+      double want = 0.0;
+      for (float x : g.seen) want += static_cast<double>(x) * x;
+      CHECK(std::abs(got - want) <= 1e-6 * want, "isa=%s: sum of squares %.10g vs %.10g", oa::isa_name(isa), got, want);
+    }
+  }
+}
+
+// q8 <-> fp32 conversions: every ISA equals the scalar one; every code survives
+// decode -> encode; random values come back within the code's rounding.
+void test_q8_conversions() {
+  const int64_t n = 32768 + 3 * 256 + 7;
+  std::mt19937 rng(2);
+  std::normal_distribution<float> nd;
+  std::vector<float> m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) m[i] = nd(rng) * std::exp(2 * nd(rng)), v[i] = m[i] * m[i] * 0.5f;
+  // Block 0 holds every signed code once (x 0.5: block max 0.9375 / 2, scale 0.5), and
+  // block 1 every unsigned code (as v = value^2).
+  for (int c = 0; c < 256; ++c) m[c] = 0.5f * bits::q8_to_float<true>(static_cast<uint8_t>(c));
+  for (int c = 0; c < 256; ++c) {
+    const float root = 4.0f * bits::q8_to_float<false>(static_cast<uint8_t>(c));
+    v[256 + c] = root * root;
+  }
+  std::vector<uint8_t> ref_mc, ref_vc;
+  std::vector<float> ref_md, ref_vd;
+  for (oa::Isa isa : oa::supported_isas()) {
+    oa::set_isa(oa::isa_name(isa));
+    std::vector<uint8_t> mc(n), vc(n);
+    std::vector<float> ms(oa::quant_blocks(n)), vs(oa::quant_blocks(n)), md(n), vd(n);
+    oa::q8_encode(m.data(), n, false, mc.data(), ms.data(), 2);
+    oa::q8_encode(v.data(), n, true, vc.data(), vs.data(), 2);
+    oa::q8_decode(mc.data(), ms.data(), n, false, md.data(), 2);
+    oa::q8_decode(vc.data(), vs.data(), n, true, vd.data(), 2);
+    int bad = 0;
+    for (int c = 0; c < 256; ++c) bad += mc[c] != c || vc[256 + c] != c || md[c] != m[c] || vd[256 + c] != v[256 + c];
+    CHECK(bad == 0 && ms[0] == 0.5f && vs[1] == 4.0f, "isa=%s: %d codes did not survive decode -> encode",
+          oa::isa_name(isa), bad);
+    bad = 0;
+    for (int64_t i = 512; i < n; ++i) {
+      const double floor = 0x1p-15 * ms[i / 256], root_floor = 0x1p-15 * vs[i / 256];
+      bad += !(std::abs(md[i] - m[i]) <= std::abs(m[i]) / 15 + floor);
+      const double r = std::sqrt(double(v[i])), rd = std::sqrt(double(vd[i]));
+      bad += !(std::abs(rd - r) <= r / 31 + root_floor + 1e-7 * r);  // nearest: half a step
+    }
+    CHECK(bad == 0, "isa=%s: %d values off after encode -> decode", oa::isa_name(isa), bad);
+    if (ref_mc.empty()) {
+      ref_mc = mc, ref_vc = vc, ref_md = md, ref_vd = vd;
+    } else {
+      CHECK(mc == ref_mc && vc == ref_vc && std::memcmp(md.data(), ref_md.data(), 4 * n) == 0 &&
+                std::memcmp(vd.data(), ref_vd.data(), 4 * n) == 0,
+            "isa=%s: conversions differ from the first ISA's", oa::isa_name(isa));
+    }
   }
 }
 
@@ -477,10 +904,16 @@ int main(int argc, char** argv) {
     test_f16_conversions();
     test_bf16_conversions();
     test_conversions_of_every_variant();
+    test_q8_codes();
+    test_bf16_random();
     test_variants_agree();
+    test_ranges_match_whole();
     test_nonfinite_grads();
+    test_zero_grads();
+    test_q8_amsgrad_rejected();
     test_unaligned_lp();
     test_stream_limit_and_sq_sums();
+    test_q8_conversions();
     test_isa_errors();
     std::printf("supported ISAs:");
     for (oa::Isa i : oa::supported_isas()) std::printf(" %s", oa::isa_name(i));
