@@ -26,14 +26,18 @@ void check_cpu_contiguous(const at::Tensor& t, const char* list, size_t i) {
   if (!t.is_contiguous()) fail_value(where(list, i) + " must be contiguous");
 }
 
+void check_numel(const at::Tensor& t, const char* list, size_t i, int64_t numel) {
+  if (t.numel() != numel)
+    fail_value(where(list, i) + " has " + std::to_string(t.numel()) + " elements, its param has " +
+               std::to_string(numel));
+}
+
 void check_float32(const TensorList& ts, const char* list, const TensorList& params) {
   for (size_t i = 0; i < ts.size(); ++i) {
     check_cpu_contiguous(ts[i], list, i);
     if (ts[i].scalar_type() != at::kFloat)
       fail_type(where(list, i) + " must be float32, got " + std::string(c10::toString(ts[i].scalar_type())));
-    if (ts[i].numel() != params[i].numel())
-      fail_value(where(list, i) + " has " + std::to_string(ts[i].numel()) + " elements, its param has " +
-                 std::to_string(params[i].numel()));
+    check_numel(ts[i], list, i, params[i].numel());
   }
 }
 
@@ -63,6 +67,58 @@ void check_same_length(size_t n, const TensorList& ts, const char* list, bool op
     fail_value(std::string(list) + " has " + std::to_string(ts.size()) + " tensors, params has " + std::to_string(n));
 }
 
+const char* state_name(oa::StateDType d) {
+  return d == oa::StateDType::f32 ? "float32" : d == oa::StateDType::bf16 ? "bfloat16" : "uint8 (8-bit codes)";
+}
+
+// The moments' storage format, from their dtype: float32, bfloat16 or uint8 (8-bit
+// codes). exp_avgs, exp_avg_sqs and max_exp_avg_sqs of one call share it.
+oa::StateDType moment_format(const std::vector<std::pair<const TensorList*, const char*>>& lists) {
+  bool seen = false;
+  oa::StateDType d = oa::StateDType::f32;
+  for (const auto& [ts, list] : lists) {
+    for (size_t i = 0; i < ts->size(); ++i) {
+      oa::StateDType di;
+      switch ((*ts)[i].scalar_type()) {
+        case at::kFloat: di = oa::StateDType::f32; break;
+        case at::kBFloat16: di = oa::StateDType::bf16; break;
+        case at::kByte: di = oa::StateDType::q8; break;
+        default:
+          fail_type(where(list, i) + " has dtype " + std::string(c10::toString((*ts)[i].scalar_type())) +
+                    "; moments must be float32, bfloat16 or uint8 (8-bit codes with exp_avg_scales)");
+      }
+      if (!seen) d = di, seen = true;
+      else if (di != d)
+        fail_type(where(list, i) + " is " + state_name(di) + " but exp_avgs[0] is " + state_name(d) +
+                  ": all moments of one call share one format");
+    }
+  }
+  return d;
+}
+
+// q8 scales: one float32 tensor of quant_blocks(numel) elements per param, for each
+// moment; none for the other formats.
+void check_scales(const TensorList& scales, const char* list, const TensorList& params, oa::StateDType d) {
+  if (d != oa::StateDType::q8) {
+    if (!scales.empty()) fail_value(std::string(list) + " are only for 8-bit (uint8) moments; leave it empty");
+    return;
+  }
+  if (scales.size() != params.size())
+    fail_value(std::string(list) + " has " + std::to_string(scales.size()) + " tensors, params has " +
+               std::to_string(params.size()) + ": 8-bit moments need one float32 tensor of ceil(numel / " +
+               std::to_string(oa::kQuantBlock) + ") block scales per param");
+  for (size_t i = 0; i < scales.size(); ++i) {
+    check_cpu_contiguous(scales[i], list, i);
+    if (scales[i].scalar_type() != at::kFloat)
+      fail_type(where(list, i) + " must be float32, got " + std::string(c10::toString(scales[i].scalar_type())));
+    const int64_t want = oa::quant_blocks(params[i].numel());
+    if (scales[i].numel() != want)
+      fail_value(where(list, i) + " has " + std::to_string(scales[i].numel()) + " elements; its param's " +
+                 std::to_string(params[i].numel()) + " elements need ceil(numel / " +
+                 std::to_string(oa::kQuantBlock) + ") = " + std::to_string(want));
+  }
+}
+
 // Builds the kernel's view of a bucket; the tensors must outlive its use.
 struct BucketView {
   std::vector<oa::AdamTensor> tensors;
@@ -71,7 +127,8 @@ struct BucketView {
 
 BucketView make_bucket(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                        const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs,
-                       const TensorList& lp_params) {
+                       const TensorList& lp_params, const TensorList& exp_avg_scales,
+                       const TensorList& exp_avg_sq_scales, const std::vector<int64_t>& first_indices) {
   const size_t n = params.size();
   check_same_length(n, grads, "grads", false);
   check_same_length(n, exp_avgs, "exp_avgs", false);
@@ -79,34 +136,47 @@ BucketView make_bucket(const TensorList& params, const TensorList& grads, const 
   check_same_length(n, max_exp_avg_sqs, "max_exp_avg_sqs", true);
   check_same_length(n, lp_params, "lp_params", true);
   check_float32(params, "params", params);
-  check_float32(exp_avgs, "exp_avgs", params);
-  check_float32(exp_avg_sqs, "exp_avg_sqs", params);
-  check_float32(max_exp_avg_sqs, "max_exp_avg_sqs", params);
-  for (size_t i = 0; i < n; ++i) {
-    check_cpu_contiguous(grads[i], "grads", i);
-    if (grads[i].numel() != params[i].numel())
-      fail_value(where("grads", i) + " has " + std::to_string(grads[i].numel()) + " elements, its param has " +
-                 std::to_string(params[i].numel()));
-  }
-  for (size_t i = 0; i < lp_params.size(); ++i) {
-    check_cpu_contiguous(lp_params[i], "lp_params", i);
-    if (lp_params[i].numel() != params[i].numel())
-      fail_value(where("lp_params", i) + " has " + std::to_string(lp_params[i].numel()) +
-                 " elements, its param has " + std::to_string(params[i].numel()));
+  const oa::StateDType fmt = moment_format(
+      {{&exp_avgs, "exp_avgs"}, {&exp_avg_sqs, "exp_avg_sqs"}, {&max_exp_avg_sqs, "max_exp_avg_sqs"}});
+  if (fmt == oa::StateDType::q8 && !max_exp_avg_sqs.empty())
+    fail_value("max_exp_avg_sqs: amsgrad is not supported with 8-bit (uint8) moments; use float32 or bfloat16 moments");
+  for (const auto& [ts, list] : {std::pair<const TensorList*, const char*>{&exp_avgs, "exp_avgs"},
+                                 {&exp_avg_sqs, "exp_avg_sqs"}, {&max_exp_avg_sqs, "max_exp_avg_sqs"},
+                                 {&grads, "grads"}, {&lp_params, "lp_params"}})
+    for (size_t i = 0; i < ts->size(); ++i) {
+      check_cpu_contiguous((*ts)[i], list, i);
+      check_numel((*ts)[i], list, i, params[i].numel());
+    }
+  check_scales(exp_avg_scales, "exp_avg_scales", params, fmt);
+  check_scales(exp_avg_sq_scales, "exp_avg_sq_scales", params, fmt);
+  if (!first_indices.empty()) {
+    if (first_indices.size() != n)
+      fail_value("first_indices has " + std::to_string(first_indices.size()) + " entries, params has " +
+                 std::to_string(n));
+    for (size_t i = 0; i < n; ++i)
+      if (first_indices[i] < 0 || first_indices[i] % 32768 != 0)
+        fail_value(where("first_indices", i) + " is " + std::to_string(first_indices[i]) +
+                   "; a range of a tensor must start at a non-negative multiple of 32768 elements");
   }
   BucketView v;
   v.bucket.grad_dtype = common_dtype(grads, "grads", true);
   v.bucket.lp_dtype = lp_params.empty() ? oa::DType::bf16 : common_dtype(lp_params, "lp_params", false);
+  v.bucket.state_dtype = fmt;
   v.tensors.resize(n);
   for (size_t i = 0; i < n; ++i) {
     oa::AdamTensor& t = v.tensors[i];
     t.param = params[i].data_ptr<float>();
-    t.exp_avg = exp_avgs[i].data_ptr<float>();
-    t.exp_avg_sq = exp_avg_sqs[i].data_ptr<float>();
-    t.max_exp_avg_sq = max_exp_avg_sqs.empty() ? nullptr : max_exp_avg_sqs[i].data_ptr<float>();
+    t.exp_avg = exp_avgs[i].data_ptr();
+    t.exp_avg_sq = exp_avg_sqs[i].data_ptr();
+    t.max_exp_avg_sq = max_exp_avg_sqs.empty() ? nullptr : max_exp_avg_sqs[i].data_ptr();
+    if (fmt == oa::StateDType::q8) {
+      t.exp_avg_scale = exp_avg_scales[i].data_ptr<float>();
+      t.exp_avg_sq_scale = exp_avg_sq_scales[i].data_ptr<float>();
+    }
     t.grad = grads[i].data_ptr();
     t.param_lp = lp_params.empty() ? nullptr : lp_params[i].data_ptr();
     t.numel = params[i].numel();
+    t.first_index = first_indices.empty() ? 0 : first_indices[i];
   }
   v.bucket.tensors = v.tensors.data();
   v.bucket.count = static_cast<int64_t>(n);
@@ -121,8 +191,11 @@ int check_threads(int64_t num_threads) {
 void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs, const TensorList& lp_params,
                const TensorList& steps, double lr, double beta1, double beta2, double eps, double weight_decay,
-               bool decoupled, bool maximize, double grad_scale, int64_t num_threads) {
-  BucketView v = make_bucket(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lp_params);
+               bool decoupled, bool maximize, double grad_scale, int64_t num_threads,
+               const TensorList& exp_avg_scales, const TensorList& exp_avg_sq_scales,
+               const std::vector<int64_t>& first_indices) {
+  BucketView v = make_bucket(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lp_params, exp_avg_scales,
+                             exp_avg_sq_scales, first_indices);
   check_same_length(params.size(), steps, "steps", false);
   // torch keeps the step count as a float32 0-dim tensor per param; the kernel
   // counts this step (+1) and writes the counts back only when it succeeded.
@@ -155,8 +228,10 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
 }
 
 void stream_limit(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                  const TensorList& exp_avg_sqs, const TensorList& lp_params, int64_t num_threads) {
-  BucketView v = make_bucket(params, grads, exp_avgs, exp_avg_sqs, {}, lp_params);
+                  const TensorList& exp_avg_sqs, const TensorList& lp_params, int64_t num_threads,
+                  const TensorList& exp_avg_scales, const TensorList& exp_avg_sq_scales) {
+  BucketView v = make_bucket(params, grads, exp_avgs, exp_avg_sqs, {}, lp_params, exp_avg_scales, exp_avg_sq_scales,
+                             {});
   const int threads = check_threads(num_threads);
   py::gil_scoped_release no_gil;
   oa::stream_limit(v.bucket, threads);
@@ -180,6 +255,42 @@ std::vector<double> grad_sq_sums(const TensorList& grads, int64_t num_threads) {
   return out;
 }
 
+// 8-bit moments to and from fp32 (checkpoints, another optimizer's state). The
+// values are exp_avg, or exp_avg_sq (v, coded as sqrt(v)) when second_moment.
+void check_q8_pair(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& values) {
+  check_cpu_contiguous(values, "values", 0);
+  check_cpu_contiguous(codes, "codes", 0);
+  check_cpu_contiguous(scales, "scales", 0);
+  if (values.scalar_type() != at::kFloat) fail_type("values must be float32");
+  if (codes.scalar_type() != at::kByte) fail_type("codes must be uint8");
+  if (scales.scalar_type() != at::kFloat) fail_type("scales must be float32");
+  if (codes.numel() != values.numel())
+    fail_value("codes has " + std::to_string(codes.numel()) + " elements, values has " +
+               std::to_string(values.numel()));
+  if (scales.numel() != oa::quant_blocks(values.numel()))
+    fail_value("scales has " + std::to_string(scales.numel()) + " elements; " + std::to_string(values.numel()) +
+               " values need ceil(numel / " + std::to_string(oa::kQuantBlock) + ") = " +
+               std::to_string(oa::quant_blocks(values.numel())));
+}
+
+void q8_encode(const at::Tensor& values, const at::Tensor& codes, const at::Tensor& scales, bool second_moment,
+               int64_t num_threads) {
+  check_q8_pair(codes, scales, values);
+  const int threads = check_threads(num_threads);
+  py::gil_scoped_release no_gil;
+  oa::q8_encode(values.data_ptr<float>(), values.numel(), second_moment, codes.data_ptr<uint8_t>(),
+                scales.data_ptr<float>(), threads);
+}
+
+void q8_decode(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& values, bool second_moment,
+               int64_t num_threads) {
+  check_q8_pair(codes, scales, values);
+  const int threads = check_threads(num_threads);
+  py::gil_scoped_release no_gil;
+  oa::q8_decode(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), values.numel(), second_moment,
+                values.data_ptr<float>(), threads);
+}
+
 std::vector<std::string> supported_isa_names() {
   std::vector<std::string> out;
   for (oa::Isa isa : oa::supported_isas()) out.emplace_back(oa::isa_name(isa));
@@ -190,14 +301,23 @@ std::vector<std::string> supported_isa_names() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "offload_adam fused CPU Adam/AdamW kernels";
+  // The moments' dtype selects their format: float32, bfloat16, or uint8 codes with
+  // float32 block scales (exp_avg_scales, exp_avg_sq_scales: ceil(numel / 256) each).
   m.def("adam_step", &adam_step, "One fused Adam/AdamW step over a bucket of tensors", py::arg("params"),
         py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
         py::arg("lp_params"), py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"),
-        py::arg("num_threads"));
+        py::arg("num_threads"), py::arg("exp_avg_scales") = TensorList{}, py::arg("exp_avg_sq_scales") = TensorList{},
+        py::arg("first_indices") = std::vector<int64_t>{});
   m.def("stream_limit", &stream_limit, "The loads and stores of adam_step without its arithmetic",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("lp_params"),
-        py::arg("num_threads"));
+        py::arg("num_threads"), py::arg("exp_avg_scales") = TensorList{},
+        py::arg("exp_avg_sq_scales") = TensorList{});
+  m.def("quant_block_size", [] { return oa::kQuantBlock; }, "Elements per 8-bit block (one scale per moment each)");
+  m.def("q8_encode", &q8_encode, "fp32 moment -> 8-bit codes and block scales (round to nearest)",
+        py::arg("values"), py::arg("codes"), py::arg("scales"), py::arg("second_moment"), py::arg("num_threads") = 1);
+  m.def("q8_decode", &q8_decode, "8-bit codes and block scales -> fp32 moment", py::arg("codes"), py::arg("scales"),
+        py::arg("values"), py::arg("second_moment"), py::arg("num_threads") = 1);
   m.def("grad_sq_sums", &grad_sq_sums, "Per-tensor sum of squares, accumulated in double", py::arg("grads"),
         py::arg("num_threads"));
   m.def("isa", [] { return std::string(oa::isa_name(oa::active_isa())); }, "The active ISA variant");
