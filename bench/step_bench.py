@@ -9,18 +9,25 @@ What runs, side by side in one process, with the same thread count:
   torch fused/foreach  torch.optim.AdamW(fused=True) and (foreach=True)
   deepspeed          DeepSpeedCPUAdam, when deepspeed imports and its CPU op builds
 
-Two cases:
+Cases:
   fp32   fp32 params and grads, updated in place.
   mixed  bf16 grads in, fp32 master and moments, bf16 params out. Ours does it in one pass (grads bf16 and
          lp_params bf16 in the same call); torch has no such kernel, so its best equivalent is a composition
          (grads widened to fp32, a fused or foreach step on the fp32 master, the master copied back to bf16);
          several variants are timed and the fastest counts as "torch best".
+  bf16_moments, q8_moments
+         the mixed case with the moments stored in bf16, or as 8-bit codes with a float32 scale per block of
+         256 (csrc/adam_math.h). No peer has these; each has its own streaming limit (its own bytes, no math)
+         and is paired with our fp32-moment kernel on the same shape ("ours fp32 moments[<isa>]"): the
+         speed-up fewer bytes buy.
 
 How bytes are counted (the same count for every contender, so GB/s is an *effective* bandwidth: the least
 traffic the task needs, whatever a contender actually moves):
   fp32:  read grad, param, exp_avg, exp_avg_sq (4 x 4 B) + write param, exp_avg, exp_avg_sq (3 x 4 B) = 28 B
   mixed: read bf16 grad (2 B) + fp32 master, exp_avg, exp_avg_sq (12 B)
          + write master, exp_avg, exp_avg_sq (12 B) + bf16 param (2 B)                                 = 28 B
+  bf16_moments: the same with 2-byte moments                                                          = 20 B
+  q8_moments: the same with 1-byte moments, + one fp32 scale per moment per 256 (read and written)    = 16.0625 B
   Cache write-allocate reads (a store to a line not yet in cache reads it first) are not counted.
 
 Fairness: every contender gets its own freshly allocated copy of the same random data (never zeros; torch's
@@ -57,12 +64,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
-BYTES_PER_PARAM = {"fp32": 28, "mixed": 28}
+BYTES_PER_PARAM = {"fp32": 28, "mixed": 28, "bf16_moments": 20, "q8_moments": 16 + 16 / 256}
 BYTE_COUNTING = {
     "fp32": "read g,p,m,v 4x4 B + write p,m,v 3x4 B = 28 B/param",
     "mixed": "read g bf16 2 B + p,m,v 3x4 B, write p,m,v 3x4 B + p bf16 2 B = 28 B/param",
+    "bf16_moments": "read g bf16 2 B + p 4 B + m,v 2x2 B, write p 4 B + m,v 2x2 B + p bf16 2 B = 20 B/param",
+    "q8_moments": "read g bf16 2 B + p 4 B + m,v 2x1 B, write p 4 B + m,v 2x1 B + p bf16 2 B = 16 B/param "
+                  "+ 2 fp32 scales per 256 read and written (16/256 B)",
 }
-SCHEMA = "offload_adam.step_bench/2"
+# The state format of each case's moments (the mixed shape otherwise).
+MOMENT_FORMAT = {"fp32": None, "mixed": None, "bf16_moments": "bf16", "q8_moments": "q8"}
+SCHEMA = "offload_adam.step_bench/3"
 
 
 def parse_args(argv=None):
@@ -73,7 +85,8 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=50,
                     help="timed passes: each times one step of every contender (order shuffled)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per contender before the passes")
-    ap.add_argument("--cases", default="fp32,mixed", help="comma-separated subset of fp32,mixed")
+    ap.add_argument("--cases", default="fp32,mixed,bf16_moments,q8_moments",
+                    help="comma-separated subset of fp32,mixed,bf16_moments,q8_moments")
     ap.add_argument("--tag", default="", help="results file suffix (default: host name)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="directory for JSON and PNG")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -102,21 +115,45 @@ def split_sizes(numel, tensors):
     return [base + (i < rem) for i in range(tensors) if base + (i < rem) > 0]
 
 
-def make_source(case, numel, tensors):
+def make_source(case, numel, tensors, K):
+    """p, g, m, v, lp as each contender takes them; for the moment-format cases m, v in that format
+    (with their block scales ms, vs for q8) and their fp32 originals as m32, v32."""
     gen = torch.Generator().manual_seed(1234)
-    src = {"p": [], "g": [], "m": [], "v": [], "lp": []}
+    src = {"p": [], "g": [], "m": [], "v": [], "lp": [], "m32": [], "v32": [], "ms": [], "vs": []}
+    fmt = MOMENT_FORMAT[case]
     for n in split_sizes(numel, tensors):
         p = torch.randn(n, generator=gen) * 0.1
         g = torch.randn(n, generator=gen) * 1e-2
+        m = torch.randn(n, generator=gen) * 1e-3
+        v = torch.rand(n, generator=gen) * 1e-4 + 1e-8
         src["p"].append(p)
-        src["m"].append(torch.randn(n, generator=gen) * 1e-3)
-        src["v"].append(torch.rand(n, generator=gen) * 1e-4 + 1e-8)
         if case == "fp32":
             src["g"].append(g)
         else:
             src["g"].append(g.to(torch.bfloat16))
             src["lp"].append(p.to(torch.bfloat16))
+        if fmt is None:
+            src["m"].append(m)
+            src["v"].append(v)
+            continue
+        src["m32"].append(m)
+        src["v32"].append(v)
+        if fmt == "bf16":
+            src["m"].append(m.to(torch.bfloat16))
+            src["v"].append(v.to(torch.bfloat16))
+        else:
+            blocks = (n + K.quant_block_size() - 1) // K.quant_block_size()
+            for key, x, second in (("m", m, False), ("v", v, True)):
+                codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(blocks)
+                K.q8_encode(x, codes, scales, second, THREADS)
+                src[key].append(codes)
+                src[key[0] + "s"].append(scales)
     return src
+
+
+def scale_kwargs(ms, vs):
+    """The 8-bit moments' block scales, when there are any."""
+    return dict(exp_avg_scales=ms, exp_avg_sq_scales=vs) if ms else {}
 
 
 def clone(ts):
@@ -127,26 +164,35 @@ def clone(ts):
 # Contenders. Each is (name, kind, isa, setup); setup(src) returns a zero-argument step function that owns
 # its buffers (dropping it frees them). kind: "ours", "ours_class", "limit", "torch", "deepspeed".
 
-def ours_kernel(K, isa, case):
+def ours_kernel(K, isa, case, fp32_moments=False):
+    """Our kernel on the case's data; fp32_moments: on the fp32 originals of the moments instead (the
+    moment-format cases' baseline: the mixed kernel on the same params and grads)."""
     def setup(src):
-        p, g, m, v = clone(src["p"]), clone(src["g"]), clone(src["m"]), clone(src["v"])
-        lp = clone(src["lp"])
+        p, g, lp = clone(src["p"]), clone(src["g"]), clone(src["lp"])
+        if fp32_moments:
+            m, v, scales = clone(src["m32"]), clone(src["v32"]), {}
+        else:
+            m, v, scales = clone(src["m"]), clone(src["v"]), scale_kwargs(clone(src["ms"]), clone(src["vs"]))
         steps = [torch.tensor(0.0) for _ in p]
 
         def step():
             K.set_isa(isa)  # contenders of other ISAs run in between
-            K.adam_step(p, g, m, v, [], lp, steps, LR, BETAS[0], BETAS[1], EPS, WD, True, False, 1.0, THREADS)
+            K.adam_step(p, g, m, v, [], lp, steps, LR, BETAS[0], BETAS[1], EPS, WD, True, False, 1.0, THREADS,
+                        **scales)
         return step
+    if fp32_moments:
+        return (f"ours fp32 moments[{isa}]", "ours_fp32_moments", isa, setup)
     return (f"ours[{isa}]", "ours", isa, setup)
 
 
 def stream_limit(K, isa, case):
     def setup(src):
         p, g, m, v, lp = (clone(src[k]) for k in ("p", "g", "m", "v", "lp"))
+        scales = scale_kwargs(clone(src["ms"]), clone(src["vs"]))
 
         def step():
             K.set_isa(isa)
-            K.stream_limit(p, g, m, v, lp, THREADS)
+            K.stream_limit(p, g, m, v, lp, THREADS, **scales)
         return step
     return (f"limit[{isa}]", "limit", isa, setup)
 
@@ -277,9 +323,9 @@ def _error_text(e):
     return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
 
 
-def run_case(case, contenders, unavailable):
+def run_case(case, contenders, unavailable, K):
     """Sets every contender up, warms each up, then times ARGS.steps passes of one step each."""
-    src = make_source(case, ARGS.numel, ARGS.tensors)
+    src = make_source(case, ARGS.numel, ARGS.tensors, K)
     steps, errors = {}, {}
     for name, kind, isa, setup in contenders:
         try:
@@ -370,6 +416,11 @@ def summarize(case, rows):
         for r in ok.values():
             if r["kind"] == "ours" and r["isa"] in limits:
                 ratios_paired[f"{r['name']}_vs_limit[{r['isa']}]"] = paired(limits[r["isa"]], r)
+        # The moment-format cases: how much faster than the fp32-moment kernel of the same ISA.
+        fp32m = {r["isa"]: r for r in ok.values() if r["kind"] == "ours_fp32_moments"}
+        for r in ok.values():
+            if r["kind"] == "ours" and r["isa"] in fp32m:
+                ratios_paired[f"{r['name']}_vs_fp32_moments[{r['isa']}]"] = paired(fp32m[r["isa"]], r)
     if best_ours and best_limit:
         # The same comparison on the fastest sample of each: less sensitive to other processes stealing a core.
         ratios_min["ours_vs_limit"] = best_limit["min_s"] / best_ours["min_s"]
@@ -385,6 +436,7 @@ def summarize(case, rows):
         if best_torch:
             ratios["ours_vs_torch_best"] = best_torch["median_s"] / best_ours["median_s"]
     return {"bytes_per_param": BYTES_PER_PARAM[case], "byte_counting": BYTE_COUNTING[case],
+            "moment_format": MOMENT_FORMAT[case] or "fp32",
             "best_ours": best_ours["name"] if best_ours else None,
             "best_limit": best_limit["name"] if best_limit else None,
             "best_torch": best_torch["name"] if best_torch else None,
@@ -472,10 +524,14 @@ def plot(path, cases):
     except ImportError as e:
         print(f"no PNG: matplotlib not importable ({e})")
         return None
-    fig, axes = plt.subplots(1, len(cases), figsize=(7 * len(cases), 5), squeeze=False)
+    cols = min(len(cases), 2)
+    rows_n = (len(cases) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(7 * cols, 5 * rows_n), squeeze=False)
     colors = {"ours": "tab:green", "ours_class": "tab:olive", "limit": "tab:gray", "torch": "tab:blue",
-              "deepspeed": "tab:orange"}
-    for ax, (case, res) in zip(axes[0], cases.items()):
+              "deepspeed": "tab:orange", "ours_fp32_moments": "tab:cyan"}
+    for ax in axes.flat[len(cases):]:
+        ax.set_visible(False)
+    for ax, (case, res) in zip(axes.flat, cases.items()):
         rows = [r for r in res["results"] if r["status"] == "ok"]
         names = [r["name"] for r in rows]
         vals = [r["ns_per_param"] for r in rows]
@@ -500,20 +556,20 @@ def main():
     results = {}
     for case in [c.strip() for c in ARGS.cases.split(",") if c.strip()]:
         if case not in BYTES_PER_PARAM:
-            raise SystemExit(f"unknown case {case!r}; choose from fp32, mixed")
+            raise SystemExit(f"unknown case {case!r}; choose from {', '.join(BYTES_PER_PARAM)}")
         contenders = [ours_kernel(K, isa, case) for isa in isas] + [stream_limit(K, isa, case) for isa in isas]
-        contenders.append(ours_class(case))
         unavailable = []
-        if case == "fp32":
-            contenders += [torch_fp32("fused"), torch_fp32("foreach")]
-            if DeepSpeedCPUAdam is not None:
-                contenders.append(deepspeed_contender(DeepSpeedCPUAdam, case))
-            else:
-                unavailable.append(("DeepSpeedCPUAdam", "deepspeed",
-                                    f"deepspeed not installed/unavailable: {ds_info['reason']}"))
+        if MOMENT_FORMAT[case]:
+            # No peer stores moments like this, and the classes do not offer it yet: our kernel against its
+            # own limit and against our fp32-moment kernel on the same params and grads.
+            contenders += [ours_kernel(K, isa, case, fp32_moments=True) for isa in isas]
         else:
-            contenders += [torch_mixed("fused", "float"), torch_mixed("fused", "copy"),
-                           torch_mixed("foreach", "copy")]
+            contenders.append(ours_class(case))
+            if case == "fp32":
+                contenders += [torch_fp32("fused"), torch_fp32("foreach")]
+            else:
+                contenders += [torch_mixed("fused", "float"), torch_mixed("fused", "copy"),
+                               torch_mixed("foreach", "copy")]
             if DeepSpeedCPUAdam is not None:
                 contenders.append(deepspeed_contender(DeepSpeedCPUAdam, case))
             else:
@@ -523,7 +579,7 @@ def main():
             contenders = [c for c in contenders if re.search(ARGS.only, c[0])]
             unavailable = [u for u in unavailable if re.search(ARGS.only, u[0])]
         print(f"running {case}: {len(contenders)} contenders ...", file=sys.stderr, flush=True)
-        results[case] = run_case(case, contenders, unavailable)
+        results[case] = run_case(case, contenders, unavailable, K)
         results[case]["notes"] = [DS_MIXED_NOTE] if case == "mixed" and DeepSpeedCPUAdam is not None else []
     K.set_isa("auto")
     machine["loadavg_end"] = loadavg()
