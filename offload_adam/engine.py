@@ -55,11 +55,12 @@ from torch.autograd.graph import increment_version
 from .engine_device import device_for, make_device
 from .engine_grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .engine_layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers,
-                            cut, local, make_buckets)
+                            cut, local, make_buckets, state_roles)
 from .engine_profile import StepProfile
 from .engine_state import bind_state
 from .engine_worker import Worker, interrupts_deferred
 from .kernel_step import Hyper, adam_step
+from .state_format import state_format
 
 
 class OffloadEngine:
@@ -69,6 +70,7 @@ class OffloadEngine:
     device); amsgrad[i] says whether that group keeps max_exp_avg_sq."""
 
     def __init__(self, managed: Sequence[Sequence[torch.Tensor]], amsgrad: Sequence[bool], *,
+                 state_dtypes: Optional[Sequence[str]] = None,
                  overlap: bool = True, bucket_mb: float = 32.0,
                  free_grads_after_copy: bool = False, num_threads: Optional[int] = None,
                  step_in_backward: bool = False, verify_grads: bool = True, owner=None,
@@ -115,7 +117,7 @@ class OffloadEngine:
             self, _shutdown, self.device, self._worker, self.recs, self.buckets,
             self._state_arenas, self._transfer_arenas)
         for i, (params, ams) in enumerate(zip(managed, amsgrad)):
-            self.add_group(i, params, ams)
+            self.add_group(i, params, ams, state_dtypes[i] if state_dtypes else "float32")
 
     @property
     def step_in_backward(self) -> bool:
@@ -130,14 +132,15 @@ class OffloadEngine:
 
     # ---- construction -------------------------------------------------------------
 
-    def add_group(self, group: int, params: Sequence[torch.Tensor], amsgrad: bool) -> None:
+    def add_group(self, group: int, params: Sequence[torch.Tensor], amsgrad: bool,
+                  state_dtype: str = "float32") -> None:
         if not params:
             return
         if self.recs:
             device_for([local(self.recs[0].param)] + [local(p) for p in params])
-        new = [ParamRec(p, group, len(self.recs) + i) for i, p in enumerate(params)]
-        self._allocate_state(new, ("master", "exp_avg", "exp_avg_sq")
-                             + (("max_exp_avg_sq",) if amsgrad else ()))
+        fmt = state_format(state_dtype)
+        new = [ParamRec(p, group, len(self.recs) + i, fmt) for i, p in enumerate(params)]
+        self._allocate_state(new, state_roles(fmt, amsgrad))
         for rec in new:
             rec.pieces = cut(rec, self.bucket_bytes)
             for piece in rec.pieces:
@@ -336,7 +339,14 @@ class OffloadEngine:
             if done:  # stepped during backward: only its params to write
                 jobs.append((lambda b=b, done=done: self._write_back(b, done, fence), False))
             if todo:
-                hyper = Hyper.of(param_groups[b.group])
+                group = param_groups[b.group]
+                if group.get("state_dtype", "float32") != todo[0].rec.fmt.name:
+                    raise ValueError(
+                        f"param group {b.group}'s state_dtype changed from "
+                        f"{todo[0].rec.fmt.name!r} to {group.get('state_dtype')!r} after the "
+                        "optimizer was built; the offloaded state keeps its format: build a "
+                        "new optimizer (load_state_dict converts a saved state)")
+                hyper = Hyper.of(group)
                 jobs.append((lambda b=b, todo=todo, hyper=hyper: self.bucket_job(
                     b, todo, hyper, grad_scale, threads, fence, checks.get(b.index)),
                     todo[0].start > 0))
@@ -397,12 +407,16 @@ class OffloadEngine:
         dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
         dev.wait_host(*bucket.h2d)                     # its buffers are free again
         bucket.h2d = []
+        blockwise = pieces[0].rec.fmt.blockwise
         t0 = time.perf_counter()
         adam_step([p.state("master") for p in pieces], [p.grad for p in pieces],
                   [p.state("exp_avg") for p in pieces], [p.state("exp_avg_sq") for p in pieces],
                   [p.state("max_exp_avg_sq") for p in pieces] if hyper.amsgrad else [],
                   [p.staging for p in pieces] if bucket.low_precision else [],
-                  [p.step_t for p in pieces], hyper, grad_scale, threads)
+                  [p.step_t for p in pieces], hyper, grad_scale, threads,
+                  [p.state("exp_avg_scale") for p in pieces] if blockwise else [],
+                  [p.state("exp_avg_sq_scale") for p in pieces] if blockwise else [],
+                  [p.start for p in pieces])
         self._profile.add_cpu(bucket.index, t0, time.perf_counter())
         if write:
             self._write_back(bucket, pieces, fence)

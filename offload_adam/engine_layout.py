@@ -22,16 +22,23 @@ anew when the buckets change (`TransferBuffers`).
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from .engine_host_memory import HostArenas
+from .state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 PACK_BELOW_BYTES = 1 << 18
-SPLIT_ALIGN = 32768
-STATE_ROLES = ("master", "exp_avg", "exp_avg_sq")
+SPLIT_ALIGN = 32768  # also a multiple of QUANT_BLOCK: a piece owns whole 8-bit blocks
+
+
+def state_roles(fmt: StateFormat, amsgrad: bool) -> tuple:
+    """The host buffers of a param's state in format `fmt`."""
+    roles = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    return roles + (tuple(SCALE_KEYS.values()) if fmt.blockwise else ())
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -43,11 +50,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class ParamRec:
     """One offloaded param: where its state lives and the state of its grad copy."""
 
-    def __init__(self, param: torch.Tensor, group: int, position: int):
+    def __init__(self, param: torch.Tensor, group: int, position: int,
+                 fmt: StateFormat = FLOAT32):
         t = local(param)
         self.param = param
         self.group = group
         self.position = position           # registration order
+        self.fmt = fmt                     # how its moments are stored (state_format.py)
         self.dtype = t.dtype
         self.shape = tuple(t.shape)
         self.numel = t.numel()
@@ -56,6 +65,7 @@ class ParamRec:
         self.pieces: List[Piece] = []
         # whole-param host views: what optimizer.state[param] shows
         self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = None
+        self.exp_avg_scale = self.exp_avg_sq_scale = None  # 8-bit moments only
         self.step_t: Optional[torch.Tensor] = None
         self.copy = None                    # engine_grads.GradCopy of its grad, or None
         self.freed = False                  # free_grads_after_copy dropped p.grad
@@ -106,7 +116,14 @@ class Piece:
         return t.view(-1)[self.start:self.stop]
 
     def state(self, role: str) -> torch.Tensor:
-        return self.of(getattr(self.rec, role))
+        """This piece of one of its param's state buffers (of an 8-bit scale
+        array: the scales of the piece's blocks)."""
+        t = getattr(self.rec, role)
+        if role not in SCALE_KEYS.values():
+            return self.of(t)
+        if not self.rec.flat:
+            return t
+        return t[self.start // QUANT_BLOCK:-(-self.stop // QUANT_BLOCK)]
 
 
 class Bucket:
@@ -147,15 +164,26 @@ def make_buckets(pieces: Sequence[Piece], bucket_bytes: int) -> List[Bucket]:
 
 
 def allocate_state(recs: Sequence[ParamRec], device, available: Optional[int],
-                   roles: Sequence[str] = STATE_ROLES) -> HostArenas:
-    """fp32 host buffers of `roles` for each rec (whole-param views)."""
+                   roles: Sequence[str]) -> HostArenas:
+    """Host buffers of `roles` for each rec (whole-param views; recs of one
+    state format): the fp32 master, the moments in the format's dtype, 8-bit
+    block scales."""
     arenas = HostArenas(device)
-    offsets = [{role: arenas.reserve(role, torch.float32, r.numel) for role in roles}
-               for r in recs]
+    plans = []
+    for r in recs:
+        plan = {}
+        for role in roles:
+            if role in SCALE_KEYS.values():
+                dtype, shape = torch.float32, (r.fmt.scale_len(r.numel),)
+            else:
+                dtype = torch.float32 if role == "master" else r.fmt.moment_dtype
+                shape = r.shape
+            plan[role] = (arenas.reserve(role, dtype, math.prod(shape)), shape)
+        plans.append(plan)
     arenas.allocate(available)
-    for r, offs in zip(recs, offsets):
-        for role, off in offs.items():
-            setattr(r, role, arenas.view(role, off, r.shape))
+    for r, plan in zip(recs, plans):
+        for role, (off, shape) in plan.items():
+            setattr(r, role, arenas.view(role, off, shape))
     return arenas
 
 

@@ -14,10 +14,12 @@ state is whole even when a step stops before this param's bucket.
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Callable, Sequence
 
+from .state_format import MOMENT_KEYS, SCALE_KEYS
+
 MASTER_KEY = "master_param"
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def bind_state(device, recs: Sequence, param_groups, state,
@@ -27,8 +29,12 @@ def bind_state(device, recs: Sequence, param_groups, state,
     turned on after the optimizer was built)."""
     ams = [r for r in recs if param_groups[r.group].get("amsgrad", False)
            and r.max_exp_avg_sq is None]
-    if ams:
-        allocate(ams, ("max_exp_avg_sq",))
+    for r in ams:
+        if r.fmt.blockwise:
+            raise ValueError(f"amsgrad=True cannot be used with state_dtype=\"8bit\" "
+                             f"({r.label()}): the running max of exp_avg_sq has no 8-bit code")
+    for _, same in groupby(sorted(ams, key=lambda r: r.fmt.name), key=lambda r: r.fmt.name):
+        allocate(list(same), ("max_exp_avg_sq",))
     fresh = [rec for rec in recs if _bind(device, rec, state[rec.param])]
     if fresh:
         _masters_from_params(device, fresh)
@@ -38,14 +44,18 @@ def _bind(device, rec, st: dict) -> bool:
     """True when rec's master must start from the param."""
     fresh = "exp_avg" not in st
     for key in MOMENT_KEYS:
-        view, value = getattr(rec, key), st.get(key)
-        if view is None or value is view:
+        view = getattr(rec, key)
+        if view is None or st.get(key) is view:
             continue
-        if value is None:
-            view.zero_()
-        else:
-            view.copy_(value.detach().reshape(rec.shape))
-        st[key] = view
+        # a loaded moment in any stored form, converted to rec's (state_format.py)
+        for k, value in rec.fmt.convert(st, key, rec.shape, rec.numel,
+                                        f" of {rec.label()}").items():
+            target = getattr(rec, k)
+            target.copy_(value.reshape(target.shape))
+            st[k] = target
+    if not rec.fmt.blockwise:
+        for scale in SCALE_KEYS.values():
+            st.pop(scale, None)
     if st.get("step") is not rec.step_t:
         count = float(st.get("step", 0.0))
         for piece in rec.pieces:   # a param cut in pieces counts its step per piece

@@ -19,9 +19,9 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .kernel_step import Hyper, adam_step
+from .state_format import MOMENT_KEYS, SCALE_KEYS, StateFormat, state_format
 
 MASTER_KEY = "master_param"
-MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def param_label(group: dict, group_index: int, index: int, p: torch.Tensor) -> str:
@@ -36,13 +36,14 @@ class _Call:
     have grads. Everything but the grads is cached between steps."""
 
     __slots__ = ("dtype", "params", "work", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                 "lp_params", "steps", "copy_back")
+                 "scales", "lp_params", "steps", "copy_back")
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.params: List[torch.Tensor] = []
         self.work: List[torch.Tensor] = []       # fp32 tensors updated: the param or its master
         self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs = [], [], []
+        self.scales = {"exp_avg": [], "exp_avg_sq": []}  # 8-bit moments' block scales
         self.lp_params: List[torch.Tensor] = []  # the bf16/fp16 params written ([] for fp32)
         self.steps: List[torch.Tensor] = []
         self.copy_back: List[int] = []           # non-contiguous params: stepped via a copy
@@ -90,7 +91,8 @@ class InPlace:
                     else:
                         work[j] = p.contiguous()
             adam_step(work, call_grads, call.exp_avgs, call.exp_avg_sqs, call.max_exp_avg_sqs,
-                      lp_params, call.steps, hyper, grad_scale, num_threads)
+                      lp_params, call.steps, hyper, grad_scale, num_threads,
+                      call.scales["exp_avg"], call.scales["exp_avg_sq"])
             for j in call.copy_back:
                 call.params[j].copy_(lp_params[j] if lp_params else work[j])
             # The kernel wrote the params through their pointers: tell autograd,
@@ -125,13 +127,15 @@ class InPlace:
     @staticmethod
     def _key(group) -> tuple:
         # Things that invalidate a plan without passing through our methods.
-        return (id(group["params"]), len(group["params"]), bool(group["amsgrad"]))
+        return (id(group["params"]), len(group["params"]), bool(group["amsgrad"]),
+                group.get("state_dtype"))
 
     def _build(self, index, group, state) -> _Plan:
         calls: List[_Call] = []
         by_dtype: Dict[torch.dtype, int] = {}
         route = []
         amsgrad = bool(group["amsgrad"])
+        fmt = state_format(group.get("state_dtype", "float32"))
         for i, p in enumerate(group["params"]):
             if not self._is_mine(p):
                 route.append(_Plan.ELSEWHERE)
@@ -140,7 +144,7 @@ class InPlace:
                 route.append(_Plan.NO_GRAD)
                 continue
             _check_dense(p.grad, group, index, i, p)
-            st = ready_state(state, p, amsgrad, lambda: param_label(group, index, i, p))
+            st = ready_state(state, p, amsgrad, fmt, lambda: param_label(group, index, i, p))
             c = by_dtype.setdefault(p.dtype, len(calls))
             if c == len(calls):
                 calls.append(_Call(p.dtype))
@@ -156,6 +160,9 @@ class InPlace:
                 call.lp_params.append(p)
             call.exp_avgs.append(st["exp_avg"])
             call.exp_avg_sqs.append(st["exp_avg_sq"])
+            if fmt.blockwise:
+                for key, scales in call.scales.items():
+                    scales.append(st[SCALE_KEYS[key]])
             if amsgrad:
                 call.max_exp_avg_sqs.append(st["max_exp_avg_sq"])
             call.steps.append(st["step"])
@@ -172,21 +179,25 @@ def _check_dense(g, group, index, i, p) -> None:
             f"consider torch.optim.SparseAdam")
 
 
-def ready_state(state, p: torch.Tensor, amsgrad: bool, label) -> dict:
+def ready_state(state, p: torch.Tensor, amsgrad: bool, fmt: StateFormat, label) -> dict:
     """Creates p's state on its first step (as torch does, lazily) or brings a
-    loaded one into the kernels' format: fp32, contiguous, CPU, step a float32
-    0-dim tensor, and the fp32 master of a low-precision param."""
+    loaded one into the kernels' format: contiguous CPU tensors, the moments in
+    the group's state format (state_format.py), step a float32 0-dim tensor,
+    and the fp32 master of a low-precision param."""
+    if amsgrad and fmt.blockwise:
+        raise ValueError(f"amsgrad=True cannot be used with state_dtype=\"8bit\" (param "
+                         f"{label()}): the running max of exp_avg_sq has no 8-bit code; "
+                         "use state_dtype=torch.bfloat16 or torch.float32 with amsgrad")
     st = state[p]
     step = st.get("step")
     if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32
             and step.dim() == 0 and step.device.type == "cpu"):
         st["step"] = torch.tensor(0.0 if step is None else float(step), dtype=torch.float32)
     for key in MOMENT_KEYS if amsgrad else MOMENT_KEYS[:2]:
-        if key not in st:
-            st[key] = torch.zeros_like(p, dtype=torch.float32,
-                                       memory_format=torch.contiguous_format)
-        else:
-            st[key] = as_fp32_like(st[key], p, key, label)
+        st.update(fmt.convert(st, key, p.shape, p.numel(), f" of param {label()}"))
+    if not fmt.blockwise:
+        for scale in SCALE_KEYS.values():
+            st.pop(scale, None)
     if p.dtype is torch.float32:
         st.pop(MASTER_KEY, None)  # the param is its own master
     elif MASTER_KEY in st:

@@ -50,19 +50,27 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
               max_exp_avg_sqs: Sequence[torch.Tensor], lp_params: Sequence[torch.Tensor],
               steps: Sequence[torch.Tensor], hyper: Hyper, grad_scale: float,
-              num_threads: int) -> None:
+              num_threads: int, exp_avg_scales: Sequence[torch.Tensor] = (),
+              exp_avg_sq_scales: Sequence[torch.Tensor] = (),
+              first_indices: Sequence[int] = ()) -> None:
     """One fused Adam/AdamW step of a list of tensors (csrc/binding.cpp).
 
     params: fp32 tensors updated in place (a param, or the master of a bf16/fp16
     one); lp_params: where the kernel writes those masters rounded to bf16/fp16
     ([] for fp32 params); max_exp_avg_sqs: [] unless hyper.amsgrad; steps: torch's
     0-dim float32 step counts, incremented by the call; grad_scale multiplies
-    every grad (1/loss scale times a clipping coefficient). The GIL is released."""
+    every grad (1/loss scale times a clipping coefficient). The moments' dtype is
+    their format (state_format.py): 8-bit ones come with their block scales;
+    first_indices: where each tensor starts in its param (a piece of a param cut
+    in ranges), so that stochastic rounding draws the same bits however a param
+    is cut. The GIL is released."""
     kernels().adam_step(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
         list(max_exp_avg_sqs) if hyper.amsgrad else [], list(lp_params), list(steps),
         hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
-        hyper.decoupled_weight_decay, hyper.maximize, float(grad_scale), int(num_threads))
+        hyper.decoupled_weight_decay, hyper.maximize, float(grad_scale), int(num_threads),
+        exp_avg_scales=list(exp_avg_scales), exp_avg_sq_scales=list(exp_avg_sq_scales),
+        first_indices=[int(i) for i in first_indices])
 
 
 def grad_sq_sums(grads: Sequence[torch.Tensor], num_threads: int) -> List[float]:

@@ -36,13 +36,16 @@ from torch.optim import Optimizer
 from .engine import OffloadEngine
 from .engine_device import simulating
 from .engine_worker import interrupts_deferred
-from .inplace import MASTER_KEY, MOMENT_KEYS, InPlace, param_label
+from .inplace import MASTER_KEY, InPlace, param_label
 from .kernel_step import clip_coefficient, grad_sq_sums
+from .state_format import MOMENT_KEYS, SCALE_KEYS, state_format, with_float32_moments
 
 __all__ = ["Adam", "AdamW"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED_DTYPES = (torch.float32,) + _LOW_PRECISION
+# The state that bypasses torch's cast when loaded (load_state_dict).
+_HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + (MASTER_KEY,)
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -77,6 +80,12 @@ def _check_modes(group_or_defaults, where):
                 f"offload_adam does not support {key}=True ({where}); "
                 f"use torch.optim.Adam/AdamW for {key} mode"
             )
+    fmt = state_format(group_or_defaults.get("state_dtype", "float32"))
+    group_or_defaults["state_dtype"] = fmt.name
+    if fmt.blockwise and group_or_defaults.get("amsgrad", False):
+        raise ValueError(f"amsgrad=True cannot be used with state_dtype=\"8bit\" ({where}): "
+                         "the running max of exp_avg_sq has no 8-bit code; use "
+                         "state_dtype=torch.bfloat16 or torch.float32 with amsgrad")
 
 
 def _check_param(p, label):
@@ -137,6 +146,16 @@ class Adam(Optimizer):
         after such an error the params already stepped in backward stay stepped
         (param, master, moments and step agree) and the others are not, and the
         message says so. The default is False because it is exact in every case.
+
+    State format (any params; also a param-group key):
+      state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
+        torch.float32 (12 B/param with the fp32 master), torch.bfloat16 (8 B;
+        exp_avg rounded to nearest, exp_avg_sq stochastically) or "8bit" (~6 B:
+        blockwise uint8 codes with an fp32 scale per 256 elements; no amsgrad).
+        The master stays fp32. Fewer bytes is a faster CPU step (it is bound by
+        memory bandwidth) and a larger model in the same RAM. state_dict() saves
+        the moments as stored; state_dict(fp32_moments=True) as fp32, loadable
+        into torch.optim.AdamW. See offload_adam/state_format.py.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
@@ -144,7 +163,7 @@ class Adam(Optimizer):
                  differentiable=False, fused=None, decoupled_weight_decay=False,
                  overlap=True, bucket_mb=32.0, free_grads_after_copy=False,
                  num_threads=None, max_grad_norm=None, step_in_backward=False,
-                 verify_grads=True):
+                 verify_grads=True, state_dtype=torch.float32):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
@@ -182,6 +201,7 @@ class Adam(Optimizer):
             "differentiable": differentiable,
             "fused": fused,
             "decoupled_weight_decay": decoupled_weight_decay,
+            "state_dtype": state_format(state_dtype).name,
         }
         _check_modes(defaults, "constructor argument")
         self._reset_caches()
@@ -217,6 +237,7 @@ class Adam(Optimizer):
             group.setdefault("differentiable", False)
             group.setdefault("fused", None)
             group.setdefault("decoupled_weight_decay", False)
+            group.setdefault("state_dtype", "float32")
         if not hasattr(self, "_engine"):  # unpickling (load_state_dict keeps its engine)
             self._engine = None
             self._engine_options = options or {}
@@ -239,7 +260,8 @@ class Adam(Optimizer):
                 if managed and self._engine is None:
                     self._start_engine()
                 elif managed:
-                    self._engine.add_group(index, managed, bool(group["amsgrad"]))
+                    self._engine.add_group(index, managed, bool(group["amsgrad"]),
+                                           group["state_dtype"])
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was
             raise
@@ -268,6 +290,7 @@ class Adam(Optimizer):
         if any(managed):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
+                state_dtypes=[g["state_dtype"] for g in self.param_groups],
                 owner=weakref.ref(self), **self._engine_options)
 
     # ---- offload engine: profile, memory, clipping ---------------------------
@@ -277,8 +300,14 @@ class Adam(Optimizer):
         return self._engine.profile() if self._engine is not None else None
 
     def host_bytes(self):
-        """Host memory the engine holds for master, moments and transfer buffers."""
-        return self._engine.host_bytes() if self._engine is not None else 0
+        """Host memory the optimizer's state holds: the engine's (master, moments
+        and transfer buffers) and the state tensors of the params stepped in place."""
+        engine = self._engine.host_bytes() if self._engine is not None else 0
+        return engine + sum(t.numel() * t.element_size()
+                            for g in self.param_groups for p in g["params"]
+                            if not self._in_engine(p)
+                            for t in self.state.get(p, {}).values()
+                            if isinstance(t, torch.Tensor))
 
     def _total_norm(self):
         """2-norm of all grads: the engine's from its host copies, the in-place
@@ -375,55 +404,79 @@ class Adam(Optimizer):
         return loss
 
     # ---- state dict ---------------------------------------------------------
-    def load_state_dict(self, state_dict):
-        """torch's load_state_dict, keeping fp32 state fp32 for bf16/fp16 params.
+    def state_dict(self, *, fp32_moments: bool = False):
+        """torch's state_dict. The moments are saved as stored (state_dtype): a
+        checkpoint resumes bit for bit. fp32_moments=True gives them as fp32 and
+        drops the 8-bit scales: torch.optim.AdamW/Adam load that."""
+        sd = super().state_dict()
+        if fp32_moments:
+            sd = {**sd, "state": {k: with_float32_moments(st) for k, st in sd["state"].items()}}
+        return sd
 
-        torch casts every loaded state tensor to its param's dtype, which would
-        round the moments and the master of a low-precision param. We let it load,
-        then put back fp32 copies of those from the dict torch loaded from (seen
-        through a pre-hook registered last, so it is the dict after the user's
-        pre-hooks), matched to params the way torch matches them.
+    def load_state_dict(self, state_dict):
+        """torch's load_state_dict, keeping the state as it was saved.
+
+        torch casts every loaded state tensor to its param's dtype and device,
+        which would round the fp32 master and moments of a bf16 param, garble
+        8-bit codes and copy an offloaded param's whole state to the GPU. So the
+        moments, their scales and the master bypass it: torch loads the rest,
+        then they are put back (CPU copies, as saved) from the dict torch loaded
+        from (seen through a pre-hook registered last, so it is the dict after
+        the user's pre-hooks), matched to params the way torch matches them, and
+        converted to the optimizer's state format (its own state_dtype, whatever
+        the dict's: fp32 moments from torch, 8-bit codes...). Unlike torch's,
+        nothing loaded is shared
+        with the dict (not even "step"): loading a live optimizer's state_dict()
+        does not tie the two together.
         """
         seen = {}
 
         def capture(optimizer, sd):
             self._check_loaded_shapes(sd)
             seen["state_dict"] = sd
-            # The engine's params keep their state on the host: hide their fp32
-            # tensors from torch's cast, which would first copy them to the param's
-            # device (the whole optimizer state on the GPU); they are put back below.
-            heavy = MOMENT_KEYS + (MASTER_KEY,)
-            engine_ids = {i for i, p in self._loaded_params(sd) if self._in_engine(p)}
-            if not engine_ids:
-                return None
-            state = {k: ({key: v for key, v in st.items() if key not in heavy}
-                         if k in engine_ids and isinstance(st, dict) else st)
+            state = {k: ({key: v for key, v in st.items() if key not in _HEAVY}
+                         if isinstance(st, dict) else st)
                      for k, st in sd["state"].items()}
             return {**sd, "state": state}
 
         handle = self.register_load_state_dict_pre_hook(capture)
+        formats = [g["state_dtype"] for g in self.param_groups]
         try:
             super().load_state_dict(state_dict)
         finally:
             handle.remove()
+        # The state format is this optimizer's (how much memory it may use), not
+        # the checkpoint's: the loaded moments are converted to it.
+        for group, fmt in zip(self.param_groups, formats):
+            group["state_dtype"] = fmt
         self._reset_caches()
-        for saved_id, p in self._loaded_params(seen["state_dict"]):
+        for saved_id, p, group in self._loaded_params(seen["state_dict"]):
             saved = seen["state_dict"]["state"].get(saved_id)
             if saved is None:
                 continue
             state = self.state[p]
-            if p.dtype is torch.float32 and not self._in_engine(p):
-                state.pop(MASTER_KEY, None)  # the param is its own master
-                continue
-            for key in MOMENT_KEYS + (MASTER_KEY,):
+            for key in _HEAVY + ("step",):  # copies: the kernels update them in place
                 value = saved.get(key)
                 if isinstance(value, torch.Tensor):
-                    state[key] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
+                    state[key] = value.detach().to("cpu", copy=True).contiguous()
+            fmt = state_format(group["state_dtype"])
+            for key in MOMENT_KEYS:
+                if key in state:
+                    state.update(fmt.convert(state, key, p.shape, p.numel()))
+            if not fmt.blockwise:
+                for scale in SCALE_KEYS.values():
+                    state.pop(scale, None)
+            if MASTER_KEY in state:
+                if p.dtype is torch.float32 and not self._in_engine(p):
+                    del state[MASTER_KEY]  # the param is its own master
+                else:
+                    state[MASTER_KEY] = state[MASTER_KEY].to(torch.float32)
 
     def _loaded_params(self, state_dict):
-        """(saved id, param) pairs: torch's own matching, in group order."""
+        """(saved id, param, its group): torch's own matching, in group order."""
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            yield from zip(saved_group["params"], group["params"])
+            for saved_id, p in zip(saved_group["params"], group["params"]):
+                yield saved_id, p, group
 
     def _check_loaded_shapes(self, state_dict):
         """Rejects state whose tensors do not fit their params (torch does not check)."""
@@ -436,7 +489,7 @@ class Adam(Optimizer):
                 if not isinstance(saved, dict):
                     continue
                 for key, value in saved.items():
-                    if not isinstance(value, torch.Tensor):
+                    if not isinstance(value, torch.Tensor) or key in SCALE_KEYS.values():
                         continue
                     expected = () if key == "step" else p.shape
                     if key == "step" and value.numel() == 1:
@@ -456,14 +509,15 @@ class AdamW(Adam):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, overlap=True, bucket_mb=32.0,
                  free_grads_after_copy=False, num_threads=None, max_grad_norm=None,
-                 step_in_backward=False, verify_grads=True):
+                 step_in_backward=False, verify_grads=True, state_dtype=torch.float32):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, overlap=overlap, bucket_mb=bucket_mb,
                          free_grads_after_copy=free_grads_after_copy,
                          num_threads=num_threads, max_grad_norm=max_grad_norm,
-                         step_in_backward=step_in_backward, verify_grads=verify_grads)
+                         step_in_backward=step_in_backward, verify_grads=verify_grads,
+                         state_dtype=state_dtype)
 
     def __setstate__(self, state):
         super().__setstate__(state)

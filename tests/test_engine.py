@@ -432,9 +432,9 @@ def _kernels_that(monkeypatch, before_step):
     real = kernel_step.kernels()
 
     class Wrapped:
-        def adam_step(self, *args):
+        def adam_step(self, *args, **kwargs):
             before_step(args)
-            return real.adam_step(*args)
+            return real.adam_step(*args, **kwargs)
 
         def __getattr__(self, name):
             return getattr(real, name)

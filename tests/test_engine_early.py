@@ -328,11 +328,11 @@ def test_failing_early_kernel_leaves_stepped_params_consistent(path, monkeypatch
     real, calls = kernel_step.kernels(), []
 
     class FailSecond:
-        def adam_step(self, *args):
+        def adam_step(self, *args, **kwargs):
             calls.append(1)
             if len(calls) == 2:  # the first bucket runs, the second fails
                 raise Boom("kernel failed")
-            return real.adam_step(*args)
+            return real.adam_step(*args, **kwargs)
 
     monkeypatch.setattr(kernel_step, "kernels", FailSecond)
     mlp_loss(model, 1).backward()

@@ -4,7 +4,9 @@ import torch
 
 from offload_adam.engine_device import HostDevice
 from offload_adam.engine_layout import (PACK_BELOW_BYTES, SPLIT_ALIGN, ParamRec,
-                                        allocate_state, allocate_transfers, cut, make_buckets)
+                                        allocate_state, allocate_transfers, cut, make_buckets,
+                                        state_roles)
+from offload_adam.state_format import FLOAT32
 
 BF16 = torch.bfloat16
 HOST = HostDevice(torch.device("cpu"))
@@ -49,7 +51,7 @@ def test_buckets_follow_the_order_and_split_by_group_and_dtype():
 
 def test_host_buffers_are_aligned_apart_and_skewed():
     recs = [rec((1000,)), rec((3, 7)), rec((SPLIT_ALIGN * 3,))]
-    state = allocate_state(recs, HOST, None)
+    state = allocate_state(recs, HOST, None, state_roles(FLOAT32, False))
     for r in recs:
         for role in ("master", "exp_avg", "exp_avg_sq"):
             view = getattr(r, role)

@@ -197,15 +197,18 @@ def test_param_groups_and_add_param_group(kernels):
         opt.step()
         topt.step()
     assert_params_close(ps, qs)
-    assert [sorted(g) for g in opt.param_groups] == [sorted(g) for g in topt.param_groups]
+    # torch's keys, plus our state format
+    assert [sorted(g) for g in opt.param_groups] == [sorted([*g, "state_dtype"])
+                                                      for g in topt.param_groups]
 
 
 def test_group_keys_and_defaults_match_torch():
     for kind, (ours_cls, torch_cls) in CLASSES.items():
         p = torch.zeros(3, requires_grad=True)
         ours, theirs = ours_cls([p]), torch_cls([p])
-        assert ours.defaults == theirs.defaults, kind
-        assert ours.param_groups[0].keys() == theirs.param_groups[0].keys()
+        # torch's defaults and group keys, plus the state format (state_format.py)
+        assert ours.defaults == {**theirs.defaults, "state_dtype": "float32"}, kind
+        assert ours.param_groups[0].keys() == theirs.param_groups[0].keys() | {"state_dtype"}
         sig_o = inspect.signature(ours_cls.__init__).parameters
         sig_t = inspect.signature(torch_cls.__init__).parameters
         # torch's arguments, in torch's order; then the offload engine's options,
@@ -286,7 +289,8 @@ def test_named_parameters(kernels):
             m(x).square().sum().backward()
             o.step()
     assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
-    assert opt.state_dict()["param_groups"] == topt.state_dict()["param_groups"]
+    assert opt.state_dict()["param_groups"] == [{**g, "state_dtype": "float32"}
+                                                for g in topt.state_dict()["param_groups"]]
     assert_params_close(model.parameters(), twin.parameters())
 
 
@@ -322,9 +326,9 @@ class CountingKernels:
     def __init__(self, inner):
         self.inner, self.calls = inner, []
 
-    def adam_step(self, *args):
+    def adam_step(self, *args, **kwargs):
         self.calls.append(args)
-        return self.inner.adam_step(*args)
+        return self.inner.adam_step(*args, **kwargs)
 
 
 def test_one_kernel_call_per_group_and_dtype(kernels, monkeypatch):

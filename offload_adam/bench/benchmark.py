@@ -90,7 +90,7 @@ def run(s: BenchSettings, progress_enabled: bool = True) -> dict:
                 progress.advance(s.steps - len(row.get("losses", [])))
             progress.note(_summary(row))
             rows.append(row)
-        check_losses(rows, C.REFERENCE, C.TWIN, C.drifts())
+        check_losses(rows, C.REFERENCE, C.TWIN, C.drifts(), C.relatives())
         add_exposed(rows)
         runs.extend(rows)
     report = {

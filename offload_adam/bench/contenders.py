@@ -44,6 +44,7 @@ class Contender:
     baseline: bool = False                       # a no-optimizer run (timing baseline, not compared)
     expected_drift: str = ""                     # a known reason its loss curve leaves the reference's
     no_accumulation: str = ""                    # why it cannot accumulate micro-batches, if it cannot
+    relative_to: str = ""                        # also compare its loss curve with this contender's
 
     @property
     def precision(self) -> str:
@@ -194,6 +195,12 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               why_not_cpu="CPU variant: fp32 CPU params"),
     Contender("offload_adam", "offload_adam.AdamW, bf16 params, defaults", torch.bfloat16,
               _offload_adam(), host_bytes_per_param=16),
+    Contender("offload_adam_bf16_state", "offload_adam.AdamW, bf16, bf16 moments (state_dtype)",
+              torch.bfloat16, _offload_adam(state_dtype=torch.bfloat16), needs_option="state_dtype",
+              host_bytes_per_param=12, relative_to="offload_adam"),
+    Contender("offload_adam_8bit_state", "offload_adam.AdamW, bf16, 8-bit moments (state_dtype)",
+              torch.bfloat16, _offload_adam(state_dtype="8bit"), needs_option="state_dtype",
+              host_bytes_per_param=10.1, relative_to="offload_adam"),
     Contender("offload_adam_no_overlap", "offload_adam.AdamW, bf16, overlap=False", torch.bfloat16,
               _offload_adam(overlap=False), needs_option="overlap", host_bytes_per_param=16),
     Contender("offload_adam_free_grads", "offload_adam.AdamW, bf16, grads freed once on the host",
@@ -218,8 +225,10 @@ TWIN = "torch_master_bf16"       # what rounding the weights to bf16 alone does 
 
 DEFAULTS = {
     "cpu": ["torch_adamw_fp32", "offload_adam_fp32", "torch_adamw_bf16", "torch_master_bf16",
-            "offload_adam", "offload_adam_no_overlap", "torchao_offload", "deepspeed_cpu_adam"],
+            "offload_adam", "offload_adam_bf16_state", "offload_adam_8bit_state",
+            "offload_adam_no_overlap", "torchao_offload", "deepspeed_cpu_adam"],
     "cuda": ["torch_adamw_fp32", "torch_adamw_amp", "torch_adamw_bf16", "torch_master_bf16", "offload_adam",
+             "offload_adam_bf16_state", "offload_adam_8bit_state",
              "offload_adam_no_overlap", "offload_adam_free_grads", "torchao_offload",
              "torchao_offload_grads", "deepspeed_cpu_adam"],
 }
@@ -231,6 +240,11 @@ SWEEP = ["torch_adamw_amp", "torch_adamw_bf16", "offload_adam", "offload_adam_fr
 
 def drifts() -> dict[str, str]:
     return {c.name: c.expected_drift for c in CONTENDERS.values() if c.expected_drift}
+
+
+def relatives() -> dict[str, str]:
+    """Contender -> the contender its loss curve is also compared with."""
+    return {c.name: c.relative_to for c in CONTENDERS.values() if c.relative_to}
 
 
 def no_optimizer(param_dtype: torch.dtype, autocast: Optional[torch.dtype]) -> Contender:

@@ -42,8 +42,10 @@ def max_rel_diff(losses: list[float], ref: list[float]) -> Optional[float]:
     return max(abs(a - b) / abs(b) for a, b in zip(losses[:n], ref[:n]))
 
 
-def check_losses(rows: list[dict], reference: str, twin: str, drifts: dict[str, str] | None = None) -> None:
-    """Adds row["loss_check"] to every trained, non-baseline row of one batch size."""
+def check_losses(rows: list[dict], reference: str, twin: str, drifts: dict[str, str] | None = None,
+                 relatives: dict[str, str] | None = None) -> None:
+    """Adds row["loss_check"] to every trained, non-baseline row of one batch size; `relatives`
+    (contender -> another) adds the largest per-step difference to that one's curve too."""
     by_name = {r["optimizer"]: r for r in rows if r.get("status") == "ok"}
     ref = by_name.get(reference)
     if ref is None:
@@ -66,6 +68,10 @@ def check_losses(rows: list[dict], reference: str, twin: str, drifts: dict[str, 
             check["expected_drift"] = drifts[r["optimizer"]]
         if twin in by_name and r["optimizer"] != twin and r["precision"] == "bf16":
             check["max_rel_diff_to_twin"] = max_rel_diff(r["losses"], by_name[twin]["losses"])
+        other = (relatives or {}).get(r["optimizer"])
+        if other in by_name:
+            check["relative_to"] = other
+            check["max_rel_diff_to_relative"] = max_rel_diff(r["losses"], by_name[other]["losses"])
         r["loss_check"] = check
 
 
@@ -137,11 +143,31 @@ def table(report: dict) -> str:
                 out.append("  ".join(str(x).rjust(w) if i else str(x).ljust(w)
                                      for i, (x, w) in enumerate(zip(b, widths))))
         out.append("")
+        out.extend(_relative_lines(rows, report["config"]["reference"]))
     out.append("ms: medians over the timed steps. step = time in opt.step()+zero_grad(); exposed = iteration - "
                "the no-optimizer iteration; d2h/cpu step/h2d: offload_adam's own profile. host MiB: the "
                "optimizer's host bytes (offload buffers, or its state). max rel diff: largest per-step "
                "|loss - reference| / reference.")
     return "\n".join(out)
+
+
+def _relative_lines(rows: list[dict], reference: str) -> list[str]:
+    """The contenders compared with another (the state formats with fp32 moments), beside the
+    drift of pure-bf16 AdamW for scale."""
+    related = [r for r in rows if (r.get("loss_check") or {}).get("relative_to")]
+    if not related:
+        return []
+    by_name = {r["optimizer"]: r for r in rows}
+    out = ["loss curves against another contender's (largest per-step |loss - other| / other):"]
+    for r in related:
+        lc = r["loss_check"]
+        out.append(f"  {r['optimizer']:<28} vs {lc['relative_to']:<16} {lc['max_rel_diff_to_relative']:.2e}"
+                   f"   final loss {r['losses'][-1]:.4f} (other {by_name[lc['relative_to']]['losses'][-1]:.4f})")
+    for name in ("torch_adamw_bf16", "torch_master_bf16"):
+        lc = (by_name.get(name) or {}).get("loss_check")
+        if lc:
+            out.append(f"  for scale: {name:<17} vs {reference:<16} {lc['max_rel_diff']:.2e}")
+    return out + [""]
 
 
 # ---- JSON -------------------------------------------------------------------------------------------

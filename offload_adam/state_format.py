@@ -1,0 +1,143 @@
+"""How the Adam moments are stored: state_dtype = float32, bfloat16 or "8bit".
+
+The CPU step moves every byte of the state once per step and is bound by memory
+bandwidth, so fewer bytes per param is a faster step and a larger model in the
+same host RAM. The master stays fp32 in every format (DeepSeek-V3's recipe for
+bf16 moments); only exp_avg and exp_avg_sq (and amsgrad's max) shrink:
+
+  format    state per param (master + moments)   step traffic   csrc/adam_kernels.h
+  float32   4 + 8 = 12 B                          28 B           torch's format
+  bfloat16  4 + 4 =  8 B                          20 B           m rounded to nearest, v stochastically
+  "8bit"    4 + 2 + 8/256 = ~6 B                  ~16 B          blockwise: uint8 codes and one fp32
+                                                                 scale per 256 elements per moment
+
+In optimizer.state[p] a moment is kept in its stored form: a bfloat16 tensor, or
+uint8 codes shaped like the param plus "exp_avg_scale"/"exp_avg_sq_scale" (fp32,
+ceil(numel / 256)). state_dict() saves that form (a checkpoint resumes bit for
+bit); state_dict(fp32_moments=True) gives fp32 moments, loadable into
+torch.optim.AdamW. A loaded moment in any form (fp32 from torch, bf16, 8-bit
+codes with scales) is converted to the optimizer's format at the next step.
+The 8-bit format has no amsgrad (its running max has no code).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from .kernel_step import kernels
+
+QUANT_BLOCK = 256  # csrc/adam_kernels.h kQuantBlock; checked against the kernels in the tests
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    name: str                  # "float32", "bfloat16", "8bit"
+    moment_dtype: torch.dtype  # how one moment element is stored
+
+    @property
+    def blockwise(self) -> bool:
+        return self.moment_dtype is torch.uint8
+
+    def moment_bytes(self) -> float:
+        """Bytes of host memory per param per moment, scales included."""
+        return 1 + 4 / QUANT_BLOCK if self.blockwise else self.moment_dtype.itemsize
+
+    def scale_len(self, numel: int) -> int:
+        return -(-numel // QUANT_BLOCK)
+
+    def zeros(self, key: str, numel: int, shape) -> Dict[str, torch.Tensor]:
+        """A zero moment in this format (all-zero codes and scales are zero)."""
+        out = {key: torch.zeros(shape, dtype=self.moment_dtype)}
+        if self.blockwise:
+            out[SCALE_KEYS[key]] = torch.zeros(self.scale_len(numel), dtype=torch.float32)
+        return out
+
+    def convert(self, st: dict, key: str, shape, numel: int,
+                where: str = "") -> Dict[str, torch.Tensor]:
+        """st[key] (and its scale) in this format, from whatever form it holds:
+        the same objects when it already is, else new CPU tensors. `where`
+        names the param in errors."""
+        value = st.get(key)
+        if value is None:
+            return self.zeros(key, numel, shape)
+        value = value.detach()
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"optimizer state {key!r}{where} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(shape)}")
+        scale = st.get(SCALE_KEYS.get(key, ""))
+        if self._is_native(value, scale, numel):
+            return {key: value, **({SCALE_KEYS[key]: scale} if self.blockwise else {})}
+        fp32 = float32_moment(value, scale, key)
+        if not self.blockwise:
+            return {key: fp32.to(self.moment_dtype).contiguous()}
+        return encode_8bit(key, fp32, self.scale_len(numel))
+
+    def _is_native(self, value, scale, numel) -> bool:
+        if value.dtype is not self.moment_dtype or value.device.type != "cpu":
+            return False
+        if not value.is_contiguous():
+            return False
+        if not self.blockwise:
+            return True
+        return (scale is not None and scale.dtype is torch.float32 and scale.device.type == "cpu"
+                and scale.is_contiguous() and scale.numel() == self.scale_len(numel))
+
+
+FLOAT32 = StateFormat("float32", torch.float32)
+BFLOAT16 = StateFormat("bfloat16", torch.bfloat16)
+EIGHT_BIT = StateFormat("8bit", torch.uint8)
+_NAMES = {"float32": FLOAT32, "fp32": FLOAT32, "bfloat16": BFLOAT16, "bf16": BFLOAT16,
+          "8bit": EIGHT_BIT, "int8": EIGHT_BIT}
+
+
+def state_format(value) -> StateFormat:
+    """state_dtype= as given by the user: torch.float32, torch.bfloat16 or "8bit"
+    (or their names: "float32"/"fp32", "bfloat16"/"bf16")."""
+    if isinstance(value, StateFormat):
+        return value
+    if value is torch.float32 or value is torch.bfloat16:
+        return FLOAT32 if value is torch.float32 else BFLOAT16
+    if isinstance(value, str) and value in _NAMES:
+        return _NAMES[value]
+    raise ValueError(f"Invalid state_dtype: {value!r}; expected torch.float32, torch.bfloat16 "
+                     "or \"8bit\" (blockwise 8-bit moments)")
+
+
+def float32_moment(value: torch.Tensor, scale: Optional[torch.Tensor], key: str) -> torch.Tensor:
+    """A moment in any stored form as a new fp32 CPU tensor of its shape."""
+    value = value.detach()
+    if value.dtype is not torch.uint8:
+        return value.to("cpu", torch.float32, copy=True).contiguous()
+    if key not in SCALE_KEYS:
+        raise ValueError(f"optimizer state {key!r} holds 8-bit codes, which only exp_avg "
+                         "and exp_avg_sq can have")
+    n = value.numel()
+    if scale is None or scale.numel() != -(-n // QUANT_BLOCK):
+        raise ValueError(f"optimizer state {key!r} holds 8-bit codes but "
+                         f"{SCALE_KEYS[key]!r} is missing or not {-(-n // QUANT_BLOCK)} long")
+    out = torch.empty(value.shape, dtype=torch.float32)
+    kernels().q8_decode(value.to("cpu").contiguous(), scale.to("cpu", torch.float32).contiguous(),
+                        out, key == "exp_avg_sq")
+    return out
+
+
+def encode_8bit(key: str, fp32: torch.Tensor, blocks: int) -> Dict[str, torch.Tensor]:
+    codes = torch.empty(fp32.shape, dtype=torch.uint8)
+    scale = torch.empty(blocks, dtype=torch.float32)
+    kernels().q8_encode(fp32.contiguous(), codes, scale, key == "exp_avg_sq")
+    return {key: codes, SCALE_KEYS[key]: scale}
+
+
+def with_float32_moments(st: dict) -> dict:
+    """A param's state with every moment as fp32 and no scales (torch's format)."""
+    out = {k: v for k, v in st.items() if k not in SCALE_KEYS.values()}
+    for key in MOMENT_KEYS:
+        value = st.get(key)
+        if isinstance(value, torch.Tensor) and value.dtype is not torch.float32:
+            out[key] = float32_moment(value, st.get(SCALE_KEYS.get(key, "")), key)
+    return out

@@ -1,0 +1,210 @@
+"""state_dtype= (offload_adam/state_format.py): Adam moments stored as fp32, bf16
+or 8-bit blockwise, with the fp32 master kept, on every path (in place, and the
+engine on the simulated device: conftest.path).
+
+The kernels' own accuracy per format is tested against float64 in
+tests/test_state_formats.py and tests/cpp; here: the optimizer around them
+(state, checkpoints, conversions, errors) and that both paths give the same bits.
+"""
+import copy
+
+import pytest
+import torch
+
+import offload_adam
+from offload_adam.state_format import QUANT_BLOCK, state_format
+from models import BF16, OPTS, assert_same, loss_of, make_pair, run
+
+FORMATS = [torch.float32, torch.bfloat16, "8bit"]
+MOMENT_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, "8bit": torch.uint8}
+IDS = ["fp32", "bf16", "8bit"]
+
+
+def train(fmt, steps=3, **options):
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), state_dtype=fmt, **{**OPTS, **options})
+    run(model, opt, steps)
+    return model, opt
+
+
+def test_the_block_size_is_the_kernels(kernels):
+    assert QUANT_BLOCK == kernels.quant_block_size()
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_state_is_stored_in_the_format_and_equal_on_every_path(path, fmt):
+    model, opt = train(fmt)
+    for p in model.parameters():
+        st = opt.state.get(p)
+        if not st:
+            continue
+        assert st["master_param"].dtype == torch.float32
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert st[key].dtype == MOMENT_DTYPE[fmt] and st[key].shape == p.shape
+        scales = {k for k in st if k.endswith("_scale")}
+        assert scales == ({"exp_avg_scale", "exp_avg_sq_scale"} if fmt == "8bit" else set())
+        if scales:
+            assert st["exp_avg_scale"].shape == (-(-p.numel() // QUANT_BLOCK),)
+    with path.outside():
+        reference = train(fmt)
+    assert_same((model, opt), reference)
+
+
+def test_host_memory_per_param(kernels):
+    """In place: 12, 8 and ~6 bytes of state per param (master + moments +
+    scales), as the format says."""
+    n = sum(p.numel() for p in make_pair()[0].parameters() if p is not None)
+    held = {}
+    for fmt, name in zip(FORMATS, IDS):
+        model, opt = train(fmt, steps=1)
+        n = sum(p.numel() for p in model.parameters() if opt.state.get(p))
+        held[name] = opt.host_bytes() / n
+    assert 12 <= held["fp32"] < 12.01
+    assert 8 <= held["bf16"] < 8.01
+    assert 6 <= held["8bit"] < 6 + 8 / QUANT_BLOCK + 0.5  # + the partial blocks of small params
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, "8bit"], ids=IDS[1:])
+def test_training_stays_close_to_fp32_moments(kernels, fmt):
+    """Six steps: the masters' distance to the fp32-moment run's, relative to how
+    far that run moved them, stays small (measured 0.030 for bf16, 0.040 for
+    8-bit; single elements can differ more, where a grad near zero changes sign
+    between the two trajectories and Adam's normalised step follows it)."""
+    def train_from_init(fmt):
+        model, _ = make_pair()
+        init = [p.detach().float().clone() for p in model.parameters()]
+        opt = offload_adam.AdamW(model.parameters(), state_dtype=fmt, **OPTS)
+        run(model, opt, 6)
+        return [opt.state[p]["master_param"] if opt.state.get(p) else None
+                for p in model.parameters()], init
+
+    ref, init = train_from_init(torch.float32)
+    ours, _ = train_from_init(fmt)
+    off = sum(float((a - b).pow(2).sum()) for a, b in zip(ref, ours) if a is not None)
+    moved = sum(float((a - i).pow(2).sum()) for a, i in zip(ref, init) if a is not None)
+    assert (off / moved) ** 0.5 < 0.1
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_checkpoint_resumes_bitwise(path, fmt):
+    model, opt = train(fmt, steps=2)
+    sd, msd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    run(model, opt, 2, start=2)
+    model2, _ = make_pair(seed=3)
+    model2.load_state_dict(msd)
+    opt2 = offload_adam.AdamW(model2.parameters(), state_dtype=fmt, **OPTS)
+    opt2.load_state_dict(sd)
+    run(model2, opt2, 2, start=2)
+    assert_same((model, opt), (model2, opt2))
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, "8bit"], ids=IDS[1:])
+def test_fp32_moments_for_torch_and_back(path, fmt):
+    """state_dict(fp32_moments=True) loads into torch.optim.AdamW; loaded back
+    into the format, bf16 moments come back bit for bit (bf16 -> fp32 is exact)
+    and 8-bit ones to within their own rounding."""
+    model, opt = train(fmt, steps=2)
+    sd = opt.state_dict(fp32_moments=True)
+    masters = [opt.state[p]["master_param"] for p in model.parameters() if opt.state.get(p)]
+    for st in sd["state"].values():
+        assert st["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in st
+    ref = [torch.nn.Parameter(m.clone()) for m in masters]
+    topt = torch.optim.AdamW(ref, lr=3e-3, weight_decay=0.1)
+    topt.load_state_dict({"state": sd["state"], "param_groups": [
+        {**sd["param_groups"][0], "params": list(range(len(ref)))}]})
+    topt.step()  # torch steps from them (no grads: nothing changes, no error)
+
+    model2, _ = make_pair()
+    model2.load_state_dict(model.state_dict())
+    opt2 = offload_adam.AdamW(model2.parameters(), state_dtype=fmt, **OPTS)
+    opt2.load_state_dict(sd)
+    run(model2, opt2, 1, start=2)
+    run(model, opt, 1, start=2)
+    if fmt is torch.bfloat16:
+        assert_same((model, opt), (model2, opt2))
+    else:
+        for p, q in zip(model.parameters(), model2.parameters()):
+            if opt.state.get(p):
+                torch.testing.assert_close(opt2.state[q]["master_param"],
+                                           opt.state[p]["master_param"], rtol=0, atol=3e-3)
+
+
+@pytest.mark.parametrize("saved", FORMATS, ids=IDS)
+@pytest.mark.parametrize("loaded", FORMATS, ids=IDS)
+def test_a_state_dict_of_any_format_loads_into_any_other(path, saved, loaded):
+    model, opt = train(saved, steps=2)
+    sd = opt.state_dict()
+    model2, _ = make_pair()
+    model2.load_state_dict(model.state_dict())
+    opt2 = offload_adam.AdamW(model2.parameters(), state_dtype=loaded, **OPTS)
+    opt2.load_state_dict(sd)
+    run(model2, opt2, 1, start=2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        if not opt.state.get(p):
+            continue
+        st, st2 = opt.state[p], opt2.state[q]
+        assert st2["exp_avg"].dtype == MOMENT_DTYPE[loaded] and float(st2["step"]) == 3.0
+        # the step started from the loaded moments: their scale carried over
+        m_saved = offload_adam.state_format.float32_moment(
+            st["exp_avg_sq"], st.get("exp_avg_sq_scale"), "exp_avg_sq")
+        m_now = offload_adam.state_format.float32_moment(
+            st2["exp_avg_sq"], st2.get("exp_avg_sq_scale"), "exp_avg_sq")
+        assert m_now.sum() > 0.5 * 0.999 * m_saved.sum()
+
+
+def test_bad_state_dtype_and_8bit_amsgrad_are_clear_errors(path):
+    p = torch.nn.Parameter(torch.zeros(4, dtype=BF16))
+    with pytest.raises(ValueError, match=r"Invalid state_dtype: torch.float16.*8bit"):
+        offload_adam.AdamW([p], state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="amsgrad=True cannot be used with state_dtype=\"8bit\""):
+        offload_adam.AdamW([p], amsgrad=True, state_dtype="8bit")
+    opt = offload_adam.AdamW([p], state_dtype="8bit")
+    with pytest.raises(ValueError, match="amsgrad=True cannot be used"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=BF16))],
+                             "amsgrad": True})
+    opt.param_groups[0]["amsgrad"] = True  # turned on by hand after construction
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="amsgrad=True cannot be used"):
+        opt.step()
+    assert state_format("bf16") is state_format(torch.bfloat16)
+
+
+def test_a_group_can_keep_fp32_moments(path):
+    model, _ = make_pair()
+    opt = offload_adam.AdamW([{"params": list(model.embed.parameters()), "state_dtype": "float32"},
+                              {"params": list(model.body.parameters())
+                               + list(model.head.parameters())}],
+                             state_dtype="8bit", **OPTS)
+    run(model, opt, 2)
+    assert opt.state[model.embed.weight]["exp_avg"].dtype == torch.float32
+    assert opt.state[model.head.weight]["exp_avg"].dtype == torch.uint8
+
+
+def test_clipping_and_grad_scaler_with_reduced_state(path):
+    """In-kernel clipping and GradScaler's unscaling do not depend on the format:
+    scaling a grad by a power of two gives the same bits."""
+    runs = []
+    for scaled in (False, True):
+        model, _ = make_pair()
+        opt = offload_adam.AdamW(model.parameters(), state_dtype="8bit", max_grad_norm=0.5, **OPTS)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0, enabled=scaled)
+        for it in range(2):
+            scaler.scale(loss_of(model, it)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same(*runs)
+
+
+def test_a_changed_state_dtype_is_converted_in_place_and_refused_by_the_engine(path):
+    model, opt = train(torch.float32, steps=1)
+    for g in opt.param_groups:
+        g["state_dtype"] = "bfloat16"
+    loss_of(model, 1).backward()
+    if path.engine:
+        with pytest.raises(ValueError, match="state_dtype changed from 'float32' to 'bfloat16'"):
+            opt.step()
+    else:
+        opt.step()
+        assert opt.state[model.head.weight]["exp_avg"].dtype == torch.bfloat16
