@@ -47,11 +47,9 @@ ratios of medians and of minima are printed beside them.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import random
 import re
 import socket
@@ -81,6 +79,10 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=64 * 2**20, help="params per step (default 64M = 64*2^20)")
     ap.add_argument("--tensors", type=int, default=8, help="split the params into this many tensors")
+    ap.add_argument("--shapes", choices=("even", "llama"), default="even",
+                    help="even: --tensors equal tensors; llama: the params of a Llama-style decoder "
+                         "scaled to --numel (one large embedding, square attention and rectangular MLP "
+                         "matrices, many small norm vectors; --tensors is ignored)")
     ap.add_argument("--threads", type=int, default=0, help="threads for every contender (default: all cores)")
     ap.add_argument("--steps", type=int, default=50,
                     help="timed passes: each times one step of every contender (order shuffled)")
@@ -111,8 +113,28 @@ sys.path.insert(0, str(REPO))
 # Data: one random source per case; every contender runs on its own clone of it.
 
 def split_sizes(numel, tensors):
+    if ARGS.shapes == "llama":
+        return llama_sizes(numel)
     base, rem = divmod(numel, tensors)
     return [base + (i < rem) for i in range(tensors) if base + (i < rem) > 0]
+
+
+def llama_sizes(numel):
+    """The param sizes of a Llama-style decoder of about `numel` params: vocab 32000, width w, 6 layers
+    (q, k, v, o: w x w; gate, up, down: 8w/3 x w, rounded to 64; two RMSNorm weights of w), a final
+    norm, an untied head; w (a multiple of 64) as large as fits. At the default 64M: w = 576, 60.8M
+    params in 57 tensors: an embedding and a head of 18.4M, 42 matrices of 0.33M-0.88M, 13 norms."""
+    vocab, layers = 32000, 6
+
+    def sizes(w):
+        ff = (8 * w // 3 + 63) // 64 * 64
+        per_layer = [w * w] * 4 + [ff * w] * 3 + [w, w]
+        return [vocab * w] + per_layer * layers + [w, vocab * w]
+
+    w = 64
+    while sum(sizes(w + 64)) <= numel:
+        w += 64
+    return sizes(w)
 
 
 def make_source(case, numel, tensors, K):
@@ -197,7 +219,12 @@ def stream_limit(K, isa, case):
     return (f"limit[{isa}]", "limit", isa, setup)
 
 
-def ours_class(case):
+STATE_DTYPE = {"bf16": "bfloat16", "q8": "8bit", None: "float32"}
+
+
+def ours_class(case, isa):
+    """offload_adam.AdamW on the case's data (for the moment-format cases with that state_dtype,
+    starting from the same moments), its kernels set to `isa`."""
     def setup(src):
         import offload_adam
         from offload_adam._build import load_kernels
@@ -208,13 +235,24 @@ def ours_class(case):
             params = [lp.clone().requires_grad_() for lp in src["lp"]]
         for p, g in zip(params, src["g"]):
             p.grad = g.clone()
-        opt = offload_adam.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        opt = offload_adam.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                 state_dtype=STATE_DTYPE[MOMENT_FORMAT[case]])
+        scales = scale_kwargs(src["ms"], src["vs"])
+        for i, p in enumerate(params):
+            st = {"step": torch.tensor(0.0), "exp_avg": src["m"][i].clone(),
+                  "exp_avg_sq": src["v"][i].clone()}
+            for key, name in (("exp_avg_scales", "exp_avg_scale"), ("exp_avg_sq_scales", "exp_avg_sq_scale")):
+                if scales:
+                    st[name] = scales[key][i].clone()
+            if case != "fp32":
+                st["master_param"] = src["p"][i].clone()
+            opt.state[p] = st
 
         def step():
-            K.set_isa("auto")
+            K.set_isa(isa)
             opt.step()
         return step
-    return ("ours AdamW class", "ours_class", "auto", setup)
+    return (f"ours AdamW class[{isa}]", "ours_class", isa, setup)
 
 
 def torch_state(opt, params, src, fused):
@@ -360,7 +398,8 @@ def run_case(case, contenders, unavailable, K):
     del steps
     gc.collect()
 
-    nbytes = BYTES_PER_PARAM[case] * ARGS.numel
+    numel = sum(split_sizes(ARGS.numel, ARGS.tensors))  # --shapes llama: about ARGS.numel
+    nbytes = BYTES_PER_PARAM[case] * numel
     rows = []
     for name, kind, isa, _ in contenders:
         row = {"name": name, "kind": kind, "isa": isa}
@@ -370,7 +409,7 @@ def run_case(case, contenders, unavailable, K):
             t = times[name]
             med = statistics.median(t)
             row.update(status="ok", times_s=t, median_s=med, min_s=min(t), max_s=max(t),
-                       ns_per_param=med / ARGS.numel * 1e9, gb_per_s=nbytes / med / 1e9)
+                       ns_per_param=med / numel * 1e9, gb_per_s=nbytes / med / 1e9)
         rows.append(row)
     for name, kind, reason in unavailable:
         rows.append({"name": name, "kind": kind, "isa": None, "status": "unavailable", "reason": reason})
@@ -388,7 +427,7 @@ def summarize(case, rows):
             continue
         # vs_limit: limit_time / time (1.0 = at the streaming limit). The limit of the same ISA for our
         # kernel rows, the best limit otherwise.
-        lim = limits.get(r["isa"]) if r["kind"] in ("ours", "limit") else None
+        lim = limits.get(r["isa"]) if r["kind"] in ("ours", "limit", "ours_class") else None
         lim = lim or best_limit
         r["limit_name"] = lim["name"] if lim else None
         r["vs_limit"] = lim["median_s"] / r["median_s"] if lim else None
@@ -414,12 +453,12 @@ def summarize(case, rows):
             ratios_paired["ours_vs_torch_best"] = statistics.median(
                 t / o for t, o in zip(per_pass, best_ours["times_s"]))
         for r in ok.values():
-            if r["kind"] == "ours" and r["isa"] in limits:
+            if r["kind"] in ("ours", "ours_class") and r["isa"] in limits:
                 ratios_paired[f"{r['name']}_vs_limit[{r['isa']}]"] = paired(limits[r["isa"]], r)
         # The moment-format cases: how much faster than the fp32-moment kernel of the same ISA.
         fp32m = {r["isa"]: r for r in ok.values() if r["kind"] == "ours_fp32_moments"}
         for r in ok.values():
-            if r["kind"] == "ours" and r["isa"] in fp32m:
+            if r["kind"] in ("ours", "ours_class") and r["isa"] in fp32m:
                 ratios_paired[f"{r['name']}_vs_fp32_moments[{r['isa']}]"] = paired(fp32m[r["isa"]], r)
     if best_ours and best_limit:
         # The same comparison on the fastest sample of each: less sensitive to other processes stealing a core.
@@ -448,30 +487,15 @@ def summarize(case, rows):
 # Machine, table, JSON, PNG
 
 def machine_info(K, ds_info):
-    model, flags = "unknown", set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model == "unknown":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        pass
-    return {
-        "host": socket.gethostname(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"),
-        "cpu_model": model, "logical_cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-        "threads": THREADS, "mem_gib": round(mem_gib, 1) if mem_gib else None,
-        "cpu_flags": {f: f in flags for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16")},
-        "isas_supported": list(K.supported_isas()), "isa_default": K.isa(),
-        "torch": torch.__version__, "python": platform.python_version(), "deepspeed": ds_info,
-        "loadavg_start": loadavg(),  # other processes on the machine make timings noisy: say how busy it was
-    }
+    """The machine, described as every benchmark of the project does (offload_adam/bench/machine.py),
+    plus this benchmark's thread count, ISAs and peers."""
+    from offload_adam.bench.machine import machine_info as describe
+    info = describe(query_kernels=False)
+    ram = info["host_ram_bytes"]
+    return {**info, "logical_cpus": info["cpu_cores"], "threads": THREADS,
+            "mem_gib": round(ram / 2**30, 1) if ram else None,
+            "isas_supported": list(K.supported_isas()), "isa_default": K.isa(), "deepspeed": ds_info,
+            "loadavg_start": loadavg()}  # other processes make timings noisy: say how busy it was
 
 
 def loadavg():
@@ -486,8 +510,10 @@ COLS = f"{'contender':<42} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'ns/pa
 
 
 def print_table(machine, cases):
-    print(f"offload_adam step microbenchmark: {ARGS.numel:,} params in {len(split_sizes(ARGS.numel, ARGS.tensors))} "
-          f"tensors, {ARGS.steps} interleaved passes of one step per contender (+{ARGS.warmup} warm-up)")
+    sizes = split_sizes(ARGS.numel, ARGS.tensors)
+    shapes = "" if ARGS.shapes == "even" else " of a Llama-style decoder"
+    print(f"offload_adam step microbenchmark: {sum(sizes):,} params in {len(sizes)} "
+          f"tensors{shapes}, {ARGS.steps} interleaved passes of one step per contender (+{ARGS.warmup} warm-up)")
     print(f"machine: {machine['cpu_model']}, {machine['logical_cpus']} logical CPUs, {machine['threads']} threads, "
           f"{machine['mem_gib']} GiB; torch {machine['torch']}; ISAs {machine['isas_supported']} "
           f"(avx512f {'present' if machine['cpu_flags']['avx512f'] else 'absent'}); {machine['date']}; "
@@ -558,13 +584,14 @@ def main():
         if case not in BYTES_PER_PARAM:
             raise SystemExit(f"unknown case {case!r}; choose from {', '.join(BYTES_PER_PARAM)}")
         contenders = [ours_kernel(K, isa, case) for isa in isas] + [stream_limit(K, isa, case) for isa in isas]
+        # The class on every vector ISA (the scalar one only where it is all there is).
+        contenders += [ours_class(case, isa) for isa in isas if isa != "scalar" or len(isas) == 1]
         unavailable = []
         if MOMENT_FORMAT[case]:
-            # No peer stores moments like this, and the classes do not offer it yet: our kernel against its
-            # own limit and against our fp32-moment kernel on the same params and grads.
+            # No peer stores moments like this: our kernel and class against their own limit and against
+            # our fp32-moment kernel on the same params and grads.
             contenders += [ours_kernel(K, isa, case, fp32_moments=True) for isa in isas]
         else:
-            contenders.append(ours_class(case))
             if case == "fp32":
                 contenders += [torch_fp32("fused"), torch_fp32("foreach")]
             else:
@@ -590,6 +617,7 @@ def main():
     tag = ARGS.tag or socket.gethostname()
     doc = {"schema": SCHEMA, "machine": machine,
            "config": {"numel": ARGS.numel, "tensors": len(split_sizes(ARGS.numel, ARGS.tensors)),
+                      "shapes": ARGS.shapes,
                       "threads": THREADS, "steps": ARGS.steps, "warmup": ARGS.warmup,
                       "hyper": {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD},
                       "command": " ".join([Path(sys.executable).name] + sys.argv)},

@@ -59,7 +59,10 @@ def test_json_schema(bench_run):
         if case in ("bf16_moments", "q8_moments"):  # no peers: paired with our fp32-moment kernel
             for isa in m["isas_supported"]:
                 assert f"ours fp32 moments[{isa}]" in names
-            assert not any(r["kind"] in ("torch", "deepspeed", "ours_class") for r in res["results"])
+            assert not any(r["kind"] in ("torch", "deepspeed") for r in res["results"])
+        vector = [i for i in m["isas_supported"] if i != "scalar"] or ["scalar"]
+        assert {f"ours AdamW class[{isa}]" for isa in vector} <= names  # the class on every vector ISA
+        if case in ("bf16_moments", "q8_moments"):
             continue
         assert any(r["kind"] == "torch" for r in res["results"])
         ds = [r for r in res["results"] if r["kind"] == "deepspeed"]
@@ -101,7 +104,7 @@ def test_numbers_consistent(bench_run):
         paired = res["ratios_paired"]
         assert math.isclose(paired["ours_vs_limit"], paired_ratio(limit["times_s"], best["times_s"]), rel_tol=1e-9)
         for r in ok.values():
-            if r["kind"] == "ours":
+            if r["kind"] in ("ours", "ours_class"):
                 assert math.isclose(paired[f"{r['name']}_vs_limit[{r['isa']}]"],
                                     paired_ratio(ok[f"limit[{r['isa']}]"]["times_s"], r["times_s"]), rel_tol=1e-9)
                 if res["moment_format"] != "fp32":
@@ -118,3 +121,20 @@ def test_numbers_consistent(bench_run):
         torch_rows = [r for r in ok.values() if r["kind"] == "torch"]
         fastest = [min(r["times_s"][i] for r in torch_rows) for i in range(expected_samples)]
         assert math.isclose(paired["ours_vs_torch_best"], paired_ratio(fastest, best["times_s"]), rel_tol=1e-9)
+
+
+def test_llama_shapes(tmp_path):
+    """--shapes llama: the param set of a Llama-style decoder at about --numel params."""
+    cmd = [sys.executable, str(SCRIPT), "--numel", "3000000", "--shapes", "llama", "--cases", "mixed",
+           "--steps", "2", "--warmup", "1", "--threads", "1", "--tag", "llama", "--out", str(tmp_path),
+           "--no-plot", "--no-deepspeed", "--only", r"class|limit\["]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((tmp_path / "step_bench_llama.json").read_text())
+    assert doc["config"]["shapes"] == "llama"
+    assert "of a Llama-style decoder" in proc.stdout
+    assert doc["config"]["tensors"] == 1 + 6 * 9 + 2  # embedding, 6 layers of 9, final norm, head
+    res = doc["cases"]["mixed"]
+    assert all(r["status"] == "ok" for r in res["results"])
+    assert any(r["kind"] == "ours_class" for r in res["results"])
