@@ -39,12 +39,11 @@ State: optimizer.state[p] holds "step", "exp_avg", "exp_avg_sq"
 param, views into the engine's host memory. Whatever load_state_dict puts there
 is copied in at the next step. Nothing assumes whole tensors or one process: a
 param is whatever tensor the optimizer was given (a DTensor's local shard), and
-the only cross-param reduction is the clipping norm (`grad_sq_sum`).
+the only cross-param reduction is the clipping norm (`grad_sq_sums`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from typing import Dict, List, Optional, Sequence
@@ -147,13 +146,20 @@ class OffloadEngine:
                 piece.step_t = torch.zeros((), dtype=torch.float32)
             rec.step_t = rec.pieces[0].step_t
             self._by_param[rec.param] = rec
-            if self.overlap:
-                rec.hook = rec.param.register_post_accumulate_grad_hook(
-                    _hook(weakref.ref(self), rec))
+            self._hook_grad(rec)
         known = [p.rec for b in self.buckets for p in b.pieces]
         order = list(dict.fromkeys(known)) + sorted(new, key=lambda r: -r.position)
         self.recs.extend(new)
         self._rebucket(order)
+
+    def _hook_grad(self, rec: ParamRec) -> None:
+        """Copies rec's grad as backward produces it (overlap=True). A frozen
+        param (requires_grad=False) can have no hook: it gets one at the first
+        step() after it is unfrozen; until then its grad, if any, is copied in
+        step()."""
+        if self.overlap and rec.hook is None and rec.param.requires_grad:
+            rec.hook = rec.param.register_post_accumulate_grad_hook(
+                _hook(weakref.ref(self), rec))
 
     def _rebucket(self, order: List[ParamRec]) -> None:
         """Buckets in `order` (the order grads arrive), with transfer buffers
@@ -296,6 +302,8 @@ class OffloadEngine:
         if self.early is not None:
             self.early.verify(param_groups, state, grad_scale)   # raises on a change
         self._end_backward()  # what a backward that raised left unflushed
+        for rec in self.recs:
+            self._hook_grad(rec)
         self._learn_bucket_order()
         fence = self.device.fence()
         with torch.no_grad():
@@ -455,9 +463,10 @@ class OffloadEngine:
 
     # ---- between backward and step: clipping, unscaling, zero_grad --------------------
 
-    def grad_sq_sum(self) -> float:
-        """Sum of squares of all current grads (inf/NaN propagate), from the host
-        copies: no second transfer and no GPU work."""
+    def grad_sq_sums(self) -> List[tuple]:
+        """(param, sum of squares of its current grad) for each param with a
+        grad (inf/NaN propagate), from the host copies: no second transfer and
+        no GPU work. A DTensor's: of its local shard."""
         self._drain()
         self._want_norms = self.overlap  # from now on, computed while streaming
         with torch.no_grad():
@@ -466,7 +475,7 @@ class OffloadEngine:
             threads = self.threads()
             for rec in ready:
                 sq_sum(self.device, rec, rec.copy, threads)
-        return math.fsum(rec.copy.sq_sum for rec in ready)
+        return [(rec.param, rec.copy.sq_sum) for rec in ready]
 
     def invalidate_copies(self) -> None:
         """The grads changed in a way version counters do not show (GradScaler's

@@ -57,6 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .distributed import local
 from .engine_device import Transfer, as_list
 
 _local = threading.local()  # .inside: the device's own ops (not checked)
@@ -463,7 +464,9 @@ class _Watch(TorchDispatchMode):
             schema = func._schema.arguments
             for i, arg in enumerate(schema):
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
-                tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+                # A DTensor's op touches its local tensor (the op on the local
+                # tensor that it dispatches to runs unwatched, inside this one).
+                tensors = [local(t) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
                 if not tensors:
                     continue
                 alias = arg.alias_info

@@ -13,11 +13,12 @@ reused while the same params have grads; only the grads are gathered per step.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.autograd.graph import increment_version
 
+from .distributed import local
 from .kernel_step import Hyper, adam_step
 from .state_format import MOMENT_KEYS, SCALE_KEYS, StateFormat, state_format
 
@@ -94,14 +95,15 @@ class InPlace:
                       lp_params, call.steps, hyper, grad_scale, num_threads,
                       call.scales["exp_avg"], call.scales["exp_avg_sq"])
             for j in call.copy_back:
-                call.params[j].copy_(lp_params[j] if lp_params else work[j])
+                local(call.params[j]).copy_(lp_params[j] if lp_params else work[j])
             # The kernel wrote the params through their pointers: tell autograd,
             # as torch's in-place step does (a backward of an older forward raises).
             for p in call.params:
                 increment_version(p)
 
-    def grads(self, param_groups) -> List[torch.Tensor]:
-        return [p.grad for g in param_groups for p in g["params"]
+    def grads(self, param_groups) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """(param, its local grad) for each param stepped here that has a grad."""
+        return [(p, local(p.grad)) for g in param_groups for p in g["params"]
                 if p.grad is not None and self._is_mine(p)]
 
     def _gather(self, index, group, plan) -> Optional[List[List[torch.Tensor]]]:
@@ -121,6 +123,7 @@ class InPlace:
             if c < 0 or g.dtype is not plan.calls[c].dtype or p.dtype is not plan.calls[c].dtype:
                 return None
             _check_dense(g, group, index, i, p)
+            g = local(g)
             grads[c].append(g if g.is_contiguous() else g.contiguous())
         return grads
 
@@ -144,20 +147,21 @@ class InPlace:
                 route.append(_Plan.NO_GRAD)
                 continue
             _check_dense(p.grad, group, index, i, p)
-            st = ready_state(state, p, amsgrad, fmt, lambda: param_label(group, index, i, p))
+            t = local(p)   # a DTensor's shard: its state is the shard's (distributed.py)
+            st = ready_state({t: state[p]}, t, amsgrad, fmt, lambda: param_label(group, index, i, p))
             c = by_dtype.setdefault(p.dtype, len(calls))
             if c == len(calls):
                 calls.append(_Call(p.dtype))
             call = calls[c]
             route.append(c)
-            if not p.is_contiguous():
+            if not t.is_contiguous():
                 call.copy_back.append(len(call.params))
             call.params.append(p)
             if p.dtype is torch.float32:
-                call.work.append(p)
+                call.work.append(t)
             else:
                 call.work.append(st[MASTER_KEY])
-                call.lp_params.append(p)
+                call.lp_params.append(t)
             call.exp_avgs.append(st["exp_avg"])
             call.exp_avg_sqs.append(st["exp_avg_sq"])
             if fmt.blockwise:

@@ -33,6 +33,7 @@ import weakref
 import torch
 from torch.optim import Optimizer
 
+from . import distributed
 from .engine import OffloadEngine
 from .engine_device import simulating
 from .engine_worker import interrupts_deferred
@@ -163,7 +164,7 @@ class Adam(Optimizer):
                  differentiable=False, fused=None, decoupled_weight_decay=False,
                  overlap=True, bucket_mb=32.0, free_grads_after_copy=False,
                  num_threads=None, max_grad_norm=None, step_in_backward=False,
-                 verify_grads=True, state_dtype=torch.float32):
+                 verify_grads=True, state_dtype=torch.float32, process_group=None):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
@@ -188,6 +189,7 @@ class Adam(Optimizer):
         # Built inside engine_device.simulated(): every param goes to the engine.
         self._simulated = simulating()
         self.max_grad_norm = max_grad_norm
+        self.process_group = process_group
         self._clip_coef = None
         defaults = {
             "lr": lr,
@@ -213,6 +215,7 @@ class Adam(Optimizer):
 
     def _reset_caches(self):
         self._inplace = InPlace(lambda p: not self._in_engine(p))
+        self._loaded_masters = []   # masters load_state_dict brought in, to check
 
     def __getstate__(self):
         # The engine (threads, hooks, pinned memory) is not pickled: an unpickled
@@ -243,6 +246,7 @@ class Adam(Optimizer):
             self._engine_options = options or {}
             self._simulated = simulated
             self.max_grad_norm = max_grad_norm
+            self.process_group = None   # a process group is not pickled
             self._clip_coef = None
             self._start_engine()
 
@@ -309,14 +313,20 @@ class Adam(Optimizer):
                             for t in self.state.get(p, {}).values()
                             if isinstance(t, torch.Tensor))
 
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
     def _total_norm(self):
         """2-norm of all grads: the engine's from its host copies, the in-place
-        params' by the kernel. Double accumulation; inf/NaN propagate."""
-        total = self._engine.grad_sq_sum() if self._engine is not None else 0.0
-        grads = [g if g.is_contiguous() else g.contiguous()
-                 for g in self._inplace.grads(self.param_groups)]
-        if grads:
-            total += math.fsum(grad_sq_sums(grads, torch.get_num_threads()))
+        params' by the kernel, each of the local shard of a DTensor, summed over
+        the ranks that hold the other shards (distributed.py). Double
+        accumulation; inf/NaN propagate."""
+        sums = self._engine.grad_sq_sums() if self._engine is not None else []
+        pairs = self._inplace.grads(self.param_groups)
+        if pairs:
+            grads = [g if g.is_contiguous() else g.contiguous() for _, g in pairs]
+            sums += zip([p for p, _ in pairs], grad_sq_sums(grads, torch.get_num_threads()))
+        total = distributed.global_sq_sum(sums, self._params(), self.process_group)
         return math.sqrt(total)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
@@ -324,7 +334,8 @@ class Adam(Optimizer):
         pass over the grads on the device: the norm comes from the host copies
         and the coefficient is applied inside the next step's kernel (p.grad is
         left as it is). Returns the total norm (a float32 tensor on the params'
-        device). Only the 2-norm."""
+        device). Only the 2-norm. DTensor params (FSDP2): the norm over all
+        shards, the same on every rank; every rank must call it."""
         if float(norm_type) != 2.0:
             raise NotImplementedError(
                 "offload_adam's clip_grad_norm_ computes the 2-norm only; use "
@@ -341,8 +352,7 @@ class Adam(Optimizer):
                 f"the gradients by the non-finite norm anyway, set "
                 f"`error_if_nonfinite=False`")
         self._clip_coef = clip_coefficient(norm, max_norm)
-        device = self.param_groups[0]["params"][0].device if self.param_groups else "cpu"
-        return torch.tensor(norm, dtype=torch.float32, device=device)
+        return distributed.norm_tensor(norm, self._params())
 
     def zero_grad(self, set_to_none=True):
         super().zero_grad(set_to_none)
@@ -395,6 +405,8 @@ class Adam(Optimizer):
             scale *= self._clip_coef
         self._clip_coef = None
 
+        if self._loaded_masters:
+            self._drop_stale_masters()
         num_threads = torch.get_num_threads()
         with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
             for index, group in enumerate(self.param_groups):
@@ -407,10 +419,24 @@ class Adam(Optimizer):
     def state_dict(self, *, fp32_moments: bool = False):
         """torch's state_dict. The moments are saved as stored (state_dtype): a
         checkpoint resumes bit for bit. fp32_moments=True gives them as fp32 and
-        drops the 8-bit scales: torch.optim.AdamW/Adam load that."""
+        drops the 8-bit scales: torch.optim.AdamW/Adam load that.
+
+        The state of a DTensor param (FSDP2) is shown as DTensors of the param's
+        mesh and placements, as torch's optimizers keep it, so that
+        torch.distributed.checkpoint saves and reshards every rank's shard
+        (optimizer.state itself holds the local shard's tensors). Its 8-bit
+        moments are saved as fp32: their block scales are the local shard's."""
         sd = super().state_dict()
-        if fp32_moments:
-            sd = {**sd, "state": {k: with_float32_moments(st) for k, st in sd["state"].items()}}
+        params = self._params()
+        dtensor_ids = {i for g, group in zip(sd["param_groups"], self.param_groups)
+                       for i, p in zip(g["params"], group["params"]) if distributed.is_dtensor(p)}
+        if fp32_moments or dtensor_ids:
+            sd = {**sd, "state": {k: with_float32_moments(st)
+                                  if fp32_moments or (k in dtensor_ids and _has_scales(st)) else st
+                                  for k, st in sd["state"].items()}}
+        if dtensor_ids:
+            ids = [i for g in sd["param_groups"] for i in g["params"]]
+            sd["state"] = distributed.export_state(dict(zip(ids, params)), sd["state"])
         return sd
 
     def load_state_dict(self, state_dict):
@@ -427,7 +453,9 @@ class Adam(Optimizer):
         the dict's: fp32 moments from torch, 8-bit codes...). Unlike torch's,
         nothing loaded is shared
         with the dict (not even "step"): loading a live optimizer's state_dict()
-        does not tie the two together.
+        does not tie the two together. The state of a DTensor param is kept as
+        this rank's shard (distributed.local_value). A loaded master is checked
+        at the next step() against its param (`_drop_stale_masters`).
         """
         seen = {}
 
@@ -455,14 +483,18 @@ class Adam(Optimizer):
             if saved is None:
                 continue
             state = self.state[p]
+            local_p = distributed.local(p)
             for key in _HEAVY + ("step",):  # copies: the kernels update them in place
                 value = saved.get(key)
                 if isinstance(value, torch.Tensor):
+                    if distributed.is_dtensor(p) and key in MOMENT_KEYS + (MASTER_KEY,):
+                        value = distributed.local_value(
+                            value, p, key, lambda: f"{saved_id} (shape {tuple(p.shape)})")
                     state[key] = value.detach().to("cpu", copy=True).contiguous()
             fmt = state_format(group["state_dtype"])
             for key in MOMENT_KEYS:
                 if key in state:
-                    state.update(fmt.convert(state, key, p.shape, p.numel()))
+                    state.update(fmt.convert(state, key, local_p.shape, local_p.numel()))
             if not fmt.blockwise:
                 for scale in SCALE_KEYS.values():
                     state.pop(scale, None)
@@ -471,6 +503,36 @@ class Adam(Optimizer):
                     del state[MASTER_KEY]  # the param is its own master
                 else:
                     state[MASTER_KEY] = state[MASTER_KEY].to(torch.float32)
+                    self._loaded_masters.append(p)
+        early = self._engine.early if self._engine is not None else None
+        if early is not None:
+            # Its next steps start in backward: check now. (Loaded in the middle
+            # of an iteration, step() raises instead, leaving the state as loaded.)
+            if not early.stepped():
+                self._drop_stale_masters()
+            self._loaded_masters = []
+
+    def _drop_stale_masters(self):
+        """Drops each loaded fp32 master that no longer rounds to its param, so
+        that the param's master starts from the param. A dict that went through
+        torch's optimizer has one: torch keeps "master_param" as an unknown key
+        (cast to the param's dtype) and never updates it while its steps move
+        the param; restoring it would move the weights back. Checked at the
+        first step after loading, when the model is loaded too (in whichever
+        order the two were); with step_in_backward, whose steps start in the
+        next backward, at loading (load the model first)."""
+        for p in self._loaded_masters:
+            st = self.state.get(p)
+            master = st.get(MASTER_KEY) if st else None
+            if master is None or p.dtype is torch.float32:
+                continue
+            t = distributed.local(p).detach().to("cpu")
+            rounded = master.detach().to(t.dtype)
+            same = (rounded.view(torch.int16) == t.view(torch.int16)) | (
+                rounded.isnan() & t.isnan())
+            if not bool(same.all()):
+                del st[MASTER_KEY]
+        self._loaded_masters = []
 
     def _loaded_params(self, state_dict):
         """(saved id, param, its group): torch's own matching, in group order."""
@@ -502,6 +564,10 @@ class Adam(Optimizer):
                         )
 
 
+def _has_scales(st: dict) -> bool:
+    return any(key in st for key in SCALE_KEYS.values())
+
+
 class AdamW(Adam):
     """torch.optim.AdamW's interface, stepped by offload_adam's fused CPU kernels."""
 
@@ -509,7 +575,8 @@ class AdamW(Adam):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, overlap=True, bucket_mb=32.0,
                  free_grads_after_copy=False, num_threads=None, max_grad_norm=None,
-                 step_in_backward=False, verify_grads=True, state_dtype=torch.float32):
+                 step_in_backward=False, verify_grads=True, state_dtype=torch.float32,
+                 process_group=None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
@@ -517,7 +584,7 @@ class AdamW(Adam):
                          free_grads_after_copy=free_grads_after_copy,
                          num_threads=num_threads, max_grad_norm=max_grad_norm,
                          step_in_backward=step_in_backward, verify_grads=verify_grads,
-                         state_dtype=state_dtype)
+                         state_dtype=state_dtype, process_group=process_group)
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -1,0 +1,192 @@
+"""DTensor params (FSDP2's fully_shard, tensor parallel): each rank steps its shard.
+
+Under FSDP2 a param is a DTensor whose local tensor is this rank's shard, and
+so is its grad. offload_adam steps the local tensors, like any other param:
+nothing is gathered and the kernels never see a DTensor. Three things need the
+param's layout or the other ranks, and live here:
+
+  * the state dict: optimizer.state[p] holds the local shard's state (plain
+    tensors, what the kernels step); `export_state` shows it in
+    optimizer.state_dict() as DTensors of the param's mesh and placements, as
+    torch's optimizers keep it ("step" stays a plain 0-dim tensor), so that
+    torch.distributed.checkpoint saves every rank's shard and reshards on load;
+    `local_value` brings a loaded value back to this rank's shard;
+  * clipping: the 2-norm over all shards (`global_sq_sum`): each rank's sums of
+    squares, all-reduced over the mesh dims along which the grad is sharded,
+    and over `process_group` for plain params a user sharded himself;
+  * `local`: the tensor this process owns.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+try:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+except ImportError:  # a torch built without distributed support
+    dist = DTensor = Partial = Replicate = Shard = None
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this process owns: a DTensor's local shard, or `t`."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+# ---- the state dict ---------------------------------------------------------
+
+def _contiguous_stride(shape) -> Tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(n), 1)
+    return tuple(reversed(stride))
+
+
+def _at_offset_zero(t: torch.Tensor) -> torch.Tensor:
+    """`t` (contiguous) as a tensor sharing its memory at storage offset 0. A
+    DTensor over a local tensor with a storage offset fails torch.save ("invalid
+    python storage": torch 2.13 pickles such a wrapper as a plain tensor), and
+    the engine's state tensors are views into one host buffer. A slice of a
+    storage holds a reference to the whole storage."""
+    if t.storage_offset() == 0 or not t.is_contiguous():
+        return t
+    size = t.element_size()
+    start = t.storage_offset() * size
+    storage = t.untyped_storage()[start:start + t.numel() * size]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+
+
+def as_dtensor_like(t: torch.Tensor, p) -> torch.Tensor:
+    """`t`, this rank's shard of a tensor shaped like DTensor `p`, as a DTensor
+    of p's mesh and placements (sharing t's memory; no communication)."""
+    return DTensor.from_local(_at_offset_zero(t), p.device_mesh, p.placements,
+                              run_check=False, shape=p.shape,
+                              stride=_contiguous_stride(p.shape))
+
+
+def export_state(param_of_id: Dict[int, torch.Tensor], packed_state: dict) -> dict:
+    """optimizer.state_dict()["state"] with the local-shard tensors of DTensor
+    params shown as DTensors of their param's layout (new dicts; the
+    optimizer's own state is not touched). `param_of_id` maps the state dict's
+    param ids to the params."""
+    out = dict(packed_state)
+    for pid, st in packed_state.items():
+        p = param_of_id.get(pid)
+        if not is_dtensor(p) or not isinstance(st, dict):
+            continue
+        shard_shape = local(p).shape
+        out[pid] = {k: (as_dtensor_like(v, p)
+                        if isinstance(v, torch.Tensor) and not is_dtensor(v)
+                        and k != "step" and v.shape == shard_shape else v)
+                    for k, v in st.items()}
+    return out
+
+
+def local_value(value: torch.Tensor, p: torch.Tensor, key: str, label) -> torch.Tensor:
+    """A loaded state tensor of DTensor param `p` as this rank's shard: from a
+    DTensor (redistributed first if its layout is not p's) or from a full,
+    unsharded tensor (its part cut out here, no communication)."""
+    if is_dtensor(value):
+        if value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
+            value = value.redistribute(p.device_mesh, p.placements)
+        return local(value)
+    if tuple(value.shape) == tuple(p.shape):
+        mesh = p.device_mesh
+        whole = DTensor.from_local(value.to(local(p).device), mesh,
+                                   [Replicate()] * mesh.ndim, run_check=False)
+        return local(whole.redistribute(mesh, p.placements))
+    raise ValueError(
+        f"loaded optimizer state {key!r} for param {label()} is a plain tensor of "
+        f"shape {tuple(value.shape)}; the param is a DTensor of shape {tuple(p.shape)} "
+        f"(local shard {tuple(local(p).shape)}): load a DTensor state dict (its "
+        "state_dict() or torch.distributed.checkpoint's get_state_dict) or a full one")
+
+
+# ---- clipping: the norm over all shards --------------------------------------
+
+def _reduction(p: torch.Tensor, grad: torch.Tensor) -> Optional[tuple]:
+    """(mesh, mesh dims to sum over) for a DTensor grad; None for a plain one."""
+    if not is_dtensor(grad):
+        return None
+    dims = []
+    for d, placement in enumerate(grad.placements):
+        if isinstance(placement, Partial):
+            raise NotImplementedError(
+                f"offload_adam: a grad of shape {tuple(grad.shape)} has a Partial "
+                "placement (not yet reduced); clip with torch.nn.utils.clip_grad_norm_")
+        if not isinstance(placement, Replicate):   # Shard and its variants
+            dims.append(d)
+    return grad.device_mesh, tuple(dims)
+
+
+def _mesh_key(mesh, dims) -> tuple:
+    """The same on every rank, so that the ranks reduce in the same order."""
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape),
+            tuple(mesh.mesh_dim_names or ()), dims)
+
+
+def global_sq_sum(sums: Iterable[Tuple[torch.Tensor, float]], params: List[torch.Tensor],
+                  process_group=None) -> float:
+    """The sum of squares of every grad over all ranks.
+
+    `sums` holds (param, the sum of squares of its local grad) for the params
+    with a grad; `params` is every param of the optimizer (the same on every
+    rank). The sums of DTensor grads are all-reduced over the mesh dims along
+    which they are sharded (not the replicated ones), one all_reduce per
+    distinct (mesh, dims) whatever the grads each rank has; the sums of plain
+    grads over `process_group` when one is given (params sharded by hand),
+    else not at all (plain params are replicas, as under DDP). Every rank must
+    call this at the same point: it is a collective when any of that applies.
+    """
+    groups: Dict[tuple, list] = {}
+    plain, replicated = [], []
+    for p in params:   # the reductions, known to every rank alike
+        g = p.grad if p.grad is not None else p
+        r = _reduction(p, g)
+        if r is not None and r[1]:
+            groups.setdefault(_mesh_key(*r), [r[0], r[1], []])
+    for p, s in sums:
+        r = _reduction(p, p.grad)
+        if r is None:
+            plain.append(s)
+        elif not r[1]:
+            replicated.append(s)    # the same on every rank of its mesh
+        else:
+            groups[_mesh_key(*r)][2].append(s)
+    total = math.fsum(replicated)
+    for key in sorted(groups):
+        mesh, dims, values = groups[key]
+        t = torch.tensor([math.fsum(values)], dtype=torch.float64, device=mesh.device_type)
+        for d in dims:
+            dist.all_reduce(t, group=mesh.get_group(d))
+        total += float(t.item())
+    plain_sum = math.fsum(plain)
+    if process_group is not None:
+        device = next((local(p).device for p in params), torch.device("cpu"))
+        t = torch.tensor([plain_sum], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=process_group)
+        plain_sum = float(t.item())
+    return total + plain_sum
+
+
+def norm_tensor(norm: float, params: List[torch.Tensor]) -> torch.Tensor:
+    """The total norm as torch.nn.utils.clip_grad_norm_ returns it: a float32
+    0-dim tensor on the params' device; for DTensor params a DTensor
+    replicated over their mesh (the same value on every rank), as torch's."""
+    device = local(params[0]).device if params else torch.device("cpu")
+    t = torch.tensor(norm, dtype=torch.float32, device=device)
+    mesh = next((p.device_mesh for p in params if is_dtensor(p)), None)
+    if mesh is None:
+        return t
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)

@@ -1,0 +1,391 @@
+"""One rank of the FSDP2 tests (tests/test_distributed.py starts two, gloo on CPU).
+
+    python tests/distributed_ranks.py RANK WORLD PORT OUT_DIR SCENARIO...
+
+Runs each named scenario on this rank and writes OUT_DIR/rank{RANK}.json after
+each one: {scenario: {"ok": true, ...measurements} or {"ok": false, "error": ...}}.
+The test file asserts on the measurements. Every scenario trains a small
+FSDP2 model (fully_shard per Linear, then the root) on data that differs per
+rank; its dims are uneven on purpose (15 rows over 2 ranks: 8 and 7; a head
+of one row: rank 1 holds an empty shard). A scenario whose name ends in
+"_engine" builds offload_adam's optimizer inside engine_device.simulated(), so
+its params go through the offload engine on the asynchronous simulated device
+(the GPU's path), checked for ordering violations; the others step in place.
+"""
+
+import copy
+import json
+import math
+import os
+import sys
+import traceback
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import offload_adam
+
+BF16 = torch.bfloat16
+LR, WD, CLIP = 1e-2, 0.1, 0.5
+SCENARIOS = {}
+
+
+def scenario(*variants):
+    """Registers fn as scenario NAME, or as NAME_VARIANT for each variant
+    (fn receives the variant)."""
+    def register(fn):
+        if not variants:
+            SCENARIOS[fn.__name__] = fn
+        for v in variants:
+            SCENARIOS[f"{fn.__name__}_{v}"] = lambda v=v: fn(v)
+        return fn
+    return register
+
+
+# ---- models, data, training -------------------------------------------------
+
+def build(dtype=torch.float32, seed=0, mixed=False):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 15), torch.nn.Tanh(), torch.nn.Linear(15, 6),
+                                torch.nn.Tanh(), torch.nn.Linear(6, 1)).to(dtype)
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)} if mixed else {}
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def batch(step, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
+    return torch.randn(6, 8, generator=g) * 3
+
+
+def backward(model, step, micro=0):
+    dtype = next(model.parameters()).dtype
+    model(batch(step, micro).to(dtype)).float().pow(2).mean().backward()
+
+
+def train(model, opt, steps, start=0, micro=1, torch_clip=None, before_step=None):
+    for it in range(start, start + steps):
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            backward(model, it, m)
+        if torch_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), torch_clip)
+        if before_step is not None:
+            before_step()
+        opt.step()
+        opt.zero_grad()
+
+
+class Engine:
+    """Builds offload_adam optimizers on the simulated device ("engine") or in
+    place, and runs training under the device's watch."""
+
+    def __init__(self, engine):
+        self.sim = None
+        if engine:
+            from offload_adam.engine_device_sim import AsyncSimDevice
+            self.sim = AsyncSimDevice(seed=dist.get_rank(), latency="random")
+
+    def optimizer(self, params, **kw):
+        kw = {"lr": LR, "weight_decay": WD, **kw}
+        if self.sim is None:
+            return offload_adam.AdamW(params, **kw)
+        from offload_adam.engine_device import simulated
+        with simulated(self.sim):
+            opt = offload_adam.AdamW(params, **kw)
+        assert opt._engine is not None and not opt._inplace.grads(opt.param_groups)
+        return opt
+
+    def watch(self):
+        return self.sim.watch() if self.sim is not None else nullcontext()
+
+    def close(self):
+        if self.sim is not None:
+            self.sim.check()
+            self.sim.close()
+
+
+def shard(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def diff(xs, ys):
+    """Max abs and max relative (to max |y|) difference of two lists of tensors."""
+    abs_, ref = 0.0, 0.0
+    for x, y in zip(xs, ys):
+        x, y = shard(x).double(), shard(y).double()
+        if x.numel():
+            abs_ = max(abs_, (x - y).abs().max().item())
+            ref = max(ref, y.abs().max().item())
+    return {"max_abs": abs_, "max_rel": abs_ / ref if ref else 0.0}
+
+
+def state_list(opt, model, keys=("exp_avg", "exp_avg_sq", "master_param", "step")):
+    return [shard(opt.state[p][k]) for p in model.parameters() for k in keys
+            if k in opt.state.get(p, {})]
+
+
+def bitwise(a, b):
+    (m1, o1), (m2, o2) = a, b
+    params = all(torch.equal(shard(p), shard(q)) for p, q in zip(m1.parameters(), m2.parameters()))
+    s1, s2 = state_list(o1, m1), state_list(o2, m2)
+    state = len(s1) == len(s2) and all(torch.equal(x, y) for x, y in zip(s1, s2))
+    return {"params_bitwise": params, "state_bitwise": state, "state_entries": len(s1),
+            "params_diff": diff(list(m1.parameters()), list(m2.parameters()))}
+
+
+# ---- fp32 params and mixed precision: against torch.optim.AdamW under FSDP2 ------
+
+@scenario("inplace", "engine", "mixed", "accumulate", "accumulate_engine")
+def against_torch(variant):
+    """offload_adam (max_grad_norm=) and torch AdamW (clip_grad_norm_ on the DTensor
+    grads) on twin FSDP2 models, same data."""
+    mixed, engine = variant == "mixed", variant.endswith("engine")
+    micro = 3 if variant.startswith("accumulate") else 1
+    ours, theirs = build(mixed=mixed), build(mixed=mixed)
+    dev = Engine(engine)
+    opt = dev.optimizer(ours.parameters(), max_grad_norm=CLIP)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=LR, weight_decay=WD)
+    norms = []
+    with dev.watch():
+        for it in range(4):
+            for mm, o in ((ours, opt), (theirs, ref)):
+                for m in range(micro):
+                    mm.set_requires_gradient_sync(m == micro - 1)
+                    backward(mm, it, m)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(theirs.parameters(), CLIP)))
+            opt.step(), ref.step()
+            opt.zero_grad(), ref.zero_grad()
+    dev.close()
+    keys = ("exp_avg", "exp_avg_sq")
+    return {"params": diff(list(ours.parameters()), list(theirs.parameters())),
+            "moments": diff(state_list(opt, ours, keys), state_list(ref, theirs, keys)),
+            "torch_norms": norms,
+            "local_shapes": [list(shard(p).shape) for p in ours.parameters()]}
+
+
+# ---- bf16 params: against an fp32-master reference --------------------------------
+
+@scenario("inplace", "engine")
+def bf16_master(variant):
+    """A bf16 FSDP2 model stepped by offload_adam (max_grad_norm=) against torch
+    AdamW on fp32 copies of each rank's shards fed the same grads, clipped by
+    the global norm computed here."""
+    model = build(BF16)
+    dev = Engine(variant == "engine")
+    opt = dev.optimizer(model.parameters(), max_grad_norm=CLIP)
+    masters = [shard(p).detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref = torch.optim.AdamW(masters, lr=LR, weight_decay=WD)
+
+    def reference_step():
+        grads = [shard(p.grad).float() for p in model.parameters()]
+        sq = torch.tensor([sum(g.double().pow(2).sum().item() for g in grads)], dtype=torch.float64)
+        dist.all_reduce(sq)
+        coef = min(1.0, CLIP / (math.sqrt(sq.item()) + 1e-6))
+        for m, g in zip(masters, grads):
+            m.grad = g * coef
+        ref.step()
+
+    with dev.watch():
+        train(model, opt, 4, before_step=reference_step)
+    dev.close()
+    ours = [opt.state[p]["master_param"] for p in model.parameters()]
+    rounded = [m.detach().to(BF16) for m in masters]
+    mismatch = sum(int((shard(p) != r).sum()) for p, r in zip(model.parameters(), rounded))
+    return {"master": diff(ours, masters),
+            "params": diff(list(model.parameters()), rounded),
+            "bf16_elements_differing": mismatch,
+            "elements": sum(shard(p).numel() for p in model.parameters())}
+
+
+# ---- clipping: the global norm ---------------------------------------------------
+
+@scenario("inplace", "engine")
+def clip_norm(variant):
+    """opt.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_ on the same
+    DTensor grads, and each rank's local norm."""
+    model = build(BF16 if variant == "engine" else torch.float32)
+    dev = Engine(variant == "engine")
+    opt = dev.optimizer(model.parameters())
+    with dev.watch():
+        backward(model, 0)
+        sq = torch.tensor([sum(shard(p.grad).double().pow(2).sum().item()
+                               for p in model.parameters())], dtype=torch.float64)
+        local = math.sqrt(sq.item())
+        dist.all_reduce(sq)
+        ours = opt.clip_grad_norm_(1e9)
+        theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        opt.step()
+    dev.close()
+    return {"ours": float(ours), "theirs": float(theirs), "local": local,
+            "float64": math.sqrt(sq.item()),
+            "ours_type": type(ours).__name__, "theirs_type": type(theirs).__name__,
+            "ours_placements": str(getattr(ours, "placements", None)),
+            "theirs_placements": str(getattr(theirs, "placements", None))}
+
+
+@scenario()
+def clip_process_group():
+    """Plain params a user sharded by hand: process_group= sums over the ranks."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    ps = [torch.randn(5, 3, generator=g).requires_grad_() for _ in range(2)]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g) * (rank + 1)
+    sq = torch.tensor([sum(p.grad.double().pow(2).sum().item() for p in ps)], dtype=torch.float64)
+    local = math.sqrt(sq.item())
+    dist.all_reduce(sq)
+    ours = offload_adam.AdamW(ps, process_group=dist.group.WORLD).clip_grad_norm_(1.0)
+    alone = offload_adam.AdamW(ps).clip_grad_norm_(1.0)
+    return {"ours": float(ours), "expected": math.sqrt(sq.item()), "local": local,
+            "without_group": float(alone)}
+
+
+# ---- checkpoints: saved, resumed, bitwise ------------------------------------------
+
+@scenario()
+def state_layout():
+    """opt.state_dict() shows a DTensor param's state as DTensors of its layout,
+    over the optimizer's own state tensors."""
+    model = build(BF16)
+    opt = offload_adam.AdamW(model.parameters())
+    train(model, opt, 1)
+    p = next(model.parameters())
+    st = opt.state_dict()["state"][0]
+    dts = [v for k, v in st.items() if k != "step"]
+    return {"types": {k: type(v).__name__ for k, v in st.items()},
+            "same_layout_as_param": all(
+                (v.device_mesh, v.placements, v.shape) == (p.device_mesh, p.placements, p.shape)
+                for v in dts),
+            "local_is_the_state": all(st[k].to_local().data_ptr() == opt.state[p][k].data_ptr()
+                                      for k in st if k != "step")}
+
+
+def roundtrip_bytes(obj):
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def make_resume(how):
+    """The resume scenario for one way of saving and loading."""
+    def run(variant):
+        dtype = BF16 if variant.startswith("bf16") else torch.float32
+        engine = variant.endswith("engine")
+        dev = Engine(engine)
+        model = build(dtype)
+        opt = dev.optimizer(model.parameters(), max_grad_norm=CLIP)
+        out = {}
+        with dev.watch():
+            train(model, opt, 3)
+            saved = save(how, model, opt, out)
+            fresh = build(dtype, seed=7)
+            fopt = dev.optimizer(fresh.parameters(), max_grad_norm=CLIP)
+            load(how, fresh, fopt, saved)
+            train(model, opt, 3, start=3)
+            train(fresh, fopt, 3, start=3)
+        dev.close()
+        out.update(bitwise((model, opt), (fresh, fopt)))
+        return out
+    return run
+
+
+def save(how, model, opt, out):
+    if how == "plain":
+        # The params are cloned first: torch.save reads a tensor's bytes outside
+        # torch's dispatch, where the simulated device cannot order the read
+        # after the step's last copies into the params (on a GPU, saving copies
+        # them to the host on the current stream, after those copies).
+        params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return roundtrip_bytes({"model": params, "optim": opt.state_dict()})
+    if how == "dcp":
+        msd, osd = get_state_dict(model, opt)
+        out["saved_state_types"] = sorted({type(v).__name__ for st in osd["state"].values()
+                                           for k, v in st.items() if k != "step"})
+        path = os.path.join(OUT_DIR, f"dcp_{id(model)}_{dist.get_rank()}")
+        obj = [path]
+        dist.broadcast_object_list(obj, src=0)   # one folder for both ranks
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=obj[0])
+        return obj[0]
+    if how == "full":
+        options = StateDictOptions(full_state_dict=True)
+        msd, osd = get_state_dict(model, opt, options=options)
+        return copy.deepcopy({"model": msd, "optim": osd})
+    if how == "broadcast":
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd, osd = get_state_dict(model, opt, options=options)
+        out["rank_holds_full_state"] = bool(osd)
+        return copy.deepcopy({"model": msd, "optim": osd})
+    raise ValueError(how)
+
+
+def load(how, model, opt, saved):
+    if how == "plain":
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optim"])
+    elif how == "dcp":
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=saved)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    elif how == "full":
+        set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+    elif how == "broadcast":
+        # One call each: set_state_dict would skip the model on the ranks that
+        # pass an empty model state dict (optim_only), while rank 0 broadcasts.
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, saved["model"], options=options)
+        set_optimizer_state_dict(model, opt, saved["optim"], options=options)
+
+
+# resume_HOW_VARIANT: train 3 steps, save (HOW), train 3 more; a fresh model and
+# optimizer load the checkpoint and train the same 3: bitwise equal.
+for _how, _variants in (("plain", ("fp32", "bf16", "bf16_engine")),
+                        ("dcp", ("fp32", "bf16", "bf16_engine")),
+                        ("full", ("bf16", "bf16_engine")),
+                        ("broadcast", ("fp32", "bf16", "bf16_engine"))):
+    for _v in _variants:
+        SCENARIOS[f"resume_{_how}_{_v}"] = (lambda run, v: lambda: run(v))(make_resume(_how), _v)
+
+
+# ---- the rank's main ----------------------------------------------------------------
+
+OUT_DIR = None
+
+
+def main(argv):
+    global OUT_DIR
+    rank, world, port, OUT_DIR = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
+    names = argv[4:] or sorted(SCENARIOS)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    results = {}
+    path = os.path.join(OUT_DIR, f"rank{rank}.json")
+    for name in names:
+        try:
+            results[name] = {"ok": True, **SCENARIOS[name]()}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(path + ".tmp", path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,144 @@
+"""FSDP2 on 2 ranks (gloo, CPU): each rank steps its shards; nothing is gathered.
+
+The scenarios run in two processes started once for this module
+(tests/distributed_ranks.py, ~20 s on 2 cores); each test below checks one of
+them on both ranks. "_engine" scenarios go through the offload engine on the
+simulated device, the others step in place. The model's dims are uneven (15
+rows over 2 ranks, and a one-row head: rank 1 holds empty shards).
+"""
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD = 2
+RANKS = Path(__file__).with_name("distributed_ranks.py")
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch was built without torch.distributed / gloo")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(kernels, tmp_path_factory):
+    """Every scenario's results, per rank: [rank0 results, rank1 results]."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(RANKS), str(r), str(WORLD), str(port), str(out)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(WORLD)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=600)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for r in range(WORLD):
+        path = out / f"rank{r}.json"
+        assert path.is_file(), f"rank {r} wrote no results:\n" + "\n".join(logs)
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def result(ranks, name):
+    """The scenario's measurements on each rank (fails with its traceback)."""
+    out = []
+    for r, res in enumerate(ranks):
+        assert name in res, f"scenario {name} did not run on rank {r}"
+        assert res[name]["ok"], f"rank {r}, {name}:\n{res[name]['error']}"
+        out.append(res[name])
+    return out
+
+
+# ---- results against torch / an fp32-master reference ----------------------------
+
+@pytest.mark.parametrize("variant", ["inplace", "engine", "mixed", "accumulate", "accumulate_engine"])
+def test_fsdp2_fp32_params_match_torch_adamw(ranks, variant):
+    # fp32 sharded params (mixed: MixedPrecisionPolicy(param_dtype=bf16,
+    # reduce_dtype=fp32); accumulate: 3 micro-batches, gradient sync only on the
+    # last) with max_grad_norm=, against torch AdamW + clip_grad_norm_ under the
+    # same FSDP2 setup: equal to fp32 rounding, on each rank's shards.
+    for res in result(ranks, f"against_torch_{variant}"):
+        assert res["params"]["max_rel"] < 1e-6, res
+        assert res["moments"]["max_rel"] < 1e-6, res
+        assert max(res["torch_norms"]) > 0.5   # the clip did clip
+
+
+def test_fsdp2_uneven_shards(ranks):
+    r0, r1 = result(ranks, "against_torch_inplace")
+    assert r0["local_shapes"][0] == [8, 8] and r1["local_shapes"][0] == [7, 8]
+    assert r0["local_shapes"][-1] == [1] and r1["local_shapes"][-1] == [0]   # an empty shard
+
+
+@pytest.mark.parametrize("variant", ["inplace", "engine"])
+def test_fsdp2_bf16_params_match_fp32_master_reference(ranks, variant):
+    for res in result(ranks, f"bf16_master_{variant}"):
+        assert res["master"]["max_rel"] < 1e-6, res
+        assert res["bf16_elements_differing"] <= res["elements"] // 100, res
+
+
+# ---- clipping: the global norm ----------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["inplace", "engine"])
+def test_fsdp2_clip_grad_norm_is_the_global_norm(ranks, variant):
+    results = result(ranks, f"clip_norm_{variant}")
+    for res in results:
+        assert math.isclose(res["ours"], res["float64"], rel_tol=1e-6), res
+        # torch's norm of bf16 grads is computed in bf16 (engine variant).
+        assert math.isclose(res["ours"], res["theirs"], rel_tol=1e-6 if variant == "inplace" else 1e-2)
+        assert res["local"] < res["ours"] * 0.9                  # not this rank's norm
+        assert (res["ours_type"], res["ours_placements"]) == (
+            res["theirs_type"], res["theirs_placements"]) == ("DTensor", "(Replicate(),)")
+    assert results[0]["ours"] == results[1]["ours"]
+    assert results[0]["local"] != results[1]["local"]
+
+
+def test_clip_grad_norm_over_a_process_group(ranks):
+    for res in result(ranks, "clip_process_group"):
+        assert math.isclose(res["ours"], res["expected"], rel_tol=1e-6), res
+        assert math.isclose(res["without_group"], res["local"], rel_tol=1e-6), res
+
+
+# ---- checkpoints --------------------------------------------------------------------
+
+RESUMES = [f"{how}_{v}" for how, variants in (
+    ("plain", ("fp32", "bf16", "bf16_engine")),       # opt.load_state_dict(opt.state_dict())
+    ("dcp", ("fp32", "bf16", "bf16_engine")),         # get_state_dict + dcp.save / dcp.load
+    ("full", ("bf16", "bf16_engine")),                # full_state_dict=True on every rank
+    ("broadcast", ("fp32", "bf16", "bf16_engine")),   # cpu_offload on rank 0, broadcast_from_rank0
+) for v in variants]
+
+
+@pytest.mark.parametrize("name", RESUMES)
+def test_fsdp2_checkpoint_resumes_bitwise(ranks, name):
+    results = result(ranks, f"resume_{name}")
+    for res in results:
+        assert res["params_bitwise"] and res["state_bitwise"], res
+        assert res["state_entries"] >= 18
+        if "saved_state_types" in res:   # DCP saw the moments as DTensors (sharded)
+            assert res["saved_state_types"] == ["DTensor"]
+    if name.startswith("broadcast"):
+        assert [r["rank_holds_full_state"] for r in results] == [True, False]
+
+
+def test_state_dict_shows_dtensors_of_the_params_layout(ranks):
+    for res in result(ranks, "state_layout"):
+        assert res["types"] == {"exp_avg": "DTensor", "exp_avg_sq": "DTensor",
+                                "master_param": "DTensor", "step": "Tensor"}, res
+        assert res["same_layout_as_param"] and res["local_is_the_state"], res
