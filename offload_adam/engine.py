@@ -303,6 +303,7 @@ class OffloadEngine:
             self.early.verify(param_groups, state, grad_scale)   # raises on a change
         self._end_backward()  # what a backward that raised left unflushed
         for rec in self.recs:
+            rec.live()   # raises for a param cast or replaced, before anything changes
             self._hook_grad(rec)
         self._learn_bucket_order()
         fence = self.device.fence()

@@ -36,7 +36,10 @@ def ranks(kernels, tmp_path_factory):
     """Every scenario's results, per rank: [rank0 results, rank1 results]."""
     out = tmp_path_factory.mktemp("fsdp2")
     port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # The children import this checkout's offload_adam, as pytest does.
+    repo = str(RANKS.parent.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     procs = [subprocess.Popen([sys.executable, str(RANKS), str(r), str(WORLD), str(port), str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(WORLD)]

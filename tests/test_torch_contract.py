@@ -1,0 +1,156 @@
+"""Contract holes found with real training code: each behaves as torch's
+optimizer does, or is a clear error. Every test runs in place and on the
+simulated device (the engine's path, as for CUDA params)."""
+import copy
+
+import pytest
+import torch
+
+import offload_adam
+from models import BF16, assert_param_is_master_rounded, make_mlp, run, state_of
+
+OPTS = dict(lr=3e-3, weight_decay=0.1, bucket_mb=0.0001)
+
+
+def mlp_loss(model, seed):
+    """models.mlp_loss, in the model's dtype."""
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
+    return model(x.to(model[0].weight.dtype)).float().pow(2).sum()
+
+
+def test_frozen_low_precision_params_are_accepted_and_skipped(path):
+    # AdamW(model.parameters()) with frozen layers: torch accepts params with
+    # requires_grad=False and skips them while they have no grad. The engine
+    # registers no grad hook on them (torch refuses one); unfrozen, a param
+    # gets its hook at the next step() and trains like the others.
+    model, twin = make_mlp(), make_mlp()
+    frozen = [model[0].weight, model[0].bias]
+    for p, q in zip(frozen, [twin[0].weight, twin[0].bias]):
+        p.requires_grad_(False)
+        q.requires_grad_(False)
+    before = [p.clone() for p in frozen]
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    with path.outside():   # the reference: only the trainable params, in place
+        ref = offload_adam.AdamW([p for p in twin.parameters() if p.requires_grad], **OPTS)
+    run(model, opt, 3, loss=mlp_loss)
+    run(twin, ref, 3, loss=mlp_loss)
+    assert all(torch.equal(p, b) for p, b in zip(frozen, before))
+    assert all(not opt.state.get(p) for p in frozen)
+    for p, q in zip(list(model.parameters())[2:], list(twin.parameters())[2:]):
+        assert torch.equal(p, q)
+
+    for p in frozen:   # unfrozen: from now on stepped like the rest
+        p.requires_grad_(True)
+    run(model, opt, 2, start=3, loss=mlp_loss)
+    assert all(not torch.equal(p, b) for p, b in zip(frozen, before))
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [2.0, 2.0, 5.0, 5.0]
+    assert_param_is_master_rounded(opt, model)
+    if path.engine:
+        assert all(r.hook is not None for r in opt._engine.recs)
+
+
+@pytest.mark.parametrize("cast", ["float", "half", "bfloat16"])
+def test_cast_after_building_is_followed_or_refused_before_any_change(path, cast):
+    # model.float()/.half()/.to(bf16) after building the optimizer: in place, the
+    # optimizer follows the params (its fp32 state goes on; an fp32 param is its
+    # own master); the engine, whose host buffers are sized for the old dtype,
+    # refuses with a clear error, before it has changed anything.
+    model = make_mlp()
+    if cast == "bfloat16":
+        model.float()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    run(model, opt, 2, loss=mlp_loss)
+    getattr(model, cast)()
+    dtype = model[0].weight.dtype
+    model(torch.randn(5, 8).to(dtype)).float().pow(2).sum().backward()
+    state, params = state_of(opt, model), [p.clone() for p in model.parameters()]
+    if path.engine:
+        with pytest.raises(RuntimeError, match=rf"is now {dtype}.*Build the optimizer after"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+        for now, then in zip(state_of(opt, model), state):
+            assert all(torch.equal(now[k], then[k]) for k in then)
+        return
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [3.0] * 4
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    if dtype is torch.float32:
+        assert all("master_param" not in opt.state[p] for p in model.parameters())
+    else:
+        assert_param_is_master_rounded(opt, model)
+
+
+def test_state_dict_through_torch_adamw_and_back_does_not_move_the_params_back(path):
+    # offload_adam -> torch AdamW -> offload_adam: torch keeps "master_param" as
+    # an unknown key (cast to bf16) and never updates it, while its steps move
+    # the params. Loaded back, that master no longer rounds to its param: it is
+    # dropped and the master starts from the param, exactly as from a torch
+    # state dict that never had one.
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    run(model, opt, 2, loss=mlp_loss)
+    sd = copy.deepcopy(opt.state_dict())
+    tmodel = copy.deepcopy(model)
+    with path.outside():
+        topt = torch.optim.AdamW(tmodel.parameters(), **{k: OPTS[k] for k in ("lr", "weight_decay")})
+    topt.load_state_dict(copy.deepcopy(sd))   # torch steps the loaded "step" tensors in place
+    run(tmodel, topt, 2, start=2, loss=mlp_loss)   # torch moves the params
+    stale = copy.deepcopy(topt.state_dict())
+    assert all(st["master_param"].dtype == BF16 for st in stale["state"].values())
+
+    back, clean = copy.deepcopy(tmodel), copy.deepcopy(tmodel)
+    opt_back = offload_adam.AdamW(back.parameters(), **OPTS)
+    opt_back.load_state_dict(stale)
+    opt_clean = offload_adam.AdamW(clean.parameters(), **OPTS)
+    without = copy.deepcopy(stale)
+    for st in without["state"].values():
+        del st["master_param"]
+    opt_clean.load_state_dict(without)
+    run(back, opt_back, 2, start=4, loss=mlp_loss)
+    run(clean, opt_clean, 2, start=4, loss=mlp_loss)
+    for p, q, t in zip(back.parameters(), clean.parameters(), tmodel.parameters()):
+        assert torch.equal(p, q)
+        assert (p.float() - t.float()).abs().max() < 0.05   # went on from torch's params
+    assert_param_is_master_rounded(opt_back, back)
+
+    # Our own round trip keeps the exact fp32 master (it rounds to the param).
+    model2 = copy.deepcopy(model)
+    opt2 = offload_adam.AdamW(model2.parameters(), **OPTS)
+    opt2.load_state_dict(sd)
+    run(model2, opt2, 1, start=2, loss=mlp_loss)
+    run(model, opt, 1, start=2, loss=mlp_loss)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    for a, b in zip(state_of(opt, model), state_of(opt2, model2)):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_loaded_master_is_checked_whatever_the_loading_order(path):
+    # Loading the optimizer before the model is fine: the check waits for the
+    # next step, when both are loaded.
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    run(model, opt, 2, loss=mlp_loss)
+    msd, osd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    fresh = make_mlp(seed=5)
+    fopt = offload_adam.AdamW(fresh.parameters(), **OPTS)
+    fopt.load_state_dict(osd)   # before the model: the masters do not match yet
+    fresh.load_state_dict(msd)
+    run(model, opt, 2, start=2, loss=mlp_loss)
+    run(fresh, fopt, 2, start=2, loss=mlp_loss)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    for a, b in zip(state_of(opt, model), state_of(fopt, fresh)):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_step_between_forward_and_backward_is_seen_by_autograd(path, dtype):
+    # torch's step changes the params in place and bumps their version counters,
+    # so a backward whose forward ran before the step raises; so does ours.
+    model = make_mlp().to(dtype)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    x = torch.randn(5, 8).to(dtype)
+    model(x).float().pow(2).sum().backward()
+    loss = model(x).float().pow(2).sum()   # forward with the params before the step
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
