@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import offload_adam
-from models import BF16, assert_param_is_master_rounded, make_mlp, run, state_of
+from models import BF16, assert_param_is_master_rounded, assert_same, make_mlp, run, state_of
 
 OPTS = dict(lr=3e-3, weight_decay=0.1, bucket_mb=0.0001)
 
@@ -119,9 +119,7 @@ def test_state_dict_through_torch_adamw_and_back_does_not_move_the_params_back(p
     opt2.load_state_dict(sd)
     run(model2, opt2, 1, start=2, loss=mlp_loss)
     run(model, opt, 1, start=2, loss=mlp_loss)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
-    for a, b in zip(state_of(opt, model), state_of(opt2, model2)):
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same((model, opt), (model2, opt2))
 
 
 def test_a_loaded_master_is_checked_whatever_the_loading_order(path):
@@ -137,9 +135,7 @@ def test_a_loaded_master_is_checked_whatever_the_loading_order(path):
     fresh.load_state_dict(msd)
     run(model, opt, 2, start=2, loss=mlp_loss)
     run(fresh, fopt, 2, start=2, loss=mlp_loss)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
-    for a, b in zip(state_of(opt, model), state_of(fopt, fresh)):
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same((model, opt), (fresh, fopt))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
