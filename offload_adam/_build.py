@@ -8,9 +8,14 @@ The JIT build has two steps. The kernel files are compiled to object files by a
 small build.ninja written here, because each ISA file needs its own flags and
 torch.utils.cpp_extension.load() gives every source the same flags. Then load()
 compiles the one binding file and links it with those objects. Both land in one
-folder named after a hash of every source, header, flag, the compiler, the
-sources' location, and the torch and Python versions, so any change builds into
-a fresh folder and nothing stale is ever linked or imported.
+folder named after a hash of every source, header and flag, the sources'
+location, and what the binary is built against: the compiler (path and
+version), torch (version, build, C++ ABI and install location: the build files
+name its headers and libraries by path) and Python (version, ABI, headers). So
+any change builds into a fresh folder and nothing stale is ever linked or
+imported, and two environments with the same torch version (two venvs) keep a
+build each instead of rebuilding on every switch. Whenever ninja has anything
+to compile or link, one line on stderr says so first.
 
 Failures surface here, from load_kernels(), as RuntimeError with what to do,
 never later as a missing attribute.
@@ -86,7 +91,7 @@ def _jit_build() -> ModuleType:
     csrc = _sources.find_csrc(Path(__file__).parent)
     ninja = _find_ninja()
     cxx = shlex.split(os.environ.get("CXX", "c++"))
-    name = f"offload_adam_C_{_build_hash(csrc, cxx, torch.__version__)}"
+    name = f"offload_adam_C_{_build_hash(csrc, cxx, _built_against(cxx))}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = Path(root) / name
     obj_dir = build_dir / "kernels"
@@ -101,13 +106,15 @@ def _jit_build() -> ModuleType:
         (build_dir / "lock").unlink(missing_ok=True)
         table = _sources.KernelTable.read(csrc)
         objects = [obj_dir / (Path(src).stem + ".o") for src in table.sources]
-        cached = all(o.is_file() for o in objects) and any(build_dir.glob(name + ".*"))
-        if not cached:
+        _write_kernel_build_file(cxx, csrc, table, obj_dir)
+        built = any(build_dir.glob(name + ".*"))
+        if not (built and _up_to_date(ninja, obj_dir) and _up_to_date(ninja, build_dir)):
             _require_compiler(cxx)
             seconds = max(10, _EXPECTED_COMPILE_CPU_SECONDS // max(1, os.cpu_count() or 1))
-            print(f"offload_adam: compiling CPU kernels (first use, ~{seconds} s) into {build_dir}",
+            what = "first use" if not built else "out of date"
+            print(f"offload_adam: compiling CPU kernels ({what}, ~{seconds} s) into {build_dir}",
                   file=sys.stderr, flush=True)
-        _compile_kernel_objects(ninja, cxx, csrc, table, obj_dir)
+        _compile_kernel_objects(ninja, obj_dir)
         # A failed compile raises RuntimeError from torch, carrying the compiler output.
         return cpp_extension.load(
             name=name,
@@ -120,7 +127,35 @@ def _jit_build() -> ModuleType:
         )
 
 
-def _build_hash(csrc: Path, cxx: list[str], torch_version: str) -> str:
+def _built_against(cxx: list[str]) -> dict:
+    """What the compiled binary depends on besides our sources and flags."""
+    import sysconfig
+
+    import torch
+    from torch.utils import cpp_extension
+
+    return {
+        "compiler": [shutil.which(cxx[0]) if cxx else None, _compiler_version(cxx)],
+        "torch": [torch.__version__, getattr(torch.version, "git_version", None),
+                  bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)),
+                  cpp_extension.include_paths(), cpp_extension.library_paths()],
+        "python": [list(sys.version_info[:2]), getattr(sys, "abiflags", ""),
+                   sysconfig.get_paths().get("include")],
+    }
+
+
+def _compiler_version(cxx: list[str]) -> str:
+    """The first line of `$CXX --version` ("" when it cannot run: the build
+    then raises its own clear error)."""
+    try:
+        out = subprocess.run(cxx + ["--version"], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return _text(out).splitlines()[0] if out else ""
+
+
+def _build_hash(csrc: Path, cxx: list[str], built_against: dict) -> str:
     h = hashlib.sha256()
     # The location is part of the key too: the build files name the sources by
     # path, and a cache shared by two checkouts would rebuild silently on each switch.
@@ -131,8 +166,7 @@ def _build_hash(csrc: Path, cxx: list[str], torch_version: str) -> str:
         h.update(b"\0")
     table = _sources.KernelTable.read(csrc)
     flags = {src: table.flags(src) for src in table.sources}
-    h.update(repr((flags, _sources.BINDING_FLAGS, cxx, torch_version,
-                   sys.version_info[:2], sys.abiflags if hasattr(sys, "abiflags") else "")).encode())
+    h.update(repr((flags, _sources.BINDING_FLAGS, cxx, sorted(built_against.items()))).encode())
     return h.hexdigest()[:8]
 
 
@@ -167,9 +201,20 @@ def _require_compiler(cxx: list[str]) -> None:
         )
 
 
-def _compile_kernel_objects(ninja: str, cxx: list[str], csrc: Path, table: _sources.KernelTable,
-                            obj_dir: Path) -> None:
-    """Writes obj_dir/build.ninja (one object per kernel file, its own flags) and runs it."""
+def _up_to_date(ninja: str, folder: Path) -> bool:
+    """Whether ninja has nothing to do in `folder` (a dry run; False when the
+    folder has no build file yet). torch rewrites the binding's build file with
+    the same content, since everything it holds is in the folder's name."""
+    if not (folder / "build.ninja").is_file():
+        return False
+    result = subprocess.run([ninja, "-C", str(folder), "-n"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    return result.returncode == 0 and b"no work to do" in result.stdout
+
+
+def _write_kernel_build_file(cxx: list[str], csrc: Path, table: _sources.KernelTable,
+                             obj_dir: Path) -> None:
+    """obj_dir/build.ninja: one object per kernel file, with its own flags."""
     lines = [
         "ninja_required_version = 1.3",
         f"cxx = {' '.join(shlex.quote(c) for c in cxx)}",
@@ -190,6 +235,9 @@ def _compile_kernel_objects(ninja: str, cxx: list[str], csrc: Path, table: _sour
     if not build_file.is_file() or build_file.read_text() != text:
         build_file.write_text(text)
 
+
+def _compile_kernel_objects(ninja: str, obj_dir: Path) -> None:
+    """Runs obj_dir/build.ninja."""
     command = [ninja, "-C", str(obj_dir)]
     jobs = os.environ.get("MAX_JOBS", "")
     if jobs.isdigit():

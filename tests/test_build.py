@@ -22,7 +22,7 @@ from offload_adam import _sources
 
 REPO = Path(__file__).resolve().parent.parent
 CSRC = REPO / "csrc"
-COMPILE_LINE = re.compile(r"^offload_adam: compiling CPU kernels \(first use, ~\d+ s\) into (.+)$", re.M)
+COMPILE_LINE = re.compile(r"^offload_adam: compiling CPU kernels \((?:first use|out of date), ~\d+ s\) into (.+)$", re.M)
 
 # Prelude of every child: the JIT path only, even where a prebuilt offload_adam._C exists.
 NO_AOT = "import sys; sys.modules['offload_adam._C'] = None\n"
@@ -145,6 +145,48 @@ def test_missing_object_rebuilds_and_prints_one_line(built_module_path, tmp_path
     assert err.count("\n") == 1, err
     assert (build_dir / "kernels" / "thread_pool.o").is_file()
     assert Path(out.splitlines()[0]).parent == build_dir
+
+
+def test_any_rebuild_prints_the_line(built_module_path, tmp_path):
+    # The binding's object newer than the module: torch's ninja relinks it. Every
+    # compile or link says so, not only the first.
+    build_dir = tmp_path / built_module_path.parent.name
+    shutil.copytree(built_module_path.parent, build_dir)
+    module = build_dir / built_module_path.name
+    built = module.stat().st_mtime
+    os.utime(build_dir / "binding.o", (built + 1, built + 1))   # (copytree kept the times)
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert rc == 0, err
+    assert COMPILE_LINE.findall(err) == [str(build_dir)], err
+    assert module.stat().st_mtime > built + 1    # it did relink
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert rc == 0 and err == "", err
+
+
+def test_two_environments_with_the_same_torch_keep_a_build_each(built_module_path, tmp_path):
+    # A second environment with the same torch version installed elsewhere (here:
+    # the same torch reached through a symlink, so its headers and libraries have
+    # other paths, as in a second venv): it builds into a folder of its own, once,
+    # and switching back and forth rebuilds nothing.
+    cache = tmp_path / "cache"
+    shutil.copytree(built_module_path.parent, cache / built_module_path.parent.name)
+    other = tmp_path / "other-env"
+    other.mkdir()
+    import torch
+    (other / "torch").symlink_to(Path(torch.__file__).parent, target_is_directory=True)
+    here = {"TORCH_EXTENSIONS_DIR": str(cache)}
+    there = {**here, "PYTHONPATH": os.pathsep.join([str(other), str(REPO)])}
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH, env=there)
+    assert rc == 0, err
+    assert len(COMPILE_LINE.findall(err)) == 1, err
+    built_there = Path(out.splitlines()[0])
+    assert built_there.parent != cache / built_module_path.parent.name
+    for env, module in ((here, cache / built_module_path.parent.name / built_module_path.name),
+                        (there, built_there), (here, None)):
+        rc, out, err = run_child(LOAD_AND_PRINT_PATH, env=env)
+        assert rc == 0 and err == "", err   # cached and silent
+        if module is not None:
+            assert Path(out.splitlines()[0]) == module
 
 
 def test_missing_ninja_is_a_clear_error_before_compiling(tmp_path):
