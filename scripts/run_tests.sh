@@ -6,7 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/setup_venv.sh
+# transformers and accelerate: the optional Hugging Face tests (tests/test_hf_integration.py),
+# pinned to releases that keep torch 2.13.0 (setup_venv.sh installs them with the torch pin).
+bash scripts/setup_venv.sh "transformers==5.17.0" "accelerate==1.15.0"
 VENV_BIN="$PWD/.venv/bin"
 export PATH="$VENV_BIN:$PATH"   # ninja from the venv, for CMake and the JIT build
 

@@ -145,3 +145,14 @@ def test_state_dict_shows_dtensors_of_the_params_layout(ranks):
         assert res["types"] == {"exp_avg": "DTensor", "exp_avg_sq": "DTensor",
                                 "master_param": "DTensor", "step": "Tensor"}, res
         assert res["same_layout_as_param"] and res["local_is_the_state"], res
+
+
+def test_the_fsdp2_example_trains_and_resumes_bitwise(kernels, tmp_path):
+    example = RANKS.parent.parent / "examples" / "fsdp2_cpu.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(example.parent.parent), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(example), "--steps", "4",
+                           "--checkpoint", str(tmp_path / "ckpt")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("resumed run bitwise equal to the uninterrupted one: True") == 2

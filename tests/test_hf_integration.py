@@ -1,0 +1,165 @@
+"""Hugging Face Trainer and Accelerate driving offload_adam, on a tiny Llama built
+from a config (nothing downloaded), on the CPU.
+
+Optional dependencies (pinned in scripts/run_tests.sh, which installs them):
+each test skips with the reason when transformers or accelerate is missing.
+fp32 models are compared with torch.optim.AdamW driven the same way (equal to
+fp32 rounding); bf16 models check that a run saved and resumed is bitwise the
+uninterrupted one.
+"""
+import os
+
+import pytest
+import torch
+
+import offload_adam
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (optional; scripts/run_tests.sh installs it)")
+accelerate = pytest.importorskip(
+    "accelerate", reason="accelerate is not installed (optional; scripts/run_tests.sh installs it)")
+
+LR, CLIP, ACCUMULATE, STEPS = 1e-2, 0.5, 2, 6
+
+
+def tiny_llama(dtype=torch.float32):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=48):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randint(0, 64, (n, 12), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def schedule(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * STEPS))
+
+
+def max_rel(a, b):
+    diff = max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
+    return diff / max(y.double().abs().max().item() for y in b)
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def opt_state(opt, model):
+    return [t.clone() for p in model.parameters() for t in opt.state[p].values()]
+
+
+def bitwise(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---- Trainer -------------------------------------------------------------------------
+
+def trainer_args(out):
+    return transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATE,
+        max_steps=STEPS, max_grad_norm=CLIP, learning_rate=LR, weight_decay=0.1,
+        save_strategy="steps", save_steps=3, logging_steps=1, report_to=[], use_cpu=True,
+        seed=0, disable_tqdm=True)
+
+
+def train(tmp_path, name, dtype=torch.float32, optimizer=None, resume=None, **trainer_kw):
+    model = tiny_llama(dtype)
+    if optimizer is not None:
+        opt = optimizer(model.parameters(), lr=LR, weight_decay=0.1)
+        trainer_kw["optimizers"] = (opt, schedule(opt))
+    trainer = transformers.Trainer(model=model, args=trainer_args(tmp_path / name),
+                                   train_dataset=Tokens(), **trainer_kw)
+    trainer.train(resume_from_checkpoint=resume)
+    return model, trainer
+
+
+def test_trainer_with_our_optimizer_matches_torch_adamw(tmp_path):
+    # Trainer(optimizers=(opt, scheduler)), with clipping and accumulation.
+    ours, t1 = train(tmp_path, "ours", optimizer=offload_adam.AdamW)
+    theirs, t2 = train(tmp_path, "theirs", optimizer=torch.optim.AdamW)
+    norms = [h["grad_norm"] for h in t2.state.log_history if "grad_norm" in h]
+    assert max(norms) > CLIP   # the clip clipped
+    assert max_rel(params_of(ours), params_of(theirs)) < 1e-5
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (t1, t2)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_trainer_optimizer_cls_and_kwargs(tmp_path):
+    kwargs = {"lr": LR, "betas": (0.9, 0.95), "eps": 1e-8}
+    ours, t1 = train(tmp_path, "ours", optimizer_cls_and_kwargs=(offload_adam.AdamW, kwargs))
+    theirs, _ = train(tmp_path, "theirs", optimizer_cls_and_kwargs=(torch.optim.AdamW, kwargs))
+    opt = t1.optimizer.optimizer   # inside Accelerate's wrapper
+    assert isinstance(opt, offload_adam.AdamW)
+    assert sorted(g["weight_decay"] for g in opt.param_groups) == [0.0, 0.1]   # Trainer's groups
+    assert max_rel(params_of(ours), params_of(theirs)) < 1e-5
+
+
+def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path):
+    full, t1 = train(tmp_path, "full", dtype=torch.bfloat16, optimizer=offload_adam.AdamW)
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    assert (checkpoint / "optimizer.pt").is_file()
+    resumed, t2 = train(tmp_path, "resumed", dtype=torch.bfloat16, optimizer=offload_adam.AdamW,
+                        resume=str(checkpoint))
+    assert t2.state.global_step == STEPS
+    assert bitwise(params_of(full), params_of(resumed))
+    assert bitwise(opt_state(t1.optimizer.optimizer, full), opt_state(t2.optimizer.optimizer, resumed))
+
+
+# ---- Accelerate -----------------------------------------------------------------------
+
+def accelerate_run(optimizer, dtype=torch.float32, state_dir=None, resume=False):
+    """Accelerate's loop: prepare, accumulate, clip_grad_norm_, step, for STEPS
+    steps; save_state(state_dir) after step 3, or (resume) load_state(state_dir)
+    first and run the steps after 3 on the batches after them."""
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    model = tiny_llama(dtype)
+    opt = optimizer(model.parameters(), lr=LR, weight_decay=0.1)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, schedule(opt))
+    step, norms = 0, []
+    if resume:
+        acc.load_state(state_dir)
+        step = 3
+        loader = acc.skip_first_batches(loader, step * ACCUMULATE)
+    for batch in loader:
+        with acc.accumulate(model):
+            acc.backward(model(**batch).loss)
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if acc.sync_gradients:
+            step += 1
+            if step == 3 and state_dir is not None and not resume:
+                acc.save_state(state_dir)
+            if step == STEPS:
+                break
+    return acc.unwrap_model(model), opt.optimizer, norms
+
+
+def test_accelerate_prepare_accumulate_clip_matches_torch_adamw():
+    ours, _, norms = accelerate_run(offload_adam.AdamW)
+    theirs, _, _ = accelerate_run(torch.optim.AdamW)
+    assert max(norms) > CLIP
+    assert max_rel(params_of(ours), params_of(theirs)) < 1e-5
+
+
+def test_accelerate_save_state_load_state_is_bitwise(tmp_path):
+    state_dir = str(tmp_path / "state")
+    full, fopt, _ = accelerate_run(offload_adam.AdamW, torch.bfloat16, state_dir)
+    assert os.listdir(state_dir)
+    resumed, ropt, _ = accelerate_run(offload_adam.AdamW, torch.bfloat16, state_dir, resume=True)
+    assert bitwise(params_of(full), params_of(resumed))
+    assert bitwise(opt_state(fopt, full), opt_state(ropt, resumed))
