@@ -524,12 +524,12 @@ class Adam(Optimizer):
         for p in self._loaded_masters:
             st = self.state.get(p)
             master = st.get(MASTER_KEY) if st else None
-            if master is None or p.dtype is torch.float32:
+            if master is None:
                 continue
             t = distributed.local(p).detach().to("cpu")
-            rounded = master.detach().to(t.dtype)
-            same = (rounded.view(torch.int16) == t.view(torch.int16)) | (
-                rounded.isnan() & t.isnan())
+            rounded = master.detach().to(t.dtype)   # an fp32 param's (engine) is itself
+            bits = torch.int16 if t.element_size() == 2 else torch.int32
+            same = (rounded.view(bits) == t.view(bits)) | (rounded.isnan() & t.isnan())
             if not bool(same.all()):
                 del st[MASTER_KEY]
         self._loaded_masters = []
