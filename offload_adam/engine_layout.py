@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .distributed import local
 from .engine_host_memory import HostArenas
 from .state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat
 
@@ -39,12 +40,6 @@ def state_roles(fmt: StateFormat, amsgrad: bool) -> tuple:
     """The host buffers of a param's state in format `fmt`."""
     roles = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
     return roles + (tuple(SCALE_KEYS.values()) if fmt.blockwise else ())
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this process owns (a DTensor's local shard under FSDP2)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 class ParamRec:

@@ -7,6 +7,7 @@ fp32 models are compared with torch.optim.AdamW driven the same way (equal to
 fp32 rounding); bf16 models check that a run saved and resumed is bitwise the
 uninterrupted one.
 """
+import contextlib
 import os
 
 import pytest
@@ -56,7 +57,7 @@ def params_of(model):
 
 
 def opt_state(opt, model):
-    return [t.clone() for p in model.parameters() for t in opt.state[p].values()]
+    return [opt.state[p][k].clone() for p in model.parameters() for k in sorted(opt.state[p])]
 
 
 def bitwise(a, b):
@@ -65,11 +66,11 @@ def bitwise(a, b):
 
 # ---- Trainer -------------------------------------------------------------------------
 
-def trainer_args(out):
+def trainer_args(out, save_strategy="steps"):
     return transformers.TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATE,
         max_steps=STEPS, max_grad_norm=CLIP, learning_rate=LR, weight_decay=0.1,
-        save_strategy="steps", save_steps=3, logging_steps=1, report_to=[], use_cpu=True,
+        save_strategy=save_strategy, save_steps=3, logging_steps=1, report_to=[], use_cpu=True,
         seed=0, disable_tqdm=True)
 
 
@@ -114,6 +115,37 @@ def test_trainer_resume_from_checkpoint_is_bitwise(tmp_path):
     assert t2.state.global_step == STEPS
     assert bitwise(params_of(full), params_of(resumed))
     assert bitwise(opt_state(t1.optimizer.optimizer, full), opt_state(t2.optimizer.optimizer, resumed))
+
+
+def test_trainer_with_a_frozen_layer_through_the_engine(tmp_path):
+    # A bf16 model with a frozen embedding, its optimizer built over
+    # model.parameters() on the offload engine (the path of CUDA params; here on
+    # the simulated device, which checks the engine's ordering): trains like the
+    # in-place run, bit for bit.
+    from offload_adam.engine_device import simulated
+    from offload_adam.engine_device_sim import AsyncSimDevice
+
+    def run(sim):
+        model = tiny_llama(torch.bfloat16)
+        model.model.embed_tokens.weight.requires_grad_(False)
+        with simulated(sim) if sim is not None else contextlib.nullcontext():
+            opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        trainer = transformers.Trainer(
+            model=model, args=trainer_args(tmp_path / str(sim is None), save_strategy="no"),
+            train_dataset=Tokens(), optimizers=(opt, schedule(opt)))
+        with sim.watch() if sim is not None else contextlib.nullcontext():
+            trainer.train()
+        return model, opt
+
+    inplace, _ = run(None)
+    sim = AsyncSimDevice(seed=0)
+    try:
+        engine, opt = run(sim)
+        sim.check()
+    finally:
+        sim.close()
+    assert opt._engine is not None
+    assert bitwise(params_of(inplace), params_of(engine))
 
 
 # ---- Accelerate -----------------------------------------------------------------------
