@@ -131,7 +131,8 @@ def diff(xs, ys):
     return {"max_abs": abs_, "max_rel": abs_ / ref if ref else 0.0}
 
 
-def state_list(opt, model, keys=("exp_avg", "exp_avg_sq", "master_param", "step")):
+def state_list(opt, model, keys=("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale",
+                                  "master_param", "step")):
     return [shard(opt.state[p][k]) for p in model.parameters() for k in keys
             if k in opt.state.get(p, {})]
 
@@ -285,15 +286,19 @@ def make_resume(how):
     def run(variant):
         dtype = BF16 if variant.startswith("bf16") else torch.float32
         engine = variant.endswith("engine")
+        kw = {"max_grad_norm": CLIP}
+        for name, state_dtype in (("bf16moments", BF16), ("8bit", "8bit")):
+            if name in variant:
+                kw["state_dtype"] = state_dtype
         dev = Engine(engine)
         model = build(dtype)
-        opt = dev.optimizer(model.parameters(), max_grad_norm=CLIP)
+        opt = dev.optimizer(model.parameters(), **kw)
         out = {}
         with dev.watch():
             train(model, opt, 3)
             saved = save(how, model, opt, out)
             fresh = build(dtype, seed=7)
-            fopt = dev.optimizer(fresh.parameters(), max_grad_norm=CLIP)
+            fopt = dev.optimizer(fresh.parameters(), **kw)
             load(how, fresh, fopt, saved)
             train(model, opt, 3, start=3)
             train(fresh, fopt, 3, start=3)
@@ -355,7 +360,8 @@ def load(how, model, opt, saved):
 # resume_HOW_VARIANT: train 3 steps, save (HOW), train 3 more; a fresh model and
 # optimizer load the checkpoint and train the same 3: bitwise equal.
 for _how, _variants in (("plain", ("fp32", "bf16", "bf16_engine")),
-                        ("dcp", ("fp32", "bf16", "bf16_engine")),
+                        ("dcp", ("fp32", "bf16", "bf16_engine", "bf16_bf16moments",
+                                 "bf16_bf16moments_engine", "bf16_8bit", "bf16_8bit_engine")),
                         ("full", ("bf16", "bf16_engine")),
                         ("broadcast", ("fp32", "bf16", "bf16_engine"))):
     for _v in _variants:

@@ -122,7 +122,9 @@ def test_clip_grad_norm_over_a_process_group(ranks):
 
 RESUMES = [f"{how}_{v}" for how, variants in (
     ("plain", ("fp32", "bf16", "bf16_engine")),       # opt.load_state_dict(opt.state_dict())
-    ("dcp", ("fp32", "bf16", "bf16_engine")),         # get_state_dict + dcp.save / dcp.load
+    ("dcp", ("fp32", "bf16", "bf16_engine",           # get_state_dict + dcp.save / dcp.load
+             "bf16_bf16moments", "bf16_bf16moments_engine",   # state_dtype=torch.bfloat16
+             "bf16_8bit", "bf16_8bit_engine")),               # state_dtype="8bit" (saved as fp32)
     ("full", ("bf16", "bf16_engine")),                # full_state_dict=True on every rank
     ("broadcast", ("fp32", "bf16", "bf16_engine")),   # cpu_offload on rank 0, broadcast_from_rank0
 ) for v in variants]
@@ -154,5 +156,5 @@ def test_the_fsdp2_example_trains_and_resumes_bitwise(kernels, tmp_path):
     proc = subprocess.run([sys.executable, str(example), "--steps", "4",
                            "--checkpoint", str(tmp_path / "ckpt")],
                           env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + "\n" + proc.stderr[-4000:]
     assert proc.stdout.count("resumed run bitwise equal to the uninterrupted one: True") == 2
