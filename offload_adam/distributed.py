@@ -115,7 +115,7 @@ def local_value(value: torch.Tensor, p: torch.Tensor, key: str, label) -> torch.
 
 # ---- clipping: the norm over all shards --------------------------------------
 
-def _reduction(p: torch.Tensor, grad: torch.Tensor) -> Optional[tuple]:
+def _reduction(grad: torch.Tensor) -> Optional[tuple]:
     """(mesh, mesh dims to sum over) for a DTensor grad; None for a plain one."""
     if not is_dtensor(grad):
         return None
@@ -152,12 +152,11 @@ def global_sq_sum(sums: Iterable[Tuple[torch.Tensor, float]], params: List[torch
     groups: Dict[tuple, list] = {}
     plain, replicated = [], []
     for p in params:   # the reductions, known to every rank alike
-        g = p.grad if p.grad is not None else p
-        r = _reduction(p, g)
+        r = _reduction(p.grad if p.grad is not None else p)
         if r is not None and r[1]:
             groups.setdefault(_mesh_key(*r), [r[0], r[1], []])
     for p, s in sums:
-        r = _reduction(p, p.grad)
+        r = _reduction(p.grad)
         if r is None:
             plain.append(s)
         elif not r[1]:

@@ -123,7 +123,10 @@ class Adam(Optimizer):
       num_threads (None): kernel threads; None = torch.get_num_threads(), minus
         one for CUDA params (the thread driving the GPU keeps a core).
       max_grad_norm (None): clip the grads' total 2-norm to this in every step,
-        inside the kernel (no pass over the grads on the device).
+        inside the kernel (no pass over the grads on the device). For DTensor
+        params (FSDP2) the norm over all shards (distributed.py).
+      process_group (None): for params sharded by hand (plain tensors, each
+        rank a part), the group over which the clipping norm is summed.
       verify_grads (True): a grad copied to the host before step() (during
         backward, or by opt.clip_grad_norm_) is checked at its next use against
         a fingerprint taken when it was copied, so that in-place changes that
