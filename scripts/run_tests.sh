@@ -6,9 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# transformers and accelerate: the optional Hugging Face tests (tests/test_hf_integration.py),
-# pinned to releases that keep torch 2.13.0 (setup_venv.sh installs them with the torch pin).
-bash scripts/setup_venv.sh "transformers==5.17.0" "accelerate==1.15.0"
+# The optional test dependencies, so that CI runs the tests that need them: transformers and
+# accelerate (tests/test_hf_integration.py), pinned to releases that keep torch 2.13.0
+# (setup_venv.sh installs them with the torch pin), and matplotlib (the benchmark's plots).
+bash scripts/setup_venv.sh "transformers==5.17.0" "accelerate==1.15.0" matplotlib
 VENV_BIN="$PWD/.venv/bin"
 export PATH="$VENV_BIN:$PATH"   # ninja from the venv, for CMake and the JIT build
 
