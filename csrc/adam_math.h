@@ -64,24 +64,29 @@
 // hashed start per element instead of the lattice: the same). Counter based, so
 // every ISA, thread count and split of a tensor into ranges gets the same bits.
 // Arithmetic per element, one core, buffers in L2 (bench/kernel_cost.cpp, a 2-core
-// AMD EPYC VM, ns): AVX-512 fp32 0.35, bf16 0.50, q8 0.71; AVX2 0.50, 0.70, 0.95.
-// The q8 codes cost 0.36-0.45 ns on top of fp32 (decode 4-6 and encode 8-11 integer
-// ops per vector per moment, the block maxima). Where two cores share ~55 GB/s, as
-// on that VM, the q8 step (0.30 ns/param of bytes) is bound by this arithmetic;
-// with more cores per memory channel it is bound by its bytes like the others.
+// AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.57; AVX2 0.41, 0.58,
+// 0.71. On Zen 4 a 512-bit instruction takes one of 4 vector pipes for 2 cycles, so
+// the cost is close to the count of vector instructions, over and above the square
+// root and division (16 cycles per 16 lanes, in a unit of their own): the q8 codes
+// cost 0.27-0.30 ns on top of fp32 (per vector and moment: decode 3-5 and encode 5-9
+// integer ops; the block maxima, the scratch). Where two cores share ~55 GB/s, as on
+// that VM, the q8 step's bytes take ~0.58 ns/param per core, about what its
+// arithmetic takes, and streaming from DRAM the two overlap only in part (AVX-512,
+// one core: 0.64-0.75 ns/param); with more cores per memory channel it is bound by
+// its bytes like the others.
 //
 // Included inside an ISA unit's anonymous namespace after its vector header.
 #pragma once
 
 template <class V, int G>
-V load_grad(const void* grad, int64_t i) {
+OA_INLINE V load_grad(const void* grad, int64_t i) {
   if constexpr (G == 0) return V::load(static_cast<const float*>(grad) + i);
   else if constexpr (G == 1) return V::load_bf16(static_cast<const uint16_t*>(grad) + i);
   else return V::load_f16(static_cast<const uint16_t*>(grad) + i);
 }
 
 template <class V, int LP, bool NT>
-void store_lp(void* lp, int64_t i, V x) {
+OA_INLINE void store_lp(void* lp, int64_t i, V x) {
   if constexpr (LP == 1) x.template store_bf16<NT>(static_cast<uint16_t*>(lp) + i);
   else if constexpr (LP == 2) x.template store_f16<NT>(static_cast<uint16_t*>(lp) + i);
 }
@@ -104,12 +109,17 @@ bool can_stream(const void* lp) {
 // v = beta2 s^2 * code value^2; s is a power of two, so folding it in is exact, but
 // for sqrt(v) below 2^-63, where s^2 leaves the normal range).
 // store_moments receives the new m, v, vmax and root = sqrt(vmax, or v), and the
-// segment's running maxima of |m| and root, which only q8 keeps (for its new scales).
+// state the segment carries from vector to vector (SegmentState).
 
+// What a segment carries from one vector to the next: the running maxima of |m| and
+// root, which only q8 keeps (for its new scales), and the stochastic-rounding bits of
+// the vector at hand, which only bf16 uses (random_at gives the first), advanced by
+// one vector's worth each step: one integer add instead of a multiply and a broadcast.
 template <class V>
-struct SegmentMax {
+struct SegmentState {
   V m = V::set1(0.0f);
   V root = V::set1(0.0f);
+  V random = V::set1(0.0f);
 };
 
 struct Decays {
@@ -129,11 +139,12 @@ struct F32Moments {
         vmax(static_cast<float*>(c.max_exp_avg_sq)) {}
 };
 inline Decays decays(const F32Moments&, const StepScalars& s) { return {s.beta1, s.beta2}; }
-template <class V> V load_m(const F32Moments& s, int64_t i) { return V::load(s.m + i); }
-template <class V> V load_v(const F32Moments& s, int64_t i) { return V::load(s.v + i); }
-template <class V> V load_vmax(const F32Moments& s, int64_t i) { return V::load(s.vmax + i); }
+template <class V> OA_INLINE V random_at(const F32Moments&, int64_t) { return V::set1(0.0f); }
+template <class V> OA_INLINE V load_m(const F32Moments& s, int64_t i) { return V::load(s.m + i); }
+template <class V> OA_INLINE V load_v(const F32Moments& s, int64_t i) { return V::load(s.v + i); }
+template <class V> OA_INLINE V load_vmax(const F32Moments& s, int64_t i) { return V::load(s.vmax + i); }
 template <bool AMSGRAD, class V>
-void store_moments(const F32Moments& s, SegmentMax<V>&, int64_t i, V m, V v, V vmax, V) {
+OA_INLINE void store_moments(const F32Moments& s, SegmentState<V>&, int64_t i, V m, V v, V vmax, V) {
   m.store(s.m + i);
   v.store(s.v + i);
   if constexpr (AMSGRAD) vmax.store(s.vmax + i);
@@ -151,17 +162,20 @@ struct Bf16Moments {
         vmax(static_cast<uint16_t*>(c.max_exp_avg_sq)), index(c.index), key(c.dither_key) {}
 };
 inline Decays decays(const Bf16Moments&, const StepScalars& s) { return {s.beta1, s.beta2}; }
-template <class V> V load_m(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.m + i); }
-template <class V> V load_v(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.v + i); }
-template <class V> V load_vmax(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.vmax + i); }
+// Element i's bits: dither_bits(index + i, key).
+template <class V> OA_INLINE V random_at(const Bf16Moments& s, int64_t i) {
+  return V::random_bits(s.index + static_cast<uint32_t>(i), s.key);
+}
+template <class V> OA_INLINE V load_m(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.m + i); }
+template <class V> OA_INLINE V load_v(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.v + i); }
+template <class V> OA_INLINE V load_vmax(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.vmax + i); }
 template <bool AMSGRAD, class V>
-void store_moments(const Bf16Moments& s, SegmentMax<V>&, int64_t i, V m, V v, V vmax, V) {
+OA_INLINE void store_moments(const Bf16Moments& s, SegmentState<V>& st, int64_t i, V m, V v, V vmax, V) {
   m.store_bf16(s.m + i);
-  const V r = V::random_bits(s.index + static_cast<uint32_t>(i), s.key);
-  v.store_bf16_random(s.v + i, r);
+  v.store_bf16_random(s.v + i, st.random);
   // The same bits for vmax: rounding is monotone in its input for fixed bits, so the
   // stored vmax stays >= the stored v.
-  if constexpr (AMSGRAD) vmax.store_bf16_random(s.vmax + i, r);
+  if constexpr (AMSGRAD) vmax.store_bf16_random(s.vmax + i, st.random);
 }
 
 // The stochastic-rounding bits of element k of a block (DITHER), or a half step
@@ -170,7 +184,7 @@ struct Dither {
   uint32_t index, key;  // the block's first element's index (low 32 bits), dither_bits' key
 };
 template <class V, bool DITHER>
-V rounding_bits(const Dither& d, int64_t k) {
+OA_INLINE V rounding_bits(const Dither& d, int64_t k) {
   if constexpr (DITHER) return V::random_bits(d.index + static_cast<uint32_t>(k), d.key);
   else return V::set1(float_of(0x80000000u));
 }
@@ -188,14 +202,21 @@ float block_absmax(const float* x, int64_t n) {
 }
 
 // Narrows one block of new values x[0, n) to codes[0, n), given the block's largest
-// magnitude amax, and writes its new scale.
+// magnitude amax, and writes its new scale. d is a copy, and the rounding bits advance
+// from vector to vector: the code stores (of bytes) could alias a reference.
 template <class V, bool SIGNED, bool DITHER>
-void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* scale, const Dither& d) {
+void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* scale, const Dither d) {
   const Q8Block blk = q8_block(amax);
   *scale = blk.scale;
+  V random = rounding_bits<V, DITHER>(d, 0);
+  auto advance = [&random](int vectors) {
+    if constexpr (DITHER)
+      for (int k = 0; k < vectors; ++k) random = V::next_random(random);
+  };
   int64_t j = 0;
-  for (; j + V::width <= n; j += V::width)
-    V::load(x + j).template store_q8<SIGNED>(codes + j, rounding_bits<V, DITHER>(d, j), blk.base);
+  for (; j + V::q8_group * V::width <= n; j += V::q8_group * V::width, advance(V::q8_group))
+    V::template store_q8_group<SIGNED, DITHER>(codes + j, x + j, random, blk.base);
+  for (; j + V::width <= n; j += V::width, advance(1)) V::load(x + j).template store_q8<SIGNED>(codes + j, random, blk.base);
   for (; j < n; ++j)
     ScalarVec::load(x + j).template store_q8<SIGNED>(codes + j, rounding_bits<ScalarVec, DITHER>(d, j), blk.base);
 }
@@ -229,29 +250,35 @@ inline void begin_segment(Q8Moments& s, int64_t b0) {
 inline Decays decays(const Q8Moments& s, const StepScalars& sc) {
   return {sc.beta1 * s.m_old, sc.beta2 * (s.v_old * s.v_old)};
 }
-template <class V> V load_m(const Q8Moments& s, int64_t i) { return V::template load_q8<true>(s.m + i); }
-template <class V> V load_v(const Q8Moments& s, int64_t i) {
+template <class V> OA_INLINE V random_at(const Q8Moments&, int64_t) { return V::set1(0.0f); }  // see end_segment
+template <class V> OA_INLINE V load_m(const Q8Moments& s, int64_t i) { return V::template load_q8<true>(s.m + i); }
+template <class V> OA_INLINE V load_v(const Q8Moments& s, int64_t i) {
   const V root = V::template load_q8<false>(s.v + i);
   return root * root;
 }
 template <bool AMSGRAD, class V>
-void store_moments(const Q8Moments& s, SegmentMax<V>& mx, int64_t i, V m, V, V, V root) {
+OA_INLINE void store_moments(const Q8Moments& s, SegmentState<V>& st, int64_t i, V m, V, V, V root) {
   static_assert(!AMSGRAD, "amsgrad is not offered with q8 moments");
   m.store(s.m_new + (i - s.base));
   root.store(s.root_new + (i - s.base));
-  mx.m = V::max_magnitude(mx.m, m);
-  mx.root = V::max_magnitude(mx.root, root);
+  st.m = V::max_magnitude(st.m, m);
+  st.root = V::max_bits(st.root, root);  // root >= +0 or NaN: no sign to clear
 }
+// The block's scales are known now: its codes are written from the scratch buffer.
+// (Coding each vector of a block while the next block is stepped, for the integer
+// work to overlap the step's square root and division, was 2% faster with the
+// buffers in L2 on Zen 4 with AVX-512, no faster streaming from DRAM, and spilled
+// registers with AVX2.)
 template <class V>
-void end_segment(const Q8Moments& s, int64_t b0, int64_t n, const SegmentMax<ScalarVec>& mx) {
+OA_INLINE void end_segment(const Q8Moments& s, int64_t b0, int64_t n, const SegmentState<ScalarVec>& st) {
   const int64_t block = b0 / kQuantBlock;
-  encode_block<V, true, false>(s.m_new, n, mx.m.v, s.m + b0, s.m_scale + block, Dither{});
+  encode_block<V, true, false>(s.m_new, n, st.m.v, s.m + b0, s.m_scale + block, Dither{});
   const Dither d{s.index + static_cast<uint32_t>(b0), s.key};
-  encode_block<V, false, true>(s.root_new, n, mx.root.v, s.v + b0, s.v_scale + block, d);
+  encode_block<V, false, true>(s.root_new, n, st.root.v, s.v + b0, s.v_scale + block, d);
 }
 // fp32 and bf16 have nothing to do between segments.
 template <class M> void begin_segment(M&, int64_t) {}
-template <class V, class M> void end_segment(const M&, int64_t, int64_t, const SegmentMax<ScalarVec>&) {}
+template <class V, class M> void end_segment(const M&, int64_t, int64_t, const SegmentState<ScalarVec>&) {}
 
 template <StateDType S> struct MomentsFor;
 template <> struct MomentsFor<StateDType::f32> { using type = F32Moments; };
@@ -260,9 +287,11 @@ template <> struct MomentsFor<StateDType::q8> { using type = Q8Moments; };
 
 // ---- The step ------------------------------------------------------------------
 
-// One vector's worth (V::width elements) of the update at element i.
-template <class V, int G, int LP, bool AMSGRAD, bool L2, bool NT, class M>
-inline void adam_elements(const Chunk& c, const StepScalars& s, const M& mom, Decays d, SegmentMax<V>& mx, int64_t i) {
+// One vector's worth (V::width elements) of the update at element i, in two halves:
+// the moments (and the decayed param), then the param's update from them.
+template <class V, int G, bool AMSGRAD, bool L2, class M>
+OA_INLINE void adam_moments(const Chunk& c, const StepScalars& s, const M& mom, Decays d, SegmentState<V>& st,
+                            int64_t i, V& m_out, V& root_out, V& p_out) {
   V g = load_grad<V, G>(c.grad, i) * V::set1(s.grad_scale);
   V p = V::load(c.param + i);
   if constexpr (L2) g = V::fma(V::set1(s.l2_decay), p, g);
@@ -272,7 +301,12 @@ inline void adam_elements(const Chunk& c, const StepScalars& s, const M& mom, De
   V vmax = v;
   if constexpr (AMSGRAD) vmax = V::max_nan(load_vmax<V>(mom, i), v);
   const V root = V::sqrt(vmax);
-  store_moments<AMSGRAD>(mom, mx, i, m, v, vmax, root);
+  store_moments<AMSGRAD>(mom, st, i, m, v, vmax, root);
+  m_out = m, root_out = root, p_out = p;
+}
+
+template <class V, int LP, bool NT>
+OA_INLINE void adam_param(const Chunk& c, const StepScalars& s, int64_t i, V m, V root, V p) {
   const V denom = V::fma(root, V::set1(c.inv_bias2_sqrt), V::set1(s.eps));
   p = V::fma(V::set1(-c.step_size), m / denom, p);
   p.store(c.param + i);
@@ -281,16 +315,49 @@ inline void adam_elements(const Chunk& c, const StepScalars& s, const M& mom, De
 
 // Elements [b0, b0 + n) of the chunk; returns the segment's largest |m| and root
 // (kept by q8 only; 0 for the others). mom is a copy: its fields stay in registers.
+// The param of vector k is updated after the moments of vector k + 2: its division
+// then waits less for its square root, and fewer instructions wait in the scheduler
+// for them (Zen 4, AVX2, fp32 moments: 0.50 ns/element in order, 0.45 one vector
+// later, 0.41 two vectors later). A segment shorter than two vectors runs on the
+// scalar tail.
 template <class V, int G, int LP, bool AMSGRAD, bool L2, bool NT, class M>
-SegmentMax<ScalarVec> adam_segment(const Chunk& c, const StepScalars& s, const M mom, int64_t b0, int64_t n) {
+OA_INLINE SegmentState<ScalarVec> adam_segment(const Chunk& c, const StepScalars& s, const M mom, int64_t b0,
+                                               int64_t n) {
+  constexpr int64_t w = V::width;
   const Decays d = decays(mom, s);
-  SegmentMax<V> mx;
-  SegmentMax<ScalarVec> tail;
+  SegmentState<V> st;
+  st.random = random_at<V>(mom, b0);
+  auto moments = [&](int64_t i, V& m, V& root, V& p) {
+    adam_moments<V, G, AMSGRAD, L2>(c, s, mom, d, st, i, m, root, p);
+    st.random = V::next_random(st.random);
+  };
   int64_t i = b0;
-  for (; i + V::width <= b0 + n; i += V::width) adam_elements<V, G, LP, AMSGRAD, L2, NT>(c, s, mom, d, mx, i);
-  for (; i < b0 + n; ++i) adam_elements<ScalarVec, G, LP, AMSGRAD, L2, NT>(c, s, mom, d, tail, i);
-  return {ScalarVec::max_magnitude(tail.m, ScalarVec{mx.m.max_lanes()}),
-          ScalarVec::max_magnitude(tail.root, ScalarVec{mx.root.max_lanes()})};
+  if (n >= 2 * w) {
+    V m, root, p, m2, root2, p2;  // of vectors i - 2w and i - w
+    moments(i, m, root, p);
+    moments(i + w, m2, root2, p2);
+    for (i += 2 * w; i + w <= b0 + n; i += w) {
+      V m1, root1, p1;
+      moments(i, m1, root1, p1);
+      adam_param<V, LP, NT>(c, s, i - 2 * w, m, root, p);
+      // (field by field, in variables: GCC copies a struct of them through the stack)
+      m = m2, root = root2, p = p2;
+      m2 = m1, root2 = root1, p2 = p1;
+    }
+    adam_param<V, LP, NT>(c, s, i - 2 * w, m, root, p);
+    adam_param<V, LP, NT>(c, s, i - w, m2, root2, p2);
+  }
+  SegmentState<ScalarVec> tail;
+  tail.random = random_at<ScalarVec>(mom, i);
+  for (; i < b0 + n; ++i) {
+    ScalarVec m, root, p;
+    adam_moments<ScalarVec, G, AMSGRAD, L2>(c, s, mom, d, tail, i, m, root, p);
+    adam_param<ScalarVec, LP, NT>(c, s, i, m, root, p);
+    tail.random = ScalarVec::next_random(tail.random);
+  }
+  tail.m = ScalarVec::max_magnitude(tail.m, ScalarVec{st.m.max_lanes()});
+  tail.root = ScalarVec::max_bits(tail.root, ScalarVec{st.root.max_lanes()});
+  return tail;
 }
 
 template <class V, StateDType S, int G, int LP, bool AMSGRAD, bool L2>
@@ -305,9 +372,9 @@ void adam_chunk(const Chunk& chunk, const StepScalars& scalars) {
   for (int64_t b0 = 0; b0 < c.n; b0 += M::segment) {
     const int64_t n = c.n - b0 < M::segment ? c.n - b0 : M::segment;
     begin_segment(mom, b0);
-    const SegmentMax<ScalarVec> mx = nt ? adam_segment<V, G, LP, AMSGRAD, L2, true>(c, s, mom, b0, n)
-                                        : adam_segment<V, G, LP, AMSGRAD, L2, false>(c, s, mom, b0, n);
-    end_segment<V>(mom, b0, n, mx);
+    const SegmentState<ScalarVec> st = nt ? adam_segment<V, G, LP, AMSGRAD, L2, true>(c, s, mom, b0, n)
+                                          : adam_segment<V, G, LP, AMSGRAD, L2, false>(c, s, mom, b0, n);
+    end_segment<V>(mom, b0, n, st);
   }
   if (nt) V::fence();
 }

@@ -11,10 +11,14 @@ struct Avx2Vec {
   static Avx2Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
 
-  // bf16 -> fp32 is a 16-bit left shift of the bit pattern.
+  // bf16 -> fp32 is a 16-bit left shift of the bit pattern: the 8 words loaded into
+  // both halves (vbroadcasti128, a plain load) and moved by one vpshufb into the high
+  // halves of the dwords, zeroing the low ones (instead of a widening and a shift).
   static Avx2Vec load_bf16(const uint16_t* p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+    const __m256i w = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i to_high = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,  //
+                                             -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+    return {_mm256_castsi256_ps(_mm256_shuffle_epi8(w, to_high))};
   }
   static Avx2Vec load_f16(const uint16_t* p) {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
@@ -22,37 +26,39 @@ struct Avx2Vec {
   // Bytes of the 16-bit copy a vector store writes; a non-temporal store needs
   // its address aligned to this.
   static constexpr int64_t lp_store_bytes = 16;
-  // Narrow 8 x u32 (each < 2^16) to 8 x u16 and store 16 bytes. NT: a
-  // non-temporal store, which skips reading the line first (the copy is
-  // write-only) and does not pollute the cache; p must be 16-byte aligned.
+  // Store the high halves of the 8 dwords of w as 8 x u16 (16 bytes): vpshufb gathers
+  // them into each 128-bit half's low 8 bytes and vpermq joins the halves (two
+  // instructions instead of a shift, an extract and a pack). NT: a non-temporal
+  // store, which skips reading the line first (the copy is write-only) and does not
+  // pollute the cache; p must be 16-byte aligned.
   template <bool NT = false>
-  static void store_u16(uint16_t* p, __m256i w) {
-    // Pack the two 128-bit halves against each other: an extract and a 128-bit
-    // pack, cheaper than a 256-bit pack plus the cross-lane vpermq it needs.
-    const __m128i ordered = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  OA_INLINE static void store_high_u16(uint16_t* p, __m256i w) {
+    const __m256i gather = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,  //
+                                            2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i t = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, gather), 0b1000);
+    const __m128i ordered = _mm256_castsi256_si128(t);
     if constexpr (NT) _mm_stream_si128(reinterpret_cast<__m128i*>(p), ordered);
     else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), ordered);
   }
   // Orders non-temporal stores before whatever signals the chunk is done.
   static void fence() { _mm_sfence(); }
   template <bool NT = false>
-  void store_bf16(uint16_t* p) const {
+  OA_INLINE void store_bf16(uint16_t* p) const {
     const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), i32(1));
+    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, i32(0x7FFF)), lsb);
     const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    store_u16<NT>(p, _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan)));
+    store_high_u16<NT>(p, _mm256_blendv_epi8(rounded, i32(0x7FC00000), _mm256_castps_si256(nan)));
   }
   template <bool NT = false>
-  void store_f16(uint16_t* p) const {
+  OA_INLINE void store_f16(uint16_t* p) const {
     const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     if constexpr (NT) _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
     else _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
   }
   template <bool NT = false>
-  void store_bf16_truncated(uint16_t* p) const {
-    store_u16<NT>(p, _mm256_srli_epi32(_mm256_castps_si256(v), 16));
+  OA_INLINE void store_bf16_truncated(uint16_t* p) const {
+    store_high_u16<NT>(p, _mm256_castps_si256(v));
   }
 
   friend Avx2Vec operator+(Avx2Vec a, Avx2Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
@@ -75,28 +81,42 @@ struct Avx2Vec {
   }
 
   // ---- bf16 and 8-bit moments: each mirrors its ScalarVec twin (float_bits.h) ----
-  static __m256i i32(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  // A broadcast integer constant, opaque to the compiler: where registers run out (16
+  // ymm), GCC rebuilds a known constant vector in the loop from a general register
+  // (mov, vmovd, vpbroadcastd: three instructions each time), but spills an opaque
+  // one once and then reads it as a memory operand, which costs no instruction.
+  static __m256i i32(uint32_t x) { return opaque(_mm256_set1_epi32(static_cast<int>(x))); }
+  static __m256i opaque(__m256i v) {
+    __asm__("" : "+x"(v));
+    return v;
+  }
   static Avx2Vec random_bits(uint32_t first, uint32_t key) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i step = _mm256_mullo_epi32(lane, i32(kDitherStep));  // a constant: folded at compile time
+    const __m256i step = _mm256_mullo_epi32(lane, _mm256_set1_epi32(static_cast<int>(kDitherStep)));  // folded
     return {_mm256_castsi256_ps(_mm256_add_epi32(i32(dither_bits(first, key)), step))};
   }
-  void store_bf16_random(uint16_t* p, Avx2Vec random) const {
+  static Avx2Vec next_random(Avx2Vec r) {
+    return {_mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(r.v), i32(8u * kDitherStep)))};
+  }
+  OA_INLINE void store_bf16_random(uint16_t* p, Avx2Vec random) const {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 16);
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, offset), 16);
+    const __m256i rounded = _mm256_add_epi32(u, offset);
     const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    store_u16<false>(p, _mm256_blendv_epi8(rounded, i32(0x7FC0), _mm256_castps_si256(nan)));
+    store_high_u16<false>(p, _mm256_blendv_epi8(rounded, i32(0x7FC00000), _mm256_castps_si256(nan)));
   }
   template <bool SIGNED>
-  static Avx2Vec load_q8(const uint8_t* p) {  // 8 codes: 8 bytes
+  OA_INLINE static Avx2Vec load_q8(const uint8_t* p) {  // 8 codes: 8 bytes
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     if constexpr (SIGNED) {  // sign-extended: bit 31 is the code's sign
+      // Sign-extended and shifted: bits 31..27 the sign, 26..20 the magnitude; keep the
+      // sign bit and the magnitude, and add the base where the magnitude is not 0
+      // (vpsignd zeroes it there; a sign alone is -0).
       const __m256i c = _mm256_cvtepi8_epi32(bytes);
-      const __m256i mag = _mm256_and_si256(c, i32(0x7F));
-      const __m256i b = _mm256_add_epi32(_mm256_slli_epi32(mag, kQ8Shift<true>), i32(kQ8Base));
-      // vpsignd zeroes the lanes whose magnitude is 0 (code 0 is 0)
-      return {_mm256_castsi256_ps(_mm256_or_si256(_mm256_sign_epi32(b, mag), _mm256_and_si256(c, i32(0x80000000u))))};
+      const __m256i b = _mm256_and_si256(_mm256_slli_epi32(c, kQ8Shift<true>),
+                                         i32(0x80000000u | (0x7Fu << kQ8Shift<true>)));
+      const __m256i base = _mm256_sign_epi32(i32(kQ8Base), _mm256_and_si256(c, i32(0x7F)));
+      return {_mm256_castsi256_ps(_mm256_add_epi32(b, base))};
     } else {
       const __m256i c = _mm256_cvtepu8_epi32(bytes);
       const __m256i b = _mm256_add_epi32(_mm256_slli_epi32(c, kQ8Shift<false>), i32(kQ8Base));
@@ -104,25 +124,64 @@ struct Avx2Vec {
     }
   }
   template <bool SIGNED>
-  void store_q8(uint8_t* p, Avx2Vec random, uint32_t base) const {
+  OA_INLINE void store_q8(uint8_t* p, Avx2Vec random, uint32_t base) const {
     constexpr int sh = kQ8Shift<SIGNED>;
     const __m256i x = _mm256_castps_si256(v);
     const __m256i a = _mm256_and_si256(x, i32(0x7FFFFFFFu));
     const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 32 - sh);
-    const __m256i d = _mm256_sub_epi32(_mm256_add_epi32(a, offset), i32(base));
+    // (offset - base first, and opaque: for round to nearest it is one constant of the
+    // loop, which GCC would otherwise rebuild in it)
+    const __m256i d = _mm256_add_epi32(a, opaque(_mm256_sub_epi32(offset, _mm256_set1_epi32(static_cast<int>(base)))));
     __m256i c = _mm256_srai_epi32(d, sh);
     if constexpr (SIGNED) {
       c = _mm256_max_epi32(_mm256_min_epi32(c, i32(kQ8Top<true>)), _mm256_setzero_si256());
-      c = _mm256_or_si256(c, _mm256_and_si256(_mm256_srli_epi32(x, 24), i32(0x80)));
+      // the sign: vblendvps takes c | 0x80 where x's sign bit is set
+      c = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(c),
+                                               _mm256_castsi256_ps(_mm256_or_si256(c, i32(0x80))), v));
     } else {  // the floor (0, or 1 for a positive x); the top (255) is the packs' saturation
       c = _mm256_max_epi32(c, _mm256_min_epu32(a, i32(1)));
     }
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
   }
+  // store_q8 of 4 vectors (32 codes) at once: the clamps and the narrowing then cost
+  // per 32 codes instead of per 8. The codes before narrowing fit 16 bits (|d >> sh| <
+  // 2^13), so vpackssdw/vpackusdw are exact; the byte packs saturate, which is the top
+  // clamp (127 with the sign apart, 255); packing works within 128-bit halves, and one
+  // vpermd puts the 8 dwords of codes back in order.
+  static constexpr int q8_group = 4;
+  template <bool SIGNED, bool DITHER>
+  OA_INLINE static void store_q8_group(uint8_t* p, const float* x, Avx2Vec random, uint32_t base) {
+    constexpr int sh = kQ8Shift<SIGNED>;
+    __m256i c[4], xs[4];
+    for (int k = 0; k < 4; ++k) {
+      xs[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * k));
+      const __m256i a = _mm256_and_si256(xs[k], i32(0x7FFFFFFFu));
+      const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 32 - sh);
+      const __m256i d = _mm256_add_epi32(a, opaque(_mm256_sub_epi32(offset, _mm256_set1_epi32(static_cast<int>(base)))));
+      c[k] = _mm256_srai_epi32(d, sh);
+      if constexpr (!SIGNED) c[k] = _mm256_max_epi32(c[k], _mm256_min_epu32(a, i32(1)));  // the floor
+      if constexpr (DITHER) random = next_random(random);
+    }
+    __m256i b;
+    if constexpr (SIGNED) {
+      b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+      b = _mm256_max_epi8(b, _mm256_setzero_si256());
+      // The signs: x packed with signed saturation keeps each sign in bit 7.
+      const __m256i s = _mm256_packs_epi16(_mm256_packs_epi32(xs[0], xs[1]), _mm256_packs_epi32(xs[2], xs[3]));
+      b = _mm256_or_si256(b, _mm256_and_si256(s, i32(0x80808080u)));
+    } else {
+      b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+    }
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
+  }
   static Avx2Vec max_magnitude(Avx2Vec acc, Avx2Vec x) {
     const __m256i mag = _mm256_and_si256(_mm256_castps_si256(x.v), i32(0x7FFFFFFFu));
     return {_mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc.v), mag))};
+  }
+  static Avx2Vec max_bits(Avx2Vec acc, Avx2Vec x) {
+    return {_mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc.v), _mm256_castps_si256(x.v)))};
   }
   float max_lanes() const {
     const __m256i u = _mm256_castps_si256(v);

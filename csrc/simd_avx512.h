@@ -11,40 +11,56 @@ struct Avx512Vec {
   static Avx512Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
 
+  // bf16 -> fp32: word j into the high half of dword j, the low half zeroed: one
+  // vpermw with zero-masking instead of a widening and a shift.
   static Avx512Vec load_bf16(const uint16_t* p) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+    return {_mm512_castsi512_ps(spread_high(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))))};
+  }
+  // 16 x u16 -> the high halves of 16 dwords, the low halves 0.
+  static __m512i spread_high(__m256i w) {
+    return _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, spread_words(), _mm512_castsi256_si512(w));
+  }
+  // Word indices: dword j's high word takes word j (vpermw; the low words are masked off).
+  static __m512i spread_words() {
+    return _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0,
+                            1, 0, 0, 0);
+  }
+  // Word indices: word j takes dword j's high word (vpermw), for j < 16.
+  static __m512i high_words() {
+    return _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27, 25, 23, 21, 19,
+                            17, 15, 13, 11, 9, 7, 5, 3, 1);
   }
   static Avx512Vec load_f16(const uint16_t* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
   static constexpr int64_t lp_store_bytes = 32;
+  // The high halves of the 16 dwords of w, stored as 16 x u16: one vpermw instead of a
+  // shift and a vpmovdw.
   template <bool NT = false>
-  static void store_u16(uint16_t* p, __m512i w) {  // vpmovdw: 16 x u32 -> 16 x u16
-    store_256<NT>(p, _mm512_cvtepi32_epi16(w));
+  OA_INLINE static void store_high_u16(uint16_t* p, __m512i w) {
+    store_256<NT>(p, _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_words(), w)));
   }
   template <bool NT>
-  static void store_256(uint16_t* p, __m256i h) {
+  OA_INLINE static void store_256(uint16_t* p, __m256i h) {
     if constexpr (NT) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
     else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
   }
   static void fence() { _mm_sfence(); }
   template <bool NT = false>
-  void store_bf16(uint16_t* p) const {
+  OA_INLINE void store_bf16(uint16_t* p) const {
     const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), i32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, i32(0x7FFF)), lsb);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    store_u16<NT>(p, _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0)));
+    store_high_u16<NT>(p, _mm512_mask_blend_epi32(nan, rounded, i32(0x7FC00000)));
   }
   template <bool NT = false>
-  void store_f16(uint16_t* p) const {
+  OA_INLINE void store_f16(uint16_t* p) const {
     store_256<NT>(p, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   template <bool NT = false>
-  void store_bf16_truncated(uint16_t* p) const {
-    store_u16<NT>(p, _mm512_srli_epi32(_mm512_castps_si512(v), 16));
+  OA_INLINE void store_bf16_truncated(uint16_t* p) const {
+    store_high_u16<NT>(p, _mm512_castps_si512(v));
   }
 
   friend Avx512Vec operator+(Avx512Vec a, Avx512Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
@@ -66,54 +82,86 @@ struct Avx512Vec {
   }
 
   // ---- bf16 and 8-bit moments: each mirrors its ScalarVec twin (float_bits.h) ----
-  static __m512i i32(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  // A broadcast integer constant, opaque to the compiler (as in simd_avx2.h): where
+  // registers run out, GCC rebuilds a known constant in the loop from a general
+  // register (mov, vpbroadcastd), but spills an opaque one once and reads it as a
+  // memory operand, which costs no instruction.
+  static __m512i i32(uint32_t x) { return opaque(_mm512_set1_epi32(static_cast<int>(x))); }
+  static __m512i opaque(__m512i v) {
+    __asm__("" : "+v"(v));
+    return v;
+  }
   static Avx512Vec random_bits(uint32_t first, uint32_t key) {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i step = _mm512_mullo_epi32(lane, i32(kDitherStep));  // a constant: folded at compile time
+    const __m512i step = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(kDitherStep)));  // folded
     return {_mm512_castsi512_ps(_mm512_add_epi32(i32(dither_bits(first, key)), step))};
   }
-  void store_bf16_random(uint16_t* p, Avx512Vec random) const {
+  static Avx512Vec next_random(Avx512Vec r) {
+    return {_mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(r.v), i32(16u * kDitherStep)))};
+  }
+  OA_INLINE void store_bf16_random(uint16_t* p, Avx512Vec random) const {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i offset = _mm512_srli_epi32(_mm512_castps_si512(random.v), 16);
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, offset), 16);
+    const __m512i rounded = _mm512_add_epi32(u, offset);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    store_u16<false>(p, _mm512_mask_blend_epi32(nan, rounded, i32(0x7FC0)));
+    store_high_u16<false>(p, _mm512_mask_blend_epi32(nan, rounded, i32(0x7FC00000)));
   }
+  // A code of magnitude mag is the float with bits (mag << shift) + kQ8Base, or 0 when
+  // mag is 0 (float_bits.h). 16 codes: 16 bytes; the zero test runs on them, in a
+  // 128-bit register (half the cost of a 512-bit one on Zen 4).
   template <bool SIGNED>
-  static Avx512Vec load_q8(const uint8_t* p) {  // 16 codes: 16 bytes
+  OA_INLINE static Avx512Vec load_q8(const uint8_t* p) {
+    constexpr int sh = kQ8Shift<SIGNED>;
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (SIGNED) {  // sign-extended: bit 31 is the code's sign
-      const __m512i c = _mm512_cvtepi8_epi32(bytes);
-      const __m512i mag = _mm512_and_si512(c, i32(0x7F));
-      const __m512i b = _mm512_maskz_add_epi32(_mm512_test_epi32_mask(mag, mag),  // code 0 is 0
-                                               _mm512_slli_epi32(mag, kQ8Shift<true>), i32(kQ8Base));
-      return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(b, c, i32(0x80000000u), 0xF8))};  // b | (c & sign)
+    if constexpr (SIGNED) {
+      // Sign-extended and shifted: bits 31..27 the sign, 26..20 the magnitude; keep the
+      // sign bit and the magnitude, and add the base where the magnitude is not 0 (a
+      // sign alone is -0).
+      const __mmask16 nonzero = _mm_test_epi8_mask(bytes, _mm_set1_epi8(0x7F));
+      const __m512i c = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), sh);
+      const __m512i b = _mm512_and_si512(c, i32(0x80000000u | (0x7Fu << sh)));
+      return {_mm512_castsi512_ps(_mm512_mask_add_epi32(b, nonzero, b, i32(kQ8Base)))};
     } else {
-      const __m512i c = _mm512_cvtepu8_epi32(bytes);
-      return {_mm512_castsi512_ps(_mm512_maskz_add_epi32(_mm512_test_epi32_mask(c, c),
-                                                         _mm512_slli_epi32(c, kQ8Shift<false>), i32(kQ8Base)))};
+      const __mmask16 nonzero = _mm_test_epi8_mask(bytes, bytes);
+      const __m512i c = _mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), sh);
+      return {_mm512_castsi512_ps(_mm512_maskz_add_epi32(nonzero, c, i32(kQ8Base)))};
     }
   }
   template <bool SIGNED>
-  void store_q8(uint8_t* p, Avx512Vec random, uint32_t base) const {
+  OA_INLINE void store_q8(uint8_t* p, Avx512Vec random, uint32_t base) const {
     constexpr int sh = kQ8Shift<SIGNED>;
     const __m512i x = _mm512_castps_si512(v);
     const __m512i a = _mm512_and_si512(x, i32(0x7FFFFFFFu));
     const __m512i offset = _mm512_srli_epi32(_mm512_castps_si512(random.v), 32 - sh);
-    const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(a, offset), i32(base));
+    // (offset - base first, and opaque: for round to nearest it is one constant of the
+    // loop, which GCC would otherwise rebuild in it)
+    const __m512i d = _mm512_add_epi32(a, opaque(_mm512_sub_epi32(offset, _mm512_set1_epi32(static_cast<int>(base)))));
     __m512i c = _mm512_srai_epi32(d, sh);
     if constexpr (SIGNED) {
-      c = _mm512_max_epi32(_mm512_min_epi32(c, i32(kQ8Top<true>)), _mm512_setzero_si512());
-      c = _mm512_ternarylogic_epi32(c, _mm512_srli_epi32(x, 24), i32(0x80), 0xF8);  // c | (x >> 24 & 0x80)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(c));  // vpmovdb
+      // vpmovsdb saturates to [-128, 127], which is the top clamp (127); the bottom
+      // one (0) and the sign are then applied to the 16 bytes. The signs: x narrowed
+      // with signed saturation keeps each sign in bit 7.
+      __m128i b = _mm_max_epi8(_mm512_cvtsepi32_epi8(c), _mm_setzero_si128());
+      const __m128i sign_bits = _mm512_castsi512_si128(i32(0x80808080u));
+      b = _mm_ternarylogic_epi32(b, _mm512_cvtsepi32_epi8(x), sign_bits, 0xF8);  // b | (sat(x) & 0x80)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
     } else {  // the floor (0, or 1 for a positive x); the top (255) is vpmovusdb's saturation
       c = _mm512_max_epi32(c, _mm512_min_epu32(a, i32(1)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(c));
     }
   }
+  // vpmovsdb/vpmovusdb narrow one vector in one instruction: nothing to gain from more.
+  static constexpr int q8_group = 1;
+  template <bool SIGNED, bool DITHER>
+  OA_INLINE static void store_q8_group(uint8_t* p, const float* x, Avx512Vec random, uint32_t base) {
+    load(x).template store_q8<SIGNED>(p, random, base);
+  }
   static Avx512Vec max_magnitude(Avx512Vec acc, Avx512Vec x) {
     const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x.v), i32(0x7FFFFFFFu));
     return {_mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc.v), mag))};
+  }
+  static Avx512Vec max_bits(Avx512Vec acc, Avx512Vec x) {
+    return {_mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc.v), _mm512_castps_si512(x.v)))};
   }
   float max_lanes() const {
     const uint32_t m = _mm512_reduce_max_epu32(_mm512_castps_si512(v));

@@ -29,7 +29,7 @@ struct NeonVec {
   static constexpr int64_t lp_store_bytes = 8;
   static void fence() {}
   template <bool NT = false>
-  void store_bf16(uint16_t* p) const {
+  OA_INLINE void store_bf16(uint16_t* p) const {
     const uint32x4_t u = vreinterpretq_u32_f32(v);
     const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
     const uint16x4_t rounded = vshrn_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7FFF)), lsb), 16);
@@ -37,9 +37,9 @@ struct NeonVec {
     vst1_u16(p, vbsl_u16(not_nan, rounded, vdup_n_u16(0x7FC0)));
   }
   template <bool NT = false>
-  void store_f16(uint16_t* p) const { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
+  OA_INLINE void store_f16(uint16_t* p) const { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
   template <bool NT = false>
-  void store_bf16_truncated(uint16_t* p) const { vst1_u16(p, vshrn_n_u32(vreinterpretq_u32_f32(v), 16)); }
+  OA_INLINE void store_bf16_truncated(uint16_t* p) const { vst1_u16(p, vshrn_n_u32(vreinterpretq_u32_f32(v), 16)); }
 
   friend NeonVec operator+(NeonVec a, NeonVec b) { return {vaddq_f32(a.v, b.v)}; }
   friend NeonVec operator*(NeonVec a, NeonVec b) { return {vmulq_f32(a.v, b.v)}; }
@@ -66,14 +66,17 @@ struct NeonVec {
     static constexpr uint32_t kStep[4] = {0u, kDitherStep, 2u * kDitherStep, 3u * kDitherStep};
     return {vreinterpretq_f32_u32(vaddq_u32(vdupq_n_u32(dither_bits(first, key)), vld1q_u32(kStep)))};
   }
-  void store_bf16_random(uint16_t* p, NeonVec random) const {
+  static NeonVec next_random(NeonVec r) {
+    return {vreinterpretq_f32_u32(vaddq_u32(vreinterpretq_u32_f32(r.v), vdupq_n_u32(4u * kDitherStep)))};
+  }
+  OA_INLINE void store_bf16_random(uint16_t* p, NeonVec random) const {
     const uint32x4_t offset = vshrq_n_u32(vreinterpretq_u32_f32(random.v), 16);
     const uint16x4_t rounded = vshrn_n_u32(vaddq_u32(vreinterpretq_u32_f32(v), offset), 16);
     const uint16x4_t not_nan = vmovn_u32(vceqq_f32(v, v));
     vst1_u16(p, vbsl_u16(not_nan, rounded, vdup_n_u16(0x7FC0)));
   }
   template <bool SIGNED>
-  static NeonVec load_q8(const uint8_t* p) {  // 4 codes: 4 bytes
+  OA_INLINE static NeonVec load_q8(const uint8_t* p) {  // 4 codes: 4 bytes
     uint32_t word;
     std::memcpy(&word, p, 4);
     const uint32x4_t c = vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(word)))));
@@ -84,7 +87,7 @@ struct NeonVec {
     return {vreinterpretq_f32_u32(b)};
   }
   template <bool SIGNED>
-  void store_q8(uint8_t* p, NeonVec random, uint32_t base) const {
+  OA_INLINE void store_q8(uint8_t* p, NeonVec random, uint32_t base) const {
     constexpr int sh = kQ8Shift<SIGNED>;
     const uint32x4_t x = vreinterpretq_u32_f32(v);
     const uint32x4_t a = vandq_u32(x, vdupq_n_u32(0x7FFFFFFFu));
@@ -101,9 +104,17 @@ struct NeonVec {
     const uint32_t bytes = vget_lane_u32(vreinterpret_u32_u8(vmovn_u16(vcombine_u16(w, w))), 0);
     std::memcpy(p, &bytes, 4);
   }
+  static constexpr int q8_group = 1;
+  template <bool SIGNED, bool DITHER>
+  OA_INLINE static void store_q8_group(uint8_t* p, const float* x, NeonVec random, uint32_t base) {
+    load(x).template store_q8<SIGNED>(p, random, base);
+  }
   static NeonVec max_magnitude(NeonVec acc, NeonVec x) {
     const uint32x4_t mag = vandq_u32(vreinterpretq_u32_f32(x.v), vdupq_n_u32(0x7FFFFFFFu));
     return {vreinterpretq_f32_u32(vmaxq_u32(vreinterpretq_u32_f32(acc.v), mag))};
+  }
+  static NeonVec max_bits(NeonVec acc, NeonVec x) {
+    return {vreinterpretq_f32_u32(vmaxq_u32(vreinterpretq_u32_f32(acc.v), vreinterpretq_u32_f32(x.v)))};
   }
   float max_lanes() const { return float_of(vmaxvq_u32(vreinterpretq_u32_f32(v))); }
 };

@@ -14,14 +14,23 @@
 //   sum                                    lanes added in double
 // and, for the bf16 and 8-bit moments:
 //   random_bits(first, key)                per-lane stochastic-rounding bits (as fp32 bit patterns)
+//   next_random(r)                         those of the next vector (first + width)
 //   store_bf16_random(p, random)           bf16 with stochastic rounding
 //   load_q8<SIGNED>                        8-bit codes -> fp32 values relative to the block scale
 //   store_q8<SIGNED>(p, random, base)      fp32 moments -> 8-bit codes of their block (float_bits.h)
+//   q8_group, store_q8_group<SIGNED>       store_q8 of q8_group vectors from memory at once
 //   max_magnitude, max_lanes               running max of |x| and its largest lane, compared
 //                                          as bit patterns (NaN > inf > finite: exact, NaN kept)
+//   max_bits                               running max of bit patterns (of x >= 0 or NaN)
 // A V whose lanes hold random bits is only ever passed to the stores above; x86-64
 // and AArch64 move fp32 registers bit for bit, so the bit patterns survive.
 #pragma once
+
+// For the per-vector pieces of the step (here and in adam_math.h): in a unit with this
+// many instantiations GCC's inliner stops inlining them by itself, and a call per
+// vector (or per q8 block: a call clobbers every vector register, so all constants
+// are broadcast again) costs more than the work.
+#define OA_INLINE inline __attribute__((always_inline))
 
 struct ScalarVec {
   static constexpr int64_t width = 1;
@@ -58,6 +67,8 @@ struct ScalarVec {
 
   // Lane k (here the only one) holds dither_bits(first + k, key).
   static ScalarVec random_bits(uint32_t first, uint32_t key) { return {float_of(dither_bits(first, key))}; }
+  // The bits of the next vector: the lanes' indices + width.
+  static ScalarVec next_random(ScalarVec r) { return {float_of(bits_of(r.v) + kDitherStep)}; }
   void store_bf16_random(uint16_t* p, ScalarVec random) const { *p = float_to_bf16_random(v, bits_of(random.v)); }
   template <bool SIGNED>
   static ScalarVec load_q8(const uint8_t* p) { return {q8_to_float<SIGNED>(*p)}; }
@@ -65,9 +76,23 @@ struct ScalarVec {
   void store_q8(uint8_t* p, ScalarVec random, uint32_t base) const {
     *p = float_to_q8<SIGNED>(v, bits_of(random.v), base);
   }
+  // store_q8 of q8_group vectors x[0, q8_group * width); random: the first one's bits,
+  // advanced by next_random from vector to vector when DITHER, else the same for all.
+  static constexpr int q8_group = 1;
+  template <bool SIGNED, bool DITHER>
+  static void store_q8_group(uint8_t* p, const float* x, ScalarVec random, uint32_t base) {
+    load(x).template store_q8<SIGNED>(p, random, base);
+  }
   // acc holds magnitudes (sign bit clear); their bit patterns order like the values.
   static ScalarVec max_magnitude(ScalarVec acc, ScalarVec x) {
     const uint32_t a = bits_of(acc.v), b = bits_of(x.v) & 0x7FFFFFFFu;
+    return {float_of(a > b ? a : b)};
+  }
+  // The larger bit pattern: max_magnitude without clearing x's sign, for x that is
+  // never negative but may be a NaN (a square root); a NaN with its sign bit set then
+  // wins even over a positive NaN, and q8_block reads any NaN the same.
+  static ScalarVec max_bits(ScalarVec acc, ScalarVec x) {
+    const uint32_t a = bits_of(acc.v), b = bits_of(x.v);
     return {float_of(a > b ? a : b)};
   }
   float max_lanes() const { return v; }

@@ -859,6 +859,89 @@ void test_q8_conversions() {
   }
 }
 
+// Blocks that reach every branch of the 8-bit coding (float_bits.h), for the variants
+// to agree on bit for bit: values spanning far more binades than the codes (most
+// below the smallest code), with a NaN of either sign or an inf among them, zeros of
+// either sign, subnormals, magnitudes near the top and the bottom of the scale range,
+// and random bit patterns.
+std::vector<float> q8_extreme_blocks(int64_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> ud(-60.0f, 4.0f);
+  std::uniform_int_distribution<uint32_t> bits32;
+  std::vector<float> x(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t kind = i / oa::kQuantBlock % 9;
+    const float spread = std::exp2(ud(rng)) * (bits32(rng) & 1 ? -1.0f : 1.0f);
+    const uint32_t r = bits32(rng);
+    switch (kind) {
+      case 0: x[i] = spread; break;
+      case 1: x[i] = i % 97 == 5 ? NAN : spread; break;
+      case 2: x[i] = i % 97 == 5 ? bits::float_of(0xFFC00000u) : spread; break;  // x86's default NaN
+      case 3: x[i] = i % 97 == 5 ? -INFINITY : spread; break;
+      case 4: x[i] = r & 1 ? -0.0f : 0.0f; break;
+      case 5: x[i] = bits::float_of(r & 0x807FFFFFu); break;                     // subnormals and zeros
+      case 6: x[i] = bits::float_of((r & 0x80FFFFFFu) | 0x7D000000u); break;     // 2^123 .. 2^125
+      case 7: x[i] = spread * 0x1p-70f; break;                                    // scales near 2^-110
+      default: x[i] = bits::float_of(r); break;
+    }
+  }
+  return x;
+}
+
+// The conversions and the step's q8 coding (with its stochastic rounding) of every
+// variant on q8_extreme_blocks, against the scalar variant bit for bit: codes and
+// scales equal, floats equal or both NaN.
+void test_q8_extremes_agree() {
+  const int64_t n = 23 * oa::kQuantBlock + 37;
+  std::mt19937 rng(11);
+  const std::vector<float> x = q8_extreme_blocks(n, rng);
+  auto same_floats = [](const std::vector<float>& a, const std::vector<float>& b) {
+    int bad = 0;
+    for (size_t i = 0; i < a.size(); ++i) bad += bits::bits_of(a[i]) != bits::bits_of(b[i]) && !(a[i] != a[i] && b[i] != b[i]);
+    return bad;
+  };
+  struct Out {
+    std::vector<uint8_t> codes[2];
+    std::vector<float> scales[2], values[2];
+    State state;
+  };
+  auto run = [&](oa::Isa isa) {
+    oa::set_isa(oa::isa_name(isa));
+    Out o;
+    for (int second = 0; second < 2; ++second) {
+      o.codes[second].resize(n), o.scales[second].resize(oa::quant_blocks(n)), o.values[second].resize(n);
+      oa::q8_encode(x.data(), n, second, o.codes[second].data(), o.scales[second].data(), 2);
+      oa::q8_decode(o.codes[second].data(), o.scales[second].data(), n, second, o.values[second].data(), 2);
+    }
+    // Steps: the extreme values as grads first (non-finite ones make their blocks'
+    // scales NaN), then finite ones, so that NaN scales are read back too.
+    o.state = fresh_state(n, 5, oa::StateDType::q8);
+    Config c;
+    c.state = oa::StateDType::q8;
+    c.lp = 1;
+    Grads g;
+    g.f32 = x;
+    for (int64_t step = 1; step <= 3; ++step) {
+      if (step == 2)
+        for (float& v : g.f32) v = std::isfinite(v) ? v : 1.0f;
+      run_step(o.state, g, step, c, 2);
+    }
+    return o;
+  };
+  const Out ref = run(oa::Isa::scalar);
+  for (oa::Isa isa : oa::supported_isas()) {
+    const Out o = run(isa);
+    int bad = 0;
+    for (int second = 0; second < 2; ++second)
+      bad += (o.codes[second] != ref.codes[second]) + same_floats(o.scales[second], ref.scales[second]) +
+             same_floats(o.values[second], ref.values[second]);
+    CHECK(bad == 0, "isa=%s: q8 conversions of extreme blocks differ from scalar (%d)", oa::isa_name(isa), bad);
+    const State& s = o.state;
+    bad = (s.m != ref.state.m) + (s.v != ref.state.v) + (s.lp != ref.state.lp) + same_floats(s.p, ref.state.p) +
+          same_floats(s.m_scale, ref.state.m_scale) + same_floats(s.v_scale, ref.state.v_scale);
+    CHECK(bad == 0, "isa=%s: q8 steps on extreme grads differ from scalar (%d)", oa::isa_name(isa), bad);
+  }
+}
+
 void test_isa_errors() {
   bool threw = false;
   try {
@@ -914,6 +997,7 @@ int main(int argc, char** argv) {
     test_unaligned_lp();
     test_stream_limit_and_sq_sums();
     test_q8_conversions();
+    test_q8_extremes_agree();
     test_isa_errors();
     std::printf("supported ISAs:");
     for (oa::Isa i : oa::supported_isas()) std::printf(" %s", oa::isa_name(i));
