@@ -31,6 +31,10 @@ T* page_aligned(int64_t n) {
 
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 32768;
+  if (argc > 2 || n <= 0) {  // --help, a typo or 0: say what it takes instead of timing nothing
+    std::fprintf(stderr, "usage: %s [numel > 0, default 32768]\n", argv[0]);
+    return 2;
+  }
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   float* p = page_aligned<float>(n);
