@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -27,14 +28,16 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       fn_ = &fn;
-      n_ = n;
-      next_.store(0, std::memory_order_relaxed);
+      for (int t = 0; t < wanted; ++t) {
+        slices_[t].next.store(n * t / wanted, std::memory_order_relaxed);
+        slices_[t].end = n * (t + 1) / wanted;
+      }
       helpers_ = wanted - 1;
       pending_ = wanted - 1;
       ++generation_;
     }
     wake_.notify_all();
-    drain();
+    drain(0);
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait(lock, [&] { return pending_ == 0; });
     fn_ = nullptr;
@@ -42,6 +45,10 @@ class Pool {
 
  private:
   void grow(int count) {
+    if (count + 1 > slice_capacity_) {  // no thread is in drain(): job_mutex_ is held
+      slices_.reset(new Slice[count + 1]);
+      slice_capacity_ = count + 1;
+    }
     while (static_cast<int>(threads_.size()) < count) {
       const int index = static_cast<int>(threads_.size());
       threads_.emplace_back([this, index] { worker(index); });
@@ -49,10 +56,18 @@ class Pool {
     }
   }
 
-  void drain() {
-    for (int64_t i = next_.fetch_add(1, std::memory_order_relaxed); i < n_;
-         i = next_.fetch_add(1, std::memory_order_relaxed)) {
-      (*fn_)(i);
+  // Thread t (0: the caller) runs its own slice, then helps the others with theirs.
+  // Contiguous slices keep each thread's streams long: with chunks handed out in
+  // turn, a 64M-param fp32 step ran ~2-7% slower when the memory was fast (paired
+  // A/B, 2-core Zen 4 VM), where torch and DeepSpeed split the range statically.
+  void drain(int t) {
+    const int threads = helpers_ + 1;
+    for (int k = 0; k < threads; ++k) {
+      Slice& s = slices_[(t + k) % threads];
+      for (int64_t i = s.next.fetch_add(1, std::memory_order_relaxed); i < s.end;
+           i = s.next.fetch_add(1, std::memory_order_relaxed)) {
+        (*fn_)(i);
+      }
     }
   }
 
@@ -65,7 +80,7 @@ class Pool {
         seen = generation_;
         if (index >= helpers_) continue;  // this job wants fewer threads
       }
-      drain();
+      drain(index + 1);
       std::lock_guard<std::mutex> lock(mutex_);
       if (--pending_ == 0) done_.notify_one();
     }
@@ -75,9 +90,15 @@ class Pool {
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> threads_;
+  // A thread's share of the indices: [next, end), next taken by fetch_add (it may
+  // run past end). One cache line each, so the threads' cursors do not share one.
+  struct alignas(64) Slice {
+    std::atomic<int64_t> next{0};
+    int64_t end = 0;
+  };
   const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_ = 0;
-  std::atomic<int64_t> next_{0};
+  std::unique_ptr<Slice[]> slices_;
+  int slice_capacity_ = 0;
   int helpers_ = 0;
   int pending_ = 0;
   uint64_t generation_ = 0;

@@ -9,9 +9,11 @@
 namespace offload_adam {
 
 // Runs fn(i) for every i in [0, n) on up to num_threads threads; the calling
-// thread is one of them. Indices are handed out dynamically (an atomic counter),
-// so a thread slowed by other work on its core takes fewer. Calls from several
-// threads are serialised. fn must not throw and must not call parallel_for.
+// thread is one of them. Each thread starts on a contiguous slice of [0, n) of its
+// own and, when done, takes the next indices of the others' slices (an atomic
+// cursor per slice), so a thread slowed by other work on its core takes fewer.
+// Calls from several threads are serialised. fn must not throw and must not call
+// parallel_for.
 void parallel_for(int64_t n, int num_threads, const std::function<void(int64_t)>& fn);
 
 }  // namespace offload_adam

@@ -7,6 +7,8 @@
 // Usage: test_kernels [--env-isa NAME]. The aarch64 build runs under qemu
 // (scripts/cross_test_aarch64.sh).
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -15,10 +17,12 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "adam_kernels.h"
+#include "thread_pool.h"
 
 namespace bits {
 #include "float_bits.h"
@@ -942,6 +946,32 @@ void test_q8_extremes_agree() {
   }
 }
 
+// The pool runs every index exactly once, whatever n and the thread count (slices of
+// uneven length, more threads than indices, one index); and a thread that stalls on
+// its first index leaves the rest of its slice to the others.
+void test_parallel_for() {
+  for (int threads : {1, 2, 3, 8}) {
+    for (int64_t n : {int64_t(1), int64_t(2), int64_t(7), int64_t(64), int64_t(1001)}) {
+      std::vector<std::atomic<int>> runs(n);
+      for (auto& r : runs) r.store(0);
+      oa::parallel_for(n, threads, [&](int64_t i) { runs[i].fetch_add(1); });
+      int bad = 0;
+      for (auto& r : runs) bad += r.load() != 1;
+      CHECK(bad == 0, "parallel_for(n=%lld, threads=%d): %d indices not run exactly once", (long long)n, threads, bad);
+    }
+  }
+  const int64_t n = 64;
+  std::vector<std::thread::id> who(n);
+  oa::parallel_for(n, 2, [&](int64_t i) {
+    if (i == n / 2) std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the second slice's first
+    else std::this_thread::sleep_for(std::chrono::microseconds(200));
+    who[i] = std::this_thread::get_id();
+  });
+  int helped = 0;
+  for (int64_t i = n / 2 + 1; i < n; ++i) helped += who[i] != who[n / 2];
+  CHECK(helped > 0, "no index of a stalled thread's slice was taken by the other thread");
+}
+
 void test_isa_errors() {
   bool threw = false;
   try {
@@ -999,6 +1029,7 @@ int main(int argc, char** argv) {
     test_q8_conversions();
     test_q8_extremes_agree();
     test_isa_errors();
+    test_parallel_for();
     std::printf("supported ISAs:");
     for (oa::Isa i : oa::supported_isas()) std::printf(" %s", oa::isa_name(i));
     std::printf("\n");
