@@ -17,12 +17,6 @@ namespace offload_adam {
 namespace {
 #include "float_bits.h"  // kDitherPhase, kDitherHigh
 
-// 32768 elements: a multiple of 16 floats (one 64-byte line), so chunk borders
-// fall on line borders of any line-aligned tensor and no two threads write the
-// same line; ~0.9 MB of traffic per chunk keeps the atomic hand-out negligible
-// while still balancing two threads to within a few percent on small buckets.
-constexpr int64_t kChunk = 32768;
-
 int lp_index(const Bucket& b, const AdamTensor& t) {
   if (t.param_lp == nullptr) return 0;
   if (b.lp_dtype == DType::bf16) return 1;

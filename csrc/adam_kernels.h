@@ -33,9 +33,16 @@ enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
 // for q8 (adam_step throws std::invalid_argument saying why).
 enum class StateDType : int { f32 = 0, bf16 = 1, q8 = 2 };
 
-// Elements per 8-bit block (one fp32 scale per moment per block). It divides the
-// driver's 32768-element chunk, so a tensor stepped in ranges that start at multiples of
-// 32768 finds its scales as a slice of the tensor's scale array. 256 elements: the
+// The driver's unit of work: 32768 elements, a multiple of 16 floats (one 64-byte line),
+// so chunk borders fall on line borders of any line-aligned tensor and no two threads
+// write the same line; ~0.9 MB of traffic per chunk keeps the hand-out negligible while
+// still balancing two threads to within a few percent on small buckets. A range of a
+// tensor (AdamTensor::first_index) starts at a multiple of it.
+constexpr int64_t kChunk = 32768;
+
+// Elements per 8-bit block (one fp32 scale per moment per block). It divides
+// kChunk, so a tensor stepped in ranges that start at multiples of kChunk finds its
+// scales as a slice of the tensor's scale array. 256 elements: the
 // block's new values (2 x 1 KiB) wait in L1 while its new scale is found; the scales cost
 // 8/256 B/param; the study (bench/moment_format_study.py) finds 64 to 2048 equally good.
 constexpr int64_t kQuantBlock = 256;

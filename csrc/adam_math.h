@@ -214,8 +214,9 @@ void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* 
       for (int k = 0; k < vectors; ++k) random = V::next_random(random);
   };
   int64_t j = 0;
-  for (; j + V::q8_group * V::width <= n; j += V::q8_group * V::width, advance(V::q8_group))
-    V::template store_q8_group<SIGNED, DITHER>(codes + j, x + j, random, blk.base);
+  if constexpr (V::q8_group > 1)  // only a V that packs several vectors at once has store_q8_group
+    for (; j + V::q8_group * V::width <= n; j += V::q8_group * V::width, advance(V::q8_group))
+      V::template store_q8_group<SIGNED, DITHER>(codes + j, x + j, random, blk.base);
   for (; j + V::width <= n; j += V::width, advance(1)) V::load(x + j).template store_q8<SIGNED>(codes + j, random, blk.base);
   for (; j < n; ++j)
     ScalarVec::load(x + j).template store_q8<SIGNED>(codes + j, rounding_bits<ScalarVec, DITHER>(d, j), blk.base);
@@ -380,7 +381,7 @@ void adam_chunk(const Chunk& chunk, const StepScalars& scalars) {
 }
 
 // ---- The streaming limit ---------------------------------------------------------
-// The same loads and stores as adam_elements without amsgrad, in the chunk's state
+// The same loads and stores as adam_moments + adam_param without amsgrad, in the chunk's state
 // format: the loaded values only permuted and xor-ed so that no load or store can be
 // optimised away, 16-bit values narrowed by truncation, 8-bit codes and block scales
 // swapped between the two moments. Its time is what moving the bytes alone costs.

@@ -32,12 +32,11 @@ void check_numel(const at::Tensor& t, const char* list, size_t i, int64_t numel)
                std::to_string(numel));
 }
 
-void check_float32(const TensorList& ts, const char* list, const TensorList& params) {
+void check_float32(const TensorList& ts, const char* list) {
   for (size_t i = 0; i < ts.size(); ++i) {
     check_cpu_contiguous(ts[i], list, i);
     if (ts[i].scalar_type() != at::kFloat)
       fail_type(where(list, i) + " must be float32, got " + std::string(c10::toString(ts[i].scalar_type())));
-    check_numel(ts[i], list, i, params[i].numel());
   }
 }
 
@@ -135,7 +134,7 @@ BucketView make_bucket(const TensorList& params, const TensorList& grads, const 
   check_same_length(n, exp_avg_sqs, "exp_avg_sqs", false);
   check_same_length(n, max_exp_avg_sqs, "max_exp_avg_sqs", true);
   check_same_length(n, lp_params, "lp_params", true);
-  check_float32(params, "params", params);
+  check_float32(params, "params");
   const oa::StateDType fmt = moment_format(
       {{&exp_avgs, "exp_avgs"}, {&exp_avg_sqs, "exp_avg_sqs"}, {&max_exp_avg_sqs, "max_exp_avg_sqs"}});
   if (fmt == oa::StateDType::q8 && !max_exp_avg_sqs.empty())
@@ -154,9 +153,10 @@ BucketView make_bucket(const TensorList& params, const TensorList& grads, const 
       fail_value("first_indices has " + std::to_string(first_indices.size()) + " entries, params has " +
                  std::to_string(n));
     for (size_t i = 0; i < n; ++i)
-      if (first_indices[i] < 0 || first_indices[i] % 32768 != 0)
+      if (first_indices[i] < 0 || first_indices[i] % oa::kChunk != 0)
         fail_value(where("first_indices", i) + " is " + std::to_string(first_indices[i]) +
-                   "; a range of a tensor must start at a non-negative multiple of 32768 elements");
+                   "; a range of a tensor must start at a non-negative multiple of " +
+                   std::to_string(oa::kChunk) + " elements");
   }
   BucketView v;
   v.bucket.grad_dtype = common_dtype(grads, "grads", true);

@@ -123,24 +123,30 @@ struct Avx2Vec {
       return {_mm256_castsi256_ps(_mm256_sign_epi32(b, c))};
     }
   }
+  // The code magnitudes of the floats with bits x, before the top clamp and the sign
+  // (float_bits.h): (|x| + the rounding offset - base) >> shift, and for unsigned codes
+  // the floor (0, or 1 for a positive x).
   template <bool SIGNED>
-  OA_INLINE void store_q8(uint8_t* p, Avx2Vec random, uint32_t base) const {
+  OA_INLINE static __m256i q8_magnitudes(__m256i x, Avx2Vec random, uint32_t base) {
     constexpr int sh = kQ8Shift<SIGNED>;
-    const __m256i x = _mm256_castps_si256(v);
     const __m256i a = _mm256_and_si256(x, i32(0x7FFFFFFFu));
     const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 32 - sh);
     // (offset - base first, and opaque: for round to nearest it is one constant of the
     // loop, which GCC would otherwise rebuild in it)
     const __m256i d = _mm256_add_epi32(a, opaque(_mm256_sub_epi32(offset, _mm256_set1_epi32(static_cast<int>(base)))));
-    __m256i c = _mm256_srai_epi32(d, sh);
+    const __m256i c = _mm256_srai_epi32(d, sh);
+    if constexpr (SIGNED) return c;
+    else return _mm256_max_epi32(c, _mm256_min_epu32(a, i32(1)));
+  }
+  template <bool SIGNED>
+  OA_INLINE void store_q8(uint8_t* p, Avx2Vec random, uint32_t base) const {
+    __m256i c = q8_magnitudes<SIGNED>(_mm256_castps_si256(v), random, base);
     if constexpr (SIGNED) {
       c = _mm256_max_epi32(_mm256_min_epi32(c, i32(kQ8Top<true>)), _mm256_setzero_si256());
       // the sign: vblendvps takes c | 0x80 where x's sign bit is set
       c = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(c),
                                                _mm256_castsi256_ps(_mm256_or_si256(c, i32(0x80))), v));
-    } else {  // the floor (0, or 1 for a positive x); the top (255) is the packs' saturation
-      c = _mm256_max_epi32(c, _mm256_min_epu32(a, i32(1)));
-    }
+    }  // unsigned: the top (255) is the packs' saturation
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
   }
@@ -152,15 +158,10 @@ struct Avx2Vec {
   static constexpr int q8_group = 4;
   template <bool SIGNED, bool DITHER>
   OA_INLINE static void store_q8_group(uint8_t* p, const float* x, Avx2Vec random, uint32_t base) {
-    constexpr int sh = kQ8Shift<SIGNED>;
     __m256i c[4], xs[4];
     for (int k = 0; k < 4; ++k) {
       xs[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * k));
-      const __m256i a = _mm256_and_si256(xs[k], i32(0x7FFFFFFFu));
-      const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 32 - sh);
-      const __m256i d = _mm256_add_epi32(a, opaque(_mm256_sub_epi32(offset, _mm256_set1_epi32(static_cast<int>(base)))));
-      c[k] = _mm256_srai_epi32(d, sh);
-      if constexpr (!SIGNED) c[k] = _mm256_max_epi32(c[k], _mm256_min_epu32(a, i32(1)));  // the floor
+      c[k] = q8_magnitudes<SIGNED>(xs[k], random, base);
       if constexpr (DITHER) random = next_random(random);
     }
     __m256i b;

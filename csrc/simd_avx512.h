@@ -152,10 +152,6 @@ struct Avx512Vec {
   }
   // vpmovsdb/vpmovusdb narrow one vector in one instruction: nothing to gain from more.
   static constexpr int q8_group = 1;
-  template <bool SIGNED, bool DITHER>
-  OA_INLINE static void store_q8_group(uint8_t* p, const float* x, Avx512Vec random, uint32_t base) {
-    load(x).template store_q8<SIGNED>(p, random, base);
-  }
   static Avx512Vec max_magnitude(Avx512Vec acc, Avx512Vec x) {
     const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x.v), i32(0x7FFFFFFFu));
     return {_mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc.v), mag))};

@@ -104,11 +104,7 @@ struct NeonVec {
     const uint32_t bytes = vget_lane_u32(vreinterpret_u32_u8(vmovn_u16(vcombine_u16(w, w))), 0);
     std::memcpy(p, &bytes, 4);
   }
-  static constexpr int q8_group = 1;
-  template <bool SIGNED, bool DITHER>
-  OA_INLINE static void store_q8_group(uint8_t* p, const float* x, NeonVec random, uint32_t base) {
-    load(x).template store_q8<SIGNED>(p, random, base);
-  }
+  static constexpr int q8_group = 1;  // one vmovn chain per vector: nothing to share
   static NeonVec max_magnitude(NeonVec acc, NeonVec x) {
     const uint32x4_t mag = vandq_u32(vreinterpretq_u32_f32(x.v), vdupq_n_u32(0x7FFFFFFFu));
     return {vreinterpretq_f32_u32(vmaxq_u32(vreinterpretq_u32_f32(acc.v), mag))};

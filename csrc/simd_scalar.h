@@ -18,7 +18,9 @@
 //   store_bf16_random(p, random)           bf16 with stochastic rounding
 //   load_q8<SIGNED>                        8-bit codes -> fp32 values relative to the block scale
 //   store_q8<SIGNED>(p, random, base)      fp32 moments -> 8-bit codes of their block (float_bits.h)
-//   q8_group, store_q8_group<SIGNED>       store_q8 of q8_group vectors from memory at once
+//   q8_group                               vectors store_q8_group codes at once (1: none)
+//   store_q8_group<SIGNED, DITHER>         only where q8_group > 1: store_q8 of q8_group vectors
+//                                          from memory, random advanced by next_random when DITHER
 //   max_magnitude, max_lanes               running max of |x| and its largest lane, compared
 //                                          as bit patterns (NaN > inf > finite: exact, NaN kept)
 //   max_bits                               running max of bit patterns (of x >= 0 or NaN)
@@ -76,13 +78,7 @@ struct ScalarVec {
   void store_q8(uint8_t* p, ScalarVec random, uint32_t base) const {
     *p = float_to_q8<SIGNED>(v, bits_of(random.v), base);
   }
-  // store_q8 of q8_group vectors x[0, q8_group * width); random: the first one's bits,
-  // advanced by next_random from vector to vector when DITHER, else the same for all.
-  static constexpr int q8_group = 1;
-  template <bool SIGNED, bool DITHER>
-  static void store_q8_group(uint8_t* p, const float* x, ScalarVec random, uint32_t base) {
-    load(x).template store_q8<SIGNED>(p, random, base);
-  }
+  static constexpr int q8_group = 1;  // no store_q8_group: one lane at a time
   // acc holds magnitudes (sign bit clear); their bit patterns order like the values.
   static ScalarVec max_magnitude(ScalarVec acc, ScalarVec x) {
     const uint32_t a = bits_of(acc.v), b = bits_of(x.v) & 0x7FFFFFFFu;
