@@ -151,10 +151,18 @@ def global_sq_sum(sums: Iterable[Tuple[torch.Tensor, float]], params: List[torch
     """
     groups: Dict[tuple, list] = {}
     plain, replicated = [], []
+    keys: Dict[tuple, tuple] = {}   # _mesh_key reads the mesh's ranks: once per mesh and dims
+
+    def key_of(r):
+        k = (id(r[0]), r[1])
+        if k not in keys:
+            keys[k] = _mesh_key(*r)
+        return keys[k]
+
     for p in params:   # the reductions, known to every rank alike
         r = _reduction(p.grad if p.grad is not None else p)
         if r is not None and r[1]:
-            groups.setdefault(_mesh_key(*r), [r[0], r[1], []])
+            groups.setdefault(key_of(r), [r[0], r[1], []])
     for p, s in sums:
         r = _reduction(p.grad)
         if r is None:
@@ -162,7 +170,7 @@ def global_sq_sum(sums: Iterable[Tuple[torch.Tensor, float]], params: List[torch
         elif not r[1]:
             replicated.append(s)    # the same on every rank of its mesh
         else:
-            groups[_mesh_key(*r)][2].append(s)
+            groups[key_of(r)][2].append(s)
     total = math.fsum(replicated)
     for key in sorted(groups):
         mesh, dims, values = groups[key]

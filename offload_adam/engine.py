@@ -129,6 +129,12 @@ class OffloadEngine:
             self._last_threads = self.device.default_num_threads()
         return self._num_threads or self._last_threads
 
+    def hook_threads(self) -> int:
+        """Kernel threads for jobs started from autograd's hooks: the option, or the
+        count step() last read (torch.get_num_threads() is per thread, and autograd's
+        thread may not see the caller's setting)."""
+        return self._num_threads or self._last_threads
+
     # ---- construction -------------------------------------------------------------
 
     def add_group(self, group: int, params: Sequence[torch.Tensor], amsgrad: bool,
@@ -213,7 +219,7 @@ class OffloadEngine:
         with torch.no_grad():
             self._copy([rec], hook=True)
         if self._want_norms:
-            copy, threads = rec.copy, self.threads()
+            copy, threads = rec.copy, self.hook_threads()
             self._worker.submit(lambda: sq_sum(self.device, rec, copy, threads))
         if self.early is not None:
             self.early.after_copy(rec)
@@ -378,13 +384,13 @@ class OffloadEngine:
             ready.append(rec)
         self._copy(stale, flush=True)
         if checks is None:
-            self._redo(start_check(self.device, reused, local))
+            self._redo(start_check(self.device, reused))
             return ready
         by_bucket: Dict[int, list] = {}
         for rec in reused:
             by_bucket.setdefault(rec.pieces[0].bucket.index, []).append(rec)
         for index, recs in by_bucket.items():
-            check = start_check(self.device, recs, local)
+            check = start_check(self.device, recs)
             if check is not None:
                 checks[index] = check
         return ready

@@ -30,10 +30,8 @@ import weakref
 from typing import Dict, Optional
 
 from .engine_grads import start_check
-from .engine_layout import local
 from .kernel_step import Hyper
-
-MASTER_KEY = "master_param"
+from .state_format import MASTER_KEY
 
 
 class EarlyStart:
@@ -92,7 +90,7 @@ class EarlyStart:
         for rec in recs:
             self._started[id(rec)] = rec.copy
         self._hyper[bucket.index] = hyper
-        threads = engine._num_threads or engine._last_threads
+        threads = engine.hook_threads()
 
         def job():
             engine.bucket_job(bucket, pieces, hyper, 1.0, threads, None, write=False)
@@ -128,7 +126,7 @@ class EarlyStart:
             return (f"step() scales the grads by {grad_scale!r} (a clipping "
                     "coefficient or 1/loss scale), but they were stepped unscaled")
         same = [r for r in early if r.copy is self._started[id(r)] and r.copy.is_of(r.param.grad)]
-        check = start_check(engine.device, same, local)   # one wait for all
+        check = start_check(engine.device, same)   # one wait for all
         same = set(map(id, same))
         edited = {id(r) for r, _, _ in check.changed()} if check is not None else set()
         for rec in early:

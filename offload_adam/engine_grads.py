@@ -28,6 +28,7 @@ from typing import List, Optional
 
 import torch
 
+from .distributed import local
 from .kernel_step import grad_sq_sums
 
 # Elements per reduction in grad_fingerprint: bounds its int64 temporaries on
@@ -98,7 +99,7 @@ class FingerprintCheck:
     `changed()` waits for its result; `done` is the device event after which
     a changed grad may be copied again (it is in the state that was checked)."""
 
-    def __init__(self, device, recs: list, local):
+    def __init__(self, device, recs: list):
         self.recs = recs
         self.grads = [r.param.grad for r in recs]
         self.now = [grad_fingerprint(local(g)) for g in self.grads]
@@ -111,10 +112,10 @@ class FingerprintCheck:
                                                    self._result()) if c]
 
 
-def start_check(device, recs: list, local) -> Optional[FingerprintCheck]:
+def start_check(device, recs: list) -> Optional[FingerprintCheck]:
     """Queues the check of `recs` that have a fingerprint (None: nothing to do)."""
     recs = [r for r in recs if r.copy.fingerprint is not None]
-    return FingerprintCheck(device, recs, local) if recs else None
+    return FingerprintCheck(device, recs) if recs else None
 
 
 def sq_sum(device, rec, copy: GradCopy, threads: int) -> None:

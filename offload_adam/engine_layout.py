@@ -29,7 +29,7 @@ import torch
 
 from .distributed import local
 from .engine_host_memory import HostArenas
-from .state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat
+from .state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat, scale_len
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 PACK_BELOW_BYTES = 1 << 18
@@ -118,7 +118,7 @@ class Piece:
             return self.of(t)
         if not self.rec.flat:
             return t
-        return t[self.start // QUANT_BLOCK:-(-self.stop // QUANT_BLOCK)]
+        return t[self.start // QUANT_BLOCK:scale_len(self.stop)]
 
 
 class Bucket:
@@ -169,7 +169,7 @@ def allocate_state(recs: Sequence[ParamRec], device, available: Optional[int],
         plan = {}
         for role in roles:
             if role in SCALE_KEYS.values():
-                dtype, shape = torch.float32, (r.fmt.scale_len(r.numel),)
+                dtype, shape = torch.float32, (scale_len(r.numel),)
             else:
                 dtype = torch.float32 if role == "master" else r.fmt.moment_dtype
                 shape = r.shape

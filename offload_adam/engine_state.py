@@ -17,9 +17,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Callable, Sequence
 
-from .state_format import MOMENT_KEYS, SCALE_KEYS
-
-MASTER_KEY = "master_param"
+from .state_format import MASTER_KEY, MOMENT_KEYS
 
 
 def bind_state(device, recs: Sequence, param_groups, state,
@@ -30,9 +28,7 @@ def bind_state(device, recs: Sequence, param_groups, state,
     ams = [r for r in recs if param_groups[r.group].get("amsgrad", False)
            and r.max_exp_avg_sq is None]
     for r in ams:
-        if r.fmt.blockwise:
-            raise ValueError(f"amsgrad=True cannot be used with state_dtype=\"8bit\" "
-                             f"({r.label()}): the running max of exp_avg_sq has no 8-bit code")
+        r.fmt.check_amsgrad(True, r.label())
     for _, same in groupby(sorted(ams, key=lambda r: r.fmt.name), key=lambda r: r.fmt.name):
         allocate(list(same), ("max_exp_avg_sq",))
     fresh = [rec for rec in recs if _bind(device, rec, state[rec.param])]
@@ -53,9 +49,7 @@ def _bind(device, rec, st: dict) -> bool:
             target = getattr(rec, k)
             target.copy_(value.reshape(target.shape))
             st[k] = target
-    if not rec.fmt.blockwise:
-        for scale in SCALE_KEYS.values():
-            st.pop(scale, None)
+    rec.fmt.drop_scales(st)
     if st.get("step") is not rec.step_t:
         count = float(st.get("step", 0.0))
         for piece in rec.pieces:   # a param cut in pieces counts its step per piece

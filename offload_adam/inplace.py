@@ -20,9 +20,7 @@ from torch.autograd.graph import increment_version
 
 from .distributed import local
 from .kernel_step import Hyper, adam_step
-from .state_format import MOMENT_KEYS, SCALE_KEYS, StateFormat, state_format
-
-MASTER_KEY = "master_param"
+from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, StateFormat, state_format
 
 
 def param_label(group: dict, group_index: int, index: int, p: torch.Tensor) -> str:
@@ -67,9 +65,6 @@ class InPlace:
     def __init__(self, is_mine: Callable[[torch.Tensor], bool]):
         self._is_mine = is_mine
         self._plans: Dict[int, _Plan] = {}
-
-    def reset(self) -> None:
-        self._plans = {}
 
     def step_group(self, index: int, group: dict, state, grad_scale: float,
                    num_threads: int) -> None:
@@ -188,10 +183,7 @@ def ready_state(state, p: torch.Tensor, amsgrad: bool, fmt: StateFormat, label) 
     loaded one into the kernels' format: contiguous CPU tensors, the moments in
     the group's state format (state_format.py), step a float32 0-dim tensor,
     and the fp32 master of a low-precision param."""
-    if amsgrad and fmt.blockwise:
-        raise ValueError(f"amsgrad=True cannot be used with state_dtype=\"8bit\" (param "
-                         f"{label()}): the running max of exp_avg_sq has no 8-bit code; "
-                         "use state_dtype=torch.bfloat16 or torch.float32 with amsgrad")
+    fmt.check_amsgrad(amsgrad, f"param {label()}")
     st = state[p]
     step = st.get("step")
     if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32
@@ -199,9 +191,7 @@ def ready_state(state, p: torch.Tensor, amsgrad: bool, fmt: StateFormat, label) 
         st["step"] = torch.tensor(0.0 if step is None else float(step), dtype=torch.float32)
     for key in MOMENT_KEYS if amsgrad else MOMENT_KEYS[:2]:
         st.update(fmt.convert(st, key, p.shape, p.numel(), f" of param {label()}"))
-    if not fmt.blockwise:
-        for scale in SCALE_KEYS.values():
-            st.pop(scale, None)
+    fmt.drop_scales(st)
     if p.dtype is torch.float32:
         st.pop(MASTER_KEY, None)  # the param is its own master
     elif MASTER_KEY in st:

@@ -37,9 +37,9 @@ from . import distributed
 from .engine import OffloadEngine
 from .engine_device import simulating
 from .engine_worker import interrupts_deferred
-from .inplace import MASTER_KEY, InPlace, param_label
+from .inplace import InPlace, param_label
 from .kernel_step import clip_coefficient, grad_sq_sums
-from .state_format import MOMENT_KEYS, SCALE_KEYS, state_format, with_float32_moments
+from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, with_float32_moments
 
 __all__ = ["Adam", "AdamW"]
 
@@ -83,10 +83,7 @@ def _check_modes(group_or_defaults, where):
             )
     fmt = state_format(group_or_defaults.get("state_dtype", "float32"))
     group_or_defaults["state_dtype"] = fmt.name
-    if fmt.blockwise and group_or_defaults.get("amsgrad", False):
-        raise ValueError(f"amsgrad=True cannot be used with state_dtype=\"8bit\" ({where}): "
-                         "the running max of exp_avg_sq has no 8-bit code; use "
-                         "state_dtype=torch.bfloat16 or torch.float32 with amsgrad")
+    fmt.check_amsgrad(group_or_defaults.get("amsgrad", False), where)
 
 
 def _check_param(p, label):
@@ -498,9 +495,7 @@ class Adam(Optimizer):
             for key in MOMENT_KEYS:
                 if key in state:
                     state.update(fmt.convert(state, key, local_p.shape, local_p.numel()))
-            if not fmt.blockwise:
-                for scale in SCALE_KEYS.values():
-                    state.pop(scale, None)
+            fmt.drop_scales(state)
             if MASTER_KEY in state:
                 if p.dtype is torch.float32 and not self._in_engine(p):
                     del state[MASTER_KEY]  # the param is its own master

@@ -31,7 +31,13 @@ from .kernel_step import kernels
 
 QUANT_BLOCK = 256  # csrc/adam_kernels.h kQuantBlock; checked against the kernels in the tests
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+MASTER_KEY = "master_param"  # the fp32 master of a low-precision param, in its state
 SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
+
+
+def scale_len(numel: int) -> int:
+    """The length of an 8-bit moment's scale array: one per block, the last one partial."""
+    return -(-numel // QUANT_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -43,18 +49,26 @@ class StateFormat:
     def blockwise(self) -> bool:
         return self.moment_dtype is torch.uint8
 
-    def moment_bytes(self) -> float:
-        """Bytes of host memory per param per moment, scales included."""
-        return 1 + 4 / QUANT_BLOCK if self.blockwise else self.moment_dtype.itemsize
+    def check_amsgrad(self, amsgrad: bool, where: str) -> None:
+        """amsgrad's running max of exp_avg_sq has no 8-bit code: a ValueError naming
+        `where` (a group, or a param)."""
+        if amsgrad and self.blockwise:
+            raise ValueError(f"amsgrad=True cannot be used with state_dtype=\"8bit\" ({where}): "
+                             "the running max of exp_avg_sq has no 8-bit code; use "
+                             "state_dtype=torch.bfloat16 or torch.float32 with amsgrad")
 
-    def scale_len(self, numel: int) -> int:
-        return -(-numel // QUANT_BLOCK)
+    def drop_scales(self, st: dict) -> None:
+        """Removes block scales from a state in a format without them (a loaded
+        8-bit state converted to this one)."""
+        if not self.blockwise:
+            for scale in SCALE_KEYS.values():
+                st.pop(scale, None)
 
     def zeros(self, key: str, numel: int, shape) -> Dict[str, torch.Tensor]:
         """A zero moment in this format (all-zero codes and scales are zero)."""
         out = {key: torch.zeros(shape, dtype=self.moment_dtype)}
         if self.blockwise:
-            out[SCALE_KEYS[key]] = torch.zeros(self.scale_len(numel), dtype=torch.float32)
+            out[SCALE_KEYS[key]] = torch.zeros(scale_len(numel), dtype=torch.float32)
         return out
 
     def convert(self, st: dict, key: str, shape, numel: int,
@@ -75,7 +89,7 @@ class StateFormat:
         fp32 = float32_moment(value, scale, key)
         if not self.blockwise:
             return {key: fp32.to(self.moment_dtype).contiguous()}
-        return encode_8bit(key, fp32, self.scale_len(numel))
+        return encode_8bit(key, fp32, scale_len(numel))
 
     def _is_native(self, value, scale, numel) -> bool:
         if value.dtype is not self.moment_dtype or value.device.type != "cpu":
@@ -85,7 +99,7 @@ class StateFormat:
         if not self.blockwise:
             return True
         return (scale is not None and scale.dtype is torch.float32 and scale.device.type == "cpu"
-                and scale.is_contiguous() and scale.numel() == self.scale_len(numel))
+                and scale.is_contiguous() and scale.numel() == scale_len(numel))
 
 
 FLOAT32 = StateFormat("float32", torch.float32)
@@ -116,10 +130,10 @@ def float32_moment(value: torch.Tensor, scale: Optional[torch.Tensor], key: str)
     if key not in SCALE_KEYS:
         raise ValueError(f"optimizer state {key!r} holds 8-bit codes, which only exp_avg "
                          "and exp_avg_sq can have")
-    n = value.numel()
-    if scale is None or scale.numel() != -(-n // QUANT_BLOCK):
+    blocks = scale_len(value.numel())
+    if scale is None or scale.numel() != blocks:
         raise ValueError(f"optimizer state {key!r} holds 8-bit codes but "
-                         f"{SCALE_KEYS[key]!r} is missing or not {-(-n // QUANT_BLOCK)} long")
+                         f"{SCALE_KEYS[key]!r} is missing or not {blocks} long")
     out = torch.empty(value.shape, dtype=torch.float32)
     kernels().q8_decode(value.to("cpu").contiguous(), scale.to("cpu", torch.float32).contiguous(),
                         out, key == "exp_avg_sq")
