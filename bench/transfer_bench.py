@@ -92,9 +92,9 @@ def main():
         hosts = [arenas.view("grad", off, (n,)) for off, n in zip(offsets, sizes)]
         devs = [device_buf[s:s + n] for s, n in zip(starts, sizes)]
         moved = 2 * sum(sizes)
+        pairs = [(hosts, devs)] if packed else [([h], [d]) for h, d in zip(hosts, devs)]
 
         def run(direction):
-            pairs = [(hosts, devs)] if packed else [([h], [d]) for h, d in zip(hosts, devs)]
             last = None
             for h, d in pairs:
                 last = cuda.d2h(h, d) if direction == "d2h" else cuda.h2d(d, h, cuda.fence())

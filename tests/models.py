@@ -49,8 +49,17 @@ def make_mlp(seed=0):
 
 
 def mlp_loss(model, seed):
-    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed)).to(BF16)
-    return model(x).float().pow(2).sum()
+    """A loss of make_mlp's model (in its dtype: bf16, or fp32 after a cast)."""
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
+    return model(x.to(model[0].weight.dtype)).float().pow(2).sum()
+
+
+# Options for make_mlp's model: tiny buckets, so that its params span several.
+MLP_OPTS = dict(lr=3e-3, weight_decay=0.1, eps=1e-2, bucket_mb=0.0001)
+
+
+class Boom(ValueError):
+    """An error raised on purpose (a failing kernel, hook or user callback)."""
 
 
 def copy_grads(model, ref):

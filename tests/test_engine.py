@@ -20,8 +20,8 @@ import torch
 import offload_adam
 from offload_adam import kernel_step
 from offload_adam.engine import OffloadEngine
-from models import (BF16, OPTS, assert_param_is_master_rounded, assert_same, copy_grads,
-                    loss_of, make_mlp, make_pair, mlp_loss, run, steps_of, train_shadow)
+from models import (BF16, MLP_OPTS, OPTS, Boom, assert_param_is_master_rounded, assert_same,
+                    copy_grads, loss_of, make_mlp, make_pair, mlp_loss, run, steps_of, train_shadow)
 
 
 def in_place_run(path, steps, edit=None, micro=1, **options):
@@ -420,13 +420,6 @@ def test_cast_after_building_is_followed_or_refused(path):
 
 
 # ---- when things go wrong ---------------------------------------------------------------
-MLP_OPTS = dict(lr=3e-3, weight_decay=0.1, eps=1e-2, bucket_mb=0.0001)
-
-
-class Boom(ValueError):
-    pass
-
-
 def _kernels_that(monkeypatch, before_step):
     """The real kernels, with `before_step()` run before each adam_step."""
     real = kernel_step.kernels()

@@ -18,8 +18,8 @@ import torch
 
 import offload_adam
 from offload_adam import kernel_step
-from models import (BF16, OPTS, TinyTransformer, assert_param_is_master_rounded, assert_same,
-                    loss_of, make_mlp, mlp_loss, run, steps_of)
+from models import (BF16, MLP_OPTS, OPTS, Boom, TinyTransformer, assert_param_is_master_rounded,
+                    assert_same, loss_of, make_mlp, mlp_loss, run, steps_of)
 
 
 class Model(TinyTransformer):
@@ -246,7 +246,6 @@ def test_accumulation_is_an_error(path):
 
 # ---- less travelled branches ------------------------------------------------------------
 # bucket_mb this small puts every param of the MLP in a bucket of its own.
-MLP_OPTS = dict(lr=3e-3, weight_decay=0.1, eps=1e-2, bucket_mb=0.0001)
 
 
 def test_dead_owner_starts_no_early_step(path):
@@ -311,10 +310,6 @@ def test_grad_scale_after_early_steps_is_an_error(path):
         opt._engine.step(opt.param_groups, opt.state, grad_scale=0.5)
     assert steps_of(opt, model) == [2.0] * 4
     assert_param_is_master_rounded(opt, model)
-
-
-class Boom(ValueError):
-    pass
 
 
 def test_failing_early_kernel_leaves_stepped_params_consistent(path, monkeypatch):

@@ -8,9 +8,8 @@ import torch
 
 import offload_adam
 from offload_adam import engine_grads
-from models import BF16, OPTS, assert_same, loss_of, make_mlp, make_pair, mlp_loss
+from models import BF16, MLP_OPTS, OPTS, assert_same, loss_of, make_mlp, make_pair, mlp_loss
 
-MLP_OPTS = dict(lr=3e-3, weight_decay=0.1, eps=1e-2, bucket_mb=0.0001)
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])

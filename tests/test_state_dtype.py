@@ -53,7 +53,6 @@ def test_state_is_stored_in_the_format_and_equal_on_every_path(path, fmt):
 def test_host_memory_per_param(kernels):
     """In place: 12, 8 and ~6 bytes of state per param (master + moments +
     scales), as the format says."""
-    n = sum(p.numel() for p in make_pair()[0].parameters() if p is not None)
     held = {}
     for fmt, name in zip(FORMATS, IDS):
         model, opt = train(fmt, steps=1)

@@ -7,15 +7,9 @@ import pytest
 import torch
 
 import offload_adam
-from models import BF16, assert_param_is_master_rounded, assert_same, make_mlp, run, state_of
+from models import BF16, assert_param_is_master_rounded, assert_same, make_mlp, mlp_loss, run, state_of
 
 OPTS = dict(lr=3e-3, weight_decay=0.1, bucket_mb=0.0001)
-
-
-def mlp_loss(model, seed):
-    """models.mlp_loss, in the model's dtype."""
-    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
-    return model(x.to(model[0].weight.dtype)).float().pow(2).sum()
 
 
 def test_frozen_low_precision_params_are_accepted_and_skipped(path):
