@@ -13,14 +13,12 @@ load side by side.
 
 import argparse
 import importlib.util
-import random
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+from step_cases import BETAS, EPS, LR, WD, make_source, paired, scale_kwargs, timed_passes
 
 
 def load(folder: str):
@@ -44,34 +42,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     a = ap.parse_args()
     builds = {"A": load(a.a), "B": load(a.b)}
-    n = a.numel // a.tensors
+    sizes = [a.numel // a.tensors] * a.tensors
 
     def data(K):
         """p, g, m, v, steps, lp, the scale kwargs: the step benchmark's case of that name."""
-        out = {"p": [], "g": [], "m": [], "v": [], "lp": [], "ms": [], "vs": []}
-        for _ in range(a.tensors):
-            p, g = torch.randn(n) * 0.1, torch.randn(n) * 1e-2
-            m, v = torch.randn(n) * 1e-3, torch.rand(n) * 1e-4 + 1e-8
-            out["p"].append(p)
-            out["g"].append(g if a.case == "fp32" else g.bfloat16())
-            if a.case != "fp32":
-                out["lp"].append(p.bfloat16())
-            if a.case == "bf16_moments":
-                m, v = m.bfloat16(), v.bfloat16()
-            elif a.case == "q8_moments":
-                blocks = (n + K.quant_block_size() - 1) // K.quant_block_size()
-                codes = []
-                for x, second, key in ((m, False, "ms"), (v, True, "vs")):
-                    c, scales = torch.empty(n, dtype=torch.uint8), torch.empty(blocks)
-                    K.q8_encode(x, c, scales, second, a.threads)
-                    codes.append(c)
-                    out[key].append(scales)
-                m, v = codes
-            out["m"].append(m)
-            out["v"].append(v)
-        scales = dict(exp_avg_scales=out["ms"], exp_avg_sq_scales=out["vs"]) if out["ms"] else {}
-        return (out["p"], out["g"], out["m"], out["v"], [torch.tensor(0.0) for _ in range(a.tensors)],
-                out["lp"], scales)
+        src = make_source(a.case, sizes, K, a.threads)
+        return (src["p"], src["g"], src["m"], src["v"], [torch.tensor(0.0) for _ in sizes], src["lp"],
+                scale_kwargs(src["ms"], src["vs"]))
 
     def step(K, d):
         p, g, m, v, steps, lp, scales = d
@@ -83,23 +60,20 @@ def main() -> None:
         K.set_isa(a.isa)
         K.stream_limit(p, g, m, v, lp, a.threads, **scales)
 
-    runs = {f"{b} {what}": (builds[b], fn, data(builds[b])) for b in builds for what, fn in (("step", step), ("limit", limit))}
-    for K, fn, d in runs.values():
-        fn(K, d)
-    times = {k: [] for k in runs}
-    for _ in range(a.passes):
-        for k in random.sample(list(runs), len(runs)):
-            K, fn, d = runs[k]
-            t = time.perf_counter()
-            fn(K, d)
-            times[k].append(time.perf_counter() - t)
+    runs = {}
+    for b, K in builds.items():
+        d = data(K)
+        for what, fn in (("step", step), ("limit", limit)):
+            runs[f"{b} {what}"] = (lambda fn=fn, K=K, d=d: fn(K, d))
+    for run in runs.values():
+        run()
+    times = timed_passes(runs, a.passes)
     print(f"A = {a.a}\nB = {a.b}\n{a.case}: {a.numel:,} params in {a.tensors} tensors, {a.isa}, "
           f"{a.threads} threads, {a.passes} passes")
     for k, v in times.items():
         print(f"  {k:8s} median {statistics.median(v) * 1e3:7.2f} ms   min {min(v) * 1e3:7.2f} ms")
     for what in ("step", "limit"):
-        r = statistics.median(x / y for x, y in zip(times[f"A {what}"], times[f"B {what}"]))
-        print(f"  A / B {what}: {r:.3f} (paired)")
+        print(f"  A / B {what}: {paired(times[f'A {what}'], times[f'B {what}']):.3f} (paired)")
 
 
 if __name__ == "__main__":

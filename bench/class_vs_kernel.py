@@ -10,19 +10,17 @@ ratio within a pass). Prints medians and minima in ms.
 """
 
 import argparse
-import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from step_cases import BETAS, EPS, LR, WD, paired, timed_passes
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import offload_adam  # noqa: E402
 from offload_adam._build import load_kernels  # noqa: E402
-
-LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
 def main() -> None:
@@ -63,18 +61,12 @@ def main() -> None:
         opt.step()
 
     runs = {"class": cls, "kernel, class's tensors": own, "kernel, fresh copies": fresh}
-    times = {k: [] for k in runs}
-    for _ in range(a.passes):
-        for k in random.sample(list(runs), len(runs)):
-            t = time.perf_counter()
-            runs[k]()
-            times[k].append(time.perf_counter() - t)
+    times = timed_passes(runs, a.passes)
     print(f"{a.numel:,} bf16 params in {a.tensors} tensors, {isa}, {a.threads} threads, {a.passes} passes")
     for k, v in times.items():
         print(f"  {k:24s} median {statistics.median(v) * 1e3:7.2f} ms   min {min(v) * 1e3:7.2f} ms")
     for other in ("kernel, class's tensors", "kernel, fresh copies"):
-        r = statistics.median(c / o for c, o in zip(times["class"], times[other]))
-        print(f"  class / {other}: {r:.3f} (paired)")
+        print(f"  class / {other}: {paired(times['class'], times[other]):.3f} (paired)")
 
 
 if __name__ == "__main__":

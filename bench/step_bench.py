@@ -61,7 +61,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 BYTES_PER_PARAM = {"fp32": 28, "mixed": 28, "bf16_moments": 20, "q8_moments": 16 + 16 / 256}
 BYTE_COUNTING = {
     "fp32": "read g,p,m,v 4x4 B + write p,m,v 3x4 B = 28 B/param",
@@ -70,8 +69,6 @@ BYTE_COUNTING = {
     "q8_moments": "read g bf16 2 B + p 4 B + m,v 2x1 B, write p 4 B + m,v 2x1 B + p bf16 2 B = 16 B/param "
                   "+ 2 fp32 scales per 256 read and written (16/256 B)",
 }
-# The state format of each case's moments (the mixed shape otherwise).
-MOMENT_FORMAT = {"fp32": None, "mixed": None, "bf16_moments": "bf16", "q8_moments": "q8"}
 SCHEMA = "offload_adam.step_bench/3"
 
 
@@ -104,6 +101,9 @@ THREADS = ARGS.threads or len(os.sched_getaffinity(0))
 os.environ["OMP_NUM_THREADS"] = str(THREADS)
 
 import torch  # noqa: E402
+from step_cases import BETAS, EPS, LR, MOMENT_FORMAT, WD, scale_kwargs  # noqa: E402  (imports torch)
+from step_cases import make_source as make_case_source  # noqa: E402
+from step_cases import paired as paired_times  # noqa: E402
 
 torch.set_num_threads(THREADS)
 sys.path.insert(0, str(REPO))
@@ -138,44 +138,8 @@ def llama_sizes(numel):
 
 
 def make_source(case, numel, tensors, K):
-    """p, g, m, v, lp as each contender takes them; for the moment-format cases m, v in that format
-    (with their block scales ms, vs for q8) and their fp32 originals as m32, v32."""
-    gen = torch.Generator().manual_seed(1234)
-    src = {"p": [], "g": [], "m": [], "v": [], "lp": [], "m32": [], "v32": [], "ms": [], "vs": []}
-    fmt = MOMENT_FORMAT[case]
-    for n in split_sizes(numel, tensors):
-        p = torch.randn(n, generator=gen) * 0.1
-        g = torch.randn(n, generator=gen) * 1e-2
-        m = torch.randn(n, generator=gen) * 1e-3
-        v = torch.rand(n, generator=gen) * 1e-4 + 1e-8
-        src["p"].append(p)
-        if case == "fp32":
-            src["g"].append(g)
-        else:
-            src["g"].append(g.to(torch.bfloat16))
-            src["lp"].append(p.to(torch.bfloat16))
-        if fmt is None:
-            src["m"].append(m)
-            src["v"].append(v)
-            continue
-        src["m32"].append(m)
-        src["v32"].append(v)
-        if fmt == "bf16":
-            src["m"].append(m.to(torch.bfloat16))
-            src["v"].append(v.to(torch.bfloat16))
-        else:
-            blocks = (n + K.quant_block_size() - 1) // K.quant_block_size()
-            for key, x, second in (("m", m, False), ("v", v, True)):
-                codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(blocks)
-                K.q8_encode(x, codes, scales, second, THREADS)
-                src[key].append(codes)
-                src[key[0] + "s"].append(scales)
-    return src
-
-
-def scale_kwargs(ms, vs):
-    """The 8-bit moments' block scales, when there are any."""
-    return dict(exp_avg_scales=ms, exp_avg_sq_scales=vs) if ms else {}
+    """The case's data (step_cases.make_source) in the tensors of --shapes."""
+    return make_case_source(case, split_sizes(numel, tensors), K, THREADS)
 
 
 def clone(ts):
@@ -437,8 +401,7 @@ def summarize(case, rows):
     best_torch = min(torch_rows, key=lambda r: r["median_s"]) if torch_rows else None
 
     def paired(slow, fast):
-        """Median over passes of slow's time / fast's time in the same pass."""
-        return statistics.median(a / b for a, b in zip(slow["times_s"], fast["times_s"]))
+        return paired_times(slow["times_s"], fast["times_s"])
 
     ratios, ratios_min, ratios_paired = {}, {}, {}
     if best_ours:
