@@ -91,7 +91,8 @@ def _jit_build() -> ModuleType:
     csrc = _sources.find_csrc(Path(__file__).parent)
     ninja = _find_ninja()
     cxx = shlex.split(os.environ.get("CXX", "c++"))
-    name = f"offload_adam_C_{_build_hash(csrc, cxx, _built_against(cxx))}"
+    table = _sources.KernelTable.read(csrc)
+    name = f"offload_adam_C_{_build_hash(csrc, table, cxx, _built_against(cxx))}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = Path(root) / name
     obj_dir = build_dir / "kernels"
@@ -104,7 +105,6 @@ def _jit_build() -> ModuleType:
         # forever. Holding our lock, which dies with its process, no other build
         # of this folder is running: any such file is stale.
         (build_dir / "lock").unlink(missing_ok=True)
-        table = _sources.KernelTable.read(csrc)
         objects = [obj_dir / (Path(src).stem + ".o") for src in table.sources]
         _write_kernel_build_file(cxx, csrc, table, obj_dir)
         built = any(build_dir.glob(name + ".*"))
@@ -155,16 +155,15 @@ def _compiler_version(cxx: list[str]) -> str:
     return _text(out).splitlines()[0] if out else ""
 
 
-def _build_hash(csrc: Path, cxx: list[str], built_against: dict) -> str:
+def _build_hash(csrc: Path, table: _sources.KernelTable, cxx: list[str], built_against: dict) -> str:
     h = hashlib.sha256()
     # The location is part of the key too: the build files name the sources by
     # path, and a cache shared by two checkouts would rebuild silently on each switch.
     h.update(str(csrc).encode() + b"\0")
-    for path in _sources.hashed_files(csrc):
+    for path in _sources.hashed_files(csrc, table):
         h.update(path.name.encode() + b"\0")
         h.update(path.read_bytes() if path.is_file() else b"<missing>")
         h.update(b"\0")
-    table = _sources.KernelTable.read(csrc)
     flags = {src: table.flags(src) for src in table.sources}
     h.update(repr((flags, _sources.BINDING_FLAGS, cxx, sorted(built_against.items()))).encode())
     return h.hexdigest()[:8]

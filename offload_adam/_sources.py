@@ -101,10 +101,11 @@ def find_csrc(package_dir: str | Path) -> Path:
     )
 
 
-def hashed_files(csrc: str | Path) -> list[Path]:
-    """Every file whose content decides the compiled module, in a stable order."""
+def hashed_files(csrc: str | Path, table: KernelTable | None = None) -> list[Path]:
+    """Every file whose content decides the compiled module, in a stable order
+    (`table`: csrc's kernel table, when the caller has read it already)."""
     csrc = Path(csrc)
-    files = {csrc / name for name in KernelTable.read(csrc).sources}
+    files = {csrc / name for name in (table or KernelTable.read(csrc)).sources}
     files |= {csrc / BINDING_SOURCE, csrc / TABLE_FILE}
     files |= set(csrc.glob("*.h"))
     return sorted(files)
