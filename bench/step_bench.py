@@ -107,6 +107,7 @@ from step_cases import paired as paired_times  # noqa: E402
 
 torch.set_num_threads(THREADS)
 sys.path.insert(0, str(REPO))
+from offload_adam.bench.machine import load_average, machine_info as describe_machine  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -452,20 +453,12 @@ def summarize(case, rows):
 def machine_info(K, ds_info):
     """The machine, described as every benchmark of the project does (offload_adam/bench/machine.py),
     plus this benchmark's thread count, ISAs and peers."""
-    from offload_adam.bench.machine import machine_info as describe
-    info = describe(query_kernels=False)
+    info = describe_machine(query_kernels=False)
     ram = info["host_ram_bytes"]
     return {**info, "logical_cpus": info["cpu_cores"], "threads": THREADS,
             "mem_gib": round(ram / 2**30, 1) if ram else None,
             "isas_supported": list(K.supported_isas()), "isa_default": K.isa(), "deepspeed": ds_info,
-            "loadavg_start": loadavg()}  # other processes make timings noisy: say how busy it was
-
-
-def loadavg():
-    try:
-        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
-    except OSError:
-        return None
+            "loadavg_start": info["load_average"]}  # other processes make timings noisy: say how busy it was
 
 
 COLS = f"{'contender':<42} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'ns/param':>9} {'GB/s':>7} " \
@@ -572,7 +565,7 @@ def main():
         results[case] = run_case(case, contenders, unavailable, K)
         results[case]["notes"] = [DS_MIXED_NOTE] if case == "mixed" and DeepSpeedCPUAdam is not None else []
     K.set_isa("auto")
-    machine["loadavg_end"] = loadavg()
+    machine["loadavg_end"] = load_average()
 
     print_table(machine, results)
     out = Path(ARGS.out)

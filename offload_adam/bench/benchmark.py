@@ -4,7 +4,6 @@ for the exposed time, the loss check, then (on CUDA) the size sweep. Returns the
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Optional
 
@@ -14,7 +13,7 @@ from . import contenders as C
 from .data import MarkovTokens
 from .model import GPTConfig
 from .progress import Progress
-from .machine import machine_info
+from .machine import load_average, machine_info
 from .report import SCHEMA, add_exposed, check_losses
 from .runner import RunSettings, run_contender
 from .sweep import largest_trainable, size_family
@@ -112,8 +111,9 @@ def run(s: BenchSettings, progress_enabled: bool = True) -> dict:
     if s.sweep:
         report["sweep"] = _sweep(s, progress)
     progress.close()
-    if hasattr(os, "getloadavg"):  # other work on the machine skews timings: keep the evidence
-        report["machine"]["load_average_end"] = list(os.getloadavg())
+    end = load_average()
+    if end is not None:
+        report["machine"]["load_average_end"] = end
     report["wall_s"] = time.perf_counter() - t0
     return report
 

@@ -20,6 +20,12 @@ import torch
 _FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "asimd", "sve")
 
 
+def load_average() -> list | None:
+    """The 1, 5 and 15 minute load averages (other work on the machine skews timings: the
+    benchmarks keep this as evidence), or None where the OS has none."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
 def machine_info(query_kernels: bool = True) -> dict:
     """The machine and software the numbers come from. `query_kernels` asks offload_adam for its ISA,
     which loads the kernels (compiling them on a cold cache): skipped when no run uses them."""
@@ -42,7 +48,7 @@ def machine_info(query_kernels: bool = True) -> dict:
         "gpu_memory_bytes": None,
         "offload_adam_isa": None,
         "offload_adam_supported_isas": None,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average": load_average(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
