@@ -159,12 +159,15 @@ def global_sq_sum(sums: Iterable[Tuple[torch.Tensor, float]], params: List[torch
             keys[k] = _mesh_key(*r)
         return keys[k]
 
-    for p in params:   # the reductions, known to every rank alike
-        r = _reduction(p.grad if p.grad is not None else p)
+    # Each param's reduction, known to every rank alike: its grad's layout, or
+    # the param's when the grad is gone (free_grads_after_copy freed it on the
+    # way to the host; its sum comes from the host copy).
+    reductions = {id(p): _reduction(p.grad if p.grad is not None else p) for p in params}
+    for r in reductions.values():
         if r is not None and r[1]:
             groups.setdefault(key_of(r), [r[0], r[1], []])
     for p, s in sums:
-        r = _reduction(p.grad)
+        r = reductions[id(p)]
         if r is None:
             plain.append(s)
         elif not r[1]:

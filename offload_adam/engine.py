@@ -50,6 +50,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch.autograd.graph import increment_version
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .engine_device import device_for, make_device
 from .engine_grads import GradCopy, grad_fingerprint, sq_sum, start_check
@@ -58,6 +59,7 @@ from .engine_layout import (Bucket, ParamRec, Piece, allocate_state, allocate_tr
 from .engine_profile import StepProfile
 from .engine_state import bind_state
 from .engine_worker import Worker, interrupts_deferred
+from .freed_grad import freed_grad, is_freed
 from .kernel_step import Hyper, adam_step
 from .state_format import state_format
 
@@ -104,7 +106,7 @@ class OffloadEngine:
         self._want_norms = False
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
-        self._worker = Worker() if overlap else None
+        self._worker = Worker(context=self.device.on_thread) if overlap else None
         self.early = None
         if step_in_backward:
             from .engine_early import EarlyStart
@@ -145,6 +147,7 @@ class OffloadEngine:
             device_for([local(self.recs[0].param)] + [local(p) for p in params])
         fmt = state_format(state_dtype)
         new = [ParamRec(p, group, len(self.recs) + i, fmt) for i, p in enumerate(params)]
+        _claim(new, self._finalizer)
         self._allocate_state(new, state_roles(fmt, amsgrad))
         for rec in new:
             rec.pieces = cut(rec, self.bucket_bytes)
@@ -170,7 +173,10 @@ class OffloadEngine:
     def _rebucket(self, order: List[ParamRec]) -> None:
         """Buckets in `order` (the order grads arrive), with transfer buffers
         laid out bucket after bucket. The old buffers are let go only when no
-        copy uses them any more; grads already on the host move over."""
+        copy uses them any more; grads already on the host move over, and so
+        do those of a backward that raised, whose packs are sent first."""
+        with torch.no_grad():
+            self._end_backward()
         self._wait_all()
         pieces = [p for rec in order for p in rec.pieces]
         old = {id(p): p.grad for p in pieces if p.grad is not None}
@@ -224,7 +230,8 @@ class OffloadEngine:
         if self.early is not None:
             self.early.after_copy(rec)
         if self.free_grads_after_copy:
-            rec.param.grad = None
+            rec.param.grad = freed_grad(rec.param, local(grad), rec.label(),
+                                        _FreedHost(weakref.ref(self), rec, rec.copy))
             rec.freed = True
 
     def _copy(self, recs: Sequence[ParamRec], after=None, fingerprints=None,
@@ -242,6 +249,10 @@ class OffloadEngine:
             g = local(grad).detach()
             fp = fingerprints[i] if fingerprints is not None else (
                 grad_fingerprint(g) if self.verify_grads else None)
+            if rec.flat and not g.is_contiguous():
+                # Pieces are ranges of the flat grad: one contiguous copy, on
+                # the D2H stream, in order with the copies that read it.
+                g = self.device.contiguous(g, after)
             rec.copy = GradCopy(grad, fp, len(rec.pieces))
             for piece in rec.pieces:
                 if piece.packed:
@@ -344,6 +355,7 @@ class OffloadEngine:
         """The bucket jobs of this step (closures for the worker)."""
         checks: Dict[int, object] = {}
         ready = self.ready_grads(checks)
+        grad_scale *= _factor_of(ready)
         early = self.early.stepped() if self.early is not None else set()
         self.bind_state(ready, param_groups, state)
         take = {id(r) for r in ready}
@@ -375,9 +387,11 @@ class OffloadEngine:
         ready, stale, reused = [], [], []
         for rec in self.recs:
             grad = rec.param.grad
-            if grad is None:
-                if rec.freed:
+            if grad is None or is_freed(grad):
+                if rec.freed and grad is not None:
                     ready.append(rec)  # copied, then freed in backward: consume the copy
+                else:
+                    rec.freed = False  # none, or the user dropped the one we freed
                 continue
             rec.freed = False          # the user gave it a new grad since we freed one
             (reused if rec.copy is not None and rec.copy.is_of(grad) else stale).append(rec)
@@ -454,6 +468,8 @@ class OffloadEngine:
             if rec.freed:   # consumed: a second step() without backward skips it
                 rec.freed = False
                 rec.copy = None
+                if is_freed(rec.param.grad):
+                    rec.param.grad = None
 
     def _drain(self, finish: bool = False) -> None:
         if self._worker is not None:
@@ -482,7 +498,7 @@ class OffloadEngine:
             threads = self.threads()
             for rec in ready:
                 sq_sum(self.device, rec, rec.copy, threads)
-        return [(rec.param, rec.copy.sq_sum) for rec in ready]
+        return [(rec.param, rec.copy.sq_sum * rec.copy.factor ** 2) for rec in ready]
 
     def invalidate_copies(self) -> None:
         """The grads changed in a way version counters do not show (GradScaler's
@@ -503,6 +519,13 @@ class OffloadEngine:
         """Whether a grad changed without a version bump is noticed."""
         return self.verify_grads
 
+    def drop_freed_grads(self) -> None:
+        """p.grad = None where it holds a FreedGrad (before zero_grad, which
+        would zero it in place)."""
+        for rec in self.recs:
+            if is_freed(rec.param.grad):
+                rec.param.grad = None
+
     def zero_grad(self) -> None:
         """Called by the optimizer's zero_grad: grads freed by us are gone too."""
         if self.early is not None:
@@ -512,6 +535,65 @@ class OffloadEngine:
         self._end_backward()
         for rec in self.recs:
             rec.freed = False
+
+
+class _FreedHost:
+    """What a freed grad's FreedGrad asks of its host copy (freed_grad.py)."""
+
+    def __init__(self, engine_ref, rec: ParamRec, copy: GradCopy):
+        self.engine_ref, self.rec, self.copy = engine_ref, rec, copy
+
+    def sq_sum(self) -> float:
+        engine = self.engine_ref()
+        if engine is None or self.rec.copy is not self.copy:
+            raise RuntimeError(f"offload_adam: the host copy of the freed grad of "
+                               f"{self.rec.label()} is gone (its step was taken)")
+        if self.copy.sq_sum is None:
+            with torch.no_grad():
+                engine._end_backward()   # its pack sent, if it still waited
+            sq_sum(engine.device, self.rec, self.copy, engine.threads())
+        return self.copy.sq_sum * self.copy.factor ** 2
+
+    def scale(self, factor: float) -> None:
+        engine = self.engine_ref()
+        if engine is not None and engine.early is not None and factor != 1.0:
+            engine.early.fail("a freed grad was scaled (clipping?): the step started in "
+                              "backward from the grad as it was")
+        self.copy.factor *= factor
+
+
+def _factor_of(ready: Sequence[ParamRec]) -> float:
+    """The factor freed grads were multiplied by since backward (clipping by
+    torch.nn.utils.clip_grad_norm_: one for all), folded into the step's
+    grad scale."""
+    factors = {r.copy.factor for r in ready if r.freed}
+    if not factors or factors == {1.0}:
+        return 1.0
+    if len(factors) > 1 or len(factors) == 1 and any(not r.freed for r in ready):
+        raise RuntimeError(
+            "offload_adam: freed grads (free_grads_after_copy=True) were multiplied by "
+            "different factors before step(); only one factor for all of them (a "
+            "clipping coefficient) can be applied inside the step")
+    return factors.pop()
+
+
+# param -> the finalizer of the engine that hooks it (alive while that engine is).
+_owners = WeakIdKeyDictionary()
+
+
+def _claim(recs: Sequence[ParamRec], finalizer) -> None:
+    """Makes this engine the one that takes recs' grads. Two live engines would
+    split a param's grads between them (each hook copies and, with
+    free_grads_after_copy, frees the grad): refused."""
+    for rec in recs:
+        owner = _owners.get(rec.param)
+        if owner is not None and owner is not finalizer and owner.alive:
+            raise RuntimeError(
+                f"offload_adam: {rec.label()} is already stepped by another live "
+                "offload_adam optimizer, whose hooks take its grads; delete that one "
+                "first (del opt) or build one optimizer for all the params")
+    for rec in recs:
+        _owners[rec.param] = finalizer
 
 
 def _hook(engine_ref, rec):

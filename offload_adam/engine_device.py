@@ -16,6 +16,13 @@ from the device is this (`dsts`/`srcs`: a tensor or equal-length lists):
                                               (a device-side wait: the host goes on)
     fetch(t)           -> (result, done)     t's values: result() waits and returns
                                               t.tolist(); `done` is a fence after it
+    contiguous(t, after=None) -> tensor      a contiguous copy of device tensor t, made
+                                              on the D2H side stream (after the caller's
+                                              work, or event `after`), so that the D2H
+                                              copies queued after it read it in order
+    on_thread()        -> context            entered by every thread other than the
+                                              user's that issues device work (the
+                                              engine's worker): its device, its stream
     pin(t) / unpin(t)                        page-lock host memory in place, and undo it
 
 A list of many small tensors is one copy through a temporary on the device (a
@@ -31,7 +38,10 @@ CPU, and by compute-sanitizer on a GPU):
     reads the param (backward);
   * a grad is not changed by later work while its D2H copy may still read it:
     the copies of a backward are published at its end, so whatever the user
-    does next (clip, edit, another micro-batch) is ordered after them.
+    does next (clip, edit, another micro-batch) is ordered after them;
+  * device work is issued on a named stream with its ordering explicit: a
+    thread that never chose a stream runs on the default stream, not on the
+    user's (the worker's only device work goes through `contiguous` and `h2d`).
 
 Implementations: `HostDevice` (CPU params: every copy is a plain copy, done on
 the spot), `CudaDevice` (the only code that touches streams and events) and,
@@ -113,6 +123,12 @@ class HostDevice:
     def fetch(self, t: torch.Tensor):
         values = t.tolist()
         return (lambda: values), None
+
+    def contiguous(self, t: torch.Tensor, after=None) -> torch.Tensor:
+        return t.contiguous()
+
+    def on_thread(self):
+        return contextlib.nullcontext()
 
     def pin(self, t: torch.Tensor) -> bool:
         return False
@@ -217,6 +233,19 @@ class CudaDevice:
         for t in device_side:
             t.record_stream(stream)
         return transfer
+
+    def contiguous(self, t: torch.Tensor, after=None) -> torch.Tensor:
+        ready = after if after is not None else self._current().record_event()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ready)
+            out = t.contiguous()   # allocated on the D2H stream, which alone uses it
+        t.record_stream(self.d2h_stream)
+        return out
+
+    def on_thread(self):
+        # The worker's thread would otherwise use device 0 and the default
+        # stream; every copy it issues names a side stream itself.
+        return torch.cuda.device(self.device)
 
     def fence(self):
         return self._current().record_event()

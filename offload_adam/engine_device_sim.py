@@ -15,11 +15,15 @@ same interface on CPU tensors the way CUDA would, and is hostile about timing:
   * events complete when their stream reaches them; `publish` makes the compute
     stream (the caller's own work) wait for copies without blocking the host.
 
-The "compute stream" is the code that runs on the caller's threads: on CPU it
-executes at once, so the device watches it instead. A TorchDispatchMode (entered
-by `watch()`, and on every thread that calls the device) sees each aten op, which
-tensors it reads and writes, and checks the happens-before rules that CUDA
-leaves to the programmer:
+Compute streams: as on CUDA, each host thread has its own current stream (a
+thread that never chooses one runs on the default stream, not on the user's):
+the work a thread queues is ordered after its own earlier work, and after
+another thread's only through an event, a publish or a host wait. On CPU that
+work executes at once, so the device watches it instead: a TorchDispatchMode
+(entered by `watch()` on the caller's thread, and by `on_thread()` on every
+other thread that issues device work, e.g. the engine's worker) sees each aten
+op, which tensors it reads and writes, and checks the happens-before rules that
+CUDA leaves to the programmer:
 
   * a host buffer (one side of a copy) touched by the host while a copy that
     uses it has not been waited for by the host (`wait_host`, or a `fetch`
@@ -32,11 +36,12 @@ leaves to the programmer:
   * a host->device copy queued without an `after` event that covers the last
     compute work on its destination (a missing fence: backward may still read
     the params), a device->host copy ordered before the work that produced its
-    source;
+    source (an event covers the work of its own thread's stream up to it, and
+    of another stream only as far as the host waited for that stream);
   * a copy whose host source changed between queueing and executing, or whose
     device source changed although nothing ordered the change after the copy;
   * a host buffer unpinned (freed) while a copy still uses it; it is poisoned
-    too, so a copy that runs later moves NaN.
+    too, so that copy moves NaN.
 
 Every violation is recorded with a message; `check()` raises them (tests call
 it at the end of each test). The engine cannot tell this device from a GPU: it
@@ -106,30 +111,40 @@ def _poison(t: torch.Tensor) -> None:
             t.fill_(0x55)
 
 
+def _compute_stream() -> int:
+    """The calling thread's current compute stream: one per thread, as CUDA's
+    default stream is not the user's stream when the user chose one."""
+    return threading.get_ident()
+
+
+_WHAT = {"d2h": "device->host", "h2d": "host->device", "d2d": "device (contiguous)"}
+
+
 @dataclass(eq=False)
 class _Copy:
     """One queued copy (or a pack of copies) on a side stream."""
 
-    kind: str                      # "d2h" | "h2d"
+    kind: str                      # "d2h" | "h2d" | "d2d" (a contiguous copy on the device)
     stream: "_Stream"
     seq: int
     dsts: List[torch.Tensor]
     srcs: List[torch.Tensor]
     after: List["_Copy"]           # copies that must have executed first
-    after_epoch: int               # compute work ordered before this copy
+    after_stream: int              # the compute stream of the event it waits for ...
+    after_epoch: int               # ... and the compute work on it ordered before this copy
     hold: float                    # seconds it waits before running unless forced
     host_side: list = field(default_factory=list)    # spans of its host tensors
     device_side: list = field(default_factory=list)  # spans of its device tensors
+    device_writes: list = field(default_factory=list)  # ... of those, the ones it writes
     src_sums: Optional[List[bytes]] = None
     executed: threading.Event = field(default_factory=threading.Event)
     forced: threading.Event = field(default_factory=threading.Event)
     host_synced: bool = False      # the host waited for it (directly or not)
-    published: bool = False        # the compute stream waits for it
+    published_to: set = field(default_factory=set)  # compute streams that wait for it
     transfer: Optional[Transfer] = None
 
     def name(self) -> str:
-        what = "device->host" if self.kind == "d2h" else "host->device"
-        return f"{what} copy #{self.seq} ({sum(t.numel() for t in self.dsts)} elements)"
+        return f"{_WHAT[self.kind]} copy #{self.seq} ({sum(t.numel() for t in self.dsts)} elements)"
 
     @property
     def writes_host(self) -> bool:
@@ -137,11 +152,12 @@ class _Copy:
 
 
 class SimEvent:
-    """A point on the compute stream: the copies published to it and not yet
+    """A point on one compute stream: the copies published to it and not yet
     waited for by the host (it comes after them) and the compute epoch."""
 
-    def __init__(self, copies: List[_Copy], epoch: int):
+    def __init__(self, copies: List[_Copy], epoch: int, stream: Optional[int] = None):
         self.copies, self.epoch = copies, epoch
+        self.stream = _compute_stream() if stream is None else stream
 
 
 class _Stream:
@@ -196,7 +212,8 @@ class AsyncSimDevice:
         self._latency, self._max_delay = latency, max_delay
         self._copies: List[_Copy] = []       # copies that may still conflict with something
         self._epoch = 0                      # compute work so far (one per aten op)
-        self._last_access: dict = {}         # device storage -> (last read epoch, last write epoch)
+        self._last_access: dict = {}         # device storage -> {stream: (last read, last write epoch)}
+        self._synced: dict = {}              # stream -> epoch up to which the host waited for it
         self._freed: list = []               # spans of unpinned host buffers
         self._freed_tensors: list = []
         self._pinned: list = []              # spans of pinned host buffers
@@ -214,26 +231,33 @@ class AsyncSimDevice:
     def unpin(self, t: torch.Tensor) -> None:
         span = _span(t)
         with self.lock:
-            for op in self._in_flight():
-                if any(_overlaps(span, s) for s in op.host_side) and not (
-                        op.executed.is_set() and op.host_synced):
-                    self._violation(f"a host buffer was unpinned/freed while {op.name()} "
-                                    "still used it (wait for the copies first)")
+            in_use = [op for op in self._in_flight()
+                      if any(_overlaps(span, s) for s in op.host_side)
+                      and not (op.executed.is_set() and op.host_synced)]
+            for op in in_use:
+                self._violation(f"a host buffer was unpinned/freed while {op.name()} "
+                                "still used it (wait for the copies first)")
             self._pinned = [s for s in self._pinned if not _overlaps(s, span)]
             # Kept alive: its address must not be reused while it counts as freed.
             self._freed.append(span)
             self._freed_tensors.append(t)
-        _poison(t)
+        if in_use:
+            # What a copy still in flight would find. Otherwise the values stay:
+            # unpinning frees nothing while tensors (a state_dict's views) hold
+            # the memory, on a GPU as here.
+            _poison(t)
 
     def fence(self) -> SimEvent:
         self._last_fence = self._now()   # what an h2d without `after` waits for
         return self._last_fence
 
     def _now(self) -> SimEvent:
-        """An event on the compute stream: after the work so far, which includes
-        waiting for the copies published to it."""
+        """An event on the calling thread's compute stream: after the work so
+        far, which includes waiting for the copies published to it."""
+        stream = _compute_stream()
         with self.lock:
-            return SimEvent([op for op in self._in_flight() if op.published], self._epoch)
+            return SimEvent([op for op in self._in_flight() if stream in op.published_to],
+                            self._epoch, stream)
 
     def d2h(self, dsts, srcs, after: Optional[SimEvent] = None) -> Transfer:
         dsts, srcs = as_list(dsts), as_list(srcs)
@@ -246,6 +270,21 @@ class AsyncSimDevice:
             after = getattr(self, "_last_fence", None) or SimEvent([], -1)
         return self._queue("h2d", dsts, srcs, after).transfer
 
+    def contiguous(self, t: torch.Tensor, after: Optional[SimEvent] = None) -> torch.Tensor:
+        """A contiguous copy of device tensor `t`, made on the D2H stream (after
+        `after`, or the caller's work so far); undefined (NaN) until it runs."""
+        with _unchecked():
+            out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        with self.lock:
+            self._last_access.pop(_span(out)[0], None)  # new memory: no past
+        self._queue("d2d", [out], [t], after if after is not None else self._now())
+        return out
+
+    def on_thread(self):
+        """Watches the calling thread's aten ops as the work of its own compute
+        stream (the engine's worker enters this around each job)."""
+        return _Watch(self)
+
     def wait_host(self, *transfers) -> None:
         for t in transfers:
             if t is None:
@@ -256,14 +295,16 @@ class AsyncSimDevice:
             self._force(op)
             op.executed.wait()
             with self.lock:
-                self._mark(op, "host_synced")
+                self._host_waited(op)
 
     def publish(self, transfers) -> None:
+        stream = _compute_stream()
         with self.lock:
             for t in transfers:
                 op = getattr(t, "sim_copy", None)
                 if op is not None:
-                    self._mark(op, "published")
+                    for x in self._before(op):
+                        x.published_to.add(stream)
 
     def fetch(self, t: torch.Tensor):
         values = t.tolist()
@@ -275,7 +316,8 @@ class AsyncSimDevice:
                 op.executed.wait()
             with self.lock:
                 for op in done.copies:
-                    self._mark(op, "host_synced")
+                    self._host_waited(op)
+                self._sync(done.stream, done.epoch)
             return values
         return result, done
 
@@ -329,22 +371,23 @@ class AsyncSimDevice:
     def _queue(self, kind, dsts, srcs, after: SimEvent) -> _Copy:
         if len(dsts) != len(srcs):
             raise ValueError(f"{kind}: {len(dsts)} destinations for {len(srcs)} sources")
-        host, dev = (dsts, srcs) if kind == "d2h" else (srcs, dsts)
-        stream = self._streams[kind]
+        host, dev = {"d2h": (dsts, srcs), "h2d": (srcs, dsts), "d2d": ([], dsts + srcs)}[kind]
+        stream = self._streams["h2d" if kind == "h2d" else "d2h"]
         with self.lock:
             stream.seq += 1
             hold = (1.0 if self._latency == "latest" or self._rng.random() < 0.2
                     else self._rng.random() * self._max_delay)
-            op = _Copy(kind, stream, stream.seq, dsts, srcs, list(after.copies), after.epoch,
-                       hold, [_span(t) for t in host], [_span(t) for t in dev])
+            op = _Copy(kind, stream, stream.seq, dsts, srcs, list(after.copies), after.stream,
+                       after.epoch, hold, [_span(t) for t in host], [_span(t) for t in dev],
+                       [_span(t) for t in dsts] if kind != "d2h" else [])
             for span in op.device_side:
-                read, write = self._last_access.get(span[0], (-1, -1))
-                needed = max(read, write) if kind == "h2d" else write
-                if needed > after.epoch:
-                    what = ("the compute work that last used its destination (a "
-                            "missing fence: backward may still read the param)"
-                            if kind == "h2d" else "the compute work that produced its source")
-                    self._violation(f"{op.name()} is not ordered after {what}")
+                for s, (read, write) in self._last_access.get(span[0], {}).items():
+                    needed = write if kind == "d2h" or span not in op.device_writes else max(read, write)
+                    if not self._ordered(s, needed, after):
+                        what = ("the compute work that last used its destination (a "
+                                "missing fence: backward may still read the param)"
+                                if kind == "h2d" else "the compute work that produced its source")
+                        self._violation(f"{op.name()} is not ordered after {what}")
             for span in op.host_side:
                 if any(_overlaps(span, f) for f in self._freed):
                     self._violation(f"{op.name()} uses a host buffer that was unpinned/freed")
@@ -389,6 +432,14 @@ class AsyncSimDevice:
                 # .data: a device write leaves autograd's version counters alone
                 # (the engine bumps them itself at step(), as torch's step does).
                 d.data.copy_(s)
+            if op.kind == "d2d":
+                # Later copies of this stream read what it wrote: their sources
+                # are defined from now on (poisoned before).
+                with self.lock:
+                    for later in op.stream.pending:
+                        if later.seq > op.seq and any(
+                                _overlaps(d, w) for d in later.device_side for w in op.device_writes):
+                            later.src_sums = _checksum(later.srcs)
         op.ran_for = time.perf_counter() - t0
 
     def _force(self, op: _Copy) -> None:
@@ -397,10 +448,20 @@ class AsyncSimDevice:
             for x in self._before(op):
                 x.forced.set()
 
-    def _mark(self, op: _Copy, flag: str) -> None:
-        """Sets `flag` on `op` and on what must have run before it. Holds the lock."""
+    def _host_waited(self, op: _Copy) -> None:
+        """The host waited for `op`: so for what ran before it, and for the
+        compute work its stream waited for. Holds the lock."""
         for x in self._before(op):
-            setattr(x, flag, True)
+            x.host_synced = True
+            self._sync(x.after_stream, x.after_epoch)
+
+    def _sync(self, stream: int, epoch: int) -> None:
+        self._synced[stream] = max(self._synced.get(stream, -1), epoch)
+
+    def _ordered(self, stream: int, epoch: int, after: SimEvent) -> bool:
+        """Whether compute work at `epoch` on `stream` is ordered before `after`."""
+        return ((stream == after.stream and epoch <= after.epoch)
+                or self._synced.get(stream, -1) >= epoch)
 
     def _before(self, op: _Copy) -> List[_Copy]:
         """`op`, the earlier copies of its stream (FIFO) and what it waited for,
@@ -414,9 +475,17 @@ class AsyncSimDevice:
                 todo.extend(y for y in self._copies if y.stream is x.stream and y.seq < x.seq)
         return list(seen.values())
 
+    def _on_output(self, spans) -> None:
+        """Fresh tensors an op of the calling thread's stream wrote."""
+        stream = _compute_stream()
+        with self.lock:
+            for span in spans:   # new memory: what touched its address before is gone
+                self._last_access[span[0]] = {stream: (-1, self._epoch)}
+
     def _on_op(self, func, reads, writes) -> None:
         """One aten op on a watched thread: check it against the copies in flight."""
         waits = []
+        stream = _compute_stream()
         with self.lock:
             self._epoch += 1
             accesses = [(s, False) for s in reads] + [(s, True) for s in writes]
@@ -427,7 +496,8 @@ class AsyncSimDevice:
                     sides = op.host_side if host else op.device_side
                     if not any(_overlaps(span, s) for s in sides):
                         continue
-                    op_writes = op.writes_host if host else not op.writes_host
+                    op_writes = op.writes_host if host else any(
+                        _overlaps(span, w) for w in op.device_writes)
                     if not (is_write or op_writes):
                         continue  # two reads never conflict
                     if host:
@@ -436,7 +506,7 @@ class AsyncSimDevice:
                                 f"the host {'wrote' if is_write else 'read'} a buffer that "
                                 f"{op.name()} {'writes' if op_writes else 'reads'} before "
                                 f"waiting for that copy ({func})")
-                    elif op.published or op.host_synced:
+                    elif stream in op.published_to or op.host_synced:
                         waits.append(op)
                     else:
                         self._violation(
@@ -444,9 +514,9 @@ class AsyncSimDevice:
                             f"tensor that {op.name()} {'writes' if op_writes else 'reads'}, "
                             "with nothing ordering the two (no publish/wait)")
                 if not host:
-                    read, write = self._last_access.get(span[0], (-1, -1))
-                    self._last_access[span[0]] = ((read, self._epoch) if is_write
-                                                  else (self._epoch, write))
+                    by_stream = self._last_access.setdefault(span[0], {})
+                    read, write = by_stream.get(stream, (-1, -1))
+                    by_stream[stream] = (read, self._epoch) if is_write else (self._epoch, write)
         for op in waits:  # the compute stream waits for published copies
             self._force(op)
             op.executed.wait()
@@ -472,10 +542,31 @@ class _Watch(TorchDispatchMode):
                 alias = arg.alias_info
                 if alias is not None and not alias.is_write:
                     continue  # a view: no data touched
-                spans = [_span(t) for t in tensors
-                         if t.device.type == "cpu" and t.layout is torch.strided]
+                spans = [_span(t) for t in tensors if _holds_data(t)]
                 (writes if alias is not None and alias.is_write else reads).extend(spans)
             if reads or writes:
                 with _unchecked():
                     self.sim._on_op(func, reads, writes)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not getattr(_local, "inside", False):
+            # A fresh result (clone, contiguous, an op's output) is written by
+            # this stream now: a copy that reads it must be ordered after it.
+            fresh = [_span(t) for ret, value in zip(func._schema.returns, _as_tuple(out))
+                     if ret.alias_info is None
+                     for t in map(local, tree_flatten(value)[0])
+                     if isinstance(t, torch.Tensor) and _holds_data(t)]
+            if fresh:
+                self.sim._on_output(fresh)
+        return out
+
+
+def _holds_data(t: torch.Tensor) -> bool:
+    """A CPU tensor with memory of its own to watch: not a wrapper subclass (a
+    FreedGrad, a collective's result; a DTensor is watched through its local
+    tensor)."""
+    return (t.device.type == "cpu" and t.layout is torch.strided
+            and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)

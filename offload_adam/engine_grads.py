@@ -71,7 +71,7 @@ def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
 class GradCopy:
     """One host copy of one param's grad."""
 
-    __slots__ = ("grad", "version", "fingerprint", "transfers", "unsent", "sq_sum")
+    __slots__ = ("grad", "version", "fingerprint", "transfers", "unsent", "sq_sum", "factor")
 
     def __init__(self, grad: torch.Tensor, fingerprint: Optional[torch.Tensor], pieces: int):
         self.grad = weakref.ref(grad)     # the tensor copied (not kept alive)
@@ -80,6 +80,7 @@ class GradCopy:
         self.transfers: list = []         # the copies carrying it (one per piece or pack)
         self.unsent = pieces              # pieces whose copy is not queued yet (packs)
         self.sq_sum: Optional[float] = None  # its sum of squares, once computed
+        self.factor = 1.0                 # a freed grad multiplied since (freed_grad.py)
 
     def sent(self, transfer) -> None:
         self.transfers.append(transfer)

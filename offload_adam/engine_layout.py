@@ -106,8 +106,9 @@ class Piece:
         """This piece of `t` (a whole-param tensor: the param, its grad, a state view)."""
         if not self.rec.flat:
             return t
-        if not t.is_contiguous():
-            t = t.contiguous()
+        # A contiguous copy made here would run on the caller's stream, unordered
+        # with the side streams: a non-contiguous grad goes through
+        # device.contiguous first (engine._copy), params are checked by live().
         return t.view(-1)[self.start:self.stop]
 
     def state(self, role: str) -> torch.Tensor:

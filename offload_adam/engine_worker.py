@@ -23,7 +23,11 @@ _STOP = object()
 
 
 class Worker:
-    def __init__(self, name: str = "offload_adam-worker"):
+    """`context()` is entered around every job on the worker's thread: the
+    device's per-thread setup (engine_device: `on_thread`)."""
+
+    def __init__(self, name: str = "offload_adam-worker",
+                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self._jobs: "queue.Queue" = queue.Queue()
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
@@ -32,7 +36,7 @@ class Worker:
         self.cancelled = False
         self._closed = False
         self._thread = threading.Thread(target=_run, name=name, daemon=True,
-                                        args=(self._jobs, self))
+                                        args=(self._jobs, self, context))
         self._thread.start()
 
     def submit(self, job: Callable[[], None], continues: bool = False) -> None:
@@ -134,7 +138,7 @@ def interrupts_deferred() -> Iterator[bool]:
         raise KeyboardInterrupt
 
 
-def _run(jobs: "queue.Queue", worker: Worker) -> None:
+def _run(jobs: "queue.Queue", worker: Worker, context) -> None:
     last_ran = False
     while True:
         item = jobs.get()
@@ -145,7 +149,8 @@ def _run(jobs: "queue.Queue", worker: Worker) -> None:
         last_ran = worker._error is None and (not worker.cancelled or (continues and last_ran))
         if last_ran:
             try:
-                job()
+                with context():
+                    job()
             except BaseException as e:  # noqa: BLE001 -- surfaced in the caller
                 error = e
         worker._done(error)

@@ -39,14 +39,15 @@ from .engine_device import simulating
 from .engine_worker import interrupts_deferred
 from .inplace import InPlace, param_label
 from .kernel_step import clip_coefficient, grad_sq_sums
-from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, with_float32_moments
+from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format,
+                           stored_key, with_code_keys, with_float32_moments)
 
 __all__ = ["Adam", "AdamW"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED_DTYPES = (torch.float32,) + _LOW_PRECISION
 # The state that bypasses torch's cast when loaded (load_state_dict).
-_HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + (MASTER_KEY,)
+_HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY,)
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -95,6 +96,15 @@ def _check_param(p, label):
     if p.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
             f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}")
+
+
+def _routes_to_engine(p, options: dict, simulated: bool) -> bool:
+    """The one place that decides how a param is stepped: True for the offload
+    engine, False for in place on the CPU (inplace.py)."""
+    if p.device.type != "cpu" or simulated:
+        return True
+    pipeline = options.get("step_in_backward") or options.get("free_grads_after_copy")
+    return bool(pipeline) and p.dtype is not torch.float32
 
 
 def _scalar_beta(b):
@@ -214,7 +224,10 @@ class Adam(Optimizer):
         self._step_supports_amp_scaling = True
 
     def _reset_caches(self):
-        self._inplace = InPlace(lambda p: not self._in_engine(p))
+        # The routing closes over the options, not over self: an optimizer in
+        # a reference cycle lives (its hooks too) until the cyclic GC runs.
+        options, simulated = self._engine_options, self._simulated
+        self._inplace = InPlace(lambda p: not _routes_to_engine(p, options, simulated))
         self._loaded_masters = []   # masters load_state_dict brought in, to check
 
     def __getstate__(self):
@@ -231,7 +244,6 @@ class Adam(Optimizer):
         max_grad_norm = state.pop("max_grad_norm", None)
         simulated = state.pop("_simulated", False)
         super().__setstate__(state)
-        self._reset_caches()
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -248,7 +260,10 @@ class Adam(Optimizer):
             self.max_grad_norm = max_grad_norm
             self.process_group = None   # a process group is not pickled
             self._clip_coef = None
+            self._reset_caches()
             self._start_engine()
+        else:
+            self._reset_caches()
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -280,13 +295,7 @@ class Adam(Optimizer):
                 "optimizer steps params of one device (use one optimizer per device)")
 
     def _in_engine(self, p):
-        """The one place that decides how a param is stepped: True for the
-        offload engine, False for in place on the CPU (inplace.py)."""
-        if p.device.type != "cpu" or self._simulated:
-            return True
-        options = self._engine_options
-        pipeline = options.get("step_in_backward") or options.get("free_grads_after_copy")
-        return bool(pipeline) and p.dtype is not torch.float32
+        return _routes_to_engine(p, self._engine_options, self._simulated)
 
     def _start_engine(self):
         self._engine_started = True
@@ -355,6 +364,8 @@ class Adam(Optimizer):
         return distributed.norm_tensor(norm, self._params())
 
     def zero_grad(self, set_to_none=True):
+        if self._engine is not None:
+            self._engine.drop_freed_grads()
         super().zero_grad(set_to_none)
         self._clip_coef = None
         if self._engine is not None:
@@ -418,8 +429,12 @@ class Adam(Optimizer):
     # ---- state dict ---------------------------------------------------------
     def state_dict(self, *, fp32_moments: bool = False):
         """torch's state_dict. The moments are saved as stored (state_dtype): a
-        checkpoint resumes bit for bit. fp32_moments=True gives them as fp32 and
-        drops the 8-bit scales: torch.optim.AdamW/Adam load that.
+        checkpoint resumes bit for bit. 8-bit codes are saved under their own
+        keys ("exp_avg_codes", "exp_avg_sq_codes", beside the scales), so that
+        torch's optimizers, which would take them for moments, fail on the
+        missing "exp_avg" instead of stepping garbage. fp32_moments=True gives
+        every moment as fp32 and drops the 8-bit scales: torch.optim.AdamW/Adam
+        load that.
 
         The state of a DTensor param (FSDP2) is shown as DTensors of the param's
         mesh and placements, as torch's optimizers keep it, so that
@@ -437,6 +452,8 @@ class Adam(Optimizer):
         if dtensor_ids:
             ids = [i for g in sd["param_groups"] for i in g["params"]]
             sd["state"] = distributed.export_state(dict(zip(ids, params)), sd["state"])
+        if not fp32_moments:
+            sd = {**sd, "state": {k: with_code_keys(st) for k, st in sd["state"].items()}}
         return sd
 
     def load_state_dict(self, state_dict):
@@ -484,8 +501,8 @@ class Adam(Optimizer):
                 continue
             state = self.state[p]
             local_p = distributed.local(p)
-            for key in _HEAVY + ("step",):  # copies: the kernels update them in place
-                value = saved.get(key)
+            for saved_key in _HEAVY + ("step",):  # copies: the kernels update them in place
+                value, key = saved.get(saved_key), stored_key(saved_key)
                 if isinstance(value, torch.Tensor):
                     if distributed.is_dtensor(p) and key in MOMENT_KEYS + (MASTER_KEY,):
                         value = distributed.local_value(

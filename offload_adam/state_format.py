@@ -14,9 +14,13 @@ bf16 moments); only exp_avg and exp_avg_sq (and amsgrad's max) shrink:
 In optimizer.state[p] a moment is kept in its stored form: a bfloat16 tensor, or
 uint8 codes shaped like the param plus "exp_avg_scale"/"exp_avg_sq_scale" (fp32,
 ceil(numel / 256)). state_dict() saves that form (a checkpoint resumes bit for
-bit); state_dict(fp32_moments=True) gives fp32 moments, loadable into
-torch.optim.AdamW. A loaded moment in any form (fp32 from torch, bf16, 8-bit
-codes with scales) is converted to the optimizer's format at the next step.
+bit), 8-bit codes under their own keys, "exp_avg_codes"/"exp_avg_sq_codes":
+torch.optim.AdamW would take codes saved as "exp_avg" for moments (values up
+to 255) and step garbage; without an "exp_avg" it fails at its first step
+instead (KeyError: 'exp_avg'). state_dict(fp32_moments=True) gives fp32
+moments, loadable into torch.optim.AdamW. A loaded moment in any form (fp32
+from torch, bf16, 8-bit codes with scales) is converted to the optimizer's
+format at the next step.
 The 8-bit format has no amsgrad (its running max has no code).
 """
 
@@ -33,6 +37,7 @@ QUANT_BLOCK = 256  # csrc/adam_kernels.h kQuantBlock; checked against the kernel
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEY = "master_param"  # the fp32 master of a low-precision param, in its state
 SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
+CODE_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}  # in a state dict
 
 
 def scale_len(numel: int) -> int:
@@ -145,6 +150,17 @@ def encode_8bit(key: str, fp32: torch.Tensor, blocks: int) -> Dict[str, torch.Te
     scale = torch.empty(blocks, dtype=torch.float32)
     kernels().q8_encode(fp32.contiguous(), codes, scale, key == "exp_avg_sq")
     return {key: codes, SCALE_KEYS[key]: scale}
+
+
+def with_code_keys(st: dict) -> dict:
+    """A param's state as a state dict saves it: 8-bit codes under CODE_KEYS."""
+    return {CODE_KEYS[k] if k in CODE_KEYS and isinstance(v, torch.Tensor)
+            and v.dtype is torch.uint8 else k: v for k, v in st.items()}
+
+
+def stored_key(key: str) -> str:
+    """The state key of a state dict's key (CODE_KEYS back to the moments')."""
+    return next((k for k, c in CODE_KEYS.items() if c == key), key)
 
 
 def with_float32_moments(st: dict) -> dict:

@@ -178,19 +178,49 @@ def against_torch(variant):
 
 # ---- bf16 params: against an fp32-master reference --------------------------------
 
-@scenario("inplace", "engine")
+# Engine options that change where a grad lives between backward and step().
+GRAD_PLACES = {"engine": {}, "engine_freed": {"free_grads_after_copy": True},
+               "engine_no_overlap": {"overlap": False}}
+
+
+class GradTwin:
+    """For free_grads_after_copy (p.grad is None after backward): a twin of the
+    model given the same params before each backward, whose grads the
+    reference reads. Without it, the model's own grads."""
+
+    def __init__(self, model, freed):
+        self.model = model
+        self.twin = build(next(model.parameters()).dtype) if freed else None
+
+    def backward(self, step):
+        if self.twin is not None:
+            with torch.no_grad():
+                for p, q in zip(self.model.parameters(), self.twin.parameters()):
+                    shard(q).copy_(shard(p))
+            self.twin.zero_grad()
+            backward(self.twin, step)
+
+    def grads(self):
+        return [shard(p.grad) for p in (self.twin or self.model).parameters()]
+
+
+@scenario("inplace", *GRAD_PLACES)
 def bf16_master(variant):
     """A bf16 FSDP2 model stepped by offload_adam (max_grad_norm=) against torch
     AdamW on fp32 copies of each rank's shards fed the same grads, clipped by
     the global norm computed here."""
     model = build(BF16)
-    dev = Engine(variant == "engine")
-    opt = dev.optimizer(model.parameters(), max_grad_norm=CLIP)
+    dev = Engine(variant != "inplace")
+    opt = dev.optimizer(model.parameters(), max_grad_norm=CLIP, **GRAD_PLACES.get(variant, {}))
+    twin = GradTwin(model, variant == "engine_freed")
     masters = [shard(p).detach().float().clone().requires_grad_() for p in model.parameters()]
     ref = torch.optim.AdamW(masters, lr=LR, weight_decay=WD)
+    step = [0]
 
     def reference_step():
-        grads = [shard(p.grad).float() for p in model.parameters()]
+        twin.backward(step[0])
+        step[0] += 1
+        grads = [g.float() for g in twin.grads()]
         sq = torch.tensor([sum(g.double().pow(2).sum().item() for g in grads)], dtype=torch.float64)
         dist.all_reduce(sq)
         coef = min(1.0, CLIP / (math.sqrt(sq.item()) + 1e-6))
@@ -212,21 +242,24 @@ def bf16_master(variant):
 
 # ---- clipping: the global norm ---------------------------------------------------
 
-@scenario("inplace", "engine")
+@scenario("inplace", *GRAD_PLACES)
 def clip_norm(variant):
     """opt.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_ on the same
     DTensor grads, and each rank's local norm."""
-    model = build(BF16 if variant == "engine" else torch.float32)
-    dev = Engine(variant == "engine")
-    opt = dev.optimizer(model.parameters())
+    model = build(BF16 if variant != "inplace" else torch.float32)
+    dev = Engine(variant != "inplace")
+    opt = dev.optimizer(model.parameters(), **GRAD_PLACES.get(variant, {}))
+    twin = GradTwin(model, variant == "engine_freed")
     with dev.watch():
+        twin.backward(0)
         backward(model, 0)
-        sq = torch.tensor([sum(shard(p.grad).double().pow(2).sum().item()
-                               for p in model.parameters())], dtype=torch.float64)
+        grads = twin.grads()
+        sq = torch.tensor([sum(g.double().pow(2).sum().item() for g in grads)],
+                          dtype=torch.float64)
         local = math.sqrt(sq.item())
         dist.all_reduce(sq)
         ours = opt.clip_grad_norm_(1e9)
-        theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        theirs = torch.nn.utils.clip_grad_norm_((twin.twin or model).parameters(), 1e9)
         opt.step()
     dev.close()
     return {"ours": float(ours), "theirs": float(theirs), "local": local,

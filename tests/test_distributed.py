@@ -89,7 +89,10 @@ def test_fsdp2_uneven_shards(ranks):
     assert r0["local_shapes"][-1] == [1] and r1["local_shapes"][-1] == [0]   # an empty shard
 
 
-@pytest.mark.parametrize("variant", ["inplace", "engine"])
+GRAD_PLACES = ["inplace", "engine", "engine_freed", "engine_no_overlap"]
+
+
+@pytest.mark.parametrize("variant", GRAD_PLACES)
 def test_fsdp2_bf16_params_match_fp32_master_reference(ranks, variant):
     for res in result(ranks, f"bf16_master_{variant}"):
         assert res["master"]["max_rel"] < 1e-6, res
@@ -98,7 +101,7 @@ def test_fsdp2_bf16_params_match_fp32_master_reference(ranks, variant):
 
 # ---- clipping: the global norm ----------------------------------------------------
 
-@pytest.mark.parametrize("variant", ["inplace", "engine"])
+@pytest.mark.parametrize("variant", GRAD_PLACES)
 def test_fsdp2_clip_grad_norm_is_the_global_norm(ranks, variant):
     results = result(ranks, f"clip_norm_{variant}")
     for res in results:

@@ -8,6 +8,7 @@ on fp32 twins (a tolerance: another order of float operations) and our own
 in-place path built outside the simulation (bit for bit).
 """
 import _thread
+import math
 import copy
 import gc
 import threading
@@ -20,6 +21,7 @@ import torch
 import offload_adam
 from offload_adam import kernel_step
 from offload_adam.engine import OffloadEngine
+from offload_adam.freed_grad import is_freed
 from models import (BF16, MLP_OPTS, OPTS, Boom, assert_param_is_master_rounded, assert_same,
                     copy_grads, loss_of, make_mlp, make_pair, mlp_loss, run, steps_of, train_shadow)
 
@@ -286,8 +288,9 @@ def test_free_grads_after_copy(path):
         opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=free, **OPTS)
         for it in range(2):
             loss_of(model, it).backward()
-            if free:
-                assert all(p.grad is None for p in model.parameters())
+            if free:   # freed, or never given one (the unused layer)
+                assert [is_freed(p.grad) for p in model.parameters()] == [
+                    not name.startswith("unused") for name, _ in model.named_parameters()]
             opt.clip_grad_norm_(0.1)
             opt.step()
             opt.zero_grad()
@@ -299,6 +302,60 @@ def test_free_grads_after_copy(path):
     loss_of(model, 0).backward()
     with pytest.raises(RuntimeError, match="accumulat"):
         loss_of(model, 1).backward()
+
+
+def test_torch_clipping_of_freed_grads(path):
+    """torch.nn.utils.clip_grad_norm_ (what Trainer and Accelerate clip and log
+    the norm with) after free_grads_after_copy freed the grads: the norm comes
+    from the host copies and the coefficient is applied inside the step, not a
+    norm of 0 and no clipping. Equal to torch's clip of the kept grads up to
+    the bf16 rounding of the clipped grads (the kernel keeps them fp32).
+    Anything else done to a freed grad is a clear error."""
+    runs = []
+    for free in (True, False):
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=free, **MLP_OPTS)
+        norms = []
+        for it in range(3):
+            mlp_loss(model, it).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt, norms))
+    (freed, o1, n1), (kept, o2, n2) = runs
+    assert n1 == pytest.approx(n2, rel=1e-2) and max(n1) > 0.5   # it clipped
+    for p, q in zip(freed.parameters(), kept.parameters()):
+        torch.testing.assert_close(o1.state[p]["master_param"], o2.state[q]["master_param"],
+                                   rtol=0, atol=3e-4)
+    mlp_loss(freed, 9).backward()
+    with pytest.raises(RuntimeError, match=r"shape \[16, 8\].*freed in backward.*cannot use it"):
+        freed[0].weight.grad.sum()
+    with pytest.raises(RuntimeError, match=r"freed in backward.*accumulate"):
+        mlp_loss(freed, 10).backward()
+
+
+def test_grad_scaler_skips_inf_steps_with_freed_grads(path):
+    """GradScaler.step checks the grads for inf before stepping: freed grads
+    answer from their host copies, so an overflowing step is skipped and the
+    scale lowered exactly as when the grads are kept."""
+    runs = []
+    for free in (True, False):
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=free, **MLP_OPTS)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        scales = []
+        for it in range(4):
+            overflow = 1e38 if it == 1 else 1.0   # inf grads in the second step
+            scaler.scale(mlp_loss(model, it) * overflow).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            opt.zero_grad()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        runs.append((model, opt, scales))
+    assert runs[0][2] == runs[1][2] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 15]
+    assert steps_of(runs[0][1], runs[0][0]) == [3.0] * 4   # the overflowing step skipped
+    assert_same(runs[0][:2], runs[1][:2])
 
 
 def _scaler_run(overlap, unscale, clip=None, max_grad_norm=None, opt_clip=None):
@@ -382,6 +439,45 @@ def test_large_params_in_pieces_and_small_ones_packed(path):
         ropt = offload_adam.AdamW(ref.parameters(), lr=3e-3, bucket_mb=0.1)
     run(ref, ropt, 3, loss=_wide_loss)
     assert_same((model, opt), (ref, ropt))
+
+
+def _column_major_grads(model):
+    """Every 2-D param's grad arrives non-contiguous (column-major), as from a
+    hook of the user's registered before the optimizer's."""
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.register_post_accumulate_grad_hook(
+                lambda p: setattr(p, "grad", p.grad.t().contiguous().t()))
+
+
+NON_CONTIGUOUS_CASES = {   # name: (model, its loss, edit between backward and step, options)
+    "data_edit": (lambda: make_pair()[0], loss_of, _edit_data, {}),
+    "unscale": (lambda: make_pair()[0], loss_of, _unscale_in_place, {}),
+    "free_grads": (lambda: make_pair()[0], loss_of, None, {"free_grads_after_copy": True}),
+    "pieces_and_packs": (_wide_model, _wide_loss, _unscale_in_place, {"bucket_mb": 0.1}),
+}
+
+
+@pytest.mark.parametrize("case", NON_CONTIGUOUS_CASES)
+def test_non_contiguous_grads(path, case):
+    """Non-contiguous grads go to the host through one contiguous copy made on
+    the D2H stream, in order with the copies that read it, also when a grad
+    changed behind its version counter is copied again by a bucket job on the
+    worker's thread (which has a stream of its own on CUDA: a copy made on it
+    is unordered with the D2H stream). Same bits as in place."""
+    build, loss, edit, extra = NON_CONTIGUOUS_CASES[case]
+
+    def train():
+        model = build()
+        _column_major_grads(model)
+        opt = offload_adam.AdamW(model.parameters(), **{**OPTS, "eps": 1e-2, **extra})
+        run(model, opt, 3, edit=edit, loss=loss)
+        return model, opt
+
+    result = train()
+    with path.outside():
+        reference = train()
+    assert_same(result, reference)
 
 
 def test_hook_that_finds_no_grad_does_nothing(path):
@@ -516,6 +612,41 @@ def test_backward_that_raises_halfway(path):
     assert_same(*results)
 
 
+@pytest.mark.parametrize("trained_before", [False, True])
+@pytest.mark.parametrize("then", ["step", "backward", "zero_grad"])
+def test_add_param_group_after_a_backward_that_raised(path, trained_before, then):
+    """A backward that raised left grads hooked halfway (the last layer's, in a
+    bucket's pack that waits for the rest); a group added then re-buckets
+    everything. The copies of the failed backward are discarded and the grads
+    copied again at step() (`then`: at once, after another backward, or after
+    zero_grad and another backward): the same bits as in place."""
+    def train():
+        torch.manual_seed(0)
+        model = make_mlp()
+        extra = torch.nn.Linear(4, 3).to(BF16)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)   # one bucket, packed
+        if trained_before:
+            run(model, opt, 1, loss=mlp_loss)
+        h = FailHalfway.apply(model[1](model[0](torch.randn(5, 8).to(BF16))))
+        with pytest.raises(Boom):
+            model[2](h).float().sum().backward()
+        assert model[2].weight.grad is not None and model[0].weight.grad is None
+        if then == "zero_grad":
+            opt.zero_grad()
+        opt.add_param_group({"params": list(extra.parameters()), "lr": 1e-2})
+        if then != "step":
+            (mlp_loss(model, 1) + extra(torch.ones(2, 4).to(BF16)).float().pow(2).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        run(model, opt, 1, start=2, loss=mlp_loss)
+        return torch.nn.ModuleList([model, extra]), opt
+
+    ours = train()
+    with path.outside():
+        reference = train()
+    assert_same(ours, reference)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_sparse_grad_is_a_clear_error(path, overlap):
     """A bf16 sparse embedding: refused, naming the param, from the hook
@@ -587,6 +718,63 @@ def test_close_and_del_let_everything_go(sim):
     thread.join(timeout=5)
     assert not thread.is_alive()
     mlp_loss(model, 0).backward()  # hooks are gone or harmless
+
+
+DROP_OPTIONS = {"default": {}, "free_grads": {"free_grads_after_copy": True},
+                "early": {"step_in_backward": True}, "no_overlap": {"overlap": False},
+                "clip": {"max_grad_norm": 1.0}}
+
+
+@pytest.mark.parametrize("options", DROP_OPTIONS)
+def test_a_dropped_optimizer_is_freed_at_once(path, options):
+    """As torch's: an optimizer is freed the moment it is dropped, with no
+    cyclic garbage collection (it is disabled here), and takes its hooks,
+    worker and pinned memory with it; a new optimizer over the same params
+    then trains them alone (what torch's own state-dict tests do), exactly as
+    if the first had been collected before it was built."""
+    options = {**MLP_OPTS, **DROP_OPTIONS[options]}
+    results = []
+    # The collected run first: it also does the imports torch makes on the first
+    # state_dict()/add_param_group() of a process, whose frames outlive them.
+    for collect in (True, False):
+        model = make_mlp()
+        gc.collect()
+        gc.disable()
+        try:
+            pinned = list(path.sim._pinned) if path.engine else None
+            opt = offload_adam.AdamW(model.parameters(), **options)
+            run(model, opt, 2, loss=mlp_loss)
+            state = opt.state_dict()
+            dropped = weakref.ref(opt)
+            del opt
+            if collect:
+                gc.collect()
+            assert dropped() is None
+            assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+            if path.engine:
+                assert path.sim._pinned == pinned
+            opt = offload_adam.AdamW(model.parameters(), **options)
+            opt.load_state_dict(state)
+            run(model, opt, 2, start=2, loss=mlp_loss)
+        finally:
+            gc.enable()
+        results.append((model, opt))
+    assert_same(*results)
+
+
+def test_two_live_optimizers_over_one_offloaded_param(path):
+    """The engine's hooks take each grad to the host (and free_grads_after_copy
+    frees it): two live optimizers would split the grads between them
+    silently. The second one is refused, naming the param; once the first is
+    gone, it is fine."""
+    model = make_mlp()
+    first = offload_adam.AdamW(model.parameters(), **MLP_OPTS, free_grads_after_copy=True)
+    with pytest.raises(RuntimeError, match=r"shape \[16, 8\].*another live offload_adam optimizer"):
+        offload_adam.AdamW(model.parameters(), **MLP_OPTS, free_grads_after_copy=True)
+    other = make_mlp()
+    offload_adam.AdamW(other.parameters(), **MLP_OPTS)   # other params: fine
+    del first
+    offload_adam.AdamW(model.parameters(), **MLP_OPTS, free_grads_after_copy=True)
 
 
 @pytest.mark.parametrize("early", [False, True])

@@ -17,7 +17,7 @@ from offload_adam import engine as engine_module
 from offload_adam.engine import OffloadEngine
 from offload_adam.engine_device import simulated
 from offload_adam.engine_device_sim import AsyncSimDevice, SimEvent
-from models import OPTS, make_mlp, make_pair, mlp_loss, run
+from models import BF16, OPTS, make_mlp, make_pair, mlp_loss, run
 
 
 @pytest.fixture
@@ -163,7 +163,16 @@ def test_without_publishing_the_steps_copies_the_next_forward_races_them(dev, ke
 
 def test_without_the_fence_the_h2d_races_backward(dev, kernels, monkeypatch):
     monkeypatch.setattr(dev, "fence", lambda: SimEvent([], -1))
-    _train(dev)
+    # Backward reads a param after its grad's hook: a branch built before the
+    # model's forward (so run last in backward) uses it detached. Every other
+    # read of a param comes before its own grad is final, and the bucket job's
+    # host wait for that grad would order the H2D after it as a fence does.
+    side = torch.ones(3, 16, requires_grad=True)
+
+    def loss(model, seed):
+        branch = (side.to(BF16) @ model[0].weight.detach()).float().sum()
+        return branch + mlp_loss(model, seed)
+    _train(dev, loss=loss, verify_grads=False)
     assert "missing fence" in _violations(dev)
 
 

@@ -66,10 +66,10 @@ def bitwise(a, b):
 
 # ---- Trainer -------------------------------------------------------------------------
 
-def trainer_args(out, save_strategy="steps"):
+def trainer_args(out, save_strategy="steps", accumulate=ACCUMULATE, max_grad_norm=CLIP):
     return transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=ACCUMULATE,
-        max_steps=STEPS, max_grad_norm=CLIP, learning_rate=LR, weight_decay=0.1,
+        output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=accumulate,
+        max_steps=STEPS, max_grad_norm=max_grad_norm, learning_rate=LR, weight_decay=0.1,
         save_strategy=save_strategy, save_steps=3, logging_steps=1, report_to=[], use_cpu=True,
         seed=0, disable_tqdm=True)
 
@@ -146,6 +146,31 @@ def test_trainer_with_a_frozen_layer_through_the_engine(tmp_path):
         sim.close()
     assert opt._engine is not None
     assert bitwise(params_of(inplace), params_of(engine))
+
+
+def test_trainer_clips_freed_grads(tmp_path):
+    # free_grads_after_copy=True frees each grad in backward: Trainer's own
+    # clipping and grad-norm logging (max_grad_norm in TrainingArguments,
+    # through Accelerate and torch.nn.utils.clip_grad_norm_) would find no
+    # grads, log grad_norm 0.0 and clip nothing. The freed grads answer the norm
+    # from their host copies and the clip is applied inside the step: the same
+    # norms as with the grads kept, and the same training up to the bf16
+    # rounding of the clipped grads (Trainer rounds them, the kernel does not).
+    def run(name, **options):
+        model = tiny_llama(torch.bfloat16)
+        opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **options)
+        args = trainer_args(tmp_path / name, save_strategy="no", accumulate=1)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                       optimizers=(opt, schedule(opt)))
+        trainer.train()
+        norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+        return model, norms
+
+    freed, freed_norms = run("freed", free_grads_after_copy=True)
+    kept, kept_norms = run("kept")
+    assert len(freed_norms) == STEPS and max(kept_norms) > CLIP   # the clip clipped
+    assert freed_norms == pytest.approx(kept_norms, rel=2e-2)
+    assert max_rel(params_of(freed), params_of(kept)) < 2e-2
 
 
 # ---- Accelerate -----------------------------------------------------------------------

@@ -128,6 +128,34 @@ def test_fp32_moments_for_torch_and_back(path, fmt):
                                            opt.state[p]["master_param"], rtol=0, atol=3e-3)
 
 
+def test_8bit_codes_do_not_pass_for_torch_moments(path):
+    """An 8-bit state dict keeps its uint8 codes under their own keys: torch's
+    AdamW, which casts whatever it loads to the param's dtype, would otherwise
+    take codes (0..255) for moments and step garbage; it fails on the missing
+    "exp_avg" instead, while offload_adam loads the dict bit for bit."""
+    model, opt = train("8bit", steps=2)
+    sd = opt.state_dict()
+    stepped = [st for st in sd["state"].values() if "step" in st]
+    assert stepped and all(
+        "exp_avg" not in st and "exp_avg_sq" not in st
+        and st["exp_avg_codes"].dtype == st["exp_avg_sq_codes"].dtype == torch.uint8
+        and st["exp_avg_scale"].dtype == torch.float32 for st in stepped)
+    twin = copy.deepcopy(model)
+    topt = torch.optim.AdamW(twin.parameters(), lr=3e-3, weight_decay=0.1)
+    topt.load_state_dict(sd)
+    loss_of(twin, 5).backward()
+    with pytest.raises(KeyError, match="exp_avg"):
+        topt.step()
+
+    model2, _ = make_pair()
+    model2.load_state_dict(model.state_dict())
+    opt2 = offload_adam.AdamW(model2.parameters(), state_dtype="8bit", **OPTS)
+    opt2.load_state_dict(sd)
+    run(model2, opt2, 1, start=2)
+    run(model, opt, 1, start=2)
+    assert_same((model, opt), (model2, opt2))
+
+
 @pytest.mark.parametrize("saved", FORMATS, ids=IDS)
 @pytest.mark.parametrize("loaded", FORMATS, ids=IDS)
 def test_a_state_dict_of_any_format_loads_into_any_other(path, saved, loaded):

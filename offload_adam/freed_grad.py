@@ -1,0 +1,127 @@
+"""What p.grad holds once free_grads_after_copy=True sent it to the host.
+
+Setting `p.grad = None` would free the device memory, but code that runs
+between backward and step() reads None as "this param has no grad" and goes on
+silently: torch.nn.utils.clip_grad_norm_ (and so Hugging Face Trainer's and
+Accelerate's clipping and grad-norm logging) finds no grads, returns a norm of
+0 and clips nothing, and GradScaler finds no inf. So p.grad is instead a
+`FreedGrad`: a tensor of the grad's shape, dtype and device that owns no
+memory. It answers, from the grad's host copy, what clipping and GradScaler
+ask of a grad:
+  * its 2-norm (torch.linalg.vector_norm, what clip_grad_norm_ computes per grad);
+  * multiplication by a scalar in place (clip_grad_norm_'s coefficient), which
+    the optimizer applies inside its next step's kernel;
+  * GradScaler's inf check (unscaling by 1, what GradScaler.step does before it
+    hands the optimizer its scale), so that a step with inf/NaN grads is
+    skipped and the scale lowered, as without the option;
+and refuses everything else (reading values, accumulating another backward
+into it, GradScaler.unscale_) with an error that says why and what to do.
+
+A DTensor param's FreedGrad is a DTensor of the param's layout around one, so
+that the clipping norm's reduction (distributed.py) still sees the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .distributed import is_dtensor
+
+_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+_NORM = torch.ops.aten.linalg_vector_norm.default
+_MUL_ = (torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar)
+_ALIASES = (torch.ops.aten.view.default, torch.ops.aten.alias.default,
+            torch.ops.aten.detach.default)   # DTensor.from_local and to_local make these
+
+
+class HostCopy(Protocol):
+    """What a FreedGrad knows of its grad (the engine's record of the copy)."""
+
+    def sq_sum(self) -> float: ...          # sum of squares (inf/NaN propagate)
+
+    def scale(self, factor: float) -> None: ...   # multiply it, in the next step
+
+
+class FreedGrad(torch.Tensor):
+    """A freed grad: shape, dtype and device, no data; `host` answers for it."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, label: str, host: HostCopy):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device,
+            requires_grad=False)
+        t.label, t.host = label, host
+        return t
+
+    def __repr__(self):
+        return f"FreedGrad({self.label}: sent to the host and freed)"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _UNSCALE:
+            return _inf_check(*args, **kwargs)
+        if func is _NORM:
+            return _norm(*args, **kwargs)
+        if func in _MUL_ and isinstance(args[0], FreedGrad) and not isinstance(args[1], FreedGrad):
+            args[0].host.scale(float(args[1]))
+            return args[0]
+        if func in _ALIASES and (len(args) < 2 or tuple(args[1]) == tuple(args[0].shape)):
+            return FreedGrad(args[0], args[0].label, args[0].host)   # the same grad
+        freed = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, FreedGrad))
+        raise RuntimeError(
+            f"offload_adam: the grad of {freed.label} was sent to the host and freed in "
+            f"backward (free_grads_after_copy=True), so {func} cannot use it: only its "
+            "norm, a multiplication by a scalar (clipping) and GradScaler's inf check "
+            "are answered from the host copy. Do not accumulate micro-batches or read "
+            "grads between backward and step() with this option; or use "
+            "free_grads_after_copy=False")
+
+
+def _inf_check(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """GradScaler's `_amp_foreach_non_finite_check_and_unscale_` over a list
+    holding freed grads: only the check, which GradScaler.step makes with a
+    scale of 1 (unscale_ with a real scale raises, the grads being gone)."""
+    freed = [g for g in grads if isinstance(g, FreedGrad)]
+    if float(inv_scale) != 1.0:
+        raise RuntimeError(
+            f"offload_adam: GradScaler.unscale_ cannot unscale the grad of {freed[0].label}: "
+            "free_grads_after_copy=True sent it to the host and freed it in backward. "
+            "Let GradScaler.step unscale (do not call unscale_) and clip with max_grad_norm=")
+    rest = [g for g in grads if not isinstance(g, FreedGrad)]
+    if rest:
+        torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)
+    if not all(math.isfinite(g.host.sq_sum()) for g in freed):
+        found_inf.fill_(1.0)
+
+
+def _norm(g: FreedGrad, ord=2, dim=None, keepdim=False, *, dtype=None) -> torch.Tensor:
+    """torch.linalg.vector_norm of a whole freed grad (the 2-norm only)."""
+    if float(ord) != 2.0 or dim is not None or keepdim:
+        raise RuntimeError(
+            f"offload_adam: the grad of {g.label} was freed in backward "
+            f"(free_grads_after_copy=True); only its whole 2-norm can be computed "
+            f"(asked: ord={ord}, dim={dim}, keepdim={keepdim})")
+    return torch.tensor(math.sqrt(g.host.sq_sum()), dtype=dtype or g.dtype, device=g.device)
+
+
+def freed_grad(param: torch.Tensor, local_grad: torch.Tensor, label: str,
+               host: HostCopy) -> torch.Tensor:
+    """The FreedGrad to put in param.grad for a freed grad like `local_grad`."""
+    placeholder = FreedGrad(local_grad, label, host)
+    if not is_dtensor(param):
+        return placeholder
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(placeholder, param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
+def is_freed(grad) -> bool:
+    """Whether a grad (or a DTensor's local part) is a FreedGrad."""
+    if is_dtensor(grad):
+        grad = grad._local_tensor
+    return isinstance(grad, FreedGrad)
