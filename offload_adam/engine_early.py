@@ -29,6 +29,7 @@ from __future__ import annotations
 import weakref
 from typing import Dict, Optional
 
+from .freed_grad import is_freed
 from .engine_grads import start_check
 from .kernel_step import Hyper
 from .state_format import MASTER_KEY
@@ -131,7 +132,7 @@ class EarlyStart:
         edited = {id(r) for r, _, _ in check.changed()} if check is not None else set()
         for rec in early:
             grad = rec.param.grad
-            if grad is None:
+            if grad is None or is_freed(grad):   # freed by us: its scale() guards edits
                 if not rec.freed:
                     return f"the grad of {rec.label()} was dropped after it was copied"
             elif id(rec) not in same or id(rec) in edited:
