@@ -36,13 +36,14 @@
 //   update error 1.0%, bias 0.0%, loss equal. exp_avg (beta1 = 0.9) moves enough per
 //   step for round-to-nearest, which errs less than stochastic rounding there.
 // q8: per block of kQuantBlock = 256 elements, one fp32 scale per moment: the power of
-//   two just above the block's largest magnitude (at least 2^-110), so that a code is
-//   a pure function of the value's bits (float_bits.h: q8_block, float_to_q8). Each
-//   element a 1-byte minifloat of value / scale, relative range [2^-16, 1):
+//   two just above the block's largest magnitude, or the next one when that magnitude
+//   is above the top code (at least 2^-110), so that a code is a pure function of the
+//   value's bits (float_bits.h: q8_block, float_to_q8). Each element a 1-byte
+//   minifloat of value / scale, relative range [2^-16, 1):
 //     exp_avg:     sign + e4m3 (3 mantissa bits), rounded to nearest.
 //     exp_avg_sq:  sqrt(v) as e4m4 (4 mantissa bits; v down to 2^-32 of the block's
-//                  largest), stochastic rounding, and a positive sqrt(v) is never code
-//                  0. The update computes sqrt(v) anyway.
+//                  largest), stochastic rounding unbiased in v (not in sqrt(v)), and a
+//                  positive sqrt(v) is never code 0. The update computes sqrt(v) anyway.
 //   Why: the elements of a block span orders of magnitude (the study's grads: 400x
 //   within a block plus outliers), so the code must be logarithmic: a linear absmax
 //   code sets most of v to 0 and the update explodes (error 10^4 x). A v of 0 under a
@@ -56,13 +57,18 @@
 //   A non-finite value in a block makes that block's scale NaN: the next step reads
 //   the whole block back as NaN (fp32 and bf16 moments keep a NaN to its element).
 // Stochastic rounding bits (float_bits.h, dither_bits): element k of a tensor at
-// step t draws r = k * 0xC13FA9A9 + t * 0x9E3779B9 (mod 2^32) and rounds up when the
+// step t draws r = k * 0xC13FA9A9 + t * 0x9E3779B9 (mod 2^32). bf16 rounds up when the
 // dropped bits plus the top bits of r carry. Per element the thresholds advance by
 // the golden ratio each step: uniform over time, but alternating instead of
 // independent, so successive rounding errors partly cancel (the study: update error
-// 1.28% -> 0.96% for bf16, 10.5% -> 9.6% for q8, against independent random bits; a
-// hashed start per element instead of the lattice: the same). Counter based, so
-// every ISA, thread count and split of a tensor into ranges gets the same bits.
+// 1.28% -> 0.96% for bf16, against independent random bits). q8's sqrt(v) draws
+// q8_hash(r) instead, independent from step to step: where v decays by less than a
+// code step per step (0.05% of sqrt(v) a step against 3-6% a code; beta2 = 0.999, no
+// grads) the lattice's thresholds correlate with the codes they chose earlier, and
+// the decay ran fast: v 3.5% low after 480 steps, 14% after 4000 (unbiased rounding
+// in v, the hashed bits and no clamp at the top code: within 1%; bench/moment_drift.py,
+// tests/test_moment_decay.py). Counter based, so every ISA, thread count and split
+// of a tensor into ranges gets the same bits.
 // Arithmetic per element, one core, buffers in L2 (bench/kernel_cost.cpp, a 2-core
 // AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.57; AVX2 0.41, 0.58,
 // 0.71. On Zen 4 a 512-bit instruction takes one of 4 vector pipes for 2 cycles, so
@@ -188,6 +194,12 @@ OA_INLINE V rounding_bits(const Dither& d, int64_t k) {
   if constexpr (DITHER) return V::random_bits(d.index + static_cast<uint32_t>(k), d.key);
   else return V::set1(float_of(0x80000000u));
 }
+// What the codes are rounded with: the lattice bits hashed (q8_hash), or the half step.
+template <class V, bool DITHER>
+OA_INLINE V code_bits(V lattice) {
+  if constexpr (DITHER) return V::hash_bits(lattice);
+  else return lattice;
+}
 
 // The largest |x| of x[0, n), a NaN if any x is NaN (a max of bit patterns: exact and
 // order-free, so every ISA finds the same bits).
@@ -206,9 +218,9 @@ float block_absmax(const float* x, int64_t n) {
 // from vector to vector: the code stores (of bytes) could alias a reference.
 template <class V, bool SIGNED, bool DITHER>
 void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* scale, const Dither d) {
-  const Q8Block blk = q8_block(amax);
+  const Q8Block blk = q8_block<SIGNED>(amax);
   *scale = blk.scale;
-  V random = rounding_bits<V, DITHER>(d, 0);
+  V random = rounding_bits<V, DITHER>(d, 0);  // the lattice bits, hashed at each store
   auto advance = [&random](int vectors) {
     if constexpr (DITHER)
       for (int k = 0; k < vectors; ++k) random = V::next_random(random);
@@ -217,9 +229,11 @@ void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* 
   if constexpr (V::q8_group > 1)  // only a V that packs several vectors at once has store_q8_group
     for (; j + V::q8_group * V::width <= n; j += V::q8_group * V::width, advance(V::q8_group))
       V::template store_q8_group<SIGNED, DITHER>(codes + j, x + j, random, blk.base);
-  for (; j + V::width <= n; j += V::width, advance(1)) V::load(x + j).template store_q8<SIGNED>(codes + j, random, blk.base);
+  for (; j + V::width <= n; j += V::width, advance(1))
+    V::load(x + j).template store_q8<SIGNED>(codes + j, code_bits<V, DITHER>(random), blk.base);
   for (; j < n; ++j)
-    ScalarVec::load(x + j).template store_q8<SIGNED>(codes + j, rounding_bits<ScalarVec, DITHER>(d, j), blk.base);
+    ScalarVec::load(x + j).template store_q8<SIGNED>(
+        codes + j, code_bits<ScalarVec, DITHER>(rounding_bits<ScalarVec, DITHER>(d, j)), blk.base);
 }
 
 struct Q8Scratch {  // a block's new m and sqrt(v): they wait in L1 for the block's new scales

@@ -98,6 +98,14 @@ struct Avx2Vec {
   static Avx2Vec next_random(Avx2Vec r) {
     return {_mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(r.v), i32(8u * kDitherStep)))};
   }
+  static Avx2Vec hash_bits(Avx2Vec r) {
+    __m256i x = _mm256_castps_si256(r.v);
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, i32(0x7FEB352Du));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, i32(0x846CA68Bu));
+    return {_mm256_castsi256_ps(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)))};
+  }
   OA_INLINE void store_bf16_random(uint16_t* p, Avx2Vec random) const {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 16);
@@ -124,19 +132,30 @@ struct Avx2Vec {
     }
   }
   // The code magnitudes of the floats with bits x, before the top clamp and the sign
-  // (float_bits.h): (|x| + the rounding offset - base) >> shift, and for unsigned codes
-  // the floor (0, or 1 for a positive x).
+  // (float_bits.h): signed, (|x| + the rounding offset - base) >> shift; unsigned, the
+  // code below + 1 where u * (w + 1/16) / 16 < s * (w + s), then the floor (0, or 1
+  // for a positive x).
   template <bool SIGNED>
   OA_INLINE static __m256i q8_magnitudes(__m256i x, Avx2Vec random, uint32_t base) {
     constexpr int sh = kQ8Shift<SIGNED>;
     const __m256i a = _mm256_and_si256(x, i32(0x7FFFFFFFu));
-    const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 32 - sh);
-    // (offset - base first, and opaque: for round to nearest it is one constant of the
-    // loop, which GCC would otherwise rebuild in it)
-    const __m256i d = _mm256_add_epi32(a, opaque(_mm256_sub_epi32(offset, _mm256_set1_epi32(static_cast<int>(base)))));
-    const __m256i c = _mm256_srai_epi32(d, sh);
-    if constexpr (SIGNED) return c;
-    else return _mm256_max_epi32(c, _mm256_min_epu32(a, i32(1)));
+    if constexpr (SIGNED) {
+      const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 32 - sh);
+      // (offset - base first, and opaque: for round to nearest it is one constant of the
+      // loop, which GCC would otherwise rebuild in it)
+      const __m256i d =
+          _mm256_add_epi32(a, opaque(_mm256_sub_epi32(offset, _mm256_set1_epi32(static_cast<int>(base)))));
+      return _mm256_srai_epi32(d, sh);
+    } else {
+      const __m256i c = _mm256_srai_epi32(_mm256_sub_epi32(a, i32(base)), sh);
+      const __m256 xm = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(a, i32(0x7FFFFFu)), i32(0x3F800000u)));
+      const __m256 lm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(xm), i32(~((1u << sh) - 1))));
+      const __m256 s = _mm256_sub_ps(xm, lm), w = _mm256_add_ps(lm, lm);
+      const __m256 u = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_castps_si256(random.v), 8));
+      const __m256 den = _mm256_mul_ps(_mm256_add_ps(w, _mm256_set1_ps(0x1p-4f)), _mm256_set1_ps(0x1p-28f));
+      const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, den), _mm256_mul_ps(_mm256_add_ps(w, s), s), _CMP_LT_OQ);
+      return _mm256_max_epi32(_mm256_sub_epi32(c, _mm256_castps_si256(up)), _mm256_min_epu32(a, i32(1)));
+    }
   }
   template <bool SIGNED>
   OA_INLINE void store_q8(uint8_t* p, Avx2Vec random, uint32_t base) const {
@@ -161,8 +180,12 @@ struct Avx2Vec {
     __m256i c[4], xs[4];
     for (int k = 0; k < 4; ++k) {
       xs[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * k));
-      c[k] = q8_magnitudes<SIGNED>(xs[k], random, base);
-      if constexpr (DITHER) random = next_random(random);
+      if constexpr (DITHER) {
+        c[k] = q8_magnitudes<SIGNED>(xs[k], hash_bits(random), base);
+        random = next_random(random);
+      } else {
+        c[k] = q8_magnitudes<SIGNED>(xs[k], random, base);
+      }
     }
     __m256i b;
     if constexpr (SIGNED) {

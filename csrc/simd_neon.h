@@ -69,6 +69,14 @@ struct NeonVec {
   static NeonVec next_random(NeonVec r) {
     return {vreinterpretq_f32_u32(vaddq_u32(vreinterpretq_u32_f32(r.v), vdupq_n_u32(4u * kDitherStep)))};
   }
+  static NeonVec hash_bits(NeonVec r) {
+    uint32x4_t x = vreinterpretq_u32_f32(r.v);
+    x = veorq_u32(x, vshrq_n_u32(x, 16));
+    x = vmulq_u32(x, vdupq_n_u32(0x7FEB352Du));
+    x = veorq_u32(x, vshrq_n_u32(x, 15));
+    x = vmulq_u32(x, vdupq_n_u32(0x846CA68Bu));
+    return {vreinterpretq_f32_u32(veorq_u32(x, vshrq_n_u32(x, 16)))};
+  }
   OA_INLINE void store_bf16_random(uint16_t* p, NeonVec random) const {
     const uint32x4_t offset = vshrq_n_u32(vreinterpretq_u32_f32(random.v), 16);
     const uint16x4_t rounded = vshrn_n_u32(vaddq_u32(vreinterpretq_u32_f32(v), offset), 16);
@@ -91,14 +99,24 @@ struct NeonVec {
     constexpr int sh = kQ8Shift<SIGNED>;
     const uint32x4_t x = vreinterpretq_u32_f32(v);
     const uint32x4_t a = vandq_u32(x, vdupq_n_u32(0x7FFFFFFFu));
-    const uint32x4_t offset = vshrq_n_u32(vreinterpretq_u32_f32(random.v), 32 - sh);
-    const int32x4_t d = vreinterpretq_s32_u32(vsubq_u32(vaddq_u32(a, offset), vdupq_n_u32(base)));
-    int32x4_t c = vminq_s32(vshrq_n_s32(d, sh), vdupq_n_s32(kQ8Top<SIGNED>));  // arithmetic shift
+    int32x4_t c;
     if constexpr (SIGNED) {
+      const uint32x4_t offset = vshrq_n_u32(vreinterpretq_u32_f32(random.v), 32 - sh);
+      const int32x4_t d = vreinterpretq_s32_u32(vsubq_u32(vaddq_u32(a, offset), vdupq_n_u32(base)));
+      c = vminq_s32(vshrq_n_s32(d, sh), vdupq_n_s32(kQ8Top<true>));  // arithmetic shift
       c = vmaxq_s32(c, vdupq_n_s32(0));
       c = vorrq_s32(c, vreinterpretq_s32_u32(vandq_u32(vshrq_n_u32(x, 24), vdupq_n_u32(0x80))));
-    } else {  // the floor: 1 for a positive x
-      c = vmaxq_s32(c, vreinterpretq_s32_u32(vminq_u32(a, vdupq_n_u32(1))));
+    } else {  // the code below, + 1 where u * (w + 1/16) / 16 < s * (w + s) (float_bits.h)
+      c = vshrq_n_s32(vreinterpretq_s32_u32(vsubq_u32(a, vdupq_n_u32(base))), sh);
+      const uint32x4_t xm_bits = vorrq_u32(vandq_u32(a, vdupq_n_u32(0x7FFFFFu)), vdupq_n_u32(0x3F800000u));
+      const float32x4_t xm = vreinterpretq_f32_u32(xm_bits);
+      const float32x4_t lm = vreinterpretq_f32_u32(vandq_u32(xm_bits, vdupq_n_u32(~((1u << sh) - 1))));
+      const float32x4_t s = vsubq_f32(xm, lm), w = vaddq_f32(lm, lm);
+      const float32x4_t u = vcvtq_f32_u32(vshrq_n_u32(vreinterpretq_u32_f32(random.v), 8));
+      const float32x4_t den = vmulq_f32(vaddq_f32(w, vdupq_n_f32(0x1p-4f)), vdupq_n_f32(0x1p-28f));
+      const uint32x4_t up = vcltq_f32(vmulq_f32(u, den), vmulq_f32(vaddq_f32(w, s), s));
+      c = vminq_s32(vsubq_s32(c, vreinterpretq_s32_u32(up)), vdupq_n_s32(kQ8Top<false>));
+      c = vmaxq_s32(c, vreinterpretq_s32_u32(vminq_u32(a, vdupq_n_u32(1))));  // the floor: 1 for a positive x
     }
     const uint16x4_t w = vmovn_u32(vreinterpretq_u32_s32(c));  // each lane is in [0, 255]
     const uint32_t bytes = vget_lane_u32(vreinterpret_u32_u8(vmovn_u16(vcombine_u16(w, w))), 0);

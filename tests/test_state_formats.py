@@ -10,12 +10,17 @@ codes + float32 block scales; csrc/adam_math.h says what they are and why).
 - Every ISA gives the same bits; bad input names the list and index.
 """
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from reference import ReferenceAdam
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from moment_format_study import lowbias32  # noqa: E402  (numpy only)
 
 LR, B1, B2, EPS, WD = 1e-2, 0.9, 0.999, 1e-8, 0.01
 FORMATS = ("f32", "bf16", "q8")
@@ -36,6 +41,11 @@ def dither_bits(index, step):
     """Stochastic-rounding bits of elements `index` (int64 array) at `step`."""
     r = index * 0xC13FA9A9 + step * 0x9E3779B9 + (index >> 32) * 0x2545F491
     return r & 0xFFFFFFFF
+
+
+def q8_hash(x):
+    """The rounding bits of sqrt(v)'s codes: dither_bits hashed (lowbias32, as the format study writes it)."""
+    return lowbias32(x).astype(np.int64)
 
 
 def bf16_nearest_even(x32):
@@ -63,29 +73,42 @@ def q8_decode(codes, scales, signed):
     return x if signed else x * x
 
 
-def q8_block_scales(x32):
-    """Per block of 256: the power of two just above the largest |x| (at least 2^-110)."""
+def q8_block_scales(x32, signed):
+    """Per block of 256: the power of two just above the largest |x|, or the next one when
+    that |x| is above the top code (0.9375 signed, 0.96875 unsigned, of it); at least 2^-110."""
     n = x32.size
     pad = np.zeros((n + 255) // 256 * 256, np.float32)
     pad[:n] = np.abs(x32)
     amax = pad.reshape(-1, 256).max(axis=1)
-    e = np.maximum((f32_bits(amax) >> 23) & 0xFF, 16)
+    top_mantissa = 0x700000 if signed else 0x780000
+    e = ((f32_bits(amax) >> 23) & 0xFF) + ((f32_bits(amax) & 0x7FFFFF) > top_mantissa)
+    e = np.maximum(e, 16)
     return np.where(amax > 0, from_bits((e + 1) << 23), 0.0).astype(np.float32)
 
 
 def q8_encode(x32, scales, signed, random):
-    """Codes of x (float32) against its blocks' scales; random: 32-bit rounding bits."""
+    """Codes of x (float32) against its blocks' scales; random: 32-bit rounding bits.
+    exp_avg (signed): the top bits of random added below the kept bits. sqrt(v): the
+    code above with probability (x^2 - lo^2) / (hi^2 - lo^2) against u = random / 2^32,
+    in float32 on x's mantissa as the kernel computes it."""
     shift = 20 if signed else 19
     scale = np.repeat(scales, 256)[: x32.size]
     # bits of 2^-16 * scale: the value of one step of the smallest code; a zero scale
     # gets a base above every finite value's bits
     base = np.where(scale > 0, f32_bits(scale) - (16 << 23), 0x7F800000)
     a = f32_bits(x32) & 0x7FFFFFFF
-    c = (a + (random >> (32 - shift)) - base) >> shift
     if signed:
+        c = (a + (random >> (32 - shift)) - base) >> shift
         c = np.clip(c, 0, 127) | ((f32_bits(x32) >> 24) & 0x80)
     else:
-        c = np.maximum(np.minimum(c, 255), (a != 0).astype(np.int64))
+        c = (a - base) >> shift
+        xm = from_bits((a & 0x7FFFFF) | 0x3F800000)
+        lm = from_bits(f32_bits(xm) & ~((1 << shift) - 1))
+        s, w = xm - lm, lm + lm
+        u = (np.asarray(random, np.int64) >> 8).astype(np.float32)
+        with np.errstate(invalid="ignore"):
+            up = u * ((w + np.float32(1 / 16)) * np.float32(2.0 ** -28)) < (w + s) * s
+        c = np.maximum(np.minimum(c + up, 255), (a != 0).astype(np.int64))
     return c.astype(np.uint8)
 
 
@@ -149,8 +172,8 @@ def reference_step(s, grad):
     if s.fmt == "bf16":
         return p, (bf16_nearest_even(m32), bf16_stochastic(v32, random)), terms
     root32 = np.sqrt(v).astype(np.float32)
-    ms, vs = q8_block_scales(m32), q8_block_scales(root32)
-    return p, ((q8_encode(m32, ms, True, 0x80000000), ms), (q8_encode(root32, vs, False, random), vs)), terms
+    ms, vs = q8_block_scales(m32, True), q8_block_scales(root32, False)
+    return p, ((q8_encode(m32, ms, True, 0x80000000), ms), (q8_encode(root32, vs, False, q8_hash(random)), vs)), terms
 
 
 def assert_matches_reference(s, ref):

@@ -207,19 +207,33 @@ void test_q8_codes_one() {
     bad += enc<SIGNED>(got, nearest) != c;  // every code survives the round trip
     bad += enc<SIGNED>(got, 0) != c || enc<SIGNED>(got, 0xFFFFFFFFu) != c;
     if (mag == 0 || mag == top) continue;
-    // Between this code and the next: nearest rounds ties up; stochastic rounding
-    // is unbiased: averaged over every 16-bit random value, it returns x to within
-    // 2^-16 of a step.
-    const double next = q8_value(mag + 1, man), lo = q8_value(mag, man), mid = 0.5 * (lo + next);
+    // Between this code and the next. exp_avg (signed): nearest rounds ties up, and
+    // stochastic rounding is unbiased in x. sqrt(v) (unsigned): nearest and stochastic
+    // rounding are in v = x^2: nearest picks the code whose square is nearer x^2, and
+    // averaged over every 16-bit random value the square of the code's value is x^2 to
+    // within 2^-16 of a step.
+    const double next = q8_value(mag + 1, man), lo = q8_value(mag, man);
     const uint32_t sign = SIGNED ? c & 0x80 : 0;
     const float s = sign ? -1.0f : 1.0f;
-    bad += enc<SIGNED>(s * float(mid), nearest) != ((mag + 1) | sign);
-    bad += enc<SIGNED>(std::nextafter(s * float(mid), 0.0f), nearest) != c;
-    const float x = float(lo + 0.3 * (next - lo));
-    double mean = 0.0;
-    for (uint32_t r = 0; r < 0x10000; ++r) mean += bits::q8_to_float<SIGNED>(enc<SIGNED>(s * x, r << 16));
-    mean /= 0x10000;
-    bad += std::abs(mean - s * x) > (next - lo) * 1e-4;
+    if (SIGNED) {
+      const float mid = float(0.5 * (lo + next));
+      bad += enc<SIGNED>(s * mid, nearest) != ((mag + 1) | sign);
+      bad += enc<SIGNED>(std::nextafter(s * mid, 0.0f), nearest) != c;
+    } else {
+      const double mid = std::sqrt(0.5 * (lo * lo + next * next));
+      bad += enc<SIGNED>(float(mid * (1 + 1e-6)), nearest) != mag + 1 || enc<SIGNED>(float(mid * (1 - 1e-6)), nearest) != c;
+    }
+    for (double frac : {0.01, 0.3, 0.5, 0.97}) {
+      const float x = float(lo + frac * (next - lo));
+      double mean = 0.0;
+      for (uint32_t r = 0; r < 0x10000; ++r) {
+        const double q = bits::q8_to_float<SIGNED>(enc<SIGNED>(s * x, r << 16));
+        mean += SIGNED ? q : q * q;
+      }
+      mean /= 0x10000;
+      bad += SIGNED ? std::abs(mean - s * x) > (next - lo) * 1e-4
+                    : std::abs(mean - double(x) * x) > (next * next - lo * lo) * 1e-4;
+    }
   }
   CHECK(bad == 0, "%d q8 (signed=%d) code mismatches", bad, int(SIGNED));
   // Range ends: saturation at the top; zero is code 0; NaN and inf saturate.
@@ -241,7 +255,8 @@ void test_q8_codes() {
   // 2^-16 of it; zero, non-finite and tiny maxima.
   int bad = 0;
   for (float amax : {1.0f, 0.75f, 3.0e-3f, 1e-20f, 7.0e30f}) {
-    const bits::Q8Block b = bits::q8_block(amax);
+    const bits::Q8Block b = bits::q8_block<true>(amax);
+    bad += bits::q8_block<false>(amax).scale != b.scale;
     int e;
     bad += std::frexp(b.scale, &e) != 0.5f || !(amax < b.scale && b.scale <= 2 * amax) ||
            bits::float_of(b.base) != std::ldexp(b.scale, -16);
@@ -251,12 +266,18 @@ void test_q8_codes() {
              bits::float_to_q8<false>(std::abs(rel) * b.scale, 0x12345678u, b.base) != enc<false>(std::abs(rel), 0x12345678u);
   }
   CHECK(bad == 0, "%d block scale mismatches", bad);
-  CHECK(bits::q8_block(0.0f).scale == 0.0f && std::isnan(bits::q8_block(NAN).scale) &&
-            std::isnan(bits::q8_block(INFINITY).scale) && std::isnan(bits::q8_block(1e38f).scale) &&
-            bits::q8_block(1e-36f).scale == std::ldexp(1.0f, -110),
+  // A maximum above the top code's value (0.9375 signed, 0.96875 unsigned, of the power
+  // of two above it) takes the next power of two: no value is clamped to the top code.
+  CHECK(bits::q8_block<true>(0.9375f).scale == 1.0f && bits::q8_block<true>(0.9376f).scale == 2.0f &&
+            bits::q8_block<false>(0.96875f).scale == 1.0f && bits::q8_block<false>(0.9688f).scale == 2.0f &&
+            bits::q8_block<false>(0.95f * 0x1p-20f).scale == 0x1p-20f,
+        "block scales of maxima above the top code");
+  CHECK(bits::q8_block<true>(0.0f).scale == 0.0f && std::isnan(bits::q8_block<true>(NAN).scale) &&
+            std::isnan(bits::q8_block<true>(INFINITY).scale) && std::isnan(bits::q8_block<false>(1e38f).scale) &&
+            bits::q8_block<false>(1e-36f).scale == std::ldexp(1.0f, -110),
         "block scales of 0, NaN, inf, huge and tiny maxima");
-  CHECK(bits::float_to_q8<true>(1e-3f, 0x80000000u, bits::q8_block(0.0f).base) == 0 &&
-            bits::float_to_q8<false>(0.0f, 0xFFFFFFFFu, bits::q8_block(0.0f).base) == 0,
+  CHECK(bits::float_to_q8<true>(1e-3f, 0x80000000u, bits::q8_block<true>(0.0f).base) == 0 &&
+            bits::float_to_q8<false>(0.0f, 0xFFFFFFFFu, bits::q8_block<false>(0.0f).base) == 0,
         "an all-zero block codes to zeros");
 }
 
