@@ -45,6 +45,23 @@ def forkserver():
             os.environ["PYTHONPATH"] = saved
 
 
+def test_a_second_process_on_the_directory_is_refused(kernels, tmp_path, forkserver):
+    receive, send = forkserver.Pipe(duplex=False)
+    p = forkserver.Process(target=worker, args=(str(tmp_path), "fp32", 10_000, send))
+    p.start()
+    send.close()
+    try:
+        assert receive.poll(60)
+        receive.recv()
+        with pytest.raises(RuntimeError, match=f"is in use by another optimizer .* held by "
+                                               f"pid {p.pid}"):
+            NvmeState.open([tmp_path], spec_of("fp32"))
+    finally:
+        p.kill()
+        p.join(60)
+    NvmeState.open([tmp_path], spec_of("fp32")).close()   # SIGKILL dropped the lock
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "8bit"])
 def test_sigkill_at_random_instants_loses_no_completed_step(kernels, tmp_path, forkserver, fmt):
     rng = random.Random(1234)

@@ -2,6 +2,7 @@
 and refusing, the lock, the manifest, errors mid-step with the last completed step intact,
 and the buffered fallback where O_DIRECT is refused."""
 import errno
+import fcntl
 import os
 import warnings
 
@@ -38,7 +39,22 @@ def test_a_new_directory_starts_at_step_zero_all_zero(tmp_path):
         assert all(bool((v == 0).all()) for i in range(2) for v in state.views(i).values())
     names = sorted(os.listdir(tmp_path))
     assert names == ["offload_adam_state.bin", "offload_adam_state.lock",
-                     "offload_adam_state.manifest"]
+                     "offload_adam_state.manifest", "offload_adam_state.spec"]
+
+
+def test_files_use_direct_io_where_the_filesystem_has_it(tmp_path):
+    try:
+        os.close(os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        pytest.skip(f"{tmp_path} has no O_DIRECT")
+    spec = make_spec("fp32", buckets=1, numel=1000)
+    with NvmeState.open([tmp_path], spec) as state:
+        assert state.buffered == []
+        assert all(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in state._fds)
+        pipe = StepPipeline(state, ring_of(spec))
+        assert pipe.host_bytes <= ring_of(spec)
+        assert all(b.tensor.data_ptr() % 4096 == 0 for b in pipe.buffers)
+        pipe.close()
 
 
 def test_missing_and_unwritable_directories_are_named(tmp_path):
@@ -93,21 +109,29 @@ def test_directories_in_another_order_are_refused(tmp_path):
     NvmeState.open([a, b], spec).close()
     with pytest.raises(ValueError, match="striped over 2 directories"):
         NvmeState.open([a], spec)
-    (b / "offload_adam_state.manifest").write_bytes((a / "offload_adam_state.manifest")
-                                                    .read_bytes())
+    for name in ("offload_adam_state.manifest", "offload_adam_state.spec"):
+        (b / name).write_bytes((a / name).read_bytes())
     with pytest.raises(ValueError, match="is not file 0 of the state"):
         NvmeState.open([b, a], spec)
 
 
-def test_a_damaged_manifest_is_an_error(tmp_path):
+@pytest.mark.parametrize("name", ["manifest", "spec"])
+def test_a_damaged_manifest_or_spec_is_an_error(tmp_path, name):
     spec = make_spec("fp32", buckets=1, numel=1000)
     NvmeState.open([tmp_path], spec).close()
-    path = tmp_path / "offload_adam_state.manifest"
+    path = tmp_path / f"offload_adam_state.{name}"
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 1
     path.write_bytes(bytes(raw))
-    with pytest.raises(manifest.ManifestError, match="is damaged"):
+    with pytest.raises(manifest.ManifestError, match=f"{path} is damaged"):
         NvmeState.open([tmp_path], spec)
+    path.unlink()
+    if name == "spec":
+        with pytest.raises(manifest.ManifestError, match="is missing"):
+            NvmeState.open([tmp_path], spec)
+    else:   # no manifest: no committed state (creating was interrupted), created anew
+        with NvmeState.open([tmp_path], spec) as state:
+            assert state.step == 0
 
 
 def test_a_state_larger_than_the_disk_fails_at_open(tmp_path):
@@ -201,6 +225,8 @@ def test_a_filesystem_without_direct_io_warns_once_and_works(kernels, tmp_path, 
                 pipe.step(adam_fn(0, 0))
                 pipe.close()
                 on_shm = disk_state(state)
+        if refused != "as-the-kernel-says":
+            assert state.buffered == folders
         ours = [w for w in seen if "direct I/O" in str(w.message)]
         assert len(ours) == (len(ours) and 1 if refused == "as-the-kernel-says" else 1)
         for w in ours:

@@ -5,7 +5,9 @@ is written whole to a temporary file, fsync'd, renamed over the old one (atomic 
 and the directory is fsync'd so that the rename itself is durable. A process killed at any
 instant leaves either the old manifest or the new one, each naming slots that were complete
 when it was written. The body is JSON behind a fixed header with its length and CRC32, so a
-damaged manifest is an error rather than a silently wrong state.
+damaged manifest is an error rather than a silently wrong state. It stays small (a slot per
+bucket, the step): the spec (every tensor's name, dtype and shape) is written once beside
+it, in the same framing, and the manifest names its sha256.
 
 The lock: an exclusive flock on a file in each directory, held while the state is open, so
 that a second optimizer (in this process or another) gets an error instead of interleaving
@@ -23,6 +25,7 @@ import zlib
 from typing import List, Optional
 
 MANIFEST = "offload_adam_state.manifest"
+SPEC = "offload_adam_state.spec"   # the fingerprint: written once, the manifest names its sha256
 LOCK = "offload_adam_state.lock"
 _MAGIC = b"OFFLOAD_ADAM_NVME_MANIFEST_1\n"
 _HEAD = struct.Struct("<QI")   # body length, crc32 of the body
@@ -56,9 +59,9 @@ def unpack(raw: bytes, where: str) -> dict:
     return json.loads(data)
 
 
-def read(folder: str) -> Optional[dict]:
-    """The committed manifest of `folder`, or None when there is none."""
-    path = os.path.join(folder, MANIFEST)
+def read(folder: str, name: str = MANIFEST) -> Optional[dict]:
+    """The committed manifest (or spec) of `folder`, or None when there is none."""
+    path = os.path.join(folder, name)
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -67,9 +70,10 @@ def read(folder: str) -> Optional[dict]:
     return unpack(raw, path)
 
 
-def commit(folder: str, body: dict) -> None:
-    """Replaces the manifest atomically and durably (temp + fsync + rename + fsync dir)."""
-    path = os.path.join(folder, MANIFEST)
+def commit(folder: str, body: dict, name: str = MANIFEST) -> None:
+    """Replaces the manifest (or spec) atomically and durably: temp + fsync + rename +
+    fsync dir."""
+    path = os.path.join(folder, name)
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -57,8 +57,9 @@ class NvmeState:
     """The state files of one optimizer (one rank): see the module's docstring."""
 
     def __init__(self, folders: List[str], spec: StateSpec, body: dict, fds: List[int],
-                 locks: manifest.DirLocks, io: IOPool):
+                 locks: manifest.DirLocks, io: IOPool, buffered: List[str]):
         self.folders, self.spec = folders, spec
+        self.buffered = buffered   # the folders that refused O_DIRECT (warned about once)
         self.paths = [os.path.join(f, DATA_FILE) for f in folders]
         self.extents, self.file_sizes = place(spec, len(folders))
         self._body, self._fds, self._locks, self._io = body, fds, locks, io
@@ -89,7 +90,7 @@ class NvmeState:
                 fds = _open_files(folders, body, buffered)
             warn_buffered(buffered)
             io = IOPool(io_threads)
-            return cls(folders, spec, body, fds, locks, io)
+            return cls(folders, spec, body, fds, locks, io, buffered)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -218,9 +219,8 @@ def _header(body: dict, index: int) -> bytes:
 
 def _create(folders: List[str], spec: StateSpec, buffered: List[str]):
     _, sizes = place(spec, len(folders))
-    body = {"uuid": uuid.uuid4().hex, "folders": folders, "spec": spec.to_json(),
-            "spec_sha256": spec.digest(), "step": 0, "slots": [0] * len(spec.buckets),
-            "file_sizes": sizes}
+    body = {"uuid": uuid.uuid4().hex, "folders": folders, "spec_sha256": spec.digest(),
+            "step": 0, "slots": [0] * len(spec.buckets), "file_sizes": sizes}
     for folder, size in zip(folders, sizes):
         free = shutil.disk_usage(folder).free
         if size > free:
@@ -230,6 +230,7 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str]):
                             "free", folder)
     fds = _open_all(folders, body, buffered, create=True)
     try:
+        manifest.commit(folders[0], spec.to_json(), manifest.SPEC)
         manifest.commit(folders[0], body)
     except BaseException:
         for fd in fds:
@@ -239,8 +240,11 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str]):
 
 
 def _check_spec(folder: str, body: dict, spec: StateSpec) -> None:
-    found = StateSpec.from_json(body["spec"])
-    diff = differences(found, spec)
+    stored = manifest.read(folder, manifest.SPEC)
+    if stored is None or StateSpec.from_json(stored).digest() != body["spec_sha256"]:
+        raise manifest.ManifestError(f"offload_adam: {os.path.join(folder, manifest.SPEC)} "
+                                     "is missing or is not the one its manifest names")
+    diff = differences(StateSpec.from_json(stored), spec)
     if diff:
         raise ValueError(f"offload_adam: {folder!r} holds the optimizer state of another "
                          f"model or optimizer: {'; '.join(diff)}. Point the optimizer at an "
