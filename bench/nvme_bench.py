@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""NVMe tier benchmark: the optimizer step with its state on disk against the disk's own limit.
+
+In one run, on the same directory:
+
+  disk write / read   sequential O_DIRECT writes then reads of a file the size of one
+                      generation of the state, through the tier's own I/O pool
+                      (offload_adam/nvme/direct_io.py: 4 MiB requests, several in flight):
+                      the disk's bandwidth, and the limit a step can reach; the best of two
+                      passes each, measured before and after the steps
+  disk mixed          the same reads and writes at once (read one file while writing another),
+                      as the pipeline does: what the disk gives when both share it
+  cpu step            the fused kernel over every bucket held in the pipeline's ring buffers,
+                      no I/O: what the CPU alone costs
+  nvme step           offload_adam.nvme.StepPipeline.step with the state in files: read ahead,
+                      kernel, write back, fsync, manifest commit
+
+limit time = read bytes / read GB/s + write bytes / write GB/s (the disk doing the step's
+reads and its writes, each at its own measured speed); ratio = step time / limit time.
+Target (issue 17): step time <= 1.15 x max(limit time, cpu step time) at 2 threads.
+
+    flock /tmp/offload_bench.lock python bench/nvme_bench.py            # ~2 GB of fp32 state
+    python bench/nvme_bench.py --state-gb 0.2 --steps 2 --out /tmp/x      # smoke run
+
+Writes results/nvme/nvme_bench_<tag>.json and .log; the load average is recorded at the
+start and the end (the machine's cores may be shared).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from offload_adam.bench.machine import load_average, machine_info, one_line  # noqa: E402
+from offload_adam.kernel_step import Hyper, adam_step  # noqa: E402
+from offload_adam.nvme import NvmeState, StateSpec, StepPipeline, adam_bucket  # noqa: E402
+from offload_adam.nvme.direct_io import AlignedBuffer, IOPool, open_direct, wait  # noqa: E402
+
+HYPER = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+              decoupled_weight_decay=True, maximize=False, amsgrad=False)
+FORMATS = {"fp32": "float32", "bf16": "bfloat16", "8bit": "8bit"}
+
+
+def log(out, line=""):
+    print(line, flush=True)
+    out.append(line)
+
+
+# -- the disk's limit ---------------------------------------------------------------------
+
+def disk_pass(pool, fds, buffers, size, write):
+    """Seconds to write (or read) `size` bytes of each fd sequentially, one ring buffer per
+    piece, all files at once, keeping len(buffers) - 1 pieces in flight."""
+    piece = buffers[0].nbytes
+    pending = []
+    t = time.perf_counter()
+    k = 0
+    for offset in range(0, size, piece):
+        for fd, w in zip(fds, write):
+            n = min(piece, size - offset)
+            op = pool.write if w else pool.read
+            pending.append(op(fd, buffers[k % len(buffers)].view[:n], offset))
+            k += 1
+            if len(pending) >= len(buffers) - 1:
+                e = wait(pending.pop(0))
+                if e:
+                    raise e
+    for f in pending:
+        e = wait(f)
+        if e:
+            raise e
+    for fd, w in zip(fds, write):
+        if w:
+            os.fsync(fd)
+    return time.perf_counter() - t
+
+
+def disk_limit(folder, size, io_threads, piece, passes=2):
+    paths = [os.path.join(folder, f"limit{k}.bin") for k in range(2)]
+    fds = []
+    for p in paths:
+        fd, direct = open_direct(p, create=True, size=size)
+        if not direct:
+            raise SystemExit(f"nvme_bench: {folder} refuses O_DIRECT; measure on a real disk")
+        fds.append(fd)
+    pool = IOPool(io_threads)
+    buffers = [AlignedBuffer(piece, pin=False) for _ in range(4)]
+    for b in buffers:
+        b.tensor.random_(0, 256)
+    try:
+        disk_pass(pool, fds[1:], buffers, size, [True])          # the second file, written
+        # the best of `passes` of each (a virtual disk's speed varies from pass to pass)
+        write = size / min(disk_pass(pool, fds[:1], buffers, size, [True])
+                           for _ in range(passes))
+        read = size / min(disk_pass(pool, fds[:1], buffers, size, [False])
+                          for _ in range(passes))
+        mixed_t = min(disk_pass(pool, fds, buffers, size, [False, True])
+                      for _ in range(passes))
+    finally:
+        pool.close()
+        for fd in fds:
+            os.close(fd)
+        for p in paths:
+            os.unlink(p)
+        for b in buffers:
+            b.close()
+    return {"write_Bps": write, "read_Bps": read, "mixed_seconds_per_byte_pair": mixed_t / size,
+            "mixed_Bps": 2 * size / mixed_t, "bytes": size}
+
+
+# -- the step -----------------------------------------------------------------------------
+
+def make_spec(fmt, buckets, numel):
+    return StateSpec(tuple(adam_bucket([(f"b{i}", (numel,))], FORMATS[fmt])
+                           for i in range(buckets)), FORMATS[fmt])
+
+
+def kernel_fn(grad, threads):
+    def fn(i, t):
+        name = f"b{i}"
+        scales = {}
+        if name + ".exp_avg_scale" in t:
+            scales = dict(exp_avg_scales=[t[name + ".exp_avg_scale"]],
+                          exp_avg_sq_scales=[t[name + ".exp_avg_sq_scale"]])
+        adam_step([t[name + ".master"]], [grad], [t[name + ".exp_avg"]],
+                  [t[name + ".exp_avg_sq"]], [], [], [t[name + ".step"]], HYPER, 1.0, threads,
+                  **scales)
+    return fn
+
+
+def fill(i, t):
+    gen = torch.Generator().manual_seed(i)
+    for k, v in t.items():
+        v.zero_()
+        if k.endswith(".master"):
+            v.copy_(torch.randn(v.shape, generator=gen) * 0.1)
+
+
+def measured_limit(args, size, out, when):
+    limit = disk_limit(args.dir, size, args.io_threads, 16 << 20)
+    log(out, f"disk {when} the steps (O_DIRECT, {limit['bytes'] / 1e9:.2f} GB sequential): "
+             f"write {limit['write_Bps'] / 1e9:.3f} GB/s, read {limit['read_Bps'] / 1e9:.3f} "
+             f"GB/s, read+write at once {limit['mixed_Bps'] / 1e9:.3f} GB/s")
+    return limit
+
+
+def against(row, limit, out):
+    """The step's ratios to the disk's limit `limit` and to the CPU step."""
+    nbytes = row["bytes_per_generation"]
+    limit_t = nbytes / limit["read_Bps"] + nbytes / limit["write_Bps"]
+    mixed_t = nbytes * limit["mixed_seconds_per_byte_pair"]
+    step_t, cpu_t = row["step_median"], row["cpu_median"]
+    bound = max(limit_t, cpu_t)
+    ratios = dict(limit_seconds=limit_t, mixed_limit_seconds=mixed_t,
+                  ratio_to_limit=step_t / limit_t, ratio_to_bound=step_t / bound,
+                  ratio_to_mixed=step_t / mixed_t, target_met=step_t <= 1.15 * bound)
+    log(out, f"{row['format']:>5} {row['buckets']:>4} x {row['bucket_params'] / 1e6:.2f}M "
+             f"params  {nbytes / 1e9:6.2f} GB  step {step_t:6.2f} s ({row['step_GBps']:.2f} "
+             f"GB/s r+w)  limit {limit_t:6.2f} s  mixed {mixed_t:6.2f} s  cpu {cpu_t:6.2f} s  "
+             f"step/max(limit,cpu) {ratios['ratio_to_bound']:.3f}  "
+             f"{'met' if ratios['target_met'] else 'MISSED'} (<= 1.15)  "
+             f"step/mixed {ratios['ratio_to_mixed']:.3f}")
+    return ratios
+
+
+def bench_format(fmt, args, folder, limit, out):
+    # a bucket of --bucket-mb of state in every format (8-bit: more params per bucket)
+    bucket_numel = int(args.bucket_mb * 2**20 / (make_spec(fmt, 1, 1 << 20).nbytes / 2**20))
+    bucket_numel -= bucket_numel % 32768
+    buckets = max(3, int(args.state_gb * 1e9 / make_spec(fmt, 1, bucket_numel).nbytes))
+    spec = make_spec(fmt, buckets, bucket_numel)
+    grad = torch.randn(bucket_numel) * 1e-2
+    state_dir = os.path.join(folder, fmt)
+    os.makedirs(state_dir, exist_ok=True)
+    row = {"format": fmt, "buckets": buckets, "params": buckets * bucket_numel,
+           "bytes_per_generation": spec.nbytes}
+    with NvmeState.open([state_dir], spec, io_threads=args.io_threads) as state:
+        pipe = StepPipeline(state, args.ring * spec.buckets[0].nbytes, pin=False)
+        row.update(ring=len(pipe.buffers), depth=pipe.depth, host_buffer_bytes=pipe.host_bytes)
+        t = time.perf_counter()
+        pipe.load(fill, step=0)
+        row["load_seconds"] = time.perf_counter() - t
+        fn = kernel_fn(grad, args.threads)
+        pipe.step(fn)   # warm-up: the second slots' extents are written for the first time
+        cpu = []
+        for _ in range(args.steps):   # the kernel alone, over the same ring buffers
+            t = time.perf_counter()
+            for i in range(buckets):
+                fn(i, state.tensors(i, pipe.buffers[i % len(pipe.buffers)]))
+            cpu.append(time.perf_counter() - t)
+        steps = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            pipe.step(fn)
+            steps.append(time.perf_counter() - t)
+        pipe.close()
+    shutil.rmtree(state_dir)
+    step_t = statistics.median(steps)
+    row.update(bucket_params=bucket_numel, step_seconds=steps, cpu_seconds=cpu,
+               step_median=step_t, cpu_median=statistics.median(cpu),
+               step_GBps=2 * spec.nbytes / step_t / 1e9)
+    row["against_before"] = against(row, limit, out)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/tmp/offload_adam_nvme_bench",
+                    help="scratch directory on the disk to measure (removed at the end)")
+    ap.add_argument("--state-gb", type=float, default=2.0,
+                    help="bytes of one generation of the state, in every format (8-bit: more params)")
+    ap.add_argument("--bucket-mb", type=float, default=48, help="MiB of state per bucket")
+    ap.add_argument("--ring", type=int, default=6, help="host buffers (buckets) in the ring")
+    ap.add_argument("--formats", default="fp32,8bit")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="kernel threads")
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--tag", default=socket.gethostname())
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results", "nvme"))
+    args = ap.parse_args()
+    out = []
+    info = machine_info()
+    load_start = load_average()
+    log(out, f"nvme_bench: {one_line(info)}")
+    log(out, f"directory {args.dir}; kernel threads {args.threads}; I/O threads "
+             f"{args.io_threads}; ring {args.ring} buckets of {args.bucket_mb} MiB")
+    os.makedirs(args.dir, exist_ok=True)
+    try:
+        # measured on as many bytes as one generation of the fp32 state
+        size = max(64 << 20, int(args.state_gb * 1e9) // (64 << 20) * (64 << 20))
+        before = measured_limit(args, size, out, "before")
+        rows = [bench_format(f, args, args.dir, before, out) for f in args.formats.split(",")]
+        after = measured_limit(args, size, out, "after")
+        limit = {"before": before, "after": after}
+        log(out, "the same rows against the disk measured after the steps:")
+        for row in rows:
+            row["against_after"] = against(row, after, out)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    load_end = load_average()
+    log(out, f"load average: start {load_start}, end {load_end}")
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"nvme_bench_{args.tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"machine": info, "args": vars(args), "disk": limit, "rows": rows,
+                   "load_average_start": load_start, "load_average_end": load_end}, f, indent=1)
+    with open(stem + ".log", "w") as f:
+        f.write("\n".join(out) + "\n")
+    print(f"wrote {stem}.json and .log")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""The NVMe tier: the optimizer state (fp32 master, moments in any state format, block
+scales, step counts) in files on one or more drives, stepped bucket by bucket through a
+ring of host buffers at the disk's speed, and crash-safe.
+
+  layout.py    what a bucket holds, where its two slots lie in the files, the fingerprint
+  direct_io.py aligned buffers, O_DIRECT (buffered fallback), a pool of pread/pwrite threads
+  manifest.py  the checksummed manifest committed atomically each step; the directory lock
+  store.py     NvmeState: open/create the files, read/write a bucket, commit, mmap views
+  pipeline.py  StepPipeline: read ahead, step, write back, commit
+
+Integration (the optimizer): build a StateSpec from its buckets (layout.adam_bucket), open
+NvmeState(dirs, spec), fill it once with StepPipeline.load, then each step call
+StepPipeline.step(fn) with fn running the fused kernel on bucket i's tensors.
+"""
+
+from .direct_io import AlignedBuffer, NvmeError
+from .layout import BucketSpec, StateSpec, TensorSpec, adam_bucket
+from .pipeline import StepPipeline
+from .store import NvmeState
+
+__all__ = ["AlignedBuffer", "BucketSpec", "NvmeError", "NvmeState", "StateSpec",
+           "StepPipeline", "TensorSpec", "adam_bucket"]

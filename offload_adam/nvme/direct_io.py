@@ -1,0 +1,156 @@
+"""Aligned host buffers and a small pool of threads doing direct pread/pwrite.
+
+Why threads and not asyncio or io_uring: os.preadv/os.pwritev release the GIL, so a few
+threads keep several large requests in flight (an NVMe drive reaches its bandwidth at a
+queue depth of a few 1-8 MiB requests), with nothing but the standard library.
+
+O_DIRECT moves the bytes between the drive and our buffers without the page cache (which
+would double the RAM the state takes and evict everything else); it wants buffers, offsets
+and sizes aligned to the logical block (4096 B covers every common drive). Buffers are
+anonymous mmaps (page aligned), page-locked for the GPU when CUDA is there. A filesystem
+that refuses O_DIRECT (tmpfs, some network filesystems) gets buffered I/O and one warning
+naming the directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import List, Optional, Tuple
+
+import torch
+
+from .layout import ALIGN
+
+REQUEST_BYTES = 4 << 20   # one pread/pwrite: large enough for the drive's bandwidth
+
+
+class NvmeError(OSError):
+    """An I/O error of the state files, with what was being done and what is still intact."""
+
+
+class AlignedBuffer:
+    """`nbytes` of page-aligned host memory (an anonymous mmap), as a uint8 tensor (`.tensor`)
+    and a memoryview (`.view`); pinned (cudaHostRegister) when CUDA is available and `pin`."""
+
+    def __init__(self, nbytes: int, pin: bool = True):
+        self.nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        self._mmap = mmap.mmap(-1, self.nbytes)
+        self.view = memoryview(self._mmap)
+        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.pinned = False
+        if pin and torch.cuda.is_available():
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            self.pinned = int(rc) == 0
+
+    def close(self) -> None:
+        """Unpins; the memory is unmapped when the last view of it (a tensor handed out,
+        a request's slice held by a traceback) is gone."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        self.tensor = self.view = self._mmap = None
+
+
+def open_direct(path: str, create: bool, size: int = 0) -> Tuple[int, bool]:
+    """A read/write fd of `path` and whether it is O_DIRECT: buffered where the filesystem
+    refuses direct I/O at open or at the first aligned read (tmpfs before Linux 6.6, some
+    network and FUSE filesystems). `size`: when creating, the bytes to reserve
+    (posix_fallocate: a full disk fails here, not mid-step)."""
+    flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_CLOEXEC", 0)
+    direct = getattr(os, "O_DIRECT", 0)
+    for mode in ((flags | direct, True), (flags, False)) if direct else ((flags, False),):
+        try:
+            fd = os.open(path, mode[0], 0o644)
+        except OSError as e:
+            if e.errno == errno.EINVAL and mode[1]:
+                continue
+            raise
+        try:
+            if create:
+                os.ftruncate(fd, 0)
+                os.posix_fallocate(fd, 0, size)
+            if not mode[1] or _reads_aligned(fd):
+                return fd, mode[1]
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise AssertionError("unreachable")
+
+
+def _reads_aligned(fd: int) -> bool:
+    probe = mmap.mmap(-1, ALIGN)
+    try:
+        os.preadv(fd, [probe], 0)
+        return True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return False
+    finally:
+        probe.close()
+
+
+def warn_buffered(folders: List[str]) -> None:
+    """The one warning of an open whose `folders` refused O_DIRECT."""
+    if folders:
+        warnings.warn(f"offload_adam: {', '.join(map(repr, folders))} "
+                      f"{'does' if len(folders) == 1 else 'do'} not support direct I/O "
+                      "(O_DIRECT); the optimizer state files there use buffered I/O through "
+                      "the page cache (slower, and the cache takes host RAM)",
+                      RuntimeWarning, stacklevel=4)
+
+
+def _full(op, fd: int, view: memoryview, offset: int) -> None:
+    """pread/pwrite all of `view` at `offset`, continuing after short transfers."""
+    done = 0
+    while done < len(view):
+        n = op(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise OSError(errno.EIO, "unexpected end of file")
+        done += n
+
+
+def _read(fd, view, offset):
+    _full(os.preadv, fd, view, offset)
+
+
+def _write(fd, view, offset):
+    _full(os.pwritev, fd, view, offset)
+
+
+class IOPool:
+    """Threads running aligned requests; `read`/`write` cut a range into REQUEST_BYTES
+    requests and return their futures."""
+
+    def __init__(self, threads: int = 4, request_bytes: int = REQUEST_BYTES):
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="offload_adam_io")
+        self.request_bytes = request_bytes
+
+    def _submit(self, fn, fd: int, view: memoryview, offset: int) -> List[Future]:
+        step = self.request_bytes
+        return [self._pool.submit(fn, fd, view[i:i + step], offset + i)
+                for i in range(0, len(view), step)]
+
+    def read(self, fd: int, view: memoryview, offset: int) -> List[Future]:
+        return self._submit(_read, fd, view, offset)
+
+    def write(self, fd: int, view: memoryview, offset: int) -> List[Future]:
+        return self._submit(_write, fd, view, offset)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def wait(futures: List[Future]) -> Optional[BaseException]:
+    """Waits for every future; the first error, or None."""
+    first = None
+    for f in futures:
+        e = f.exception()
+        if e is not None and first is None:
+            first = e
+    return first

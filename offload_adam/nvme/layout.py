@@ -1,0 +1,185 @@
+"""What the state files hold and where: the buckets' tensors, their extents, the fingerprint.
+
+The optimizer's state is a list of buckets, each a few named flat tensors (fp32 master,
+exp_avg and exp_avg_sq in the state format, 8-bit block scales, step counts), stepped one
+bucket at a time. On disk a bucket is one extent per slot, read and written whole:
+
+  file k (one per directory): [header, 4096 B][bucket a slot 0][bucket a slot 1][bucket b slot 0]...
+
+- A bucket's tensors lie end to end in its extent, each at a 64-byte offset (the kernels split
+  work on cache lines); the extent is rounded up to 4096 B, so that every request is aligned
+  for O_DIRECT and one bucket is one large sequential read and one write.
+- Two slots (generations) per bucket: a step reads the current slot and writes the other;
+  the manifest (manifest.py) names the current one, so a crash mid-step leaves the last
+  completed step whole.
+- Striping: whole buckets are dealt over the directories (one file each), each to the file
+  with the fewest bytes so far. A bucket stays contiguous in one file (its tensors can be
+  memory-mapped as they are), and the pipeline's read-ahead of several buckets keeps every
+  drive busy.
+
+The fingerprint is the whole spec (every tensor's name, dtype and shape, the state format,
+and what the caller adds in `extra`); a directory holding another model's or optimizer's
+state is refused with the first difference named (`differences`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+ALIGN = 4096        # every extent and request: O_DIRECT's alignment on any common drive
+TENSOR_ALIGN = 64   # a tensor's offset inside its bucket: a cache line
+HEADER_BYTES = ALIGN
+SLOTS = 2
+
+_DTYPES = {str(d).replace("torch.", ""): d
+           for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float64,
+                     torch.int32, torch.int64)}
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def to_json(self) -> list:
+        return [self.name, str(self.dtype).replace("torch.", ""), list(self.shape)]
+
+    @classmethod
+    def from_json(cls, v) -> "TensorSpec":
+        return cls(v[0], _DTYPES[v[1]], tuple(v[2]))
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    tensors: Tuple[TensorSpec, ...]
+
+    def offsets(self) -> List[int]:
+        """Byte offset of each tensor in the bucket's extent."""
+        out, at = [], 0
+        for t in self.tensors:
+            out.append(at)
+            at = _round_up(at + t.nbytes, TENSOR_ALIGN)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """The extent of one slot: the tensors, padded, rounded up to ALIGN."""
+        last = self.tensors[-1]
+        return _round_up(self.offsets()[-1] + last.nbytes, ALIGN) if self.tensors else 0
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """The whole state: its buckets, the moments' format ("float32", "bfloat16", "8bit"),
+    and anything else the files must match (`extra`, e.g. amsgrad; JSON values)."""
+    buckets: Tuple[BucketSpec, ...]
+    state_format: str
+    extra: Dict[str, object] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"state_format": self.state_format, "extra": self.extra,
+                "buckets": [[t.to_json() for t in b.tensors] for b in self.buckets]}
+
+    @classmethod
+    def from_json(cls, v: dict) -> "StateSpec":
+        return cls(tuple(BucketSpec(tuple(TensorSpec.from_json(t) for t in b))
+                         for b in v["buckets"]), v["state_format"], dict(v["extra"]))
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one generation of the state on disk (the bytes a step reads and writes)."""
+        return sum(b.nbytes for b in self.buckets)
+
+
+def differences(found: StateSpec, wanted: StateSpec, limit: int = 3) -> List[str]:
+    """What differs between the files' spec (`found`) and this optimizer's, first ones first."""
+    out = []
+    if found.state_format != wanted.state_format:
+        out.append(f"state format {found.state_format!r} in the files, "
+                   f"{wanted.state_format!r} here")
+    if found.extra != wanted.extra:
+        keys = sorted(set(found.extra) | set(wanted.extra))
+        out += [f"{k} = {found.extra.get(k)!r} in the files, {wanted.extra.get(k)!r} here"
+                for k in keys if found.extra.get(k) != wanted.extra.get(k)]
+    if len(found.buckets) != len(wanted.buckets):
+        out.append(f"{len(found.buckets)} buckets in the files, {len(wanted.buckets)} here")
+    for i, (a, b) in enumerate(zip(found.buckets, wanted.buckets)):
+        if len(a.tensors) != len(b.tensors):
+            out.append(f"bucket {i}: {len(a.tensors)} tensors in the files, "
+                       f"{len(b.tensors)} here")
+            continue
+        for x, y in zip(a.tensors, b.tensors):
+            if x != y:
+                out.append(f"bucket {i}: {x.name} {str(x.dtype)[6:]} {list(x.shape)} in the "
+                           f"files, {y.name} {str(y.dtype)[6:]} {list(y.shape)} here")
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where one bucket lives: file `file`, slot s at offset + s * nbytes."""
+    file: int
+    offset: int
+    nbytes: int
+
+    def at(self, slot: int) -> int:
+        return self.offset + slot * self.nbytes
+
+
+def place(spec: StateSpec, files: int) -> Tuple[List[Extent], List[int]]:
+    """Each bucket's extent (dealt to the file with the fewest bytes so far) and each
+    file's size."""
+    sizes = [HEADER_BYTES] * files
+    extents = []
+    for b in spec.buckets:
+        k = min(range(files), key=lambda i: (sizes[i], i))
+        extents.append(Extent(k, sizes[k], b.nbytes))
+        sizes[k] += SLOTS * b.nbytes
+    return extents, sizes
+
+
+def adam_bucket(prefix_shapes: Sequence[Tuple[str, Sequence[int]]], state_format: str,
+                amsgrad: bool = False) -> BucketSpec:
+    """The bucket of Adam states of params named and shaped as given, in `state_format`
+    (state_format.py): per param "<name>.master" fp32, "<name>.exp_avg"/".exp_avg_sq" in the
+    format (+ ".max_exp_avg_sq"), 8-bit block scales, and "<name>.step" (fp32, 0-dim as torch's)."""
+    from ..state_format import SCALE_KEYS, scale_len, state_format as fmt_of
+    fmt = fmt_of(state_format)
+    out = []
+    for name, shape in prefix_shapes:
+        shape = tuple(int(s) for s in shape)
+        numel = TensorSpec("", torch.float32, shape).numel
+        out.append(TensorSpec(f"{name}.master", torch.float32, shape))
+        for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+            out.append(TensorSpec(f"{name}.{key}", fmt.moment_dtype, shape))
+        if fmt.blockwise:
+            out += [TensorSpec(f"{name}.{SCALE_KEYS[k]}", torch.float32, (scale_len(numel),))
+                    for k in ("exp_avg", "exp_avg_sq")]
+        out.append(TensorSpec(f"{name}.step", torch.float32, ()))
+    return BucketSpec(tuple(out))

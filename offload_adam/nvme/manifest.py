@@ -1,0 +1,125 @@
+"""The manifest (which slot of each bucket is current, the last completed step) and the lock.
+
+A step writes every bucket's non-current slot, fsyncs the files, then commits: the manifest
+is written whole to a temporary file, fsync'd, renamed over the old one (atomic on POSIX),
+and the directory is fsync'd so that the rename itself is durable. A process killed at any
+instant leaves either the old manifest or the new one, each naming slots that were complete
+when it was written. The body is JSON behind a fixed header with its length and CRC32, so a
+damaged manifest is an error rather than a silently wrong state. It stays small (a slot per
+bucket, the step): the spec (every tensor's name, dtype and shape) is written once beside
+it, in the same framing, and the manifest names its sha256.
+
+The lock: an exclusive flock on a file in each directory, held while the state is open, so
+that a second optimizer (in this process or another) gets an error instead of interleaving
+its writes with ours. The kernel drops it when the process dies, even by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import struct
+import zlib
+from typing import List, Optional
+
+MANIFEST = "offload_adam_state.manifest"
+SPEC = "offload_adam_state.spec"   # the fingerprint: written once, the manifest names its sha256
+LOCK = "offload_adam_state.lock"
+_MAGIC = b"OFFLOAD_ADAM_NVME_MANIFEST_1\n"
+_HEAD = struct.Struct("<QI")   # body length, crc32 of the body
+
+
+class ManifestError(RuntimeError):
+    pass
+
+
+def fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pack(body: dict) -> bytes:
+    data = json.dumps(body, sort_keys=True).encode()
+    return _MAGIC + _HEAD.pack(len(data), zlib.crc32(data)) + data
+
+
+def unpack(raw: bytes, where: str) -> dict:
+    if not raw.startswith(_MAGIC) or len(raw) < len(_MAGIC) + _HEAD.size:
+        raise ManifestError(f"offload_adam: {where} is not an offload_adam NVMe state manifest")
+    length, crc = _HEAD.unpack_from(raw, len(_MAGIC))
+    data = raw[len(_MAGIC) + _HEAD.size:]
+    if len(data) != length or zlib.crc32(data) != crc:
+        raise ManifestError(f"offload_adam: {where} is damaged (its length or CRC32 does not "
+                            "match its contents)")
+    return json.loads(data)
+
+
+def read(folder: str, name: str = MANIFEST) -> Optional[dict]:
+    """The committed manifest (or spec) of `folder`, or None when there is none."""
+    path = os.path.join(folder, name)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    return unpack(raw, path)
+
+
+def commit(folder: str, body: dict, name: str = MANIFEST) -> None:
+    """Replaces the manifest (or spec) atomically and durably: temp + fsync + rename +
+    fsync dir."""
+    path = os.path.join(folder, name)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        raw = pack(body)
+        done = 0
+        while done < len(raw):
+            done += os.write(fd, raw[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(folder)
+
+
+class DirLocks:
+    """Exclusive flocks on LOCK in each of `folders`; an error names the holder's pid."""
+
+    def __init__(self, folders: List[str]):
+        self._fds: List[int] = []
+        try:
+            for folder in folders:
+                self._lock(folder)
+        except BaseException:
+            self.release()
+            raise
+
+    def _lock(self, folder: str) -> None:
+        path = os.path.join(folder, LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RuntimeError(
+                    f"offload_adam: the NVMe state directory {folder!r} is in use by another "
+                    f"optimizer (lock {path} held by pid {holder}); give each optimizer "
+                    "(and each rank) its own directory") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fds.append(fd)
+
+    def release(self) -> None:
+        while self._fds:
+            fd = self._fds.pop()
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)

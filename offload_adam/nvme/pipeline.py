@@ -1,0 +1,90 @@
+"""A step over state on disk: read ahead, step, write back, so that step time ~ max(disk, CPU).
+
+A ring of `ring` aligned buffers, each the size of the largest bucket, bounded by the
+host-memory budget. Bucket i is stepped in buffer i % ring:
+
+    read i+depth ----> (in flight while)  step i  ----> write i (in flight while step i+1...)
+    depth = ring - 2: one buffer is being stepped, one is being written back, the rest
+    are being read ahead.
+
+Before buffer (i+depth) % ring is read into, the write of its last bucket (i+depth-ring =
+i-2) must be done; that is the only wait besides "bucket i is read". Every bucket is
+written to its non-current slot; after the last write the files are fsync'd and the
+manifest commits the step (store.py). An error anywhere (I/O, the kernel) waits for the
+requests in flight and raises with nothing committed: the files still hold the last
+completed step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+from .direct_io import AlignedBuffer, wait
+from .store import NvmeState
+
+StepFn = Callable[[int, Dict[str, torch.Tensor]], None]
+
+
+class StepPipeline:
+    """Steps every bucket of `state` through a ring of buffers of `budget_bytes` at most."""
+
+    def __init__(self, state: NvmeState, budget_bytes: int, pin: bool = True):
+        slot = max((b.nbytes for b in state.spec.buckets), default=0)
+        ring = min(budget_bytes // max(slot, 1), len(state.spec.buckets) + 2)
+        if ring < 3:
+            raise ValueError(f"offload_adam: the host memory budget for the NVMe state "
+                             f"({budget_bytes} bytes) holds {budget_bytes // max(slot, 1)} of "
+                             f"its largest bucket ({slot} bytes); the pipeline needs 3 (one "
+                             "read ahead, one stepped, one written back): raise the budget "
+                             "or make the buckets smaller")
+        self.state = state
+        self.depth = ring - 2
+        self.buffers = [AlignedBuffer(slot, pin=pin) for _ in range(ring)]
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def step(self, fn: StepFn, read: bool = True, step: Optional[int] = None) -> None:
+        """fn(i, tensors) for every bucket i in order, on its state read from disk, then
+        written back and committed (step count `step`, default one more).
+        read=False: fn fills the buffers without reading them first (the load path)."""
+        st, bufs = self.state, self.buffers
+        n, ring = len(st.spec.buckets), len(bufs)
+        reads: Dict[int, list] = {}
+        writes: Dict[int, list] = {}
+
+        def start_read(j):
+            reads[j] = st.read(j, bufs[j % ring]) if read else []
+
+        try:
+            for j in range(min(self.depth, n)):
+                start_read(j)
+            for i in range(n):
+                st.check(reads.pop(i), "reading", i)
+                fn(i, st.tensors(i, bufs[i % ring]))
+                writes[i] = st.write(i, bufs[i % ring])
+                j = i + self.depth
+                if j < n:
+                    if j - ring in writes:
+                        st.check(writes.pop(j - ring), "writing", j - ring)
+                    start_read(j)
+            for i in sorted(writes):
+                st.check(writes.pop(i), "writing", i)
+            st.commit(range(n), step)
+        finally:
+            # on an error: nothing may still write into the slots once we return
+            for futures in list(reads.values()) + list(writes.values()):
+                wait(futures)
+
+    def load(self, fill: StepFn, step: int) -> None:
+        """Writes a whole new state bucket by bucket (load_state_dict, or the first values):
+        fill(i, tensors) sets every tensor of bucket i; committed as completed step `step`."""
+        self.step(fill, read=False, step=step)
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.close()
+        self.buffers = []

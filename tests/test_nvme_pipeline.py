@@ -1,0 +1,123 @@
+"""The pipelined step over state on disk (offload_adam/nvme/pipeline.py) against the same
+steps in host RAM, with the project's fused kernel: bitwise the same state, in every state
+format, striped over one or two directories, at the smallest ring and a deeper one. And the
+state_dict path: memory-mapped views that torch.save streams, loaded back bucket by bucket."""
+import io
+
+import pytest
+import torch
+
+from nvme_adam import adam_fn, fill_initial, host_state, host_step, make_spec, same_bits
+from offload_adam.nvme import NvmeState, StepPipeline
+
+STEPS = 4
+
+
+def disk_state(state):
+    return [{k: v.clone() for k, v in state.views(i).items()}
+            for i in range(len(state.spec.buckets))]
+
+
+def folders(tmp_path, n):
+    out = []
+    for k in range(n):
+        (tmp_path / f"drive{k}").mkdir()
+        out.append(tmp_path / f"drive{k}")
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("drives,ring", [(1, 3), (2, 5)])
+def test_steps_on_disk_equal_steps_in_host_ram(kernels, tmp_path, fmt, drives, ring):
+    spec = make_spec(fmt, buckets=5)
+    ram = host_state(spec, seed=1)
+    with NvmeState.open(folders(tmp_path, drives), spec) as state:
+        pipe = StepPipeline(state, ring * max(b.nbytes for b in spec.buckets))
+        assert pipe.depth == ring - 2
+        pipe.load(fill_initial(seed=1), step=0)
+        assert same_bits(disk_state(state), ram)
+        for step in range(STEPS):
+            pipe.step(adam_fn(seed=1, step=step, threads=2))
+            host_step(ram, seed=1, step=step)
+            assert state.step == step + 1
+        pipe.close()
+        assert same_bits(disk_state(state), ram)
+        assert float(state.views(0)["b0p0.step"]) == STEPS
+    with NvmeState.open(folders_of(tmp_path, drives), spec) as state:   # reopened
+        assert state.step == STEPS and same_bits(disk_state(state), ram)
+
+
+def folders_of(tmp_path, n):
+    return [tmp_path / f"drive{k}" for k in range(n)]
+
+
+def test_buckets_are_striped_over_the_directories(kernels, tmp_path):
+    spec = make_spec("fp32", buckets=4)
+    with NvmeState.open(folders(tmp_path, 2), spec) as state:
+        assert sorted(e.file for e in state.extents) == [0, 0, 1, 1]
+        for e in state.extents:
+            assert e.offset % 4096 == 0 and e.nbytes % 4096 == 0
+
+
+def test_state_dict_views_stream_through_torch_save_and_load_back(kernels, tmp_path):
+    """views(i): each tensor its own mmap'd storage (torch.save writes its bytes only),
+    copy-on-write (writing to it does not reach the files); loaded into a new directory
+    bucket by bucket, the run continues bitwise as the uninterrupted one."""
+    spec = make_spec("8bit", buckets=3)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ram = host_state(spec, seed=2)
+    with NvmeState.open([tmp_path / "a"], spec) as state:
+        pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
+        pipe.load(fill_initial(seed=2), step=0)
+        for step in range(2):
+            pipe.step(adam_fn(seed=2, step=step))
+            host_step(ram, seed=2, step=step)
+        pipe.close()
+        views = [state.views(i) for i in range(3)]
+        for v, b in zip(views, spec.buckets):
+            for t in b.tensors:
+                assert v[t.name].untyped_storage().nbytes() == t.nbytes
+        saved = io.BytesIO()
+        torch.save({"step": state.step, "buckets": views}, saved)
+        assert len(saved.getvalue()) < spec.nbytes + 64 * 1024
+        views[0]["b0p0.master"].add_(1.0)   # copy-on-write: the files keep the state
+        assert same_bits(disk_state(state), ram)
+    loaded = torch.load(io.BytesIO(saved.getvalue()))
+    with NvmeState.open([tmp_path / "b"], spec) as state:
+        pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
+        pipe.load(lambda i, t: [t[k].copy_(loaded["buckets"][i][k]) for k in t],
+                  step=loaded["step"])
+        assert state.step == 2 and same_bits(disk_state(state), ram)
+        pipe.step(adam_fn(seed=2, step=2))
+        host_step(ram, seed=2, step=2)
+        pipe.close()
+        assert same_bits(disk_state(state), ram)
+
+
+def test_a_budget_below_three_buckets_is_refused(tmp_path):
+    spec = make_spec("fp32", buckets=2)
+    with NvmeState.open([tmp_path], spec) as state:
+        with pytest.raises(ValueError, match="budget .* needs 3"):
+            StepPipeline(state, 2 * max(b.nbytes for b in spec.buckets))
+
+
+def test_an_error_in_the_step_commits_nothing(kernels, tmp_path):
+    spec = make_spec("bf16", buckets=4)
+    with NvmeState.open([tmp_path], spec) as state:
+        pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
+        pipe.load(fill_initial(seed=3), step=0)
+        before = disk_state(state)
+
+        def fails_at_bucket_2(i, t):
+            adam_fn(seed=3, step=0)(i, t)
+            if i == 2:
+                raise RuntimeError("kernel failed")
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            pipe.step(fails_at_bucket_2)
+        assert state.step == 0 and same_bits(disk_state(state), before)
+        pipe.step(adam_fn(seed=3, step=0))   # the step again, from the intact state
+        ram = host_state(spec, seed=3)
+        host_step(ram, seed=3, step=0)
+        pipe.close()
+        assert state.step == 1 and same_bits(disk_state(state), ram)
