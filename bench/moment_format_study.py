@@ -98,6 +98,21 @@ class Dither:
         return ((start + self.t * 0x9E3779B9) & 0xFFFFFFFF) >> 16
 
 
+class HashedDither:
+    """The 8-bit sqrt(v)'s rounding bits since issue 16 (csrc/float_bits.h, q8_hash): the dither lattice
+    value of element k at step t, hashed (lowbias32), so that an element's bits are independent from step to
+    step. bits24: the top 24 bits."""
+    kind = "v-unbiased"
+
+    def __init__(self):
+        self.t = 0
+
+    def bits24(self, n):
+        self.t += 1
+        k = np.arange(n, dtype=np.int64)
+        return lowbias32(k * 0xC13FA9A9 + self.t * 0x9E3779B9) >> 8
+
+
 def bf16(x, rounding):
     u = bits(x)
     if rounding.kind == "nearest":
@@ -114,11 +129,16 @@ def minifloat_rel(r, exp_bits, man_bits, rounding, nonzero):
     sh = 23 - man_bits
     base = (127 - (1 << exp_bits)) << 23
     u = bits(np.abs(r))
-    if rounding.kind == "nearest":
-        off = 1 << (sh - 1)
+    if rounding.kind == "v-unbiased":  # up with probability (x^2 - lo^2) / (hi^2 - lo^2), as the kernel
+        c = (u - base) >> sh
+        xm = floats((u & 0x7FFFFF) | 0x3F800000)
+        lm = floats(bits(xm) & ~((1 << sh) - 1))
+        s, w = xm - lm, lm + lm
+        r24 = rounding.bits24(u.size).reshape(u.shape).astype(np.float32)
+        c = c + (r24 * ((w + np.float32(2.0 ** -man_bits)) * np.float32(2.0 ** -(24 + man_bits))) < (w + s) * s)
     else:
-        off = rounding.bits16(u.size).reshape(u.shape) << (sh - 16)
-    c = (u - base + off) >> sh
+        off = 1 << (sh - 1) if rounding.kind == "nearest" else rounding.bits16(u.size).reshape(u.shape) << (sh - 16)
+        c = (u - base + off) >> sh
     c = np.clip(c, 0, (1 << (exp_bits + man_bits)) - 1)
     if nonzero:
         c = np.maximum(c, (u > 0).astype(np.int64))
@@ -126,11 +146,14 @@ def minifloat_rel(r, exp_bits, man_bits, rounding, nonzero):
     return np.copysign(out, r)
 
 
-def blockwise(x, block, fn):
-    """Splits x into blocks, scales each by the power of two just above its absmax, applies fn, scales back."""
+def blockwise(x, block, fn, top_mantissa=None):
+    """Splits x into blocks, scales each by the power of two just above its absmax (the next one when the
+    absmax's mantissa bits are above top_mantissa: above the top code), applies fn, scales back."""
     xb = x.reshape(-1, block)
     amax = np.abs(xb).max(axis=1, keepdims=True).astype(np.float32)
     exp = ((bits(amax) >> 23) & 0xFF) + 1  # 2^k > amax >= 2^(k-1)
+    if top_mantissa is not None:
+        exp = exp + ((bits(amax) & 0x7FFFFF) > top_mantissa)
     scale = np.where(amax > 0, floats(exp << 23), 0.0).astype(np.float32)
     inv = np.where(amax > 0, floats((254 - exp) << 23), 0.0).astype(np.float32)  # 2^-k, exact
     return (fn((xb * inv).astype(np.float32)) * scale).astype(np.float32).reshape(x.shape)
@@ -161,16 +184,17 @@ def fmt_bf16(name, m_round, v_round):
 
 
 def q8(name, block=256, m_bits=(4, 3), v_bits=(4, 4), m_round=Nearest, v_round=Dither, sqrt_v=True,
-       nonzero=True):
+       nonzero=True, no_top_clamp=False):
     def make():
         rm, rv = m_round(), v_round()
+        top = (lambda man: 0x7FFFFF >> (23 - man) << (23 - man)) if no_top_clamp else (lambda man: None)
 
         def sm(m):
-            return blockwise(m, block, lambda r: minifloat_rel(r, *m_bits, rm, False))
+            return blockwise(m, block, lambda r: minifloat_rel(r, *m_bits, rm, False), top(m_bits[1]))
 
         def sv(v):
             x = np.sqrt(v) if sqrt_v else v
-            y = blockwise(x, block, lambda r: minifloat_rel(r, *v_bits, rv, nonzero))
+            y = blockwise(x, block, lambda r: minifloat_rel(r, *v_bits, rv, nonzero), top(v_bits[1]))
             return (y * y).astype(np.float32) if sqrt_v else y
         return sm, sv
     return Format(name, make)
@@ -181,7 +205,8 @@ def iid(seed):
 
 
 CHOSEN_BF16 = "bf16: m nearest even, v dithered stochastic  <- chosen"
-CHOSEN_Q8 = "q8 B=256: m s+e4m3 nearest, sqrt(v) e4m4 dithered  <- chosen"
+CHOSEN_Q8 = "q8 B=256: m s+e4m3 nearest, sqrt(v) e4m4 dithered  <- chosen (to issue 16)"
+KERNEL_Q8 = "q8 since issue 16: sqrt(v) unbiased in v, hashed bits, no top clamp  <- the kernel"
 FORMATS = [
     Format("fp32", lambda: ((lambda m: m), (lambda v: v))),
     fmt_bf16("bf16: m, v nearest even", Nearest, Nearest),
@@ -193,6 +218,7 @@ FORMATS = [
     q8("q8 B=256: m nearest, v iid stochastic", v_round=iid(1)),
     q8("q8 B=256: m, v iid stochastic", m_round=iid(2), v_round=iid(1)),
     q8(CHOSEN_Q8),
+    q8(KERNEL_Q8, v_round=HashedDither, no_top_clamp=True),
     q8("q8 as chosen, dither with a hashed start", v_round=lambda: Dither(hashed=True)),
     q8("q8 B=64 (else as chosen)", block=64),
     q8("q8 B=2048 (else as chosen)", block=2048),
