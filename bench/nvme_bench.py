@@ -13,7 +13,8 @@ In one run, on the same directory:
   cpu step            the fused kernel over every bucket held in the pipeline's ring buffers,
                       no I/O: what the CPU alone costs
   nvme step           offload_adam.nvme.StepPipeline.step with the state in files: read ahead,
-                      kernel, write back, fsync, manifest commit
+                      kernel, write back, fsync, manifest commit; and the same without the
+                      kernel (I/O alone: the pipeline's own overhead against the disk)
 
 limit time = read bytes / read GB/s + write bytes / write GB/s (the disk doing the step's
 reads and its writes, each at its own measured speed); ratio = step time / limit time.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -168,7 +170,8 @@ def against(row, limit, out):
              f"GB/s r+w)  limit {limit_t:6.2f} s  mixed {mixed_t:6.2f} s  cpu {cpu_t:6.2f} s  "
              f"step/max(limit,cpu) {ratios['ratio_to_bound']:.3f}  "
              f"{'met' if ratios['target_met'] else 'MISSED'} (<= 1.15)  "
-             f"step/mixed {ratios['ratio_to_mixed']:.3f}")
+             f"step/mixed {ratios['ratio_to_mixed']:.3f}  "
+             f"(I/O alone {row['io_only_median']:.2f} s)")
     return ratios
 
 
@@ -197,15 +200,19 @@ def bench_format(fmt, args, folder, limit, out):
             for i in range(buckets):
                 fn(i, state.tensors(i, pipe.buffers[i % len(pipe.buffers)]))
             cpu.append(time.perf_counter() - t)
-        steps = []
+        steps, io_only = [], []
         for _ in range(args.steps):
             t = time.perf_counter()
             pipe.step(fn)
             steps.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            pipe.step(lambda i, tensors: None)   # the pipeline's I/O without the kernel
+            io_only.append(time.perf_counter() - t)
         pipe.close()
     shutil.rmtree(state_dir)
     step_t = statistics.median(steps)
     row.update(bucket_params=bucket_numel, step_seconds=steps, cpu_seconds=cpu,
+               io_only_seconds=io_only, io_only_median=statistics.median(io_only),
                step_median=step_t, cpu_median=statistics.median(cpu),
                step_GBps=2 * spec.nbytes / step_t / 1e9)
     row["against_before"] = against(row, limit, out)
@@ -217,7 +224,7 @@ def main():
     ap.add_argument("--dir", default="/tmp/offload_adam_nvme_bench",
                     help="scratch directory on the disk to measure (removed at the end)")
     ap.add_argument("--state-gb", type=float, default=2.0,
-                    help="bytes of one generation of the state, in every format (8-bit: more params)")
+                    help="GB of one generation of the state in every format (8-bit: more params)")
     ap.add_argument("--bucket-mb", type=float, default=48, help="MiB of state per bucket")
     ap.add_argument("--ring", type=int, default=6, help="host buffers (buckets) in the ring")
     ap.add_argument("--formats", default="fp32,8bit")
@@ -248,12 +255,16 @@ def main():
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     load_end = load_average()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    log(out, f"peak RSS {peak_rss / 2**20:.0f} MiB (the state on disk: the ring buffers, "
+             "one bucket's grad, the disk passes' buffers, torch)")
     log(out, f"load average: start {load_start}, end {load_end}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"nvme_bench_{args.tag}")
     with open(stem + ".json", "w") as f:
         json.dump({"machine": info, "args": vars(args), "disk": limit, "rows": rows,
-                   "load_average_start": load_start, "load_average_end": load_end}, f, indent=1)
+                   "load_average_start": load_start, "load_average_end": load_end,
+                   "peak_rss_bytes": peak_rss}, f, indent=1)
     with open(stem + ".log", "w") as f:
         f.write("\n".join(out) + "\n")
     print(f"wrote {stem}.json and .log")

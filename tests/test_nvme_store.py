@@ -182,6 +182,8 @@ def test_a_failed_manifest_write_keeps_the_last_completed_step(kernels, tmp_path
         pipe = StepPipeline(state, ring_of(spec))
         with pytest.raises(NvmeError, match="committing the step .* No space left on device"):
             pipe.step(adam_fn(0, 1))
+        with pytest.raises(RuntimeError, match="close and reopen the NVMe state"):
+            pipe.step(adam_fn(0, 1))   # which slots are current is unknown: refused
         pipe.close()
     monkeypatch.undo()
     with NvmeState.open([tmp_path], spec) as state:

@@ -8,9 +8,12 @@ ring of host buffers at the disk's speed, and crash-safe.
   store.py     NvmeState: open/create the files, read/write a bucket, commit, mmap views
   pipeline.py  StepPipeline: read ahead, step, write back, commit
 
-Integration (the optimizer): build a StateSpec from its buckets (layout.adam_bucket), open
-NvmeState(dirs, spec), fill it once with StepPipeline.load, then each step call
-StepPipeline.step(fn) with fn running the fused kernel on bucket i's tensors.
+Integration (the optimizer): build a StateSpec from its buckets in the order they are stepped
+(layout.adam_bucket per bucket; `extra` for what else must match, e.g. amsgrad), open
+NvmeState.open(dirs, spec) (one set of directories per rank), fill it once with
+StepPipeline.load (the masters from the params at step 0, or a loaded state dict), then each
+step loop `for i, tensors in pipeline.buckets(): <bucket i's job: the fused kernel>` (or
+pipeline.step(fn)); state_dict() returns NvmeState.views(i) of every bucket.
 """
 
 from .direct_io import AlignedBuffer, NvmeError

@@ -12,12 +12,13 @@ i-2) must be done; that is the only wait besides "bucket i is read". Every bucke
 written to its non-current slot; after the last write the files are fsync'd and the
 manifest commits the step (store.py). An error anywhere (I/O, the kernel) waits for the
 requests in flight and raises with nothing committed: the files still hold the last
-completed step.
+completed step. `buckets()` is the pipeline as a loop (the caller's body steps bucket i);
+`step(fn)` the same with a function.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -47,10 +48,16 @@ class StepPipeline:
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
-    def step(self, fn: StepFn, read: bool = True, step: Optional[int] = None) -> None:
-        """fn(i, tensors) for every bucket i in order, on its state read from disk, then
-        written back and committed (step count `step`, default one more).
-        read=False: fn fills the buffers without reading them first (the load path)."""
+    def buckets(self, read: bool = True,
+                step: Optional[int] = None) -> Iterator[Tuple[int, Dict[str, torch.Tensor]]]:
+        """(i, tensors) of every bucket in order, read from disk ahead of the loop; what the
+        loop leaves in a bucket's tensors is written back when it asks for the next one, and
+        after the last the step is committed (step count `step`, default one more). Leaving
+        the loop early (break, an exception) commits nothing. read=False: the loop fills the
+        buffers without reading them first (the load path).
+
+        The loop's body is the step of one bucket: the kernel, or an engine's bucket job
+        waiting for that bucket's grads first."""
         st, bufs = self.state, self.buffers
         n, ring = len(st.spec.buckets), len(bufs)
         reads: Dict[int, list] = {}
@@ -64,7 +71,7 @@ class StepPipeline:
                 start_read(j)
             for i in range(n):
                 st.check(reads.pop(i), "reading", i)
-                fn(i, st.tensors(i, bufs[i % ring]))
+                yield i, st.tensors(i, bufs[i % ring])
                 writes[i] = st.write(i, bufs[i % ring])
                 j = i + self.depth
                 if j < n:
@@ -78,6 +85,11 @@ class StepPipeline:
             # on an error: nothing may still write into the slots once we return
             for futures in list(reads.values()) + list(writes.values()):
                 wait(futures)
+
+    def step(self, fn: StepFn, read: bool = True, step: Optional[int] = None) -> None:
+        """fn(i, tensors) for every bucket i (see `buckets`)."""
+        for i, tensors in self.buckets(read, step):
+            fn(i, tensors)
 
     def load(self, fill: StepFn, step: int) -> None:
         """Writes a whole new state bucket by bucket (load_state_dict, or the first values):

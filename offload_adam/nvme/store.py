@@ -63,6 +63,7 @@ class NvmeState:
         self.paths = [os.path.join(f, DATA_FILE) for f in folders]
         self.extents, self.file_sizes = place(spec, len(folders))
         self._body, self._fds, self._locks, self._io = body, fds, locks, io
+        self._unsure: Optional[str] = None   # why the manifest on disk may not be _body
 
     # -- opening -------------------------------------------------------------------------
 
@@ -136,11 +137,13 @@ class NvmeState:
 
     def read(self, i: int, buf: AlignedBuffer):
         """Starts reading bucket i's committed slot into `buf`; its futures."""
+        self._check_sure()
         e = self.extents[i]
         return self._io.read(self._fds[e.file], buf.view[:e.nbytes], e.at(self.slots[i]))
 
     def write(self, i: int, buf: AlignedBuffer):
         """Starts writing `buf` into bucket i's other slot; its futures."""
+        self._check_sure()
         e = self.extents[i]
         return self._io.write(self._fds[e.file], buf.view[:e.nbytes], e.at(1 - self.slots[i]))
 
@@ -173,20 +176,29 @@ class NvmeState:
             slots[i] = 1 - slots[i]
         body["slots"] = slots
         body["step"] = self.step + 1 if step is None else int(step)
+        path = os.path.join(self.folders[0], manifest.MANIFEST)
         try:
             manifest.commit(self.folders[0], body)
         except OSError as e:
-            self._raise(e, "committing the step", os.path.join(self.folders[0],
-                                                                manifest.MANIFEST))
+            # the rename may or may not have happened: which slots are current is unknown
+            # here, and writing either could overwrite the committed ones
+            self._unsure = f"committing a step to {path} failed ({e.strerror or e})"
+            self._raise(e, "committing the step", path)
         self._body = body
+
+    def _check_sure(self) -> None:
+        if self._unsure:
+            raise RuntimeError(f"offload_adam: {self._unsure}; close and reopen the NVMe "
+                               "state (NvmeState.open) to continue from the step on disk")
 
     # -- reading without the pipeline ----------------------------------------------------
 
     def views(self, i: int) -> Dict[str, torch.Tensor]:
         """Bucket i's committed tensors memory-mapped from its file, copy-on-write: writes to
         them stay in this process and never reach the files. Each tensor has its own
-        storage, so torch.save writes just its bytes, paged in as it goes. Valid until the
-        next step commits (that step's successor rewrites this slot)."""
+        storage, so torch.save writes just its bytes, paged in as it goes. They keep these
+        values through the next step; the step after it rewrites their slot: save them
+        before then."""
         e = self.extents[i]
         b = self.spec.buckets[i]
         out = {}
