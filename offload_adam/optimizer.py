@@ -6,22 +6,23 @@ a float32 0-dim tensor, "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), so a state
 dict moves between them and torch's optimizers both ways, and LR schedulers,
 GradScaler, add_param_group and named parameters work unchanged.
 
-What differs from torch is underneath, and decided in one place (`_in_engine`):
+What differs from torch is underneath, and decided in one place
+(engine/device.py's `Routing`):
   * CPU params are stepped in place (inplace.py): one kernel call per group and
     dtype; bf16/fp16 params get an fp32 master ("master_param" in the state)
     that the kernel updates and rounds into the param in the same pass;
-  * CUDA params go through the offload engine (engine.py), which keeps fp32
+  * CUDA params go through the offload engine (engine/), which keeps fp32
     master and moments in pinned host memory and streams grads and params. So
     do bf16/fp16 CPU params with step_in_backward or free_grads_after_copy (the
     options that need the pipeline), and every param of an optimizer built
-    inside engine_device.simulated() (the tests' asynchronous CPU device).
+    inside offload_adam.testing.simulated() (the tests' asynchronous CPU device).
 The moments of low-precision params stay fp32 (torch would keep them in the
 param's dtype).
 
 When the CPU step starts: by default at step(), exact whatever the user does
 between backward and step() (clip, scale, edit, accumulate, GradScaler, an LR
 scheduler). step_in_backward=True starts each bucket's step during backward as
-soon as its grads are on the host (engine_early.py), and refuses, with a
+soon as its grads are on the host (engine/early.py), and refuses, with a
 RuntimeError, everything that would make it differ.
 """
 
@@ -34,9 +35,8 @@ import torch
 from torch.optim import Optimizer
 
 from . import distributed
-from .engine import OffloadEngine
-from .engine_device import simulating
-from .engine_worker import interrupts_deferred
+from .engine import OffloadEngine, Routing
+from .engine.worker import interrupts_deferred
 from .inplace import InPlace, param_label
 from .kernel_step import clip_coefficient, grad_sq_sums
 from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format,
@@ -98,13 +98,10 @@ def _check_param(p, label):
             f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}")
 
 
-def _routes_to_engine(p, options: dict, simulated: bool) -> bool:
-    """The one place that decides how a param is stepped: True for the offload
-    engine, False for in place on the CPU (inplace.py)."""
-    if p.device.type != "cpu" or simulated:
-        return True
-    pipeline = options.get("step_in_backward") or options.get("free_grads_after_copy")
-    return bool(pipeline) and p.dtype is not torch.float32
+def _routing(options: dict) -> Routing:
+    """Which params the engine steps (the rest are stepped in place)."""
+    return Routing(pipeline=bool(options.get("step_in_backward")
+                                 or options.get("free_grads_after_copy")))
 
 
 def _scalar_beta(b):
@@ -196,8 +193,7 @@ class Adam(Optimizer):
             "num_threads": num_threads, "step_in_backward": bool(step_in_backward),
             "verify_grads": bool(verify_grads),
         }
-        # Built inside engine_device.simulated(): every param goes to the engine.
-        self._simulated = simulating()
+        self._routing = _routing(self._engine_options)
         self.max_grad_norm = max_grad_norm
         self.process_group = process_group
         self._clip_coef = None
@@ -224,10 +220,9 @@ class Adam(Optimizer):
         self._step_supports_amp_scaling = True
 
     def _reset_caches(self):
-        # The routing closes over the options, not over self: an optimizer in
-        # a reference cycle lives (its hooks too) until the cyclic GC runs.
-        options, simulated = self._engine_options, self._simulated
-        self._inplace = InPlace(lambda p: not _routes_to_engine(p, options, simulated))
+        # The routing is not self: an optimizer in a reference cycle lives (its
+        # hooks too) until the cyclic GC runs.
+        self._inplace = InPlace(self._routing.in_place)
         self._loaded_masters = []   # masters load_state_dict brought in, to check
 
     def __getstate__(self):
@@ -237,12 +232,12 @@ class Adam(Optimizer):
         state["_engine_options"] = self._engine_options
         state["max_grad_norm"] = self.max_grad_norm
         state.pop("_inplace", None)
+        state.pop("_routing", None)   # decided again when unpickled
         return state
 
     def __setstate__(self, state):
         options = state.pop("_engine_options", None)
         max_grad_norm = state.pop("max_grad_norm", None)
-        simulated = state.pop("_simulated", False)
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -256,7 +251,7 @@ class Adam(Optimizer):
         if not hasattr(self, "_engine"):  # unpickling (load_state_dict keeps its engine)
             self._engine = None
             self._engine_options = options or {}
-            self._simulated = simulated
+            self._routing = _routing(self._engine_options)
             self.max_grad_norm = max_grad_norm
             self.process_group = None   # a process group is not pickled
             self._clip_coef = None
@@ -295,7 +290,7 @@ class Adam(Optimizer):
                 "optimizer steps params of one device (use one optimizer per device)")
 
     def _in_engine(self, p):
-        return _routes_to_engine(p, self._engine_options, self._simulated)
+        return self._routing.in_engine(p)
 
     def _start_engine(self):
         self._engine_started = True
@@ -304,12 +299,12 @@ class Adam(Optimizer):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
                 state_dtypes=[g["state_dtype"] for g in self.param_groups],
-                owner=weakref.ref(self), **self._engine_options)
+                owner=weakref.ref(self), routing=self._routing, **self._engine_options)
 
     # ---- offload engine: profile, memory, clipping ---------------------------
     @property
     def last_step_profile(self):
-        """The engine's profile of the last step() (see engine_profile.py), or None."""
+        """The engine's profile of the last step() (see engine/profile.py), or None."""
         return self._engine.profile() if self._engine is not None else None
 
     def host_bytes(self):

@@ -1,4 +1,4 @@
-"""The offload engine's contract (offload_adam/engine.py), on every path.
+"""The offload engine's contract (offload_adam/engine/), on every path.
 
 Each test runs in place (CPU params, the kernel reads p.grad) and through the
 engine on the asynchronous simulated device (conftest.path): the same training

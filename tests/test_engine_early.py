@@ -1,4 +1,4 @@
-"""step_in_backward=True (offload_adam/engine_early.py): the CPU step starts
+"""step_in_backward=True (offload_adam/engine/early.py): the CPU step starts
 during backward.
 
 It must equal the default (the step at step()) bit for bit, and everything that

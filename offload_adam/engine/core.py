@@ -24,14 +24,14 @@ The data path, in the order this file follows it:
 
 By default the CPU step starts at step(): only then are the grads final, so the
 default is exact in every case. step_in_backward=True starts a bucket's kernel
-in step 1 as soon as its grads are on the host (engine_early.py). Which copy is
-current and how edits invisible to version counters are seen: engine_grads.py.
-Where every element lives (pieces, buckets, host buffers): engine_layout.py.
-The device interface and its rules: engine_device.py.
+in step 1 as soon as its grads are on the host (early.py). Which copy is
+current and how edits invisible to version counters are seen: grads.py.
+Where every element lives (pieces, buckets, host buffers): layout.py.
+The device interface and its rules: device.py.
 
 CPU params run here only with step_in_backward or free_grads_after_copy (on
-HostDevice, copies done on the spot), or inside engine_device.simulated()
-(AsyncSimDevice: the GPU's path, checked); otherwise the optimizer steps them in
+HostDevice, copies done on the spot), or when built inside
+offload_adam.testing.simulated() (AsyncSimDevice: the GPU's path, checked); otherwise the optimizer steps them in
 place (inplace.py).
 
 State: optimizer.state[p] holds "step", "exp_avg", "exp_avg_sq"
@@ -52,30 +52,31 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .engine_device import device_for, make_device
-from .engine_grads import GradCopy, grad_fingerprint, sq_sum, start_check
-from .engine_layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers,
-                            cut, local, make_buckets, state_roles)
-from .engine_profile import StepProfile
-from .engine_state import bind_state
-from .engine_worker import Worker, interrupts_deferred
-from .freed_grad import freed_grad, is_freed
-from .kernel_step import Hyper, adam_step
-from .state_format import state_format
+from ..freed_grad import freed_grad, is_freed
+from ..kernel_step import Hyper, adam_step
+from ..state_format import state_format
+from .device import Routing, device_for
+from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
+from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
+                     make_buckets, state_roles)
+from .profile import StepProfile
+from .state import bind_state
+from .worker import Worker, interrupts_deferred
 
 
 class OffloadEngine:
     """Steps the offloaded params of one optimizer. Built and driven by it.
 
     managed[i] lists the params of param_groups[i] the engine owns (all on one
-    device); amsgrad[i] says whether that group keeps max_exp_avg_sq."""
+    device); amsgrad[i] says whether that group keeps max_exp_avg_sq; `routing`
+    (the optimizer's) gives the device interface (device.py)."""
 
     def __init__(self, managed: Sequence[Sequence[torch.Tensor]], amsgrad: Sequence[bool], *,
                  state_dtypes: Optional[Sequence[str]] = None,
                  overlap: bool = True, bucket_mb: float = 32.0,
                  free_grads_after_copy: bool = False, num_threads: Optional[int] = None,
                  step_in_backward: bool = False, verify_grads: bool = True, owner=None,
-                 available_host_bytes: Optional[int] = None):
+                 routing: Optional[Routing] = None, available_host_bytes: Optional[int] = None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         if num_threads is not None and int(num_threads) < 1:
@@ -84,7 +85,8 @@ class OffloadEngine:
             raise ValueError("free_grads_after_copy=True needs overlap=True "
                              "(grads are freed as they are copied during backward)")
         all_params = [p for ps in managed for p in ps]
-        self.device = make_device(device_for([local(p) for p in all_params]))
+        routing = routing or Routing(pipeline=True)
+        self.device = routing.device([local(p) for p in all_params])
         self.overlap = overlap
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.free_grads_after_copy = free_grads_after_copy
@@ -109,7 +111,7 @@ class OffloadEngine:
         self._worker = Worker(context=self.device.on_thread) if overlap else None
         self.early = None
         if step_in_backward:
-            from .engine_early import EarlyStart
+            from .early import EarlyStart
             self.early = EarlyStart(self, owner)
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding

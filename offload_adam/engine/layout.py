@@ -11,9 +11,9 @@ A *bucket* is a run of pieces of one param group and dtype, about `bucket_mb`
 of device bytes, in the order backward produces their grads: the unit of the
 pipeline. Pieces smaller than PACK_BELOW_BYTES (norms, biases) are *packed*:
 their grads go to the host in one copy per bucket, their updates back in one,
-instead of one DMA each (engine_device gathers/scatters them on the device).
+instead of one DMA each (device.py gathers/scatters them on the device).
 
-Host memory (engine_host_memory arenas): the state (fp32 master, exp_avg,
+Host memory (host_memory.py arenas): the state (fp32 master, exp_avg,
 exp_avg_sq, max_exp_avg_sq) is laid out once per param, in registration order;
 the transfer buffers (grad copies, bf16/fp16 staging of the update) are laid
 out per bucket, so that a bucket's packed pieces are adjacent, and are laid out
@@ -27,9 +27,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .distributed import local
-from .engine_host_memory import HostArenas
-from .state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat, scale_len
+from ..distributed import local
+from ..state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat, scale_len
+from .host_memory import HostArenas
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 PACK_BELOW_BYTES = 1 << 18
@@ -62,7 +62,7 @@ class ParamRec:
         self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = None
         self.exp_avg_scale = self.exp_avg_sq_scale = None  # 8-bit moments only
         self.step_t: Optional[torch.Tensor] = None
-        self.copy = None                    # engine_grads.GradCopy of its grad, or None
+        self.copy = None                    # grads.GradCopy of its grad, or None
         self.freed = False                  # free_grads_after_copy dropped p.grad
         self.hook = None
 

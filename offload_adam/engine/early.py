@@ -29,10 +29,10 @@ from __future__ import annotations
 import weakref
 from typing import Dict, Optional
 
-from .freed_grad import is_freed
-from .engine_grads import start_check
-from .kernel_step import Hyper
-from .state_format import MASTER_KEY
+from ..freed_grad import is_freed
+from ..kernel_step import Hyper
+from ..state_format import MASTER_KEY
+from .grads import start_check
 
 
 class EarlyStart:
