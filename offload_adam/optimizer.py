@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from . import distributed
 from .engine import OffloadEngine, Routing
 from .engine.worker import interrupts_deferred
+from .options import Options
 from .inplace import InPlace, param_label
 from .kernel_step import clip_coefficient, grad_sq_sums
 from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format,
@@ -98,10 +99,14 @@ def _check_param(p, label):
             f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}")
 
 
-def _routing(options: dict) -> Routing:
-    """Which params the engine steps (the rest are stepped in place)."""
-    return Routing(pipeline=bool(options.get("step_in_backward")
-                                 or options.get("free_grads_after_copy")))
+def _option(name: str) -> property:
+    """An option of the record (options.py) as an attribute; assigning it checks it again."""
+    def get(self):
+        return getattr(self._options, name)
+
+    def set(self, value):
+        self._options = self._options.replace(**{name: value})
+    return property(get, set, doc=f"The {name} option (options.py).")
 
 
 def _scalar_beta(b):
@@ -116,54 +121,10 @@ class Adam(Optimizer):
     `differentiable` are not supported. Params are float32, bfloat16 or float16,
     all on the CPU, or all on one CUDA device.
 
-    Offload engine options (CUDA params and bf16/fp16 CPU params):
-      overlap (True): copy each grad to the host as backward produces it; with
-        False everything happens inside step(). Both give the same results.
-      bucket_mb (32): size of the buckets the engine steps and transfers at once.
-      free_grads_after_copy (False): drop each grad (p.grad = None) as soon as it
-        is on the host, to save device memory. Then code between backward and
-        step() must not read or change p.grad (clip with opt.clip_grad_norm_), and
-        grads cannot be accumulated over micro-batches (an error says so).
-      num_threads (None): kernel threads; None = torch.get_num_threads(), minus
-        one for CUDA params (the thread driving the GPU keeps a core).
-      max_grad_norm (None): clip the grads' total 2-norm to this in every step,
-        inside the kernel (no pass over the grads on the device). For DTensor
-        params (FSDP2) the norm over all shards (distributed.py).
-      process_group (None): for params sharded by hand (plain tensors, each
-        rank a part), the group over which the clipping norm is summed.
-      verify_grads (True): a grad copied to the host before step() (during
-        backward, or by opt.clip_grad_norm_) is checked at its next use against
-        a fingerprint taken when it was copied, so that in-place changes that
-        leave its version counter alone (p.grad.data edits, GradScaler.unscale_)
-        are copied again instead of missed. Costs two passes over the grads on
-        the device per step (at the copy, and at reuse in step()), ~12 ms per
-        billion params each on an H100 (estimated); turn it off only if nothing
-        edits grads behind their version counters.
-        (CPU params stepped in place need no check: the kernel reads p.grad.)
-      step_in_backward (False): start each bucket's CPU step during backward, as
-        soon as every param of it that got a grad in the previous backward has
-        its grad on the host (from the second step on), instead of at step().
-        Needs overlap=True. Exact only when nothing changes between backward and
-        step(), so the following raise RuntimeError (at step(), zero_grad() or
-        the hook, as noted): editing, replacing, dropping, clipping
-        (torch.nn.utils.clip_grad_norm_, opt.clip_grad_norm_; max_grad_norm= is
-        a ValueError here) or scaling a stepped grad; GradScaler; changing lr or
-        another hyperparameter (an LR scheduler stepped before opt.step());
-        load_state_dict; zero_grad() before step(); a second backward into a
-        stepped param (accumulation, raised from backward()). There is no undo:
-        after such an error the params already stepped in backward stay stepped
-        (param, master, moments and step agree) and the others are not, and the
-        message says so. The default is False because it is exact in every case.
-
-    State format (any params; also a param-group key):
-      state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
-        torch.float32 (12 B/param with the fp32 master), torch.bfloat16 (8 B;
-        exp_avg rounded to nearest, exp_avg_sq stochastically) or "8bit" (~6 B:
-        blockwise uint8 codes with an fp32 scale per 256 elements; no amsgrad).
-        The master stays fp32. Fewer bytes is a faster CPU step (it is bound by
-        memory bandwidth) and a larger model in the same RAM. state_dict() saves
-        the moments as stored; state_dict(fp32_moments=True) as fp32, loadable
-        into torch.optim.AdamW. See offload_adam/state_format.py.
+    The options beyond torch's (overlap, bucket_mb, free_grads_after_copy,
+    num_threads, max_grad_norm, process_group, verify_grads, step_in_backward)
+    and the state format (state_dtype, also a param-group key) are documented
+    in offload_adam/options.py, and checked there when the optimizer is built.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
@@ -173,29 +134,12 @@ class Adam(Optimizer):
                  num_threads=None, max_grad_norm=None, step_in_backward=False,
                  verify_grads=True, state_dtype=torch.float32, process_group=None):
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
-        if step_in_backward and not overlap:
-            raise ValueError("step_in_backward=True needs overlap=True (the step "
-                             "starts from the grads copied during backward)")
-        if free_grads_after_copy and not overlap:
-            raise ValueError("free_grads_after_copy=True needs overlap=True "
-                             "(grads are freed as they are copied during backward)")
-        if step_in_backward and max_grad_norm is not None:
-            raise ValueError(
-                "max_grad_norm= cannot be used with step_in_backward=True: clipping "
-                "needs the norm of all grads, known only after backward, and the "
-                "step starts during backward")
         self._engine = None
-        self._engine_options = {
-            "overlap": bool(overlap), "bucket_mb": float(bucket_mb),
-            "free_grads_after_copy": bool(free_grads_after_copy),
-            "num_threads": num_threads, "step_in_backward": bool(step_in_backward),
-            "verify_grads": bool(verify_grads),
-        }
-        self._routing = _routing(self._engine_options)
-        self.max_grad_norm = max_grad_norm
-        self.process_group = process_group
+        self._options = Options(
+            overlap=overlap, bucket_mb=bucket_mb, free_grads_after_copy=free_grads_after_copy,
+            num_threads=num_threads, max_grad_norm=max_grad_norm, process_group=process_group,
+            verify_grads=verify_grads, step_in_backward=step_in_backward)
+        self._routing = Routing(self._options.needs_pipeline)
         self._clip_coef = None
         defaults = {
             "lr": lr,
@@ -229,15 +173,13 @@ class Adam(Optimizer):
         # The engine (threads, hooks, pinned memory) is not pickled: an unpickled
         # optimizer starts its own, with the same options, for its own params.
         state = super().__getstate__()
-        state["_engine_options"] = self._engine_options
-        state["max_grad_norm"] = self.max_grad_norm
+        state["_options"] = self._options   # less its process group
         state.pop("_inplace", None)
         state.pop("_routing", None)   # decided again when unpickled
         return state
 
     def __setstate__(self, state):
-        options = state.pop("_engine_options", None)
-        max_grad_norm = state.pop("max_grad_norm", None)
+        options = state.pop("_options", None) or Options()
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -250,10 +192,8 @@ class Adam(Optimizer):
             group.setdefault("state_dtype", "float32")
         if not hasattr(self, "_engine"):  # unpickling (load_state_dict keeps its engine)
             self._engine = None
-            self._engine_options = options or {}
-            self._routing = _routing(self._engine_options)
-            self.max_grad_norm = max_grad_norm
-            self.process_group = None   # a process group is not pickled
+            self._options = options
+            self._routing = Routing(options.needs_pipeline)
             self._clip_coef = None
             self._reset_caches()
             self._start_engine()
@@ -289,6 +229,14 @@ class Adam(Optimizer):
                 f"offload_adam: the params live on several devices ({names}); one "
                 "optimizer steps params of one device (use one optimizer per device)")
 
+    max_grad_norm = _option("max_grad_norm")
+    process_group = _option("process_group")
+
+    def _inplace_threads(self) -> int:
+        """Kernel threads for the params stepped in place: the num_threads option,
+        or torch.get_num_threads() as the caller sees it."""
+        return self._options.num_threads or torch.get_num_threads()
+
     def _in_engine(self, p):
         return self._routing.in_engine(p)
 
@@ -299,7 +247,7 @@ class Adam(Optimizer):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
                 state_dtypes=[g["state_dtype"] for g in self.param_groups],
-                owner=weakref.ref(self), routing=self._routing, **self._engine_options)
+                options=self._options, owner=weakref.ref(self), routing=self._routing)
 
     # ---- offload engine: profile, memory, clipping ---------------------------
     @property
@@ -329,8 +277,8 @@ class Adam(Optimizer):
         pairs = self._inplace.grads(self.param_groups)
         if pairs:
             grads = [g if g.is_contiguous() else g.contiguous() for _, g in pairs]
-            sums += zip([p for p, _ in pairs], grad_sq_sums(grads, torch.get_num_threads()))
-        total = distributed.global_sq_sum(sums, self._params(), self.process_group)
+            sums += zip([p for p, _ in pairs], grad_sq_sums(grads, self._inplace_threads()))
+        total = distributed.global_sq_sum(sums, self._params(), self._options.process_group)
         return math.sqrt(total)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
@@ -413,7 +361,7 @@ class Adam(Optimizer):
 
         if self._loaded_masters:
             self._drop_stale_masters()
-        num_threads = torch.get_num_threads()
+        num_threads = self._inplace_threads()
         with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
             for index, group in enumerate(self.param_groups):
                 self._inplace.step_group(index, group, self.state, scale, num_threads)

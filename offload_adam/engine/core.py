@@ -54,6 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..freed_grad import freed_grad, is_freed
 from ..kernel_step import Hyper, adam_step
+from ..options import Options
 from ..state_format import state_format
 from .device import Routing, device_for
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
@@ -68,30 +69,23 @@ class OffloadEngine:
     """Steps the offloaded params of one optimizer. Built and driven by it.
 
     managed[i] lists the params of param_groups[i] the engine owns (all on one
-    device); amsgrad[i] says whether that group keeps max_exp_avg_sq; `routing`
-    (the optimizer's) gives the device interface (device.py)."""
+    device); amsgrad[i] says whether that group keeps max_exp_avg_sq; `options`
+    (options.py) are the optimizer's, checked; `routing` (the optimizer's) gives
+    the device interface (device.py)."""
 
     def __init__(self, managed: Sequence[Sequence[torch.Tensor]], amsgrad: Sequence[bool], *,
-                 state_dtypes: Optional[Sequence[str]] = None,
-                 overlap: bool = True, bucket_mb: float = 32.0,
-                 free_grads_after_copy: bool = False, num_threads: Optional[int] = None,
-                 step_in_backward: bool = False, verify_grads: bool = True, owner=None,
-                 routing: Optional[Routing] = None, available_host_bytes: Optional[int] = None):
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        if num_threads is not None and int(num_threads) < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        if free_grads_after_copy and not overlap:
-            raise ValueError("free_grads_after_copy=True needs overlap=True "
-                             "(grads are freed as they are copied during backward)")
+                 state_dtypes: Optional[Sequence[str]] = None, options: Optional[Options] = None,
+                 owner=None, routing: Optional[Routing] = None,
+                 available_host_bytes: Optional[int] = None):
+        options = options or Options()
         all_params = [p for ps in managed for p in ps]
         routing = routing or Routing(pipeline=True)
         self.device = routing.device([local(p) for p in all_params])
-        self.overlap = overlap
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.free_grads_after_copy = free_grads_after_copy
-        self.verify_grads = bool(verify_grads)
-        self._num_threads = None if num_threads is None else int(num_threads)
+        self.overlap = options.overlap
+        self.bucket_bytes = int(options.bucket_mb * 2**20)
+        self.free_grads_after_copy = options.free_grads_after_copy
+        self.verify_grads = options.verify_grads
+        self._num_threads = options.num_threads
         self._last_threads = self._num_threads or self.device.default_num_threads()
         self._available = available_host_bytes
         self.recs: List[ParamRec] = []
@@ -108,9 +102,9 @@ class OffloadEngine:
         self._want_norms = False
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
-        self._worker = Worker(context=self.device.on_thread) if overlap else None
+        self._worker = Worker(context=self.device.on_thread) if self.overlap else None
         self.early = None
-        if step_in_backward:
+        if options.step_in_backward:
             from .early import EarlyStart
             self.early = EarlyStart(self, owner)
         # Waits for the copies in flight, removes the hooks, ends the worker and

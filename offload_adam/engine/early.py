@@ -37,9 +37,6 @@ from .grads import start_check
 
 class EarlyStart:
     def __init__(self, engine, owner):
-        if not engine.overlap:
-            raise ValueError("step_in_backward=True needs overlap=True (the step "
-                             "starts from the grads copied during backward)")
         if owner is None:
             raise ValueError("step_in_backward=True needs the owning optimizer "
                              "(owner=weakref.ref(optimizer))")
