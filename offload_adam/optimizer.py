@@ -24,31 +24,32 @@ between backward and step() (clip, scale, edit, accumulate, GradScaler, an LR
 scheduler). step_in_backward=True starts each bucket's step during backward as
 soon as its grads are on the host (engine/early.py), and refuses, with a
 RuntimeError, everything that would make it differ.
+
+This file is the class: its checks, where each param is stepped, step(). Its
+other ideas are files of their own: the options (options.py), torch's state
+dict kept as stored (torch_state_dict.py), and the GradScaler and clipping
+protocol (grad_scaling.py).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
 from torch.optim import Optimizer
 
-from . import distributed
 from .engine import OffloadEngine, Routing
 from .engine.worker import interrupts_deferred
-from .options import Options
+from .grad_scaling import GradScaling
 from .inplace import InPlace, param_label
-from .kernel_step import clip_coefficient, grad_sq_sums
-from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format,
-                           stored_key, with_code_keys, with_float32_moments)
+from .options import Options
+from .state_format import state_format
+from .torch_state_dict import TorchStateDict
 
 __all__ = ["Adam", "AdamW"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED_DTYPES = (torch.float32,) + _LOW_PRECISION
-# The state that bypasses torch's cast when loaded (load_state_dict).
-_HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY,)
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -114,7 +115,7 @@ def _scalar_beta(b):
     return b.reshape(()) if isinstance(b, torch.Tensor) else b
 
 
-class Adam(Optimizer):
+class Adam(GradScaling, TorchStateDict, Optimizer):
     """torch.optim.Adam's interface, stepped by offload_adam's fused CPU kernels.
 
     `foreach` and `fused` are accepted and ignored; `capturable` and
@@ -249,7 +250,7 @@ class Adam(Optimizer):
                 state_dtypes=[g["state_dtype"] for g in self.param_groups],
                 options=self._options, owner=weakref.ref(self), routing=self._routing)
 
-    # ---- offload engine: profile, memory, clipping ---------------------------
+    # ---- offload engine: profile, memory ---------------------------------------
     @property
     def last_step_profile(self):
         """The engine's profile of the last step() (see engine/profile.py), or None."""
@@ -267,44 +268,6 @@ class Adam(Optimizer):
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
-
-    def _total_norm(self):
-        """2-norm of all grads: the engine's from its host copies, the in-place
-        params' by the kernel, each of the local shard of a DTensor, summed over
-        the ranks that hold the other shards (distributed.py). Double
-        accumulation; inf/NaN propagate."""
-        sums = self._engine.grad_sq_sums() if self._engine is not None else []
-        pairs = self._inplace.grads(self.param_groups)
-        if pairs:
-            grads = [g if g.is_contiguous() else g.contiguous() for _, g in pairs]
-            sums += zip([p for p, _ in pairs], grad_sq_sums(grads, self._inplace_threads()))
-        total = distributed.global_sq_sum(sums, self._params(), self._options.process_group)
-        return math.sqrt(total)
-
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
-        """torch.nn.utils.clip_grad_norm_ for this optimizer's params, without a
-        pass over the grads on the device: the norm comes from the host copies
-        and the coefficient is applied inside the next step's kernel (p.grad is
-        left as it is). Returns the total norm (a float32 tensor on the params'
-        device). Only the 2-norm. DTensor params (FSDP2): the norm over all
-        shards, the same on every rank; every rank must call it."""
-        if float(norm_type) != 2.0:
-            raise NotImplementedError(
-                "offload_adam's clip_grad_norm_ computes the 2-norm only; use "
-                "torch.nn.utils.clip_grad_norm_ for other norms")
-        if self._engine is not None and self._engine.step_in_backward:
-            self._engine.early.fail(
-                "opt.clip_grad_norm_ was called: clipping scales every grad by a "
-                "coefficient known only after the whole backward")
-        norm = self._total_norm()
-        if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(
-                f"The total norm of order 2.0 for gradients from `parameters` is "
-                f"non-finite, so it cannot be clipped. To disable this error and scale "
-                f"the gradients by the non-finite norm anyway, set "
-                f"`error_if_nonfinite=False`")
-        self._clip_coef = clip_coefficient(norm, max_norm)
-        return distributed.norm_tensor(norm, self._params())
 
     def zero_grad(self, set_to_none=True):
         if self._engine is not None:
@@ -327,38 +290,9 @@ class Adam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-
-        # Set by GradScaler.step (as for torch's fused Adam): skip the whole step
-        # when it found inf/NaN; otherwise the grads are still scaled by grad_scale.
-        found_inf = getattr(self, "found_inf", None)
-        if (found_inf is not None and self._engine is not None
-                and self._engine.step_in_backward):
-            self._engine.early.fail(
-                "GradScaler.step was used: the loss scale and found_inf are known "
-                "only at step(), and a skipped step cannot be undone")
-        if found_inf is not None and float(found_inf) != 0.0:
-            self._clip_coef = None
+        scale = self._step_scale()   # grad_scaling.py
+        if scale is None:   # GradScaler found inf/NaN: the whole step is skipped
             return loss
-        grad_scale = getattr(self, "grad_scale", None)
-        inv_scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
-        if found_inf is not None and grad_scale is None and self._engine is not None:
-            # GradScaler.unscale_ ran: it divides the grads in place without
-            # bumping their version counters, so the host copies are stale.
-            self._engine.invalidate_copies()
-            if self._clip_coef is not None and not self._engine.sees_in_place_edits:
-                raise RuntimeError(
-                    "offload_adam: opt.clip_grad_norm_ was called after "
-                    "GradScaler.unscale_(opt), which changes grads invisibly to it; "
-                    "use max_grad_norm= or torch.nn.utils.clip_grad_norm_ with GradScaler")
-
-        scale = inv_scale
-        if self.max_grad_norm is not None:
-            # The norm of the unscaled grads (GradScaler may not have unscaled).
-            scale *= clip_coefficient(self._total_norm() * inv_scale, self.max_grad_norm)
-        elif self._clip_coef is not None:
-            scale *= self._clip_coef
-        self._clip_coef = None
-
         if self._loaded_masters:
             self._drop_stale_masters()
         num_threads = self._inplace_threads()
@@ -368,162 +302,6 @@ class Adam(Optimizer):
             if self._engine is not None:
                 self._engine.step(self.param_groups, self.state, grad_scale=scale)
         return loss
-
-    # ---- state dict ---------------------------------------------------------
-    def state_dict(self, *, fp32_moments: bool = False):
-        """torch's state_dict. The moments are saved as stored (state_dtype): a
-        checkpoint resumes bit for bit. 8-bit codes are saved under their own
-        keys ("exp_avg_codes", "exp_avg_sq_codes", beside the scales), so that
-        torch's optimizers, which would take them for moments, fail on the
-        missing "exp_avg" instead of stepping garbage. fp32_moments=True gives
-        every moment as fp32 and drops the 8-bit scales: torch.optim.AdamW/Adam
-        load that.
-
-        The state of a DTensor param (FSDP2) is shown as DTensors of the param's
-        mesh and placements, as torch's optimizers keep it, so that
-        torch.distributed.checkpoint saves and reshards every rank's shard
-        (optimizer.state itself holds the local shard's tensors). Its 8-bit
-        moments are saved as fp32: their block scales are the local shard's."""
-        sd = super().state_dict()
-        params = self._params()
-        dtensor_ids = {i for g, group in zip(sd["param_groups"], self.param_groups)
-                       for i, p in zip(g["params"], group["params"]) if distributed.is_dtensor(p)}
-        if fp32_moments or dtensor_ids:
-            sd = {**sd, "state": {k: with_float32_moments(st)
-                                  if fp32_moments or (k in dtensor_ids and _has_scales(st)) else st
-                                  for k, st in sd["state"].items()}}
-        if dtensor_ids:
-            ids = [i for g in sd["param_groups"] for i in g["params"]]
-            sd["state"] = distributed.export_state(dict(zip(ids, params)), sd["state"])
-        if not fp32_moments:
-            sd = {**sd, "state": {k: with_code_keys(st) for k, st in sd["state"].items()}}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        """torch's load_state_dict, keeping the state as it was saved.
-
-        torch casts every loaded state tensor to its param's dtype and device,
-        which would round the fp32 master and moments of a bf16 param, garble
-        8-bit codes and copy an offloaded param's whole state to the GPU. So the
-        moments, their scales and the master bypass it: torch loads the rest,
-        then they are put back (CPU copies, as saved) from the dict torch loaded
-        from (seen through a pre-hook registered last, so it is the dict after
-        the user's pre-hooks), matched to params the way torch matches them, and
-        converted to the optimizer's state format (its own state_dtype, whatever
-        the dict's: fp32 moments from torch, 8-bit codes...). Unlike torch's,
-        nothing loaded is shared
-        with the dict (not even "step"): loading a live optimizer's state_dict()
-        does not tie the two together. The state of a DTensor param is kept as
-        this rank's shard (distributed.local_value). A loaded master is checked
-        at the next step() against its param (`_drop_stale_masters`).
-        """
-        seen = {}
-
-        def capture(optimizer, sd):
-            self._check_loaded_shapes(sd)
-            seen["state_dict"] = sd
-            state = {k: ({key: v for key, v in st.items() if key not in _HEAVY}
-                         if isinstance(st, dict) else st)
-                     for k, st in sd["state"].items()}
-            return {**sd, "state": state}
-
-        handle = self.register_load_state_dict_pre_hook(capture)
-        formats = [g["state_dtype"] for g in self.param_groups]
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            handle.remove()
-        # The state format is this optimizer's (how much memory it may use), not
-        # the checkpoint's: the loaded moments are converted to it.
-        for group, fmt in zip(self.param_groups, formats):
-            group["state_dtype"] = fmt
-        self._reset_caches()
-        for saved_id, p, group in self._loaded_params(seen["state_dict"]):
-            saved = seen["state_dict"]["state"].get(saved_id)
-            if saved is None:
-                continue
-            state = self.state[p]
-            local_p = distributed.local(p)
-            for saved_key in _HEAVY + ("step",):  # copies: the kernels update them in place
-                value, key = saved.get(saved_key), stored_key(saved_key)
-                if isinstance(value, torch.Tensor):
-                    if distributed.is_dtensor(p) and key in MOMENT_KEYS + (MASTER_KEY,):
-                        value = distributed.local_value(
-                            value, p, key, lambda: f"{saved_id} (shape {tuple(p.shape)})")
-                    state[key] = value.detach().to("cpu", copy=True).contiguous()
-            fmt = state_format(group["state_dtype"])
-            for key in MOMENT_KEYS:
-                if key in state:
-                    state.update(fmt.convert(state, key, local_p.shape, local_p.numel()))
-            fmt.drop_scales(state)
-            if MASTER_KEY in state:
-                if p.dtype is torch.float32 and not self._in_engine(p):
-                    del state[MASTER_KEY]  # the param is its own master
-                else:
-                    state[MASTER_KEY] = state[MASTER_KEY].to(torch.float32)
-                    self._loaded_masters.append(p)
-        early = self._engine.early if self._engine is not None else None
-        if early is not None:
-            # Its next steps start in backward: check now. (Loaded in the middle
-            # of an iteration, step() raises instead, leaving the state as loaded.)
-            if not early.stepped():
-                self._drop_stale_masters()
-            self._loaded_masters = []
-
-    def _drop_stale_masters(self):
-        """Drops each loaded fp32 master that no longer rounds to its param, so
-        that the param's master starts from the param. A dict that went through
-        torch's optimizer has one: torch keeps "master_param" as an unknown key
-        (cast to the param's dtype) and never updates it while its steps move
-        the param; restoring it would move the weights back. Checked at the
-        first step after loading, when the model is loaded too (in whichever
-        order the two were); with step_in_backward, whose steps start in the
-        next backward, at loading (load the model first)."""
-        for p in self._loaded_masters:
-            st = self.state.get(p)
-            master = st.get(MASTER_KEY) if st else None
-            if master is None:
-                continue
-            t = distributed.local(p).detach().to("cpu")
-            rounded = master.detach().to(t.dtype)   # an fp32 param's (engine) is itself
-            bits = torch.int16 if t.element_size() == 2 else torch.int32
-            same = (rounded.view(bits) == t.view(bits)) | (rounded.isnan() & t.isnan())
-            if not bool(same.all()):
-                del st[MASTER_KEY]
-        self._loaded_masters = []
-
-    def _loaded_params(self, state_dict):
-        """(saved id, param, its group): torch's own matching, in group order."""
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            for saved_id, p in zip(saved_group["params"], group["params"]):
-                yield saved_id, p, group
-
-    def _check_loaded_shapes(self, state_dict):
-        """Rejects state whose tensors do not fit their params (torch does not check)."""
-        for gi, (saved_group, group) in enumerate(zip(state_dict["param_groups"],
-                                                      self.param_groups)):
-            if len(saved_group["params"]) != len(group["params"]):
-                return  # torch raises its own error for this
-            for i, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
-                saved = state_dict["state"].get(saved_id)
-                if not isinstance(saved, dict):
-                    continue
-                for key, value in saved.items():
-                    if not isinstance(value, torch.Tensor) or key in SCALE_KEYS.values():
-                        continue
-                    expected = () if key == "step" else p.shape
-                    if key == "step" and value.numel() == 1:
-                        continue
-                    if value.shape != expected:
-                        raise ValueError(
-                            f"loaded optimizer state {key!r} for param "
-                            f"{param_label(group, gi, i, p)} has shape {tuple(value.shape)}, "
-                            f"expected {tuple(expected)}"
-                        )
-
-
-def _has_scales(st: dict) -> bool:
-    return any(key in st for key in SCALE_KEYS.values())
 
 
 class AdamW(Adam):
