@@ -123,7 +123,7 @@ def _lr(model, opt):
 
 
 def _reloaded(model, opt):
-    opt._engine._drain()  # the early steps are done: the saved state has them
+    opt._engine.drain()  # the early steps are done: the saved state has them
     opt.load_state_dict(opt.state_dict())
 
 

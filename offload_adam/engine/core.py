@@ -57,6 +57,7 @@ from ..kernel_step import Hyper, adam_step
 from ..options import Options
 from ..state_format import state_format
 from .device import Routing, device_for
+from .early import EarlyStart
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
                      make_buckets, state_roles)
@@ -105,7 +106,6 @@ class OffloadEngine:
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
         self.early = None
         if options.step_in_backward:
-            from .early import EarlyStart
             self.early = EarlyStart(self, owner)
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
@@ -325,10 +325,10 @@ class OffloadEngine:
             try:
                 with interrupts_deferred() as deferring:
                     for job, continues in jobs:
-                        self._run(job, continues)
-                    self._drain(finish=not deferring)  # all, or fewer after a second ^C
+                        self.run(job, continues)
+                    self.drain(finish=not deferring)  # all, or fewer after a second ^C
             finally:  # also after an error: what was queued must land before reads
-                self.device.publish([t for b in self.buckets for t in b.h2d])
+                self.publish_h2d()
                 if self.early is not None:
                     self.early.new_iteration()
                 # Like torch's in-place step: autograd must see that the params
@@ -339,6 +339,11 @@ class OffloadEngine:
         self._profile.exposed_s = time.perf_counter() - t_enter
         self._last_profile, self._profile = self._profile, StepProfile()
 
+    @property
+    def order_learned(self) -> bool:
+        """Whether the buckets are in hook order (learned from the first backward)."""
+        return self._hook_order is None
+
     def _learn_bucket_order(self) -> None:
         """The first step after a backward with hooks: buckets in hook order."""
         if self._hook_order:
@@ -348,19 +353,22 @@ class OffloadEngine:
             self._rebucket(order)
 
     def _plan(self, param_groups, state, grad_scale, fence) -> list:
-        """The bucket jobs of this step (closures for the worker)."""
+        """The bucket jobs of this step ((BucketJob or its write_back, continues)
+        for the worker), and the recs taking part."""
         checks: Dict[int, object] = {}
         ready = self.ready_grads(checks)
         grad_scale *= _factor_of(ready)
         early = self.early.stepped() if self.early is not None else set()
         self.bind_state(ready, param_groups, state)
         take = {id(r) for r in ready}
-        threads, jobs = self.threads(), []
+        threads = self.threads()
+        hypers: Dict[int, Hyper] = {}   # one per group per step
+        written = {job.bucket.index: job for job in self.stepped_jobs(early, fence)}
+        jobs = []
         for b in self.buckets:
-            done = [p for p in b.pieces if id(p) in early]
+            if b.index in written:  # stepped during backward: only its params to write
+                jobs.append((written[b.index].write_back, False))
             todo = [p for p in b.pieces if id(p.rec) in take and id(p) not in early]
-            if done:  # stepped during backward: only its params to write
-                jobs.append((lambda b=b, done=done: self._write_back(b, done, fence), False))
             if todo:
                 group = param_groups[b.group]
                 if group.get("state_dtype", "float32") != todo[0].rec.fmt.name:
@@ -369,11 +377,28 @@ class OffloadEngine:
                         f"{todo[0].rec.fmt.name!r} to {group.get('state_dtype')!r} after the "
                         "optimizer was built; the offloaded state keeps its format: build a "
                         "new optimizer (load_state_dict converts a saved state)")
-                hyper = Hyper.of(group)
-                jobs.append((lambda b=b, todo=todo, hyper=hyper: self.bucket_job(
-                    b, todo, hyper, grad_scale, threads, fence, checks.get(b.index)),
-                    todo[0].start > 0))
+                if b.group not in hypers:
+                    hypers[b.group] = Hyper.of(group)
+                job = self.bucket_job(b, todo, hypers[b.group], grad_scale, threads, fence,
+                                      checks.get(b.index))
+                jobs.append((job, todo[0].start > 0))
         return jobs, ready
+
+    def bucket_job(self, bucket: Bucket, pieces: List[Piece], hyper: Optional[Hyper] = None,
+                   grad_scale: float = 1.0, threads: Optional[int] = None, fence=None,
+                   check=None) -> "BucketJob":
+        """The job that steps `pieces` of `bucket` (step 4, below)."""
+        return BucketJob(self, bucket, pieces, hyper, grad_scale, threads, fence, check)
+
+    def stepped_jobs(self, stepped: set, fence) -> List["BucketJob"]:
+        """The jobs that write back the pieces (ids in `stepped`) whose kernel
+        already ran (step_in_backward): write_back() only."""
+        jobs = []
+        for b in self.buckets:
+            done = [p for p in b.pieces if id(p) in stepped]
+            if done:
+                jobs.append(self.bucket_job(b, done, fence=fence))
+        return jobs
 
     def ready_grads(self, checks: Optional[dict] = None) -> List[ParamRec]:
         """The recs taking part in this step, each with a copy of its current
@@ -419,43 +444,9 @@ class OffloadEngine:
     def _allocate_state(self, recs, roles) -> None:
         self._state_arenas.append(allocate_state(recs, self.device, self._available, roles))
 
-    # ---- 4. the bucket job (worker thread) ------------------------------------------
-
-    def bucket_job(self, bucket: Bucket, pieces: List[Piece], hyper: Hyper, grad_scale: float,
-                   threads: int, fence, check=None, write: bool = True) -> None:
-        dev = self.device
-        self._redo(check)
-        copies = {id(p.rec): p.rec.copy for p in pieces}.values()
-        if any(c.unsent for c in copies):  # a pack not flushed: a bug, never a wrong step
-            raise RuntimeError("offload_adam: internal error: a bucket's step started "
-                               "before all of its grads were sent to the host")
-        dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
-        dev.wait_host(*bucket.h2d)                     # its buffers are free again
-        bucket.h2d = []
-        blockwise = pieces[0].rec.fmt.blockwise
-        t0 = time.perf_counter()
-        adam_step([p.state("master") for p in pieces], [p.grad for p in pieces],
-                  [p.state("exp_avg") for p in pieces], [p.state("exp_avg_sq") for p in pieces],
-                  [p.state("max_exp_avg_sq") for p in pieces] if hyper.amsgrad else [],
-                  [p.staging for p in pieces] if bucket.low_precision else [],
-                  [p.step_t for p in pieces], hyper, grad_scale, threads,
-                  [p.state("exp_avg_scale") for p in pieces] if blockwise else [],
-                  [p.state("exp_avg_sq_scale") for p in pieces] if blockwise else [],
-                  [p.start for p in pieces])
-        self._profile.add_cpu(bucket.index, t0, time.perf_counter())
-        if write:
-            self._write_back(bucket, pieces, fence)
-
-    def _write_back(self, bucket: Bucket, pieces: List[Piece], fence) -> None:
-        """Queues the copies of the stepped values into the params (H2D)."""
-        srcs = [p.staging if p.rec.low_precision else p.state("master") for p in pieces]
-        dsts = [p.of(p.rec.live()) for p in pieces]
-        packed = [i for i, p in enumerate(pieces) if p.packed]
-        sends = [[i] for i, p in enumerate(pieces) if not p.packed] + ([packed] if packed else [])
-        for idx in sends:
-            t = self.device.h2d([dsts[i] for i in idx], [srcs[i] for i in idx], fence)
-            bucket.h2d.append(t)
-            self._profile.add_h2d(bucket.index, t)
+    def publish_h2d(self) -> None:
+        """Step 5: the user's stream waits for every queued H2D copy."""
+        self.device.publish([t for b in self.buckets for t in b.h2d])
 
     # ---- after the step -----------------------------------------------------------------
 
@@ -467,11 +458,13 @@ class OffloadEngine:
                 if is_freed(rec.param.grad):
                     rec.param.grad = None
 
-    def _drain(self, finish: bool = False) -> None:
+    def drain(self, finish: bool = False) -> None:
+        """Waits for the jobs queued on the worker (raises what one raised)."""
         if self._worker is not None:
             self._worker.drain(finish)
 
-    def _run(self, job, continues: bool = False) -> None:
+    def run(self, job, continues: bool = False) -> None:
+        """Runs `job` on the worker thread (inline without overlap)."""
         if self._worker is not None:
             self._worker.submit(job, continues)
         else:
@@ -486,7 +479,7 @@ class OffloadEngine:
         """(param, sum of squares of its current grad) for each param with a
         grad (inf/NaN propagate), from the host copies: no second transfer and
         no GPU work. A DTensor's: of its local shard."""
-        self._drain()
+        self.drain()
         self._want_norms = self.overlap  # from now on, computed while streaming
         with torch.no_grad():
             self._end_backward()
@@ -531,6 +524,64 @@ class OffloadEngine:
         self._end_backward()
         for rec in self.recs:
             rec.freed = False
+
+
+# ---- 4. the bucket job (worker thread) ------------------------------------------------
+
+class BucketJob:
+    """One bucket's step, the unit the worker runs: kernel() waits for its
+    fingerprint check (copying again what changed), its grads' D2H copies and
+    its last H2D copies (its buffers are free again), then runs the fused Adam
+    step on `pieces`; write_back() queues the H2D copies of the stepped values
+    into the params, after `fence`. Called, it does both. step() builds one per
+    bucket; step_in_backward runs kernel() during backward, and its write-back
+    comes from step() or from EarlyStart.commit (OffloadEngine.stepped_jobs)."""
+
+    def __init__(self, engine: OffloadEngine, bucket: Bucket, pieces: List[Piece],
+                 hyper: Optional[Hyper] = None, grad_scale: float = 1.0,
+                 threads: Optional[int] = None, fence=None, check=None):
+        self.engine, self.bucket, self.pieces = engine, bucket, pieces
+        self.hyper, self.grad_scale, self.threads = hyper, grad_scale, threads
+        self.fence, self.check = fence, check
+
+    def __call__(self) -> None:
+        self.kernel()
+        self.write_back()
+
+    def kernel(self) -> None:
+        engine, bucket, pieces, hyper = self.engine, self.bucket, self.pieces, self.hyper
+        dev = engine.device
+        engine._redo(self.check)
+        copies = {id(p.rec): p.rec.copy for p in pieces}.values()
+        if any(c.unsent for c in copies):  # a pack not flushed: a bug, never a wrong step
+            raise RuntimeError("offload_adam: internal error: a bucket's step started "
+                               "before all of its grads were sent to the host")
+        dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
+        dev.wait_host(*bucket.h2d)                     # its buffers are free again
+        bucket.h2d = []
+        blockwise = pieces[0].rec.fmt.blockwise
+        t0 = time.perf_counter()
+        adam_step([p.state("master") for p in pieces], [p.grad for p in pieces],
+                  [p.state("exp_avg") for p in pieces], [p.state("exp_avg_sq") for p in pieces],
+                  [p.state("max_exp_avg_sq") for p in pieces] if hyper.amsgrad else [],
+                  [p.staging for p in pieces] if bucket.low_precision else [],
+                  [p.step_t for p in pieces], hyper, self.grad_scale, self.threads,
+                  [p.state("exp_avg_scale") for p in pieces] if blockwise else [],
+                  [p.state("exp_avg_sq_scale") for p in pieces] if blockwise else [],
+                  [p.start for p in pieces])
+        engine._profile.add_cpu(bucket.index, t0, time.perf_counter())
+
+    def write_back(self) -> None:
+        """Queues the copies of the stepped values into the params (H2D)."""
+        engine, bucket, pieces = self.engine, self.bucket, self.pieces
+        srcs = [p.staging if p.rec.low_precision else p.state("master") for p in pieces]
+        dsts = [p.of(p.rec.live()) for p in pieces]
+        packed = [i for i, p in enumerate(pieces) if p.packed]
+        sends = [[i] for i, p in enumerate(pieces) if not p.packed] + ([packed] if packed else [])
+        for idx in sends:
+            t = engine.device.h2d([dsts[i] for i in idx], [srcs[i] for i in idx], self.fence)
+            bucket.h2d.append(t)
+            engine._profile.add_h2d(bucket.index, t)
 
 
 class _FreedHost:

@@ -146,14 +146,17 @@ def make_buckets(pieces: Sequence[Piece], bucket_bytes: int) -> List[Bucket]:
     """Runs of `pieces` (in the order their grads arrive) of one group and dtype,
     up to bucket_bytes each, ordered by their first piece."""
     runs: Dict[tuple, List[List[Piece]]] = {}
+    filled: Dict[tuple, int] = {}   # bytes in each run's last chunk
     for p in pieces:
-        chunks = runs.setdefault((p.rec.group, p.rec.dtype), [[]])
-        last = chunks[-1]
-        size = sum(x.numel for x in last) * p.rec.dtype.itemsize
-        if last and size + p.numel * p.rec.dtype.itemsize > bucket_bytes:
+        key = (p.rec.group, p.rec.dtype)
+        chunks = runs.setdefault(key, [[]])
+        size = p.numel * p.rec.dtype.itemsize
+        if chunks[-1] and filled[key] + size > bucket_bytes:
             chunks.append([p])
+            filled[key] = size
         else:
-            last.append(p)
+            chunks[-1].append(p)
+            filled[key] = filled.get(key, 0) + size
     rank = {id(p): i for i, p in enumerate(pieces)}
     chunks = sorted((c for cs in runs.values() for c in cs if c), key=lambda c: rank[id(c[0])])
     return [Bucket(i, c) for i, c in enumerate(chunks)]
