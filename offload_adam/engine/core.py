@@ -90,7 +90,6 @@ class OffloadEngine:
         self._last_threads = self._num_threads or self.device.default_num_threads()
         self._available = available_host_bytes
         self.recs: List[ParamRec] = []
-        self._by_param: Dict[torch.Tensor, ParamRec] = {}
         self.buckets: List[Bucket] = []           # replaced in place (the finalizer holds it)
         self._state_arenas: list = []
         self._transfer_arenas: list = []
@@ -150,7 +149,6 @@ class OffloadEngine:
             for piece in rec.pieces:
                 piece.step_t = torch.zeros((), dtype=torch.float32)
             rec.step_t = rec.pieces[0].step_t
-            self._by_param[rec.param] = rec
             self._hook_grad(rec)
         known = [p.rec for b in self.buckets for p in b.pieces]
         order = list(dict.fromkeys(known)) + sorted(new, key=lambda r: -r.position)
