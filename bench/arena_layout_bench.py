@@ -3,7 +3,7 @@
 with its fp32 master, exp_avg and exp_avg_sq laid out three ways (bf16 grads in, bf16 copy out):
 
   separate tensors   three torch allocations (what the in-place path and the bare kernel use)
-  engine arenas      engine_layout.allocate_state: one allocation per role, each starting at its own
+  engine arenas      engine/layout.py allocate_state: one allocation per role, each starting at its own
                      offset within a page (engine v2)
   end to end         the three buffers back to back in one allocation, `numel` elements apart (engine
                      v1's single state arena): for a power-of-two numel the streams sit exactly a power
@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from offload_adam._build import load_kernels  # noqa: E402
-from offload_adam.bench.machine import machine_info, one_line  # noqa: E402
-from offload_adam.engine_device import HostDevice  # noqa: E402
-from offload_adam.engine_layout import ParamRec, allocate_state, state_roles  # noqa: E402
+from bench.machine import machine_info, one_line  # noqa: E402
+from offload_adam.engine.device import HostDevice  # noqa: E402
+from offload_adam.engine.layout import ParamRec, allocate_state, state_roles  # noqa: E402
 from offload_adam.state_format import FLOAT32  # noqa: E402
 
 

@@ -7,7 +7,7 @@ A long run is what shows a drift of the moments: a per-step difference of two cu
 as the two trajectories part (the batches are the same, the params are not), so beside the largest per-step
 difference it prints the mean loss over the last 500 steps.
 
-    python -m offload_adam.bench --size tiny --vocab 8192 --steps 3000 --threads 1 --no-plots \\
+    python -m bench.e2e --size tiny --vocab 8192 --steps 3000 --threads 1 --no-plots \\
         --optimizers offload_adam,offload_adam_8bit_state --out bench/results/e2e_cpu_parity_3000
     python bench/e2e_parity.py bench/results/e2e_cpu_parity_3000/results.json [OTHER_BUILD_8BIT_RESULTS.json]
 """

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import offload_adam  # noqa: E402
-from offload_adam.bench.machine import machine_info, one_line  # noqa: E402
+from bench.machine import machine_info, one_line  # noqa: E402
 
 
 def make_model(dim: int, layers: int) -> torch.nn.Module:

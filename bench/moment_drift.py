@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]   # the test's measurement; bench.machine
 from test_moment_decay import HOT, decayed_mean_ratios, mixed_blocks  # noqa: E402  (the test's measurement)
 
 from offload_adam._build import load_kernels  # noqa: E402
-from offload_adam.bench.machine import load_average, machine_info, one_line  # noqa: E402
+from bench.machine import load_average, machine_info, one_line  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "moment_drift.txt"
 

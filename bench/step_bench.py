@@ -107,7 +107,7 @@ from step_cases import paired as paired_times  # noqa: E402
 
 torch.set_num_threads(THREADS)
 sys.path.insert(0, str(REPO))
-from offload_adam.bench.machine import load_average, machine_info as describe_machine  # noqa: E402
+from bench.machine import load_average, machine_info as describe_machine  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -451,7 +451,7 @@ def summarize(case, rows):
 # Machine, table, JSON, PNG
 
 def machine_info(K, ds_info):
-    """The machine, described as every benchmark of the project does (offload_adam/bench/machine.py),
+    """The machine, described as every benchmark of the project does (bench/machine.py),
     plus this benchmark's thread count, ISAs and peers."""
     info = describe_machine(query_kernels=False)
     ram = info["host_ram_bytes"]

@@ -6,13 +6,13 @@ Rows, each for D2H (grads to the host) and H2D (bf16 params back):
   pinned peak      one copy of the whole buffer between device memory and pinned host memory
                    (torch's own pinned allocation): the machine's measured pinned bandwidth
   pageable         the same copy with pageable host memory (what a failed pin falls back to)
-  engine param=P   the engine's path (offload_adam.engine_device.CudaDevice.d2h / h2d: side
-                   stream, timing events, host buffers from engine_host_memory's registered
+  engine param=P   the engine's path (offload_adam.engine.device.CudaDevice.d2h / h2d: side
+                   stream, timing events, host buffers from engine/host_memory.py's registered
                    arenas) over the buffer cut into params of P MiB, one copy per param (a
                    param larger than a bucket is cut into pieces: the same thing)
   small x N        N params of --small-kb each (norms, biases): one copy each, and "packed":
                    one copy per bucket of them, through a gather/scatter on the device, as
-                   the engine sends the params below engine_layout.PACK_BELOW_BYTES
+                   the engine sends the params below engine.layout.PACK_BELOW_BYTES
 
 Bandwidth = bytes / (time from the first copy queued to the last copy's end event).
 Target (issue 3): engine D2H and H2D >= 80% of "pinned peak".
@@ -29,9 +29,13 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench.machine, offload_adam
 
 
 def timed(fn, repeats):
@@ -59,9 +63,9 @@ def main():
         print("transfer_bench: no CUDA device here; nothing to measure")
         return
 
-    from offload_adam.bench.machine import machine_info, one_line
-    from offload_adam.engine_device import CudaDevice
-    from offload_adam.engine_host_memory import HostArenas
+    from bench.machine import machine_info, one_line
+    from offload_adam.engine.device import CudaDevice
+    from offload_adam.engine.host_memory import HostArenas
 
     dev = torch.device("cuda", torch.cuda.current_device())
     numel = int(args.mb * 2**20) // 2

@@ -4,8 +4,8 @@ A CPU param has nothing to transfer: the kernel reads its live grad and writes
 the param itself, fp32 in place, bf16/fp16 rounded from an fp32 master (kept
 in the state as "master_param") in the same pass. This is how the optimizer
 steps every CPU param, unless an engine option needs the pipeline
-(step_in_backward, free_grads_after_copy) or engine_device.simulated() asks for
-the GPU's path.
+(step_in_backward, free_grads_after_copy) or test support
+(offload_adam.testing.simulated) asks for the GPU's path.
 
 The argument lists of a group's kernel calls (`_Plan`) are built once and
 reused while the same params have grads; only the grads are gathered per step.

@@ -3,7 +3,7 @@
 Both ways a param is stepped go through `adam_step`: CPU params in place
 (inplace.py) and offloaded params in the engine's bucket jobs (engine.py).
 `Hyper` is a param group's hyperparameters as the kernel receives them,
-compared as a whole by step_in_backward (engine_early.py).
+compared as a whole by step_in_backward (engine/early.py).
 """
 
 from __future__ import annotations

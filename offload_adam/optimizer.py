@@ -6,48 +6,50 @@ a float32 0-dim tensor, "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), so a state
 dict moves between them and torch's optimizers both ways, and LR schedulers,
 GradScaler, add_param_group and named parameters work unchanged.
 
-What differs from torch is underneath, and decided in one place (`_in_engine`):
+What differs from torch is underneath, and decided in one place
+(engine/device.py's `Routing`):
   * CPU params are stepped in place (inplace.py): one kernel call per group and
     dtype; bf16/fp16 params get an fp32 master ("master_param" in the state)
     that the kernel updates and rounds into the param in the same pass;
-  * CUDA params go through the offload engine (engine.py), which keeps fp32
+  * CUDA params go through the offload engine (engine/), which keeps fp32
     master and moments in pinned host memory and streams grads and params. So
     do bf16/fp16 CPU params with step_in_backward or free_grads_after_copy (the
     options that need the pipeline), and every param of an optimizer built
-    inside engine_device.simulated() (the tests' asynchronous CPU device).
+    inside offload_adam.testing.simulated() (the tests' asynchronous CPU device).
 The moments of low-precision params stay fp32 (torch would keep them in the
 param's dtype).
 
 When the CPU step starts: by default at step(), exact whatever the user does
 between backward and step() (clip, scale, edit, accumulate, GradScaler, an LR
 scheduler). step_in_backward=True starts each bucket's step during backward as
-soon as its grads are on the host (engine_early.py), and refuses, with a
+soon as its grads are on the host (engine/early.py), and refuses, with a
 RuntimeError, everything that would make it differ.
+
+This file is the class: its checks, where each param is stepped, step(). Its
+other ideas are files of their own: the options (options.py), torch's state
+dict kept as stored (torch_state_dict.py), and the GradScaler and clipping
+protocol (grad_scaling.py).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
 from torch.optim import Optimizer
 
-from . import distributed
-from .engine import OffloadEngine
-from .engine_device import simulating
-from .engine_worker import interrupts_deferred
+from .engine import OffloadEngine, Routing
+from .engine.worker import interrupts_deferred
+from .grad_scaling import GradScaling
 from .inplace import InPlace, param_label
-from .kernel_step import clip_coefficient, grad_sq_sums
-from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format,
-                           stored_key, with_code_keys, with_float32_moments)
+from .options import Options
+from .state_format import state_format
+from .torch_state_dict import TorchStateDict
 
 __all__ = ["Adam", "AdamW"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED_DTYPES = (torch.float32,) + _LOW_PRECISION
-# The state that bypasses torch's cast when loaded (load_state_dict).
-_HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY,)
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -98,13 +100,14 @@ def _check_param(p, label):
             f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}")
 
 
-def _routes_to_engine(p, options: dict, simulated: bool) -> bool:
-    """The one place that decides how a param is stepped: True for the offload
-    engine, False for in place on the CPU (inplace.py)."""
-    if p.device.type != "cpu" or simulated:
-        return True
-    pipeline = options.get("step_in_backward") or options.get("free_grads_after_copy")
-    return bool(pipeline) and p.dtype is not torch.float32
+def _option(name: str) -> property:
+    """An option of the record (options.py) as an attribute; assigning it checks it again."""
+    def get(self):
+        return getattr(self._options, name)
+
+    def set(self, value):
+        self._options = self._options.replace(**{name: value})
+    return property(get, set, doc=f"The {name} option (options.py).")
 
 
 def _scalar_beta(b):
@@ -112,61 +115,17 @@ def _scalar_beta(b):
     return b.reshape(()) if isinstance(b, torch.Tensor) else b
 
 
-class Adam(Optimizer):
+class Adam(GradScaling, TorchStateDict, Optimizer):
     """torch.optim.Adam's interface, stepped by offload_adam's fused CPU kernels.
 
     `foreach` and `fused` are accepted and ignored; `capturable` and
     `differentiable` are not supported. Params are float32, bfloat16 or float16,
     all on the CPU, or all on one CUDA device.
 
-    Offload engine options (CUDA params and bf16/fp16 CPU params):
-      overlap (True): copy each grad to the host as backward produces it; with
-        False everything happens inside step(). Both give the same results.
-      bucket_mb (32): size of the buckets the engine steps and transfers at once.
-      free_grads_after_copy (False): drop each grad (p.grad = None) as soon as it
-        is on the host, to save device memory. Then code between backward and
-        step() must not read or change p.grad (clip with opt.clip_grad_norm_), and
-        grads cannot be accumulated over micro-batches (an error says so).
-      num_threads (None): kernel threads; None = torch.get_num_threads(), minus
-        one for CUDA params (the thread driving the GPU keeps a core).
-      max_grad_norm (None): clip the grads' total 2-norm to this in every step,
-        inside the kernel (no pass over the grads on the device). For DTensor
-        params (FSDP2) the norm over all shards (distributed.py).
-      process_group (None): for params sharded by hand (plain tensors, each
-        rank a part), the group over which the clipping norm is summed.
-      verify_grads (True): a grad copied to the host before step() (during
-        backward, or by opt.clip_grad_norm_) is checked at its next use against
-        a fingerprint taken when it was copied, so that in-place changes that
-        leave its version counter alone (p.grad.data edits, GradScaler.unscale_)
-        are copied again instead of missed. Costs two passes over the grads on
-        the device per step (at the copy, and at reuse in step()), ~12 ms per
-        billion params each on an H100 (estimated); turn it off only if nothing
-        edits grads behind their version counters.
-        (CPU params stepped in place need no check: the kernel reads p.grad.)
-      step_in_backward (False): start each bucket's CPU step during backward, as
-        soon as every param of it that got a grad in the previous backward has
-        its grad on the host (from the second step on), instead of at step().
-        Needs overlap=True. Exact only when nothing changes between backward and
-        step(), so the following raise RuntimeError (at step(), zero_grad() or
-        the hook, as noted): editing, replacing, dropping, clipping
-        (torch.nn.utils.clip_grad_norm_, opt.clip_grad_norm_; max_grad_norm= is
-        a ValueError here) or scaling a stepped grad; GradScaler; changing lr or
-        another hyperparameter (an LR scheduler stepped before opt.step());
-        load_state_dict; zero_grad() before step(); a second backward into a
-        stepped param (accumulation, raised from backward()). There is no undo:
-        after such an error the params already stepped in backward stay stepped
-        (param, master, moments and step agree) and the others are not, and the
-        message says so. The default is False because it is exact in every case.
-
-    State format (any params; also a param-group key):
-      state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
-        torch.float32 (12 B/param with the fp32 master), torch.bfloat16 (8 B;
-        exp_avg rounded to nearest, exp_avg_sq stochastically) or "8bit" (~6 B:
-        blockwise uint8 codes with an fp32 scale per 256 elements; no amsgrad).
-        The master stays fp32. Fewer bytes is a faster CPU step (it is bound by
-        memory bandwidth) and a larger model in the same RAM. state_dict() saves
-        the moments as stored; state_dict(fp32_moments=True) as fp32, loadable
-        into torch.optim.AdamW. See offload_adam/state_format.py.
+    The options beyond torch's (overlap, bucket_mb, free_grads_after_copy,
+    num_threads, max_grad_norm, process_group, verify_grads, step_in_backward)
+    and the state format (state_dtype, also a param-group key) are documented
+    in offload_adam/options.py, and checked there when the optimizer is built.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
@@ -176,30 +135,12 @@ class Adam(Optimizer):
                  num_threads=None, max_grad_norm=None, step_in_backward=False,
                  verify_grads=True, state_dtype=torch.float32, process_group=None):
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
-        if step_in_backward and not overlap:
-            raise ValueError("step_in_backward=True needs overlap=True (the step "
-                             "starts from the grads copied during backward)")
-        if free_grads_after_copy and not overlap:
-            raise ValueError("free_grads_after_copy=True needs overlap=True "
-                             "(grads are freed as they are copied during backward)")
-        if step_in_backward and max_grad_norm is not None:
-            raise ValueError(
-                "max_grad_norm= cannot be used with step_in_backward=True: clipping "
-                "needs the norm of all grads, known only after backward, and the "
-                "step starts during backward")
         self._engine = None
-        self._engine_options = {
-            "overlap": bool(overlap), "bucket_mb": float(bucket_mb),
-            "free_grads_after_copy": bool(free_grads_after_copy),
-            "num_threads": num_threads, "step_in_backward": bool(step_in_backward),
-            "verify_grads": bool(verify_grads),
-        }
-        # Built inside engine_device.simulated(): every param goes to the engine.
-        self._simulated = simulating()
-        self.max_grad_norm = max_grad_norm
-        self.process_group = process_group
+        self._options = Options(
+            overlap=overlap, bucket_mb=bucket_mb, free_grads_after_copy=free_grads_after_copy,
+            num_threads=num_threads, max_grad_norm=max_grad_norm, process_group=process_group,
+            verify_grads=verify_grads, step_in_backward=step_in_backward)
+        self._routing = Routing(self._options.needs_pipeline)
         self._clip_coef = None
         defaults = {
             "lr": lr,
@@ -224,25 +165,22 @@ class Adam(Optimizer):
         self._step_supports_amp_scaling = True
 
     def _reset_caches(self):
-        # The routing closes over the options, not over self: an optimizer in
-        # a reference cycle lives (its hooks too) until the cyclic GC runs.
-        options, simulated = self._engine_options, self._simulated
-        self._inplace = InPlace(lambda p: not _routes_to_engine(p, options, simulated))
+        # The routing is not self: an optimizer in a reference cycle lives (its
+        # hooks too) until the cyclic GC runs.
+        self._inplace = InPlace(self._routing.in_place)
         self._loaded_masters = []   # masters load_state_dict brought in, to check
 
     def __getstate__(self):
         # The engine (threads, hooks, pinned memory) is not pickled: an unpickled
         # optimizer starts its own, with the same options, for its own params.
         state = super().__getstate__()
-        state["_engine_options"] = self._engine_options
-        state["max_grad_norm"] = self.max_grad_norm
+        state["_options"] = self._options   # less its process group
         state.pop("_inplace", None)
+        state.pop("_routing", None)   # decided again when unpickled
         return state
 
     def __setstate__(self, state):
-        options = state.pop("_engine_options", None)
-        max_grad_norm = state.pop("max_grad_norm", None)
-        simulated = state.pop("_simulated", False)
+        options = state.pop("_options", None) or Options()
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -255,10 +193,8 @@ class Adam(Optimizer):
             group.setdefault("state_dtype", "float32")
         if not hasattr(self, "_engine"):  # unpickling (load_state_dict keeps its engine)
             self._engine = None
-            self._engine_options = options or {}
-            self._simulated = simulated
-            self.max_grad_norm = max_grad_norm
-            self.process_group = None   # a process group is not pickled
+            self._options = options
+            self._routing = Routing(options.needs_pipeline)
             self._clip_coef = None
             self._reset_caches()
             self._start_engine()
@@ -294,8 +230,16 @@ class Adam(Optimizer):
                 f"offload_adam: the params live on several devices ({names}); one "
                 "optimizer steps params of one device (use one optimizer per device)")
 
+    max_grad_norm = _option("max_grad_norm")
+    process_group = _option("process_group")
+
+    def _inplace_threads(self) -> int:
+        """Kernel threads for the params stepped in place: the num_threads option,
+        or torch.get_num_threads() as the caller sees it."""
+        return self._options.num_threads or torch.get_num_threads()
+
     def _in_engine(self, p):
-        return _routes_to_engine(p, self._engine_options, self._simulated)
+        return self._routing.in_engine(p)
 
     def _start_engine(self):
         self._engine_started = True
@@ -304,12 +248,12 @@ class Adam(Optimizer):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
                 state_dtypes=[g["state_dtype"] for g in self.param_groups],
-                owner=weakref.ref(self), **self._engine_options)
+                options=self._options, owner=weakref.ref(self), routing=self._routing)
 
-    # ---- offload engine: profile, memory, clipping ---------------------------
+    # ---- offload engine: profile, memory ---------------------------------------
     @property
     def last_step_profile(self):
-        """The engine's profile of the last step() (see engine_profile.py), or None."""
+        """The engine's profile of the last step() (see engine/profile.py), or None."""
         return self._engine.profile() if self._engine is not None else None
 
     def host_bytes(self):
@@ -324,44 +268,6 @@ class Adam(Optimizer):
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
-
-    def _total_norm(self):
-        """2-norm of all grads: the engine's from its host copies, the in-place
-        params' by the kernel, each of the local shard of a DTensor, summed over
-        the ranks that hold the other shards (distributed.py). Double
-        accumulation; inf/NaN propagate."""
-        sums = self._engine.grad_sq_sums() if self._engine is not None else []
-        pairs = self._inplace.grads(self.param_groups)
-        if pairs:
-            grads = [g if g.is_contiguous() else g.contiguous() for _, g in pairs]
-            sums += zip([p for p, _ in pairs], grad_sq_sums(grads, torch.get_num_threads()))
-        total = distributed.global_sq_sum(sums, self._params(), self.process_group)
-        return math.sqrt(total)
-
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
-        """torch.nn.utils.clip_grad_norm_ for this optimizer's params, without a
-        pass over the grads on the device: the norm comes from the host copies
-        and the coefficient is applied inside the next step's kernel (p.grad is
-        left as it is). Returns the total norm (a float32 tensor on the params'
-        device). Only the 2-norm. DTensor params (FSDP2): the norm over all
-        shards, the same on every rank; every rank must call it."""
-        if float(norm_type) != 2.0:
-            raise NotImplementedError(
-                "offload_adam's clip_grad_norm_ computes the 2-norm only; use "
-                "torch.nn.utils.clip_grad_norm_ for other norms")
-        if self._engine is not None and self._engine.step_in_backward:
-            self._engine.early.fail(
-                "opt.clip_grad_norm_ was called: clipping scales every grad by a "
-                "coefficient known only after the whole backward")
-        norm = self._total_norm()
-        if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(
-                f"The total norm of order 2.0 for gradients from `parameters` is "
-                f"non-finite, so it cannot be clipped. To disable this error and scale "
-                f"the gradients by the non-finite norm anyway, set "
-                f"`error_if_nonfinite=False`")
-        self._clip_coef = clip_coefficient(norm, max_norm)
-        return distributed.norm_tensor(norm, self._params())
 
     def zero_grad(self, set_to_none=True):
         if self._engine is not None:
@@ -384,203 +290,18 @@ class Adam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-
-        # Set by GradScaler.step (as for torch's fused Adam): skip the whole step
-        # when it found inf/NaN; otherwise the grads are still scaled by grad_scale.
-        found_inf = getattr(self, "found_inf", None)
-        if (found_inf is not None and self._engine is not None
-                and self._engine.step_in_backward):
-            self._engine.early.fail(
-                "GradScaler.step was used: the loss scale and found_inf are known "
-                "only at step(), and a skipped step cannot be undone")
-        if found_inf is not None and float(found_inf) != 0.0:
-            self._clip_coef = None
+        scale = self._step_scale()   # grad_scaling.py
+        if scale is None:   # GradScaler found inf/NaN: the whole step is skipped
             return loss
-        grad_scale = getattr(self, "grad_scale", None)
-        inv_scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
-        if found_inf is not None and grad_scale is None and self._engine is not None:
-            # GradScaler.unscale_ ran: it divides the grads in place without
-            # bumping their version counters, so the host copies are stale.
-            self._engine.invalidate_copies()
-            if self._clip_coef is not None and not self._engine.sees_in_place_edits:
-                raise RuntimeError(
-                    "offload_adam: opt.clip_grad_norm_ was called after "
-                    "GradScaler.unscale_(opt), which changes grads invisibly to it; "
-                    "use max_grad_norm= or torch.nn.utils.clip_grad_norm_ with GradScaler")
-
-        scale = inv_scale
-        if self.max_grad_norm is not None:
-            # The norm of the unscaled grads (GradScaler may not have unscaled).
-            scale *= clip_coefficient(self._total_norm() * inv_scale, self.max_grad_norm)
-        elif self._clip_coef is not None:
-            scale *= self._clip_coef
-        self._clip_coef = None
-
         if self._loaded_masters:
             self._drop_stale_masters()
-        num_threads = torch.get_num_threads()
+        num_threads = self._inplace_threads()
         with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
             for index, group in enumerate(self.param_groups):
                 self._inplace.step_group(index, group, self.state, scale, num_threads)
             if self._engine is not None:
                 self._engine.step(self.param_groups, self.state, grad_scale=scale)
         return loss
-
-    # ---- state dict ---------------------------------------------------------
-    def state_dict(self, *, fp32_moments: bool = False):
-        """torch's state_dict. The moments are saved as stored (state_dtype): a
-        checkpoint resumes bit for bit. 8-bit codes are saved under their own
-        keys ("exp_avg_codes", "exp_avg_sq_codes", beside the scales), so that
-        torch's optimizers, which would take them for moments, fail on the
-        missing "exp_avg" instead of stepping garbage. fp32_moments=True gives
-        every moment as fp32 and drops the 8-bit scales: torch.optim.AdamW/Adam
-        load that.
-
-        The state of a DTensor param (FSDP2) is shown as DTensors of the param's
-        mesh and placements, as torch's optimizers keep it, so that
-        torch.distributed.checkpoint saves and reshards every rank's shard
-        (optimizer.state itself holds the local shard's tensors). Its 8-bit
-        moments are saved as fp32: their block scales are the local shard's."""
-        sd = super().state_dict()
-        params = self._params()
-        dtensor_ids = {i for g, group in zip(sd["param_groups"], self.param_groups)
-                       for i, p in zip(g["params"], group["params"]) if distributed.is_dtensor(p)}
-        if fp32_moments or dtensor_ids:
-            sd = {**sd, "state": {k: with_float32_moments(st)
-                                  if fp32_moments or (k in dtensor_ids and _has_scales(st)) else st
-                                  for k, st in sd["state"].items()}}
-        if dtensor_ids:
-            ids = [i for g in sd["param_groups"] for i in g["params"]]
-            sd["state"] = distributed.export_state(dict(zip(ids, params)), sd["state"])
-        if not fp32_moments:
-            sd = {**sd, "state": {k: with_code_keys(st) for k, st in sd["state"].items()}}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        """torch's load_state_dict, keeping the state as it was saved.
-
-        torch casts every loaded state tensor to its param's dtype and device,
-        which would round the fp32 master and moments of a bf16 param, garble
-        8-bit codes and copy an offloaded param's whole state to the GPU. So the
-        moments, their scales and the master bypass it: torch loads the rest,
-        then they are put back (CPU copies, as saved) from the dict torch loaded
-        from (seen through a pre-hook registered last, so it is the dict after
-        the user's pre-hooks), matched to params the way torch matches them, and
-        converted to the optimizer's state format (its own state_dtype, whatever
-        the dict's: fp32 moments from torch, 8-bit codes...). Unlike torch's,
-        nothing loaded is shared
-        with the dict (not even "step"): loading a live optimizer's state_dict()
-        does not tie the two together. The state of a DTensor param is kept as
-        this rank's shard (distributed.local_value). A loaded master is checked
-        at the next step() against its param (`_drop_stale_masters`).
-        """
-        seen = {}
-
-        def capture(optimizer, sd):
-            self._check_loaded_shapes(sd)
-            seen["state_dict"] = sd
-            state = {k: ({key: v for key, v in st.items() if key not in _HEAVY}
-                         if isinstance(st, dict) else st)
-                     for k, st in sd["state"].items()}
-            return {**sd, "state": state}
-
-        handle = self.register_load_state_dict_pre_hook(capture)
-        formats = [g["state_dtype"] for g in self.param_groups]
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            handle.remove()
-        # The state format is this optimizer's (how much memory it may use), not
-        # the checkpoint's: the loaded moments are converted to it.
-        for group, fmt in zip(self.param_groups, formats):
-            group["state_dtype"] = fmt
-        self._reset_caches()
-        for saved_id, p, group in self._loaded_params(seen["state_dict"]):
-            saved = seen["state_dict"]["state"].get(saved_id)
-            if saved is None:
-                continue
-            state = self.state[p]
-            local_p = distributed.local(p)
-            for saved_key in _HEAVY + ("step",):  # copies: the kernels update them in place
-                value, key = saved.get(saved_key), stored_key(saved_key)
-                if isinstance(value, torch.Tensor):
-                    if distributed.is_dtensor(p) and key in MOMENT_KEYS + (MASTER_KEY,):
-                        value = distributed.local_value(
-                            value, p, key, lambda: f"{saved_id} (shape {tuple(p.shape)})")
-                    state[key] = value.detach().to("cpu", copy=True).contiguous()
-            fmt = state_format(group["state_dtype"])
-            for key in MOMENT_KEYS:
-                if key in state:
-                    state.update(fmt.convert(state, key, local_p.shape, local_p.numel()))
-            fmt.drop_scales(state)
-            if MASTER_KEY in state:
-                if p.dtype is torch.float32 and not self._in_engine(p):
-                    del state[MASTER_KEY]  # the param is its own master
-                else:
-                    state[MASTER_KEY] = state[MASTER_KEY].to(torch.float32)
-                    self._loaded_masters.append(p)
-        early = self._engine.early if self._engine is not None else None
-        if early is not None:
-            # Its next steps start in backward: check now. (Loaded in the middle
-            # of an iteration, step() raises instead, leaving the state as loaded.)
-            if not early.stepped():
-                self._drop_stale_masters()
-            self._loaded_masters = []
-
-    def _drop_stale_masters(self):
-        """Drops each loaded fp32 master that no longer rounds to its param, so
-        that the param's master starts from the param. A dict that went through
-        torch's optimizer has one: torch keeps "master_param" as an unknown key
-        (cast to the param's dtype) and never updates it while its steps move
-        the param; restoring it would move the weights back. Checked at the
-        first step after loading, when the model is loaded too (in whichever
-        order the two were); with step_in_backward, whose steps start in the
-        next backward, at loading (load the model first)."""
-        for p in self._loaded_masters:
-            st = self.state.get(p)
-            master = st.get(MASTER_KEY) if st else None
-            if master is None:
-                continue
-            t = distributed.local(p).detach().to("cpu")
-            rounded = master.detach().to(t.dtype)   # an fp32 param's (engine) is itself
-            bits = torch.int16 if t.element_size() == 2 else torch.int32
-            same = (rounded.view(bits) == t.view(bits)) | (rounded.isnan() & t.isnan())
-            if not bool(same.all()):
-                del st[MASTER_KEY]
-        self._loaded_masters = []
-
-    def _loaded_params(self, state_dict):
-        """(saved id, param, its group): torch's own matching, in group order."""
-        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
-            for saved_id, p in zip(saved_group["params"], group["params"]):
-                yield saved_id, p, group
-
-    def _check_loaded_shapes(self, state_dict):
-        """Rejects state whose tensors do not fit their params (torch does not check)."""
-        for gi, (saved_group, group) in enumerate(zip(state_dict["param_groups"],
-                                                      self.param_groups)):
-            if len(saved_group["params"]) != len(group["params"]):
-                return  # torch raises its own error for this
-            for i, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
-                saved = state_dict["state"].get(saved_id)
-                if not isinstance(saved, dict):
-                    continue
-                for key, value in saved.items():
-                    if not isinstance(value, torch.Tensor) or key in SCALE_KEYS.values():
-                        continue
-                    expected = () if key == "step" else p.shape
-                    if key == "step" and value.numel() == 1:
-                        continue
-                    if value.shape != expected:
-                        raise ValueError(
-                            f"loaded optimizer state {key!r} for param "
-                            f"{param_label(group, gi, i, p)} has shape {tuple(value.shape)}, "
-                            f"expected {tuple(expected)}"
-                        )
-
-
-def _has_scales(st: dict) -> bool:
-    return any(key in st for key in SCALE_KEYS.values())
 
 
 class AdamW(Adam):

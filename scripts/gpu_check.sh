@@ -68,7 +68,7 @@ stage synccheck 60 compute-sanitizer --tool synccheck --error-exitcode 1 "$PY" t
 stage transfer_bench 60 "$PY" bench/transfer_bench.py --mb 512 --repeats 5 --out "$R" --tag "$name"
 stage step_bench 90 "$PY" bench/step_bench.py --numel 33554432 --steps 12 --warmup 2 --no-deepspeed \
   --no-plot --out "$R" --tag "${name}_host"
-stage e2e 200 "$PY" -m offload_adam.bench --device cuda --size 350m --steps 12 --warmup 4 \
+stage e2e 200 "$PY" -m bench.e2e --device cuda --size 350m --steps 12 --warmup 4 \
   --sweep --sweep-budget 90 --no-progress --out "$R/e2e"
 
 echo "failed stages: $failed" | tee -a "$R/summary.txt"

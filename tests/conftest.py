@@ -2,7 +2,7 @@
 
 `path` runs a test both ways: "in-place" (CPU params stepped by the kernel
 directly, reading the live p.grad) and through the offload engine on the
-asynchronous simulated device (engine_device_sim.AsyncSimDevice: the GPU's
+asynchronous simulated device (offload_adam.testing.AsyncSimDevice: the GPU's
 path, with copies that land late and CUDA's ordering rules checked), with
 several seeds of random latency and once with every copy held as late as
 CUDA allows. The device's violations fail the test.
@@ -52,20 +52,15 @@ class Path:
     @contextlib.contextmanager
     def outside(self):
         """Builds optimizers the normal way inside it (a reference run)."""
-        from offload_adam import engine_device
+        from offload_adam.testing import simulated
 
-        saved = list(engine_device._simulated)
-        engine_device._simulated.clear()
-        try:
+        with simulated(None):
             yield
-        finally:
-            engine_device._simulated[:] = saved
 
 
 def sim_path(name):
     """A context yielding a Path for `name` (one of PATHS)."""
-    from offload_adam.engine_device import simulated
-    from offload_adam.engine_device_sim import AsyncSimDevice
+    from offload_adam.testing import AsyncSimDevice, simulated
 
     @contextlib.contextmanager
     def run():

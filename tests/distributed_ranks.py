@@ -8,7 +8,7 @@ The test file asserts on the measurements. Every scenario trains a small
 FSDP2 model (fully_shard per Linear, then the root) on data that differs per
 rank; its dims are uneven on purpose (15 rows over 2 ranks: 8 and 7; a head
 of one row: rank 1 holds an empty shard). A scenario whose name ends in
-"_engine" builds offload_adam's optimizer inside engine_device.simulated(), so
+"_engine" builds offload_adam's optimizer inside offload_adam.testing.simulated(), so
 its params go through the offload engine on the asynchronous simulated device
 (the GPU's path), checked for ordering violations; the others step in place.
 """
@@ -94,14 +94,14 @@ class Engine:
     def __init__(self, engine):
         self.sim = None
         if engine:
-            from offload_adam.engine_device_sim import AsyncSimDevice
+            from offload_adam.testing import AsyncSimDevice
             self.sim = AsyncSimDevice(seed=dist.get_rank(), latency="random")
 
     def optimizer(self, params, **kw):
         kw = {"lr": LR, "weight_decay": WD, **kw}
         if self.sim is None:
             return offload_adam.AdamW(params, **kw)
-        from offload_adam.engine_device import simulated
+        from offload_adam.testing import simulated
         with simulated(self.sim):
             opt = offload_adam.AdamW(params, **kw)
         assert opt._engine is not None and not opt._inplace.grads(opt.param_groups)

@@ -119,3 +119,19 @@ def assert_param_is_master_rounded(opt, model):
 def steps_of(opt, model):
     return [float(opt.state[p]["step"]) if opt.state.get(p) else 0.0
             for p in model.parameters()]
+
+
+def kernels_that(monkeypatch, before_step):
+    """The real kernels, with `before_step(args)` run before each adam_step."""
+    from offload_adam import kernel_step
+    real = kernel_step.kernels()
+
+    class Wrapped:
+        def adam_step(self, *args, **kwargs):
+            before_step(args)
+            return real.adam_step(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(kernel_step, "kernels", Wrapped)

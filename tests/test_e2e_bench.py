@@ -1,4 +1,4 @@
-"""Tests of the end-to-end benchmark's pieces (offload_adam/bench), on CPU with tiny configurations."""
+"""Tests of the end-to-end benchmark's pieces (bench/e2e), on CPU with tiny configurations."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_adam.bench import contenders as C
-from offload_adam.bench.data import MarkovTokens
-from offload_adam.bench.model import GPTConfig, build_model, config_for
-from offload_adam.bench.report import check_losses, table, validate
-from offload_adam.bench.sweep import largest_trainable, size_family
-from offload_adam.bench.timing import IterationClock, median_split
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the benchmarks (bench/) are not installed with the package
+
+from bench.e2e import contenders as C  # noqa: E402
+from bench.e2e.data import MarkovTokens  # noqa: E402
+from bench.e2e.model import GPTConfig, build_model, config_for  # noqa: E402
+from bench.e2e.report import check_losses, table, validate  # noqa: E402
+from bench.e2e.sweep import largest_trainable, size_family  # noqa: E402
+from bench.e2e.timing import IterationClock, median_split  # noqa: E402
 TINY = GPTConfig(vocab_size=32, seq_len=16, layers=2, width=32, heads=2)
 
 
@@ -218,7 +219,7 @@ def test_loss_check_tolerances():
 def _bench(*args, timeout=240):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = (*args, "--threads", "1") if "--help" not in args else args
-    return subprocess.run([sys.executable, "-m", "offload_adam.bench", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "bench.e2e", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -288,7 +289,7 @@ def test_report_table_and_schema_catch_problems(tiny_run):
 
 def test_plots_are_pngs(tiny_run, tmp_path):
     pytest.importorskip("matplotlib")
-    from offload_adam.bench.plots import write_plots
+    from bench.e2e.plots import write_plots
     _, out, report = tiny_run
     for f in report["plots"]["files"]:
         assert Path(f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

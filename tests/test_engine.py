@@ -1,4 +1,4 @@
-"""The offload engine's contract (offload_adam/engine.py), on every path.
+"""The offload engine's contract (offload_adam/engine/), on every path.
 
 Each test runs in place (CPU params, the kernel reads p.grad) and through the
 engine on the asynchronous simulated device (conftest.path): the same training
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import offload_adam
-from offload_adam import kernel_step
 from offload_adam.engine import OffloadEngine
 from offload_adam.freed_grad import is_freed
 from models import (BF16, MLP_OPTS, OPTS, Boom, assert_param_is_master_rounded, assert_same,
-                    copy_grads, loss_of, make_mlp, make_pair, mlp_loss, run, steps_of, train_shadow)
+                    copy_grads, kernels_that, loss_of, make_mlp, make_pair, mlp_loss, run, steps_of,
+                    train_shadow)
 
 
 def in_place_run(path, steps, edit=None, micro=1, **options):
@@ -429,7 +429,7 @@ def test_large_params_in_pieces_and_small_ones_packed(path):
     opt = offload_adam.AdamW(model.parameters(), lr=3e-3, bucket_mb=0.1)
     run(model, opt, 3, loss=_wide_loss)
     if path.engine:
-        embed = opt._engine._by_param[model[0].weight]
+        embed = next(r for r in opt._engine.recs if r.param is model[0].weight)
         assert [p.numel for p in embed.pieces] == [32768] * 4
         assert len({p.bucket.index for p in embed.pieces}) == 4
         packed = [p.rec.param for b in opt._engine.buckets for p in b.pieces if p.packed]
@@ -516,21 +516,6 @@ def test_cast_after_building_is_followed_or_refused(path):
 
 
 # ---- when things go wrong ---------------------------------------------------------------
-def _kernels_that(monkeypatch, before_step):
-    """The real kernels, with `before_step()` run before each adam_step."""
-    real = kernel_step.kernels()
-
-    class Wrapped:
-        def adam_step(self, *args, **kwargs):
-            before_step(args)
-            return real.adam_step(*args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    monkeypatch.setattr(kernel_step, "kernels", Wrapped)
-
-
 def test_a_kernel_error_surfaces_with_the_original_exception(path, monkeypatch):
     model = make_mlp()
     opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
@@ -541,7 +526,7 @@ def test_a_kernel_error_surfaces_with_the_original_exception(path, monkeypatch):
         if armed.pop() if armed else False:
             raise Boom("kernel failed")
 
-    _kernels_that(monkeypatch, fail_once)
+    kernels_that(monkeypatch, fail_once)
     with pytest.raises(Boom, match="kernel failed"):
         opt.step()
     opt.zero_grad()  # usable afterwards
@@ -565,7 +550,7 @@ def test_keyboard_interrupt_in_step_then_training_goes_on(path, monkeypatch, int
     next iteration runs."""
     model = make_mlp()
     opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
-    _kernels_that(monkeypatch, lambda args: time.sleep(0.8))
+    kernels_that(monkeypatch, lambda args: time.sleep(0.8))
     mlp_loss(model, 0).backward()
     timers = _interrupt_main(*[0.1, 0.5][:interrupts])  # both during the first kernel
     with pytest.raises(KeyboardInterrupt):
@@ -807,7 +792,7 @@ def test_num_threads_reaches_every_kernel_call(path, monkeypatch):
     runs = []
     for threads in (option, None):
         seen = []
-        _kernels_that(monkeypatch, lambda args: seen.append(args[-1]))
+        kernels_that(monkeypatch, lambda args: seen.append(args[-1]))
         model = make_mlp()
         opt = offload_adam.AdamW(model.parameters(), num_threads=threads, **MLP_OPTS)
         for it in range(2):
@@ -816,7 +801,7 @@ def test_num_threads_reaches_every_kernel_call(path, monkeypatch):
             opt.step()
             opt.zero_grad()
         monkeypatch.undo()
-        expected = threads if path.engine and threads else torch.get_num_threads()
+        expected = threads or torch.get_num_threads()  # num_threads holds for every path
         assert seen and set(seen) == {expected}
         runs.append((model, opt))
     assert_same(*runs)

@@ -1,13 +1,13 @@
-"""The device interface (offload_adam/engine_device.py): the host device, the
+"""The device interface (offload_adam/engine/device.py): the host device, the
 Python side of CudaDevice that runs without a GPU, and choosing the device."""
 import pytest
 import torch
 
 import offload_adam
-from offload_adam import engine_device
-from offload_adam.engine_device import (HostDevice, Transfer, device_for, host_span,
-                                        make_device, simulated, simulating)
-from offload_adam.engine_device_sim import AsyncSimDevice
+from offload_adam.engine import device as engine_device
+from offload_adam.engine.device import (HostDevice, Transfer, current_host_stand_in, device_for,
+                                        host_span, make_device)
+from offload_adam.testing import AsyncSimDevice, simulated
 
 
 def test_host_device_copies_on_the_spot():
@@ -92,11 +92,12 @@ def test_make_device_and_device_for():
 def test_simulated_sends_cpu_params_to_the_engine(kernels):
     sim = AsyncSimDevice(seed=0)
     try:
-        assert not simulating()
+        assert current_host_stand_in() is None
         with simulated(sim):
-            assert simulating() and make_device(torch.device("cpu")) is sim
+            assert current_host_stand_in() is sim
+            assert make_device(torch.device("cpu"), current_host_stand_in()) is sim
             opt = offload_adam.AdamW([torch.nn.Parameter(torch.zeros(3))])
-        assert not simulating()
+        assert current_host_stand_in() is None
         assert opt._engine is not None and opt._engine.device is sim
         plain = offload_adam.AdamW([torch.nn.Parameter(torch.zeros(3))])
         assert plain._engine is None  # fp32 CPU params: in place

@@ -1,4 +1,4 @@
-"""The asynchronous simulated device (offload_adam/engine_device_sim.py) has teeth.
+"""The asynchronous simulated device (offload_adam/testing/sim_device.py) has teeth.
 
 Three layers: each of CUDA's ordering rules, broken on purpose against the bare
 device, is caught; the engine with one wait or fence removed (a deliberately
@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import offload_adam
-from offload_adam import engine as engine_module
 from offload_adam.engine import OffloadEngine
-from offload_adam.engine_device import simulated
-from offload_adam.engine_device_sim import AsyncSimDevice, SimEvent
+from offload_adam.engine import core as engine_module
+from offload_adam.testing import AsyncSimDevice, SimEvent, simulated
 from models import BF16, OPTS, make_mlp, make_pair, mlp_loss, run
 
 

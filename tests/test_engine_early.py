@@ -1,4 +1,4 @@
-"""step_in_backward=True (offload_adam/engine_early.py): the CPU step starts
+"""step_in_backward=True (offload_adam/engine/early.py): the CPU step starts
 during backward.
 
 It must equal the default (the step at step()) bit for bit, and everything that
@@ -17,9 +17,8 @@ import pytest
 import torch
 
 import offload_adam
-from offload_adam import kernel_step
 from models import (BF16, MLP_OPTS, OPTS, Boom, TinyTransformer, assert_param_is_master_rounded,
-                    assert_same, loss_of, make_mlp, mlp_loss, run, steps_of)
+                    assert_same, kernels_that, loss_of, make_mlp, mlp_loss, run, steps_of)
 
 
 class Model(TinyTransformer):
@@ -123,7 +122,7 @@ def _lr(model, opt):
 
 
 def _reloaded(model, opt):
-    opt._engine._drain()  # the early steps are done: the saved state has them
+    opt._engine.drain()  # the early steps are done: the saved state has them
     opt.load_state_dict(opt.state_dict())
 
 
@@ -320,16 +319,14 @@ def test_failing_early_kernel_leaves_stepped_params_consistent(path, monkeypatch
     opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **MLP_OPTS)
     run(model, opt, 1, loss=mlp_loss)
     before = [p.detach().clone() for p in model.parameters()]
-    real, calls = kernel_step.kernels(), []
+    calls = []
 
-    class FailSecond:
-        def adam_step(self, *args, **kwargs):
-            calls.append(1)
-            if len(calls) == 2:  # the first bucket runs, the second fails
-                raise Boom("kernel failed")
-            return real.adam_step(*args, **kwargs)
+    def fail_second(args):
+        calls.append(1)
+        if len(calls) == 2:  # the first bucket runs, the second fails
+            raise Boom("kernel failed")
 
-    monkeypatch.setattr(kernel_step, "kernels", FailSecond)
+    kernels_that(monkeypatch, fail_second)
     mlp_loss(model, 1).backward()
     with pytest.raises(Boom, match="kernel failed"):
         opt.step()

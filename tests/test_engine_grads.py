@@ -1,4 +1,4 @@
-"""Which host copy of a grad is current (offload_adam/engine_grads.py): copy
+"""Which host copy of a grad is current (offload_adam/engine/grads.py): copy
 records, stale copies copied again, fingerprints, and GradScaler's unscale_.
 Engine-only tests run on the asynchronous simulated device (conftest.sim)."""
 import threading
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import offload_adam
-from offload_adam import engine_grads
+from offload_adam.engine import grads as engine_grads
 from offload_adam.freed_grad import is_freed
 from models import BF16, MLP_OPTS, OPTS, assert_same, loss_of, make_mlp, make_pair, mlp_loss
 

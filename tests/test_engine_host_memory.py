@@ -1,12 +1,12 @@
-"""Host buffers (offload_adam/engine_host_memory.py): the free-memory check, and
+"""Host buffers (offload_adam/engine/host_memory.py): the free-memory check, and
 pinning through the device with its failure path."""
 import io
 
 import pytest
 import torch
 
-from offload_adam import engine_host_memory as host_memory
-from offload_adam.engine_host_memory import HostArenas, available_host_bytes, check_host_memory
+from offload_adam.engine import host_memory
+from offload_adam.engine.host_memory import HostArenas, available_host_bytes, check_host_memory
 
 
 def test_host_memory_check_names_both_numbers():

@@ -1,9 +1,9 @@
-"""Where each offloaded element lives (offload_adam/engine_layout.py): pieces,
+"""Where each offloaded element lives (offload_adam/engine/layout.py): pieces,
 buckets, host buffers."""
 import torch
 
-from offload_adam.engine_device import HostDevice
-from offload_adam.engine_layout import (PACK_BELOW_BYTES, SPLIT_ALIGN, ParamRec,
+from offload_adam.engine.device import HostDevice
+from offload_adam.engine.layout import (PACK_BELOW_BYTES, SPLIT_ALIGN, ParamRec,
                                         allocate_state, allocate_transfers, cut, make_buckets,
                                         state_roles)
 from offload_adam.state_format import FLOAT32

@@ -1,4 +1,4 @@
-"""The engine's worker thread and Ctrl-C handling (offload_adam/engine_worker.py)."""
+"""The engine's worker thread and Ctrl-C handling (offload_adam/engine/worker.py)."""
 import _thread
 import signal
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from offload_adam.engine_worker import Worker, interrupts_deferred
+from offload_adam.engine.worker import Worker, interrupts_deferred
 
 
 def test_worker_runs_jobs_in_order_and_reraises_the_first_error():

@@ -122,8 +122,7 @@ def test_trainer_with_a_frozen_layer_through_the_engine(tmp_path):
     # model.parameters() on the offload engine (the path of CUDA params; here on
     # the simulated device, which checks the engine's ordering): trains like the
     # in-place run, bit for bit.
-    from offload_adam.engine_device import simulated
-    from offload_adam.engine_device_sim import AsyncSimDevice
+    from offload_adam.testing import AsyncSimDevice, simulated
 
     def run(sim):
         model = tiny_llama(torch.bfloat16)

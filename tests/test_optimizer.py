@@ -375,6 +375,35 @@ def test_the_argument_lists_are_built_once(kernels, monkeypatch):
     assert float(opt.state[ps[8]]["step"]) == 4.0
 
 
+def test_options_are_checked_for_every_path():
+    """The options record (offload_adam/options.py) is checked when the optimizer
+    is built, for fp32 CPU params stepped in place as for the engine's."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    for bad, match in (({"bucket_mb": 0}, "bucket_mb"), ({"num_threads": 0}, "num_threads"),
+                       ({"max_grad_norm": 0.0}, "max_grad_norm"),
+                       ({"overlap": False, "step_in_backward": True}, "needs overlap=True"),
+                       ({"overlap": False, "free_grads_after_copy": True}, "needs overlap=True"),
+                       ({"step_in_backward": True, "max_grad_norm": 1.0}, "cannot be used")):
+        with pytest.raises(ValueError, match=match):
+            offload_adam.AdamW([p], **bad)
+    opt = offload_adam.AdamW([p], max_grad_norm=1.0)
+    assert opt._engine is None and opt.max_grad_norm == 1.0
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        opt.max_grad_norm = -1.0
+    assert opt.max_grad_norm == 1.0
+
+
+def test_num_threads_holds_in_place(kernels, monkeypatch):
+    counting = CountingKernels(kernels)
+    monkeypatch.setattr(kernel_step, "kernels", lambda: counting)
+    p = torch.randn(3).requires_grad_()
+    opt = offload_adam.AdamW([p], num_threads=torch.get_num_threads() + 1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt._engine is None
+    assert [c[-1] for c in counting.calls] == [torch.get_num_threads() + 1]
+
+
 def test_import_compiles_nothing():
     code = ("import sys, torch, offload_adam; "
             "opt = offload_adam.AdamW([torch.zeros(3, requires_grad=True)]); "

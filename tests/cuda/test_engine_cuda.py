@@ -207,7 +207,8 @@ def test_pieces_and_packs_and_early_steps_match_the_cpu():
     cpu, _ = run("cpu")
     for options in ({}, {"step_in_backward": True}, {"overlap": False}):
         gpu, opt = run("cuda", **options)
-        pieces = opt._engine._by_param[next(iter(opt.param_groups[0]["params"]))].pieces
+        first = next(iter(opt.param_groups[0]["params"]))
+        pieces = next(r for r in opt._engine.recs if r.param is first).pieces
         assert len(pieces) == 4
         assert any(p.packed for b in opt._engine.buckets for p in b.pieces)
         for a, b in zip(cpu, gpu):

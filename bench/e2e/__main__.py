@@ -1,4 +1,4 @@
-"""python -m offload_adam.bench: the end-to-end training benchmark (see benchmark.py for what it runs).
+"""python -m bench.e2e: the end-to-end training benchmark (see benchmark.py for what it runs).
 
 Without CUDA: a small model on the CPU, bf16 params for offload_adam against fp32 and pure-bf16 torch
 AdamW, in about two minutes on 2 cores. With CUDA: a model sized to the GPU, the offloading peers when
@@ -54,7 +54,7 @@ def _ints(text: str) -> list[int]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m offload_adam.bench",
+        prog="python -m bench.e2e",
         description="End-to-end training benchmark: a GPT-style decoder trained on synthetic tokens with "
                     "each optimizer in turn; iteration time split, memory, loss curves.",
         epilog="optimizers: " + ", ".join(C.CONTENDERS) + ". sizes: " +

@@ -28,8 +28,8 @@ from typing import List, Optional
 
 import torch
 
-from .distributed import local
-from .kernel_step import grad_sq_sums
+from ..distributed import local
+from ..kernel_step import grad_sq_sums
 
 # Elements per reduction in grad_fingerprint: bounds its int64 temporaries on
 # the device (two of 8 MiB).

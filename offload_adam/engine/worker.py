@@ -24,7 +24,7 @@ _STOP = object()
 
 class Worker:
     """`context()` is entered around every job on the worker's thread: the
-    device's per-thread setup (engine_device: `on_thread`)."""
+    device's per-thread setup (device.py: `on_thread`)."""
 
     def __init__(self, name: str = "offload_adam-worker",
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):

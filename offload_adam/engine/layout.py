@@ -11,9 +11,9 @@ A *bucket* is a run of pieces of one param group and dtype, about `bucket_mb`
 of device bytes, in the order backward produces their grads: the unit of the
 pipeline. Pieces smaller than PACK_BELOW_BYTES (norms, biases) are *packed*:
 their grads go to the host in one copy per bucket, their updates back in one,
-instead of one DMA each (engine_device gathers/scatters them on the device).
+instead of one DMA each (device.py gathers/scatters them on the device).
 
-Host memory (engine_host_memory arenas): the state (fp32 master, exp_avg,
+Host memory (host_memory.py arenas): the state (fp32 master, exp_avg,
 exp_avg_sq, max_exp_avg_sq) is laid out once per param, in registration order;
 the transfer buffers (grad copies, bf16/fp16 staging of the update) are laid
 out per bucket, so that a bucket's packed pieces are adjacent, and are laid out
@@ -27,9 +27,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .distributed import local
-from .engine_host_memory import HostArenas
-from .state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat, scale_len
+from ..distributed import local
+from ..state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat, scale_len
+from .host_memory import HostArenas
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 PACK_BELOW_BYTES = 1 << 18
@@ -62,7 +62,7 @@ class ParamRec:
         self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = None
         self.exp_avg_scale = self.exp_avg_sq_scale = None  # 8-bit moments only
         self.step_t: Optional[torch.Tensor] = None
-        self.copy = None                    # engine_grads.GradCopy of its grad, or None
+        self.copy = None                    # grads.GradCopy of its grad, or None
         self.freed = False                  # free_grads_after_copy dropped p.grad
         self.hook = None
 
@@ -146,14 +146,17 @@ def make_buckets(pieces: Sequence[Piece], bucket_bytes: int) -> List[Bucket]:
     """Runs of `pieces` (in the order their grads arrive) of one group and dtype,
     up to bucket_bytes each, ordered by their first piece."""
     runs: Dict[tuple, List[List[Piece]]] = {}
+    filled: Dict[tuple, int] = {}   # bytes in each run's last chunk
     for p in pieces:
-        chunks = runs.setdefault((p.rec.group, p.rec.dtype), [[]])
-        last = chunks[-1]
-        size = sum(x.numel for x in last) * p.rec.dtype.itemsize
-        if last and size + p.numel * p.rec.dtype.itemsize > bucket_bytes:
+        key = (p.rec.group, p.rec.dtype)
+        chunks = runs.setdefault(key, [[]])
+        size = p.numel * p.rec.dtype.itemsize
+        if chunks[-1] and filled[key] + size > bucket_bytes:
             chunks.append([p])
+            filled[key] = size
         else:
-            last.append(p)
+            chunks[-1].append(p)
+            filled[key] = filled.get(key, 0) + size
     rank = {id(p): i for i, p in enumerate(pieces)}
     chunks = sorted((c for cs in runs.values() for c in cs if c), key=lambda c: rank[id(c[0])])
     return [Bucket(i, c) for i, c in enumerate(chunks)]

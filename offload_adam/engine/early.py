@@ -29,17 +29,14 @@ from __future__ import annotations
 import weakref
 from typing import Dict, Optional
 
-from .freed_grad import is_freed
-from .engine_grads import start_check
-from .kernel_step import Hyper
-from .state_format import MASTER_KEY
+from ..freed_grad import is_freed
+from ..kernel_step import Hyper
+from ..state_format import MASTER_KEY
+from .grads import start_check
 
 
 class EarlyStart:
     def __init__(self, engine, owner):
-        if not engine.overlap:
-            raise ValueError("step_in_backward=True needs overlap=True (the step "
-                             "starts from the grads copied during backward)")
         if owner is None:
             raise ValueError("step_in_backward=True needs the owning optimizer "
                              "(owner=weakref.ref(optimizer))")
@@ -51,7 +48,7 @@ class EarlyStart:
         self._waiting: Dict[int, int] = {}       # bucket index -> expected pieces to come
         self._started: Dict[int, object] = {}    # rec id -> the GradCopy its step read
         self._stepped: set = set()               # ids of the pieces whose kernel ran
-        self._hyper: Dict[int, Hyper] = {}       # bucket index -> what its step used
+        self._hyper: Dict[int, Hyper] = {}       # group index -> what its steps used
 
     # ---- during backward ----------------------------------------------------------------
 
@@ -83,20 +80,21 @@ class EarlyStart:
         owner = self._owner()
         if owner is None:
             return  # the optimizer is gone: no groups to step with
-        hyper = Hyper.of(owner.param_groups[bucket.group])
+        group = bucket.group
+        if group not in self._hyper:   # one per group per iteration
+            self._hyper[group] = Hyper.of(owner.param_groups[group])
         pieces = [p for p in bucket.pieces if id(p.rec) in self._hooked]
         engine.flush_pack(bucket)
         recs = list({id(p.rec): p.rec for p in pieces}.values())
         engine.bind_state(recs, owner.param_groups, owner.state)
         for rec in recs:
             self._started[id(rec)] = rec.copy
-        self._hyper[bucket.index] = hyper
-        threads = engine.hook_threads()
+        job = engine.bucket_job(bucket, pieces, self._hyper[group], threads=engine.hook_threads())
 
-        def job():
-            engine.bucket_job(bucket, pieces, hyper, 1.0, threads, None, write=False)
+        def kernel_only():   # step() or commit() writes back
+            job.kernel()
             self._stepped.update(map(id, pieces))
-        engine._worker.submit(job)
+        engine.run(kernel_only)
 
     # ---- at step() ----------------------------------------------------------------------
 
@@ -108,7 +106,7 @@ class EarlyStart:
         """Waits for the early steps; raises if anything they used changed."""
         engine = self._engine()
         try:
-            engine._drain()
+            engine.drain()
         except BaseException:
             if self._started:
                 self.commit()   # what ran stays consistent
@@ -143,9 +141,14 @@ class EarlyStart:
                     or st.get("step") is not rec.step_t):
                 return (f"the optimizer state of {rec.label()} was replaced "
                         "(load_state_dict?) after its step started")
+        now: Dict[int, Hyper] = {}
         for b in engine.buckets:
-            used = self._hyper.get(b.index)
-            changes = used.changes(Hyper.of(param_groups[b.group])) if used else []
+            used = self._hyper.get(b.group)
+            if used is None:
+                continue
+            if b.group not in now:
+                now[b.group] = Hyper.of(param_groups[b.group])
+            changes = used.changes(now[b.group])
             if changes:
                 return (f"param group {b.group}'s hyperparameters changed after "
                         f"its step started ({', '.join(changes)}; an LR scheduler "
@@ -175,16 +178,13 @@ class EarlyStart:
         a new iteration. Returns how many params were stepped."""
         engine = self._engine()
         try:
-            engine._drain()
+            engine.drain()
         finally:
-            fence = engine.device.fence()
             stepped = {id(p.rec) for b in engine.buckets for p in b.pieces
                        if id(p) in self._stepped}
-            for b in engine.buckets:
-                done = [p for p in b.pieces if id(p) in self._stepped]
-                if done:
-                    engine._write_back(b, done, fence)
-            engine.device.publish([t for b in engine.buckets for t in b.h2d])
+            for job in engine.stepped_jobs(self._stepped, engine.device.fence()):
+                job.write_back()
+            engine.publish_h2d()
             self.new_iteration()
         return len(stepped)
 
@@ -197,8 +197,7 @@ class EarlyStart:
         """The params that got grads this iteration are the ones the next
         iteration's buckets wait for (once the bucket order is learned)."""
         engine = self._engine()
-        learned = engine._hook_order is None
-        self._expected = set(self._hooked) if learned else set()
+        self._expected = set(self._hooked) if engine.order_learned else set()
         self._waiting = {b.index: sum(1 for p in b.pieces if id(p.rec) in self._expected)
                          for b in engine.buckets}
         self.error = None

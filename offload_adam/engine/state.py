@@ -17,7 +17,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Callable, Sequence
 
-from .state_format import MASTER_KEY, MOMENT_KEYS
+from ..state_format import MASTER_KEY, MOMENT_KEYS
 
 
 def bind_state(device, recs: Sequence, param_groups, state,

@@ -24,14 +24,14 @@ The data path, in the order this file follows it:
 
 By default the CPU step starts at step(): only then are the grads final, so the
 default is exact in every case. step_in_backward=True starts a bucket's kernel
-in step 1 as soon as its grads are on the host (engine_early.py). Which copy is
-current and how edits invisible to version counters are seen: engine_grads.py.
-Where every element lives (pieces, buckets, host buffers): engine_layout.py.
-The device interface and its rules: engine_device.py.
+in step 1 as soon as its grads are on the host (early.py). Which copy is
+current and how edits invisible to version counters are seen: grads.py.
+Where every element lives (pieces, buckets, host buffers): layout.py.
+The device interface and its rules: device.py.
 
 CPU params run here only with step_in_backward or free_grads_after_copy (on
-HostDevice, copies done on the spot), or inside engine_device.simulated()
-(AsyncSimDevice: the GPU's path, checked); otherwise the optimizer steps them in
+HostDevice, copies done on the spot), or when built inside
+offload_adam.testing.simulated() (AsyncSimDevice: the GPU's path, checked); otherwise the optimizer steps them in
 place (inplace.py).
 
 State: optimizer.state[p] holds "step", "exp_avg", "exp_avg_sq"
@@ -52,48 +52,44 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .engine_device import device_for, make_device
-from .engine_grads import GradCopy, grad_fingerprint, sq_sum, start_check
-from .engine_layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers,
-                            cut, local, make_buckets, state_roles)
-from .engine_profile import StepProfile
-from .engine_state import bind_state
-from .engine_worker import Worker, interrupts_deferred
-from .freed_grad import freed_grad, is_freed
-from .kernel_step import Hyper, adam_step
-from .state_format import state_format
+from ..freed_grad import freed_grad, is_freed
+from ..kernel_step import Hyper, adam_step
+from ..options import Options
+from ..state_format import state_format
+from .device import Routing, device_for
+from .early import EarlyStart
+from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
+from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
+                     make_buckets, state_roles)
+from .profile import StepProfile
+from .state import bind_state
+from .worker import Worker, interrupts_deferred
 
 
 class OffloadEngine:
     """Steps the offloaded params of one optimizer. Built and driven by it.
 
     managed[i] lists the params of param_groups[i] the engine owns (all on one
-    device); amsgrad[i] says whether that group keeps max_exp_avg_sq."""
+    device); amsgrad[i] says whether that group keeps max_exp_avg_sq; `options`
+    (options.py) are the optimizer's, checked; `routing` (the optimizer's) gives
+    the device interface (device.py)."""
 
     def __init__(self, managed: Sequence[Sequence[torch.Tensor]], amsgrad: Sequence[bool], *,
-                 state_dtypes: Optional[Sequence[str]] = None,
-                 overlap: bool = True, bucket_mb: float = 32.0,
-                 free_grads_after_copy: bool = False, num_threads: Optional[int] = None,
-                 step_in_backward: bool = False, verify_grads: bool = True, owner=None,
+                 state_dtypes: Optional[Sequence[str]] = None, options: Optional[Options] = None,
+                 owner=None, routing: Optional[Routing] = None,
                  available_host_bytes: Optional[int] = None):
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        if num_threads is not None and int(num_threads) < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        if free_grads_after_copy and not overlap:
-            raise ValueError("free_grads_after_copy=True needs overlap=True "
-                             "(grads are freed as they are copied during backward)")
+        options = options or Options()
         all_params = [p for ps in managed for p in ps]
-        self.device = make_device(device_for([local(p) for p in all_params]))
-        self.overlap = overlap
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.free_grads_after_copy = free_grads_after_copy
-        self.verify_grads = bool(verify_grads)
-        self._num_threads = None if num_threads is None else int(num_threads)
+        routing = routing or Routing(pipeline=True)
+        self.device = routing.device([local(p) for p in all_params])
+        self.overlap = options.overlap
+        self.bucket_bytes = int(options.bucket_mb * 2**20)
+        self.free_grads_after_copy = options.free_grads_after_copy
+        self.verify_grads = options.verify_grads
+        self._num_threads = options.num_threads
         self._last_threads = self._num_threads or self.device.default_num_threads()
         self._available = available_host_bytes
         self.recs: List[ParamRec] = []
-        self._by_param: Dict[torch.Tensor, ParamRec] = {}
         self.buckets: List[Bucket] = []           # replaced in place (the finalizer holds it)
         self._state_arenas: list = []
         self._transfer_arenas: list = []
@@ -106,10 +102,9 @@ class OffloadEngine:
         self._want_norms = False
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
-        self._worker = Worker(context=self.device.on_thread) if overlap else None
+        self._worker = Worker(context=self.device.on_thread) if self.overlap else None
         self.early = None
-        if step_in_backward:
-            from .engine_early import EarlyStart
+        if options.step_in_backward:
             self.early = EarlyStart(self, owner)
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
@@ -154,7 +149,6 @@ class OffloadEngine:
             for piece in rec.pieces:
                 piece.step_t = torch.zeros((), dtype=torch.float32)
             rec.step_t = rec.pieces[0].step_t
-            self._by_param[rec.param] = rec
             self._hook_grad(rec)
         known = [p.rec for b in self.buckets for p in b.pieces]
         order = list(dict.fromkeys(known)) + sorted(new, key=lambda r: -r.position)
@@ -329,10 +323,10 @@ class OffloadEngine:
             try:
                 with interrupts_deferred() as deferring:
                     for job, continues in jobs:
-                        self._run(job, continues)
-                    self._drain(finish=not deferring)  # all, or fewer after a second ^C
+                        self.run(job, continues)
+                    self.drain(finish=not deferring)  # all, or fewer after a second ^C
             finally:  # also after an error: what was queued must land before reads
-                self.device.publish([t for b in self.buckets for t in b.h2d])
+                self.publish_h2d()
                 if self.early is not None:
                     self.early.new_iteration()
                 # Like torch's in-place step: autograd must see that the params
@@ -343,6 +337,11 @@ class OffloadEngine:
         self._profile.exposed_s = time.perf_counter() - t_enter
         self._last_profile, self._profile = self._profile, StepProfile()
 
+    @property
+    def order_learned(self) -> bool:
+        """Whether the buckets are in hook order (learned from the first backward)."""
+        return self._hook_order is None
+
     def _learn_bucket_order(self) -> None:
         """The first step after a backward with hooks: buckets in hook order."""
         if self._hook_order:
@@ -352,19 +351,22 @@ class OffloadEngine:
             self._rebucket(order)
 
     def _plan(self, param_groups, state, grad_scale, fence) -> list:
-        """The bucket jobs of this step (closures for the worker)."""
+        """The bucket jobs of this step ((BucketJob or its write_back, continues)
+        for the worker), and the recs taking part."""
         checks: Dict[int, object] = {}
         ready = self.ready_grads(checks)
         grad_scale *= _factor_of(ready)
         early = self.early.stepped() if self.early is not None else set()
         self.bind_state(ready, param_groups, state)
         take = {id(r) for r in ready}
-        threads, jobs = self.threads(), []
+        threads = self.threads()
+        hypers: Dict[int, Hyper] = {}   # one per group per step
+        written = {job.bucket.index: job for job in self.stepped_jobs(early, fence)}
+        jobs = []
         for b in self.buckets:
-            done = [p for p in b.pieces if id(p) in early]
+            if b.index in written:  # stepped during backward: only its params to write
+                jobs.append((written[b.index].write_back, False))
             todo = [p for p in b.pieces if id(p.rec) in take and id(p) not in early]
-            if done:  # stepped during backward: only its params to write
-                jobs.append((lambda b=b, done=done: self._write_back(b, done, fence), False))
             if todo:
                 group = param_groups[b.group]
                 if group.get("state_dtype", "float32") != todo[0].rec.fmt.name:
@@ -373,11 +375,28 @@ class OffloadEngine:
                         f"{todo[0].rec.fmt.name!r} to {group.get('state_dtype')!r} after the "
                         "optimizer was built; the offloaded state keeps its format: build a "
                         "new optimizer (load_state_dict converts a saved state)")
-                hyper = Hyper.of(group)
-                jobs.append((lambda b=b, todo=todo, hyper=hyper: self.bucket_job(
-                    b, todo, hyper, grad_scale, threads, fence, checks.get(b.index)),
-                    todo[0].start > 0))
+                if b.group not in hypers:
+                    hypers[b.group] = Hyper.of(group)
+                job = self.bucket_job(b, todo, hypers[b.group], grad_scale, threads, fence,
+                                      checks.get(b.index))
+                jobs.append((job, todo[0].start > 0))
         return jobs, ready
+
+    def bucket_job(self, bucket: Bucket, pieces: List[Piece], hyper: Optional[Hyper] = None,
+                   grad_scale: float = 1.0, threads: Optional[int] = None, fence=None,
+                   check=None) -> "BucketJob":
+        """The job that steps `pieces` of `bucket` (step 4, below)."""
+        return BucketJob(self, bucket, pieces, hyper, grad_scale, threads, fence, check)
+
+    def stepped_jobs(self, stepped: set, fence) -> List["BucketJob"]:
+        """The jobs that write back the pieces (ids in `stepped`) whose kernel
+        already ran (step_in_backward): write_back() only."""
+        jobs = []
+        for b in self.buckets:
+            done = [p for p in b.pieces if id(p) in stepped]
+            if done:
+                jobs.append(self.bucket_job(b, done, fence=fence))
+        return jobs
 
     def ready_grads(self, checks: Optional[dict] = None) -> List[ParamRec]:
         """The recs taking part in this step, each with a copy of its current
@@ -423,43 +442,9 @@ class OffloadEngine:
     def _allocate_state(self, recs, roles) -> None:
         self._state_arenas.append(allocate_state(recs, self.device, self._available, roles))
 
-    # ---- 4. the bucket job (worker thread) ------------------------------------------
-
-    def bucket_job(self, bucket: Bucket, pieces: List[Piece], hyper: Hyper, grad_scale: float,
-                   threads: int, fence, check=None, write: bool = True) -> None:
-        dev = self.device
-        self._redo(check)
-        copies = {id(p.rec): p.rec.copy for p in pieces}.values()
-        if any(c.unsent for c in copies):  # a pack not flushed: a bug, never a wrong step
-            raise RuntimeError("offload_adam: internal error: a bucket's step started "
-                               "before all of its grads were sent to the host")
-        dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
-        dev.wait_host(*bucket.h2d)                     # its buffers are free again
-        bucket.h2d = []
-        blockwise = pieces[0].rec.fmt.blockwise
-        t0 = time.perf_counter()
-        adam_step([p.state("master") for p in pieces], [p.grad for p in pieces],
-                  [p.state("exp_avg") for p in pieces], [p.state("exp_avg_sq") for p in pieces],
-                  [p.state("max_exp_avg_sq") for p in pieces] if hyper.amsgrad else [],
-                  [p.staging for p in pieces] if bucket.low_precision else [],
-                  [p.step_t for p in pieces], hyper, grad_scale, threads,
-                  [p.state("exp_avg_scale") for p in pieces] if blockwise else [],
-                  [p.state("exp_avg_sq_scale") for p in pieces] if blockwise else [],
-                  [p.start for p in pieces])
-        self._profile.add_cpu(bucket.index, t0, time.perf_counter())
-        if write:
-            self._write_back(bucket, pieces, fence)
-
-    def _write_back(self, bucket: Bucket, pieces: List[Piece], fence) -> None:
-        """Queues the copies of the stepped values into the params (H2D)."""
-        srcs = [p.staging if p.rec.low_precision else p.state("master") for p in pieces]
-        dsts = [p.of(p.rec.live()) for p in pieces]
-        packed = [i for i, p in enumerate(pieces) if p.packed]
-        sends = [[i] for i, p in enumerate(pieces) if not p.packed] + ([packed] if packed else [])
-        for idx in sends:
-            t = self.device.h2d([dsts[i] for i in idx], [srcs[i] for i in idx], fence)
-            bucket.h2d.append(t)
-            self._profile.add_h2d(bucket.index, t)
+    def publish_h2d(self) -> None:
+        """Step 5: the user's stream waits for every queued H2D copy."""
+        self.device.publish([t for b in self.buckets for t in b.h2d])
 
     # ---- after the step -----------------------------------------------------------------
 
@@ -471,11 +456,13 @@ class OffloadEngine:
                 if is_freed(rec.param.grad):
                     rec.param.grad = None
 
-    def _drain(self, finish: bool = False) -> None:
+    def drain(self, finish: bool = False) -> None:
+        """Waits for the jobs queued on the worker (raises what one raised)."""
         if self._worker is not None:
             self._worker.drain(finish)
 
-    def _run(self, job, continues: bool = False) -> None:
+    def run(self, job, continues: bool = False) -> None:
+        """Runs `job` on the worker thread (inline without overlap)."""
         if self._worker is not None:
             self._worker.submit(job, continues)
         else:
@@ -490,7 +477,7 @@ class OffloadEngine:
         """(param, sum of squares of its current grad) for each param with a
         grad (inf/NaN propagate), from the host copies: no second transfer and
         no GPU work. A DTensor's: of its local shard."""
-        self._drain()
+        self.drain()
         self._want_norms = self.overlap  # from now on, computed while streaming
         with torch.no_grad():
             self._end_backward()
@@ -535,6 +522,64 @@ class OffloadEngine:
         self._end_backward()
         for rec in self.recs:
             rec.freed = False
+
+
+# ---- 4. the bucket job (worker thread) ------------------------------------------------
+
+class BucketJob:
+    """One bucket's step, the unit the worker runs: kernel() waits for its
+    fingerprint check (copying again what changed), its grads' D2H copies and
+    its last H2D copies (its buffers are free again), then runs the fused Adam
+    step on `pieces`; write_back() queues the H2D copies of the stepped values
+    into the params, after `fence`. Called, it does both. step() builds one per
+    bucket; step_in_backward runs kernel() during backward, and its write-back
+    comes from step() or from EarlyStart.commit (OffloadEngine.stepped_jobs)."""
+
+    def __init__(self, engine: OffloadEngine, bucket: Bucket, pieces: List[Piece],
+                 hyper: Optional[Hyper] = None, grad_scale: float = 1.0,
+                 threads: Optional[int] = None, fence=None, check=None):
+        self.engine, self.bucket, self.pieces = engine, bucket, pieces
+        self.hyper, self.grad_scale, self.threads = hyper, grad_scale, threads
+        self.fence, self.check = fence, check
+
+    def __call__(self) -> None:
+        self.kernel()
+        self.write_back()
+
+    def kernel(self) -> None:
+        engine, bucket, pieces, hyper = self.engine, self.bucket, self.pieces, self.hyper
+        dev = engine.device
+        engine._redo(self.check)
+        copies = {id(p.rec): p.rec.copy for p in pieces}.values()
+        if any(c.unsent for c in copies):  # a pack not flushed: a bug, never a wrong step
+            raise RuntimeError("offload_adam: internal error: a bucket's step started "
+                               "before all of its grads were sent to the host")
+        dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
+        dev.wait_host(*bucket.h2d)                     # its buffers are free again
+        bucket.h2d = []
+        blockwise = pieces[0].rec.fmt.blockwise
+        t0 = time.perf_counter()
+        adam_step([p.state("master") for p in pieces], [p.grad for p in pieces],
+                  [p.state("exp_avg") for p in pieces], [p.state("exp_avg_sq") for p in pieces],
+                  [p.state("max_exp_avg_sq") for p in pieces] if hyper.amsgrad else [],
+                  [p.staging for p in pieces] if bucket.low_precision else [],
+                  [p.step_t for p in pieces], hyper, self.grad_scale, self.threads,
+                  [p.state("exp_avg_scale") for p in pieces] if blockwise else [],
+                  [p.state("exp_avg_sq_scale") for p in pieces] if blockwise else [],
+                  [p.start for p in pieces])
+        engine._profile.add_cpu(bucket.index, t0, time.perf_counter())
+
+    def write_back(self) -> None:
+        """Queues the copies of the stepped values into the params (H2D)."""
+        engine, bucket, pieces = self.engine, self.bucket, self.pieces
+        srcs = [p.staging if p.rec.low_precision else p.state("master") for p in pieces]
+        dsts = [p.of(p.rec.live()) for p in pieces]
+        packed = [i for i, p in enumerate(pieces) if p.packed]
+        sends = [[i] for i, p in enumerate(pieces) if not p.packed] + ([packed] if packed else [])
+        for idx in sends:
+            t = engine.device.h2d([dsts[i] for i in idx], [srcs[i] for i in idx], self.fence)
+            bucket.h2d.append(t)
+            engine._profile.add_h2d(bucket.index, t)
 
 
 class _FreedHost:

@@ -29,7 +29,7 @@ A list of many small tensors is one copy through a temporary on the device (a
 gather before D2H, a scatter after H2D), so that norms and biases do not cost a
 DMA each; the host side of such a list must be views of one buffer.
 
-The rules the engine follows (checked by engine_device_sim.AsyncSimDevice on
+The rules the engine follows (checked by offload_adam.testing's AsyncSimDevice on
 CPU, and by compute-sanitizer on a GPU):
   * the host touches a host buffer only after `wait_host` on every copy that
     uses it (a D2H destination before reading it; an H2D source before
@@ -45,7 +45,8 @@ CPU, and by compute-sanitizer on a GPU):
 
 Implementations: `HostDevice` (CPU params: every copy is a plain copy, done on
 the spot), `CudaDevice` (the only code that touches streams and events) and,
-for tests, `engine_device_sim.AsyncSimDevice`, selected with `simulated()`.
+for tests, offload_adam.testing's AsyncSimDevice, put in for the host with
+`host_stand_in()` (offload_adam.testing.simulated).
 """
 
 from __future__ import annotations
@@ -285,23 +286,24 @@ class CudaDevice:
 
 # ---- choosing the device ------------------------------------------------------------
 
-_simulated: list = []  # the AsyncSimDevice of the innermost simulated() block
+_host_stand_ins: list = []  # pushed by host_stand_in(), innermost last
 
 
 @contextlib.contextmanager
-def simulated(device) -> Iterator[Any]:
-    """Inside this block, optimizers built for CPU params step them the way they
-    step CUDA params (every param in the engine, every transfer through
-    `device`, an engine_device_sim.AsyncSimDevice): the GPU's path, on CPU."""
-    _simulated.append(device)
+def host_stand_in(device) -> Iterator[Any]:
+    """The seam for test support (offload_adam.testing.simulated): optimizers
+    built inside this block route every CPU param to the engine and move it
+    through `device` (None: the normal choice, even inside an outer block)."""
+    _host_stand_ins.append(device)
     try:
         yield device
     finally:
-        _simulated.pop()
+        _host_stand_ins.pop()
 
 
-def simulating() -> bool:
-    return bool(_simulated)
+def current_host_stand_in():
+    """The device of the innermost host_stand_in() block, or None."""
+    return _host_stand_ins[-1] if _host_stand_ins else None
 
 
 def device_for(params) -> torch.device:
@@ -317,10 +319,35 @@ def device_for(params) -> torch.device:
     return device
 
 
-def make_device(device: torch.device):
+def make_device(device: torch.device, stand_in=None):
+    """The device interface for params on `device`; for CPU params `stand_in`
+    when given (test support's simulated device), else HostDevice."""
     if device.type == "cpu":
-        return _simulated[-1] if _simulated else HostDevice(device)
+        return stand_in if stand_in is not None else HostDevice(device)
     if device.type == "cuda":
         return CudaDevice(device)
     raise ValueError(f"offload_adam: params on {device} are not supported "
                      "(cpu and cuda are)")
+
+
+class Routing:
+    """Which params the engine steps, and the device it moves them through:
+    decided once, when an optimizer is built (`pipeline`: step_in_backward or
+    free_grads_after_copy, the options that need the engine's pipeline)."""
+
+    def __init__(self, pipeline: bool):
+        self.pipeline = bool(pipeline)
+        self.stand_in = current_host_stand_in()
+
+    def in_engine(self, p) -> bool:
+        """True for the offload engine, False for in place on the CPU (inplace.py)."""
+        if p.device.type != "cpu" or self.stand_in is not None:
+            return True
+        return self.pipeline and p.dtype is not torch.float32
+
+    def in_place(self, p) -> bool:
+        return not self.in_engine(p)
+
+    def device(self, params):
+        """The device interface for the engine's `params` (all on one device)."""
+        return make_device(device_for(params), self.stand_in)

@@ -13,7 +13,7 @@ from . import contenders as C
 from .data import MarkovTokens
 from .model import GPTConfig
 from .progress import Progress
-from .machine import load_average, machine_info
+from ..machine import load_average, machine_info
 from .report import SCHEMA, add_exposed, check_losses
 from .runner import RunSettings, run_contender
 from .sweep import largest_trainable, size_family

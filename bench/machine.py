@@ -1,6 +1,6 @@
 """The machine a benchmark ran on, described once for every benchmark of the project.
 
-The end-to-end benchmark (python -m offload_adam.bench) writes `machine_info()` into its JSON, and
+The end-to-end benchmark (python -m bench.e2e) writes `machine_info()` into its JSON, and
 the microbenchmarks in bench/ (step, transfer, early start) print `one_line()` of it and store it the
 same way, so numbers from any of them say where they come from in the same words: CPU model, cores
 usable, memory, ISA flags, the kernel variant, torch, the GPU, and how busy the machine was.

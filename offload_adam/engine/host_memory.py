@@ -65,7 +65,7 @@ class HostArenas:
     release() unpins (the device must have no copy in flight on them)."""
 
     def __init__(self, device):
-        self.device = device  # pins and unpins (engine_device)
+        self.device = device  # pins and unpins (device.py)
         self._sizes: Dict[str, Tuple[torch.dtype, int]] = {}
         self._arenas: Dict[str, torch.Tensor] = {}
         self._pinned: List[torch.Tensor] = []

@@ -1,4 +1,4 @@
-"""The end-to-end training benchmark: `python -m offload_adam.bench` (see __main__.py and benchmark.py).
+"""The end-to-end training benchmark: `python -m bench.e2e` (see __main__.py and benchmark.py).
 
 Files: model.py (the GPT-style decoder), data.py (synthetic learnable tokens), contenders.py (the
 optimizers compared), runner.py (one training run, measured), timing.py (the iteration split),

@@ -1,6 +1,6 @@
 """An adversarial asynchronous device for CPU tensors: CUDA's stream rules, checked.
 
-The offload engine talks to its device through the interface of engine_device.py
+The offload engine talks to its device through the interface of engine/device.py
 (d2h, h2d, fence, wait_host, publish, fetch, pin/unpin). On a GPU, a mistake in
 how it orders copies (a missing wait, a missing fence, a buffer reused while a
 copy still reads it) gives wrong numbers only now and then. This device runs the
@@ -45,8 +45,9 @@ CUDA leaves to the programmer:
 
 Every violation is recorded with a message; `check()` raises them (tests call
 it at the end of each test). The engine cannot tell this device from a GPU: it
-is selected with `engine_device.simulated(...)`, which makes the optimizer hand
-every CPU param (fp32 included) to the engine, as it does CUDA params.
+is selected with `offload_adam.testing.simulated(...)`, which makes the
+optimizers built inside it hand every CPU param (fp32 included) to the engine,
+as they do CUDA params.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .distributed import local
-from .engine_device import Transfer, as_list
+from ..distributed import local
+from ..engine.device import Transfer, as_list
 
 _local = threading.local()  # .inside: the device's own ops (not checked)
 
@@ -191,7 +192,7 @@ class _Stream:
 
 
 class AsyncSimDevice:
-    """The device interface of engine_device.py on CPU tensors, asynchronous
+    """The device interface of engine/device.py on CPU tensors, asynchronous
     and checked (see the module docstring).
 
     seed: the random delays. latency: "random" (most copies run after up to

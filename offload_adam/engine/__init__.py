@@ -1,0 +1,15 @@
+"""The offload engine: fp32 master weights and Adam moments in (pinned) host
+memory, grads streamed to the host during backward, params streamed back.
+
+Read in data order: core.py (the engine, the pipeline from hook to publish),
+then its parts: layout.py (pieces, buckets, host buffers), grads.py (one record
+per grad copy, fingerprints), early.py (step_in_backward), state.py (the state
+dict's views), device.py (the device interface and its rules; CudaDevice; which
+params the engine takes), host_memory.py (pinned arenas), worker.py (the worker
+thread, Ctrl-C), profile.py (the per-step profile).
+"""
+
+from .core import OffloadEngine
+from .device import Routing
+
+__all__ = ["OffloadEngine", "Routing"]

@@ -1,0 +1,118 @@
+"""The optimizer's options beyond torch's: one record, checked when it is built,
+for every path (in place and the offload engine alike). Each option is
+documented here and nowhere else.
+
+  overlap (True): copy each grad to the host as backward produces it; with
+    False everything happens inside step(). Both give the same results.
+  bucket_mb (32): size of the buckets the engine steps and transfers at once.
+  free_grads_after_copy (False): drop each grad (p.grad = None) as soon as it
+    is on the host, to save device memory. Then code between backward and
+    step() must not read or change p.grad (clip with opt.clip_grad_norm_), and
+    grads cannot be accumulated over micro-batches (an error says so).
+    Needs overlap=True.
+  num_threads (None): kernel threads, for every param; None =
+    torch.get_num_threads(), minus one for CUDA params (the thread driving the
+    GPU keeps a core).
+  max_grad_norm (None): clip the grads' total 2-norm to this in every step,
+    inside the kernel (no pass over the grads on the device). For DTensor
+    params (FSDP2) the norm over all shards (distributed.py).
+  process_group (None): for params sharded by hand (plain tensors, each rank a
+    part), the group over which the clipping norm is summed. Not pickled.
+  verify_grads (True): a grad copied to the host before step() (during
+    backward, or by opt.clip_grad_norm_) is checked at its next use against a
+    fingerprint taken when it was copied, so that in-place changes that leave
+    its version counter alone (p.grad.data edits, GradScaler.unscale_) are
+    copied again instead of missed. Costs two passes over the grads on the
+    device per step (at the copy, and at reuse in step()), ~12 ms per billion
+    params each on an H100 (estimated); turn it off only if nothing edits
+    grads behind their version counters. (CPU params stepped in place need no
+    check: the kernel reads p.grad.)
+  step_in_backward (False): start each bucket's CPU step during backward, as
+    soon as every param of it that got a grad in the previous backward has its
+    grad on the host (from the second step on), instead of at step(). Needs
+    overlap=True; max_grad_norm= cannot be used with it. Exact only when
+    nothing changes between backward and step(), so the following raise
+    RuntimeError (at step(), zero_grad() or the hook, as noted): editing,
+    replacing, dropping, clipping (torch.nn.utils.clip_grad_norm_,
+    opt.clip_grad_norm_) or scaling a stepped grad; GradScaler; changing lr or
+    another hyperparameter (an LR scheduler stepped before opt.step());
+    load_state_dict; zero_grad() before step(); a second backward into a
+    stepped param (accumulation, raised from backward()). There is no undo:
+    after such an error the params already stepped in backward stay stepped
+    (param, master, moments and step agree) and the others are not, and the
+    message says so. The default is False because it is exact in every case.
+
+The state format is a param-group key, not an option of this record:
+  state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
+    torch.float32 (12 B/param with the fp32 master), torch.bfloat16 (8 B;
+    exp_avg rounded to nearest, exp_avg_sq stochastically) or "8bit" (~6 B:
+    blockwise uint8 codes with an fp32 scale per 256 elements; no amsgrad).
+    The master stays fp32. Fewer bytes is a faster CPU step (it is bound by
+    memory bandwidth) and a larger model in the same RAM. state_dict() saves
+    the moments as stored; state_dict(fp32_moments=True) as fp32, loadable
+    into torch.optim.AdamW. See state_format.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+# The options that copy grads during backward, and why each needs overlap=True.
+_NEEDS_OVERLAP = {
+    "step_in_backward": "the step starts from the grads copied during backward",
+    "free_grads_after_copy": "grads are freed as they are copied during backward",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of the module docstring, checked at construction."""
+
+    overlap: bool = True
+    bucket_mb: float = 32.0
+    free_grads_after_copy: bool = False
+    num_threads: Optional[int] = None
+    max_grad_norm: Optional[float] = None
+    process_group: Any = None
+    verify_grads: bool = True
+    step_in_backward: bool = False
+
+    def __post_init__(self):
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"Invalid max_grad_norm: {self.max_grad_norm}")
+        for name, why in _NEEDS_OVERLAP.items():
+            if getattr(self, name) and not self.overlap:
+                raise ValueError(f"{name}=True needs overlap=True ({why})")
+        if self.step_in_backward and self.max_grad_norm is not None:
+            raise ValueError(
+                "max_grad_norm= cannot be used with step_in_backward=True: clipping "
+                "needs the norm of all grads, known only after backward, and the "
+                "step starts during backward")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        if self.num_threads is not None and int(self.num_threads) < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        for name in ("overlap", "free_grads_after_copy", "verify_grads", "step_in_backward"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
+        if self.num_threads is not None:
+            object.__setattr__(self, "num_threads", int(self.num_threads))
+
+    @property
+    def needs_pipeline(self) -> bool:
+        """Options that only the engine's pipeline provides, for CPU params too."""
+        return self.step_in_backward or self.free_grads_after_copy
+
+    def replace(self, **changes) -> "Options":
+        """A copy with `changes`, checked again."""
+        return dataclasses.replace(self, **changes)
+
+    def __getstate__(self):
+        # A process group is not pickled.
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                "process_group": None}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            object.__setattr__(self, name, value)

@@ -1,0 +1,180 @@
+"""torch's state dict, kept as offload_adam stores it.
+
+The same keys as torch's optimizers, so a state dict moves between them both
+ways; what torch would do wrong to this state (round the fp32 master and
+moments of a bf16 param, garble 8-bit codes, copy an offloaded param's whole
+state to the GPU) is bypassed here. The optimizer class (optimizer.py) mixes
+this in; it provides `_engine`, `_params()`, `_in_engine(p)`,
+`_reset_caches()` and `_loaded_masters`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import distributed
+from .inplace import param_label
+from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format,
+                           stored_key, with_code_keys, with_float32_moments)
+
+# The state that bypasses torch's cast when loaded (load_state_dict).
+_HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY,)
+
+
+class TorchStateDict:
+    """state_dict and load_state_dict over torch.optim.Optimizer's."""
+
+    def state_dict(self, *, fp32_moments: bool = False):
+        """torch's state_dict. The moments are saved as stored (state_dtype): a
+        checkpoint resumes bit for bit. 8-bit codes are saved under their own
+        keys ("exp_avg_codes", "exp_avg_sq_codes", beside the scales), so that
+        torch's optimizers, which would take them for moments, fail on the
+        missing "exp_avg" instead of stepping garbage. fp32_moments=True gives
+        every moment as fp32 and drops the 8-bit scales: torch.optim.AdamW/Adam
+        load that.
+
+        The state of a DTensor param (FSDP2) is shown as DTensors of the param's
+        mesh and placements, as torch's optimizers keep it, so that
+        torch.distributed.checkpoint saves and reshards every rank's shard
+        (optimizer.state itself holds the local shard's tensors). Its 8-bit
+        moments are saved as fp32: their block scales are the local shard's."""
+        sd = super().state_dict()
+        params = self._params()
+        dtensor_ids = {i for g, group in zip(sd["param_groups"], self.param_groups)
+                       for i, p in zip(g["params"], group["params"]) if distributed.is_dtensor(p)}
+        if fp32_moments or dtensor_ids:
+            sd = {**sd, "state": {k: with_float32_moments(st)
+                                  if fp32_moments or (k in dtensor_ids and _has_scales(st)) else st
+                                  for k, st in sd["state"].items()}}
+        if dtensor_ids:
+            ids = [i for g in sd["param_groups"] for i in g["params"]]
+            sd["state"] = distributed.export_state(dict(zip(ids, params)), sd["state"])
+        if not fp32_moments:
+            sd = {**sd, "state": {k: with_code_keys(st) for k, st in sd["state"].items()}}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """torch's load_state_dict, keeping the state as it was saved.
+
+        torch casts every loaded state tensor to its param's dtype and device,
+        which would round the fp32 master and moments of a bf16 param, garble
+        8-bit codes and copy an offloaded param's whole state to the GPU. So the
+        moments, their scales and the master bypass it: torch loads the rest,
+        then they are put back (CPU copies, as saved) from the dict torch loaded
+        from (seen through a pre-hook registered last, so it is the dict after
+        the user's pre-hooks), matched to params the way torch matches them, and
+        converted to the optimizer's state format (its own state_dtype, whatever
+        the dict's: fp32 moments from torch, 8-bit codes...). Unlike torch's,
+        nothing loaded is shared
+        with the dict (not even "step"): loading a live optimizer's state_dict()
+        does not tie the two together. The state of a DTensor param is kept as
+        this rank's shard (distributed.local_value). A loaded master is checked
+        at the next step() against its param (`_drop_stale_masters`).
+        """
+        seen = {}
+
+        def capture(optimizer, sd):
+            self._check_loaded_shapes(sd)
+            seen["state_dict"] = sd
+            state = {k: ({key: v for key, v in st.items() if key not in _HEAVY}
+                         if isinstance(st, dict) else st)
+                     for k, st in sd["state"].items()}
+            return {**sd, "state": state}
+
+        handle = self.register_load_state_dict_pre_hook(capture)
+        formats = [g["state_dtype"] for g in self.param_groups]
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        # The state format is this optimizer's (how much memory it may use), not
+        # the checkpoint's: the loaded moments are converted to it.
+        for group, fmt in zip(self.param_groups, formats):
+            group["state_dtype"] = fmt
+        self._reset_caches()
+        for saved_id, p, group in self._loaded_params(seen["state_dict"]):
+            saved = seen["state_dict"]["state"].get(saved_id)
+            if saved is None:
+                continue
+            state = self.state[p]
+            local_p = distributed.local(p)
+            for saved_key in _HEAVY + ("step",):  # copies: the kernels update them in place
+                value, key = saved.get(saved_key), stored_key(saved_key)
+                if isinstance(value, torch.Tensor):
+                    if distributed.is_dtensor(p) and key in MOMENT_KEYS + (MASTER_KEY,):
+                        value = distributed.local_value(
+                            value, p, key, lambda: f"{saved_id} (shape {tuple(p.shape)})")
+                    state[key] = value.detach().to("cpu", copy=True).contiguous()
+            fmt = state_format(group["state_dtype"])
+            for key in MOMENT_KEYS:
+                if key in state:
+                    state.update(fmt.convert(state, key, local_p.shape, local_p.numel()))
+            fmt.drop_scales(state)
+            if MASTER_KEY in state:
+                if p.dtype is torch.float32 and not self._in_engine(p):
+                    del state[MASTER_KEY]  # the param is its own master
+                else:
+                    state[MASTER_KEY] = state[MASTER_KEY].to(torch.float32)
+                    self._loaded_masters.append(p)
+        early = self._engine.early if self._engine is not None else None
+        if early is not None:
+            # Its next steps start in backward: check now. (Loaded in the middle
+            # of an iteration, step() raises instead, leaving the state as loaded.)
+            if not early.stepped():
+                self._drop_stale_masters()
+            self._loaded_masters = []
+
+    def _drop_stale_masters(self):
+        """Drops each loaded fp32 master that no longer rounds to its param, so
+        that the param's master starts from the param. A dict that went through
+        torch's optimizer has one: torch keeps "master_param" as an unknown key
+        (cast to the param's dtype) and never updates it while its steps move
+        the param; restoring it would move the weights back. Checked at the
+        first step after loading, when the model is loaded too (in whichever
+        order the two were); with step_in_backward, whose steps start in the
+        next backward, at loading (load the model first)."""
+        for p in self._loaded_masters:
+            st = self.state.get(p)
+            master = st.get(MASTER_KEY) if st else None
+            if master is None:
+                continue
+            t = distributed.local(p).detach().to("cpu")
+            rounded = master.detach().to(t.dtype)   # an fp32 param's (engine) is itself
+            bits = torch.int16 if t.element_size() == 2 else torch.int32
+            same = (rounded.view(bits) == t.view(bits)) | (rounded.isnan() & t.isnan())
+            if not bool(same.all()):
+                del st[MASTER_KEY]
+        self._loaded_masters = []
+
+    def _loaded_params(self, state_dict):
+        """(saved id, param, its group): torch's own matching, in group order."""
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            for saved_id, p in zip(saved_group["params"], group["params"]):
+                yield saved_id, p, group
+
+    def _check_loaded_shapes(self, state_dict):
+        """Rejects state whose tensors do not fit their params (torch does not check)."""
+        for gi, (saved_group, group) in enumerate(zip(state_dict["param_groups"],
+                                                      self.param_groups)):
+            if len(saved_group["params"]) != len(group["params"]):
+                return  # torch raises its own error for this
+            for i, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
+                saved = state_dict["state"].get(saved_id)
+                if not isinstance(saved, dict):
+                    continue
+                for key, value in saved.items():
+                    if not isinstance(value, torch.Tensor) or key in SCALE_KEYS.values():
+                        continue
+                    expected = () if key == "step" else p.shape
+                    if key == "step" and value.numel() == 1:
+                        continue
+                    if value.shape != expected:
+                        raise ValueError(
+                            f"loaded optimizer state {key!r} for param "
+                            f"{param_label(group, gi, i, p)} has shape {tuple(value.shape)}, "
+                            f"expected {tuple(expected)}"
+                        )
+
+
+def _has_scales(st: dict) -> bool:
+    return any(key in st for key in SCALE_KEYS.values())
