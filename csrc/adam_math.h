@@ -134,6 +134,17 @@ struct Decays {
   float m, v;
 };
 
+// The stochastic-rounding bits of element k of a block (DITHER), or a half step
+// (round to nearest).
+struct Dither {
+  uint32_t index, key;  // the block's first element's index (low 32 bits), dither_bits' key
+};
+template <class V, bool DITHER>
+OA_INLINE V rounding_bits(const Dither& d, int64_t k) {
+  if constexpr (DITHER) return V::random_bits(d.index + static_cast<uint32_t>(k), d.key);
+  else return V::set1(float_of(0x80000000u));
+}
+
 struct NoScratch {};
 
 struct F32Moments {
@@ -164,15 +175,15 @@ struct Bf16Moments {
   uint16_t* m;
   uint16_t* v;
   uint16_t* vmax;
-  uint32_t index, key;  // stochastic rounding (dither_bits)
+  Dither dither;  // stochastic rounding of v (and vmax), from the chunk's first element
   Bf16Moments(const Chunk& c, Scratch&)
       : m(static_cast<uint16_t*>(c.exp_avg)), v(static_cast<uint16_t*>(c.exp_avg_sq)),
-        vmax(static_cast<uint16_t*>(c.max_exp_avg_sq)), index(c.index), key(c.dither_key) {}
+        vmax(static_cast<uint16_t*>(c.max_exp_avg_sq)), dither{c.index, c.dither_key} {}
 };
 inline Decays decays(const Bf16Moments&, const StepScalars& s) { return {s.beta1, s.beta2}; }
 // Element i's bits: dither_bits(index + i, key).
 template <class V> OA_INLINE V random_at(const Bf16Moments& s, int64_t i) {
-  return V::random_bits(s.index + static_cast<uint32_t>(i), s.key);
+  return rounding_bits<V, true>(s.dither, i);
 }
 template <class V> OA_INLINE V load_m(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.m + i); }
 template <class V> OA_INLINE V load_v(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.v + i); }
@@ -186,16 +197,6 @@ OA_INLINE void store_moments(const Bf16Moments& s, SegmentState<V>& st, int64_t 
   if constexpr (AMSGRAD) vmax.store_bf16_random(s.vmax + i, st.random);
 }
 
-// The stochastic-rounding bits of element k of a block (DITHER), or a half step
-// (round to nearest).
-struct Dither {
-  uint32_t index, key;  // the block's first element's index (low 32 bits), dither_bits' key
-};
-template <class V, bool DITHER>
-OA_INLINE V rounding_bits(const Dither& d, int64_t k) {
-  if constexpr (DITHER) return V::random_bits(d.index + static_cast<uint32_t>(k), d.key);
-  else return V::set1(float_of(0x80000000u));
-}
 // What the codes are rounded with: the lattice bits hashed (q8_hash), or the half step.
 template <class V, bool DITHER>
 OA_INLINE V code_bits(V lattice) {
@@ -252,12 +253,12 @@ struct Q8Moments {
   float* v_scale;
   float* m_new;      // the scratch buffer
   float* root_new;
-  uint32_t index, key;  // stochastic rounding of sqrt(v) (dither_bits)
+  Dither dither;     // stochastic rounding of sqrt(v), from the chunk's first element
   int64_t base = 0;  // the current block's first element (chunk-relative)
   float m_old = 0.0f, v_old = 0.0f;  // its scales as read
   Q8Moments(const Chunk& c, Scratch& scratch)
       : m(static_cast<uint8_t*>(c.exp_avg)), v(static_cast<uint8_t*>(c.exp_avg_sq)), m_scale(c.exp_avg_scale),
-        v_scale(c.exp_avg_sq_scale), m_new(scratch.m), root_new(scratch.root), index(c.index), key(c.dither_key) {}
+        v_scale(c.exp_avg_sq_scale), m_new(scratch.m), root_new(scratch.root), dither{c.index, c.dither_key} {}
 };
 inline void begin_segment(Q8Moments& s, int64_t b0) {
   s.base = b0;
@@ -290,7 +291,7 @@ template <class V>
 OA_INLINE void end_segment(const Q8Moments& s, int64_t b0, int64_t n, const SegmentState<ScalarVec>& st) {
   const int64_t block = b0 / kQuantBlock;
   encode_block<V, true, false>(s.m_new, n, st.m.v, s.m + b0, s.m_scale + block, Dither{});
-  const Dither d{s.index + static_cast<uint32_t>(b0), s.key};
+  const Dither d{s.dither.index + static_cast<uint32_t>(b0), s.dither.key};
   encode_block<V, false, true>(s.root_new, n, st.root.v, s.v + b0, s.v_scale + block, d);
 }
 // fp32 and bf16 have nothing to do between segments.
@@ -401,62 +402,71 @@ void adam_chunk(const Chunk& chunk, const StepScalars& scalars) {
 // format: the loaded values only permuted and xor-ed so that no load or store can be
 // optimised away, 16-bit values narrowed by truncation, 8-bit codes and block scales
 // swapped between the two moments. Its time is what moving the bytes alone costs.
-template <class V, StateDType S, int G, int LP, bool NT>
-inline void stream_elements(const Chunk& c, int64_t i) {
-  const V g = load_grad<V, G>(c.grad, i);
-  const V p = V::load(c.param + i);
-  V p_new = p;
-  if constexpr (S == StateDType::f32) {
-    float* m = static_cast<float*>(c.exp_avg);
-    float* v = static_cast<float*>(c.exp_avg_sq);
-    const V mv = V::load(m + i);
-    p_new = V::bit_xor(V::load(v + i), g);
-    p.store(m + i);
-    mv.store(v + i);
-  } else if constexpr (S == StateDType::bf16) {
-    uint16_t* m = static_cast<uint16_t*>(c.exp_avg);
-    uint16_t* v = static_cast<uint16_t*>(c.exp_avg_sq);
-    const V mv = V::load_bf16(m + i);
-    p_new = V::bit_xor(V::load_bf16(v + i), g);
-    p.template store_bf16_truncated<false>(m + i);
-    mv.template store_bf16_truncated<false>(v + i);
-  } else {
-    uint8_t* m = static_cast<uint8_t*>(c.exp_avg) + i;
-    uint8_t* v = static_cast<uint8_t*>(c.exp_avg_sq) + i;
-    uint8_t mb[V::width], vb[V::width];
-    std::memcpy(mb, m, sizeof mb);
-    std::memcpy(vb, v, sizeof vb);
-    std::memcpy(m, vb, sizeof vb);
-    std::memcpy(v, mb, sizeof mb);
-    p_new = V::bit_xor(p, g);
+
+// A format's moment traffic, given the vector's param p and grad g: loads m and v, stores
+// values derived from p and the loaded m, and returns what stands for the new param.
+template <class V>
+OA_INLINE V stream_moments(const F32Moments& s, int64_t i, V p, V g) {
+  const V mv = V::load(s.m + i);
+  const V p_new = V::bit_xor(V::load(s.v + i), g);
+  p.store(s.m + i);
+  mv.store(s.v + i);
+  return p_new;
+}
+template <class V>
+OA_INLINE V stream_moments(const Bf16Moments& s, int64_t i, V p, V g) {
+  const V mv = V::load_bf16(s.m + i);
+  const V p_new = V::bit_xor(V::load_bf16(s.v + i), g);
+  p.template store_bf16_truncated<false>(s.m + i);
+  mv.template store_bf16_truncated<false>(s.v + i);
+  return p_new;
+}
+template <class V>
+OA_INLINE V stream_moments(const Q8Moments& s, int64_t i, V p, V g) {  // the codes swapped
+  uint8_t mb[V::width], vb[V::width];
+  std::memcpy(mb, s.m + i, sizeof mb);
+  std::memcpy(vb, s.v + i, sizeof vb);
+  std::memcpy(s.m + i, vb, sizeof vb);
+  std::memcpy(s.v + i, mb, sizeof mb);
+  return V::bit_xor(p, g);
+}
+// And once per chunk: q8's block scales swapped (read and written once each).
+inline void stream_scales(const Q8Moments& s, int64_t n) {
+  for (int64_t b = 0; b < quant_blocks(n); ++b) {
+    const float t = s.m_scale[b];
+    s.m_scale[b] = s.v_scale[b];
+    s.v_scale[b] = t;
   }
+}
+template <class M> void stream_scales(const M&, int64_t) {}
+
+template <class V, int G, int LP, bool NT, class M>
+OA_INLINE void stream_elements(const Chunk& c, const M& mom, int64_t i) {
+  const V p_new = stream_moments<V>(mom, i, V::load(c.param + i), load_grad<V, G>(c.grad, i));
   p_new.store(c.param + i);
   if constexpr (LP == 1) p_new.template store_bf16_truncated<NT>(static_cast<uint16_t*>(c.param_lp) + i);
   else if constexpr (LP == 2) p_new.template store_f16<NT>(static_cast<uint16_t*>(c.param_lp) + i);
 }
 
-template <class V, StateDType S, int G, int LP, bool NT>
-void stream_range(const Chunk& c) {
+template <class V, int G, int LP, bool NT, class M>
+void stream_range(const Chunk& c, const M& mom) {
   int64_t i = 0;
-  for (; i + V::width <= c.n; i += V::width) stream_elements<V, S, G, LP, NT>(c, i);
-  for (; i < c.n; ++i) stream_elements<ScalarVec, S, G, LP, NT>(c, i);
+  for (; i + V::width <= c.n; i += V::width) stream_elements<V, G, LP, NT>(c, mom, i);
+  for (; i < c.n; ++i) stream_elements<ScalarVec, G, LP, NT>(c, mom, i);
 }
 
 template <class V, StateDType S, int G, int LP>
 void stream_chunk(const Chunk& c) {
+  using M = typename MomentsFor<S>::type;
+  typename M::Scratch scratch;  // unused: the limit has no blocks to code
+  const M mom(c, scratch);
   if (LP != 0 && can_stream<V>(c.param_lp)) {  // the same store policy as adam_chunk
-    stream_range<V, S, G, LP, true>(c);
+    stream_range<V, G, LP, true>(c, mom);
     V::fence();
   } else {
-    stream_range<V, S, G, LP, false>(c);
+    stream_range<V, G, LP, false>(c, mom);
   }
-  if constexpr (S == StateDType::q8) {
-    for (int64_t b = 0; b < quant_blocks(c.n); ++b) {
-      const float t = c.exp_avg_scale[b];
-      c.exp_avg_scale[b] = c.exp_avg_sq_scale[b];
-      c.exp_avg_sq_scale[b] = t;
-    }
-  }
+  stream_scales(mom, c.n);
 }
 
 // ---- q8 <-> fp32 (checkpoints, another optimizer's state) --------------------------

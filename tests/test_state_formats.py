@@ -351,6 +351,37 @@ def test_ranges_get_the_bits_of_the_whole(kernels):
         assert torch.equal(a, b)
 
 
+def bf16_truncated(x):
+    """fp32 -> bf16 by dropping the low 16 bits (what the streaming limit stores)."""
+    return (x.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q8"])
+def test_stream_limit_moves_every_byte_of_its_format(kernels, fmt):
+    """The streaming limit (the benchmarks' yardstick) reads and writes each format's whole state: m takes
+    the param, v the old m (q8: the codes and the block scales swap), the param becomes old v xor grad
+    (q8: param xor grad), the bf16 copy its truncation. A load or store it skipped would fail here."""
+    gen = torch.Generator().manual_seed(10)
+    n = 2 * 32768 + 300   # two chunks and a tail
+    s = State(fmt, n, gen)
+    kernel_step(kernels, s, torch.randn(n, generator=gen))   # nonzero moments and scales
+    old, grad = s.clone(), torch.randn(n, generator=gen)
+    lp = torch.empty(n, dtype=torch.bfloat16)
+    kernels.stream_limit([s.p], [grad], [s.m], [s.v], [lp], 2, **s.scales())
+    if fmt == "q8":
+        assert torch.equal(s.m, old.v) and torch.equal(s.v, old.m)
+        assert torch.equal(s.ms, old.vs) and torch.equal(s.vs, old.ms)
+        p_bits = old.p.view(torch.int32) ^ grad.view(torch.int32)
+    else:
+        want_m = old.p if fmt == "f32" else bf16_truncated(old.p)
+        assert torch.equal(s.m.view(torch.int16 if fmt == "bf16" else torch.int32),
+                           want_m.view(torch.int16 if fmt == "bf16" else torch.int32))
+        assert torch.equal(s.v, old.m)
+        p_bits = old.v.float().view(torch.int32) ^ grad.view(torch.int32)
+    assert torch.equal(s.p.view(torch.int32), p_bits)
+    assert torch.equal(lp.view(torch.int16), bf16_truncated(s.p).view(torch.int16))
+
+
 # ---- bad input ------------------------------------------------------------------
 
 def call(K, fmt="q8", n=300, **over):
