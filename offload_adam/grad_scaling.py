@@ -35,9 +35,12 @@ class GradScaling:
         accumulation; inf/NaN propagate."""
         sums = self._engine.grad_sq_sums() if self._engine is not None else []
         pairs = self._inplace.grads(self.param_groups)
-        if pairs:
-            grads = [g if g.is_contiguous() else g.contiguous() for _, g in pairs]
-            sums += zip([p for p, _ in pairs], grad_sq_sums(grads, self._inplace_threads()))
+        by_dtype = {}   # one kernel call per grad dtype (fp32 and bf16 params in one group)
+        for p, g in pairs:
+            by_dtype.setdefault(g.dtype, []).append((p, g))
+        for same in by_dtype.values():
+            grads = [g if g.is_contiguous() else g.contiguous() for _, g in same]
+            sums += zip([p for p, _ in same], grad_sq_sums(grads, self._inplace_threads()))
         total = distributed.global_sq_sum(sums, self._params(), self._options.process_group)
         return math.sqrt(total)
 
