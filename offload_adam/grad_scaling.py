@@ -11,7 +11,7 @@ multiplies it by one factor, folded into its single pass:
     (engine) and of the in-place params' grads, never by a pass over the grads
     on the device.
 The optimizer class (optimizer.py) mixes this in; it provides `_engine`,
-`_inplace`, `_options`, `_params()` and `_inplace_threads()`.
+`_inplace`, `_nvme`, `_options`, `_params()` and `_inplace_threads()`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ class GradScaling:
         accumulation; inf/NaN propagate."""
         sums = self._engine.grad_sq_sums() if self._engine is not None else []
         pairs = self._inplace.grads(self.param_groups)
+        if self._nvme is not None:
+            pairs += self._nvme.grads()
         by_dtype = {}   # one kernel call per grad dtype (fp32 and bf16 params in one group)
         for p, g in pairs:
             by_dtype.setdefault(g.dtype, []).append((p, g))
