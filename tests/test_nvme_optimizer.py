@@ -120,6 +120,8 @@ def test_state_dict_is_backed_by_the_files(kernels, tmp_path):
             for b in disk._nvme.pipeline.buffers]
     for t in st[1].values():
         assert not any(lo <= t.data_ptr() < hi for lo, hi in ring)
+    fp32 = disk.state_dict(fp32_moments=True)["state"][1]   # torch's format, decoded
+    assert fp32["exp_avg"].dtype is torch.float32 and "exp_avg_scale" not in fp32
     before = st[1]["master_param"].clone()
     st[1]["master_param"].add_(1)
     assert torch.equal(disk.state_dict()["state"][1]["master_param"], before)
@@ -258,3 +260,33 @@ def test_casting_the_model_after_building_is_refused_before_any_change(kernels, 
         opt.step()
     assert all(torch.equal(p.detach().to(b.dtype), b) for p, b in zip(ps, before))
     assert opt._nvme.state.step == 1
+
+
+def test_a_full_disk_mid_step_raises_and_keeps_the_last_completed_state(kernels, tmp_path,
+                                                                        monkeypatch):
+    import errno
+
+    from offload_adam.nvme import NvmeError, direct_io
+    ps = make_params()
+    opt = offload_adam.AdamW(groups(ps), state_dtype="bfloat16", state_dirs=tmp_path, **NVME)
+    train(opt, ps, 0, 2)
+    before = opt.state_dict()
+    before = {i: {k: v.clone() for k, v in st.items()} for i, st in before["state"].items()}
+    writes, real = [], direct_io._write
+
+    def full_on_third(fd, view, offset):
+        writes.append(offset)
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, view, offset)
+    monkeypatch.setattr(direct_io, "_write", full_on_third)
+    with pytest.raises(NvmeError, match=r"the disk is full\)\. The state of step 2 \(the last "
+                                        r"completed one\) is intact"):
+        train(opt, ps, 2, 1)
+    after = opt.state_dict()["state"]
+    assert opt._nvme.state.step == 2 and after.keys() == before.keys()
+    assert all(torch.equal(bits(after[i][k]), bits(v))
+               for i in before for k, v in before[i].items())
+    monkeypatch.undo()
+    train(opt, ps, 3, 1)   # the disk has room again: the optimizer goes on
+    assert opt._nvme.state.step == 3
