@@ -290,3 +290,20 @@ def test_a_full_disk_mid_step_raises_and_keeps_the_last_completed_state(kernels,
     monkeypatch.undo()
     train(opt, ps, 3, 1)   # the disk has room again: the optimizer goes on
     assert opt._nvme.state.step == 3
+
+
+def test_grad_scaler_protocol_and_a_skipped_step(kernels, tmp_path):
+    """GradScaler hands grad_scale/found_inf to the optimizer: 1/scale in the kernel, and a
+    step with an inf skipped whole (nothing read or written)."""
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="8bit")
+    disk = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="8bit", state_dirs=tmp_path,
+                              **NVME)
+    for k, found_inf in enumerate([0.0, 1.0, 0.0]):
+        for opt, params in ((ram, ps), (disk, qs)):
+            for p in params:
+                p.grad = grad(p, k, 0) * 1024
+            opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(found_inf)
+            opt.step()
+    assert_same(ps, qs, ram, disk)
+    assert disk._nvme.state.step == 2
