@@ -99,6 +99,7 @@ def test_adam_with_l2_and_two_striped_directories(kernels, tmp_path):
     ram = offload_adam.Adam(groups(ps), lr=0.01, state_dtype=torch.bfloat16)
     disk = offload_adam.Adam(groups(qs), lr=0.01, state_dtype=torch.bfloat16,
                              state_dirs=[str(d) for d in dirs], state_budget_mb=0.05, **NVME)
+    assert 3 * 4096 <= disk.host_bytes() <= 0.05 * 2 ** 20   # the budget bounds the ring
     for opt, params in ((ram, ps), (disk, qs)):
         train(opt, params, 0, 3)
     assert_same(ps, qs, ram, disk)
@@ -116,6 +117,7 @@ def test_state_dict_is_backed_by_the_files(kernels, tmp_path):
     # nothing in RAM: optimizer.state is empty, and the state dict's tensors are not in
     # the pipeline's buffers but mappings of the files (copy on write)
     assert len(disk.state) == 0
+    assert disk.host_bytes() == disk._nvme.pipeline.host_bytes   # the ring, nothing else
     ring = [(b.tensor.data_ptr(), b.tensor.data_ptr() + b.nbytes)
             for b in disk._nvme.pipeline.buffers]
     for t in st[1].values():
