@@ -11,7 +11,7 @@ multiplies it by one factor, folded into its single pass:
     (engine) and of the in-place params' grads, never by a pass over the grads
     on the device.
 The optimizer class (optimizer.py) mixes this in; it provides `_engine`,
-`_inplace`, `_options`, `_params()` and `_inplace_threads()`.
+`_inplace`, `_nvme`, `_options`, `_params()` and `_inplace_threads()`.
 """
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ class GradScaling:
         accumulation; inf/NaN propagate."""
         sums = self._engine.grad_sq_sums() if self._engine is not None else []
         pairs = self._inplace.grads(self.param_groups)
-        if pairs:
-            grads = [g if g.is_contiguous() else g.contiguous() for _, g in pairs]
-            sums += zip([p for p, _ in pairs], grad_sq_sums(grads, self._inplace_threads()))
+        if self._nvme is not None:
+            pairs += self._nvme.grads()
+        by_dtype = {}   # one kernel call per grad dtype (fp32 and bf16 params in one group)
+        for p, g in pairs:
+            by_dtype.setdefault(g.dtype, []).append((p, g))
+        for same in by_dtype.values():
+            grads = [g if g.is_contiguous() else g.contiguous() for _, g in same]
+            sums += zip([p for p, _ in same], grad_sq_sums(grads, self._inplace_threads()))
         total = distributed.global_sq_sum(sums, self._params(), self._options.process_group)
         return math.sqrt(total)
 

@@ -16,6 +16,8 @@ What differs from torch is underneath, and decided in one place
     do bf16/fp16 CPU params with step_in_backward or free_grads_after_copy (the
     options that need the pipeline), and every param of an optimizer built
     inside offload_adam.testing.simulated() (the tests' asynchronous CPU device).
+  * with state_dirs=, the state of the CPU params stepped in place lives in
+    files instead (nvme_tier.py), streamed through RAM bucket by bucket.
 The moments of low-precision params stay fp32 (torch would keep them in the
 param's dtype).
 
@@ -38,10 +40,12 @@ import weakref
 import torch
 from torch.optim import Optimizer
 
+from . import distributed
 from .engine import OffloadEngine, Routing
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
 from .inplace import InPlace, param_label
+from .nvme_tier import NvmeTier
 from .options import Options
 from .state_format import state_format
 from .torch_state_dict import TorchStateDict
@@ -123,7 +127,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
     all on the CPU, or all on one CUDA device.
 
     The options beyond torch's (overlap, bucket_mb, free_grads_after_copy,
-    num_threads, max_grad_norm, process_group, verify_grads, step_in_backward)
+    num_threads, max_grad_norm, process_group, verify_grads, step_in_backward,
+    state_dirs, state_budget_mb)
     and the state format (state_dtype, also a param-group key) are documented
     in offload_adam/options.py, and checked there when the optimizer is built.
     """
@@ -133,13 +138,16 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                  differentiable=False, fused=None, decoupled_weight_decay=False,
                  overlap=True, bucket_mb=32.0, free_grads_after_copy=False,
                  num_threads=None, max_grad_norm=None, step_in_backward=False,
-                 verify_grads=True, state_dtype=torch.float32, process_group=None):
+                 verify_grads=True, state_dtype=torch.float32, process_group=None,
+                 state_dirs=None, state_budget_mb=None):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         self._engine = None
+        self._nvme = None
         self._options = Options(
             overlap=overlap, bucket_mb=bucket_mb, free_grads_after_copy=free_grads_after_copy,
             num_threads=num_threads, max_grad_norm=max_grad_norm, process_group=process_group,
-            verify_grads=verify_grads, step_in_backward=step_in_backward)
+            verify_grads=verify_grads, step_in_backward=step_in_backward,
+            state_dirs=state_dirs, state_budget_mb=state_budget_mb)
         self._routing = Routing(self._options.needs_pipeline)
         self._clip_coef = None
         defaults = {
@@ -160,6 +168,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         self._reset_caches()
         super().__init__(params, defaults)
         self._start_engine()
+        self._open_nvme()
         # GradScaler then hands us grad_scale/found_inf instead of unscaling
         # the grads itself: the kernel folds 1/scale into its single pass.
         self._step_supports_amp_scaling = True
@@ -167,7 +176,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
     def _reset_caches(self):
         # The routing is not self: an optimizer in a reference cycle lives (its
         # hooks too) until the cyclic GC runs.
-        self._inplace = InPlace(self._routing.in_place)
+        routing, tier = self._routing, self._nvme
+        self._inplace = InPlace(routing.in_place if tier is None else
+                                lambda p: routing.in_place(p) and not tier.holds(p))
         self._loaded_masters = []   # masters load_state_dict brought in, to check
 
     def __getstate__(self):
@@ -176,6 +187,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state = super().__getstate__()
         state["_options"] = self._options   # less its process group
         state.pop("_inplace", None)
+        state.pop("_nvme", None)     # files and a lock: opened again when unpickled
         state.pop("_routing", None)   # decided again when unpickled
         return state
 
@@ -193,11 +205,13 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             group.setdefault("state_dtype", "float32")
         if not hasattr(self, "_engine"):  # unpickling (load_state_dict keeps its engine)
             self._engine = None
+            self._nvme = None
             self._options = options
             self._routing = Routing(options.needs_pipeline)
             self._clip_coef = None
             self._reset_caches()
             self._start_engine()
+            self._open_nvme()
         else:
             self._reset_caches()
 
@@ -210,6 +224,10 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             for i, p in enumerate(group["params"]):
                 _check_param(p, lambda: param_label(group, index, i, p))
             self._check_one_device()
+            if self._options.state_dirs is not None and getattr(self, "_engine_started", False):
+                raise NotImplementedError(
+                    "add_param_group cannot be used with state_dirs=: the NVMe tier lays out "
+                    "its files for the params given at construction")
             if getattr(self, "_engine_started", False):
                 managed = [p for p in group["params"] if self._in_engine(p)]
                 if managed and self._engine is None:
@@ -250,6 +268,26 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                 state_dtypes=[g["state_dtype"] for g in self.param_groups],
                 options=self._options, owner=weakref.ref(self), routing=self._routing)
 
+    def _open_nvme(self):
+        """The NVMe tier (state_dirs=, nvme_tier.py) for the in-place params."""
+        if self._options.state_dirs is None:
+            return
+        for gi, g in enumerate(self.param_groups):
+            for i, p in enumerate(g["params"]):
+                if self._in_engine(p) or distributed.is_dtensor(p):
+                    what = ("a DTensor" if distributed.is_dtensor(p)
+                            else "stepped by the offload engine")
+                    raise NotImplementedError(
+                        f"state_dirs=: param {param_label(g, gi, i, p)} is {what} "
+                        f"({p.device}); the NVMe tier currently covers CPU params stepped in "
+                        "place only (not CUDA params, step_in_backward or "
+                        "free_grads_after_copy with bf16/fp16 params, or the simulated device)")
+        mine = [[p for p in g["params"] if not self._in_engine(p)] for g in self.param_groups]
+        self._nvme = NvmeTier(self.param_groups, mine, self._options.state_dirs,
+                              self._options.bucket_mb, self._options.state_budget_mb)
+        weakref.finalize(self, self._nvme.close)
+        self._reset_caches()
+
     # ---- offload engine: profile, memory ---------------------------------------
     @property
     def last_step_profile(self):
@@ -260,6 +298,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         """Host memory the optimizer's state holds: the engine's (master, moments
         and transfer buffers) and the state tensors of the params stepped in place."""
         engine = self._engine.host_bytes() if self._engine is not None else 0
+        engine += self._nvme.host_bytes if self._nvme is not None else 0
         return engine + sum(t.numel() * t.element_size()
                             for g in self.param_groups for p in g["params"]
                             if not self._in_engine(p)
@@ -299,6 +338,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
             for index, group in enumerate(self.param_groups):
                 self._inplace.step_group(index, group, self.state, scale, num_threads)
+            if self._nvme is not None:
+                self._nvme.step(self.param_groups, scale, num_threads)
             if self._engine is not None:
                 self._engine.step(self.param_groups, self.state, grad_scale=scale)
         return loss
@@ -312,7 +353,7 @@ class AdamW(Adam):
                  differentiable=False, fused=None, overlap=True, bucket_mb=32.0,
                  free_grads_after_copy=False, num_threads=None, max_grad_norm=None,
                  step_in_backward=False, verify_grads=True, state_dtype=torch.float32,
-                 process_group=None):
+                 process_group=None, state_dirs=None, state_budget_mb=None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
@@ -320,7 +361,8 @@ class AdamW(Adam):
                          free_grads_after_copy=free_grads_after_copy,
                          num_threads=num_threads, max_grad_norm=max_grad_norm,
                          step_in_backward=step_in_backward, verify_grads=verify_grads,
-                         state_dtype=state_dtype, process_group=process_group)
+                         state_dtype=state_dtype, process_group=process_group,
+                         state_dirs=state_dirs, state_budget_mb=state_budget_mb)
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -41,6 +41,24 @@ documented here and nowhere else.
     after such an error the params already stepped in backward stay stepped
     (param, master, moments and step agree) and the others are not, and the
     message says so. The default is False because it is exact in every case.
+  state_dirs (None): a directory, or a list of them (one per NVMe drive, the
+    state striped over them), where the optimizer state lives in files
+    instead of host RAM: the fp32 master of bf16/fp16 params, the moments in
+    any state_dtype, their scales and step counts (the NVMe tier, nvme/ and
+    nvme_tier.py). Each step streams it through host RAM bucket by bucket
+    (bucket_mb), reading ahead and writing back while the kernel runs, and
+    commits it crash-safe. The directories must exist and be writable; each
+    optimizer (each rank) needs its own. A directory that already holds the
+    state of the same params (names, shapes, dtypes, state_dtype, amsgrad) is
+    resumed from its last completed step; one that holds another model's is
+    refused. state_dict() returns tensors backed by the files (mmap'd, copy on
+    write; save them before the second step after), load_state_dict() writes
+    into the files. For CPU params only, fixed at construction (no
+    add_param_group); None = host RAM.
+  state_budget_mb (None): the host memory the NVMe tier may hold: a ring of
+    buffers of the largest bucket; the ring needs 3 (one read ahead, one
+    stepped, one written back), more read further ahead. None = 4 buckets.
+    Needs state_dirs.
 
 The state format is a param-group key, not an option of this record:
   state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
@@ -56,7 +74,8 @@ The state format is a param-group key, not an option of this record:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import os
+from typing import Any, Optional, Tuple
 
 # The options that copy grads during backward, and why each needs overlap=True.
 _NEEDS_OVERLAP = {
@@ -77,8 +96,22 @@ class Options:
     process_group: Any = None
     verify_grads: bool = True
     step_in_backward: bool = False
+    state_dirs: Optional[Tuple[str, ...]] = None
+    state_budget_mb: Optional[float] = None
 
     def __post_init__(self):
+        if self.state_dirs is not None:
+            object.__setattr__(self, "state_dirs", _checked_dirs(self.state_dirs))
+        if self.state_budget_mb is not None:
+            if self.state_dirs is None:
+                raise ValueError("state_budget_mb= needs state_dirs= (it bounds the host "
+                                 "memory of the NVMe tier)")
+            if not (isinstance(self.state_budget_mb, (int, float))
+                    and not isinstance(self.state_budget_mb, bool)
+                    and self.state_budget_mb > 0):
+                raise ValueError(f"state_budget_mb must be a positive number of MiB, got "
+                                 f"{self.state_budget_mb!r}")
+            object.__setattr__(self, "state_budget_mb", float(self.state_budget_mb))
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: {self.max_grad_norm}")
         for name, why in _NEEDS_OVERLAP.items():
@@ -116,3 +149,22 @@ class Options:
     def __setstate__(self, state):
         for name, value in state.items():
             object.__setattr__(self, name, value)
+
+
+def _checked_dirs(value) -> Tuple[str, ...]:
+    """state_dirs= as a tuple of absolute paths, each an existing writable directory."""
+    dirs = [value] if isinstance(value, (str, os.PathLike)) else list(value)
+    if not dirs or not all(isinstance(d, (str, os.PathLike)) for d in dirs):
+        raise ValueError(f"state_dirs must be a directory or a non-empty list of "
+                         f"directories, got {value!r}")
+    out = tuple(os.path.abspath(os.fspath(d)) for d in dirs)
+    for d in out:
+        if not os.path.isdir(d):
+            raise ValueError(f"state_dirs: {d!r} "
+                             f"{'is not a directory' if os.path.exists(d) else 'does not exist'}"
+                             " (create one per drive before building the optimizer)")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ValueError(f"state_dirs: {d!r} is not writable by this process")
+    if len(set(out)) != len(out):
+        raise ValueError(f"state_dirs names a directory twice: {list(out)}")
+    return out

@@ -5,7 +5,7 @@ ways; what torch would do wrong to this state (round the fp32 master and
 moments of a bf16 param, garble 8-bit codes, copy an offloaded param's whole
 state to the GPU) is bypassed here. The optimizer class (optimizer.py) mixes
 this in; it provides `_engine`, `_params()`, `_in_engine(p)`,
-`_reset_caches()` and `_loaded_masters`.
+`_reset_caches()`, `_loaded_masters` and `_nvme` (nvme_tier.py, or None).
 """
 
 from __future__ import annotations
@@ -37,8 +37,16 @@ class TorchStateDict:
         mesh and placements, as torch's optimizers keep it, so that
         torch.distributed.checkpoint saves and reshards every rank's shard
         (optimizer.state itself holds the local shard's tensors). Its 8-bit
-        moments are saved as fp32: their block scales are the local shard's."""
+        moments are saved as fp32: their block scales are the local shard's.
+
+        With state_dirs= the state of the params there is given as tensors
+        memory-mapped from its files (copy on write) instead of read into RAM:
+        torch.save streams them. They hold this step's values through the next
+        step(); the one after rewrites their place in the files, so save (or
+        copy) them before that."""
         sd = super().state_dict()
+        if self._nvme is not None:
+            sd = self._nvme.add_state(sd)
         params = self._params()
         dtensor_ids = {i for g, group in zip(sd["param_groups"], self.param_groups)
                        for i, p in zip(g["params"], group["params"]) if distributed.is_dtensor(p)}
@@ -92,9 +100,16 @@ class TorchStateDict:
         for group, fmt in zip(self.param_groups, formats):
             group["state_dtype"] = fmt
         self._reset_caches()
+        if self._nvme is not None:   # into the files, bucket by bucket
+            pairs = list(self._loaded_params(seen["state_dict"]))
+            for _, p, _ in pairs:
+                if self._nvme.holds(p):
+                    self.state.pop(p, None)
+            self._nvme.load({id(p): saved_id for saved_id, p, _ in pairs},
+                            seen["state_dict"]["state"])
         for saved_id, p, group in self._loaded_params(seen["state_dict"]):
             saved = seen["state_dict"]["state"].get(saved_id)
-            if saved is None:
+            if saved is None or (self._nvme is not None and self._nvme.holds(p)):
                 continue
             state = self.state[p]
             local_p = distributed.local(p)

@@ -422,6 +422,20 @@ def test_kernel_isa_exports(kernels):
     assert offload_adam.kernel_isa() in offload_adam.supported_isas()
 
 
+def test_clipping_fp32_and_bf16_params_of_one_optimizer(kernels):
+    """The norm over grads of two dtypes (one kernel call per dtype)."""
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.randn(30, generator=gen).requires_grad_(),
+          torch.randn(20, generator=gen).bfloat16().requires_grad_()]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    want = float(torch.cat([p.grad.double().reshape(-1) for p in ps]).norm())
+    opt = offload_adam.AdamW(ps, lr=0.01, max_grad_norm=1.0)
+    assert float(opt.clip_grad_norm_(1.0)) == pytest.approx(want, rel=1e-6)
+    opt.step()
+    assert all(opt.state[p]["step"].item() == 1 for p in ps)
+
+
 @pytest.mark.parametrize("clip", [False, True], ids=["scaled", "unscale_and_clip"])
 def test_grad_scaler_matches_torch_fused(kernels, clip):
     torch.manual_seed(4)

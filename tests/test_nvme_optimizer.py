@@ -1,0 +1,311 @@
+"""The optimizer with its state in files (state_dirs=, offload_adam/nvme_tier.py): bitwise
+the optimizer with its state in host RAM, checkpoints across the two tiers both ways, and the
+errors of bad input. Small sizes under tmp_path; bucket_mb is tiny so that every run has
+several buckets and the pipeline reads ahead."""
+import gc
+import os
+
+import pytest
+import torch
+
+import offload_adam
+
+FORMATS = ["float32", "bfloat16", "8bit"]
+SHAPES = ((40, 33), (700,), (5, 7, 3), (300,))
+DTYPES = (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)
+NVME = dict(bucket_mb=0.005)   # ~5 KB buckets: a bucket of one or two params
+
+
+def make_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=gen) * 0.5).to(d).requires_grad_()
+            for s, d in zip(SHAPES, DTYPES)]
+
+
+def clone(ps):
+    return [p.detach().clone().requires_grad_() for p in ps]
+
+
+def groups(ps):
+    """Two groups, with and without weight decay."""
+    return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+
+
+def grad(p, step, micro):
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + p.numel() % 97)
+    return torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def train(opt, ps, first, count, clip=False, accumulate=1):
+    """Steps first..first+count-1; step 2 leaves param 1 without a grad (torch skips it)."""
+    for k in range(first, first + count):
+        for p in ps:
+            p.grad = None
+        for micro in range(accumulate):   # plain torch accumulation: grads add up
+            for j, p in enumerate(ps):
+                if k == 2 and j == 1:
+                    continue
+                g = grad(p, k, micro)
+                p.grad = g if p.grad is None else p.grad + g
+        if clip:
+            opt.clip_grad_norm_(0.5)
+        opt.step()
+
+
+def bits(t):
+    t = t.detach().reshape(-1)
+    return t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
+
+
+def assert_same(ps, qs, a, b):
+    for p, q in zip(ps, qs):
+        assert torch.equal(bits(p), bits(q))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for i in sa["state"]:
+        assert sorted(sa["state"][i]) == sorted(sb["state"][i])
+        for k in sa["state"][i]:
+            assert torch.equal(bits(sa["state"][i][k]), bits(sb["state"][i][k])), (i, k)
+
+
+CASES = [dict(amsgrad=False), dict(amsgrad=True), dict(max_grad_norm=0.3),
+         dict(clip=True), dict(accumulate=2)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_the_state_on_disk_steps_bitwise_as_in_ram(kernels, tmp_path, fmt, case):
+    case = dict(case)
+    if case.get("amsgrad") and fmt == "8bit":
+        pytest.skip("8-bit moments have no amsgrad")
+    clip, accumulate = case.pop("clip", False), case.pop("accumulate", 1)
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype=fmt, **case)
+    disk = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype=fmt, state_dirs=tmp_path,
+                              **NVME, **case)
+    assert len(disk._nvme.buckets) >= 3
+    for opt, params in ((ram, ps), (disk, qs)):
+        train(opt, params, 0, 4, clip, accumulate)
+    assert_same(ps, qs, ram, disk)
+    assert disk._nvme.state.step == 4
+
+
+def test_adam_with_l2_and_two_striped_directories(kernels, tmp_path):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.Adam(groups(ps), lr=0.01, state_dtype=torch.bfloat16)
+    disk = offload_adam.Adam(groups(qs), lr=0.01, state_dtype=torch.bfloat16,
+                             state_dirs=[str(d) for d in dirs], state_budget_mb=0.05, **NVME)
+    assert 3 * 4096 <= disk.host_bytes() <= 0.05 * 2 ** 20   # the budget bounds the ring
+    for opt, params in ((ram, ps), (disk, qs)):
+        train(opt, params, 0, 3)
+    assert_same(ps, qs, ram, disk)
+    assert all(os.path.getsize(d / "offload_adam_state.bin") > 4096 for d in dirs)
+
+
+def test_state_dict_is_backed_by_the_files(kernels, tmp_path):
+    qs = make_params()
+    disk = offload_adam.AdamW(groups(qs), state_dtype="8bit", state_dirs=tmp_path, **NVME)
+    train(disk, qs, 0, 1)
+    st = disk.state_dict()["state"]
+    assert set(st[1]) == {"step", "exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes",
+                          "exp_avg_sq_scale", "master_param"}
+    assert "master_param" not in st[0]   # an fp32 param is its own master, as in RAM
+    # nothing in RAM: optimizer.state is empty, and the state dict's tensors are not in
+    # the pipeline's buffers but mappings of the files (copy on write)
+    assert len(disk.state) == 0
+    assert disk.host_bytes() == disk._nvme.pipeline.host_bytes   # the ring, nothing else
+    ring = [(b.tensor.data_ptr(), b.tensor.data_ptr() + b.nbytes)
+            for b in disk._nvme.pipeline.buffers]
+    for t in st[1].values():
+        assert not any(lo <= t.data_ptr() < hi for lo, hi in ring)
+    fp32 = disk.state_dict(fp32_moments=True)["state"][1]   # torch's format, decoded
+    assert fp32["exp_avg"].dtype is torch.float32 and "exp_avg_scale" not in fp32
+    before = st[1]["master_param"].clone()
+    st[1]["master_param"].add_(1)
+    assert torch.equal(disk.state_dict()["state"][1]["master_param"], before)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("first,then", [("ram", "disk"), ("disk", "ram"), ("disk", "disk")])
+def test_a_checkpoint_resumes_bitwise_across_tiers(kernels, tmp_path, fmt, first, then):
+    def build(params, tier, where):
+        extra = {}
+        if tier == "disk":
+            os.makedirs(where)
+            extra = dict(state_dirs=where, **NVME)
+        return offload_adam.AdamW(groups(params), lr=0.01, state_dtype=fmt, **extra)
+
+    ps = make_params()
+    whole = build(ps, "ram", None)
+    train(whole, ps, 0, 6)
+
+    qs = make_params()
+    a = build(qs, first, tmp_path / "a")
+    train(a, qs, 0, 3)
+    torch.save({"model": [q.detach() for q in qs], "opt": a.state_dict()}, tmp_path / "ck.pt")
+    del a
+    ck = torch.load(tmp_path / "ck.pt", weights_only=True, mmap=True)
+    rs = [t.clone().requires_grad_() for t in ck["model"]]
+    b = build(rs, then, tmp_path / "b")
+    b.load_state_dict(ck["opt"])
+    train(b, rs, 3, 3)
+    assert_same(ps, rs, whole, b)
+
+
+def test_a_directory_with_this_state_resumes_it(kernels, tmp_path):
+    ps = make_params()
+    whole = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="bfloat16")
+    train(whole, ps, 0, 4)
+    qs = make_params()
+    opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
+                             **NVME)
+    train(opt, qs, 0, 2)
+    del opt
+    gc.collect()   # closes the files and drops the lock
+    opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
+                             **NVME)
+    train(opt, qs, 2, 2)
+    assert_same(ps, qs, whole, opt)
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+def test_state_dirs_and_budget_are_checked_at_construction(tmp_path):
+    ps = make_params()
+    with pytest.raises(ValueError, match=r"state_dirs: '.*/nope' does not exist"):
+        offload_adam.AdamW(ps, state_dirs=tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="state_dirs: .* is not a directory"):
+        offload_adam.AdamW(ps, state_dirs=[tmp_path, tmp_path / "file"])
+    with pytest.raises(ValueError, match="state_dirs names a directory twice"):
+        offload_adam.AdamW(ps, state_dirs=[tmp_path, str(tmp_path)])
+    with pytest.raises(ValueError, match="state_dirs must be a directory or a non-empty list"):
+        offload_adam.AdamW(ps, state_dirs=[])
+    if os.geteuid() != 0:   # root writes anywhere
+        (tmp_path / "ro").mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="state_dirs: .* is not writable"):
+            offload_adam.AdamW(ps, state_dirs=tmp_path / "ro")
+    for bad in (0, -1, "8", True):
+        with pytest.raises(ValueError, match="state_budget_mb must be a positive number"):
+            offload_adam.AdamW(ps, state_dirs=tmp_path, state_budget_mb=bad)
+    with pytest.raises(ValueError, match="state_budget_mb= needs state_dirs="):
+        offload_adam.AdamW(ps, state_budget_mb=64)
+
+
+def test_a_budget_below_three_buckets_names_the_option(kernels, tmp_path):
+    with pytest.raises(ValueError, match=r"state_budget_mb=0.01: .*the pipeline needs 3"):
+        offload_adam.AdamW(make_params(), state_dirs=tmp_path, state_budget_mb=0.01, **NVME)
+    # nothing left locked: the directory can be used
+    offload_adam.AdamW(make_params(), state_dirs=tmp_path, **NVME)
+
+
+def test_the_state_of_another_model_is_refused(kernels, tmp_path):
+    ps = make_params()
+    opt = offload_adam.AdamW(ps, state_dirs=tmp_path, **NVME)
+    train(opt, ps, 0, 1)
+    del opt
+    gc.collect()
+    other = [torch.zeros(41, 33, requires_grad=True)] + make_params()[1:]
+    with pytest.raises(ValueError, match=r"holds the optimizer state of another model or "
+                                         r"optimizer: bucket 0: 0:0.exp_avg float32 \[40, 33\]"
+                                         r" in the files, 0:0.exp_avg float32 \[41, 33\] here"):
+        offload_adam.AdamW(other, state_dirs=tmp_path, **NVME)
+    with pytest.raises(ValueError, match="state format 'float32' in the files, 'bfloat16' here"):
+        offload_adam.AdamW(ps, state_dirs=tmp_path, state_dtype=torch.bfloat16, **NVME)
+
+
+def test_two_optimizers_on_one_directory(kernels, tmp_path):
+    first = offload_adam.AdamW(make_params(), state_dirs=tmp_path, **NVME)
+    with pytest.raises(RuntimeError, match="is in use by another optimizer"):
+        offload_adam.AdamW(make_params(), state_dirs=tmp_path, **NVME)
+    del first
+
+
+def test_engine_params_are_refused_by_name(kernels, tmp_path):
+    from offload_adam.testing import AsyncSimDevice, simulated
+    sim = AsyncSimDevice(seed=0)
+    try:
+        with simulated(sim):
+            with pytest.raises(NotImplementedError, match=r"state_dirs=: param group 0, param 0 "
+                                                          r"\(shape \(40, 33\)\) is stepped by "
+                                                          r"the offload engine .* CPU params"):
+                offload_adam.AdamW(make_params(), state_dirs=tmp_path)
+    finally:
+        sim.close()
+    with pytest.raises(NotImplementedError, match=r"param group 0, param 1 .* stepped by the "
+                                                  r"offload engine"):
+        offload_adam.AdamW(make_params(), state_dirs=tmp_path, step_in_backward=True)
+
+
+def test_add_param_group_is_refused(kernels, tmp_path):
+    opt = offload_adam.AdamW(make_params(), state_dirs=tmp_path, **NVME)
+    with pytest.raises(NotImplementedError, match="add_param_group cannot be used with "
+                                                  "state_dirs="):
+        opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
+    assert len(opt.param_groups) == 1
+
+
+def test_casting_the_model_after_building_is_refused_before_any_change(kernels, tmp_path):
+    ps = make_params()
+    opt = offload_adam.AdamW(ps, state_dirs=tmp_path, **NVME)
+    train(opt, ps, 0, 1)
+    before = [p.detach().clone() for p in ps]
+    ps[1].data = ps[1].data.float()
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"param group 0, param 1 .* is torch.float32; its "
+                                           r"state files were laid out for torch.bfloat16"):
+        opt.step()
+    assert all(torch.equal(p.detach().to(b.dtype), b) for p, b in zip(ps, before))
+    assert opt._nvme.state.step == 1
+
+
+def test_a_full_disk_mid_step_raises_and_keeps_the_last_completed_state(kernels, tmp_path,
+                                                                        monkeypatch):
+    import errno
+
+    from offload_adam.nvme import NvmeError, direct_io
+    ps = make_params()
+    opt = offload_adam.AdamW(groups(ps), state_dtype="bfloat16", state_dirs=tmp_path, **NVME)
+    train(opt, ps, 0, 2)
+    before = opt.state_dict()
+    before = {i: {k: v.clone() for k, v in st.items()} for i, st in before["state"].items()}
+    writes, real = [], direct_io._write
+
+    def full_on_third(fd, view, offset):
+        writes.append(offset)
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, view, offset)
+    monkeypatch.setattr(direct_io, "_write", full_on_third)
+    with pytest.raises(NvmeError, match=r"the disk is full\)\. The state of step 2 \(the last "
+                                        r"completed one\) is intact"):
+        train(opt, ps, 2, 1)
+    after = opt.state_dict()["state"]
+    assert opt._nvme.state.step == 2 and after.keys() == before.keys()
+    assert all(torch.equal(bits(after[i][k]), bits(v))
+               for i in before for k, v in before[i].items())
+    monkeypatch.undo()
+    train(opt, ps, 3, 1)   # the disk has room again: the optimizer goes on
+    assert opt._nvme.state.step == 3
+
+
+def test_grad_scaler_protocol_and_a_skipped_step(kernels, tmp_path):
+    """GradScaler hands grad_scale/found_inf to the optimizer: 1/scale in the kernel, and a
+    step with an inf skipped whole (nothing read or written)."""
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="8bit")
+    disk = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="8bit", state_dirs=tmp_path,
+                              **NVME)
+    for k, found_inf in enumerate([0.0, 1.0, 0.0]):
+        for opt, params in ((ram, ps), (disk, qs)):
+            for p in params:
+                p.grad = grad(p, k, 0) * 1024
+            opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(found_inf)
+            opt.step()
+    assert_same(ps, qs, ram, disk)
+    assert disk._nvme.state.step == 2
