@@ -66,7 +66,7 @@ class NvmeTier:
     """The state of `params` (a list per group, the in-place ones) in files under `dirs`."""
 
     def __init__(self, param_groups, params: List[List[torch.Tensor]], dirs, bucket_mb: float,
-                 budget_mb: Optional[float]):
+                 budget_mb: Optional[float], resume: bool = False):
         self.buckets: List[List[_Param]] = []
         self._ids = set()
         specs = []
@@ -99,6 +99,14 @@ class NvmeTier:
         largest = max((b.nbytes for b in spec.buckets), default=0)
         budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
         self.state = NvmeState.open(list(dirs), spec)
+        if self.state.step and not resume:
+            step = self.state.step
+            self.state.close()
+            raise ValueError(
+                f"state_dirs={list(dirs)} already hold this optimizer's state at step "
+                f"{step} (an earlier run, or one that crashed). Pass "
+                "state_resume=True to continue from it, or empty the directories to start "
+                "afresh")
         try:
             self.pipeline = StepPipeline(self.state, budget)
         except ValueError as e:

@@ -128,7 +128,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
 
     The options beyond torch's (overlap, bucket_mb, free_grads_after_copy,
     num_threads, max_grad_norm, process_group, verify_grads, step_in_backward,
-    state_dirs, state_budget_mb)
+    state_dirs, state_budget_mb, state_resume)
     and the state format (state_dtype, also a param-group key) are documented
     in offload_adam/options.py, and checked there when the optimizer is built.
     """
@@ -139,7 +139,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                  overlap=True, bucket_mb=32.0, free_grads_after_copy=False,
                  num_threads=None, max_grad_norm=None, step_in_backward=False,
                  verify_grads=True, state_dtype=torch.float32, process_group=None,
-                 state_dirs=None, state_budget_mb=None):
+                 state_dirs=None, state_budget_mb=None, state_resume=False):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         self._engine = None
         self._nvme = None
@@ -147,7 +147,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             overlap=overlap, bucket_mb=bucket_mb, free_grads_after_copy=free_grads_after_copy,
             num_threads=num_threads, max_grad_norm=max_grad_norm, process_group=process_group,
             verify_grads=verify_grads, step_in_backward=step_in_backward,
-            state_dirs=state_dirs, state_budget_mb=state_budget_mb)
+            state_dirs=state_dirs, state_budget_mb=state_budget_mb,
+            state_resume=state_resume)
         self._routing = Routing(self._options.needs_pipeline)
         self._clip_coef = None
         defaults = {
@@ -211,7 +212,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._clip_coef = None
             self._reset_caches()
             self._start_engine()
-            self._open_nvme()
+            self._open_nvme(resume=True)   # its own files: it continues from them
         else:
             self._reset_caches()
 
@@ -268,8 +269,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                 state_dtypes=[g["state_dtype"] for g in self.param_groups],
                 options=self._options, owner=weakref.ref(self), routing=self._routing)
 
-    def _open_nvme(self):
-        """The NVMe tier (state_dirs=, nvme_tier.py) for the in-place params."""
+    def _open_nvme(self, resume: bool = False):
+        """The NVMe tier (state_dirs=, nvme_tier.py) for the in-place params;
+        `resume` as state_resume=True (an unpickled copy reopens its files)."""
         if self._options.state_dirs is None:
             return
         for gi, g in enumerate(self.param_groups):
@@ -284,7 +286,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                         "free_grads_after_copy with bf16/fp16 params, or the simulated device)")
         mine = [[p for p in g["params"] if not self._in_engine(p)] for g in self.param_groups]
         self._nvme = NvmeTier(self.param_groups, mine, self._options.state_dirs,
-                              self._options.bucket_mb, self._options.state_budget_mb)
+                              self._options.bucket_mb, self._options.state_budget_mb,
+                              self._options.state_resume or resume)
         weakref.finalize(self, self._nvme.close)
         self._reset_caches()
 
@@ -353,7 +356,8 @@ class AdamW(Adam):
                  differentiable=False, fused=None, overlap=True, bucket_mb=32.0,
                  free_grads_after_copy=False, num_threads=None, max_grad_norm=None,
                  step_in_backward=False, verify_grads=True, state_dtype=torch.float32,
-                 process_group=None, state_dirs=None, state_budget_mb=None):
+                 process_group=None, state_dirs=None, state_budget_mb=None,
+                 state_resume=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
@@ -362,7 +366,8 @@ class AdamW(Adam):
                          num_threads=num_threads, max_grad_norm=max_grad_norm,
                          step_in_backward=step_in_backward, verify_grads=verify_grads,
                          state_dtype=state_dtype, process_group=process_group,
-                         state_dirs=state_dirs, state_budget_mb=state_budget_mb)
+                         state_dirs=state_dirs, state_budget_mb=state_budget_mb,
+                         state_resume=state_resume)
 
     def __setstate__(self, state):
         super().__setstate__(state)

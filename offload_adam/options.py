@@ -49,9 +49,10 @@ documented here and nowhere else.
     (bucket_mb), reading ahead and writing back while the kernel runs, and
     commits it crash-safe. The directories must exist and be writable; each
     optimizer (each rank) needs its own. A directory that already holds the
-    state of the same params (names, shapes, dtypes, state_dtype, amsgrad) is
-    resumed from its last completed step; one that holds another model's is
-    refused. state_dict() returns tensors backed by the files (mmap'd, copy on
+    state of the same params (names, shapes, dtypes, state_dtype, amsgrad) at a
+    completed step is refused unless state_resume=True (a fresh run must not
+    silently start from an old run's moments and step count); one that holds
+    another model's is refused. state_dict() returns tensors backed by the files (mmap'd, copy on
     write; save them before the second step after), load_state_dict() writes
     into the files. For CPU params only, fixed at construction (no
     add_param_group); None = host RAM.
@@ -59,6 +60,9 @@ documented here and nowhere else.
     buffers of the largest bucket; the ring needs 3 (one read ahead, one
     stepped, one written back), more read further ahead. None = 4 buckets.
     Needs state_dirs.
+  state_resume (False): continue from the state state_dirs already holds (after
+    a crash or a stop: the last completed step, the params as the model's own
+    checkpoint has them). Needs state_dirs.
 
 The state format is a param-group key, not an option of this record:
   state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
@@ -98,6 +102,7 @@ class Options:
     step_in_backward: bool = False
     state_dirs: Optional[Tuple[str, ...]] = None
     state_budget_mb: Optional[float] = None
+    state_resume: bool = False
 
     def __post_init__(self):
         if self.state_dirs is not None:
@@ -112,6 +117,10 @@ class Options:
                 raise ValueError(f"state_budget_mb must be a positive number of MiB, got "
                                  f"{self.state_budget_mb!r}")
             object.__setattr__(self, "state_budget_mb", float(self.state_budget_mb))
+        if not isinstance(self.state_resume, bool):
+            raise ValueError(f"state_resume must be True or False, got {self.state_resume!r}")
+        if self.state_resume and self.state_dirs is None:
+            raise ValueError("state_resume=True needs state_dirs= (the directories to resume from)")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: {self.max_grad_norm}")
         for name, why in _NEEDS_OVERLAP.items():

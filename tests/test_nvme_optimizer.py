@@ -156,7 +156,7 @@ def test_a_checkpoint_resumes_bitwise_across_tiers(kernels, tmp_path, fmt, first
     assert_same(ps, rs, whole, b)
 
 
-def test_a_directory_with_this_state_resumes_it(kernels, tmp_path):
+def test_a_directory_with_this_state_resumes_it_when_asked(kernels, tmp_path):
     ps = make_params()
     whole = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="bfloat16")
     train(whole, ps, 0, 4)
@@ -166,8 +166,13 @@ def test_a_directory_with_this_state_resumes_it(kernels, tmp_path):
     train(opt, qs, 0, 2)
     del opt
     gc.collect()   # closes the files and drops the lock
+    # A fresh run must not silently start from an old run's moments: resuming is asked for.
+    with pytest.raises(ValueError, match=r"already hold this optimizer's state at step 2.*"
+                                         r"state_resume=True"):
+        offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path, **NVME)
+    gc.collect()
     opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
-                             **NVME)
+                             state_resume=True, **NVME)
     train(opt, qs, 2, 2)
     assert_same(ps, qs, whole, opt)
 
@@ -183,6 +188,10 @@ def test_state_dirs_and_budget_are_checked_at_construction(tmp_path):
         offload_adam.AdamW(ps, state_dirs=[tmp_path, tmp_path / "file"])
     with pytest.raises(ValueError, match="state_dirs names a directory twice"):
         offload_adam.AdamW(ps, state_dirs=[tmp_path, str(tmp_path)])
+    with pytest.raises(ValueError, match=r"state_resume=True needs state_dirs="):
+        offload_adam.AdamW(ps, state_resume=True)
+    with pytest.raises(ValueError, match="state_resume must be True or False"):
+        offload_adam.AdamW(ps, state_dirs=tmp_path, state_resume="yes")
     with pytest.raises(ValueError, match="state_dirs must be a directory or a non-empty list"):
         offload_adam.AdamW(ps, state_dirs=[])
     if os.geteuid() != 0:   # root writes anywhere
