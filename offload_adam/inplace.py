@@ -20,14 +20,8 @@ from torch.autograd.graph import increment_version
 
 from .distributed import local
 from .kernel_step import Hyper, adam_step
+from .params import check_dense, param_label
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, StateFormat, state_format
-
-
-def param_label(group: dict, group_index: int, index: int, p: torch.Tensor) -> str:
-    """How error messages name a param: its name when the group has names."""
-    names = group.get("param_names")
-    where = repr(names[index]) if names else f"group {group_index}, param {index}"
-    return f"{where} (shape {tuple(p.shape)})"
 
 
 class _Call:
@@ -117,7 +111,7 @@ class InPlace:
                 continue
             if c < 0 or g.dtype is not plan.calls[c].dtype or p.dtype is not plan.calls[c].dtype:
                 return None
-            _check_dense(g, group, index, i, p)
+            check_dense(g, f"param {param_label(group, index, i, p)}")
             g = local(g)
             grads[c].append(g if g.is_contiguous() else g.contiguous())
         return grads
@@ -141,7 +135,7 @@ class InPlace:
             if p.grad is None:
                 route.append(_Plan.NO_GRAD)
                 continue
-            _check_dense(p.grad, group, index, i, p)
+            check_dense(p.grad, f"param {param_label(group, index, i, p)}")
             t = local(p)   # a DTensor's shard: its state is the shard's (distributed.py)
             st = ready_state({t: state[p]}, t, amsgrad, fmt, lambda: param_label(group, index, i, p))
             c = by_dtype.setdefault(p.dtype, len(calls))
@@ -168,14 +162,6 @@ class InPlace:
         plan = _Plan(group, self._key(group), route, calls)
         self._plans[id(group)] = plan
         return plan
-
-
-def _check_dense(g, group, index, i, p) -> None:
-    if g.layout is not torch.strided:
-        raise RuntimeError(
-            f"offload_adam does not support sparse gradients (param "
-            f"{param_label(group, index, i, p)}, grad layout {g.layout}); "
-            f"consider torch.optim.SparseAdam")
 
 
 def ready_state(state, p: torch.Tensor, amsgrad: bool, fmt: StateFormat, label) -> dict:

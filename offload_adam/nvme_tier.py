@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.autograd.graph import increment_version
 
-from .inplace import param_label
+from .params import check_dense, param_label
 from .kernel_step import Hyper, adam_step
 from .nvme import BucketSpec, NvmeState, StateSpec, StepPipeline, adam_bucket
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_key
@@ -275,10 +275,7 @@ def _check_grad(e: _Param, group: dict) -> None:
         raise RuntimeError(f"param {param_label(group, e.group, e.index, p)} is {p.dtype}; its "
                            f"state files were laid out for {e.dtype} when the optimizer was "
                            "built: with state_dirs=, build the optimizer after casting the model")
-    if g.layout is not torch.strided:
-        raise RuntimeError(f"offload_adam does not support sparse gradients (param "
-                           f"{param_label(group, e.group, e.index, p)}, grad layout {g.layout});"
-                           " consider torch.optim.SparseAdam")
+    check_dense(g, f"param {param_label(group, e.group, e.index, p)}")
     if g.dtype is not p.dtype or tuple(g.shape) != tuple(p.shape):
         raise RuntimeError(f"param {param_label(group, e.group, e.index, p)}: its grad is "
                            f"{g.dtype} {tuple(g.shape)}, the param {p.dtype}")

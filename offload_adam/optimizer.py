@@ -44,7 +44,8 @@ from . import distributed
 from .engine import OffloadEngine, Routing
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
-from .inplace import InPlace, param_label
+from .inplace import InPlace
+from .params import SUPPORTED_DTYPES, param_label
 from .nvme_tier import NvmeTier
 from .options import Options
 from .state_format import state_format
@@ -52,8 +53,6 @@ from .torch_state_dict import TorchStateDict
 
 __all__ = ["Adam", "AdamW"]
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-_SUPPORTED_DTYPES = (torch.float32,) + _LOW_PRECISION
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay):
@@ -95,7 +94,7 @@ def _check_modes(group_or_defaults, where):
 
 def _check_param(p, label):
     """Raises for a param no path can step. `label()` names it."""
-    if p.is_complex() or p.dtype not in _SUPPORTED_DTYPES:
+    if p.is_complex() or p.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"offload_adam supports float32, bfloat16 and float16 params; "
             f"param {label()} has dtype {p.dtype}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import distributed
-from .inplace import param_label
+from .params import param_label
 from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format,
                            stored_key, with_code_keys, with_float32_moments)
 

@@ -55,6 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..freed_grad import freed_grad, is_freed
 from ..kernel_step import Hyper, adam_step
 from ..options import Options
+from ..params import check_dense
 from ..state_format import state_format
 from .device import Routing, device_for
 from .early import EarlyStart
@@ -237,9 +238,7 @@ class OffloadEngine:
         of backward, or with flush=True."""
         for i, rec in enumerate(recs):
             grad = rec.param.grad
-            if grad.is_sparse or grad.layout is not torch.strided:
-                raise RuntimeError(f"offload_adam: {rec.label()} has a sparse grad; "
-                                   "sparse grads are not supported")
+            check_dense(grad, rec.label())
             g = local(grad).detach()
             fp = fingerprints[i] if fingerprints is not None else (
                 grad_fingerprint(g) if self.verify_grads else None)

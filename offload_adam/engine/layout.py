@@ -28,10 +28,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..distributed import local
+from ..params import LOW_PRECISION
 from ..state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat, scale_len
 from .host_memory import HostArenas
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 PACK_BELOW_BYTES = 1 << 18
 SPLIT_ALIGN = 32768  # also a multiple of QUANT_BLOCK: a piece owns whole 8-bit blocks
 
