@@ -45,7 +45,7 @@ from .engine import OffloadEngine, Routing
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
 from .inplace import InPlace
-from .params import SUPPORTED_DTYPES, param_label
+from .params import SUPPORTED_DTYPES, one_device, param_label
 from .nvme_tier import NvmeTier
 from .options import Options
 from .state_format import state_format
@@ -241,12 +241,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
 
     def _check_one_device(self):
         """All params on the CPU, or all on one CUDA device (one engine each)."""
-        devices = {p.device for g in self.param_groups for p in g["params"]}
-        if len(devices) > 1:
-            names = ", ".join(sorted(str(d) for d in devices))
-            raise ValueError(
-                f"offload_adam: the params live on several devices ({names}); one "
-                "optimizer steps params of one device (use one optimizer per device)")
+        one_device([p for g in self.param_groups for p in g["params"]])
 
     max_grad_norm = _option("max_grad_norm")
     process_group = _option("process_group")

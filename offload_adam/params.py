@@ -1,5 +1,5 @@
 """What every path says about a param: the dtypes it may have, how an error
-names it, and the refusal of sparse grads (in place, the engine and the NVMe
+names it, the one device of an optimizer's params, and the refusal of sparse grads (in place, the engine and the NVMe
 tier raise the same words)."""
 
 from __future__ import annotations
@@ -15,6 +15,19 @@ def param_label(group: dict, group_index: int, index: int, p: torch.Tensor) -> s
     names = group.get("param_names")
     where = repr(names[index]) if names else f"group {group_index}, param {index}"
     return f"{where} (shape {tuple(p.shape)})"
+
+
+def one_device(params) -> torch.device:
+    """The one device all `params` live on; a ValueError for a mix (one optimizer,
+    and one engine, per device)."""
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(
+            f"offload_adam: the params live on several devices ({names}); one "
+            "optimizer steps params of one device (use one optimizer per device)")
+    (device,) = devices
+    return device
 
 
 def check_dense(grad: torch.Tensor, label: str) -> None:

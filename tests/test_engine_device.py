@@ -5,8 +5,9 @@ import torch
 
 import offload_adam
 from offload_adam.engine import device as engine_device
-from offload_adam.engine.device import (HostDevice, Transfer, current_host_stand_in, device_for,
+from offload_adam.engine.device import (HostDevice, Transfer, current_host_stand_in,
                                         host_span, make_device)
+from offload_adam.params import one_device
 from offload_adam.testing import AsyncSimDevice, simulated
 
 
@@ -77,12 +78,12 @@ def test_register_and_unregister_call_cudart(monkeypatch):
     engine_device._unregister(t)  # swallowed
 
 
-def test_make_device_and_device_for():
+def test_make_device_and_one_device():
     assert isinstance(make_device(torch.device("cpu")), HostDevice)
     with pytest.raises(ValueError, match="params on meta are not supported"):
         make_device(torch.device("meta"))
     with pytest.raises(ValueError, match="several devices"):
-        device_for([torch.zeros(2), torch.zeros(2, device="meta")])
+        one_device([torch.zeros(2), torch.zeros(2, device="meta")])
     # (a CUDA + CPU mix is checked in tests/cuda; meta is refused even earlier)
     with pytest.raises((ValueError, NotImplementedError), match="devices|meta"):
         offload_adam.AdamW([torch.nn.Parameter(torch.zeros(2)),

@@ -55,9 +55,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..freed_grad import freed_grad, is_freed
 from ..kernel_step import Hyper, adam_step
 from ..options import Options
-from ..params import check_dense
+from ..params import check_dense, one_device
 from ..state_format import state_format
-from .device import Routing, device_for
+from .device import Routing
 from .early import EarlyStart
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
@@ -140,7 +140,7 @@ class OffloadEngine:
         if not params:
             return
         if self.recs:
-            device_for([local(self.recs[0].param)] + [local(p) for p in params])
+            one_device([local(self.recs[0].param)] + [local(p) for p in params])
         fmt = state_format(state_dtype)
         new = [ParamRec(p, group, len(self.recs) + i, fmt) for i, p in enumerate(params)]
         _claim(new, self._finalizer)

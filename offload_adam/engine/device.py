@@ -57,6 +57,8 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
+from ..params import one_device
+
 
 class Transfer:
     """One queued copy. `host_start` is the perf_counter() time it was queued;
@@ -306,19 +308,6 @@ def current_host_stand_in():
     return _host_stand_ins[-1] if _host_stand_ins else None
 
 
-def device_for(params) -> torch.device:
-    """The one device all `params` live on; a clear error for a mix."""
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        names = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(
-            "offload_adam: the offloaded params live on several devices "
-            f"({names}); one optimizer handles params of one device (use one "
-            "optimizer per device)")
-    (device,) = devices
-    return device
-
-
 def make_device(device: torch.device, stand_in=None):
     """The device interface for params on `device`; for CPU params `stand_in`
     when given (test support's simulated device), else HostDevice."""
@@ -350,4 +339,4 @@ class Routing:
 
     def device(self, params):
         """The device interface for the engine's `params` (all on one device)."""
-        return make_device(device_for(params), self.stand_in)
+        return make_device(one_device(params), self.stand_in)
