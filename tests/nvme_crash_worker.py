@@ -1,9 +1,16 @@
-"""The training process of tests/test_nvme_crash.py, forked from a forkserver that imported
+"""The training processes of tests/test_nvme_crash.py (the storage layer's, `worker`, and the
+optimizer's, `optimizer_worker`), forked from a forkserver that imported
 this module: torch, offload_adam and the compiled kernels are loaded once there (the kernels'
 threads start at first use, so forking after the load is safe), and a worker starts in
 milliseconds. Loading the kernels before the state is opened also keeps the build's
 subprocesses (`c++ --version`, `ninja -n`) from running while the lock is held."""
+import os
+
+import torch
+
+import offload_adam
 from nvme_adam import adam_fn, fill_initial, make_spec
+from nvme_model import groups, make_params, train
 from offload_adam.kernel_step import kernels
 from offload_adam.nvme import NvmeState, StepPipeline
 
@@ -29,3 +36,77 @@ def worker(folder, fmt, until, progress):
             pipe.step(adam_fn(SEED, state.step, threads=1))
             progress.send(state.step)
         pipe.close()
+
+
+# The optimizer worker's model: fp32 and bf16 params in two groups, ~1.1 MB of fp32 state
+# in ~70 KB buckets, so that a step has ~16 buckets, each read, stepped, written and the
+# step committed: the kills land anywhere in it.
+MODEL = dict(shapes=((130, 97), (9001,), (31, 7, 41), (12_000,), (77, 101), (5003,)),
+             dtypes=(torch.float32, torch.bfloat16, torch.float32, torch.bfloat16,
+                     torch.bfloat16, torch.float32))
+BUCKET_MB = 0.07
+
+
+def model_params():
+    return make_params(**MODEL)
+
+
+def optimizer(params, folder, fmt, **kw):
+    """The optimizer of the optimizer worker: state in files under `folder` when given, in
+    host RAM otherwise (the uninterrupted run the test compares with)."""
+    extra = dict(state_dirs=folder, bucket_mb=BUCKET_MB, state_resume=True) if folder else {}
+    return offload_adam.AdamW(groups(params, split=3), lr=0.01, state_dtype=fmt, **extra, **kw)
+
+
+def committed_step(opt) -> int:
+    """The completed steps of the state, read as a user can: the largest param step of the
+    state dict (a param left without a grad has fewer; none at step 0)."""
+    return int(max((float(s["step"]) for s in opt.state_dict()["state"].values()), default=0))
+
+
+def model_path(folder, step):
+    return os.path.join(folder, f"model-{step}.pt")
+
+
+def save_model(folder, step, params):
+    """The model after `step` completed steps, written as a user's checkpoint should be:
+    temp file, fsync, rename, fsync of the directory; the one of step-2 is dropped."""
+    tmp = model_path(folder, step) + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save([p.detach() for p in params], f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, model_path(folder, step))
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if os.path.exists(model_path(folder, step - 2)):
+        os.remove(model_path(folder, step - 2))
+
+
+def load_model(folder, step, params):
+    saved = torch.load(model_path(folder, step), weights_only=True)
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+
+
+def optimizer_worker(state_dir, model_dir, fmt, until, progress):
+    """A training run on the optimizer's NVMe tier: resumes the state in `state_dir`
+    (state_resume=True) with the model of its step from `model_dir` (the initial model at
+    step 0), sends its step, then trains to `until` steps, saving the model after each and
+    sending each step count."""
+    params = model_params()
+    opt = optimizer(params, state_dir, fmt)
+    step = committed_step(opt)
+    if step:
+        load_model(model_dir, step, params)
+    progress.send(step)
+    while step < until:
+        train(opt, params, step, 1)
+        step += 1
+        progress.send(-step)   # the step returned: committed, the model not saved yet
+        save_model(model_dir, step, params)
+        progress.send(step)

@@ -9,64 +9,9 @@ import pytest
 import torch
 
 import offload_adam
+from nvme_model import NVME, assert_same, bits, grad, groups, make_params, train
 
 FORMATS = ["float32", "bfloat16", "8bit"]
-SHAPES = ((40, 33), (700,), (5, 7, 3), (300,))
-DTYPES = (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)
-NVME = dict(bucket_mb=0.005)   # ~5 KB buckets: a bucket of one or two params
-
-
-def make_params(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(s, generator=gen) * 0.5).to(d).requires_grad_()
-            for s, d in zip(SHAPES, DTYPES)]
-
-
-def clone(ps):
-    return [p.detach().clone().requires_grad_() for p in ps]
-
-
-def groups(ps):
-    """Two groups, with and without weight decay."""
-    return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
-
-
-def grad(p, step, micro):
-    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + p.numel() % 97)
-    return torch.randn(p.shape, generator=gen).to(p.dtype)
-
-
-def train(opt, ps, first, count, clip=False, accumulate=1):
-    """Steps first..first+count-1; step 2 leaves param 1 without a grad (torch skips it)."""
-    for k in range(first, first + count):
-        for p in ps:
-            p.grad = None
-        for micro in range(accumulate):   # plain torch accumulation: grads add up
-            for j, p in enumerate(ps):
-                if k == 2 and j == 1:
-                    continue
-                g = grad(p, k, micro)
-                p.grad = g if p.grad is None else p.grad + g
-        if clip:
-            opt.clip_grad_norm_(0.5)
-        opt.step()
-
-
-def bits(t):
-    t = t.detach().reshape(-1)
-    return t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
-
-
-def assert_same(ps, qs, a, b):
-    for p, q in zip(ps, qs):
-        assert torch.equal(bits(p), bits(q))
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa["param_groups"] == sb["param_groups"]
-    assert sa["state"].keys() == sb["state"].keys()
-    for i in sa["state"]:
-        assert sorted(sa["state"][i]) == sorted(sb["state"][i])
-        for k in sa["state"][i]:
-            assert torch.equal(bits(sa["state"][i][k]), bits(sb["state"][i][k])), (i, k)
 
 
 CASES = [dict(amsgrad=False), dict(amsgrad=True), dict(max_grad_norm=0.3),

@@ -1,0 +1,60 @@
+"""The small model of the optimizer-level NVMe tests (tests/test_nvme_optimizer.py and the
+crash test's optimizer worker, tests/nvme_crash_worker.py): CPU params of fp32 and bf16 in
+two param groups, grads that are a function of (param, step, micro-batch) so that a run
+resumed in another process continues exactly as an uninterrupted one, and the bitwise
+comparison of params and optimizer state."""
+import torch
+
+SHAPES = ((40, 33), (700,), (5, 7, 3), (300,))
+DTYPES = (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)
+NVME = dict(bucket_mb=0.005)   # ~5 KB buckets: a bucket of one or two params
+
+
+def make_params(seed=0, shapes=SHAPES, dtypes=DTYPES):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=gen) * 0.5).to(d).requires_grad_()
+            for s, d in zip(shapes, dtypes)]
+
+
+def groups(ps, split=2):
+    """Two groups, with and without weight decay."""
+    return [{"params": ps[:split], "weight_decay": 0.1},
+            {"params": ps[split:], "weight_decay": 0.0}]
+
+
+def grad(p, step, micro):
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + p.numel() % 97)
+    return torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def train(opt, ps, first, count, clip=False, accumulate=1):
+    """Steps first..first+count-1; step 2 leaves param 1 without a grad (torch skips it)."""
+    for k in range(first, first + count):
+        for p in ps:
+            p.grad = None
+        for micro in range(accumulate):   # plain torch accumulation: grads add up
+            for j, p in enumerate(ps):
+                if k == 2 and j == 1:
+                    continue
+                g = grad(p, k, micro)
+                p.grad = g if p.grad is None else p.grad + g
+        if clip:
+            opt.clip_grad_norm_(0.5)
+        opt.step()
+
+
+def bits(t):
+    t = t.detach().reshape(-1)
+    return t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
+
+
+def assert_same(ps, qs, a, b):
+    for p, q in zip(ps, qs):
+        assert torch.equal(bits(p), bits(q))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for i in sa["state"]:
+        assert sorted(sa["state"][i]) == sorted(sb["state"][i])
+        for k in sa["state"][i]:
+            assert torch.equal(bits(sa["state"][i][k]), bits(sb["state"][i][k])), (i, k)
