@@ -143,11 +143,13 @@ inline Q8Block q8_block(float amax) {
 // element's threshold by the same golden-ratio step, and while v decays by less than
 // a code step per step that correlation biased the decay (v 14% low after 4000 steps;
 // bench/moment_drift.py).
+// Its two multipliers, written once for the scalar hash and every vector type's hash_bits.
+constexpr uint32_t kHashMul1 = 0x7FEB352Du, kHashMul2 = 0x846CA68Bu;
 inline uint32_t q8_hash(uint32_t x) {
   x ^= x >> 16;
-  x *= 0x7FEB352Du;
+  x *= kHashMul1;
   x ^= x >> 15;
-  x *= 0x846CA68Bu;
+  x *= kHashMul2;
   x ^= x >> 16;
   return x;
 }

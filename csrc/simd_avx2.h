@@ -101,9 +101,9 @@ struct Avx2Vec {
   static Avx2Vec hash_bits(Avx2Vec r) {
     __m256i x = _mm256_castps_si256(r.v);
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, i32(0x7FEB352Du));
+    x = _mm256_mullo_epi32(x, i32(kHashMul1));
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, i32(0x846CA68Bu));
+    x = _mm256_mullo_epi32(x, i32(kHashMul2));
     return {_mm256_castsi256_ps(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)))};
   }
   OA_INLINE void store_bf16_random(uint16_t* p, Avx2Vec random) const {

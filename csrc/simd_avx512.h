@@ -102,9 +102,9 @@ struct Avx512Vec {
   static Avx512Vec hash_bits(Avx512Vec r) {
     __m512i x = _mm512_castps_si512(r.v);
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, i32(0x7FEB352Du));
+    x = _mm512_mullo_epi32(x, i32(kHashMul1));
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, i32(0x846CA68Bu));
+    x = _mm512_mullo_epi32(x, i32(kHashMul2));
     return {_mm512_castsi512_ps(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)))};
   }
   OA_INLINE void store_bf16_random(uint16_t* p, Avx512Vec random) const {

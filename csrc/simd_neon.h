@@ -72,9 +72,9 @@ struct NeonVec {
   static NeonVec hash_bits(NeonVec r) {
     uint32x4_t x = vreinterpretq_u32_f32(r.v);
     x = veorq_u32(x, vshrq_n_u32(x, 16));
-    x = vmulq_u32(x, vdupq_n_u32(0x7FEB352Du));
+    x = vmulq_u32(x, vdupq_n_u32(kHashMul1));
     x = veorq_u32(x, vshrq_n_u32(x, 15));
-    x = vmulq_u32(x, vdupq_n_u32(0x846CA68Bu));
+    x = vmulq_u32(x, vdupq_n_u32(kHashMul2));
     return {vreinterpretq_f32_u32(veorq_u32(x, vshrq_n_u32(x, 16)))};
   }
   OA_INLINE void store_bf16_random(uint16_t* p, NeonVec random) const {
