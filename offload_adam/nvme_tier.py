@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.autograd.graph import increment_version
 
-from .params import check_dense, param_label
+from .params import check_dense, param_label, rounds_to
 from .kernel_step import Hyper, adam_step
 from .nvme import BucketSpec, NvmeState, StateSpec, StepPipeline, adam_bucket
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_key
@@ -95,7 +95,7 @@ class NvmeTier:
         self._formats = [state_format(g["state_dtype"]) for g in param_groups]
         self._amsgrad = [bool(g["amsgrad"]) for g in param_groups]
         spec = StateSpec(tuple(specs), "+".join(sorted({f.name for f in self._formats})),
-                         extra={"amsgrad": [bool(g["amsgrad"]) for g in param_groups]})
+                         extra={"amsgrad": self._amsgrad})
         largest = max((b.nbytes for b in spec.buckets), default=0)
         budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
         self.state = NvmeState.open(list(dirs), spec)
@@ -195,10 +195,7 @@ class NvmeTier:
         how = self._loaded.get(id(e.param))
         p = e.param.detach()
         if how == "check":
-            rounded = master.to(p.dtype)
-            same = (rounded.view(torch.int16) == p.view(torch.int16)) | (rounded.isnan()
-                                                                        & p.isnan())
-            how = None if bool(same.all()) else "take"
+            how = None if rounds_to(master, p) else "take"
         if how == "take" or float(step) == 0:
             master.copy_(p)
 

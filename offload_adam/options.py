@@ -81,6 +81,8 @@ import dataclasses
 import os
 from typing import Any, Optional, Tuple
 
+from .nvme.store import folder_problem
+
 # The options that copy grads during backward, and why each needs overlap=True.
 _NEEDS_OVERLAP = {
     "step_in_backward": "the step starts from the grads copied during backward",
@@ -168,12 +170,12 @@ def _checked_dirs(value) -> Tuple[str, ...]:
                          f"directories, got {value!r}")
     out = tuple(os.path.abspath(os.fspath(d)) for d in dirs)
     for d in out:
-        if not os.path.isdir(d):
-            raise ValueError(f"state_dirs: {d!r} "
-                             f"{'is not a directory' if os.path.exists(d) else 'does not exist'}"
-                             " (create one per drive before building the optimizer)")
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise ValueError(f"state_dirs: {d!r} is not writable by this process")
+        problem = folder_problem(d)
+        if problem is not None:
+            error, what = problem
+            hint = ("" if error is PermissionError
+                    else " (create one per drive before building the optimizer)")
+            raise ValueError(f"state_dirs: {d!r} {what}{hint}")
     if len(set(out)) != len(out):
         raise ValueError(f"state_dirs names a directory twice: {list(out)}")
     return out

@@ -1,5 +1,6 @@
 """What every path says about a param: the dtypes it may have, how an error
-names it, the one device of an optimizer's params, and the refusal of sparse grads (in place, the engine and the NVMe
+names it, the one device of an optimizer's params, whether a master still rounds to
+its param, and the refusal of sparse grads (in place, the engine and the NVMe
 tier raise the same words)."""
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ def one_device(params) -> torch.device:
             "optimizer steps params of one device (use one optimizer per device)")
     (device,) = devices
     return device
+
+
+def rounds_to(master: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether fp32 `master` rounds to the CPU tensor `t` bit for bit (NaN to NaN):
+    a loaded master that does not is stale and is started again from the param."""
+    rounded = master.detach().to(t.dtype)
+    bits = torch.int16 if t.element_size() == 2 else torch.int32
+    return bool(((rounded.view(bits) == t.view(bits)) | (rounded.isnan() & t.isnan())).all())
 
 
 def check_dense(grad: torch.Tensor, label: str) -> None:

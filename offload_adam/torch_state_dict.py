@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import distributed
-from .params import param_label
+from .params import param_label, rounds_to
 from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format,
                            stored_key, with_code_keys, with_float32_moments)
 
@@ -153,11 +153,8 @@ class TorchStateDict:
             master = st.get(MASTER_KEY) if st else None
             if master is None:
                 continue
-            t = distributed.local(p).detach().to("cpu")
-            rounded = master.detach().to(t.dtype)   # an fp32 param's (engine) is itself
-            bits = torch.int16 if t.element_size() == 2 else torch.int32
-            same = (rounded.view(bits) == t.view(bits)) | (rounded.isnan() & t.isnan())
-            if not bool(same.all()):
+            # (an fp32 param's master, in the engine, rounds to itself)
+            if not rounds_to(master, distributed.local(p).detach().to("cpu")):
                 del st[MASTER_KEY]
         self._loaded_masters = []
 

@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .layout import ALIGN
+from .layout import ALIGN, round_up
 
 REQUEST_BYTES = 4 << 20   # one pread/pwrite: large enough for the drive's bandwidth
 
@@ -37,7 +37,7 @@ class AlignedBuffer:
     and a memoryview (`.view`); pinned (cudaHostRegister) when CUDA is available and `pin`."""
 
     def __init__(self, nbytes: int, pin: bool = True):
-        self.nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        self.nbytes = max(ALIGN, round_up(nbytes, ALIGN))
         self._mmap = mmap.mmap(-1, self.nbytes)
         self.view = memoryview(self._mmap)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)

@@ -41,7 +41,7 @@ _DTYPES = {str(d).replace("torch.", ""): d
                      torch.int32, torch.int64)}
 
 
-def _round_up(n: int, to: int) -> int:
+def round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
@@ -79,14 +79,14 @@ class BucketSpec:
         out, at = [], 0
         for t in self.tensors:
             out.append(at)
-            at = _round_up(at + t.nbytes, TENSOR_ALIGN)
+            at = round_up(at + t.nbytes, TENSOR_ALIGN)
         return out
 
     @property
     def nbytes(self) -> int:
         """The extent of one slot: the tensors, padded, rounded up to ALIGN."""
         last = self.tensors[-1]
-        return _round_up(self.offsets()[-1] + last.nbytes, ALIGN) if self.tensors else 0
+        return round_up(self.offsets()[-1] + last.nbytes, ALIGN) if self.tensors else 0
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import os
 import shutil
 import uuid
 import warnings
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,18 +33,27 @@ DATA_FILE = "offload_adam_state.bin"
 _HEADER_MAGIC = b"OFFLOAD_ADAM_NVME_STATE_1\n"
 
 
+def folder_problem(folder: str) -> Optional[Tuple[type, str]]:
+    """What keeps `folder` from holding state files (the error type and the words that
+    follow its name), or None. The optimizer's options check with it too."""
+    if not os.path.exists(folder):
+        return FileNotFoundError, "does not exist"
+    if not os.path.isdir(folder):
+        return NotADirectoryError, "is not a directory"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return PermissionError, "is not writable by this process"
+    return None
+
+
 def _check_folder(folder: str) -> str:
     folder = os.path.abspath(folder)
-    if not os.path.exists(folder):
-        raise FileNotFoundError(f"offload_adam: the NVMe state directory {folder!r} does not "
-                                "exist; create it (one per drive) before building the optimizer")
-    if not os.path.isdir(folder):
-        raise NotADirectoryError(f"offload_adam: the NVMe state directory {folder!r} is not "
-                                 "a directory")
+    problem = folder_problem(folder)
+    if problem is not None:
+        error, what = problem
+        hint = ("; create it (one per drive) before building the optimizer"
+                if error is FileNotFoundError else "")
+        raise error(f"offload_adam: the NVMe state directory {folder!r} {what}{hint}")
     probe = os.path.join(folder, manifest.LOCK)
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(f"offload_adam: the NVMe state directory {folder!r} is not "
-                              "writable by this process")
     try:
         os.close(os.open(probe, os.O_RDWR | os.O_CREAT, 0o644))
     except PermissionError as e:
