@@ -1,29 +1,35 @@
-"""CPU params stepped in place with their state in files: the state_dirs option.
+"""The optimizer's state in files: the state_dirs option.
 
 The storage is nvme/ (files, slots, manifest, the read-ahead pipeline); this is the
-optimizer's side of it. At construction the in-place params of every group are dealt, in
-order, into buckets of about bucket_mb of state (a bucket never spans two groups, so one
-kernel call per param dtype has one set of hyperparameters), and the files are opened (or
-created, or resumed). Each step():
+optimizer's side of it. At construction every param of every group is dealt, in order,
+into buckets of about bucket_mb of state (a bucket never spans two groups, so one kernel
+call per param dtype has one set of hyperparameters), and the files are opened (or
+created, or resumed). Each step() is one pass of the pipeline:
 
     for bucket i (read ahead by the pipeline):
-        fused kernel on its params that have a grad: the live grad and param, the fp32
-        master (bf16/fp16 params) and moments from the bucket's buffer
+        its CPU params stepped in place: the fused kernel on the live grad and param,
+            the fp32 master and moments from the bucket's buffer
+        its engine params (CUDA, or CPU through the pipeline): stepped by the engine
+            over the same buffer (engine/disk_step.py)
     -> written back, then the step is committed
 
-The same kernel call on the same values as inplace.py, so the params come out bitwise the
-same as with the state in host RAM. An fp32 param is its own master, as in RAM: its files
-hold only the moments and the step. A master is taken from its param at the param's first
-step (its step count is 0), and a loaded or resumed one is kept only while it still rounds
-to its param (as torch_state_dict.py's _drop_stale_masters does in RAM).
+The same kernel calls on the same values as in RAM, so the params come out bitwise the
+same as with the state in host RAM. Every param has a master in the files, so the files
+hold the whole training state: an fp32 param stepped in place is its own master (as in
+RAM), and its new value is copied there after its kernel; a param without a grad in a
+step has its master refreshed from the param if it no longer rounds to it. A resumed
+state restores the params from the masters (`_restore_params`). A master is taken from
+its param at the param's first step (its step count is 0), and a loaded or resumed one is
+kept only while it still rounds to its param (as torch_state_dict.py's
+_drop_stale_masters does in RAM).
 
 optimizer.state holds nothing for these params; state_dict() shows their state as file
 views (`add_state`) and load_state_dict() writes into the files bucket by bucket (`load`).
 
 The grads are checked before the first bucket is stepped. An I/O error mid-step raises with
 the files at the last completed step (nvme/pipeline.py), but the params of the buckets
-already stepped have moved (they live in RAM, outside the files' crash safety): restore
-them from a checkpoint, as after a crash.
+already stepped have moved: build the optimizer again with state_resume=True, which
+restores them from the files, as after a crash.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.autograd.graph import increment_version
 
+from .distributed import local
 from .params import check_dense, param_label, rounds_to
+from .engine.disk_step import DiskStep
 from .kernel_step import Hyper, adam_step
 from .nvme import BucketSpec, NvmeState, StateSpec, StepPipeline, adam_bucket
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_key
@@ -42,31 +50,37 @@ _MB = 2 ** 20
 
 
 class _Param:
-    """One param of the tier: where it is in the groups, its name in the files, and the
-    dtype its files were laid out for (an fp32 param has no master there)."""
-    __slots__ = ("group", "index", "param", "name", "dtype")
+    """One param of the tier: where it is in the groups, its name in the files, the
+    dtype its files were laid out for, and its engine record when the engine steps it
+    (engine/disk_step.py; None: stepped in place here). Every param has a master in
+    the files; the kernel steps it, except for an fp32 param stepped in place, which
+    is its own master (as in RAM): the kernel steps the param and its value is copied
+    into the files' master, so that the files hold the params too."""
+    __slots__ = ("group", "index", "param", "name", "dtype", "rec")
 
-    def __init__(self, group: int, index: int, param: torch.Tensor, name: str):
+    def __init__(self, group: int, index: int, param: torch.Tensor, name: str, rec=None):
         self.group, self.index, self.param, self.name = group, index, param, name
         self.dtype = param.dtype
+        self.rec = rec
 
     @property
     def has_master(self) -> bool:
-        return self.dtype is not torch.float32
+        """Whether the kernel steps the files' master (else the param, then copied)."""
+        return self.dtype is not torch.float32 or self.rec is not None
 
 
-def _bucket_spec(entries: List[_Param], fmt: str, amsgrad: bool):
-    """adam_bucket less the master of fp32 params (their param is their master)."""
-    full = adam_bucket([(e.name, e.param.shape) for e in entries], fmt, amsgrad)
-    no_master = {f"{e.name}.master" for e in entries if not e.has_master}
-    return BucketSpec(tuple(t for t in full.tensors if t.name not in no_master))
+def _bucket_spec(entries: List[_Param], fmt: str, amsgrad: bool) -> BucketSpec:
+    return adam_bucket([(e.name, e.param.shape) for e in entries], fmt, amsgrad)
 
 
 class NvmeTier:
-    """The state of `params` (a list per group, the in-place ones) in files under `dirs`."""
+    """The state of `params` (a list per group) in files under `dirs`. `engine`: the
+    offload engine stepping some of them (its records name which), or None."""
 
     def __init__(self, param_groups, params: List[List[torch.Tensor]], dirs, bucket_mb: float,
-                 budget_mb: Optional[float], resume: bool = False):
+                 budget_mb: Optional[float], resume: bool = False, engine=None):
+        recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
+        self.engine = engine
         self.buckets: List[List[_Param]] = []
         self._ids = set()
         specs = []
@@ -80,7 +94,7 @@ class NvmeTier:
             for i, p in enumerate(group["params"]):
                 if id(p) not in keep:
                     continue
-                entry = _Param(gi, i, p, f"{gi}:{names[i] if names else i}")
+                entry = _Param(gi, i, p, f"{gi}:{names[i] if names else i}", recs.get(id(p)))
                 nbytes = _bucket_spec([entry], fmt.name, amsgrad).nbytes
                 if bucket and size + nbytes > limit:
                     specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
@@ -112,17 +126,34 @@ class NvmeTier:
         except ValueError as e:
             self.state.close()
             raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
-        # Masters to check against their param at the next step: all of a resumed state.
+        if self.state.step:
+            self._restore_params()
+        # Masters to check against their param at the next step: all of a resumed state
+        # (restored from them, unless the model is loaded again before that step).
         self._loaded: Dict[int, str] = ({id(e.param): "check" for b in self.buckets for e in b
                                          if e.has_master} if self.state.step else {})
+
+    def _restore_params(self) -> None:
+        """A resumed state gives the params their values of its last completed step:
+        each param stepped at least once takes its master from the files (rounded to a
+        bf16/fp16 param), so that a crash loses nothing even between a step and the
+        user's own checkpoint of the model."""
+        with torch.no_grad():
+            for i, bucket in enumerate(self.buckets):
+                views = self.state.views(i)
+                for e in bucket:
+                    if float(views[f"{e.name}.step"]) > 0:
+                        live = local(e.param).detach()
+                        live.copy_(views[f"{e.name}.master"].to(live.dtype))
 
     def holds(self, p: torch.Tensor) -> bool:
         return id(p) in self._ids
 
     def grads(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """(param, grad) of every param here that has one (clipping's norm)."""
+        """(param, grad) of every param stepped in place here that has one (clipping's
+        norm; the engine's params count theirs from their host copies)."""
         return [(e.param, e.param.grad) for b in self.buckets for e in b
-                if e.param.grad is not None]
+                if e.rec is None and e.param.grad is not None]
 
     @property
     def host_bytes(self) -> int:
@@ -137,27 +168,56 @@ class NvmeTier:
     # ---- step -------------------------------------------------------------------------
 
     def step(self, param_groups, grad_scale: float, num_threads: int) -> None:
-        with_grads = [e for b in self.buckets for e in b if e.param.grad is not None]
-        if not with_grads:
-            return   # as torch: a step without grads changes nothing
+        """One pass over the files: each bucket's in-place params stepped here, its
+        engine params by the engine (engine/disk_step.py); committed once."""
+        with_grads = [e for b in self.buckets for e in b
+                      if e.rec is None and e.param.grad is not None]
         for e in with_grads:   # before any bucket is stepped
             _check_grad(e, param_groups[e.group])
-        for i, t in self.pipeline.buckets():
-            self._step_bucket(self.buckets[i], t, param_groups, grad_scale, num_threads)
-        self._loaded = {}
+        run = DiskStep(self.engine, param_groups, grad_scale) if self.engine else None
+        completed = False
+        try:
+            if with_grads or (run is not None and run.ready):
+                for i, t in self.pipeline.buckets():
+                    bucket = self.buckets[i]
+                    self._check_format(bucket[0].group, param_groups)
+                    in_place = [e for e in bucket if e.rec is None]
+                    self._step_bucket(in_place, t, param_groups, grad_scale, num_threads)
+                    if run is not None:
+                        run.bucket([(e.rec, e.name, self._loaded.get(id(e.param)))
+                                    for e in bucket if e.rec is not None], t)
+                done = {id(e.param) for e in with_grads}
+                done |= {id(r.param) for r in (run.stepped if run is not None else ())}
+                self._loaded = {k: v for k, v in self._loaded.items() if k not in done}
+            # else, as torch: a step without grads changes nothing
+            completed = True
+        finally:
+            if run is not None:
+                run.end(completed)
 
-    def _step_bucket(self, bucket: List[_Param], t, param_groups, grad_scale, num_threads):
-        gi = bucket[0].group
+    def _check_format(self, gi: int, param_groups) -> None:
         group = param_groups[gi]
         fmt, amsgrad = self._formats[gi], self._amsgrad[gi]
         if (state_format(group["state_dtype"]), bool(group["amsgrad"])) != (fmt, amsgrad):
             raise ValueError(f"param group {gi}: state_dtype and amsgrad cannot change with "
                              f"state_dirs= (the files hold state_dtype={fmt.name!r}, "
                              f"amsgrad={amsgrad})")
+
+    def _step_bucket(self, bucket: List[_Param], t, param_groups, grad_scale, num_threads):
+        """The in-place params of one bucket: one kernel call per param dtype."""
+        if not bucket:
+            return
+        gi = bucket[0].group
+        group = param_groups[gi]
+        fmt, amsgrad = self._formats[gi], self._amsgrad[gi]
         by_dtype: Dict[torch.dtype, List[_Param]] = {}
         for e in bucket:
             if e.param.grad is not None:
                 by_dtype.setdefault(e.param.dtype, []).append(e)
+            else:   # not stepped: its master in the files still follows the param
+                master, p = t[f"{e.name}.master"], e.param.detach()
+                if not rounds_to(master, p):
+                    master.copy_(p)
         for dtype, entries in by_dtype.items():
             work, grads, lp, back = [], [], [], []
             for e in entries:
@@ -187,6 +247,8 @@ class NvmeTier:
             for p, out in back:
                 p.detach().copy_(out)
             for e in entries:
+                if not e.has_master:   # an fp32 param: the files hold its new value too
+                    t[f"{e.name}.master"].copy_(e.param.detach())
                 increment_version(e.param)
 
     def _ready_master(self, e: _Param, master: torch.Tensor, step: torch.Tensor) -> None:
@@ -218,7 +280,7 @@ class NvmeTier:
                     st[key] = views[f"{e.name}.{key}"]
                     if fmt.blockwise and key in SCALE_KEYS:
                         st[SCALE_KEYS[key]] = views[f"{e.name}.{SCALE_KEYS[key]}"]
-                if e.has_master:
+                if e.has_master:   # (not an fp32 param stepped in place, as in RAM)
                     st[MASTER_KEY] = views[f"{e.name}.master"]
                 state[sd["param_groups"][e.group]["params"][e.index]] = st
         return {**sd, "state": state}
@@ -253,16 +315,16 @@ class NvmeTier:
             t[f"{e.name}.{key}"].copy_(value[key])
             if fmt.blockwise and key in SCALE_KEYS:
                 t[f"{e.name}.{SCALE_KEYS[key]}"].copy_(value[SCALE_KEYS[key]])
-        if e.has_master:
-            master = saved.get(MASTER_KEY)
-            if isinstance(master, torch.Tensor):
-                if tuple(master.shape) != tuple(p.shape):
-                    raise ValueError(f"optimizer state {MASTER_KEY!r}{label} has shape "
-                                     f"{tuple(master.shape)}, expected {tuple(p.shape)}")
-                t[f"{e.name}.master"].copy_(master)
-                loaded[id(p)] = "check"
-            else:
-                t[f"{e.name}.master"].zero_()
+        master = saved.get(MASTER_KEY) if e.has_master else None
+        if isinstance(master, torch.Tensor):
+            if tuple(master.shape) != tuple(p.shape):
+                raise ValueError(f"optimizer state {MASTER_KEY!r}{label} has shape "
+                                 f"{tuple(master.shape)}, expected {tuple(p.shape)}")
+            t[f"{e.name}.master"].copy_(master)
+            loaded[id(p)] = "check"
+        else:   # the param as it is now (the files hold the params too); checked again
+            t[f"{e.name}.master"].copy_(local(p).detach().to("cpu", torch.float32))
+            if e.has_master:
                 loaded[id(p)] = "take"
 
 

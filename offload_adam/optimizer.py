@@ -16,8 +16,9 @@ What differs from torch is underneath, and decided in one place
     do bf16/fp16 CPU params with step_in_backward or free_grads_after_copy (the
     options that need the pipeline), and every param of an optimizer built
     inside offload_adam.testing.simulated() (the tests' asynchronous CPU device).
-  * with state_dirs=, the state of the CPU params stepped in place lives in
-    files instead (nvme_tier.py), streamed through RAM bucket by bucket.
+  * with state_dirs=, the state (master and moments) of every param lives in
+    files instead (nvme_tier.py), streamed through RAM bucket by bucket; the
+    engine then steps its params over the files' buckets (engine/disk_step.py).
 The moments of low-precision params stay fp32 (torch would keep them in the
 param's dtype).
 
@@ -270,18 +271,14 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             return
         for gi, g in enumerate(self.param_groups):
             for i, p in enumerate(g["params"]):
-                if self._in_engine(p) or distributed.is_dtensor(p):
-                    what = ("a DTensor" if distributed.is_dtensor(p)
-                            else "stepped by the offload engine")
+                if distributed.is_dtensor(p):
                     raise NotImplementedError(
-                        f"state_dirs=: param {param_label(g, gi, i, p)} is {what} "
-                        f"({p.device}); the NVMe tier currently covers CPU params stepped in "
-                        "place only (not CUDA params, step_in_backward or "
-                        "free_grads_after_copy with bf16/fp16 params, or the simulated device)")
-        mine = [[p for p in g["params"] if not self._in_engine(p)] for g in self.param_groups]
-        self._nvme = NvmeTier(self.param_groups, mine, self._options.state_dirs,
-                              self._options.bucket_mb, self._options.state_budget_mb,
-                              self._options.state_resume or resume)
+                        f"state_dirs=: param {param_label(g, gi, i, p)} is a DTensor "
+                        f"({p.device}); the NVMe tier does not cover FSDP2's sharded params yet")
+        self._nvme = NvmeTier(self.param_groups, [g["params"] for g in self.param_groups],
+                              self._options.state_dirs, self._options.bucket_mb,
+                              self._options.state_budget_mb,
+                              self._options.state_resume or resume, engine=self._engine)
         weakref.finalize(self, self._nvme.close)
         self._reset_caches()
 
@@ -335,9 +332,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
             for index, group in enumerate(self.param_groups):
                 self._inplace.step_group(index, group, self.state, scale, num_threads)
-            if self._nvme is not None:
+            if self._nvme is not None:   # the engine's params too: their state is there
                 self._nvme.step(self.param_groups, scale, num_threads)
-            if self._engine is not None:
+            elif self._engine is not None:
                 self._engine.step(self.param_groups, self.state, grad_scale=scale)
         return loss
 

@@ -54,15 +54,23 @@ documented here and nowhere else.
     silently start from an old run's moments and step count); one that holds
     another model's is refused. state_dict() returns tensors backed by the files (mmap'd, copy on
     write; save them before the second step after), load_state_dict() writes
-    into the files. For CPU params only, fixed at construction (no
-    add_param_group); None = host RAM.
+    into the files. CPU params stepped in place and the engine's params (CUDA,
+    or CPU through the pipeline) alike: the engine then keeps the fp32 master of
+    fp32 params there too, and steps its params over the files' buckets at
+    step() (not with step_in_backward). Fixed at construction (no
+    add_param_group); not for DTensor (FSDP2) params yet; None = host RAM.
   state_budget_mb (None): the host memory the NVMe tier may hold: a ring of
     buffers of the largest bucket; the ring needs 3 (one read ahead, one
     stepped, one written back), more read further ahead. None = 4 buckets.
     Needs state_dirs.
   state_resume (False): continue from the state state_dirs already holds (after
-    a crash or a stop: the last completed step, the params as the model's own
-    checkpoint has them). Needs state_dirs.
+    a crash or a stop): the last completed step's moments and masters, and the
+    params too: each param stepped at least once is set at construction from
+    its master in the files (the files hold every param's value, fp32 params
+    stepped in place included), so a crash loses nothing even without a model
+    checkpoint. A model loaded after construction wins: a master that no longer
+    rounds to its param is taken from the param at the next step. Needs
+    state_dirs.
 
 The state format is a param-group key, not an option of this record:
   state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
@@ -133,6 +141,11 @@ class Options:
                 "max_grad_norm= cannot be used with step_in_backward=True: clipping "
                 "needs the norm of all grads, known only after backward, and the "
                 "step starts during backward")
+        if self.step_in_backward and self.state_dirs is not None:
+            raise ValueError(
+                "step_in_backward=True cannot be used with state_dirs= yet: the state is "
+                "read from the files bucket by bucket at step(), in the files' order, "
+                "not during backward")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.num_threads is not None and int(self.num_threads) < 1:

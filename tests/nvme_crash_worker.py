@@ -64,49 +64,16 @@ def committed_step(opt) -> int:
     return int(max((float(s["step"]) for s in opt.state_dict()["state"].values()), default=0))
 
 
-def model_path(folder, step):
-    return os.path.join(folder, f"model-{step}.pt")
-
-
-def save_model(folder, step, params):
-    """The model after `step` completed steps, written as a user's checkpoint should be:
-    temp file, fsync, rename, fsync of the directory; the one of step-2 is dropped."""
-    tmp = model_path(folder, step) + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save([p.detach() for p in params], f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, model_path(folder, step))
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if os.path.exists(model_path(folder, step - 2)):
-        os.remove(model_path(folder, step - 2))
-
-
-def load_model(folder, step, params):
-    saved = torch.load(model_path(folder, step), weights_only=True)
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
-
-
-def optimizer_worker(state_dir, model_dir, fmt, until, progress):
+def optimizer_worker(state_dir, fmt, until, progress):
     """A training run on the optimizer's NVMe tier: resumes the state in `state_dir`
-    (state_resume=True) with the model of its step from `model_dir` (the initial model at
-    step 0), sends its step, then trains to `until` steps, saving the model after each and
-    sending each step count."""
+    (state_resume=True: the params too come back from the files, as of its last completed
+    step; nothing else is saved), sends its step, then trains to `until` steps, sending
+    each step count once its step() returned."""
     params = model_params()
     opt = optimizer(params, state_dir, fmt)
     step = committed_step(opt)
-    if step:
-        load_model(model_dir, step, params)
     progress.send(step)
     while step < until:
         train(opt, params, step, 1)
         step += 1
-        progress.send(-step)   # the step returned: committed, the model not saved yet
-        save_model(model_dir, step, params)
         progress.send(step)

@@ -90,6 +90,9 @@ class OffloadEngine:
         self._num_threads = options.num_threads
         self._last_threads = self._num_threads or self.device.default_num_threads()
         self._available = available_host_bytes
+        # state_dirs=: master and moments live in the NVMe tier's files, in RAM only
+        # while its pipeline holds their bucket (disk_step.py): no host arenas for them.
+        self.state_on_disk = options.state_dirs is not None
         self.recs: List[ParamRec] = []
         self.buckets: List[Bucket] = []           # replaced in place (the finalizer holds it)
         self._state_arenas: list = []
@@ -305,7 +308,23 @@ class OffloadEngine:
         multiplies every grad inside the kernel (clipping coefficient, 1/loss
         scale). Returns once the params read on the current stream are the
         updated ones."""
-        t_enter = time.perf_counter()
+        fence = self.begin_step(param_groups, state, grad_scale)
+        with torch.no_grad():
+            jobs, stepped = self._plan(param_groups, state, grad_scale, fence)
+            try:
+                with interrupts_deferred() as deferring:
+                    for job, continues in jobs:
+                        self.run(job, continues)
+                    self.drain(finish=not deferring)  # all, or fewer after a second ^C
+            finally:  # also after an error: what was queued must land before reads
+                self.publish_step(stepped)
+        self.end_step()
+
+    def begin_step(self, param_groups: List[dict], state, grad_scale: float = 1.0):
+        """What every step starts with (also the step over a state on disk,
+        disk_step.py): refuse a closed engine or a changed param, end what a
+        backward that raised left, learn the bucket order; returns the fence."""
+        self._t_enter = time.perf_counter()
         if not self._finalizer.alive:  # its memory is gone: refuse, do not hang
             raise RuntimeError("offload_adam: this optimizer's engine was closed; "
                                "build a new optimizer")
@@ -316,24 +335,22 @@ class OffloadEngine:
             rec.live()   # raises for a param cast or replaced, before anything changes
             self._hook_grad(rec)
         self._learn_bucket_order()
-        fence = self.device.fence()
-        with torch.no_grad():
-            jobs, stepped = self._plan(param_groups, state, grad_scale, fence)
-            try:
-                with interrupts_deferred() as deferring:
-                    for job, continues in jobs:
-                        self.run(job, continues)
-                    self.drain(finish=not deferring)  # all, or fewer after a second ^C
-            finally:  # also after an error: what was queued must land before reads
-                self.publish_h2d()
-                if self.early is not None:
-                    self.early.new_iteration()
-                # Like torch's in-place step: autograd must see that the params
-                # changed (a backward of an older forward then raises).
-                for rec in stepped:
-                    increment_version(rec.param)
+        return self.device.fence()
+
+    def publish_step(self, stepped: Sequence[ParamRec]) -> None:
+        """What every step ends with, also after an error: the user's stream
+        waits for the queued H2D copies; autograd sees the stepped params change
+        (a backward of an older forward then raises, as after torch's step)."""
+        self.publish_h2d()
+        if self.early is not None:
+            self.early.new_iteration()
+        for rec in stepped:
+            increment_version(rec.param)
+
+    def end_step(self) -> None:
+        """After a step that completed: the consumed grad copies let go, the profile."""
         self._consumed()
-        self._profile.exposed_s = time.perf_counter() - t_enter
+        self._profile.exposed_s = time.perf_counter() - self._t_enter
         self._last_profile, self._profile = self._profile, StepProfile()
 
     @property
@@ -439,6 +456,8 @@ class OffloadEngine:
         bind_state(self.device, recs, param_groups, state, self._allocate_state)
 
     def _allocate_state(self, recs, roles) -> None:
+        if self.state_on_disk:
+            return
         self._state_arenas.append(allocate_state(recs, self.device, self._available, roles))
 
     def publish_h2d(self) -> None:

@@ -1,0 +1,160 @@
+"""The offload engine with its state in files (state_dirs=, offload_adam/engine/disk_step.py),
+on the asynchronous simulated device (the GPU's path: copies land late and read their source
+when they run, so a missing wait before the pipeline reuses a ring buffer fails here): bitwise
+the engine with its state in host RAM, through real backward passes with hooks, clipping,
+accumulation, GradScaler's protocol and freed grads; checkpoints across the tiers both ways,
+and a resume from the files."""
+import gc
+import io
+
+import pytest
+import torch
+
+import offload_adam
+from conftest import sim_path
+from models import BF16, loss_of, make_pair
+from nvme_model import assert_same
+
+FORMATS = ["float32", "bfloat16", "8bit"]
+SIMS = ["sim-seed0", "sim-seed1", "sim-latest"]
+OPTS = dict(lr=3e-3, bucket_mb=0.01)
+
+
+def model():
+    """TinyTransformer in bf16 with an fp32 head: both kinds of engine param (an fp32
+    param's master is the param; the files keep it too, the GPU holds the param)."""
+    m, _ = make_pair()
+    m.head.float()
+    m.head.register_forward_pre_hook(lambda mod, args: (args[0].float(),))
+    return m
+
+
+def groups(m):
+    named = list(m.named_parameters())
+    return [{"params": [p for n, p in named if "norm" not in n and "bias" not in n]},
+            {"params": [p for n, p in named if "norm" in n or "bias" in n], "weight_decay": 0.0}]
+
+
+def train(m, opt, first, count, accumulate=1, clip=None, scaler=False):
+    for k in range(first, first + count):
+        for micro in range(accumulate):
+            (loss_of(m, 10 * k + micro) / accumulate).backward()
+        if clip == "torch":
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+        elif clip == "opt":
+            opt.clip_grad_norm_(0.5)
+        if scaler:   # GradScaler's protocol: 1/scale in the kernel, an inf skips the step
+            opt.grad_scale = torch.tensor(1.0)
+            opt.found_inf = torch.tensor(1.0 if k == first + 1 else 0.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def params_of(m):
+    return [p for g in groups(m) for p in g["params"]]
+
+
+CASES = [dict(), dict(accumulate=2), dict(clip="opt"), dict(max_grad_norm=0.3),
+         dict(scaler=True), dict(amsgrad=True)]
+
+
+# Every case in every format, each on one of the simulated device's latencies in turn (the
+# plain case on all of them): OFFLOAD_ADAM_SIM_SEEDS soaks test_engine*.py, not these.
+RUNS = [(fmt, case, where) for i, (fmt, case) in enumerate(
+            (f, c) for c in CASES for f in FORMATS)
+        for where in (SIMS if not case else [SIMS[i % len(SIMS)]])]
+
+
+@pytest.mark.parametrize("fmt,case,where", RUNS, ids=lambda v: v if isinstance(v, str) else (
+    "-".join(f"{k}={x}" for k, x in v.items()) or "plain"))
+def test_the_engine_on_disk_steps_bitwise_as_in_ram(kernels, tmp_path, where, fmt, case):
+    case = dict(case)
+    if case.get("amsgrad") and fmt == "8bit":
+        pytest.skip("8-bit moments have no amsgrad")
+    run = {k: case.pop(k) for k in ("accumulate", "clip", "scaler") if k in case}
+    a, b = model(), model()
+    with sim_path(where):
+        ram = offload_adam.AdamW(groups(a), state_dtype=fmt, **OPTS, **case)
+        disk = offload_adam.AdamW(groups(b), state_dtype=fmt, state_dirs=tmp_path, **OPTS,
+                                  **case)
+        assert disk._engine is not None and len(disk._nvme.buckets) >= 6
+        assert disk._engine.host_bytes() < ram._engine.host_bytes()   # no state arenas
+        train(a, ram, 0, 4, **run)
+        train(b, disk, 0, 4, **run)
+        assert_same(params_of(a), params_of(b), ram, disk)
+    assert disk._nvme.state.step == (3 if run.get("scaler") else 4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_checkpoint_moves_between_the_tiers_both_ways(kernels, tmp_path, fmt):
+    """RAM -> disk and disk -> RAM through torch.save, each continuing bitwise as the run
+    that never moved."""
+    ms = [model() for _ in range(3)]
+    for d in ("x", "y"):
+        (tmp_path / d).mkdir()
+    with sim_path("sim-seed0"):
+        ref = offload_adam.AdamW(groups(ms[0]), state_dtype=fmt, **OPTS)
+        first = offload_adam.AdamW(groups(ms[1]), state_dtype=fmt, **OPTS)
+        other = offload_adam.AdamW(groups(ms[2]), state_dtype=fmt, state_dirs=tmp_path / "x",
+                                   **OPTS)
+        for m, opt in zip(ms, (ref, first, other)):
+            train(m, opt, 0, 2)
+        # RAM (first) -> disk; disk (other) -> RAM
+        saved = {}
+        for name, opt in (("ram", first), ("disk", other)):
+            buf = io.BytesIO()
+            torch.save(opt.state_dict(), buf)
+            saved[name] = buf.getvalue()
+        del first, other, opt
+        gc.collect()
+        to_disk = offload_adam.AdamW(groups(ms[1]), state_dtype=fmt, state_dirs=tmp_path / "y",
+                                     **OPTS)
+        to_ram = offload_adam.AdamW(groups(ms[2]), state_dtype=fmt, **OPTS)
+        to_disk.load_state_dict(torch.load(io.BytesIO(saved["ram"]), weights_only=True))
+        to_ram.load_state_dict(torch.load(io.BytesIO(saved["disk"]), weights_only=True))
+        for m, opt in zip(ms, (ref, to_disk, to_ram)):
+            train(m, opt, 2, 2)
+        assert_same(params_of(ms[0]), params_of(ms[1]), ref, to_disk)
+        assert_same(params_of(ms[0]), params_of(ms[2]), ref, to_ram)
+
+
+def test_a_new_optimizer_resumes_from_the_files(kernels, tmp_path):
+    """state_resume=True on the same (live) model continues bitwise; a model reloaded from an
+    older checkpoint gets its masters from the params, not the files' newer ones."""
+    a, b = model(), model()
+    with sim_path("sim-seed1"):
+        ref = offload_adam.AdamW(groups(a), state_dtype="bfloat16", **OPTS)
+        opt = offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path, **OPTS)
+        train(a, ref, 0, 3)
+        train(b, opt, 0, 3)
+        del opt
+        gc.collect()
+        with pytest.raises(ValueError, match="state_resume=True"):
+            offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path, **OPTS)
+        opt = offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path,
+                                 state_resume=True, **OPTS)
+        train(a, ref, 3, 2)
+        train(b, opt, 3, 2)
+        assert_same(params_of(a), params_of(b), ref, opt)
+        assert opt._nvme.state.step == 5
+
+
+def test_freed_grads_on_cpu_params_and_torch_clipping(kernels, tmp_path):
+    """bf16 CPU params with free_grads_after_copy go through the engine on the host (no
+    simulated device): the grads are freed in backward, clip_grad_norm_ sees their host
+    copies, and the disk run is the RAM run bit for bit."""
+    a, b = model(), model()
+    kw = dict(free_grads_after_copy=True, state_dtype="8bit", **OPTS)
+    ram = offload_adam.AdamW(groups(a), **kw)
+    disk = offload_adam.AdamW(groups(b), state_dirs=tmp_path, **kw)
+    assert disk._engine is not None
+    train(a, ram, 0, 3, clip="torch")
+    train(b, disk, 0, 3, clip="torch")
+    assert_same(params_of(a), params_of(b), ram, disk)
+
+
+def test_step_in_backward_with_state_dirs_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"step_in_backward=True cannot be used with "
+                                         r"state_dirs="):
+        offload_adam.AdamW([torch.zeros(3, dtype=BF16, requires_grad=True)],
+                           step_in_backward=True, state_dirs=tmp_path)
