@@ -14,7 +14,8 @@ param's layout or the other ranks, and live here:
   * clipping: the 2-norm over all shards (`global_sq_sum`): each rank's sums of
     squares, all-reduced over the mesh dims along which the grad is sharded,
     and over `process_group` for plain params a user sharded himself;
-  * `local`: the tensor this process owns.
+  * `local`: the tensor this process owns;
+  * the NVMe tier's files: one set per rank (`rank_dirs`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,25 @@ def local_value(value: torch.Tensor, p: torch.Tensor, key: str, label) -> torch.
         f"shape {tuple(value.shape)}; the param is a DTensor of shape {tuple(p.shape)} "
         f"(local shard {tuple(local(p).shape)}): load a DTensor state dict (its "
         "state_dict() or torch.distributed.checkpoint's get_state_dict) or a full one")
+
+
+# ---- the NVMe tier: each rank its own files -----------------------------------
+
+def rank_dirs(dirs: Tuple[str, ...], params: Iterable[torch.Tensor],
+              process_group=None) -> Tuple[str, ...]:
+    """state_dirs= for this process: under several ranks (DTensor params, or a
+    process_group given for params a user sharded himself), a folder "rank<R>" of
+    each directory, R the global rank, made if missing, so that every rank may be
+    given the same directories; the directories themselves otherwise."""
+    sharded = process_group is not None or any(is_dtensor(p) for p in params)
+    if not (sharded and dist is not None and dist.is_initialized()
+            and dist.get_world_size() > 1):
+        return dirs
+    import os
+    out = tuple(os.path.join(d, f"rank{dist.get_rank()}") for d in dirs)
+    for d in out:
+        os.makedirs(d, exist_ok=True)
+    return out
 
 
 # ---- clipping: the norm over all shards --------------------------------------

@@ -23,8 +23,9 @@ its param at the param's first step (its step count is 0), and a loaded or resum
 kept only while it still rounds to its param (as torch_state_dict.py's
 _drop_stale_masters does in RAM).
 
-optimizer.state holds nothing for these params; state_dict() shows their state as file
-views (`add_state`) and load_state_dict() writes into the files bucket by bucket (`load`).
+optimizer.state holds an empty entry for each of these params that has a state (`mark`);
+state_dict() shows their state as file views (`add_state`) and load_state_dict() writes
+into the files bucket by bucket (`load`).
 
 The grads are checked before the first bucket is stepped. An I/O error mid-step raises with
 the files at the last completed step (nvme/pipeline.py), but the params of the buckets
@@ -39,7 +40,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.autograd.graph import increment_version
 
-from .distributed import local
+from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, rounds_to
 from .engine.disk_step import DiskStep
 from .kernel_step import Hyper, adam_step
@@ -70,7 +71,7 @@ class _Param:
 
 
 def _bucket_spec(entries: List[_Param], fmt: str, amsgrad: bool) -> BucketSpec:
-    return adam_bucket([(e.name, e.param.shape) for e in entries], fmt, amsgrad)
+    return adam_bucket([(e.name, local(e.param).shape) for e in entries], fmt, amsgrad)
 
 
 class NvmeTier:
@@ -126,6 +127,7 @@ class NvmeTier:
         except ValueError as e:
             self.state.close()
             raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
+        self._stepped: set = set()   # ids of the params whose files hold a stepped state
         if self.state.step:
             self._restore_params()
         # Masters to check against their param at the next step: all of a resumed state
@@ -145,6 +147,18 @@ class NvmeTier:
                     if float(views[f"{e.name}.step"]) > 0:
                         live = local(e.param).detach()
                         live.copy_(views[f"{e.name}.master"].to(live.dtype))
+                        self._stepped.add(id(e.param))
+
+    def mark(self, state) -> None:
+        """An empty entry in optimizer.state for each param whose state is in the files
+        (stepped at least once), as torch's optimizers have one for each param with a
+        state: code that asks whether an optimizer has state sees it (torch.distributed.
+        checkpoint's get_state_dict otherwise "initialises" it with a step of zero grads,
+        which would move the moments in the files)."""
+        for bucket in self.buckets:
+            for e in bucket:
+                if id(e.param) in self._stepped:
+                    state.setdefault(e.param, {})
 
     def holds(self, p: torch.Tensor) -> bool:
         return id(p) in self._ids
@@ -152,7 +166,7 @@ class NvmeTier:
     def grads(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """(param, grad) of every param stepped in place here that has one (clipping's
         norm; the engine's params count theirs from their host copies)."""
-        return [(e.param, e.param.grad) for b in self.buckets for e in b
+        return [(e.param, local(e.param.grad)) for b in self.buckets for e in b
                 if e.rec is None and e.param.grad is not None]
 
     @property
@@ -188,6 +202,7 @@ class NvmeTier:
                                     for e in bucket if e.rec is not None], t)
                 done = {id(e.param) for e in with_grads}
                 done |= {id(r.param) for r in (run.stepped if run is not None else ())}
+                self._stepped |= done
                 self._loaded = {k: v for k, v in self._loaded.items() if k not in done}
             # else, as torch: a step without grads changes nothing
             completed = True
@@ -215,13 +230,13 @@ class NvmeTier:
             if e.param.grad is not None:
                 by_dtype.setdefault(e.param.dtype, []).append(e)
             else:   # not stepped: its master in the files still follows the param
-                master, p = t[f"{e.name}.master"], e.param.detach()
+                master, p = t[f"{e.name}.master"], local(e.param).detach()
                 if not rounds_to(master, p):
                     master.copy_(p)
         for dtype, entries in by_dtype.items():
             work, grads, lp, back = [], [], [], []
             for e in entries:
-                p, g = e.param, e.param.grad
+                p, g = local(e.param), local(e.param.grad)
                 grads.append(g if g.is_contiguous() else g.contiguous())
                 out = p.detach()
                 if not out.is_contiguous():   # stepped through a copy
@@ -248,14 +263,14 @@ class NvmeTier:
                 p.detach().copy_(out)
             for e in entries:
                 if not e.has_master:   # an fp32 param: the files hold its new value too
-                    t[f"{e.name}.master"].copy_(e.param.detach())
+                    t[f"{e.name}.master"].copy_(local(e.param).detach())
                 increment_version(e.param)
 
     def _ready_master(self, e: _Param, master: torch.Tensor, step: torch.Tensor) -> None:
         """The master of a bf16/fp16 param before its kernel call: from the param at its
         first step, or when a loaded one was absent or no longer rounds to the param."""
         how = self._loaded.get(id(e.param))
-        p = e.param.detach()
+        p = local(e.param).detach()
         if how == "check":
             how = None if rounds_to(master, p) else "take"
         if how == "take" or float(step) == 0:
@@ -291,6 +306,7 @@ class NvmeTier:
         `saved_ids`: id(param) -> its key in `saved_state`."""
         loaded: Dict[int, str] = {}
         steps = [0]
+        stepped: set = set()
 
         def fill(i, t):
             for e in self.buckets[i]:
@@ -298,13 +314,19 @@ class NvmeTier:
                 saved = {stored_key(k): v for k, v in (saved or {}).items()}
                 self._fill_param(e, t, saved, loaded)
                 steps.append(int(float(t[f"{e.name}.step"])))
+                if steps[-1] > 0:
+                    stepped.add(id(e.param))
 
         self.pipeline.load(fill, step=max(steps))
-        self._loaded = loaded
+        self._loaded, self._stepped = loaded, stepped
 
     def _fill_param(self, e: _Param, t, saved: dict, loaded: Dict[int, str]) -> None:
-        p = e.param
+        p = local(e.param)   # a DTensor's shard: its state is the shard's (distributed.py)
         label = f" of param {e.name} (shape {tuple(p.shape)})"
+        if is_dtensor(e.param):
+            saved = {k: local_value(v, e.param, k, lambda: label[len(" of param "):])
+                     if isinstance(v, torch.Tensor) and k in MOMENT_KEYS + (MASTER_KEY,) else v
+                     for k, v in saved.items()}
         fmt = self._formats[e.group]
         step = saved.get("step")
         t[f"{e.name}.step"].fill_(0.0 if step is None else float(step))
@@ -329,7 +351,7 @@ class NvmeTier:
 
 
 def _check_grad(e: _Param, group: dict) -> None:
-    p, g = e.param, e.param.grad
+    p, g = local(e.param), local(e.param.grad)
     if p.dtype is not e.dtype:
         raise RuntimeError(f"param {param_label(group, e.group, e.index, p)} is {p.dtype}; its "
                            f"state files were laid out for {e.dtype} when the optimizer was "

@@ -269,17 +269,14 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         `resume` as state_resume=True (an unpickled copy reopens its files)."""
         if self._options.state_dirs is None:
             return
-        for gi, g in enumerate(self.param_groups):
-            for i, p in enumerate(g["params"]):
-                if distributed.is_dtensor(p):
-                    raise NotImplementedError(
-                        f"state_dirs=: param {param_label(g, gi, i, p)} is a DTensor "
-                        f"({p.device}); the NVMe tier does not cover FSDP2's sharded params yet")
+        dirs = distributed.rank_dirs(self._options.state_dirs, self._params(),
+                                     self._options.process_group)
         self._nvme = NvmeTier(self.param_groups, [g["params"] for g in self.param_groups],
-                              self._options.state_dirs, self._options.bucket_mb,
+                              dirs, self._options.bucket_mb,
                               self._options.state_budget_mb,
                               self._options.state_resume or resume, engine=self._engine)
         weakref.finalize(self, self._nvme.close)
+        self._nvme.mark(self.state)
         self._reset_caches()
 
     # ---- offload engine: profile, memory ---------------------------------------
@@ -333,7 +330,10 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             for index, group in enumerate(self.param_groups):
                 self._inplace.step_group(index, group, self.state, scale, num_threads)
             if self._nvme is not None:   # the engine's params too: their state is there
-                self._nvme.step(self.param_groups, scale, num_threads)
+                try:
+                    self._nvme.step(self.param_groups, scale, num_threads)
+                finally:
+                    self._nvme.mark(self.state)
             elif self._engine is not None:
                 self._engine.step(self.param_groups, self.state, grad_scale=scale)
         return loss

@@ -43,22 +43,24 @@ documented here and nowhere else.
     message says so. The default is False because it is exact in every case.
   state_dirs (None): a directory, or a list of them (one per NVMe drive, the
     state striped over them), where the optimizer state lives in files
-    instead of host RAM: the fp32 master of bf16/fp16 params, the moments in
-    any state_dtype, their scales and step counts (the NVMe tier, nvme/ and
+    instead of host RAM: every param's fp32 master, the moments in any
+    state_dtype, their scales and step counts (the NVMe tier, nvme/ and
     nvme_tier.py). Each step streams it through host RAM bucket by bucket
     (bucket_mb), reading ahead and writing back while the kernel runs, and
-    commits it crash-safe. The directories must exist and be writable; each
-    optimizer (each rank) needs its own. A directory that already holds the
-    state of the same params (names, shapes, dtypes, state_dtype, amsgrad) at a
-    completed step is refused unless state_resume=True (a fresh run must not
-    silently start from an old run's moments and step count); one that holds
-    another model's is refused. state_dict() returns tensors backed by the files (mmap'd, copy on
-    write; save them before the second step after), load_state_dict() writes
-    into the files. CPU params stepped in place and the engine's params (CUDA,
-    or CPU through the pipeline) alike: the engine then keeps the fp32 master of
-    fp32 params there too, and steps its params over the files' buckets at
-    step() (not with step_in_backward). Fixed at construction (no
-    add_param_group); not for DTensor (FSDP2) params yet; None = host RAM.
+    commits it crash-safe. CPU params stepped in place and the engine's params
+    (CUDA, or CPU through the pipeline) alike; the engine steps its params
+    over the files' buckets at step() (not with step_in_backward). The
+    directories must exist and be writable; each optimizer needs its own.
+    Under several ranks (FSDP2's DTensor params, or process_group=) each rank
+    keeps its shards' state in a folder "rank<R>" of each directory (made if
+    missing), so every rank may be given the same directories. A directory
+    that already holds the state of the same params (names, shapes, dtypes,
+    state_dtype, amsgrad) at a completed step is refused unless
+    state_resume=True (a fresh run must not silently start from an old run's
+    moments and step count); one that holds another model's is refused.
+    state_dict() returns tensors backed by the files (mmap'd, copy on write;
+    save them before the second step after), load_state_dict() writes into the
+    files. Fixed at construction (no add_param_group). None = host RAM.
   state_budget_mb (None): the host memory the NVMe tier may hold: a ring of
     buffers of the largest bucket; the ring needs 3 (one read ahead, one
     stepped, one written back), more read further ahead. None = 4 buckets.

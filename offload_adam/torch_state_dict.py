@@ -107,6 +107,7 @@ class TorchStateDict:
                     self.state.pop(p, None)
             self._nvme.load({id(p): saved_id for saved_id, p, _ in pairs},
                             seen["state_dict"]["state"])
+            self._nvme.mark(self.state)
         for saved_id, p, group in self._loaded_params(seen["state_dict"]):
             saved = seen["state_dict"]["state"].get(saved_id)
             if saved is None or (self._nvme is not None and self._nvme.holds(p)):

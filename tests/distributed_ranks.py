@@ -401,6 +401,71 @@ for _how, _variants in (("plain", ("fp32", "bf16", "bf16_engine")),
         SCENARIOS[f"resume_{_how}_{_v}"] = (lambda run, v: lambda: run(v))(make_resume(_how), _v)
 
 
+# ---- the NVMe tier under FSDP2: each rank its own files ----------------------------
+
+def state_shards(opt):
+    """Every tensor of opt's state dict as this rank's shard, in a fixed order (a tier's
+    state is in its files, not in opt.state)."""
+    st = opt.state_dict()["state"]
+    return [shard(v) for i in sorted(st) for _, v in sorted(st[i].items())]
+
+
+def same_run(a, b):
+    (m1, o1), (m2, o2) = a, b
+    s1, s2 = state_shards(o1), state_shards(o2)
+    return (all(torch.equal(shard(p), shard(q)) for p, q in zip(m1.parameters(), m2.parameters()))
+            and len(s1) == len(s2) > 0 and all(torch.equal(x, y) for x, y in zip(s1, s2)))
+
+
+@scenario("fp32", "bf16", "bf16_engine", "bf16_8bit")
+def nvme(variant):
+    """state_dirs= under FSDP2, both ranks given the same directories: each rank's files in
+    its own folder; bitwise the RAM optimizer; a DCP checkpoint of the disk state loaded into
+    a fresh model on new directories trains on bitwise; a resumed tier restores the shards."""
+    dtype = BF16 if variant.startswith("bf16") else torch.float32
+    kw = {"max_grad_norm": CLIP, "bucket_mb": 0.0005}
+    if variant.endswith("8bit"):
+        kw["state_dtype"] = "8bit"
+    dev = Engine(variant.endswith("engine"))
+    base = [os.path.join(OUT_DIR, f"nvme_{variant}")]
+    dist.broadcast_object_list(base, src=0)
+    folders = {k: os.path.join(base[0], k) for k in ("a", "b")}
+    for f in folders.values():
+        os.makedirs(f, exist_ok=True)
+    ram_model, disk_model = build(dtype), build(dtype)
+    ram = dev.optimizer(ram_model.parameters(), **kw)
+    disk = dev.optimizer(disk_model.parameters(), state_dirs=folders["a"], **kw)
+    out = {}
+    with dev.watch():
+        train(ram_model, ram, 3)
+        train(disk_model, disk, 3)
+        msd, osd = get_state_dict(disk_model, disk)
+        path = os.path.join(base[0], "dcp")
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        fresh = build(dtype, seed=7)
+        fopt = dev.optimizer(fresh.parameters(), state_dirs=folders["b"], **kw)
+        msd, osd = get_state_dict(fresh, fopt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(fresh, fopt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for m, o in ((ram_model, ram), (disk_model, disk), (fresh, fopt)):
+            train(m, o, 3, start=3)
+        out["disk_bitwise"] = same_run((ram_model, ram), (disk_model, disk))
+        out["dcp_bitwise"] = same_run((ram_model, ram), (fresh, fopt))
+        disk._nvme.close()
+        again_model = build(dtype, seed=9)
+        again = dev.optimizer(again_model.parameters(), state_dirs=folders["a"],
+                              state_resume=True, **kw)
+        out["resume_bitwise"] = same_run((ram_model, ram), (again_model, again))
+        train(ram_model, ram, 1, start=6)
+        train(again_model, again, 1, start=6)
+        out["resumed_steps_bitwise"] = same_run((ram_model, ram), (again_model, again))
+    dev.close()
+    dist.barrier()
+    out["rank_folders"] = sorted(os.listdir(folders["a"]))
+    return out
+
+
 # ---- the rank's main ----------------------------------------------------------------
 
 OUT_DIR = None

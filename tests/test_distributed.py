@@ -152,6 +152,16 @@ def test_state_dict_shows_dtensors_of_the_params_layout(ranks):
         assert res["same_layout_as_param"] and res["local_is_the_state"], res
 
 
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16_engine", "bf16_8bit"])
+def test_fsdp2_state_on_disk_one_folder_per_rank(ranks, variant):
+    """state_dirs= under FSDP2 (distributed_ranks.nvme): bitwise the RAM optimizer, through
+    a DCP checkpoint into a fresh model, and resumed from the files on fresh params."""
+    for res in result(ranks, f"nvme_{variant}"):
+        assert res["rank_folders"] == ["rank0", "rank1"], res
+        assert res["disk_bitwise"] and res["dcp_bitwise"], res
+        assert res["resume_bitwise"] and res["resumed_steps_bitwise"], res
+
+
 def test_the_fsdp2_example_trains_and_resumes_bitwise(kernels, tmp_path):
     example = RANKS.parent.parent / "examples" / "fsdp2_cpu.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

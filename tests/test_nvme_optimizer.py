@@ -59,9 +59,10 @@ def test_state_dict_is_backed_by_the_files(kernels, tmp_path):
     assert set(st[1]) == {"step", "exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes",
                           "exp_avg_sq_scale", "master_param"}
     assert "master_param" not in st[0]   # an fp32 param is its own master, as in RAM
-    # nothing in RAM: optimizer.state is empty, and the state dict's tensors are not in
-    # the pipeline's buffers but mappings of the files (copy on write)
-    assert len(disk.state) == 0
+    # nothing in RAM: optimizer.state holds an empty entry per stepped param, and the state
+    # dict's tensors are not in the pipeline's buffers but mappings of the files (copy on
+    # write)
+    assert len(disk.state) == 4 and not any(disk.state.values())
     assert disk.host_bytes() == disk._nvme.pipeline.host_bytes   # the ring, nothing else
     ring = [(b.tensor.data_ptr(), b.tensor.data_ptr() + b.nbytes)
             for b in disk._nvme.pipeline.buffers]
@@ -251,3 +252,26 @@ def test_grad_scaler_protocol_and_a_skipped_step(kernels, tmp_path):
             opt.step()
     assert_same(ps, qs, ram, disk)
     assert disk._nvme.state.step == 2
+
+
+def test_dcp_get_state_dict_does_not_step_the_files(kernels, tmp_path):
+    """torch.distributed.checkpoint's get_state_dict "initialises" an optimizer whose
+    optimizer.state is empty with a step of zero grads (lr 0): the files' moments would
+    decay and their step count grow. optimizer.state has an (empty) entry for each param
+    the files hold a state for, so it sees a state and leaves it alone."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    opt = offload_adam.AdamW(model.parameters(), state_dirs=tmp_path, **NVME)
+    assert not opt.state
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    assert len(opt.state) == 4 and all(st == {} for st in opt.state.values())
+    before = {i: {k: v.clone() for k, v in st.items()}
+              for i, st in opt.state_dict()["state"].items()}
+    _, osd = get_state_dict(model, opt)
+    assert opt._nvme.state.step == 1
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], v) for i in before for k, v in before[i].items())
+    assert len(osd["state"]) == 4
