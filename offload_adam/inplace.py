@@ -7,8 +7,9 @@ steps every CPU param, unless an engine option needs the pipeline
 (step_in_backward, free_grads_after_copy) or test support
 (offload_adam.testing.simulated) asks for the GPU's path.
 
-The argument lists of a group's kernel calls (`_Plan`) are built once and
-reused while the same params have grads; only the grads are gathered per step.
+The arguments of a group's kernel calls (`_Plan`, kernel_step.KernelArgs) are
+built once and reused while the same params have grads; only the grads are
+gathered per step.
 """
 
 from __future__ import annotations
@@ -19,26 +20,22 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .distributed import local
-from .kernel_step import Hyper, adam_step
+from .kernel_step import Hyper, KernelArgs
 from .params import check_dense, param_label
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, StateFormat, state_format
 
 
 class _Call:
-    """The argument lists of one kernel call: a group's params of one dtype that
-    have grads. Everything but the grads is cached between steps."""
+    """One kernel call: a group's params of one dtype that have grads, and its
+    arguments (kernel_step.KernelArgs). Everything but the grads is cached
+    between steps."""
 
-    __slots__ = ("dtype", "params", "work", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                 "scales", "lp_params", "steps", "copy_back")
+    __slots__ = ("dtype", "params", "args", "copy_back")
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.params: List[torch.Tensor] = []
-        self.work: List[torch.Tensor] = []       # fp32 tensors updated: the param or its master
-        self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs = [], [], []
-        self.scales = {"exp_avg": [], "exp_avg_sq": []}  # 8-bit moments' block scales
-        self.lp_params: List[torch.Tensor] = []  # the bf16/fp16 params written ([] for fp32)
-        self.steps: List[torch.Tensor] = []
+        self.args = KernelArgs()
         self.copy_back: List[int] = []           # non-contiguous params: stepped via a copy
 
 
@@ -71,7 +68,7 @@ class InPlace:
         for call, call_grads in zip(plan.calls, grads):
             if not call_grads:
                 continue
-            work, lp_params = call.work, call.lp_params
+            work, lp_params = call.args.work, call.args.lp_params
             if call.copy_back:
                 work, lp_params = list(work), list(lp_params)
                 for j in call.copy_back:
@@ -80,9 +77,7 @@ class InPlace:
                         lp_params[j] = torch.empty(p.shape, dtype=p.dtype)
                     else:
                         work[j] = p.contiguous()
-            adam_step(work, call_grads, call.exp_avgs, call.exp_avg_sqs, call.max_exp_avg_sqs,
-                      lp_params, call.steps, hyper, grad_scale, num_threads,
-                      call.scales["exp_avg"], call.scales["exp_avg_sq"])
+            call.args.run(call_grads, hyper, grad_scale, num_threads, work, lp_params)
             for j in call.copy_back:
                 local(call.params[j]).copy_(lp_params[j] if lp_params else work[j])
             # The kernel wrote the params through their pointers: tell autograd,
@@ -146,19 +141,12 @@ class InPlace:
             if not t.is_contiguous():
                 call.copy_back.append(len(call.params))
             call.params.append(p)
-            if p.dtype is torch.float32:
-                call.work.append(t)
-            else:
-                call.work.append(st[MASTER_KEY])
-                call.lp_params.append(t)
-            call.exp_avgs.append(st["exp_avg"])
-            call.exp_avg_sqs.append(st["exp_avg_sq"])
-            if fmt.blockwise:
-                for key, scales in call.scales.items():
-                    scales.append(st[SCALE_KEYS[key]])
-            if amsgrad:
-                call.max_exp_avg_sqs.append(st["max_exp_avg_sq"])
-            call.steps.append(st["step"])
+            low = p.dtype is not torch.float32
+            call.args.add(st[MASTER_KEY] if low else t, st["exp_avg"], st["exp_avg_sq"],
+                          st["step"], st["max_exp_avg_sq"] if amsgrad else None,
+                          t if low else None,
+                          tuple(st[SCALE_KEYS[k]] for k in ("exp_avg", "exp_avg_sq"))
+                          if fmt.blockwise else None)
         plan = _Plan(group, self._key(group), route, calls)
         self._plans[id(group)] = plan
         return plan

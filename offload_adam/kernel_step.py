@@ -1,7 +1,8 @@
 """The one call into the fused kernels, and the hyperparameters it takes.
 
-Both ways a param is stepped go through `adam_step`: CPU params in place
-(inplace.py) and offloaded params in the engine's bucket jobs (engine.py).
+Every way a param is stepped goes through `adam_step`, its arguments built as a
+`KernelArgs`: CPU params in place (inplace.py), offloaded params in the engine's
+bucket jobs (engine/core.py), and the NVMe tier's buckets (nvme_tier.py).
 `Hyper` is a param group's hyperparameters as the kernel receives them,
 compared as a whole by step_in_backward (engine/early.py).
 """
@@ -9,7 +10,7 @@ compared as a whole by step_in_backward (engine/early.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,6 +72,63 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         hyper.decoupled_weight_decay, hyper.maximize, float(grad_scale), int(num_threads),
         exp_avg_scales=list(exp_avg_scales), exp_avg_sq_scales=list(exp_avg_sq_scales),
         first_indices=[int(i) for i in first_indices])
+
+
+class KernelArgs:
+    """The argument lists of one adam_step call but the grads, built tensor by tensor:
+    what every stepper hands the kernel (inplace.py, the engine's bucket jobs, the NVMe
+    tier), so that the call is written once. `add` one tensor's state; `run` with the
+    grads, in the same order."""
+
+    __slots__ = ("work", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "lp_params", "steps",
+                 "exp_avg_scales", "exp_avg_sq_scales", "first_indices")
+
+    def __init__(self):
+        self.work: List[torch.Tensor] = []    # fp32, updated: a param, or a param's master
+        self.exp_avgs: List[torch.Tensor] = []
+        self.exp_avg_sqs: List[torch.Tensor] = []
+        self.max_exp_avg_sqs: List[torch.Tensor] = []   # amsgrad only
+        self.lp_params: List[torch.Tensor] = []   # bf16/fp16 params written from the masters
+        self.steps: List[torch.Tensor] = []
+        self.exp_avg_scales: List[torch.Tensor] = []   # 8-bit moments' block scales
+        self.exp_avg_sq_scales: List[torch.Tensor] = []
+        self.first_indices: List[int] = []
+
+    def __len__(self) -> int:
+        return len(self.work)
+
+    def add(self, work: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            step: torch.Tensor, max_exp_avg_sq: Optional[torch.Tensor] = None,
+            lp_param: Optional[torch.Tensor] = None,
+            scales: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+            first_index: int = 0) -> None:
+        """One tensor: `work` (fp32) stepped with its moments and step count;
+        `lp_param` written from it (a bf16/fp16 param: all or none of a call's);
+        `scales` (exp_avg's, exp_avg_sq's) for 8-bit moments; `first_index`: where it
+        starts in its param (a piece of a param cut in ranges)."""
+        self.work.append(work)
+        self.exp_avgs.append(exp_avg)
+        self.exp_avg_sqs.append(exp_avg_sq)
+        self.steps.append(step)
+        if max_exp_avg_sq is not None:
+            self.max_exp_avg_sqs.append(max_exp_avg_sq)
+        if lp_param is not None:
+            self.lp_params.append(lp_param)
+        if scales is not None:
+            self.exp_avg_scales.append(scales[0])
+            self.exp_avg_sq_scales.append(scales[1])
+        self.first_indices.append(int(first_index))
+
+    def run(self, grads: Sequence[torch.Tensor], hyper: Hyper, grad_scale: float,
+            num_threads: int, work: Optional[Sequence[torch.Tensor]] = None,
+            lp_params: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """adam_step over the tensors added, with `grads` in their order; `work` and
+        `lp_params` replace the lists added (stepping some through copies)."""
+        adam_step(self.work if work is None else work, grads, self.exp_avgs, self.exp_avg_sqs,
+                  self.max_exp_avg_sqs, self.lp_params if lp_params is None else lp_params,
+                  self.steps, hyper, grad_scale, num_threads, self.exp_avg_scales,
+                  self.exp_avg_sq_scales,
+                  self.first_indices if any(self.first_indices) else ())
 
 
 def grad_sq_sums(grads: Sequence[torch.Tensor], num_threads: int) -> List[float]:

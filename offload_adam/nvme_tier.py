@@ -43,7 +43,7 @@ from torch.autograd.graph import increment_version
 from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, rounds_to
 from .engine.disk_step import DiskStep
-from .kernel_step import Hyper, adam_step
+from .kernel_step import Hyper, KernelArgs
 from .nvme import BucketSpec, NvmeState, StateSpec, StepPipeline, adam_bucket
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_key
 
@@ -234,7 +234,7 @@ class NvmeTier:
                 if not rounds_to(master, p):
                     master.copy_(p)
         for dtype, entries in by_dtype.items():
-            work, grads, lp, back = [], [], [], []
+            args, grads, back = KernelArgs(), [], []
             for e in entries:
                 p, g = local(e.param), local(e.param.grad)
                 grads.append(g if g.is_contiguous() else g.contiguous())
@@ -242,23 +242,16 @@ class NvmeTier:
                 if not out.is_contiguous():   # stepped through a copy
                     out = out.contiguous()
                     back.append((p, out))
+                n = e.name
                 if e.has_master:
-                    master = t[f"{e.name}.master"]
-                    self._ready_master(e, master, t[f"{e.name}.step"])
-                    work.append(master)
-                    lp.append(out)
-                else:
-                    work.append(out)
-            names = [e.name for e in entries]
-            scales = {}
-            if fmt.blockwise:
-                scales = {f"{k}_scales": [t[f"{n}.{SCALE_KEYS[k]}"] for n in names]
-                          for k in ("exp_avg", "exp_avg_sq")}
-            adam_step(work, grads, [t[f"{n}.exp_avg"] for n in names],
-                      [t[f"{n}.exp_avg_sq"] for n in names],
-                      [t[f"{n}.max_exp_avg_sq"] for n in names] if amsgrad else [],
-                      lp, [t[f"{n}.step"] for n in names], Hyper.of(group), grad_scale,
-                      num_threads, **scales)
+                    self._ready_master(e, t[f"{n}.master"], t[f"{n}.step"])
+                args.add(t[f"{n}.master"] if e.has_master else out, t[f"{n}.exp_avg"],
+                         t[f"{n}.exp_avg_sq"], t[f"{n}.step"],
+                         t[f"{n}.max_exp_avg_sq"] if amsgrad else None,
+                         out if e.has_master else None,
+                         (t[f"{n}.exp_avg_scale"], t[f"{n}.exp_avg_sq_scale"])
+                         if fmt.blockwise else None)
+            args.run(grads, Hyper.of(group), grad_scale, num_threads)
             for p, out in back:
                 p.detach().copy_(out)
             for e in entries:

@@ -53,7 +53,7 @@ from torch.autograd.graph import increment_version
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..freed_grad import freed_grad, is_freed
-from ..kernel_step import Hyper, adam_step
+from ..kernel_step import Hyper, KernelArgs
 from ..options import Options
 from ..params import check_dense, one_device
 from ..state_format import state_format
@@ -576,15 +576,15 @@ class BucketJob:
         dev.wait_host(*bucket.h2d)                     # its buffers are free again
         bucket.h2d = []
         blockwise = pieces[0].rec.fmt.blockwise
+        args = KernelArgs()
+        for p in pieces:
+            args.add(p.state("master"), p.state("exp_avg"), p.state("exp_avg_sq"), p.step_t,
+                     p.state("max_exp_avg_sq") if hyper.amsgrad else None,
+                     p.staging if bucket.low_precision else None,
+                     (p.state("exp_avg_scale"), p.state("exp_avg_sq_scale"))
+                     if blockwise else None, p.start)
         t0 = time.perf_counter()
-        adam_step([p.state("master") for p in pieces], [p.grad for p in pieces],
-                  [p.state("exp_avg") for p in pieces], [p.state("exp_avg_sq") for p in pieces],
-                  [p.state("max_exp_avg_sq") for p in pieces] if hyper.amsgrad else [],
-                  [p.staging for p in pieces] if bucket.low_precision else [],
-                  [p.step_t for p in pieces], hyper, self.grad_scale, self.threads,
-                  [p.state("exp_avg_scale") for p in pieces] if blockwise else [],
-                  [p.state("exp_avg_sq_scale") for p in pieces] if blockwise else [],
-                  [p.start for p in pieces])
+        args.run([p.grad for p in pieces], hyper, self.grad_scale, self.threads)
         engine._profile.add_cpu(bucket.index, t0, time.perf_counter())
 
     def write_back(self) -> None:
