@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import offload_adam
+from engine_watch import hooked   # (tests/ is sys.path[0]: this script runs from there)
 
 BF16 = torch.bfloat16
 LR, WD, CLIP = 1e-2, 0.1, 0.5
@@ -104,7 +105,12 @@ class Engine:
         from offload_adam.testing import simulated
         with simulated(self.sim):
             opt = offload_adam.AdamW(params, **kw)
-        assert opt._engine is not None and not opt._inplace.grads(opt.param_groups)
+        # the engine took every param: it holds host memory before any step (in
+        # place nothing is held until then) and, with overlap, hooks each
+        # trainable param (to copy its grad in backward)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        assert opt.host_bytes() > 0
+        assert not kw.get("overlap", True) or all(hooked(p) for p in params if p.requires_grad)
         return opt
 
     def watch(self):

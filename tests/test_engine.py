@@ -21,6 +21,8 @@ import torch
 import offload_adam
 from offload_adam.engine import OffloadEngine
 from offload_adam.freed_grad import is_freed
+from bare_engine import BareEngine
+from engine_watch import Born, buckets_of, hooked
 from models import (BF16, MLP_OPTS, OPTS, Boom, assert_param_is_master_rounded, assert_same,
                     copy_grads, kernels_that, loss_of, make_mlp, make_pair, mlp_loss, run, steps_of,
                     train_shadow)
@@ -48,7 +50,7 @@ def test_transformer_matches_torch_adamw(path, overlap):
         opt.zero_grad()
         ropt.zero_grad()
     if path.engine:
-        assert len(opt._engine.buckets) > 3
+        assert len(buckets_of(opt.last_step_profile)) > 3
     for p, q in zip(model.parameters(), ref.parameters()):
         if q in ropt.state:
             torch.testing.assert_close(opt.state[p]["master_param"], q, rtol=1e-5, atol=1e-6)
@@ -429,11 +431,19 @@ def test_large_params_in_pieces_and_small_ones_packed(path):
     opt = offload_adam.AdamW(model.parameters(), lr=3e-3, bucket_mb=0.1)
     run(model, opt, 3, loss=_wide_loss)
     if path.engine:
-        embed = next(r for r in opt._engine.recs if r.param is model[0].weight)
+        # The layout, read from an engine driven alike (the optimizer's is not
+        # public), and the optimizer's last step went through as many buckets.
+        twin = _wide_model()
+        bare = BareEngine(twin.parameters(), lr=3e-3, bucket_mb=0.1)
+        run(twin, bare, 3, loss=_wide_loss)
+        engine = bare.engine
+        embed = next(r for r in engine.recs if r.param is twin[0].weight)
         assert [p.numel for p in embed.pieces] == [32768] * 4
         assert len({p.bucket.index for p in embed.pieces}) == 4
-        packed = [p.rec.param for b in opt._engine.buckets for p in b.pieces if p.packed]
-        assert len(packed) == 4 and all(p is not model[0].weight for p in packed)
+        packed = [p.rec.param for b in engine.buckets for p in b.pieces if p.packed]
+        assert len(packed) == 4 and all(p is not twin[0].weight for p in packed)
+        assert buckets_of(opt.last_step_profile) == set(range(len(engine.buckets)))
+        assert_same((model, opt), (twin, bare))
     with path.outside():
         ref = _wide_model()
         ropt = offload_adam.AdamW(ref.parameters(), lr=3e-3, bucket_mb=0.1)
@@ -673,34 +683,36 @@ def test_param_made_non_contiguous(path):
 def test_close_and_del_let_everything_go(sim):
     """close() does what dropping the optimizer does: no hook fires afterwards,
     the worker exits, host memory is released once no copy uses it, and a
-    step() after it is an error, not a hang."""
+    step() after it is an error, not a hang. (close() is the engine's own: the
+    first half drives an engine directly; the second drops an optimizer and
+    watches from outside.)"""
     model = make_mlp()
-    opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
-    run(model, opt, 1, loss=mlp_loss)
-    engine = opt._engine
-    thread = engine._worker._thread
+    born = Born()
+    bare = BareEngine(model.parameters(), **MLP_OPTS)
+    engine, (thread,) = bare.engine, born.threads()
+    run(model, bare, 1, loss=mlp_loss)
     engine.close()
     assert all(r.hook is None for r in engine.recs)
+    assert not any(hooked(p) for p in model.parameters())
     thread.join(timeout=10)
     assert not thread.is_alive()
     mlp_loss(model, 1).backward()  # the hooks are gone: nothing is copied
     assert all(r.copy is None or r.copy.grad() is not p.grad
                for r, p in zip(engine.recs, model.parameters()))
     with pytest.raises(RuntimeError, match="engine was closed"):
-        opt.step()
+        bare.step()
     engine.close()  # a second close is a no-op
 
     model = make_mlp()
+    pinned, born = sim.sim.pinned(), Born()
     opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
     run(model, opt, 1, loss=mlp_loss)
-    arenas = [a for group in opt._engine._state_arenas + opt._engine._transfer_arenas
-              for a in group._arenas.values()]
-    engine, thread = weakref.ref(opt._engine), opt._engine._worker._thread
+    engines, (thread,) = born.engines(), born.threads()
+    assert len(engines) == 1 and len(sim.sim.pinned()) > len(pinned)
     del opt
     gc.collect()
-    assert engine() is None
-    freed = {span[1] for span in sim.sim._freed}  # unpinned, after their copies
-    assert all(a.data_ptr() in freed for a in arenas if a.numel())
+    assert engines[0]() is None
+    assert sim.sim.pinned() == pinned  # unpinned (unpin() checks: after their copies)
     thread.join(timeout=5)
     assert not thread.is_alive()
     mlp_loss(model, 0).backward()  # hooks are gone or harmless
@@ -727,7 +739,7 @@ def test_a_dropped_optimizer_is_freed_at_once(path, options):
         gc.collect()
         gc.disable()
         try:
-            pinned = list(path.sim._pinned) if path.engine else None
+            pinned = path.sim.pinned() if path.engine else None
             opt = offload_adam.AdamW(model.parameters(), **options)
             run(model, opt, 2, loss=mlp_loss)
             state = opt.state_dict()
@@ -738,7 +750,7 @@ def test_a_dropped_optimizer_is_freed_at_once(path, options):
             assert dropped() is None
             assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
             if path.engine:
-                assert path.sim._pinned == pinned
+                assert path.sim.pinned() == pinned
             opt = offload_adam.AdamW(model.parameters(), **options)
             opt.load_state_dict(state)
             run(model, opt, 2, start=2, loss=mlp_loss)
@@ -818,9 +830,12 @@ def test_too_little_host_memory_and_failed_pinning(sim, monkeypatch):
 
     monkeypatch.setattr(sim.sim, "pin", refuse)
     with pytest.warns(RuntimeWarning, match="could not pin .*pageable"):
+        engine = OffloadEngine([list(model.parameters())], [False])
+    assert not engine.pinned()
+    del engine   # (it holds the params: one live engine per param)
+    with pytest.warns(RuntimeWarning, match="could not pin .*pageable"):
         opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
         run(model, opt, 1, loss=mlp_loss)
-    assert not opt._engine.pinned()
     assert_param_is_master_rounded(opt, model)
 
 

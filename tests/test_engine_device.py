@@ -99,8 +99,15 @@ def test_simulated_sends_cpu_params_to_the_engine(kernels):
             assert make_device(torch.device("cpu"), current_host_stand_in()) is sim
             opt = offload_adam.AdamW([torch.nn.Parameter(torch.zeros(3))])
         assert current_host_stand_in() is None
-        assert opt._engine is not None and opt._engine.device is sim
+        # the engine's host memory is pinned on sim, and it profiles its steps
+        pinned = sim.pinned()
+        assert pinned and opt.host_bytes() > 0
         plain = offload_adam.AdamW([torch.nn.Parameter(torch.zeros(3))])
-        assert plain._engine is None  # fp32 CPU params: in place
+        for o in (opt, plain):
+            o.param_groups[0]["params"][0].grad = torch.ones(3)
+            o.step()
+        assert opt.last_step_profile is not None
+        # fp32 CPU params: in place (nothing pinned, no profile)
+        assert plain.last_step_profile is None and sim.pinned() == pinned
     finally:
         sim.close()

@@ -17,6 +17,9 @@ import pytest
 import torch
 
 import offload_adam
+from offload_adam.testing import settle
+from bare_engine import BareEngine
+from engine_watch import buckets_of
 from models import (BF16, MLP_OPTS, OPTS, Boom, TinyTransformer, assert_param_is_master_rounded,
                     assert_same, kernels_that, loss_of, make_mlp, mlp_loss, run, steps_of)
 
@@ -50,10 +53,12 @@ def backward(model, it):
     loss_of(model, it).backward()
 
 
-def early_params(opt):
-    """The params whose step was queued during the last backward."""
-    started = opt._engine.early._started
-    return [r.param for r in opt._engine.recs if id(r) in started]
+def early_steps(opt, model, before):
+    """How many params were stepped during the backward just run: once the
+    steps it queued have run, their state's step count is past `before`
+    (steps_of from before that backward)."""
+    settle(opt)
+    return sum(now > then for now, then in zip(steps_of(opt, model), before))
 
 
 def test_bitwise_equal_to_the_default(path):
@@ -62,13 +67,14 @@ def test_bitwise_equal_to_the_default(path):
         model, opt = make(early)
         started = []
         for it in range(5):
+            before = steps_of(opt, model)
             backward(model, it)
             if early:
-                started.append(len(early_params(opt)))
+                started.append(early_steps(opt, model, before))
             opt.step()
             opt.zero_grad()
         runs.append((model, opt))
-    assert len(runs[1][1]._engine.buckets) > 3
+    assert len(buckets_of(runs[1][1].last_step_profile)) > 3
     # nothing starts in the first backward (the buckets are learned then), then
     # every param that got a grad before does
     n_grads = sum(1 for p in runs[0][0].parameters() if p in runs[0][1].state)
@@ -122,7 +128,7 @@ def _lr(model, opt):
 
 
 def _reloaded(model, opt):
-    opt._engine.drain()  # the early steps are done: the saved state has them
+    settle(opt)  # the early steps are done: the saved state has them
     opt.load_state_dict(opt.state_dict())
 
 
@@ -189,19 +195,21 @@ def _reference_after_plain_step(path, it):
 def test_a_change_after_backward_is_an_error(path, change):
     edit, pattern = CHANGES[change]
     model, opt, before = _in_second_backward()
-    assert early_params(opt)
-    edit(model, opt)
+    edit(model, opt)   # (perhaps while the early steps still run)
     with pytest.raises(RuntimeError, match="step_in_backward=True forbids") as err:
         opt.step()
     message = str(err.value)
+    # steps had started in the second backward (the error counts those that ran)
+    assert re.search(r"The Adam step of [1-9]\d* params already ran", message), message
     assert re.search(pattern, message), message
     after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
     _check_left_state(opt, model, before, after, message)
     # training goes on: the next iterations run (and start early again)
     opt.zero_grad()
     for it in (2, 3):
+        steps = steps_of(opt, model)
         backward(model, it)
-        assert early_params(opt)
+        assert early_steps(opt, model, steps)
         opt.step()
         opt.zero_grad()
 
@@ -250,17 +258,19 @@ def test_accumulation_is_an_error(path):
 def test_dead_owner_starts_no_early_step(path):
     """The engine's hooks outlive the optimizer while someone holds the
     engine; with the owner gone (no groups, no state) they only copy the grads
-    and start nothing. The engine still steps when driven directly."""
+    and start nothing. The engine still steps when driven directly. (Its owner
+    here is a BareEngine: the engine's own API, the way the optimizer drives it.)"""
     model = make_mlp()
-    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **MLP_OPTS)
+    opt = BareEngine(model.parameters(), step_in_backward=True, **MLP_OPTS)
     run(model, opt, 1, loss=mlp_loss)
-    engine, groups, state = opt._engine, opt.param_groups, opt.state
+    engine, groups, state = opt.engine, opt.param_groups, opt.state
     owner = weakref.ref(opt)
     del opt
     gc.collect()
     assert owner() is None
     mlp_loss(model, 1).backward()
-    assert all(r.copy is not None for r in engine.recs) and not engine.early._started
+    engine.drain()   # whatever was queued has run
+    assert all(r.copy is not None for r in engine.recs) and not engine.early.stepped()
     engine.step(groups, state)
     assert [float(state[p]["step"]) for p in model.parameters()] == [2.0] * 4
     for p in model.parameters():
@@ -281,8 +291,9 @@ def test_amsgrad_early_start_is_bitwise_equal_to_the_default(path, when):
             if it == 1:
                 for g in opt.param_groups:
                     g["amsgrad"] = True
+            before = steps_of(opt, model)
             mlp_loss(model, it).backward()
-            started.append(len(early_params(opt)) if early else 0)
+            started.append(early_steps(opt, model, before) if early else 0)
             opt.step()
             opt.zero_grad()
         assert started == ([0, 4, 4, 4] if early else [0, 0, 0, 0])
@@ -300,13 +311,16 @@ def test_grad_scale_after_early_steps_is_an_error(path):
     """The early steps used the grads unscaled: a step() that asks for a scale
     (clipping coefficient, 1/loss scale) cannot be honoured and says so."""
     model = make_mlp()
-    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **MLP_OPTS)
+    # The optimizer asks for a scale only through clipping or GradScaler, which
+    # refuse earlier: the engine's own step() is driven here (BareEngine).
+    opt = BareEngine(model.parameters(), step_in_backward=True, **MLP_OPTS)
     run(model, opt, 1, loss=mlp_loss)
     mlp_loss(model, 1).backward()
-    assert early_params(opt)
+    opt.engine.drain()
+    assert opt.engine.early.stepped()   # started during backward
     with pytest.raises(RuntimeError, match=r"scales the grads by 0\.5 .*stepped unscaled"
                        r".*The Adam step of 4 params already ran"):
-        opt._engine.step(opt.param_groups, opt.state, grad_scale=0.5)
+        opt.step(grad_scale=0.5)
     assert steps_of(opt, model) == [2.0] * 4
     assert_param_is_master_rounded(opt, model)
 

@@ -1,6 +1,7 @@
 """Which host copy of a grad is current (offload_adam/engine/grads.py): copy
 records, stale copies copied again, fingerprints, and GradScaler's unscale_.
 Engine-only tests run on the asynchronous simulated device (conftest.sim)."""
+import contextlib
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import offload_adam
 from offload_adam.engine import grads as engine_grads
 from offload_adam.freed_grad import is_freed
+from engine_watch import buckets_of
 from models import BF16, MLP_OPTS, OPTS, assert_same, loss_of, make_mlp, make_pair, mlp_loss
 
 
@@ -44,18 +46,38 @@ def test_a_copy_record_follows_identity_and_version():
     assert copy.unsent == 0 and copy.transfers == ["transfer"]
 
 
+@contextlib.contextmanager
+def host_copies(device, params):
+    """Inside the block: the params whose grad `device` (the simulated one)
+    copies to the host, in the order their first copy starts."""
+    seen, d2h = {}, device.d2h
+
+    def recording_d2h(dsts, srcs, after=None):
+        for s in srcs:
+            seen.setdefault(s.untyped_storage().data_ptr(), None)
+        return d2h(dsts, srcs, after)
+
+    copied = []
+    device.d2h = recording_d2h
+    try:
+        yield copied
+    finally:
+        device.d2h = d2h
+        by_storage = {p.grad.untyped_storage().data_ptr(): p for p in params
+                      if p.grad is not None}
+        copied += [by_storage[s] for s in seen if s in by_storage]
+
+
 def test_only_changed_grads_are_copied_again(sim):
     model, _ = make_pair()
     opt = offload_adam.AdamW(model.parameters(), **OPTS)
     loss_of(model, 0).backward()
-    engine = opt._engine
-    copies = {id(r): r.copy for r in engine.recs}
     model.head.weight.grad.mul_(2)        # a version bump
     model.head.bias.grad.data.mul_(2)     # no bump: the fingerprint
-    opt.step()
-    again = [r.param for r in engine.recs if r.copy is not copies[id(r)]]
+    with host_copies(sim.sim, list(model.parameters())) as again:
+        opt.step()
     assert len(again) == 2
-    assert again[0] is model.head.weight and again[1] is model.head.bias
+    assert {id(p) for p in again} == {id(model.head.weight), id(model.head.bias)}
 
 
 def test_fingerprint_checks_are_waited_for_by_the_bucket_jobs(sim):
@@ -63,7 +85,6 @@ def test_fingerprint_checks_are_waited_for_by_the_bucket_jobs(sim):
     (on a GPU, step() must not wait for the rest of backward)."""
     model, _ = make_pair()
     opt = offload_adam.AdamW(model.parameters(), **OPTS)
-    engine = opt._engine
     waited_in = []
     fetch = sim.sim.fetch
 
@@ -80,8 +101,7 @@ def test_fingerprint_checks_are_waited_for_by_the_bucket_jobs(sim):
     model.head.bias.grad.data.mul_(2)
     opt.step()
     assert waited_in and set(waited_in) == {"offload_adam-worker"}
-    assert len(waited_in) == len({r.pieces[0].bucket.index for r in engine.recs
-                                  if r.param.grad is not None})
+    assert len(waited_in) == len(buckets_of(opt.last_step_profile))   # one per bucket stepped
 
 
 def _scaled_backward(model, scaler, it):
@@ -103,28 +123,32 @@ def test_unscale_after_freed_grads_is_an_error(path):
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def _unverified_scaler_run(overlap):
+def _unverified_scaler_run(device, overlap):
     """GradScaler with unscale_ without fingerprints: only invalidate_copies
     makes step() copy the unscaled grads again."""
     model = make_mlp()
     opt = offload_adam.AdamW(model.parameters(), overlap=overlap, verify_grads=False, **MLP_OPTS)
-    assert not opt._engine.sees_in_place_edits
+    checks, fetch = [], device.fetch   # the device fetches only fingerprint comparisons
+    device.fetch = lambda t: (checks.append(t), fetch(t))[1]
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    params = list(model.parameters())
     for it in range(3):
-        _scaled_backward(model, scaler, it)
+        with host_copies(device, params) as in_backward:
+            _scaled_backward(model, scaler, it)
         scaler.unscale_(opt)
-        copies = [r.copy for r in opt._engine.recs]
-        scaler.step(opt)
+        with host_copies(device, params) as again:
+            scaler.step(opt)
         scaler.update()
         if overlap:  # copied in backward, then once more in step()
-            assert all(c is not None and r.copy is not c
-                       for r, c in zip(opt._engine.recs, copies))
+            assert len(in_backward) == 4 and len(again) == 4
         opt.zero_grad()
+    device.fetch = fetch
+    assert not checks   # no fingerprints: an in-place edit is not seen
     return model, opt
 
 
 def test_unscale_without_verify_grads_copies_again(sim):
-    assert_same(_unverified_scaler_run(True), _unverified_scaler_run(False))
+    assert_same(_unverified_scaler_run(sim.sim, True), _unverified_scaler_run(sim.sim, False))
 
 
 def test_opt_clip_after_unscale_without_verify_grads_is_an_error(sim):

@@ -9,6 +9,9 @@
         ...                                    # train as usual
     sim.check()                                # raises the ordering violations seen
     sim.close()
+
+settle(opt) waits for the CPU steps an optimizer has queued (step_in_backward
+starts them during backward), for tests that read its state before step().
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Iterator, Optional
 from ..engine.device import host_stand_in
 from .sim_device import AsyncSimDevice, SimEvent
 
-__all__ = ["AsyncSimDevice", "SimEvent", "simulated"]
+__all__ = ["AsyncSimDevice", "SimEvent", "settle", "simulated"]
 
 
 @contextlib.contextmanager
@@ -30,3 +33,13 @@ def simulated(device: Optional[AsyncSimDevice]) -> Iterator[Optional[AsyncSimDev
     way again inside an outer block (a reference run)."""
     with host_stand_in(device):
         yield device
+
+
+def settle(optimizer) -> None:
+    """Waits until every CPU step `optimizer` has queued has run: with
+    step_in_backward, those started during backward. A test may then read or
+    save the state between backward and step() and find it whole. (The one
+    place test support looks inside an optimizer: its engine is not public.)"""
+    engine = getattr(optimizer, "_engine", None)
+    if engine is not None:
+        engine.drain()

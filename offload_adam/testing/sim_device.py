@@ -325,6 +325,13 @@ class AsyncSimDevice:
     def default_num_threads(self) -> int:
         return torch.get_num_threads()
 
+    def pinned(self) -> list:
+        """The spans (storage, first byte, end byte) pinned now: a test checks
+        that an optimizer unpins what it pinned (unpin() checks that no copy
+        still uses it)."""
+        with self.lock:
+            return list(self._pinned)
+
     # ---- checking -------------------------------------------------------------------
 
     def watch(self):
