@@ -171,7 +171,11 @@ class NvmeTier:
 
     @property
     def host_bytes(self) -> int:
-        return self.pipeline.host_bytes
+        return self.pipeline.host_bytes if self.pipeline is not None else 0
+
+    @property
+    def pinned(self) -> bool:
+        return self.pipeline is None or all(b.pinned for b in self.pipeline.buffers)
 
     def close(self) -> None:
         if self.pipeline is not None:
@@ -184,6 +188,10 @@ class NvmeTier:
     def step(self, param_groups, grad_scale: float, num_threads: int) -> None:
         """One pass over the files: each bucket's in-place params stepped here, its
         engine params by the engine (engine/disk_step.py); committed once."""
+        if self.pipeline is None:
+            raise RuntimeError("offload_adam: this optimizer was closed (its state files "
+                               "too); build a new one, with state_resume=True to continue "
+                               "from them")
         with_grads = [e for b in self.buckets for e in b
                       if e.rec is None and e.param.grad is not None]
         for e in with_grads:   # before any bucket is stepped

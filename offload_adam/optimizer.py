@@ -285,6 +285,23 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         """The engine's profile of the last step() (see engine/profile.py), or None."""
         return self._engine.profile() if self._engine is not None else None
 
+    def pinned(self) -> bool:
+        """Whether the host memory the optimizer holds for transfers (the engine's
+        buffers, the NVMe tier's ring) is page-locked; True when it holds none. A
+        refused pin (a locked-memory limit) leaves pageable memory, with a warning."""
+        return ((self._engine is None or self._engine.pinned())
+                and (self._nvme is None or self._nvme.pinned))
+
+    def close(self) -> None:
+        """Lets go now (not when the optimizer is collected) of the engine's worker
+        thread and hooks, unpins its host memory (the state stays readable), and closes
+        the NVMe tier's ring, files and directory lock. A step after close() raises;
+        the files stay, for state_resume=True."""
+        if self._engine is not None:
+            self._engine.close()
+        if self._nvme is not None:
+            self._nvme.close()
+
     def host_bytes(self):
         """Host memory the optimizer's state holds: the engine's (master, moments
         and transfer buffers) and the state tensors of the params stepped in place."""

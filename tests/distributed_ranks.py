@@ -458,7 +458,7 @@ def nvme(variant):
             train(m, o, 3, start=3)
         out["disk_bitwise"] = same_run((ram_model, ram), (disk_model, disk))
         out["dcp_bitwise"] = same_run((ram_model, ram), (fresh, fopt))
-        disk._nvme.close()
+        disk.close()   # its files and lock: the resumed optimizer opens them
         again_model = build(dtype, seed=9)
         again = dev.optimizer(again_model.parameters(), state_dirs=folders["a"],
                               state_resume=True, **kw)

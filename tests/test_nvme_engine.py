@@ -121,23 +121,28 @@ def test_a_checkpoint_moves_between_the_tiers_both_ways(kernels, tmp_path, fmt):
 
 
 def test_a_new_optimizer_resumes_from_the_files(kernels, tmp_path):
-    """state_resume=True on the same (live) model continues bitwise; a model reloaded from an
-    older checkpoint gets its masters from the params, not the files' newer ones."""
-    a, b = model(), model()
+    """close() lets the files go at once (a step after it raises); state_resume=True on a
+    freshly initialised model restores its params from the files (the engine's masters, fp32
+    params' too) and continues bitwise."""
+    a, b, c = model(), model(), model()
     with sim_path("sim-seed1"):
         ref = offload_adam.AdamW(groups(a), state_dtype="bfloat16", **OPTS)
         opt = offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path, **OPTS)
         train(a, ref, 0, 3)
         train(b, opt, 0, 3)
-        del opt
-        gc.collect()
+        opt.close()   # now, not when collected: its files and their lock
+        assert opt.pinned() and opt.host_bytes() == 0
+        with pytest.raises(RuntimeError, match="this optimizer was closed"):
+            opt.step()
         with pytest.raises(ValueError, match="state_resume=True"):
-            offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path, **OPTS)
-        opt = offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path,
+            offload_adam.AdamW(groups(c), state_dtype="bfloat16", state_dirs=tmp_path, **OPTS)
+        assert not all(torch.equal(p, q) for p, q in zip(params_of(b), params_of(c)))
+        opt = offload_adam.AdamW(groups(c), state_dtype="bfloat16", state_dirs=tmp_path,
                                  state_resume=True, **OPTS)
+        assert all(torch.equal(p, q) for p, q in zip(params_of(b), params_of(c)))
         train(a, ref, 3, 2)
-        train(b, opt, 3, 2)
-        assert_same(params_of(a), params_of(b), ref, opt)
+        train(c, opt, 3, 2)
+        assert_same(params_of(a), params_of(c), ref, opt)
         assert opt._nvme.state.step == 5
 
 

@@ -686,3 +686,6 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas) -> N
     device.wait_host(*_transfers_of(recs, buckets))
     for a in state_arenas + transfer_arenas:
         a.release()
+    # held no more (host_bytes() 0): what optimizer.state still shows stays readable
+    state_arenas.clear()
+    transfer_arenas.clear()
