@@ -99,13 +99,9 @@ struct Avx512Vec {
   static Avx512Vec next_random(Avx512Vec r) {
     return {_mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(r.v), i32(16u * kDitherStep)))};
   }
-  static Avx512Vec hash_bits(Avx512Vec r) {
-    __m512i x = _mm512_castps_si512(r.v);
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, i32(kHashMul1));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, i32(kHashMul2));
-    return {_mm512_castsi512_ps(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)))};
+  static Avx512Vec mix_bits(Avx512Vec r) {
+    const __m512i x = _mm512_castps_si512(r.v);
+    return {_mm512_castsi512_ps(_mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)), i32(kMixMul)))};
   }
   OA_INLINE void store_bf16_random(uint16_t* p, Avx512Vec random) const {
     const __m512i u = _mm512_castps_si512(v);
@@ -114,39 +110,37 @@ struct Avx512Vec {
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     store_high_u16<false>(p, _mm512_mask_blend_epi32(nan, rounded, i32(0x7FC00000)));
   }
-  // A code of magnitude mag is the float with bits (mag << shift) + kQ8Base, or 0 when
+  // A code of magnitude mag is the float with bits (mag << 20) + kQ8Base, or 0 when
   // mag is 0 (float_bits.h). 16 codes: 16 bytes; the zero test runs on them, in a
   // 128-bit register (half the cost of a 512-bit one on Zen 4).
   template <bool SIGNED>
   OA_INLINE static Avx512Vec load_q8(const uint8_t* p) {
-    constexpr int sh = kQ8Shift<SIGNED>;
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     if constexpr (SIGNED) {
       // Sign-extended and shifted: bits 31..27 the sign, 26..20 the magnitude; keep the
       // sign bit and the magnitude, and add the base where the magnitude is not 0 (a
       // sign alone is -0).
       const __mmask16 nonzero = _mm_test_epi8_mask(bytes, _mm_set1_epi8(0x7F));
-      const __m512i c = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), sh);
-      const __m512i b = _mm512_and_si512(c, i32(0x80000000u | (0x7Fu << sh)));
-      return {_mm512_castsi512_ps(_mm512_mask_add_epi32(b, nonzero, b, i32(kQ8Base)))};
+      const __m512i c = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), kQ8Shift);
+      const __m512i b = _mm512_and_si512(c, i32(0x80000000u | (0x7Fu << kQ8Shift)));
+      return {_mm512_castsi512_ps(_mm512_mask_add_epi32(b, nonzero, b, i32(kQ8Base<true>)))};
     } else {
       const __mmask16 nonzero = _mm_test_epi8_mask(bytes, bytes);
-      const __m512i c = _mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), sh);
-      return {_mm512_castsi512_ps(_mm512_maskz_add_epi32(nonzero, c, i32(kQ8Base)))};
+      const __m512i c = _mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), kQ8Shift);
+      return {_mm512_castsi512_ps(_mm512_maskz_add_epi32(nonzero, c, i32(kQ8Base<false>)))};
     }
   }
+  // c = (|x| bits + (random >> 12) - base) >> 20, clamped (float_bits.h).
   template <bool SIGNED>
   OA_INLINE void store_q8(uint8_t* p, Avx512Vec random, uint32_t base) const {
-    constexpr int sh = kQ8Shift<SIGNED>;
     const __m512i x = _mm512_castps_si512(v);
     const __m512i a = _mm512_and_si512(x, i32(0x7FFFFFFFu));
+    const __m512i offset = _mm512_srli_epi32(_mm512_castps_si512(random.v), 32 - kQ8Shift);
+    // (offset - base first, and opaque: for round to nearest it is one constant of the
+    // loop, which GCC would otherwise rebuild in it)
+    const __m512i d = _mm512_add_epi32(a, opaque(_mm512_sub_epi32(offset, _mm512_set1_epi32(static_cast<int>(base)))));
+    const __m512i c = _mm512_srai_epi32(d, kQ8Shift);
     if constexpr (SIGNED) {
-      const __m512i offset = _mm512_srli_epi32(_mm512_castps_si512(random.v), 32 - sh);
-      // (offset - base first, and opaque: for round to nearest it is one constant of the
-      // loop, which GCC would otherwise rebuild in it)
-      const __m512i d =
-          _mm512_add_epi32(a, opaque(_mm512_sub_epi32(offset, _mm512_set1_epi32(static_cast<int>(base)))));
-      const __m512i c = _mm512_srai_epi32(d, sh);
       // vpmovsdb saturates to [-128, 127], which is the top clamp (127); the bottom
       // one (0) and the sign are then applied to the 16 bytes. The signs: x narrowed
       // with signed saturation keeps each sign in bit 7.
@@ -154,18 +148,10 @@ struct Avx512Vec {
       const __m128i sign_bits = _mm512_castsi512_si128(i32(0x80808080u));
       b = _mm_ternarylogic_epi32(b, _mm512_cvtsepi32_epi8(x), sign_bits, 0xF8);  // b | (sat(x) & 0x80)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
-    } else {  // the code below, + 1 where u * (w + 1/16) / 16 < s * (w + s) (float_bits.h)
-      __m512i c = _mm512_srai_epi32(_mm512_sub_epi32(a, i32(base)), sh);
-      const __m512 xm = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(a, i32(0x7FFFFFu), i32(0x3F800000u), 0xEA));
-      const __m512 lm = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(xm), i32(~((1u << sh) - 1))));
-      const __m512 s = _mm512_sub_ps(xm, lm), w = _mm512_add_ps(lm, lm);
-      const __m512 u = _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_castps_si512(random.v), 8));
-      const __m512 den = _mm512_mul_ps(_mm512_add_ps(w, _mm512_set1_ps(0x1p-4f)), _mm512_set1_ps(0x1p-28f));
-      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, den), _mm512_mul_ps(_mm512_add_ps(w, s), s), _CMP_LT_OQ);
-      c = _mm512_mask_sub_epi32(c, up, c, i32(0xFFFFFFFFu));
+    } else {
       // the floor (0, or 1 for a positive x); the top (255) is vpmovusdb's saturation
-      c = _mm512_max_epi32(c, _mm512_min_epu32(a, i32(1)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(c));
+      const __m512i floored = _mm512_max_epi32(c, _mm512_min_epu32(a, i32(1)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(floored));
     }
   }
   // vpmovsdb/vpmovusdb narrow one vector in one instruction: nothing to gain from more.
