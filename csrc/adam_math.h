@@ -72,16 +72,18 @@
 // Counter based, so every ISA, thread count and split of a tensor into ranges gets the
 // same bits.
 // Arithmetic per element, one core, buffers in L2 (bench/kernel_cost.cpp, a 2-core
-// AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.57; AVX2 0.41, 0.58,
-// 0.71. On Zen 4 a 512-bit instruction takes one of 4 vector pipes for 2 cycles, so
-// the cost is close to the count of vector instructions, over and above the square
-// root and division (16 cycles per 16 lanes, in a unit of their own): the q8 codes
-// cost 0.27-0.30 ns on top of fp32 (per vector and moment: decode 3-5 and encode 5-9
-// integer ops; the block maxima, the scratch). Where two cores share ~55 GB/s, as on
-// that VM, the q8 step's bytes take ~0.58 ns/param per core, about what its
-// arithmetic takes, and streaming from DRAM the two overlap only in part (AVX-512,
-// one core: 0.64-0.75 ns/param); with more cores per memory channel it is bound by
-// its bytes like the others.
+// AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.59; AVX2 0.41, 0.59,
+// 0.72 (bench/results/kernel_cost_issue16_v_e5m3.log; codes format 1, with sqrt(v)'s
+// product comparison and lowbias32 per element: q8 0.81 and 0.96). On Zen 4 a 512-bit
+// instruction takes one of 4 vector pipes for 2 cycles, so the cost is close to the
+// count of vector instructions, over and above the square root and division (16
+// cycles per 16 lanes, in a unit of their own). The q8 codes cost ~0.29 ns on top of
+// fp32 (bench/results/kernel_cost_issue16_ablation.log, AVX-512 / AVX2: v's encode
+// 0.13 / 0.13, m's 0.07 / 0.07, both decodes 0.04 / 0.07, the rounding bits' mix
+// 0.03 / 0.00; the rest: block maxima, scratch, scales). Where two cores share
+// ~55 GB/s, as on that VM, the q8 step's bytes take ~0.58 ns/param per core, about
+// what its arithmetic takes; with more cores per memory channel it is bound by its
+// bytes like the others.
 //
 // Included inside an ISA unit's anonymous namespace after its vector header.
 #pragma once
