@@ -64,11 +64,13 @@
 // thresholds advance by the golden ratio each step: uniform over time, but
 // alternating instead of independent, so successive rounding errors partly cancel
 // (the study: update error 1.28% -> 0.96% for bf16, against independent random
-// bits). q8's v draws with the key hashed (q8_key), once per chunk: along a tensor the
-// same even spread, but per element independent from step to step. Where v decays by
-// less than a code step per step (0.1% of v a step against 6-12% a code; beta2 =
-// 0.999, no grads) the golden-ratio thresholds correlate with the codes they chose
-// earlier, and the decay ran fast (v 14% low after 4000 steps; bench/moment_drift.py).
+// bits). q8's v draws with the key hashed (q8_key, once per chunk) and each element's
+// bits mixed by one xorshift-multiply (q8_mix): independent from step to step and from
+// element to element. Where v decays by less than a code step per step (0.1% of v a
+// step against 6-12% a code; beta2 = 0.999, no grads) the golden-ratio thresholds
+// correlate with the codes they chose earlier, and the decay ran fast (v 14% low after
+// 4000 steps; bench/moment_drift.py); with the key hashed but no mix, every element of
+// a step shares one random offset, and the mean of v wandered 2.6% low by 4000 steps.
 // Counter based, so every ISA, thread count and split of a tensor into ranges gets the
 // same bits.
 // Arithmetic per element, one core, buffers in L2 (bench/kernel_cost.cpp, a 2-core
@@ -80,10 +82,10 @@
 // cycles per 16 lanes, in a unit of their own). The q8 codes cost ~0.29 ns on top of
 // fp32 (bench/results/kernel_cost_issue16_ablation.log, AVX-512 / AVX2: v's encode
 // 0.13 / 0.13, m's 0.07 / 0.07, both decodes 0.04 / 0.07, the rounding bits' mix
-// 0.03 / 0.00; the rest: block maxima, scratch, scales). Where two cores share
-// ~55 GB/s, as on that VM, the q8 step's bytes take ~0.58 ns/param per core, about
-// what its arithmetic takes; with more cores per memory channel it is bound by its
-// bytes like the others.
+// 0.03 / 0.00; the rest: block maxima, scratch, scales). On that VM one core streams
+// the q8 step's bytes in ~0.45 ns/param, less than its arithmetic takes, so one thread
+// is bound by the arithmetic (bench/README.md, issue 16 part 2); with more cores per
+// memory channel it is bound by its bytes like the others.
 //
 // Included inside an ISA unit's anonymous namespace after its vector header.
 #pragma once
