@@ -98,8 +98,24 @@ class Dither:
         return ((start + self.t * 0x9E3779B9) & 0xFFFFFFFF) >> 16
 
 
+class MixedDither:
+    """The 8-bit v's rounding bits since issue 16's second part (codes format 2; csrc/float_bits.h, q8_key
+    and q8_mix): the dither lattice with its key hashed once per step, k * 0xC13FA9A9 + lowbias32(t *
+    0x9E3779B9), each element's bits then mixed by one xorshift-multiply; the top 16 bits."""
+    kind = "random"
+
+    def __init__(self):
+        self.t = 0
+
+    def bits16(self, n):
+        self.t += 1
+        k = np.arange(n, dtype=np.int64)
+        r = (k * 0xC13FA9A9 + lowbias32(self.t * 0x9E3779B9)) & 0xFFFFFFFF
+        return (((r ^ (r >> 16)) * 0x7FEB352D) & 0xFFFFFFFF) >> 16
+
+
 class HashedDither:
-    """The 8-bit sqrt(v)'s rounding bits since issue 16 (csrc/float_bits.h, q8_hash): the dither lattice
+    """The 8-bit sqrt(v)'s rounding bits in codes format 1 (issue 16's first part) (csrc/float_bits.h, q8_hash): the dither lattice
     value of element k at step t, hashed (lowbias32), so that an element's bits are independent from step to
     step. bits24: the top 24 bits."""
     kind = "v-unbiased"
@@ -206,7 +222,8 @@ def iid(seed):
 
 CHOSEN_BF16 = "bf16: m nearest even, v dithered stochastic  <- chosen"
 CHOSEN_Q8 = "q8 B=256: m s+e4m3 nearest, sqrt(v) e4m4 dithered  <- chosen (to issue 16)"
-KERNEL_Q8 = "q8 since issue 16: sqrt(v) unbiased in v, hashed bits, no top clamp  <- the kernel"
+KERNEL_Q8_1 = "q8 format 1 (issue 16): sqrt(v) unbiased in v, hashed bits, no top clamp"
+KERNEL_Q8 = "q8 format 2: v e5m3 dithered, key hashed + mix, no top clamp  <- the kernel"
 FORMATS = [
     Format("fp32", lambda: ((lambda m: m), (lambda v: v))),
     fmt_bf16("bf16: m, v nearest even", Nearest, Nearest),
@@ -218,7 +235,8 @@ FORMATS = [
     q8("q8 B=256: m nearest, v iid stochastic", v_round=iid(1)),
     q8("q8 B=256: m, v iid stochastic", m_round=iid(2), v_round=iid(1)),
     q8(CHOSEN_Q8),
-    q8(KERNEL_Q8, v_round=HashedDither, no_top_clamp=True),
+    q8(KERNEL_Q8_1, v_round=HashedDither, no_top_clamp=True),
+    q8(KERNEL_Q8, v_bits=(5, 3), v_round=MixedDither, sqrt_v=False, no_top_clamp=True),
     q8("q8 as chosen, dither with a hashed start", v_round=lambda: Dither(hashed=True)),
     q8("q8 B=64 (else as chosen)", block=64),
     q8("q8 B=2048 (else as chosen)", block=2048),

@@ -37,51 +37,55 @@
 //   step for round-to-nearest, which errs less than stochastic rounding there.
 // q8: per block of kQuantBlock = 256 elements, one fp32 scale per moment: the power of
 //   two just above the block's largest magnitude, or the next one when that magnitude
-//   is above the top code (at least 2^-110), so that a code is a pure function of the
-//   value's bits (float_bits.h: q8_block, float_to_q8). Each element a 1-byte
-//   minifloat of value / scale, relative range [2^-16, 1):
-//     exp_avg:     sign + e4m3 (3 mantissa bits), rounded to nearest.
-//     exp_avg_sq:  sqrt(v) as e4m4 (4 mantissa bits; v down to 2^-32 of the block's
-//                  largest), stochastic rounding unbiased in v (not in sqrt(v)), and a
-//                  positive sqrt(v) is never code 0. The update computes sqrt(v) anyway.
+//   is above the top code, so that a code is a pure function of the value's bits
+//   (float_bits.h: q8_block, float_to_q8). Each element a 1-byte minifloat of
+//   value / scale with 3 mantissa bits:
+//     exp_avg:     sign + e4m3, relative range [2^-16, 1), rounded to nearest.
+//     exp_avg_sq:  v itself as e5m3, relative range [2^-32, 1), stochastic rounding
+//                  (unbiased in v), and a positive v is never code 0.
 //   Why: the elements of a block span orders of magnitude (the study's grads: 400x
 //   within a block plus outliers), so the code must be logarithmic: a linear absmax
 //   code sets most of v to 0 and the update explodes (error 10^4 x). A v of 0 under a
 //   nonzero m explodes m / (sqrt(v) + eps) whatever the code; the floor at code 1
 //   makes that impossible (allowing it: error 5.2x, a loss 774x higher). Range matters
-//   more than the last mantissa bit (m e3m4: 56% error; sqrt(v) e3m5: 33%; v itself
-//   e5m3 is as good as sqrt(v) e4m4). Rounding v to nearest stalls it like bf16 does
-//   (bias -24%, error 30%, loss 15% higher); stochastic rounding: bias -0.8%, update
-//   error 10.6% (the quadratic's loss is no worse than fp32's). (Until issue 16 it
-//   rounded sqrt(v) unbiased with the lattice bits: -0.2%, 9.6% over those 600 steps,
-//   but v decayed 14% too fast over 4000 steps without grads; see below.) Block size:
-//   64 to 2048 give 9.7% to 10.1%.
+//   more than the last mantissa bit (m e3m4: 56% error; sqrt(v) e3m5: 33%). v as e5m3
+//   is as good as sqrt(v) as e4m4 (the same range and relative step in v), and
+//   rounding it unbiased in v is then the cheap integer dither of its bits, as for bf16
+//   (format 1, until issue 16's second part, stored sqrt(v) and needed a comparison of
+//   products per element to be unbiased in v). Rounding v to nearest stalls it like
+//   bf16 does (bias -24%, error 30%, loss 15% higher); stochastic rounding keeps the
+//   decay of v exact on average (tests/test_moment_decay.py). Block size: 64 to 2048
+//   give 9.7% to 10.1% update error.
 //   A non-finite value in a block makes that block's scale NaN: the next step reads
 //   the whole block back as NaN (fp32 and bf16 moments keep a NaN to its element).
 // Stochastic rounding bits (float_bits.h, dither_bits): element k of a tensor at
-// step t draws r = k * 0xC13FA9A9 + t * 0x9E3779B9 (mod 2^32). bf16 rounds up when the
-// dropped bits plus the top bits of r carry. Per element the thresholds advance by
-// the golden ratio each step: uniform over time, but alternating instead of
-// independent, so successive rounding errors partly cancel (the study: update error
-// 1.28% -> 0.96% for bf16, against independent random bits). q8's sqrt(v) draws
-// q8_hash(r) instead, independent from step to step: where v decays by less than a
-// code step per step (0.05% of sqrt(v) a step against 3-6% a code; beta2 = 0.999, no
-// grads) the lattice's thresholds correlate with the codes they chose earlier, and
-// the decay ran fast: v 3.5% low after 480 steps, 14% after 4000 (unbiased rounding
-// in v, the hashed bits and no clamp at the top code: within 1%; bench/moment_drift.py,
-// tests/test_moment_decay.py). Counter based, so every ISA, thread count and split
-// of a tensor into ranges gets the same bits.
+// step t draws r = k * 0xC13FA9A9 + key (mod 2^32). bf16's key is t * 0x9E3779B9:
+// it rounds up when the dropped bits plus the top bits of r carry. Per element the
+// thresholds advance by the golden ratio each step: uniform over time, but
+// alternating instead of independent, so successive rounding errors partly cancel
+// (the study: update error 1.28% -> 0.96% for bf16, against independent random
+// bits). q8's v draws with the key hashed (q8_key, once per chunk) and each element's
+// bits mixed by one xorshift-multiply (q8_mix): independent from step to step and from
+// element to element. Where v decays by less than a code step per step (0.1% of v a
+// step against 6-12% a code; beta2 = 0.999, no grads) the golden-ratio thresholds
+// correlate with the codes they chose earlier, and the decay ran fast (v 14% low after
+// 4000 steps; bench/moment_drift.py); with the key hashed but no mix, every element of
+// a step shares one random offset, and the mean of v wandered 2.6% low by 4000 steps.
+// Counter based, so every ISA, thread count and split of a tensor into ranges gets the
+// same bits.
 // Arithmetic per element, one core, buffers in L2 (bench/kernel_cost.cpp, a 2-core
-// AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.57; AVX2 0.41, 0.58,
-// 0.71. On Zen 4 a 512-bit instruction takes one of 4 vector pipes for 2 cycles, so
-// the cost is close to the count of vector instructions, over and above the square
-// root and division (16 cycles per 16 lanes, in a unit of their own): the q8 codes
-// cost 0.27-0.30 ns on top of fp32 (per vector and moment: decode 3-5 and encode 5-9
-// integer ops; the block maxima, the scratch). Where two cores share ~55 GB/s, as on
-// that VM, the q8 step's bytes take ~0.58 ns/param per core, about what its
-// arithmetic takes, and streaming from DRAM the two overlap only in part (AVX-512,
-// one core: 0.64-0.75 ns/param); with more cores per memory channel it is bound by
-// its bytes like the others.
+// AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.59; AVX2 0.41, 0.59,
+// 0.72 (bench/results/kernel_cost_issue16_v_e5m3.log; codes format 1, with sqrt(v)'s
+// product comparison and lowbias32 per element: q8 0.81 and 0.96). On Zen 4 a 512-bit
+// instruction takes one of 4 vector pipes for 2 cycles, so the cost is close to the
+// count of vector instructions, over and above the square root and division (16
+// cycles per 16 lanes, in a unit of their own). The q8 codes cost ~0.29 ns on top of
+// fp32 (bench/results/kernel_cost_issue16_ablation.log, AVX-512 / AVX2: v's encode
+// 0.13 / 0.13, m's 0.07 / 0.07, both decodes 0.04 / 0.07, the rounding bits' mix
+// 0.03 / 0.00; the rest: block maxima, scratch, scales). On that VM one core streams
+// the q8 step's bytes in ~0.45 ns/param, less than its arithmetic takes, so one thread
+// is bound by the arithmetic (bench/README.md, issue 16 part 2); with more cores per
+// memory channel it is bound by its bytes like the others.
 //
 // Included inside an ISA unit's anonymous namespace after its vector header.
 #pragma once
@@ -120,13 +124,13 @@ bool can_stream(const void* lp) {
 // state the segment carries from vector to vector (SegmentState).
 
 // What a segment carries from one vector to the next: the running maxima of |m| and
-// root, which only q8 keeps (for its new scales), and the stochastic-rounding bits of
+// v, which only q8 keeps (for its new scales), and the stochastic-rounding bits of
 // the vector at hand, which only bf16 uses (random_at gives the first), advanced by
 // one vector's worth each step: one integer add instead of a multiply and a broadcast.
 template <class V>
 struct SegmentState {
   V m = V::set1(0.0f);
-  V root = V::set1(0.0f);
+  V v = V::set1(0.0f);
   V random = V::set1(0.0f);
 };
 
@@ -197,13 +201,6 @@ OA_INLINE void store_moments(const Bf16Moments& s, SegmentState<V>& st, int64_t 
   if constexpr (AMSGRAD) vmax.store_bf16_random(s.vmax + i, st.random);
 }
 
-// What the codes are rounded with: the lattice bits hashed (q8_hash), or the half step.
-template <class V, bool DITHER>
-OA_INLINE V code_bits(V lattice) {
-  if constexpr (DITHER) return V::hash_bits(lattice);
-  else return lattice;
-}
-
 // The largest |x| of x[0, n), a NaN if any x is NaN (a max of bit patterns: exact and
 // order-free, so every ISA finds the same bits).
 template <class V>
@@ -216,6 +213,13 @@ float block_absmax(const float* x, int64_t n) {
   return all.v;
 }
 
+// What the codes are rounded with: the lattice bits mixed (q8_mix), or the half step.
+template <class V, bool DITHER>
+OA_INLINE V code_bits(V lattice) {
+  if constexpr (DITHER) return V::mix_bits(lattice);
+  else return lattice;
+}
+
 // Narrows one block of new values x[0, n) to codes[0, n), given the block's largest
 // magnitude amax, and writes its new scale. d is a copy, and the rounding bits advance
 // from vector to vector: the code stores (of bytes) could alias a reference.
@@ -223,7 +227,7 @@ template <class V, bool SIGNED, bool DITHER>
 void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* scale, const Dither d) {
   const Q8Block blk = q8_block<SIGNED>(amax);
   *scale = blk.scale;
-  V random = rounding_bits<V, DITHER>(d, 0);  // the lattice bits, hashed at each store
+  V random = rounding_bits<V, DITHER>(d, 0);
   auto advance = [&random](int vectors) {
     if constexpr (DITHER)
       for (int k = 0; k < vectors; ++k) random = V::next_random(random);
@@ -239,26 +243,26 @@ void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* 
         codes + j, code_bits<ScalarVec, DITHER>(rounding_bits<ScalarVec, DITHER>(d, j)), blk.base);
 }
 
-struct Q8Scratch {  // a block's new m and sqrt(v): they wait in L1 for the block's new scales
+struct Q8Scratch {  // a block's new m and v: they wait in L1 for the block's new scales
   alignas(64) float m[kQuantBlock];
-  alignas(64) float root[kQuantBlock];
+  alignas(64) float v[kQuantBlock];
 };
 
 struct Q8Moments {
   using Scratch = Q8Scratch;
   static constexpr int64_t segment = kQuantBlock;
   uint8_t* m;        // codes
-  uint8_t* v;        // codes of sqrt(v)
+  uint8_t* v;        // codes
   float* m_scale;    // one per block
   float* v_scale;
   float* m_new;      // the scratch buffer
-  float* root_new;
-  Dither dither;     // stochastic rounding of sqrt(v), from the chunk's first element
+  float* v_new;
+  Dither dither;     // stochastic rounding of v, from the chunk's first element (key hashed)
   int64_t base = 0;  // the current block's first element (chunk-relative)
   float m_old = 0.0f, v_old = 0.0f;  // its scales as read
   Q8Moments(const Chunk& c, Scratch& scratch)
       : m(static_cast<uint8_t*>(c.exp_avg)), v(static_cast<uint8_t*>(c.exp_avg_sq)), m_scale(c.exp_avg_scale),
-        v_scale(c.exp_avg_sq_scale), m_new(scratch.m), root_new(scratch.root), dither{c.index, c.dither_key} {}
+        v_scale(c.exp_avg_sq_scale), m_new(scratch.m), v_new(scratch.v), dither{c.index, q8_key(c.dither_key)} {}
 };
 inline void begin_segment(Q8Moments& s, int64_t b0) {
   s.base = b0;
@@ -266,21 +270,18 @@ inline void begin_segment(Q8Moments& s, int64_t b0) {
   s.v_old = s.v_scale[b0 / kQuantBlock];
 }
 inline Decays decays(const Q8Moments& s, const StepScalars& sc) {
-  return {sc.beta1 * s.m_old, sc.beta2 * (s.v_old * s.v_old)};
+  return {sc.beta1 * s.m_old, sc.beta2 * s.v_old};
 }
 template <class V> OA_INLINE V random_at(const Q8Moments&, int64_t) { return V::set1(0.0f); }  // see end_segment
 template <class V> OA_INLINE V load_m(const Q8Moments& s, int64_t i) { return V::template load_q8<true>(s.m + i); }
-template <class V> OA_INLINE V load_v(const Q8Moments& s, int64_t i) {
-  const V root = V::template load_q8<false>(s.v + i);
-  return root * root;
-}
+template <class V> OA_INLINE V load_v(const Q8Moments& s, int64_t i) { return V::template load_q8<false>(s.v + i); }
 template <bool AMSGRAD, class V>
-OA_INLINE void store_moments(const Q8Moments& s, SegmentState<V>& st, int64_t i, V m, V, V, V root) {
+OA_INLINE void store_moments(const Q8Moments& s, SegmentState<V>& st, int64_t i, V m, V v, V, V) {
   static_assert(!AMSGRAD, "amsgrad is not offered with q8 moments");
   m.store(s.m_new + (i - s.base));
-  root.store(s.root_new + (i - s.base));
+  v.store(s.v_new + (i - s.base));
   st.m = V::max_magnitude(st.m, m);
-  st.root = V::max_bits(st.root, root);  // root >= +0 or NaN: no sign to clear
+  st.v = V::max_bits(st.v, v);  // v >= +0 or NaN: no sign to clear
 }
 // The block's scales are known now: its codes are written from the scratch buffer.
 // (Coding each vector of a block while the next block is stepped, for the integer
@@ -292,7 +293,7 @@ OA_INLINE void end_segment(const Q8Moments& s, int64_t b0, int64_t n, const Segm
   const int64_t block = b0 / kQuantBlock;
   encode_block<V, true, false>(s.m_new, n, st.m.v, s.m + b0, s.m_scale + block, Dither{});
   const Dither d{s.dither.index + static_cast<uint32_t>(b0), s.dither.key};
-  encode_block<V, false, true>(s.root_new, n, st.root.v, s.v + b0, s.v_scale + block, d);
+  encode_block<V, false, true>(s.v_new, n, st.v.v, s.v + b0, s.v_scale + block, d);
 }
 // fp32 and bf16 have nothing to do between segments.
 template <class M> void begin_segment(M&, int64_t) {}
@@ -331,7 +332,7 @@ OA_INLINE void adam_param(const Chunk& c, const StepScalars& s, int64_t i, V m, 
   if constexpr (LP != 0) store_lp<V, LP, NT>(c.param_lp, i, p);
 }
 
-// Elements [b0, b0 + n) of the chunk; returns the segment's largest |m| and root
+// Elements [b0, b0 + n) of the chunk; returns the segment's largest |m| and v
 // (kept by q8 only; 0 for the others). mom is a copy: its fields stay in registers.
 // The param of vector k is updated after the moments of vector k + 2: its division
 // then waits less for its square root, and fewer instructions wait in the scheduler
@@ -374,7 +375,7 @@ OA_INLINE SegmentState<ScalarVec> adam_segment(const Chunk& c, const StepScalars
     tail.random = ScalarVec::next_random(tail.random);
   }
   tail.m = ScalarVec::max_magnitude(tail.m, ScalarVec{st.m.max_lanes()});
-  tail.root = ScalarVec::max_bits(tail.root, ScalarVec{st.root.max_lanes()});
+  tail.v = ScalarVec::max_bits(tail.v, ScalarVec{st.v.max_lanes()});
   return tail;
 }
 
@@ -470,32 +471,21 @@ void stream_chunk(const Chunk& c) {
 }
 
 // ---- q8 <-> fp32 (checkpoints, another optimizer's state) --------------------------
-// SECOND: the values are v and the codes hold sqrt(v). Encoding rounds to nearest.
+// SECOND: the values are v (unsigned codes). Encoding rounds to nearest.
 template <class V, bool SECOND>
 void q8_encode_values(const float* x, int64_t n, uint8_t* codes, float* scales) {
-  alignas(64) float roots[kQuantBlock];
   for (int64_t b0 = 0; b0 < n; b0 += kQuantBlock) {
     const int64_t len = n - b0 < kQuantBlock ? n - b0 : kQuantBlock;
-    const float* src = x + b0;
-    if constexpr (SECOND) {
-      int64_t j = 0;
-      for (; j + V::width <= len; j += V::width) V::sqrt(V::load(src + j)).store(roots + j);
-      for (; j < len; ++j) ScalarVec::sqrt(ScalarVec::load(src + j)).store(roots + j);
-      src = roots;
-    }
-    encode_block<V, !SECOND, false>(src, len, block_absmax<V>(src, len), codes + b0, scales + b0 / kQuantBlock,
+    encode_block<V, !SECOND, false>(x + b0, len, block_absmax<V>(x + b0, len), codes + b0, scales + b0 / kQuantBlock,
                                     Dither{});
   }
 }
 
-// The moment a code stands for: m = code value * scale, v = (code value * scale)^2.
+// The moment a code stands for: code value * scale.
 template <class V>
 V q8_decode_m(const uint8_t* codes, float scale) { return V::template load_q8<true>(codes) * V::set1(scale); }
 template <class V>
-V q8_decode_v(const uint8_t* codes, float scale) {
-  const V root = V::template load_q8<false>(codes) * V::set1(scale);
-  return root * root;
-}
+V q8_decode_v(const uint8_t* codes, float scale) { return V::template load_q8<false>(codes) * V::set1(scale); }
 
 template <class V, bool SECOND>
 void q8_decode_values(const uint8_t* codes, const float* scales, int64_t n, float* out) {

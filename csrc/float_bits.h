@@ -10,7 +10,7 @@
 //         vcvtps2ph and AArch64's FCVTN do, so the scalar tail and the
 //         vector paths agree).
 //   q8:   the 8-bit moment codes (what they are and why: adam_math.h).
-//   dither_bits, q8_hash: the random bits of stochastic rounding.
+//   dither_bits, q8_key: the random bits of stochastic rounding.
 // No #includes here: ISA translation units include this inside their own
 // anonymous namespace after including <cstdint> and <cstring>.
 #pragma once
@@ -87,38 +87,41 @@ inline uint32_t dither_bits(uint32_t index, uint32_t key) { return index * kDith
 
 // ---- The 8-bit moment codes -------------------------------------------------
 // Per block, a scale: a power of two above the block's largest magnitude. A code's
-// magnitude c (7 bits for exp_avg, 8 for sqrt(exp_avg_sq)) is a minifloat relative
-// to it, with a 4-bit exponent and kQ8Shift = 23 - mantissa bits: c = 0 is 0, and
-// c > 0 is the fp32 number with bits (c << shift) + kQ8Base, i.e.
-// 2^(e - 16) * (1 + f / 2^M) for e = c >> M, f = c mod 2^M: all of [2^-16, 1) in 16
-// binades; the value is that times the scale.
-//   signed (exp_avg):      bit 7 the sign, bits 6..0 e4m3: values up to 0.9375
-//   unsigned (sqrt(v)):    bits 7..0 e4m4: values up to 0.96875
-constexpr uint32_t kQ8Base = 111u << 23;  // bits of 2^-16
+// magnitude c (7 bits for exp_avg, 8 for exp_avg_sq) is a minifloat relative to it,
+// with 3 mantissa bits (kQ8Shift = 23 - 3 = 20) and B binades (kQ8Binades): c = 0 is
+// 0, and c > 0 is the fp32 number with bits (c << 20) + kQ8Base, i.e.
+// 2^(e - B) * (1 + f / 8) for e = c >> 3, f = c mod 8: all of [2^-B, 1) in B binades;
+// the value is that times the scale.
+//   signed (exp_avg):     bit 7 the sign, bits 6..0 e4m3 (B = 16): values up to 0.9375
+//   unsigned (exp_avg_sq): bits 7..0 e5m3 of v itself (B = 32): values up to 0.9375
+// (Format 2, since issue 16's second part. Format 1 stored sqrt(v) as e4m4, B = 16;
+// state_format.py converts such codes when they are loaded.)
+constexpr int kQ8Shift = 20;
 template <bool SIGNED>
-constexpr int kQ8Shift = SIGNED ? 20 : 19;
+constexpr uint32_t kQ8Binades = SIGNED ? 16u : 32u;
+template <bool SIGNED>
+constexpr uint32_t kQ8Base = (127u - kQ8Binades<SIGNED>) << 23;  // bits of 2^-B
 template <bool SIGNED>
 constexpr int32_t kQ8Top = SIGNED ? 127 : 255;  // the largest magnitude code
 // The mantissa bits of the top code (all kept bits set): a block maximum whose
 // mantissa is above them lies between the top code and the scale.
-template <bool SIGNED>
-constexpr uint32_t kQ8TopMantissa = 0x7FFFFFu >> kQ8Shift<SIGNED> << kQ8Shift<SIGNED>;
+constexpr uint32_t kQ8TopMantissa = 0x7FFFFFu >> kQ8Shift << kQ8Shift;
 
 // The code's value relative to the block scale.
 template <bool SIGNED>
 inline float q8_to_float(uint8_t code) {
   const uint32_t c = code, mag = SIGNED ? c & 0x7Fu : c;
-  const uint32_t b = mag ? (mag << kQ8Shift<SIGNED>) + kQ8Base : 0u;
+  const uint32_t b = mag ? (mag << kQ8Shift) + kQ8Base<SIGNED> : 0u;
   return float_of(SIGNED ? b | ((c & 0x80u) << 24) : b);
 }
 
 // A block's scale, from its largest magnitude amax: 2^k with 2^(k-1) <= amax < 2^k,
-// or 2^(k+1) when amax lies above the top code's value (in (0.9375, 1) or (0.96875, 1)
-// of 2^k): every value of the block then lies between two codes, none is clamped to
-// the top code (which would round it down: for sqrt(v) a bias that compounds while v
-// decays). At least 2^-110, so that every code's value stays a normal float. `base`
-// is the bits of 2^-16 * scale (the value of the smallest code step), which the
-// encoder subtracts from a value's bits: the codes are a pure function of bits.
+// or 2^(k+1) when amax lies above the top code's value (in (0.9375, 1) of 2^k): every
+// value of the block then lies between two codes, none is clamped to the top code
+// (which would round it down: for v a bias that compounds while v decays). At least
+// 2^(B - 126), so that every code's value stays a normal float. `base` is the bits of
+// 2^-B * scale (the value of the smallest code step), which the encoder subtracts from
+// a value's bits: the codes are a pure function of bits.
 // amax = 0 gives scale 0; amax not finite or >= 2^126 gives scale NaN (the block then
 // decodes to NaN whatever its codes). Both get base 0x7F800000, which codes every
 // finite value as 0.
@@ -128,22 +131,18 @@ struct Q8Block {
 };
 template <bool SIGNED>
 inline Q8Block q8_block(float amax) {
+  constexpr uint32_t binades = kQ8Binades<SIGNED>;
   const uint32_t a = bits_of(amax) & 0x7FFFFFFFu;
   uint32_t e = a >> 23;  // biased exponent of amax
   if (a == 0) return {0.0f, 0x7F800000u};
   if (e >= 253) return {float_of(0x7FC00000u), 0x7F800000u};
-  if ((a & 0x7FFFFFu) > kQ8TopMantissa<SIGNED>) ++e;
-  if (e < 16) e = 16;
-  return {float_of((e + 1) << 23), (e - 15) << 23};
+  if ((a & 0x7FFFFFu) > kQ8TopMantissa) ++e;
+  if (e < binades) e = binades;
+  return {float_of((e + 1) << 23), (e + 1 - binades) << 23};
 }
 
-// The rounding bits of sqrt(v)'s codes: the lattice bits (dither_bits) hashed
-// (C. Wellons' lowbias32). Rounding is unbiased only if an element's bits at step t
-// are independent of the codes its earlier bits chose; the lattice advances every
-// element's threshold by the same golden-ratio step, and while v decays by less than
-// a code step per step that correlation biased the decay (v 14% low after 4000 steps;
-// bench/moment_drift.py).
-// Its two multipliers, written once for the scalar hash and every vector type's hash_bits.
+// lowbias32 (C. Wellons), a 32-bit hash. Scalar only, once per chunk: it makes v's
+// rounding key (q8_key) independent from step to step.
 constexpr uint32_t kHashMul1 = 0x7FEB352Du, kHashMul2 = 0x846CA68Bu;
 inline uint32_t q8_hash(uint32_t x) {
   x ^= x >> 16;
@@ -153,42 +152,46 @@ inline uint32_t q8_hash(uint32_t x) {
   x ^= x >> 16;
   return x;
 }
+// The key of v's rounding bits: element k draws dither_bits(k, q8_key(key)) =
+// k * kDitherStep + hash(key). Along a tensor the thresholds are the lattice's (spread
+// evenly), and per element they move by a hashed, independent amount each step.
+// Rounding is unbiased only if an element's bits at step t are independent of the
+// codes its earlier bits chose; the bf16 key's golden-ratio advance (the same for every
+// element) correlated them while v decays by less than a code step per step (v 14% low
+// after 4000 steps without grads; bench/moment_drift.py, tests/test_moment_decay.py).
+// The hashed key alone is not enough: every element of a step then shares one random
+// offset, the elements' errors do not average out, and the mean of v wandered 2.6% low
+// by 4000 steps. So per element the lattice bits are also mixed, by one
+// xorshift-multiply (the first round of lowbias32; a third of its cost): the encoder
+// takes the top 20 bits of the product, which depend on every bit of r.
+inline uint32_t q8_key(uint32_t key) { return q8_hash(key); }
+constexpr uint32_t kMixMul = kHashMul1;
+inline uint32_t q8_mix(uint32_t r) { return (r ^ (r >> 16)) * kMixMul; }
 
-// Codes a new moment x of a block whose code base is `base` (q8_block). The
-// magnitude is first truncated to a code (c = (|x| bits - base) >> shift), then:
-//   signed (exp_avg): the top kQ8Shift bits of `random` are added below the kept bits
-//     before they are dropped: a constant half step (0x80000000) rounds to nearest
-//     (ties up). The magnitude is clamped to [0, 127] and the sign put back.
-//   unsigned (sqrt(v)): the code above is taken with the probability that keeps v =
-//     x^2 (not x) right on average: (x^2 - lo^2) / (hi^2 - lo^2) for the codes' values
-//     lo <= x < hi, against u = (random >> 8) / 2^24; u = 1/2 (0x80000000) rounds v
-//     to nearest (ties down). Computed on x's mantissa in [1, 2) (lo and hi in the same
-//     frame, hi up to 2), where every operation is exact or one correctly rounded fp32
-//     operation, the same on every ISA:
-//        s = x - lo,  w = lo + lo,  up when u * (w + 1/16) / 16 < s * (w + s).
-//     The magnitude is then clamped to [1, 255] for a positive x: a second moment is
-//     never stored as 0 while it is not (below the smallest code, x always rounds up
-//     to code 1).
+// Codes a new moment x of a block whose code base is `base` (q8_block): the top 20
+// bits of `random` are added below the kept bits of |x| before they are dropped,
+//   c = (|x| bits + (random >> 12) - base) >> 20,
+// so x rounds up with probability (x - lo) / (hi - lo) for the codes' values lo <= x <
+// hi (they are evenly spaced within a binade, and the step to the next binade's first
+// code is the same): unbiased in x. A constant half step (0x80000000) rounds to nearest
+// (ties up). Then:
+//   signed (exp_avg, always rounded to nearest): the magnitude clamped to [0, 127],
+//     the sign put back.
+//   unsigned (exp_avg_sq = v, stochastic): clamped to [1, 255] for a positive x: a
+//     second moment is never stored as 0 while it is not (below the smallest code, x
+//     always rounds up to code 1).
 // (The arithmetic is in 32-bit integers that wrap, as on every vector unit; only NaNs
 // with a large payload can wrap, in a block whose scale is NaN anyway.)
 template <bool SIGNED>
 inline uint8_t float_to_q8(float x, uint32_t random, uint32_t base) {
-  constexpr int sh = kQ8Shift<SIGNED>;
   const uint32_t a = bits_of(x) & 0x7FFFFFFFu;
+  const int32_t d = static_cast<int32_t>(a + (random >> (32 - kQ8Shift)) - base);  // < 0: below the smallest code
+  int32_t c = d >> kQ8Shift;                                                         // arithmetic shift
+  c = c < kQ8Top<SIGNED> ? c : kQ8Top<SIGNED>;
   if constexpr (SIGNED) {
-    const int32_t d = static_cast<int32_t>(a + (random >> (32 - sh)) - base);  // < 0: below the smallest code
-    int32_t c = d >> sh;                                                        // arithmetic shift
-    c = c < kQ8Top<true> ? c : kQ8Top<true>;
     c = c > 0 ? c : 0;
     return static_cast<uint8_t>(c | ((bits_of(x) >> 24) & 0x80u));
   } else {
-    int32_t c = static_cast<int32_t>(a - base) >> sh;
-    const float xm = float_of((a & 0x7FFFFFu) | 0x3F800000u);
-    const float lm = float_of(bits_of(xm) & ~((1u << sh) - 1));
-    const float s = xm - lm, w = lm + lm;
-    const float u = static_cast<float>(random >> 8);
-    if (u * ((w + 0x1p-4f) * 0x1p-28f) < (w + s) * s) ++c;
-    c = c < kQ8Top<false> ? c : kQ8Top<false>;
     const int32_t floor = a != 0 ? 1 : 0;
     return static_cast<uint8_t>(c > floor ? c : floor);
   }

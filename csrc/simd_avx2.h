@@ -98,13 +98,9 @@ struct Avx2Vec {
   static Avx2Vec next_random(Avx2Vec r) {
     return {_mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(r.v), i32(8u * kDitherStep)))};
   }
-  static Avx2Vec hash_bits(Avx2Vec r) {
-    __m256i x = _mm256_castps_si256(r.v);
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-    x = _mm256_mullo_epi32(x, i32(kHashMul1));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-    x = _mm256_mullo_epi32(x, i32(kHashMul2));
-    return {_mm256_castsi256_ps(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)))};
+  static Avx2Vec mix_bits(Avx2Vec r) {
+    const __m256i x = _mm256_castps_si256(r.v);
+    return {_mm256_castsi256_ps(_mm256_mullo_epi32(_mm256_xor_si256(x, _mm256_srli_epi32(x, 16)), i32(kMixMul)))};
   }
   OA_INLINE void store_bf16_random(uint16_t* p, Avx2Vec random) const {
     const __m256i u = _mm256_castps_si256(v);
@@ -121,41 +117,28 @@ struct Avx2Vec {
       // sign bit and the magnitude, and add the base where the magnitude is not 0
       // (vpsignd zeroes it there; a sign alone is -0).
       const __m256i c = _mm256_cvtepi8_epi32(bytes);
-      const __m256i b = _mm256_and_si256(_mm256_slli_epi32(c, kQ8Shift<true>),
-                                         i32(0x80000000u | (0x7Fu << kQ8Shift<true>)));
-      const __m256i base = _mm256_sign_epi32(i32(kQ8Base), _mm256_and_si256(c, i32(0x7F)));
+      const __m256i b = _mm256_and_si256(_mm256_slli_epi32(c, kQ8Shift), i32(0x80000000u | (0x7Fu << kQ8Shift)));
+      const __m256i base = _mm256_sign_epi32(i32(kQ8Base<true>), _mm256_and_si256(c, i32(0x7F)));
       return {_mm256_castsi256_ps(_mm256_add_epi32(b, base))};
     } else {
       const __m256i c = _mm256_cvtepu8_epi32(bytes);
-      const __m256i b = _mm256_add_epi32(_mm256_slli_epi32(c, kQ8Shift<false>), i32(kQ8Base));
+      const __m256i b = _mm256_add_epi32(_mm256_slli_epi32(c, kQ8Shift), i32(kQ8Base<false>));
       return {_mm256_castsi256_ps(_mm256_sign_epi32(b, c))};
     }
   }
   // The code magnitudes of the floats with bits x, before the top clamp and the sign
-  // (float_bits.h): signed, (|x| + the rounding offset - base) >> shift; unsigned, the
-  // code below + 1 where u * (w + 1/16) / 16 < s * (w + s), then the floor (0, or 1
-  // for a positive x).
+  // (float_bits.h): (|x| + the rounding offset - base) >> 20; unsigned, then the floor
+  // (0, or 1 for a positive x).
   template <bool SIGNED>
   OA_INLINE static __m256i q8_magnitudes(__m256i x, Avx2Vec random, uint32_t base) {
-    constexpr int sh = kQ8Shift<SIGNED>;
     const __m256i a = _mm256_and_si256(x, i32(0x7FFFFFFFu));
-    if constexpr (SIGNED) {
-      const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 32 - sh);
-      // (offset - base first, and opaque: for round to nearest it is one constant of the
-      // loop, which GCC would otherwise rebuild in it)
-      const __m256i d =
-          _mm256_add_epi32(a, opaque(_mm256_sub_epi32(offset, _mm256_set1_epi32(static_cast<int>(base)))));
-      return _mm256_srai_epi32(d, sh);
-    } else {
-      const __m256i c = _mm256_srai_epi32(_mm256_sub_epi32(a, i32(base)), sh);
-      const __m256 xm = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(a, i32(0x7FFFFFu)), i32(0x3F800000u)));
-      const __m256 lm = _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(xm), i32(~((1u << sh) - 1))));
-      const __m256 s = _mm256_sub_ps(xm, lm), w = _mm256_add_ps(lm, lm);
-      const __m256 u = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_castps_si256(random.v), 8));
-      const __m256 den = _mm256_mul_ps(_mm256_add_ps(w, _mm256_set1_ps(0x1p-4f)), _mm256_set1_ps(0x1p-28f));
-      const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, den), _mm256_mul_ps(_mm256_add_ps(w, s), s), _CMP_LT_OQ);
-      return _mm256_max_epi32(_mm256_sub_epi32(c, _mm256_castps_si256(up)), _mm256_min_epu32(a, i32(1)));
-    }
+    const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(random.v), 32 - kQ8Shift);
+    // (offset - base first, and opaque: for round to nearest it is one constant of the
+    // loop, which GCC would otherwise rebuild in it)
+    const __m256i d = _mm256_add_epi32(a, opaque(_mm256_sub_epi32(offset, _mm256_set1_epi32(static_cast<int>(base)))));
+    const __m256i c = _mm256_srai_epi32(d, kQ8Shift);
+    if constexpr (SIGNED) return c;
+    else return _mm256_max_epi32(c, _mm256_min_epu32(a, i32(1)));
   }
   template <bool SIGNED>
   OA_INLINE void store_q8(uint8_t* p, Avx2Vec random, uint32_t base) const {
@@ -181,7 +164,7 @@ struct Avx2Vec {
     for (int k = 0; k < 4; ++k) {
       xs[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * k));
       if constexpr (DITHER) {
-        c[k] = q8_magnitudes<SIGNED>(xs[k], hash_bits(random), base);
+        c[k] = q8_magnitudes<SIGNED>(xs[k], mix_bits(random), base);
         random = next_random(random);
       } else {
         c[k] = q8_magnitudes<SIGNED>(xs[k], random, base);

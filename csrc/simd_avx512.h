@@ -99,13 +99,9 @@ struct Avx512Vec {
   static Avx512Vec next_random(Avx512Vec r) {
     return {_mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(r.v), i32(16u * kDitherStep)))};
   }
-  static Avx512Vec hash_bits(Avx512Vec r) {
-    __m512i x = _mm512_castps_si512(r.v);
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, i32(kHashMul1));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, i32(kHashMul2));
-    return {_mm512_castsi512_ps(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)))};
+  static Avx512Vec mix_bits(Avx512Vec r) {
+    const __m512i x = _mm512_castps_si512(r.v);
+    return {_mm512_castsi512_ps(_mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16)), i32(kMixMul)))};
   }
   OA_INLINE void store_bf16_random(uint16_t* p, Avx512Vec random) const {
     const __m512i u = _mm512_castps_si512(v);
@@ -114,39 +110,37 @@ struct Avx512Vec {
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     store_high_u16<false>(p, _mm512_mask_blend_epi32(nan, rounded, i32(0x7FC00000)));
   }
-  // A code of magnitude mag is the float with bits (mag << shift) + kQ8Base, or 0 when
+  // A code of magnitude mag is the float with bits (mag << 20) + kQ8Base, or 0 when
   // mag is 0 (float_bits.h). 16 codes: 16 bytes; the zero test runs on them, in a
   // 128-bit register (half the cost of a 512-bit one on Zen 4).
   template <bool SIGNED>
   OA_INLINE static Avx512Vec load_q8(const uint8_t* p) {
-    constexpr int sh = kQ8Shift<SIGNED>;
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     if constexpr (SIGNED) {
       // Sign-extended and shifted: bits 31..27 the sign, 26..20 the magnitude; keep the
       // sign bit and the magnitude, and add the base where the magnitude is not 0 (a
       // sign alone is -0).
       const __mmask16 nonzero = _mm_test_epi8_mask(bytes, _mm_set1_epi8(0x7F));
-      const __m512i c = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), sh);
-      const __m512i b = _mm512_and_si512(c, i32(0x80000000u | (0x7Fu << sh)));
-      return {_mm512_castsi512_ps(_mm512_mask_add_epi32(b, nonzero, b, i32(kQ8Base)))};
+      const __m512i c = _mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), kQ8Shift);
+      const __m512i b = _mm512_and_si512(c, i32(0x80000000u | (0x7Fu << kQ8Shift)));
+      return {_mm512_castsi512_ps(_mm512_mask_add_epi32(b, nonzero, b, i32(kQ8Base<true>)))};
     } else {
       const __mmask16 nonzero = _mm_test_epi8_mask(bytes, bytes);
-      const __m512i c = _mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), sh);
-      return {_mm512_castsi512_ps(_mm512_maskz_add_epi32(nonzero, c, i32(kQ8Base)))};
+      const __m512i c = _mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), kQ8Shift);
+      return {_mm512_castsi512_ps(_mm512_maskz_add_epi32(nonzero, c, i32(kQ8Base<false>)))};
     }
   }
+  // c = (|x| bits + (random >> 12) - base) >> 20, clamped (float_bits.h).
   template <bool SIGNED>
   OA_INLINE void store_q8(uint8_t* p, Avx512Vec random, uint32_t base) const {
-    constexpr int sh = kQ8Shift<SIGNED>;
     const __m512i x = _mm512_castps_si512(v);
     const __m512i a = _mm512_and_si512(x, i32(0x7FFFFFFFu));
+    const __m512i offset = _mm512_srli_epi32(_mm512_castps_si512(random.v), 32 - kQ8Shift);
+    // (offset - base first, and opaque: for round to nearest it is one constant of the
+    // loop, which GCC would otherwise rebuild in it)
+    const __m512i d = _mm512_add_epi32(a, opaque(_mm512_sub_epi32(offset, _mm512_set1_epi32(static_cast<int>(base)))));
+    const __m512i c = _mm512_srai_epi32(d, kQ8Shift);
     if constexpr (SIGNED) {
-      const __m512i offset = _mm512_srli_epi32(_mm512_castps_si512(random.v), 32 - sh);
-      // (offset - base first, and opaque: for round to nearest it is one constant of the
-      // loop, which GCC would otherwise rebuild in it)
-      const __m512i d =
-          _mm512_add_epi32(a, opaque(_mm512_sub_epi32(offset, _mm512_set1_epi32(static_cast<int>(base)))));
-      const __m512i c = _mm512_srai_epi32(d, sh);
       // vpmovsdb saturates to [-128, 127], which is the top clamp (127); the bottom
       // one (0) and the sign are then applied to the 16 bytes. The signs: x narrowed
       // with signed saturation keeps each sign in bit 7.
@@ -154,22 +148,46 @@ struct Avx512Vec {
       const __m128i sign_bits = _mm512_castsi512_si128(i32(0x80808080u));
       b = _mm_ternarylogic_epi32(b, _mm512_cvtsepi32_epi8(x), sign_bits, 0xF8);  // b | (sat(x) & 0x80)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
-    } else {  // the code below, + 1 where u * (w + 1/16) / 16 < s * (w + s) (float_bits.h)
-      __m512i c = _mm512_srai_epi32(_mm512_sub_epi32(a, i32(base)), sh);
-      const __m512 xm = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(a, i32(0x7FFFFFu), i32(0x3F800000u), 0xEA));
-      const __m512 lm = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(xm), i32(~((1u << sh) - 1))));
-      const __m512 s = _mm512_sub_ps(xm, lm), w = _mm512_add_ps(lm, lm);
-      const __m512 u = _mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_castps_si512(random.v), 8));
-      const __m512 den = _mm512_mul_ps(_mm512_add_ps(w, _mm512_set1_ps(0x1p-4f)), _mm512_set1_ps(0x1p-28f));
-      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, den), _mm512_mul_ps(_mm512_add_ps(w, s), s), _CMP_LT_OQ);
-      c = _mm512_mask_sub_epi32(c, up, c, i32(0xFFFFFFFFu));
+    } else {
       // the floor (0, or 1 for a positive x); the top (255) is vpmovusdb's saturation
-      c = _mm512_max_epi32(c, _mm512_min_epu32(a, i32(1)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(c));
+      const __m512i floored = _mm512_max_epi32(c, _mm512_min_epu32(a, i32(1)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtusepi32_epi8(floored));
     }
   }
-  // vpmovsdb/vpmovusdb narrow one vector in one instruction: nothing to gain from more.
-  static constexpr int q8_group = 1;
+  // store_q8 of 4 vectors (64 codes) at once: three packs and one vpermd narrow them,
+  // where store_q8 takes a vpmovsdb/vpmovusdb (2 uops on Zen 4) per vector, and two for
+  // exp_avg (the codes and the signs). The codes before narrowing fit 16 bits (|d >> 20|
+  // < 2^12), so vpackssdw/vpackusdw are exact; the byte packs saturate, which is the top
+  // clamp (127 with the sign apart, 255); packing works within 128-bit lanes, and the
+  // vpermd puts the 16 dwords of codes back in order.
+  static constexpr int q8_group = 4;
+  template <bool SIGNED, bool DITHER>
+  OA_INLINE static void store_q8_group(uint8_t* p, const float* x, Avx512Vec random, uint32_t base) {
+    const __m512i minus_base = _mm512_set1_epi32(-static_cast<int>(base));
+    __m512i c[4], xs[4];
+    for (int k = 0; k < 4; ++k) {
+      xs[k] = _mm512_loadu_si512(x + 16 * k);
+      const __m512i a = _mm512_and_si512(xs[k], i32(0x7FFFFFFFu));
+      const __m512i bits = _mm512_castps_si512((DITHER ? mix_bits(random) : random).v);
+      const __m512i offset = _mm512_srli_epi32(bits, 32 - kQ8Shift);
+      // (for round to nearest offset - base is one constant of the loop)
+      c[k] = _mm512_srai_epi32(_mm512_add_epi32(a, opaque(_mm512_add_epi32(offset, minus_base))), kQ8Shift);
+      if constexpr (!SIGNED) c[k] = _mm512_max_epi32(c[k], _mm512_min_epu32(a, i32(1)));  // the floor
+      if constexpr (DITHER) random = next_random(random);
+    }
+    __m512i b;
+    if constexpr (SIGNED) {
+      b = _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));
+      b = _mm512_max_epi8(b, _mm512_setzero_si512());
+      // The signs: x packed with signed saturation keeps each sign in bit 7.
+      const __m512i s = _mm512_packs_epi16(_mm512_packs_epi32(xs[0], xs[1]), _mm512_packs_epi32(xs[2], xs[3]));
+      b = _mm512_ternarylogic_epi32(b, s, i32(0x80808080u), 0xF8);  // b | (s & 0x80)
+    } else {
+      b = _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]), _mm512_packus_epi32(c[2], c[3]));
+    }
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_si512(p, _mm512_permutexvar_epi32(order, b));
+  }
   static Avx512Vec max_magnitude(Avx512Vec acc, Avx512Vec x) {
     const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x.v), i32(0x7FFFFFFFu));
     return {_mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc.v), mag))};

@@ -69,13 +69,9 @@ struct NeonVec {
   static NeonVec next_random(NeonVec r) {
     return {vreinterpretq_f32_u32(vaddq_u32(vreinterpretq_u32_f32(r.v), vdupq_n_u32(4u * kDitherStep)))};
   }
-  static NeonVec hash_bits(NeonVec r) {
-    uint32x4_t x = vreinterpretq_u32_f32(r.v);
-    x = veorq_u32(x, vshrq_n_u32(x, 16));
-    x = vmulq_u32(x, vdupq_n_u32(kHashMul1));
-    x = veorq_u32(x, vshrq_n_u32(x, 15));
-    x = vmulq_u32(x, vdupq_n_u32(kHashMul2));
-    return {vreinterpretq_f32_u32(veorq_u32(x, vshrq_n_u32(x, 16)))};
+  static NeonVec mix_bits(NeonVec r) {
+    const uint32x4_t x = vreinterpretq_u32_f32(r.v);
+    return {vreinterpretq_f32_u32(vmulq_u32(veorq_u32(x, vshrq_n_u32(x, 16)), vdupq_n_u32(kMixMul)))};
   }
   OA_INLINE void store_bf16_random(uint16_t* p, NeonVec random) const {
     const uint32x4_t offset = vshrq_n_u32(vreinterpretq_u32_f32(random.v), 16);
@@ -89,33 +85,23 @@ struct NeonVec {
     std::memcpy(&word, p, 4);
     const uint32x4_t c = vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(word)))));
     const uint32x4_t mag = SIGNED ? vandq_u32(c, vdupq_n_u32(0x7F)) : c;
-    uint32x4_t b = vaddq_u32(vshlq_n_u32(mag, kQ8Shift<SIGNED>), vdupq_n_u32(kQ8Base));
+    uint32x4_t b = vaddq_u32(vshlq_n_u32(mag, kQ8Shift), vdupq_n_u32(kQ8Base<SIGNED>));
     b = vandq_u32(b, vtstq_u32(mag, mag));  // code 0 is 0
     if constexpr (SIGNED) b = vorrq_u32(b, vshlq_n_u32(vandq_u32(c, vdupq_n_u32(0x80)), 24));
     return {vreinterpretq_f32_u32(b)};
   }
+  // c = (|x| bits + (random >> 12) - base) >> 20, clamped (float_bits.h).
   template <bool SIGNED>
   OA_INLINE void store_q8(uint8_t* p, NeonVec random, uint32_t base) const {
-    constexpr int sh = kQ8Shift<SIGNED>;
     const uint32x4_t x = vreinterpretq_u32_f32(v);
     const uint32x4_t a = vandq_u32(x, vdupq_n_u32(0x7FFFFFFFu));
-    int32x4_t c;
+    const uint32x4_t offset = vshrq_n_u32(vreinterpretq_u32_f32(random.v), 32 - kQ8Shift);
+    const int32x4_t d = vreinterpretq_s32_u32(vsubq_u32(vaddq_u32(a, offset), vdupq_n_u32(base)));
+    int32x4_t c = vminq_s32(vshrq_n_s32(d, kQ8Shift), vdupq_n_s32(kQ8Top<SIGNED>));  // arithmetic shift
     if constexpr (SIGNED) {
-      const uint32x4_t offset = vshrq_n_u32(vreinterpretq_u32_f32(random.v), 32 - sh);
-      const int32x4_t d = vreinterpretq_s32_u32(vsubq_u32(vaddq_u32(a, offset), vdupq_n_u32(base)));
-      c = vminq_s32(vshrq_n_s32(d, sh), vdupq_n_s32(kQ8Top<true>));  // arithmetic shift
       c = vmaxq_s32(c, vdupq_n_s32(0));
       c = vorrq_s32(c, vreinterpretq_s32_u32(vandq_u32(vshrq_n_u32(x, 24), vdupq_n_u32(0x80))));
-    } else {  // the code below, + 1 where u * (w + 1/16) / 16 < s * (w + s) (float_bits.h)
-      c = vshrq_n_s32(vreinterpretq_s32_u32(vsubq_u32(a, vdupq_n_u32(base))), sh);
-      const uint32x4_t xm_bits = vorrq_u32(vandq_u32(a, vdupq_n_u32(0x7FFFFFu)), vdupq_n_u32(0x3F800000u));
-      const float32x4_t xm = vreinterpretq_f32_u32(xm_bits);
-      const float32x4_t lm = vreinterpretq_f32_u32(vandq_u32(xm_bits, vdupq_n_u32(~((1u << sh) - 1))));
-      const float32x4_t s = vsubq_f32(xm, lm), w = vaddq_f32(lm, lm);
-      const float32x4_t u = vcvtq_f32_u32(vshrq_n_u32(vreinterpretq_u32_f32(random.v), 8));
-      const float32x4_t den = vmulq_f32(vaddq_f32(w, vdupq_n_f32(0x1p-4f)), vdupq_n_f32(0x1p-28f));
-      const uint32x4_t up = vcltq_f32(vmulq_f32(u, den), vmulq_f32(vaddq_f32(w, s), s));
-      c = vminq_s32(vsubq_s32(c, vreinterpretq_s32_u32(up)), vdupq_n_s32(kQ8Top<false>));
+    } else {
       c = vmaxq_s32(c, vreinterpretq_s32_u32(vminq_u32(a, vdupq_n_u32(1))));  // the floor: 1 for a positive x
     }
     const uint16x4_t w = vmovn_u32(vreinterpretq_u32_s32(c));  // each lane is in [0, 255]

@@ -15,14 +15,14 @@
 // and, for the bf16 and 8-bit moments:
 //   random_bits(first, key)                per-lane stochastic-rounding bits (as fp32 bit patterns)
 //   next_random(r)                         those of the next vector (first + width)
-//   hash_bits(r)                           q8_hash of each lane's bits
+//   mix_bits(r)                            q8_mix of each lane's bits
 //   store_bf16_random(p, random)           bf16 with stochastic rounding
 //   load_q8<SIGNED>                        8-bit codes -> fp32 values relative to the block scale
 //   store_q8<SIGNED>(p, random, base)      fp32 moments -> 8-bit codes of their block (float_bits.h)
 //   q8_group                               vectors store_q8_group codes at once (1: none)
 //   store_q8_group<SIGNED, DITHER>         only where q8_group > 1: store_q8 of q8_group vectors
 //                                          from memory; when DITHER, random (lattice bits) advanced
-//                                          by next_random and each vector's hash_bits rounded with
+//                                          by next_random and each vector's mix_bits rounded with
 //   max_magnitude, max_lanes               running max of |x| and its largest lane, compared
 //                                          as bit patterns (NaN > inf > finite: exact, NaN kept)
 //   max_bits                               running max of bit patterns (of x >= 0 or NaN)
@@ -73,8 +73,8 @@ struct ScalarVec {
   static ScalarVec random_bits(uint32_t first, uint32_t key) { return {float_of(dither_bits(first, key))}; }
   // The bits of the next vector: the lanes' indices + width.
   static ScalarVec next_random(ScalarVec r) { return {float_of(bits_of(r.v) + kDitherStep)}; }
-  // The lanes' bits hashed (q8_hash): the rounding bits of sqrt(v)'s codes.
-  static ScalarVec hash_bits(ScalarVec r) { return {float_of(q8_hash(bits_of(r.v)))}; }
+  // The lanes' bits mixed (q8_mix): the rounding bits of v's codes.
+  static ScalarVec mix_bits(ScalarVec r) { return {float_of(q8_mix(bits_of(r.v)))}; }
   void store_bf16_random(uint16_t* p, ScalarVec random) const { *p = float_to_bf16_random(v, bits_of(random.v)); }
   template <bool SIGNED>
   static ScalarVec load_q8(const uint8_t* p) { return {q8_to_float<SIGNED>(*p)}; }

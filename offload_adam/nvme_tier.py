@@ -45,7 +45,7 @@ from .params import check_dense, param_label, rounds_to
 from .engine.disk_step import DiskStep
 from .kernel_step import Hyper, KernelArgs
 from .nvme import BucketSpec, NvmeState, StateSpec, StepPipeline, adam_bucket
-from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_key
+from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
 
 _MB = 2 ** 20
 
@@ -109,7 +109,7 @@ class NvmeTier:
                 self.buckets.append(bucket)
         self._formats = [state_format(g["state_dtype"]) for g in param_groups]
         self._amsgrad = [bool(g["amsgrad"]) for g in param_groups]
-        spec = StateSpec(tuple(specs), "+".join(sorted({f.name for f in self._formats})),
+        spec = StateSpec(tuple(specs), "+".join(sorted({f.files_name for f in self._formats})),
                          extra={"amsgrad": self._amsgrad})
         largest = max((b.nbytes for b in spec.buckets), default=0)
         budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
@@ -312,7 +312,7 @@ class NvmeTier:
         def fill(i, t):
             for e in self.buckets[i]:
                 saved = saved_state.get(saved_ids.get(id(e.param)))
-                saved = {stored_key(k): v for k, v in (saved or {}).items()}
+                saved = stored_state(saved or {}, f" of param {e.name}")
                 self._fill_param(e, t, saved, loaded)
                 steps.append(int(float(t[f"{e.name}.step"])))
                 if steps[-1] > 0:

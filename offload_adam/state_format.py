@@ -22,6 +22,15 @@ moments, loadable into torch.optim.AdamW. A loaded moment in any form (fp32
 from torch, bf16, 8-bit codes with scales) is converted to the optimizer's
 format at the next step.
 The 8-bit format has no amsgrad (its running max has no code).
+
+The 8-bit codes have a format number, Q8_FORMAT, saved beside them in a state dict
+("q8_format") and in the name of the format the NVMe tier's files record:
+  1  (until issue 16's second part) exp_avg_sq stored sqrt(v) as e4m4 codes;
+  2  exp_avg_sq stores v itself as e5m3 codes (its unbiased rounding is then a cheap
+     dither of the bits; csrc/adam_math.h). exp_avg is e4m3 with a sign in both.
+A state dict with codes and no "q8_format" is format 1: its exp_avg_sq is decoded
+here (legacy_sqrt_codes_to_v) and loads as fp32, converted at the next step like any
+fp32 moment. NVMe files of format 1 are refused (the tier names both formats).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 MASTER_KEY = "master_param"  # the fp32 master of a low-precision param, in its state
 SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 CODE_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}  # in a state dict
+Q8_FORMAT = 2               # what the 8-bit codes mean (see above)
+Q8_FORMAT_KEY = "q8_format"  # in a state dict, beside the codes (a 0-dim int64 tensor)
 
 
 def scale_len(numel: int) -> int:
@@ -53,6 +64,12 @@ class StateFormat:
     @property
     def blockwise(self) -> bool:
         return self.moment_dtype is torch.uint8
+
+    @property
+    def files_name(self) -> str:
+        """The format as the NVMe tier's files record it: with the 8-bit codes' format
+        number, so that files of another one are refused rather than misread."""
+        return f"{self.name} (codes format {Q8_FORMAT})" if self.blockwise else self.name
 
     def check_amsgrad(self, amsgrad: bool, where: str) -> None:
         """amsgrad's running max of exp_avg_sq has no 8-bit code: a ValueError naming
@@ -152,15 +169,56 @@ def encode_8bit(key: str, fp32: torch.Tensor, blocks: int) -> Dict[str, torch.Te
     return {key: codes, SCALE_KEYS[key]: scale}
 
 
+def _holds_codes(k, v) -> bool:
+    return k in CODE_KEYS and isinstance(v, torch.Tensor) and v.dtype is torch.uint8
+
+
 def with_code_keys(st: dict) -> dict:
-    """A param's state as a state dict saves it: 8-bit codes under CODE_KEYS."""
-    return {CODE_KEYS[k] if k in CODE_KEYS and isinstance(v, torch.Tensor)
-            and v.dtype is torch.uint8 else k: v for k, v in st.items()}
+    """A param's state as a state dict saves it: 8-bit codes under CODE_KEYS, and
+    their format number."""
+    out = {CODE_KEYS[k] if _holds_codes(k, v) else k: v for k, v in st.items()}
+    if any(_holds_codes(k, v) for k, v in st.items()):
+        out[Q8_FORMAT_KEY] = torch.tensor(Q8_FORMAT)
+    return out
 
 
 def stored_key(key: str) -> str:
     """The state key of a state dict's key (CODE_KEYS back to the moments')."""
     return next((k for k, c in CODE_KEYS.items() if c == key), key)
+
+
+def stored_state(saved: dict, where: str = "") -> dict:
+    """A param's state from a state dict, under the state's keys (stored_key), its
+    8-bit codes in the current format: format 1's exp_avg_sq (no "q8_format" beside
+    the codes) becomes fp32 v. A format this version does not know is refused.
+    `where` names the param in errors."""
+    out = {stored_key(k): v for k, v in saved.items() if k != Q8_FORMAT_KEY}
+    version = int(saved.get(Q8_FORMAT_KEY, 1))
+    codes = saved.get(CODE_KEYS["exp_avg_sq"])
+    if not isinstance(codes, torch.Tensor) or codes.dtype is not torch.uint8 or version == Q8_FORMAT:
+        return out
+    if version != 1:
+        raise ValueError(f"optimizer state{where} holds 8-bit codes of format {version!r} "
+                         f"(q8_format); this version of offload_adam reads formats 1 and "
+                         f"{Q8_FORMAT}: save the state with state_dict(fp32_moments=True) "
+                         "where it was made, and load that")
+    scale = out.pop(SCALE_KEYS["exp_avg_sq"], None)
+    blocks = scale_len(codes.numel())
+    if scale is None or scale.numel() != blocks:
+        raise ValueError(f"optimizer state 'exp_avg_sq'{where} holds 8-bit codes but "
+                         f"'exp_avg_sq_scale' is missing or not {blocks} long")
+    out["exp_avg_sq"] = legacy_sqrt_codes_to_v(codes, scale)
+    return out
+
+
+def legacy_sqrt_codes_to_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """exp_avg_sq from 8-bit codes of format 1 (sqrt(v) as e4m4, relative to its block's
+    scale: code c > 0 is the float with bits (c << 19) + bits(2^-16)), as fp32 v."""
+    c = codes.detach().to("cpu").reshape(-1).to(torch.int32)
+    root = torch.where(c > 0, ((c << 19) + (111 << 23)).view(torch.float32), torch.zeros(()))
+    blocks = scale.detach().to("cpu", torch.float64).repeat_interleave(QUANT_BLOCK)[: c.numel()]
+    root = root.double() * blocks
+    return (root * root).float().reshape(codes.shape)
 
 
 def with_float32_moments(st: dict) -> dict:

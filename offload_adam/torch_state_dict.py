@@ -14,11 +14,12 @@ import torch
 
 from . import distributed
 from .params import param_label, rounds_to
-from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format,
-                           stored_key, with_code_keys, with_float32_moments)
+from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS, state_format,
+                           stored_state, with_code_keys, with_float32_moments)
 
 # The state that bypasses torch's cast when loaded (load_state_dict).
-_HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY,)
+_HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY, Q8_FORMAT_KEY)
+_KEPT = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + (MASTER_KEY, "step")  # put back from the dict
 
 
 class TorchStateDict:
@@ -114,8 +115,9 @@ class TorchStateDict:
                 continue
             state = self.state[p]
             local_p = distributed.local(p)
-            for saved_key in _HEAVY + ("step",):  # copies: the kernels update them in place
-                value, key = saved.get(saved_key), stored_key(saved_key)
+            saved = stored_state(saved, f" of param {saved_id} (shape {tuple(p.shape)})")
+            for key in _KEPT:  # copies: the kernels update them in place
+                value = saved.get(key)
                 if isinstance(value, torch.Tensor):
                     if distributed.is_dtensor(p) and key in MOMENT_KEYS + (MASTER_KEY,):
                         value = distributed.local_value(
@@ -176,7 +178,7 @@ class TorchStateDict:
                 if not isinstance(saved, dict):
                     continue
                 for key, value in saved.items():
-                    if not isinstance(value, torch.Tensor) or key in SCALE_KEYS.values():
+                    if not isinstance(value, torch.Tensor) or key in SCALE_KEYS.values() or key == Q8_FORMAT_KEY:
                         continue
                     expected = () if key == "step" else p.shape
                     if key == "step" and value.numel() == 1:

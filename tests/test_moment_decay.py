@@ -7,10 +7,11 @@ the exact beta2**t decay: with every element alike, and in blocks where a few el
 (they set the 8-bit block scale; the decaying ones sit 2^5 to 2^8 below it). bench/moment_drift.py prints
 the same measurement (and that of sqrt(v)).
 
-The 8-bit format rounds sqrt(v) to 4 mantissa bits while it decays by 0.05 % a step: a code moves only
-every ~80 steps, by chance, so each element's v wanders (about +-30 % after 4000 steps); the mean over 64K
-elements stays within ~0.3 % of exact when the rounding is unbiased in v. (Before issue 16 it fell 3.5 %
-behind by 480 steps and 14 % by 4000.)
+The 8-bit format rounds v to 3 mantissa bits while it decays by 0.1 % a step: a code moves only every
+~60-120 steps, by chance, so each element's v wanders; the mean over 64K elements stays near exact when the
+rounding is unbiased in v and its bits are independent from step to step and from element to element.
+(Before issue 16 it fell 3.5 % behind by 480 steps and 14 % by 4000; with independent bits per step but
+one shared by all elements, a key hashed per step and no per-element mixing, 2.6 % by 4000.)
 """
 import numpy as np
 import pytest

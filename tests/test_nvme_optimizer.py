@@ -57,7 +57,7 @@ def test_state_dict_is_backed_by_the_files(kernels, tmp_path):
     train(disk, qs, 0, 1)
     st = disk.state_dict()["state"]
     assert set(st[1]) == {"step", "exp_avg_codes", "exp_avg_scale", "exp_avg_sq_codes",
-                          "exp_avg_sq_scale", "master_param"}
+                          "exp_avg_sq_scale", "master_param", "q8_format"}
     assert "master_param" not in st[0]   # an fp32 param is its own master, as in RAM
     # nothing in RAM: optimizer.state holds an empty entry per stepped param, and the state
     # dict's tensors are not in the pipeline's buffers but mappings of the files (copy on

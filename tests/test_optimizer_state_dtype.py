@@ -138,7 +138,7 @@ def test_8bit_codes_do_not_pass_for_torch_moments(path):
     stepped = [st for st in sd["state"].values() if "step" in st]
     assert stepped and all(
         "exp_avg" not in st and "exp_avg_sq" not in st
-        and st["exp_avg_codes"].dtype == st["exp_avg_sq_codes"].dtype == torch.uint8
+        and st["exp_avg_codes"].dtype == st["exp_avg_sq_codes"].dtype == torch.uint8 and int(st["q8_format"]) == 2
         and st["exp_avg_scale"].dtype == torch.float32 for st in stepped)
     twin = copy.deepcopy(model)
     topt = torch.optim.AdamW(twin.parameters(), lr=3e-3, weight_decay=0.1)
@@ -154,6 +154,50 @@ def test_8bit_codes_do_not_pass_for_torch_moments(path):
     run(model2, opt2, 1, start=2)
     run(model, opt, 1, start=2)
     assert_same((model, opt), (model2, opt2))
+
+
+def test_8bit_state_of_codes_format_1_loads_converted(path):
+    """A state dict saved before the 8-bit codes' format 2 (no "q8_format" beside the
+    codes) held sqrt(v) as e4m4 codes: code c > 0 is the float with bits
+    (c << 19) + bits(2^-16), times its block's scale, squared. It loads as that v
+    (here into fp32 moments, to read it back exactly), and a format this version
+    does not know is refused, naming it."""
+    model, opt = train("8bit", steps=2)
+    sd = opt.state_dict()
+    gen = torch.Generator().manual_seed(3)
+    want = {}
+    for k, st in sd["state"].items():
+        if "exp_avg_sq_codes" not in st:
+            continue
+        assert int(st.pop("q8_format")) == 2
+        codes = torch.randint(0, 256, st["exp_avg_sq_codes"].shape, dtype=torch.uint8, generator=gen)
+        scale = 2.0 ** torch.randint(-20, 0, st["exp_avg_sq_scale"].shape, generator=gen).float()
+        st["exp_avg_sq_codes"], st["exp_avg_sq_scale"] = codes, scale
+        c = codes.reshape(-1).double()
+        root = torch.where(c > 0, 2.0 ** (torch.floor(c / 16) - 16) * (1 + (c % 16) / 16), torch.zeros(()))
+        root = root * scale.double().repeat_interleave(QUANT_BLOCK)[: c.numel()]
+        want[k] = (root * root).float().reshape(codes.shape)
+    assert want
+    model2, _ = make_pair()
+    model2.load_state_dict(model.state_dict())
+    opt2 = offload_adam.AdamW(model2.parameters(), state_dtype=torch.float32, **OPTS)
+    opt2.load_state_dict(sd)
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    params = [p for g in opt2.param_groups for p in g["params"]]
+    for k, p in zip(ids, params):
+        if k in want:
+            assert torch.equal(opt2.state[p]["exp_avg_sq"], want[k])
+            assert "exp_avg_sq_scale" not in opt2.state[p]
+    model3, _ = make_pair()
+    model3.load_state_dict(model.state_dict())
+    opt3 = offload_adam.AdamW(model3.parameters(), state_dtype="8bit", **OPTS)
+    opt3.load_state_dict(sd)  # and into 8-bit moments: re-encoded in format 2 at the next step
+    run(model3, opt3, 1, start=2)
+    for st in sd["state"].values():
+        if "exp_avg_sq_codes" in st:
+            st["q8_format"] = torch.tensor(3)
+    with pytest.raises(ValueError, match="format 3"):
+        opt3.load_state_dict(sd)
 
 
 @pytest.mark.parametrize("saved", FORMATS, ids=IDS)

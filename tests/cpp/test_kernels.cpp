@@ -183,56 +183,46 @@ void test_conversions_of_every_variant() {
 // ---- the 8-bit codes and stochastic rounding (the scalar reference) -----------
 
 // The documented value of a q8 magnitude code, computed from the formula rather than the bits.
-double q8_value(uint32_t mag, int man_bits) {
+// 3 mantissa bits; 16 binades (signed, e4m3) or 32 (unsigned, e5m3).
+double q8_value(uint32_t mag, int binades) {
   if (mag == 0) return 0.0;
-  const int e = static_cast<int>(mag >> man_bits), f = static_cast<int>(mag & ((1u << man_bits) - 1));
-  return std::ldexp(1.0 + f / double(1 << man_bits), e - 16);
+  const int e = static_cast<int>(mag >> 3), f = static_cast<int>(mag & 7);
+  return std::ldexp(1.0 + f / 8.0, e - binades);
 }
 
-// Codes a value relative to a block scale of 1 (the code base of scale 1 is 2^-16's bits).
+// Codes a value relative to a block scale of 1 (the code base of scale 1 is 2^-B's bits).
 template <bool SIGNED>
-uint8_t enc(float x, uint32_t random) { return bits::float_to_q8<SIGNED>(x, random, bits::kQ8Base); }
+uint8_t enc(float x, uint32_t random) { return bits::float_to_q8<SIGNED>(x, random, bits::kQ8Base<SIGNED>); }
 
 template <bool SIGNED>
 void test_q8_codes_one() {
-  constexpr int man = SIGNED ? 3 : 4;
+  constexpr int binades = SIGNED ? 16 : 32;
   constexpr uint32_t top = SIGNED ? 127 : 255;  // the largest magnitude code
   const uint32_t nearest = 0x80000000u;
   int bad = 0;
   for (uint32_t c = 0; c < 256; ++c) {
     const uint32_t mag = SIGNED ? c & 0x7F : c;
-    const double want = (SIGNED && (c & 0x80) ? -1.0 : 1.0) * q8_value(mag, man);
+    const double want = (SIGNED && (c & 0x80) ? -1.0 : 1.0) * q8_value(mag, binades);
     const float got = bits::q8_to_float<SIGNED>(static_cast<uint8_t>(c));
     bad += got != want || (SIGNED && std::signbit(got) != bool(c & 0x80));
     bad += enc<SIGNED>(got, nearest) != c;  // every code survives the round trip
     bad += enc<SIGNED>(got, 0) != c || enc<SIGNED>(got, 0xFFFFFFFFu) != c;
     if (mag == 0 || mag == top) continue;
-    // Between this code and the next. exp_avg (signed): nearest rounds ties up, and
-    // stochastic rounding is unbiased in x. sqrt(v) (unsigned): nearest and stochastic
-    // rounding are in v = x^2: nearest picks the code whose square is nearer x^2, and
-    // averaged over every 16-bit random value the square of the code's value is x^2 to
-    // within 2^-16 of a step.
-    const double next = q8_value(mag + 1, man), lo = q8_value(mag, man);
+    // Between this code and the next (exp_avg, and v itself for exp_avg_sq): nearest
+    // rounds ties up, and averaged over every 16-bit random value the stochastic
+    // rounding gives x to within 2^-16 of a step (unbiased).
+    const double next = q8_value(mag + 1, binades), lo = q8_value(mag, binades);
     const uint32_t sign = SIGNED ? c & 0x80 : 0;
     const float s = sign ? -1.0f : 1.0f;
-    if (SIGNED) {
-      const float mid = float(0.5 * (lo + next));
-      bad += enc<SIGNED>(s * mid, nearest) != ((mag + 1) | sign);
-      bad += enc<SIGNED>(std::nextafter(s * mid, 0.0f), nearest) != c;
-    } else {
-      const double mid = std::sqrt(0.5 * (lo * lo + next * next));
-      bad += enc<SIGNED>(float(mid * (1 + 1e-6)), nearest) != mag + 1 || enc<SIGNED>(float(mid * (1 - 1e-6)), nearest) != c;
-    }
+    const float mid = float(0.5 * (lo + next));
+    bad += enc<SIGNED>(s * mid, nearest) != ((mag + 1) | sign);
+    bad += enc<SIGNED>(std::nextafter(s * mid, 0.0f), nearest) != c;
     for (double frac : {0.01, 0.3, 0.5, 0.97}) {
       const float x = float(lo + frac * (next - lo));
       double mean = 0.0;
-      for (uint32_t r = 0; r < 0x10000; ++r) {
-        const double q = bits::q8_to_float<SIGNED>(enc<SIGNED>(s * x, r << 16));
-        mean += SIGNED ? q : q * q;
-      }
+      for (uint32_t r = 0; r < 0x10000; ++r) mean += bits::q8_to_float<SIGNED>(enc<SIGNED>(s * x, r << 16));
       mean /= 0x10000;
-      bad += SIGNED ? std::abs(mean - s * x) > (next - lo) * 1e-4
-                    : std::abs(mean - double(x) * x) > (next * next - lo * lo) * 1e-4;
+      bad += std::abs(mean - s * x) > (next - lo) * 1e-4;
     }
   }
   CHECK(bad == 0, "%d q8 (signed=%d) code mismatches", bad, int(SIGNED));
@@ -241,7 +231,7 @@ void test_q8_codes_one() {
   CHECK(enc<SIGNED>(0.0f, nearest) == 0 && enc<SIGNED>(NAN, 0) == top &&
             (enc<SIGNED>(INFINITY, 0) & 0x7F) == (top & 0x7F), "zero, NaN, inf");
   // Below the smallest code: the first moment flushes to zero, a positive second
-  // moment (sqrt(v)) stays at code 1 whatever the rounding bits: never 0 while v > 0.
+  // moment (v) stays at code 1 whatever the rounding bits: never 0 while v > 0.
   const float tiny = 1e-30f;
   CHECK(enc<SIGNED>(tiny, nearest) == (SIGNED ? 0 : 1) && (SIGNED || enc<false>(tiny, 0) == 1),
         "the floor of the unsigned code");
@@ -252,29 +242,30 @@ void test_q8_codes() {
   test_q8_codes_one<false>();
   CHECK(bits::q8_to_float<true>(0x80) == 0.0f, "-0");
   // Block scales: the power of two just above the largest magnitude, its code base
-  // 2^-16 of it; zero, non-finite and tiny maxima.
+  // 2^-16 (signed) or 2^-32 (unsigned) of it; zero, non-finite and tiny maxima.
   int bad = 0;
   for (float amax : {1.0f, 0.75f, 3.0e-3f, 1e-20f, 7.0e30f}) {
-    const bits::Q8Block b = bits::q8_block<true>(amax);
-    bad += bits::q8_block<false>(amax).scale != b.scale;
+    const bits::Q8Block b = bits::q8_block<true>(amax), bu = bits::q8_block<false>(amax);
     int e;
+    bad += bu.scale != b.scale || bits::float_of(bu.base) != std::ldexp(bu.scale, -32);
     bad += std::frexp(b.scale, &e) != 0.5f || !(amax < b.scale && b.scale <= 2 * amax) ||
            bits::float_of(b.base) != std::ldexp(b.scale, -16);
     // the same codes as the value relative to the scale, coded against a scale of 1
     for (float rel : {0.9f, -0.3f, 1e-4f, 2e-5f, 1e-6f})
       bad += bits::float_to_q8<true>(rel * b.scale, 0x80000000u, b.base) != enc<true>(rel, 0x80000000u) ||
-             bits::float_to_q8<false>(std::abs(rel) * b.scale, 0x12345678u, b.base) != enc<false>(std::abs(rel), 0x12345678u);
+             bits::float_to_q8<false>(std::abs(rel) * bu.scale, 0x12345678u, bu.base) != enc<false>(std::abs(rel), 0x12345678u);
   }
   CHECK(bad == 0, "%d block scale mismatches", bad);
-  // A maximum above the top code's value (0.9375 signed, 0.96875 unsigned, of the power
-  // of two above it) takes the next power of two: no value is clamped to the top code.
+  // A maximum above the top code's value (0.9375 of the power of two above it) takes
+  // the next power of two: no value is clamped to the top code.
   CHECK(bits::q8_block<true>(0.9375f).scale == 1.0f && bits::q8_block<true>(0.9376f).scale == 2.0f &&
-            bits::q8_block<false>(0.96875f).scale == 1.0f && bits::q8_block<false>(0.9688f).scale == 2.0f &&
-            bits::q8_block<false>(0.95f * 0x1p-20f).scale == 0x1p-20f,
+            bits::q8_block<false>(0.9375f).scale == 1.0f && bits::q8_block<false>(0.9376f).scale == 2.0f &&
+            bits::q8_block<false>(0.93f * 0x1p-20f).scale == 0x1p-20f,
         "block scales of maxima above the top code");
   CHECK(bits::q8_block<true>(0.0f).scale == 0.0f && std::isnan(bits::q8_block<true>(NAN).scale) &&
             std::isnan(bits::q8_block<true>(INFINITY).scale) && std::isnan(bits::q8_block<false>(1e38f).scale) &&
-            bits::q8_block<false>(1e-36f).scale == std::ldexp(1.0f, -110),
+            bits::q8_block<true>(1e-36f).scale == std::ldexp(1.0f, -110) &&
+            bits::q8_block<false>(1e-36f).scale == std::ldexp(1.0f, -94),
         "block scales of 0, NaN, inf, huge and tiny maxima");
   CHECK(bits::float_to_q8<true>(1e-3f, 0x80000000u, bits::q8_block<true>(0.0f).base) == 0 &&
             bits::float_to_q8<false>(0.0f, 0xFFFFFFFFu, bits::q8_block<false>(0.0f).base) == 0,
@@ -348,9 +339,7 @@ struct State {
       return bits::bf16_to_float(h);
     }
     const double sc = scale[i / oa::kQuantBlock];
-    if (!second) return bits::q8_to_float<true>(buf[i]) * sc;
-    const double root = bits::q8_to_float<false>(buf[i]) * sc;
-    return root * root;
+    return (second ? bits::q8_to_float<false>(buf[i]) : bits::q8_to_float<true>(buf[i])) * sc;
   }
   double m_at(int64_t i) const { return decode(m, m_scale, false, i); }
   double v_at(int64_t i) const { return decode(v, v_scale, true, i); }
@@ -452,8 +441,8 @@ State fresh_state(int64_t n, uint32_t seed, oa::StateDType fmt = oa::StateDType:
 //   bf16: m to nearest even: 2^-8 of |m| (half an ulp; an ulp is 2^-8..2^-7 of the
 //         value); v and vmax stochastic: under one ulp, 2^-7 of v
 //   q8:   m to nearest: half a step, 2^-4 of |m|, or 1/15 at the saturated top code,
-//         plus 2^-15 of the block scale for values below the smallest code; sqrt(v)
-//         stochastic: under one step, 2^-4 of sqrt(v), plus 2^-15 of the scale
+//         plus 2^-15 of the block scale for values below the smallest code; v
+//         stochastic: under one step, 2^-3 of v, plus 2^-31 of the scale
 // The budgets follow the recursion: the next step's fp32 moment carries beta times
 // the stored error, the update's error follows from the moments' intervals, and the
 // param's error adds the update's times the step size (plus wd times it, for L2).
@@ -474,7 +463,7 @@ void ref_step(Ref& r, const State& s, const std::vector<float>& grad, int64_t st
   const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8;
   const bool bf16 = s.fmt == oa::StateDType::bf16, q8 = s.fmt == oa::StateDType::q8;
   const double m_rel = bf16 ? 0x1p-8 : q8 ? 1.0 / 15 : 0.0;
-  const double v_rel = bf16 ? 0x1p-7 : 0.0, root_rel = q8 ? 0x1p-4 : 0.0;
+  const double v_rel = bf16 ? 0x1p-7 : q8 ? 0x1p-3 : 0.0;
   const double step_size = lr / (1 - std::pow(b1, step)), c2 = 1.0 / std::sqrt(1 - std::pow(b2, step));
   for (size_t i = 0; i < r.p.size(); ++i) {
     double g = grad[i] * c.grad_scale * (c.maximize ? -1.0 : 1.0);
@@ -515,11 +504,7 @@ void ref_step(Ref& r, const State& s, const std::vector<float>& grad, int64_t st
     const double m_floor = q8 ? 0x1p-15 * s.m_scale[blk] : 0.0;
     r.em[i] = em_new + m_rel * (std::abs(r.m[i]) + em_new) + m_floor;
     auto stored_v_error = [&](double v, double ev) {
-      if (!q8) return ev + v_rel * (v + ev);
-      const double floor = 0x1p-15 * s.v_scale[blk];
-      const double hi = std::sqrt(v + ev) * (1 + root_rel) + floor;
-      const double lo = std::max(0.0, std::sqrt(std::max(0.0, v - ev)) * (1 - root_rel) - floor);
-      return std::max(hi * hi - v, v - lo * lo);
+      return ev + v_rel * (v + ev) + (q8 ? 0x1p-31 * s.v_scale[blk] : 0.0);
     };
     r.ev[i] = stored_v_error(r.v[i], ev_new);
     if (c.amsgrad) r.evmax[i] = stored_v_error(r.vmax[i], evmax_new);
@@ -542,7 +527,7 @@ int check_against_ref(const State& s, const Ref& r, const Config& c) {
       double mmax = 0.0, rmax = 0.0;
       for (int64_t i = b * oa::kQuantBlock; i < std::min(s.n(), (b + 1) * oa::kQuantBlock); ++i) {
         mmax = std::max(mmax, std::abs(s.m_at(i)));
-        rmax = std::max(rmax, std::sqrt(s.v_at(i)));
+        rmax = std::max(rmax, s.v_at(i));
       }
       for (auto [scale, top] : {std::pair<double, double>{s.m_scale[b], mmax}, {s.v_scale[b], rmax}}) {
         int e;
@@ -846,12 +831,9 @@ void test_q8_conversions() {
   std::vector<float> m(n), v(n);
   for (int64_t i = 0; i < n; ++i) m[i] = nd(rng) * std::exp(2 * nd(rng)), v[i] = m[i] * m[i] * 0.5f;
   // Block 0 holds every signed code once (x 0.5: block max 0.9375 / 2, scale 0.5), and
-  // block 1 every unsigned code (as v = value^2).
+  // block 1 every unsigned code (x 4).
   for (int c = 0; c < 256; ++c) m[c] = 0.5f * bits::q8_to_float<true>(static_cast<uint8_t>(c));
-  for (int c = 0; c < 256; ++c) {
-    const float root = 4.0f * bits::q8_to_float<false>(static_cast<uint8_t>(c));
-    v[256 + c] = root * root;
-  }
+  for (int c = 0; c < 256; ++c) v[256 + c] = 4.0f * bits::q8_to_float<false>(static_cast<uint8_t>(c));
   std::vector<uint8_t> ref_mc, ref_vc;
   std::vector<float> ref_md, ref_vd;
   for (oa::Isa isa : oa::supported_isas()) {
@@ -868,10 +850,9 @@ void test_q8_conversions() {
           oa::isa_name(isa), bad);
     bad = 0;
     for (int64_t i = 512; i < n; ++i) {
-      const double floor = 0x1p-15 * ms[i / 256], root_floor = 0x1p-15 * vs[i / 256];
+      const double floor = 0x1p-15 * ms[i / 256], v_floor = 0x1p-31 * vs[i / 256];
       bad += !(std::abs(md[i] - m[i]) <= std::abs(m[i]) / 15 + floor);
-      const double r = std::sqrt(double(v[i])), rd = std::sqrt(double(vd[i]));
-      bad += !(std::abs(rd - r) <= r / 31 + root_floor + 1e-7 * r);  // nearest: half a step
+      bad += !(std::abs(vd[i] - v[i]) <= v[i] / 15 + v_floor + 1e-7 * v[i]);  // nearest: half a step
     }
     CHECK(bad == 0, "isa=%s: %d values off after encode -> decode", oa::isa_name(isa), bad);
     if (ref_mc.empty()) {
