@@ -43,6 +43,7 @@ from torch.autograd.graph import increment_version
 from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, rounds_to
 from .engine.disk_step import DiskStep
+from .inplace import as_fp32_like
 from .kernel_step import Hyper, KernelArgs
 from .nvme import BucketSpec, NvmeState, StateSpec, StepPipeline, adam_bucket
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
@@ -339,11 +340,9 @@ class NvmeTier:
             if fmt.blockwise and key in SCALE_KEYS:
                 t[f"{e.name}.{SCALE_KEYS[key]}"].copy_(value[SCALE_KEYS[key]])
         master = saved.get(MASTER_KEY) if e.has_master else None
-        if isinstance(master, torch.Tensor):
-            if tuple(master.shape) != tuple(p.shape):
-                raise ValueError(f"optimizer state {MASTER_KEY!r}{label} has shape "
-                                 f"{tuple(master.shape)}, expected {tuple(p.shape)}")
-            t[f"{e.name}.master"].copy_(master)
+        if isinstance(master, torch.Tensor):   # (the shape checked as in RAM)
+            t[f"{e.name}.master"].copy_(as_fp32_like(master, p, MASTER_KEY,
+                                                     lambda: label[len(" of param "):]))
             loaded[id(p)] = "check"
         else:   # the param as it is now (the files hold the params too); checked again
             t[f"{e.name}.master"].copy_(local(p).detach().to("cpu", torch.float32))
