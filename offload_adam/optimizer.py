@@ -235,7 +235,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                     self._start_engine()
                 elif managed:
                     self._engine.add_group(index, managed, bool(group["amsgrad"]),
-                                           group["state_dtype"])
+                                           group["state_dtype"], self._engine_names(index))
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was
             raise
@@ -262,7 +262,13 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
                 state_dtypes=[g["state_dtype"] for g in self.param_groups],
-                options=self._options, owner=weakref.ref(self), routing=self._routing)
+                options=self._options, owner=weakref.ref(self), routing=self._routing,
+                names=[self._engine_names(gi) for gi in range(len(self.param_groups))])
+
+    def _engine_names(self, gi: int):
+        """How errors name group gi's engine params: as the in-place path names them."""
+        g = self.param_groups[gi]
+        return [param_label(g, gi, i, p) for i, p in enumerate(g["params"]) if self._in_engine(p)]
 
     def _open_nvme(self, resume: bool = False):
         """The NVMe tier (state_dirs=, nvme_tier.py) for the in-place params;

@@ -73,12 +73,14 @@ class OffloadEngine:
     managed[i] lists the params of param_groups[i] the engine owns (all on one
     device); amsgrad[i] says whether that group keeps max_exp_avg_sq; `options`
     (options.py) are the optimizer's, checked; `routing` (the optimizer's) gives
-    the device interface (device.py)."""
+    the device interface (device.py); names[i]: how errors name managed[i]'s
+    params (params.param_label)."""
 
     def __init__(self, managed: Sequence[Sequence[torch.Tensor]], amsgrad: Sequence[bool], *,
                  state_dtypes: Optional[Sequence[str]] = None, options: Optional[Options] = None,
                  owner=None, routing: Optional[Routing] = None,
-                 available_host_bytes: Optional[int] = None):
+                 available_host_bytes: Optional[int] = None,
+                 names: Optional[Sequence[Sequence[str]]] = None):
         options = options or Options()
         all_params = [p for ps in managed for p in ps]
         routing = routing or Routing(pipeline=True)
@@ -117,7 +119,8 @@ class OffloadEngine:
             self, _shutdown, self.device, self._worker, self.recs, self.buckets,
             self._state_arenas, self._transfer_arenas)
         for i, (params, ams) in enumerate(zip(managed, amsgrad)):
-            self.add_group(i, params, ams, state_dtypes[i] if state_dtypes else "float32")
+            self.add_group(i, params, ams, state_dtypes[i] if state_dtypes else "float32",
+                           names[i] if names else None)
 
     @property
     def step_in_backward(self) -> bool:
@@ -139,13 +142,16 @@ class OffloadEngine:
     # ---- construction -------------------------------------------------------------
 
     def add_group(self, group: int, params: Sequence[torch.Tensor], amsgrad: bool,
-                  state_dtype: str = "float32") -> None:
+                  state_dtype: str = "float32", names: Optional[Sequence[str]] = None) -> None:
+        """`names`: how errors name each param (params.param_label), or None."""
         if not params:
             return
         if self.recs:
             one_device([local(self.recs[0].param)] + [local(p) for p in params])
         fmt = state_format(state_dtype)
         new = [ParamRec(p, group, len(self.recs) + i, fmt) for i, p in enumerate(params)]
+        for rec, name in zip(new, names or ()):
+            rec.name = name
         _claim(new, self._finalizer)
         self._allocate_state(new, state_roles(fmt, amsgrad))
         for rec in new:

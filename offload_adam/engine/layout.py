@@ -65,8 +65,13 @@ class ParamRec:
         self.copy = None                    # grads.GradCopy of its grad, or None
         self.freed = False                  # free_grads_after_copy dropped p.grad
         self.hook = None
+        self.name: Optional[str] = None       # params.param_label's, when the optimizer gives it
 
     def label(self) -> str:
+        """How errors name it: as the in-place path does (params.param_label, given by the
+        optimizer), or by shape and group for an engine built without names."""
+        if self.name is not None:
+            return f"param {self.name}"
         return f"a param of shape {list(self.shape)} in param group {self.group}"
 
     def live(self) -> torch.Tensor:
