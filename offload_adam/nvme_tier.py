@@ -307,19 +307,21 @@ class NvmeTier:
         saved state converted to its group's format (state_format.py), or a fresh one.
         `saved_ids`: id(param) -> its key in `saved_state`."""
         loaded: Dict[int, str] = {}
-        steps = [0]
         stepped: set = set()
+
+        def saved_of(e: _Param) -> dict:
+            return saved_state.get(saved_ids.get(id(e.param))) or {}
 
         def fill(i, t):
             for e in self.buckets[i]:
-                saved = saved_state.get(saved_ids.get(id(e.param)))
-                saved = stored_state(saved or {}, f" of param {e.name}")
-                self._fill_param(e, t, saved, loaded)
-                steps.append(int(float(t[f"{e.name}.step"])))
-                if steps[-1] > 0:
+                self._fill_param(e, t, stored_state(saved_of(e), f" of param {e.name}"), loaded)
+                if float(t[f"{e.name}.step"]) > 0:
                     stepped.add(id(e.param))
 
-        self.pipeline.load(fill, step=max(steps))
+        # the files' step count: the largest loaded one (known before the first bucket)
+        step = max((int(float(saved_of(e).get("step", 0))) for b in self.buckets for e in b),
+                   default=0)
+        self.pipeline.load(fill, step=step)
         self._loaded, self._stepped = loaded, stepped
 
     def _fill_param(self, e: _Param, t, saved: dict, loaded: Dict[int, str]) -> None:

@@ -127,6 +127,35 @@ def test_a_directory_with_this_state_resumes_it_when_asked(kernels, tmp_path):
     assert_same(ps, rs, whole, opt)
 
 
+def test_a_loaded_state_is_the_files_step_at_once(kernels, tmp_path):
+    """load_state_dict commits the loaded step count (the largest param's) with the
+    loaded state: a crash before the next step resumes it, params included, and a
+    fresh optimizer on the directory is refused, as after any completed step."""
+    ps = make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="bfloat16")
+    train(ram, ps, 0, 3)
+    qs = make_params(seed=7)
+    with torch.no_grad():   # the model's checkpoint loaded too
+        for q, p in zip(qs, ps):
+            q.copy_(p)
+    opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
+                             **NVME)
+    opt.load_state_dict(ram.state_dict())
+    assert opt._nvme.state.step == 3
+    opt.close()
+    with pytest.raises(ValueError, match=r"already hold this optimizer's state at step 3"):
+        offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
+                           **NVME)
+    gc.collect()
+    rs = make_params(seed=8)
+    opt = offload_adam.AdamW(groups(rs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
+                             state_resume=True, **NVME)
+    assert all(torch.equal(bits(r), bits(p)) for r, p in zip(rs, ps))   # from the files
+    train(ram, ps, 3, 2)
+    train(opt, rs, 3, 2)
+    assert_same(ps, rs, ram, opt)
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 def test_state_dirs_and_budget_are_checked_at_construction(tmp_path):
