@@ -8,17 +8,25 @@ during the rest of backward; with False (the default) it runs at step(). The
 gain is bounded by how much backward is left after each bucket's grads are
 ready, and by the cores the step and backward share (on 2 cores, little).
 
+With --state-dirs DIR both modes keep the state in files under DIR (the NVMe
+tier, a fresh folder per run): at step() the files' pass reads, steps and
+writes every bucket; with step_in_backward it starts at backward's first grad
+(engine/disk_early.py), so the disk time hides behind backward.
+
 Rounds alternate the two modes (each its own model and optimizer, same seed);
 the first iterations are warm-up (the first step learns the buckets).
 
     python bench/early_start_bench.py                        # defaults
     python bench/early_start_bench.py --threads 2 --dim 1024 --layers 8 --iters 20
+    python bench/early_start_bench.py --dim 1024 --layers 8 --state-dirs /tmp/state
 """
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,8 +47,12 @@ def make_model(dim: int, layers: int) -> torch.nn.Module:
 
 def iteration_times(step_in_backward: bool, args) -> list:
     model = make_model(args.dim, args.layers)
+    files = {}
+    if args.state_dirs:
+        files = dict(state_dirs=tempfile.mkdtemp(dir=args.state_dirs),
+                     state_budget_mb=args.budget_mb)
     opt = offload_adam.AdamW(model.parameters(), lr=1e-4, bucket_mb=args.bucket_mb,
-                             step_in_backward=step_in_backward)
+                             step_in_backward=step_in_backward, **files)
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(1))
     x = x.to(torch.bfloat16)
     times = []
@@ -51,6 +63,9 @@ def iteration_times(step_in_backward: bool, args) -> list:
         opt.zero_grad()
         if it >= args.warmup:
             times.append(time.perf_counter() - t0)
+    if files:
+        opt.close()
+        shutil.rmtree(files["state_dirs"])
     return times
 
 
@@ -64,6 +79,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--state-dirs", default=None,
+                    help="keep the state in files under this directory (the NVMe tier)")
+    ap.add_argument("--budget-mb", type=float, default=None,
+                    help="with --state-dirs: the tier's host memory budget")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     nparams = sum(p.numel() for p in make_model(args.dim, args.layers).parameters())
@@ -75,7 +94,10 @@ def main() -> None:
     print(f"model: {args.layers} x (Linear {args.dim}->{4 * args.dim}, GELU, Linear), bf16, "
           f"{nparams / 1e6:.1f}M params, batch {args.batch}, bucket_mb {args.bucket_mb}, "
           f"torch threads {args.threads}, {args.rounds} rounds x {args.iters} iterations "
-          f"(+{args.warmup} warm-up)")
+          f"(+{args.warmup} warm-up)"
+          + (f"; state in files under {args.state_dirs} (fp32 master and moments, "
+             f"{12 * nparams / 1e9:.2f} GB read and as much written per step)" if args.state_dirs else
+             "; state in host RAM"))
     print(f"{'step_in_backward':>18} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
     for mode in (False, True):
         t = times[mode]

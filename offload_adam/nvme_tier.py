@@ -35,6 +35,7 @@ restores them from the files, as after a crash.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -42,6 +43,7 @@ from torch.autograd.graph import increment_version
 
 from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, rounds_to
+from .engine.disk_early import DiskEarly
 from .engine.disk_step import DiskStep
 from .inplace import as_fp32_like
 from .kernel_step import Hyper, KernelArgs
@@ -135,6 +137,14 @@ class NvmeTier:
         # (restored from them, unless the model is loaded again before that step).
         self._loaded: Dict[int, str] = ({id(e.param): "check" for b in self.buckets for e in b
                                          if e.has_master} if self.state.step else {})
+        self._early = None   # step_in_backward: the pass that starts in backward
+        if engine is not None and engine.early is not None:
+            self._early = DiskEarly(
+                engine, engine.early, self.pipeline,
+                [[(e.rec, e.name) for e in b] if all(e.rec is not None for e in b) else None
+                 for b in self.buckets],
+                lambda rec: self._loaded.get(id(rec.param)))
+            engine.early.use_files(self._early)
 
     def _restore_params(self) -> None:
         """A resumed state gives the params their values of its last completed step:
@@ -180,6 +190,7 @@ class NvmeTier:
 
     def close(self) -> None:
         if self.pipeline is not None:
+            self._abandon_early("the optimizer was closed")
             self.pipeline.close()
             self.state.close()
             self.pipeline = None
@@ -197,18 +208,25 @@ class NvmeTier:
                       if e.rec is None and e.param.grad is not None]
         for e in with_grads:   # before any bucket is stepped
             _check_grad(e, param_groups[e.group])
+        # (step_in_backward: verify() here may abandon the pass, then raises)
         run = DiskStep(self.engine, param_groups, grad_scale) if self.engine else None
+        early = self._early if self._early is not None and self._early.started else None
+        stepped_early = list(early.stepped) if early is not None else []
         completed = False
         try:
-            if with_grads or (run is not None and run.ready):
-                for i, t in self.pipeline.buckets():
-                    bucket = self.buckets[i]
-                    self._check_format(bucket[0].group, param_groups)
-                    in_place = [e for e in bucket if e.rec is None]
-                    self._step_bucket(in_place, t, param_groups, grad_scale, num_threads)
-                    if run is not None:
-                        run.bucket([(e.rec, e.name, self._loaded.get(id(e.param)))
-                                    for e in bucket if e.rec is not None], t)
+            if early is not None or with_grads or (run is not None and run.ready):
+                passes = early.rest() if early is not None else self.pipeline.buckets()
+                with contextlib.closing(passes):   # an error: the I/O in flight waited for
+                    for i, t in passes:
+                        bucket = self.buckets[i]
+                        self._check_format(bucket[0].group, param_groups)
+                        in_place = [e for e in bucket if e.rec is None]
+                        self._step_bucket(in_place, t, param_groups, grad_scale, num_threads)
+                        if run is not None:
+                            run.bucket([(e.rec, e.name, self._loaded.get(id(e.param)))
+                                        for e in bucket if e.rec is not None], t)
+                if stepped_early:   # committed: now their params
+                    run.write_early(stepped_early)
                 done = {id(e.param) for e in with_grads}
                 done |= {id(r.param) for r in (run.stepped if run is not None else ())}
                 self._stepped |= done
@@ -218,6 +236,14 @@ class NvmeTier:
         finally:
             if run is not None:
                 run.end(completed)
+
+    def _abandon_early(self, reason: str) -> None:
+        """A pass started in backward is stopped before the files or the ring change
+        under it; the next step() raises `reason` (nothing stepped)."""
+        if self._early is not None and self._early.started:
+            early = self.engine.early
+            early.error = early.error or reason
+            self._early.abandon()
 
     def _check_format(self, gi: int, param_groups) -> None:
         group = param_groups[gi]
@@ -306,6 +332,8 @@ class NvmeTier:
         """Writes a loaded state dict into the files, bucket by bucket: for each param its
         saved state converted to its group's format (state_format.py), or a fresh one.
         `saved_ids`: id(param) -> its key in `saved_state`."""
+        self._abandon_early("the optimizer state was replaced (load_state_dict) after "
+                            "its step started during backward")
         loaded: Dict[int, str] = {}
         stepped: set = set()
 

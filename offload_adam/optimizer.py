@@ -18,7 +18,8 @@ What differs from torch is underneath, and decided in one place
     inside offload_adam.testing.simulated() (the tests' asynchronous CPU device).
   * with state_dirs=, the state (master and moments) of every param lives in
     files instead (nvme_tier.py), streamed through RAM bucket by bucket; the
-    engine then steps its params over the files' buckets (engine/disk_step.py).
+    engine then steps its params over the files' buckets (engine/disk_step.py;
+    with step_in_backward from backward on, engine/disk_early.py).
 The moments of low-precision params stay fp32 (torch would keep them in the
 param's dtype).
 

@@ -40,7 +40,9 @@ documented here and nowhere else.
     stepped param (accumulation, raised from backward()). There is no undo:
     after such an error the params already stepped in backward stay stepped
     (param, master, moments and step agree) and the others are not, and the
-    message says so. The default is False because it is exact in every case.
+    message says so; with state_dirs= nothing is committed before step(), so
+    then nothing was stepped. The default is False because it is exact in
+    every case.
   state_dirs (None): a directory, or a list of them (one per NVMe drive, the
     state striped over them), where the optimizer state lives in files
     instead of host RAM: every param's fp32 master, the moments in any
@@ -48,8 +50,8 @@ documented here and nowhere else.
     nvme_tier.py). Each step streams it through host RAM bucket by bucket
     (bucket_mb), reading ahead and writing back while the kernel runs, and
     commits it crash-safe. CPU params stepped in place and the engine's params
-    (CUDA, or CPU through the pipeline) alike; the engine steps its params
-    over the files' buckets at step() (not with step_in_backward). The
+    (CUDA, or CPU through the pipeline) alike; with step_in_backward the
+    files' pass starts in backward (engine/disk_early.py). The
     directories must exist and be writable; each optimizer needs its own.
     Under several ranks (FSDP2's DTensor params, or process_group=) each rank
     keeps its shards' state in a folder "rank<R>" of each directory (made if
@@ -143,11 +145,6 @@ class Options:
                 "max_grad_norm= cannot be used with step_in_backward=True: clipping "
                 "needs the norm of all grads, known only after backward, and the "
                 "step starts during backward")
-        if self.step_in_backward and self.state_dirs is not None:
-            raise ValueError(
-                "step_in_backward=True cannot be used with state_dirs= yet: the state is "
-                "read from the files bucket by bucket at step(), in the files' order, "
-                "not during backward")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.num_threads is not None and int(self.num_threads) < 1:

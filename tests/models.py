@@ -26,6 +26,34 @@ class TinyTransformer(torch.nn.Module):
         return self.head(self.body(self.embed(tokens)))
 
 
+class Sometimes(TinyTransformer):
+    """The tiny transformer, plus a layer that gets a grad every other step (`odd`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sometimes = torch.nn.Linear(37, 37)
+        self.odd = False
+
+    def forward(self, tokens):
+        out = super().forward(tokens)
+        return self.sometimes(out.to(self.sometimes.weight.dtype)) if self.odd else out
+
+
+def fp32_head(m):
+    """m (bf16) with its head in fp32: both kinds of engine param (an fp32 param's master
+    is the param itself)."""
+    m.head.float()
+    m.head.register_forward_pre_hook(lambda mod, args: (args[0].float(),))
+    return m
+
+
+def decay_groups(m):
+    """Two param groups: weight decay on the matrices, none on norms and biases."""
+    named = list(m.named_parameters())
+    return [{"params": [p for n, p in named if "norm" not in n and "bias" not in n]},
+            {"params": [p for n, p in named if "norm" in n or "bias" in n], "weight_decay": 0.0}]
+
+
 def make_pair(seed=0):
     """(bf16 model, fp32 twin holding the same values)."""
     torch.manual_seed(seed)

@@ -1,10 +1,10 @@
-"""The training processes of tests/test_nvme_crash.py (the storage layer's, `worker`, and the
-optimizer's, `optimizer_worker`), forked from a forkserver that imported
-this module: torch, offload_adam and the compiled kernels are loaded once there (the kernels'
-threads start at first use, so forking after the load is safe), and a worker starts in
-milliseconds. Loading the kernels before the state is opened also keeps the build's
-subprocesses (`c++ --version`, `ninja -n`) from running while the lock is held."""
-import os
+"""The training processes of tests/test_nvme_crash.py (the storage layer's, `worker`, the
+optimizer's, `optimizer_worker`, and the engine's with step_in_backward, `engine_worker`),
+forked from a forkserver that imported this module: torch, offload_adam and the compiled
+kernels are loaded once there (the kernels' threads start at first use, so forking after
+the load is safe), and a worker starts in milliseconds. Loading the kernels before the
+state is opened also keeps the build's subprocesses (`c++ --version`, `ninja -n`) from
+running while the lock is held."""
 
 import torch
 
@@ -13,6 +13,7 @@ from nvme_adam import adam_fn, fill_initial, make_spec
 from nvme_model import groups, make_params, train
 from offload_adam.kernel_step import kernels
 from offload_adam.nvme import NvmeState, StepPipeline
+from offload_adam.testing import AsyncSimDevice, simulated
 
 SEED = 5
 kernels()
@@ -77,3 +78,73 @@ def optimizer_worker(state_dir, fmt, until, progress):
         train(opt, params, step, 1)
         step += 1
         progress.send(step)
+
+
+# The step_in_backward worker's model: bf16 layers and an fp32 head (both kinds of engine
+# param) through the engine on the simulated device, with real backward passes so that the
+# files' pass runs in them (engine/disk_early.py): ~20 file buckets. Elementwise layers, not
+# matmuls: the test compares with a run in another process, and a matmul's rounding may
+# change with the alignment of its buffers, which differs between processes.
+ENGINE_BUCKET_MB = 0.01
+
+
+class Elementwise(torch.nn.Module):
+    def __init__(self, dim=256, layers=8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(37, dim)
+        self.scales = torch.nn.ParameterList(torch.nn.Parameter(1 + 0.1 * torch.randn(dim))
+                                             for _ in range(layers))
+        self.biases = torch.nn.ParameterList(torch.nn.Parameter(0.1 * torch.randn(dim))
+                                             for _ in range(layers))
+        self.head = torch.nn.Parameter(torch.randn(dim) / dim ** 0.5)
+        self.unused = torch.nn.Parameter(torch.zeros(dim))   # never gets a grad
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for s, b in zip(self.scales, self.biases):
+            x = torch.tanh(x * s + b)
+        return (x.float() * self.head).sum(-1)
+
+
+def engine_model(seed):
+    torch.manual_seed(seed)
+    m = Elementwise().to(torch.bfloat16)
+    m.head.data = m.head.data.float()
+    return m
+
+
+def engine_loss(m, k):
+    g = torch.Generator().manual_seed(1000 + k)
+    tokens = torch.randint(0, 37, (4, 16), generator=g)
+    return ((m(tokens) - tokens.float() / 37) ** 2).mean()
+
+
+def engine_optimizer(m, folder=None):
+    """In files with step_in_backward (resuming them) when `folder` is given; in host RAM
+    with the plain step otherwise (the uninterrupted run)."""
+    extra = dict(state_dirs=folder, state_resume=True, step_in_backward=True,
+                 state_budget_mb=0.5) if folder else {}
+    return offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=ENGINE_BUCKET_MB,
+                              state_dtype="bfloat16", **extra)
+
+
+def engine_train(m, opt, first, count):
+    for k in range(first, first + count):
+        engine_loss(m, k).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def engine_worker(state_dir, until, progress):
+    """As optimizer_worker, for the engine with step_in_backward on the simulated device;
+    the model starts from another init: the files restore it."""
+    sim = AsyncSimDevice(seed=until % 7)
+    with simulated(sim), sim.watch():
+        m = engine_model(seed=11)
+        opt = engine_optimizer(m, state_dir)
+        step = committed_step(opt)
+        progress.send(step)
+        while step < until:
+            engine_train(m, opt, step, 1)
+            step += 1
+            progress.send(step)

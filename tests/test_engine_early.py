@@ -20,26 +20,13 @@ import offload_adam
 from offload_adam.testing import settle
 from bare_engine import BareEngine
 from engine_watch import buckets_of
-from models import (BF16, MLP_OPTS, OPTS, Boom, TinyTransformer, assert_param_is_master_rounded,
+from models import (BF16, MLP_OPTS, OPTS, Boom, Sometimes, assert_param_is_master_rounded,
                     assert_same, kernels_that, loss_of, make_mlp, mlp_loss, run, steps_of)
-
-
-class Model(TinyTransformer):
-    """The tiny transformer, plus a layer that gets a grad every other step."""
-
-    def __init__(self):
-        super().__init__()
-        self.sometimes = torch.nn.Linear(37, 37)
-        self.odd = False
-
-    def forward(self, tokens):
-        out = super().forward(tokens)
-        return self.sometimes(out) if self.odd else out
 
 
 def make(step_in_backward, seed=0, **kw):
     torch.manual_seed(seed)
-    model = Model().to(BF16)
+    model = Sometimes().to(BF16)
     groups = [{"params": list(model.body.parameters()) + list(model.sometimes.parameters()),
                "weight_decay": 0.0},
               {"params": list(model.embed.parameters()) + list(model.head.parameters())

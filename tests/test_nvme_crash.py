@@ -20,10 +20,12 @@ import time
 import pytest
 
 from nvme_adam import host_state, host_step, same_bits
-from nvme_crash_worker import (SEED, committed_step, model_params, optimizer, optimizer_worker,
-                               spec_of, worker)
+from nvme_crash_worker import (SEED, committed_step, engine_model, engine_optimizer,
+                               engine_train, engine_worker, model_params, optimizer,
+                               optimizer_worker, spec_of, worker)
 from nvme_model import assert_same, train
 from offload_adam.nvme import NvmeState
+from offload_adam.testing import AsyncSimDevice, simulated
 
 KILLS = {"fp32": 24, "8bit": 12}
 
@@ -192,3 +194,60 @@ def test_the_optimizer_killed_at_random_instants_resumes_bitwise(kernels, tmp_pa
     train(ram, ps, final, 2)
     assert_same(ps, qs, ram, opt)
     print(f"{fmt}: steps at the kills {steps_seen}")
+
+
+ENGINE_KILLS = 10
+
+
+def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp_path,
+                                                                    forkserver):
+    """The same for the engine with step_in_backward on the simulated device, where the
+    files' pass writes its buckets during backward (engine/disk_early.py) and commits at
+    step(): killed anywhere (forward, backward's pass, the commit), the files hold a
+    completed step, the params restored from them included, bitwise the uninterrupted
+    plain run in host RAM."""
+    rng = random.Random(8642)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    sim = AsyncSimDevice(seed=3)
+    try:
+        with simulated(sim), sim.watch():
+            ref = engine_model(seed=11)
+            ram = engine_optimizer(ref)
+            ram_step, last_done, steps_seen = 0, 0, []
+
+            def reopened():
+                nonlocal ram_step
+                m = engine_model(seed=11)   # the files restore its params
+                opt = engine_optimizer(m, str(state_dir))
+                step = committed_step(opt)
+                assert last_done <= step <= last_done + 1, (last_done, step)
+                engine_train(ref, ram, ram_step, step - ram_step)
+                ram_step = step
+                assert_same(list(ref.parameters()), list(m.parameters()), ram, opt)
+                return step, opt, m
+
+            timing = Timing()
+            for _ in range(ENGINE_KILLS):
+                code, sent = run_worker(forkserver, engine_worker, (str(state_dir), 10_000),
+                                        rng, timing)
+                assert code == -9
+                last_done = max(sent)
+                step, opt, _ = reopened()
+                steps_seen.append(step)
+                opt.close()
+            assert len(set(steps_seen)) > ENGINE_KILLS // 3, steps_seen
+            final = max(steps_seen) + 2
+            code, sent = run_worker(forkserver, engine_worker, (str(state_dir), final), rng,
+                                    timing, kill=False)
+            assert code == 0 and sent[-1] == final
+            last_done = final
+            step, opt, m = reopened()
+            assert step == final
+            engine_train(m, opt, final, 2)   # and on, early passes in this process
+            engine_train(ref, ram, final, 2)
+            assert_same(list(ref.parameters()), list(m.parameters()), ram, opt)
+        sim.check()
+    finally:
+        sim.close()
+    print(f"step_in_backward: steps at the kills {steps_seen}")

@@ -12,7 +12,7 @@ import torch
 
 import offload_adam
 from conftest import sim_path
-from models import BF16, loss_of, make_pair
+from models import decay_groups, fp32_head, loss_of, make_pair
 from nvme_model import assert_same
 
 FORMATS = ["float32", "bfloat16", "8bit"]
@@ -23,16 +23,10 @@ OPTS = dict(lr=3e-3, bucket_mb=0.01)
 def model():
     """TinyTransformer in bf16 with an fp32 head: both kinds of engine param (an fp32
     param's master is the param; the files keep it too, the GPU holds the param)."""
-    m, _ = make_pair()
-    m.head.float()
-    m.head.register_forward_pre_hook(lambda mod, args: (args[0].float(),))
-    return m
+    return fp32_head(make_pair()[0])
 
 
-def groups(m):
-    named = list(m.named_parameters())
-    return [{"params": [p for n, p in named if "norm" not in n and "bias" not in n]},
-            {"params": [p for n, p in named if "norm" in n or "bias" in n], "weight_decay": 0.0}]
+groups = decay_groups
 
 
 def train(m, opt, first, count, accumulate=1, clip=None, scaler=False):
@@ -158,10 +152,3 @@ def test_freed_grads_on_cpu_params_and_torch_clipping(kernels, tmp_path):
     train(b, disk, 0, 3, clip="torch")
     assert disk.last_step_profile is not None   # the engine stepped them, on the host
     assert_same(params_of(a), params_of(b), ram, disk)
-
-
-def test_step_in_backward_with_state_dirs_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"step_in_backward=True cannot be used with "
-                                         r"state_dirs="):
-        offload_adam.AdamW([torch.zeros(3, dtype=BF16, requires_grad=True)],
-                           step_in_backward=True, state_dirs=tmp_path)

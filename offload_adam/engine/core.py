@@ -185,7 +185,8 @@ class OffloadEngine:
         pieces = [p for rec in order for p in rec.pieces]
         old = {id(p): p.grad for p in pieces if p.grad is not None}
         buckets = make_buckets(pieces, self.bucket_bytes)
-        arenas = allocate_transfers(buckets, self.device, self._available)
+        arenas = allocate_transfers(buckets, self.device, self._available,
+                                    stage_fp32=self.state_on_disk and self.early is not None)
         for p in pieces:
             if id(p) in old:
                 p.grad.copy_(old[id(p)])
@@ -596,7 +597,7 @@ class BucketJob:
     def write_back(self) -> None:
         """Queues the copies of the stepped values into the params (H2D)."""
         engine, bucket, pieces = self.engine, self.bucket, self.pieces
-        srcs = [p.staging if p.rec.low_precision else p.state("master") for p in pieces]
+        srcs = [p.state("master") if p.staging is None else p.staging for p in pieces]
         dsts = [p.of(p.rec.live()) for p in pieces]
         packed = [i for i, p in enumerate(pieces) if p.packed]
         sends = [[i] for i, p in enumerate(pieces) if not p.packed] + ([packed] if packed else [])

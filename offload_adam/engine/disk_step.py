@@ -28,7 +28,7 @@ into its param's "step" in the files.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,39 +63,23 @@ class DiskStep:
         return id(rec) in self.ready
 
     def bucket(self, entries: Sequence[Tuple[ParamRec, str, Ready]],
-               views: Dict[str, torch.Tensor]) -> None:
-        """Steps the recs of one file bucket: (rec, its name in the files, how its
-        master is made ready) each; `views`: the bucket's tensors in the ring buffer.
-        The files' "<name>.step" is set to the count after the step."""
-        engine = self.engine
-        todo = [(rec, name, how) for rec, name, how in entries if self.takes_part(rec)]
-        if not todo:
-            return
-        with torch.no_grad():
-            for rec, name, _ in todo:
-                _point_at(rec, name, views)
-                for piece in rec.pieces:
-                    piece.step_t.fill_(float(views[f"{name}.step"]))
-            self._ready_masters([(rec, how) for rec, _, how in todo])
-            by_bucket: Dict[int, list] = {}
-            for rec, _, _ in todo:
-                for piece in rec.pieces:
-                    by_bucket.setdefault(piece.bucket.index, []).append(piece)
-            ring_reads = []
-            for index, pieces in sorted(by_bucket.items()):
-                bucket = engine.buckets[index]
-                job = engine.bucket_job(bucket, pieces, self._hyper(bucket.group),
-                                        self.grad_scale, self.threads, self.fence)
-                job.kernel()
-                before = len(bucket.h2d)
-                job.write_back()
-                if not bucket.low_precision:   # the update's source is the master itself
-                    ring_reads += bucket.h2d[before:]
-            engine.device.wait_host(*ring_reads)
-            for rec, name, _ in todo:
-                views[f"{name}.step"].copy_(rec.step_t)
-                _point_at(rec, None, views)
-                self.stepped.append(rec)
+               views: Dict[str, torch.Tensor], skip: frozenset = frozenset()) -> None:
+        """Steps the recs of one file bucket that take part in this step: (rec, its name
+        in the files, how its master is made ready) each; `views`: the bucket's tensors
+        in the ring buffer; `skip`: ids of recs stepped already (during backward)."""
+        todo = [e for e in entries if self.takes_part(e[0]) and id(e[0]) not in skip]
+        if todo:
+            step_file_bucket(self.engine, todo, views, self._hyper, self.grad_scale,
+                             self.threads, self.fence)
+            self.stepped.extend(rec for rec, _, _ in todo)
+
+    def write_early(self, recs: Sequence[ParamRec]) -> None:
+        """Queues the H2D copies of the params stepped during backward (step_in_backward:
+        their updates wait in staging), once the files hold their step."""
+        pieces = {id(p) for rec in recs for p in rec.pieces}
+        for job in self.engine.stepped_jobs(pieces, self.fence):
+            job.write_back()
+        self.stepped.extend(recs)
 
     def end(self, completed: bool) -> None:
         """Publishes the H2D copies and bumps the stepped params' versions, also
@@ -109,25 +93,66 @@ class DiskStep:
             self._hypers[group] = Hyper.of(self.param_groups[group])
         return self._hypers[group]
 
-    def _ready_masters(self, recs: Sequence[Tuple[ParamRec, Ready]]) -> None:
-        """Masters from their params where the files' are new ("take", or a step count
-        of 0) or stale ("check" that does not round to the param; an fp32 param's
-        master is the param, so it is simply taken)."""
-        take = [rec for rec, how in recs
-                if how == "take" or float(rec.step_t) == 0
-                or (how == "check" and not rec.low_precision)]
-        check = [rec for rec, how in recs if how == "check" and rec.low_precision
-                 and float(rec.step_t) != 0]
-        if check:
-            dev = self.engine.device
-            pieces = [p for rec in check for p in rec.pieces]
-            dev.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
-            dev.wait_host(dev.d2h([p.staging for p in pieces],
-                                  [p.of(p.rec.live()) for p in pieces]))
-            take += [rec for rec in check if not all(
-                rounds_to(p.state("master"), p.staging) for p in rec.pieces)]
-        if take:
-            _masters_from_params(self.engine.device, take)
+
+def step_file_bucket(engine: OffloadEngine, todo: Sequence[Tuple[ParamRec, str, Ready]],
+                     views: Dict[str, torch.Tensor], hyper_of: Callable[[int], Hyper],
+                     grad_scale: float, threads: int, fence=None, write: bool = True) -> None:
+    """One file bucket's recs (each with a grad copy on its way): their state views
+    pointed at the ring buffer, masters made ready, the bucket jobs' kernels grouped by
+    transfer bucket, the files' "<name>.step" set to the count after the step. With
+    `write` the params' H2D copies are queued too (after `fence`), and waited for where
+    they read the ring buffer itself (an fp32 param's master, unstaged), since the
+    pipeline reuses it for a read ahead; write=False (step_in_backward) leaves the
+    params to step(): an fp32 master is then in its staging (layout.allocate_transfers)."""
+    with torch.no_grad():
+        for rec, name, _ in todo:
+            _point_at(rec, name, views)
+            for piece in rec.pieces:
+                piece.step_t.fill_(float(views[f"{name}.step"]))
+        _ready_masters(engine, [(rec, how) for rec, _, how in todo])
+        by_bucket: Dict[int, list] = {}
+        for rec, _, _ in todo:
+            for piece in rec.pieces:
+                by_bucket.setdefault(piece.bucket.index, []).append(piece)
+        ring_reads = []
+        for index, pieces in sorted(by_bucket.items()):
+            bucket = engine.buckets[index]
+            job = engine.bucket_job(bucket, pieces, hyper_of(bucket.group), grad_scale,
+                                    threads, fence)
+            job.kernel()
+            for p in pieces:
+                if not bucket.low_precision and p.staging is not None:
+                    p.staging.copy_(p.state("master"))
+            if write:
+                before = len(bucket.h2d)
+                job.write_back()
+                if any(p.staging is None for p in pieces):   # the source is the master
+                    ring_reads += bucket.h2d[before:]
+        engine.device.wait_host(*ring_reads)
+        for rec, name, _ in todo:
+            views[f"{name}.step"].copy_(rec.step_t)
+            _point_at(rec, None, views)
+
+
+def _ready_masters(engine: OffloadEngine, recs: Sequence[Tuple[ParamRec, Ready]]) -> None:
+    """Masters from their params where the files' are new ("take", or a step count
+    of 0) or stale ("check" that does not round to the param; an fp32 param's
+    master is the param, so it is simply taken)."""
+    take = [rec for rec, how in recs
+            if how == "take" or float(rec.step_t) == 0
+            or (how == "check" and not rec.low_precision)]
+    check = [rec for rec, how in recs if how == "check" and rec.low_precision
+             and float(rec.step_t) != 0]
+    if check:
+        dev = engine.device
+        pieces = [p for rec in check for p in rec.pieces]
+        dev.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
+        dev.wait_host(dev.d2h([p.staging for p in pieces],
+                              [p.of(p.rec.live()) for p in pieces]))
+        take += [rec for rec in check if not all(
+            rounds_to(p.state("master"), p.staging) for p in rec.pieces)]
+    if take:
+        _masters_from_params(engine.device, take)
 
 
 def _point_at(rec: ParamRec, name: Optional[str], views: Dict[str, torch.Tensor]) -> None:

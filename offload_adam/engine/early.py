@@ -22,6 +22,10 @@ bandwidth to write it): an error leaves the params stepped early stepped
 The copies an early step reads are ordered before anything the user does after
 backward (the engine publishes a backward's copies at its end), so a change
 after backward cannot tear what was stepped: it is seen here and refused.
+
+With the state in files (state_dirs=) the unit is the file bucket and the NVMe
+tier's pass runs during backward (disk_early.py, `use_files`); nothing is
+committed before step(), so there an error leaves nothing stepped.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ class EarlyStart:
         self._started: Dict[int, object] = {}    # rec id -> the GradCopy its step read
         self._stepped: set = set()               # ids of the pieces whose kernel ran
         self._hyper: Dict[int, Hyper] = {}       # group index -> what its steps used
+        self.files = None   # the files' pass (disk_early.py) when the state is in files
+
+    def use_files(self, files) -> None:
+        """The state is in files: `files` (a DiskEarly) steps it in backward."""
+        self.files = files
 
     # ---- during backward ----------------------------------------------------------------
 
@@ -66,6 +75,9 @@ class EarlyStart:
     def after_copy(self, rec) -> None:
         """Counts the grad in; starts every bucket it completes."""
         self._hooked[id(rec)] = rec
+        if self.files is not None:
+            self.files.arrived(rec)
+            return
         if id(rec) not in self._expected:
             return
         self._expected.discard(id(rec))   # counted once per iteration
@@ -76,20 +88,30 @@ class EarlyStart:
             if self._waiting[b.index] == 0:
                 self._start(engine, b)
 
+    def begin(self, recs) -> None:
+        """recs' steps start now, from their grad copies and their groups'
+        hyperparameters as they are (read once per group per iteration)."""
+        owner = self._owner()
+        for rec in recs:
+            if rec.group not in self._hyper and owner is not None:
+                self._hyper[rec.group] = Hyper.of(owner.param_groups[rec.group])
+            self._started[id(rec)] = rec.copy
+
+    def hyper(self, group: int) -> Hyper:
+        """The hyperparameters group's early steps use (`begin` read them)."""
+        return self._hyper[group]
+
     def _start(self, engine, bucket) -> None:
         owner = self._owner()
         if owner is None:
             return  # the optimizer is gone: no groups to step with
-        group = bucket.group
-        if group not in self._hyper:   # one per group per iteration
-            self._hyper[group] = Hyper.of(owner.param_groups[group])
         pieces = [p for p in bucket.pieces if id(p.rec) in self._hooked]
         engine.flush_pack(bucket)
         recs = list({id(p.rec): p.rec for p in pieces}.values())
         engine.bind_state(recs, owner.param_groups, owner.state)
-        for rec in recs:
-            self._started[id(rec)] = rec.copy
-        job = engine.bucket_job(bucket, pieces, self._hyper[group], threads=engine.hook_threads())
+        self.begin(recs)
+        job = engine.bucket_job(bucket, pieces, self._hyper[bucket.group],
+                                threads=engine.hook_threads())
 
         def kernel_only():   # step() or commit() writes back
             job.kernel()
@@ -136,6 +158,8 @@ class EarlyStart:
             elif id(rec) not in same or id(rec) in edited:
                 return (f"the grad of {rec.label()} changed after it was copied during "
                         "backward (edited in place, replaced, clipped or scaled)")
+            if engine.state_on_disk:   # load_state_dict abandons the pass itself
+                continue
             st = state[rec.param]
             if (st.get("exp_avg") is not rec.exp_avg or st.get(MASTER_KEY) is not rec.master
                     or st.get("step") is not rec.step_t):
@@ -159,7 +183,10 @@ class EarlyStart:
         """Raises the step_in_backward error for `reason`, after writing the
         params whose step already ran (so each param equals its master)."""
         stepped = self.commit() if (self.error is not None or self._started) else 0
-        if stepped:
+        if self.files is not None:
+            what = ("Nothing was stepped: the state files and the params are those of "
+                    "the last completed step")
+        elif stepped:
             what = (f"The Adam step of {stepped} params already ran during backward, "
                     "with the grads and hyperparameters as they were then, and cannot "
                     "be undone (no copy of the previous state is kept): those params "
@@ -175,8 +202,15 @@ class EarlyStart:
 
     def commit(self) -> int:
         """Writes the params of the early steps that ran, forgets them and starts
-        a new iteration. Returns how many params were stepped."""
+        a new iteration. Returns how many params were stepped (with the state in
+        files: none, the pass is abandoned, see disk_early.py)."""
         engine = self._engine()
+        if self.files is not None:
+            try:
+                self.files.abandon()
+            finally:
+                self.new_iteration()
+            return 0
         try:
             engine.drain()
         finally:
@@ -192,11 +226,15 @@ class EarlyStart:
         if self._started or self.error is not None:
             self.fail(self.error or "zero_grad() was called after steps started during "
                       "backward, before step()")
+        if self.files is not None and self.files.started:   # read ahead, nothing stepped
+            self.commit()
 
     def new_iteration(self) -> None:
         """The params that got grads this iteration are the ones the next
         iteration's buckets wait for (once the bucket order is learned)."""
         engine = self._engine()
+        if self.files is not None:
+            self.files.new_iteration()
         self._expected = set(self._hooked) if engine.order_learned else set()
         self._waiting = {b.index: sum(1 for p in b.pieces if id(p.rec) in self._expected)
                          for b in engine.buckets}

@@ -191,9 +191,13 @@ def allocate_state(recs: Sequence[ParamRec], device, available: Optional[int],
     return arenas
 
 
-def allocate_transfers(buckets: Sequence[Bucket], device,
-                       available: Optional[int]) -> HostArenas:
-    """Grad and staging buffers of every piece, bucket after bucket."""
+def allocate_transfers(buckets: Sequence[Bucket], device, available: Optional[int],
+                       stage_fp32: bool = False) -> HostArenas:
+    """Grad and staging buffers of every piece, bucket after bucket. A bf16/fp16
+    param's update is staged (the kernel writes it there); an fp32 param's is its
+    master, copied from there, unless `stage_fp32`: with the state in files and
+    step_in_backward the master is gone (its file bucket written, the buffer reused)
+    before step() writes the params, so its value waits in staging (disk_step.py)."""
     arenas = HostArenas(device)
     offsets = []
     for b in buckets:
@@ -201,7 +205,7 @@ def allocate_transfers(buckets: Sequence[Bucket], device,
             dtype = p.rec.dtype
             offsets.append((p, arenas.reserve(f"grad {dtype}", dtype, p.numel),
                             arenas.reserve(f"staging {dtype}", dtype, p.numel)
-                            if p.rec.low_precision else None))
+                            if p.rec.low_precision or stage_fp32 else None))
     arenas.allocate(available)
     for p, g, s in offsets:
         shape = (p.numel,) if p.rec.flat else p.rec.shape

@@ -18,7 +18,7 @@ completed step. `buckets()` is the pipeline as a loop (the caller's body steps b
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,9 +48,12 @@ class StepPipeline:
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
-    def buckets(self, read: bool = True,
-                step: Optional[int] = None) -> Iterator[Tuple[int, Dict[str, torch.Tensor]]]:
-        """(i, tensors) of every bucket in order, read from disk ahead of the loop; what the
+    def buckets(self, read: bool = True, step: Optional[int] = None,
+                order: Optional[Sequence[int]] = None
+                ) -> Iterator[Tuple[int, Dict[str, torch.Tensor]]]:
+        """(i, tensors) of every bucket in `order` (default: the files' order; step_in_backward
+        passes the order their grads completed in the last backward), read from disk ahead
+        of the loop; what the
         loop leaves in a bucket's tensors is written back when it asks for the next one, and
         after the last the step is committed (step count `step`, default one more). Leaving
         the loop early (break, an exception) commits nothing. read=False: the loop fills the
@@ -60,26 +63,31 @@ class StepPipeline:
         waiting for that bucket's grads first."""
         st, bufs = self.state, self.buffers
         n, ring = len(st.spec.buckets), len(bufs)
+        order = list(range(n)) if order is None else list(order)
+        if sorted(order) != list(range(n)):
+            raise ValueError(f"offload_adam: internal error: a pipeline order {order} is "
+                             f"not one of the {n} buckets each")
+        # k: a bucket's position in the pass, which picks its buffer (k % ring)
         reads: Dict[int, list] = {}
         writes: Dict[int, list] = {}
 
-        def start_read(j):
-            reads[j] = st.read(j, bufs[j % ring]) if read else []
+        def start_read(k):
+            reads[k] = st.read(order[k], bufs[k % ring]) if read else []
 
         try:
-            for j in range(min(self.depth, n)):
-                start_read(j)
-            for i in range(n):
-                st.check(reads.pop(i), "reading", i)
-                yield i, st.tensors(i, bufs[i % ring])
-                writes[i] = st.write(i, bufs[i % ring])
-                j = i + self.depth
+            for k in range(min(self.depth, n)):
+                start_read(k)
+            for k in range(n):
+                st.check(reads.pop(k), "reading", order[k])
+                yield order[k], st.tensors(order[k], bufs[k % ring])
+                writes[k] = st.write(order[k], bufs[k % ring])
+                j = k + self.depth
                 if j < n:
                     if j - ring in writes:
-                        st.check(writes.pop(j - ring), "writing", j - ring)
+                        st.check(writes.pop(j - ring), "writing", order[j - ring])
                     start_read(j)
-            for i in sorted(writes):
-                st.check(writes.pop(i), "writing", i)
+            for k in sorted(writes):
+                st.check(writes.pop(k), "writing", order[k])
             st.commit(range(n), step)
         finally:
             # on an error: nothing may still write into the slots once we return

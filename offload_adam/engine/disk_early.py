@@ -1,0 +1,185 @@
+"""step_in_backward with the state in files (state_dirs=): the files' pass starts in backward.
+
+With the state in host RAM (early.py) a transfer bucket's kernel starts as soon as its
+grads are copied. With the state in files its master and moments must be read first, so
+the unit is the file bucket, and the NVMe tier's pipeline (nvme/pipeline.py) runs during
+backward, on the engine's worker:
+
+    a backward's first grad    the pass starts: the first file buckets are read ahead,
+                               in the order their grads completed in the last backward
+    a file bucket completes    (every engine param in it has its grad copied) it is
+                               stepped when the pass reaches it: the kernels on the
+                               ring buffer (disk_step.step_file_bucket), no param
+                               written; then the pass writes it back and reads ahead
+    step()                     EarlyStart.verify; the pass goes on over what is left
+                               (buckets with params stepped in place, with a param
+                               whose grad did not come), the files are committed, and
+                               then the params stepped in backward are written
+
+The worker never waits for a grad: the pass stops at the first bucket not complete, and
+step() takes it from there. Unlike host RAM, nothing is committed before step(): an error verify
+finds (clipping, GradScaler, a grad edited after its copy, accumulation, zero_grad() or
+load_state_dict() before step()) abandons the pass, and the files and the params stay
+at the last completed step: nothing was stepped.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .disk_step import Ready, step_file_bucket
+from .layout import ParamRec
+
+# Per file bucket: its engine params (rec, name in the files), or None when it holds a
+# param stepped in place (its grad is final only at step(): the bucket is never early).
+FileBuckets = Sequence[Optional[Sequence[Tuple[ParamRec, str]]]]
+
+
+class DiskEarly:
+    """The files' pass of one step, started during backward (see above). `how(rec)`:
+    how rec's master is made ready (nvme_tier.py's loaded-master marks)."""
+
+    def __init__(self, engine, early, pipeline, files: FileBuckets,
+                 how: Callable[[ParamRec], Ready]):
+        self._engine = weakref.ref(engine)
+        self._early = early
+        self.pipeline = pipeline
+        self.files = files
+        self._how = how
+        self._file_of = {id(rec): i for i, entries in enumerate(files) if entries
+                         for rec, _ in entries}
+        self._lock = threading.Lock()
+        self.order: Optional[List[int]] = None   # learned from the last backwards
+        self._before: Optional[set] = None       # the buckets completed in the last one
+        self._reset()
+
+    def _reset(self) -> None:
+        self._close()   # (a pass never handed on: its I/O waited for)
+        self._arrived: set = set()
+        self._left = {i: len(e) for i, e in enumerate(self.files) if e}
+        self._completed: List[int] = []   # file buckets in the order they completed
+        self._ready: set = set()          # ... those the pass may step
+        self._gen: Optional[Iterator] = None
+        self._pending = None              # (index, views) yielded, not stepped yet
+        self._position = 0                # buckets of the pass stepped so far
+        self.stepped: List[ParamRec] = []
+
+    @property
+    def started(self) -> bool:
+        return self._gen is not None
+
+    # ---- during backward (autograd's thread) ----------------------------------------
+
+    def arrived(self, rec: ParamRec) -> None:
+        """rec's grad copy has started: counts it in its file bucket, and starts the
+        pass's step of the bucket when it completes."""
+        i = self._file_of.get(id(rec))
+        engine = self._engine()
+        if i is None or engine is None:
+            return
+        with self._lock:
+            if id(rec) in self._arrived:
+                return   # accumulated before its bucket started: counted once
+            self._arrived.add(id(rec))
+            self._left[i] -= 1
+            if self._left[i]:
+                return
+            self._completed.append(i)
+            if self.order is None:
+                return   # the first backward: no order yet, all at step()
+        recs = [rec for rec, _ in self.files[i]]
+        for b in {p.bucket.index: p.bucket for r in recs for p in r.pieces}.values():
+            engine.flush_pack(b)   # a pack waiting for pieces of other buckets: sent now
+        self._early.begin(recs)
+        with self._lock:
+            self._ready.add(i)
+        engine.run(self._advance)
+
+    # ---- on the worker -----------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Steps the pass's buckets in order while the next one is complete."""
+        engine = self._engine()
+        if engine is None:
+            return
+        try:
+            if self._gen is None:
+                self._gen = self.pipeline.buckets(order=self.order)
+                self._pending = next(self._gen)
+            while self._pending is not None and self._pending[0] in self._ready:
+                i, views = self._pending
+                todo = [(rec, name, self._how(rec)) for rec, name in self.files[i]]
+                step_file_bucket(engine, todo, views, self._early.hyper, 1.0,
+                                 engine.hook_threads(), write=False)
+                self.stepped.extend(rec for rec, _ in self.files[i])
+                self._position += 1
+                # the last bucket is not written here: that would commit the step
+                self._pending = (next(self._gen) if self._position < len(self.order)
+                                 else None)
+        except BaseException:
+            self._close()
+            raise
+
+    # ---- at step() -----------------------------------------------------------------------
+
+    def rest(self) -> "_Rest":
+        """The pass from where backward left it: the buckets not stepped yet, then the
+        commit (the caller runs it after verify, and closes it)."""
+        rest = _Rest(self._gen, self._pending)
+        self._gen = self._pending = None
+        return rest
+
+    def abandon(self) -> None:
+        """Stops the pass, with nothing committed (the files stay at the last completed
+        step), once the worker is idle; the next backward starts afresh (in the order
+        learned before)."""
+        engine = self._engine()
+        try:
+            if engine is not None and self._gen is not None:
+                engine.drain()
+        finally:
+            self._close()
+            self._reset()
+
+    def _close(self) -> None:
+        gen = getattr(self, "_gen", None)
+        self._gen, self._pending = None, None
+        if gen is not None:
+            gen.close()   # waits for the reads and writes in flight
+
+    def new_iteration(self) -> None:
+        """The next pass's order: the file buckets whose grads completed in this
+        backward and in the one before, as they completed in this one; then the others
+        in the files' order (a layer used every other step would stall the pass every
+        other step if it came first). None completed: the order as it was."""
+        if self._completed:
+            steady = [i for i in self._completed
+                      if self._before is None or i in self._before]
+            first = set(steady)
+            self.order = steady + [i for i in range(len(self.files)) if i not in first]
+            self._before = set(self._completed)
+        self._reset()
+
+
+class _Rest:
+    """What is left of a pass, as an iterator; close() stops it (the pipeline then waits
+    for its I/O in flight and commits nothing), also when it was never iterated."""
+
+    def __init__(self, gen: Iterator, pending):
+        self._gen, self._pending = gen, pending
+
+    def __iter__(self) -> "_Rest":
+        return self
+
+    def __next__(self) -> Tuple[int, Dict[str, torch.Tensor]]:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            return pending
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
