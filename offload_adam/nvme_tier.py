@@ -339,11 +339,11 @@ class NvmeTier:
             t[f"{e.name}.{key}"].copy_(value)
         if got.master is not None:
             t[f"{e.name}.master"].copy_(got.master)
-            loaded[id(p)] = "check"
+            loaded[id(e.param)] = "check"
         else:   # the param as it is now (the files hold the params too); checked again
             t[f"{e.name}.master"].copy_(local(p).detach().to("cpu", torch.float32))
             if e.has_master:
-                loaded[id(p)] = "take"
+                loaded[id(e.param)] = "take"
 
 
 def _check_grad(e: _Param, group: dict) -> None:
