@@ -67,8 +67,8 @@ def _bind(device, rec, st: dict) -> bool:
 
 
 def _bound(rec, st: dict) -> bool:
-    """Whether `st` shows rec's buffers already (each step but the first, or the first
-    after a load)."""
+    """Whether `st` shows rec's buffers already: at every step but a param's first and
+    the first after a load."""
     return (st.get("step") is rec.step_t and st.get(MASTER_KEY) is rec.master
             and all(st.get(key) is getattr(rec, key) for key in MOMENT_KEYS
                     if getattr(rec, key) is not None))
