@@ -20,9 +20,10 @@ import torch
 from torch.autograd.graph import increment_version
 
 from .distributed import local
+from .kernel_state import kernel_state
 from .kernel_step import Hyper, KernelArgs
 from .params import check_dense, param_label
-from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, StateFormat, state_format
+from .state_format import MASTER_KEY, SCALE_KEYS, StateFormat, state_format
 
 
 class _Call:
@@ -132,7 +133,7 @@ class InPlace:
                 continue
             check_dense(p.grad, f"param {param_label(group, index, i, p)}")
             t = local(p)   # a DTensor's shard: its state is the shard's (distributed.py)
-            st = ready_state({t: state[p]}, t, amsgrad, fmt, lambda: param_label(group, index, i, p))
+            st = ready_state(state[p], t, amsgrad, fmt, f"param {param_label(group, index, i, p)}")
             c = by_dtype.setdefault(p.dtype, len(calls))
             if c == len(calls):
                 calls.append(_Call(p.dtype))
@@ -152,38 +153,23 @@ class InPlace:
         return plan
 
 
-def ready_state(state, p: torch.Tensor, amsgrad: bool, fmt: StateFormat, label) -> dict:
-    """Creates p's state on its first step (as torch does, lazily) or brings a
-    loaded one into the kernels' format: contiguous CPU tensors, the moments in
-    the group's state format (state_format.py), step a float32 0-dim tensor,
-    and the fp32 master of a low-precision param."""
-    fmt.check_amsgrad(amsgrad, f"param {label()}")
-    st = state[p]
+def ready_state(st: dict, p: torch.Tensor, amsgrad: bool, fmt: StateFormat, label: str) -> dict:
+    """Creates p's state `st` on its first step (as torch does, lazily) or brings a
+    loaded one into the kernels' format (kernel_state.py), stored in `st` itself: the
+    moments, step as a float32 0-dim tensor, and the fp32 master of a low-precision
+    param (an fp32 param is its own master)."""
+    low = p.dtype is not torch.float32
+    got = kernel_state(st, p.shape, fmt, amsgrad, low, label)
     step = st.get("step")
     if not (isinstance(step, torch.Tensor) and step.dtype is torch.float32
             and step.dim() == 0 and step.device.type == "cpu"):
-        st["step"] = torch.tensor(0.0 if step is None else float(step), dtype=torch.float32)
-    for key in MOMENT_KEYS if amsgrad else MOMENT_KEYS[:2]:
-        st.update(fmt.convert(st, key, p.shape, p.numel(), f" of param {label()}"))
+        st["step"] = torch.tensor(got.step, dtype=torch.float32)
+    st.update(got.moments)
     fmt.drop_scales(st)
-    if p.dtype is torch.float32:
-        st.pop(MASTER_KEY, None)  # the param is its own master
-    elif MASTER_KEY in st:
-        st[MASTER_KEY] = as_fp32_like(st[MASTER_KEY], p, MASTER_KEY, label)
+    if got.master is not None:
+        st[MASTER_KEY] = got.master
+    elif low:   # a fresh param, or a state dict saved by torch: start from the param
+        st[MASTER_KEY] = torch.empty(p.shape, dtype=torch.float32).copy_(p.detach())
     else:
-        # A fresh param, or a state dict saved by torch: start from the param.
-        st[MASTER_KEY] = as_fp32_like(p.detach(), p, MASTER_KEY, label)
+        st.pop(MASTER_KEY, None)
     return st
-
-
-def as_fp32_like(t: torch.Tensor, p: torch.Tensor, key: str, label) -> torch.Tensor:
-    """`t` as a contiguous fp32 CPU tensor of p's shape (itself when it is one)."""
-    if t.shape != p.shape:
-        raise ValueError(
-            f"optimizer state {key!r} of param {label()} has shape {tuple(t.shape)}, "
-            f"expected {tuple(p.shape)}")
-    if t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t is not p:
-        return t
-    out = torch.empty(p.shape, dtype=torch.float32)
-    out.copy_(t)
-    return out

@@ -45,7 +45,7 @@ from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, rounds_to
 from .engine.disk_early import DiskEarly
 from .engine.disk_step import DiskStep
-from .inplace import as_fp32_like
+from .kernel_state import kernel_state
 from .kernel_step import Hyper, KernelArgs
 from .nvme import BucketSpec, NvmeState, StateSpec, StepPipeline, adam_bucket
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
@@ -353,31 +353,27 @@ class NvmeTier:
         self._loaded, self._stepped = loaded, stepped
 
     def _fill_param(self, e: _Param, t, saved: dict, loaded: Dict[int, str]) -> None:
+        """Writes param e's `saved` state, in the kernels' form (kernel_state.py), into
+        its bucket's buffer `t`; `loaded` says which masters to check or take at the
+        next step."""
         p = local(e.param)   # a DTensor's shard: its state is the shard's (distributed.py)
-        label = f" of param {e.name} (shape {tuple(p.shape)})"
+        label = f"param {e.name} (shape {tuple(p.shape)})"
         if is_dtensor(e.param):
-            saved = {k: local_value(v, e.param, k, lambda: label[len(" of param "):])
+            saved = {k: local_value(v, e.param, k, lambda: label[len("param "):])
                      if isinstance(v, torch.Tensor) and k in MOMENT_KEYS + (MASTER_KEY,) else v
                      for k, v in saved.items()}
-        fmt = self._formats[e.group]
-        step = saved.get("step")
-        t[f"{e.name}.step"].fill_(0.0 if step is None else float(step))
-        for key in MOMENT_KEYS:
-            if f"{e.name}.{key}" not in t:
-                continue
-            value = fmt.convert(saved, key, p.shape, p.numel(), label)
-            t[f"{e.name}.{key}"].copy_(value[key])
-            if fmt.blockwise and key in SCALE_KEYS:
-                t[f"{e.name}.{SCALE_KEYS[key]}"].copy_(value[SCALE_KEYS[key]])
-        master = saved.get(MASTER_KEY) if e.has_master else None
-        if isinstance(master, torch.Tensor):   # (the shape checked as in RAM)
-            t[f"{e.name}.master"].copy_(as_fp32_like(master, p, MASTER_KEY,
-                                                     lambda: label[len(" of param "):]))
-            loaded[id(p)] = "check"
+        got = kernel_state(saved, p.shape, self._formats[e.group], self._amsgrad[e.group],
+                           e.has_master, label)
+        t[f"{e.name}.step"].fill_(got.step)
+        for key, value in got.moments.items():
+            t[f"{e.name}.{key}"].copy_(value)
+        if got.master is not None:
+            t[f"{e.name}.master"].copy_(got.master)
+            loaded[id(e.param)] = "check"
         else:   # the param as it is now (the files hold the params too); checked again
             t[f"{e.name}.master"].copy_(local(p).detach().to("cpu", torch.float32))
             if e.has_master:
-                loaded[id(p)] = "take"
+                loaded[id(e.param)] = "take"
 
 
 def _check_grad(e: _Param, group: dict) -> None:

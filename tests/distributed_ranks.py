@@ -427,7 +427,9 @@ def same_run(a, b):
 def nvme(variant):
     """state_dirs= under FSDP2, both ranks given the same directories: each rank's files in
     its own folder; bitwise the RAM optimizer; a DCP checkpoint of the disk state loaded into
-    a fresh model on new directories trains on bitwise; a resumed tier restores the shards."""
+    a fresh model on new directories trains on bitwise; a state dict without masters (as
+    from torch's AdamW) loaded before the model gives the masters of the params loaded after
+    it, as in RAM; a resumed tier restores the shards."""
     dtype = BF16 if variant.startswith("bf16") else torch.float32
     kw = {"max_grad_norm": CLIP, "bucket_mb": 0.0005}
     if variant.endswith("8bit"):
@@ -435,7 +437,7 @@ def nvme(variant):
     dev = Engine(variant.endswith("engine"))
     base = [os.path.join(OUT_DIR, f"nvme_{variant}")]
     dist.broadcast_object_list(base, src=0)
-    folders = {k: os.path.join(base[0], k) for k in ("a", "b")}
+    folders = {k: os.path.join(base[0], k) for k in ("a", "b", "c")}
     for f in folders.values():
         os.makedirs(f, exist_ok=True)
     ram_model, disk_model = build(dtype), build(dtype)
@@ -448,16 +450,26 @@ def nvme(variant):
         msd, osd = get_state_dict(disk_model, disk)
         path = os.path.join(base[0], "dcp")
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        no_masters = {**osd, "state": {k: {key: v for key, v in st.items() if key != "master_param"}
+                                       for k, st in osd["state"].items()}}
+        late = []   # in RAM and on disk
+        for dirs in (None, folders["c"]):
+            model = build(dtype, seed=11)
+            opt = dev.optimizer(model.parameters(), **({"state_dirs": dirs} if dirs else {}), **kw)
+            set_optimizer_state_dict(model, opt, optim_state_dict=no_masters)   # first,
+            set_model_state_dict(model, msd)   # then the params the masters start from
+            late.append((model, opt))
         fresh = build(dtype, seed=7)
         fopt = dev.optimizer(fresh.parameters(), state_dirs=folders["b"], **kw)
         msd, osd = get_state_dict(fresh, fopt)
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=path)
         set_state_dict(fresh, fopt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        for m, o in ((ram_model, ram), (disk_model, disk), (fresh, fopt)):
+        for m, o in ((ram_model, ram), (disk_model, disk), (fresh, fopt), *late):
             train(m, o, 3, start=3)
         out["disk_bitwise"] = same_run((ram_model, ram), (disk_model, disk))
         out["dcp_bitwise"] = same_run((ram_model, ram), (fresh, fopt))
+        out["optimizer_first_bitwise"] = same_run(*late)
         disk.close()   # its files and lock: the resumed optimizer opens them
         again_model = build(dtype, seed=9)
         again = dev.optimizer(again_model.parameters(), state_dirs=folders["a"],

@@ -155,10 +155,12 @@ def test_state_dict_shows_dtensors_of_the_params_layout(ranks):
 @pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16_engine", "bf16_8bit"])
 def test_fsdp2_state_on_disk_one_folder_per_rank(ranks, variant):
     """state_dirs= under FSDP2 (distributed_ranks.nvme): bitwise the RAM optimizer, through
-    a DCP checkpoint into a fresh model, and resumed from the files on fresh params."""
+    a DCP checkpoint into a fresh model, as in RAM through a state dict without masters loaded
+    before the model, and resumed from the files on fresh params."""
     for res in result(ranks, f"nvme_{variant}"):
         assert res["rank_folders"] == ["rank0", "rank1"], res
         assert res["disk_bitwise"] and res["dcp_bitwise"], res
+        assert res["optimizer_first_bitwise"], res
         assert res["resume_bitwise"] and res["resumed_steps_bitwise"], res
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from itertools import groupby
 from typing import Callable, Sequence
 
+from ..kernel_state import kernel_state
 from ..state_format import MASTER_KEY, MOMENT_KEYS
 
 
@@ -37,35 +38,40 @@ def bind_state(device, recs: Sequence, param_groups, state,
 
 
 def _bind(device, rec, st: dict) -> bool:
-    """True when rec's master must start from the param."""
-    fresh = "exp_avg" not in st
-    for key in MOMENT_KEYS:
+    """Makes `st` show rec's host buffers, holding its values brought into the kernels'
+    form (kernel_state.py). True when rec's master must start from the param."""
+    if _bound(rec, st):
+        return False
+    got = kernel_state(st, rec.shape, rec.fmt, rec.max_exp_avg_sq is not None, True,
+                       rec.label())
+    for key, value in got.moments.items():
         view = getattr(rec, key)
-        if view is None or st.get(key) is view:
-            continue
-        # a loaded moment in any stored form, converted to rec's (state_format.py)
-        for k, value in rec.fmt.convert(st, key, rec.shape, rec.numel,
-                                        f" of {rec.label()}").items():
-            target = getattr(rec, k)
-            target.copy_(value.reshape(target.shape))
-            st[k] = target
+        if st.get(key) is not view:
+            view.copy_(value.reshape(view.shape))
+            st[key] = view
     rec.fmt.drop_scales(st)
     if st.get("step") is not rec.step_t:
-        count = float(st.get("step", 0.0))
         for piece in rec.pieces:   # a param cut in pieces counts its step per piece
-            piece.step_t.fill_(count)
+            piece.step_t.fill_(got.step)
         st["step"] = rec.step_t
-    master = st.get(MASTER_KEY)
-    if master is rec.master:
+    if st.get(MASTER_KEY) is rec.master:
         return False
     st[MASTER_KEY] = rec.master
-    if master is None or fresh:
+    if got.master is None:
         return True
     # The master is an fp32 param's H2D source: the last step's copies may
     # still read it. Wait for them before writing.
     device.wait_host(*[t for p in rec.pieces for t in p.bucket.h2d])
-    rec.master.copy_(master.detach().reshape(rec.shape))
+    rec.master.copy_(got.master)
     return False
+
+
+def _bound(rec, st: dict) -> bool:
+    """Whether `st` shows rec's buffers already: at every step but a param's first and
+    the first after a load."""
+    return (st.get("step") is rec.step_t and st.get(MASTER_KEY) is rec.master
+            and all(st.get(key) is getattr(rec, key) for key in MOMENT_KEYS
+                    if getattr(rec, key) is not None))
 
 
 def _masters_from_params(device, recs: Sequence) -> None:
