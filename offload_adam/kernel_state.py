@@ -7,7 +7,9 @@ a master cast to bf16 by torch). `kernel_state` gives its values as the kernels 
 them: the step count, each moment in the group's format (state_format.py), the fp32
 master. Each stepper stores them where its state lives: in optimizer.state itself (CPU
 params stepped in place, inplace.py), in the engine's host buffers (engine/state.py),
-in a bucket of the NVMe tier's files (nvme_tier.py).
+in a bucket of the NVMe tier's files (nvme_tier.py); load_state_dict
+(torch_state_dict.py) converts a loaded state with it too, keeping the moments the
+dict holds (a missing one is made at the first step, as above).
 
 The master: a bf16/fp16 param has one, and so has every param of the engine (its fp32
 values on the host) and of the NVMe tier but the fp32 ones stepped in place, which are

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import distributed
+from .kernel_state import kernel_state
 from .params import param_label, rounds_to
 from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS, state_format,
                            stored_state, with_code_keys, with_float32_moments)
@@ -123,17 +124,19 @@ class TorchStateDict:
                         value = distributed.local_value(
                             value, p, key, lambda: f"{saved_id} (shape {tuple(p.shape)})")
                     state[key] = value.detach().to("cpu", copy=True).contiguous()
-            fmt = state_format(group["state_dtype"])
-            for key in MOMENT_KEYS:
-                if key in state:
-                    state.update(fmt.convert(state, key, local_p.shape, local_p.numel()))
-            fmt.drop_scales(state)
-            if MASTER_KEY in state:
-                if p.dtype is torch.float32 and not self._in_engine(p):
-                    del state[MASTER_KEY]  # the param is its own master
-                else:
-                    state[MASTER_KEY] = state[MASTER_KEY].to(torch.float32)
-                    self._loaded_masters.append(p)
+            # in the optimizer's state format (kernel_state.py), the moments the dict
+            # holds (a missing one is made at the param's first step, as in torch)
+            present = [k for k in MOMENT_KEYS if k in state]
+            got = kernel_state(state, local_p.shape, state_format(group["state_dtype"]),
+                               "max_exp_avg_sq" in state, self._has_master(p),
+                               f"param {saved_id} (shape {tuple(p.shape)})")
+            for key in MOMENT_KEYS + tuple(SCALE_KEYS.values()) + (MASTER_KEY,):
+                state.pop(key, None)
+            state.update({k: v for k, v in got.moments.items()
+                          if k in present or any(SCALE_KEYS.get(m) == k for m in present)})
+            if got.master is not None:
+                state[MASTER_KEY] = got.master
+                self._loaded_masters.append(p)
         early = self._engine.early if self._engine is not None else None
         if early is not None:
             # Its next steps start in backward: check now. (Loaded in the middle
@@ -141,6 +144,11 @@ class TorchStateDict:
             if not early.stepped():
                 self._drop_stale_masters()
             self._loaded_masters = []
+
+    def _has_master(self, p) -> bool:
+        """Whether p's state holds an fp32 master: not an fp32 CPU param stepped in
+        place, which is its own master."""
+        return p.dtype is not torch.float32 or self._in_engine(p)
 
     def _drop_stale_masters(self):
         """Drops each loaded fp32 master that no longer rounds to its param, so
