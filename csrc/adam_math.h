@@ -223,8 +223,12 @@ OA_INLINE V code_bits(V lattice) {
 // Narrows one block of new values x[0, n) to codes[0, n), given the block's largest
 // magnitude amax, and writes its new scale. d is a copy, and the rounding bits advance
 // from vector to vector: the code stores (of bytes) could alias a reference.
+// Inlined into the step: as a call (twice per block) it clobbered every vector register,
+// and the step's constants were broadcast again for every block (AVX-512 0.557-0.569 ->
+// 0.546-0.549 ns/element inlined, AVX2 0.713-0.747 -> 0.708-0.711;
+// bench/results/kernel_cost_issue16_inline.log).
 template <class V, bool SIGNED, bool DITHER>
-void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* scale, const Dither d) {
+OA_INLINE void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* scale, const Dither d) {
   const Q8Block blk = q8_block<SIGNED>(amax);
   *scale = blk.scale;
   V random = rounding_bits<V, DITHER>(d, 0);
