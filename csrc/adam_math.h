@@ -74,9 +74,11 @@
 // Counter based, so every ISA, thread count and split of a tensor into ranges gets the
 // same bits.
 // Arithmetic per element, one core, buffers in L2 (bench/kernel_cost.cpp, a 2-core
-// AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.59; AVX2 0.41, 0.59,
-// 0.72 (bench/results/kernel_cost_issue16_v_e5m3.log; codes format 1, with sqrt(v)'s
-// product comparison and lowbias32 per element: q8 0.81 and 0.96). On Zen 4 a 512-bit
+// AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.57; AVX2 0.41, 0.59,
+// 0.73; q8 x1.85 / x1.84 the fp32 step's time (bench/results/
+// kernel_cost_issue16_final_vs_main.log; x2.04 / x1.86 before its codes were narrowed
+// with fewer ops and its block encode inlined; codes format 1, with sqrt(v)'s product
+// comparison and lowbias32 per element: q8 0.81 and 0.96). On Zen 4 a 512-bit
 // instruction takes one of 4 vector pipes for 2 cycles, so the cost is close to the
 // count of vector instructions, over and above the square root and division (16
 // cycles per 16 lanes, in a unit of their own). The q8 codes cost ~0.29 ns on top of

@@ -166,9 +166,9 @@ struct Avx512Vec {
   //     the subtraction is done on the packed words (one op per 32 codes instead of per
   //     16; both terms are below 2^12, so no pack saturates before it), the byte pack's
   //     saturation clamps to [0, 255], and the floor (1 for a positive x) is applied to
-  //     the bytes: |x| packed with saturation is 0 only where x is +-0. Per 4 vectors
-  //     that is 11 ops after the shifts, against 12 for the dword floor and the
-  //     subtraction of base in each vector (bench/results/kernel_cost_issue16_encode.log).
+  //     the bytes: |x| packed with saturation is 0 only where x is +-0. Per 4 vectors the
+  //     base, the floor and the narrowing take 11 ops, against 16 with the base and the
+  //     floor in each vector's dwords (bench/results/kernel_cost_issue16_encode.log).
   static constexpr int q8_group = 4;
   template <bool SIGNED, bool DITHER>
   OA_INLINE static void store_q8_group(uint8_t* p, const float* x, Avx512Vec random, uint32_t base) {
