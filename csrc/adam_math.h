@@ -74,9 +74,11 @@
 // Counter based, so every ISA, thread count and split of a tensor into ranges gets the
 // same bits.
 // Arithmetic per element, one core, buffers in L2 (bench/kernel_cost.cpp, a 2-core
-// AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.59; AVX2 0.41, 0.59,
-// 0.72 (bench/results/kernel_cost_issue16_v_e5m3.log; codes format 1, with sqrt(v)'s
-// product comparison and lowbias32 per element: q8 0.81 and 0.96). On Zen 4 a 512-bit
+// AMD EPYC (Zen 4) VM, ns): AVX-512 fp32 0.30, bf16 0.40, q8 0.57; AVX2 0.41, 0.59,
+// 0.73; q8 x1.85 / x1.84 the fp32 step's time (bench/results/
+// kernel_cost_issue16_final_vs_main.log; x2.04 / x1.86 before its codes were narrowed
+// with fewer ops and its block encode inlined; codes format 1, with sqrt(v)'s product
+// comparison and lowbias32 per element: q8 0.81 and 0.96). On Zen 4 a 512-bit
 // instruction takes one of 4 vector pipes for 2 cycles, so the cost is close to the
 // count of vector instructions, over and above the square root and division (16
 // cycles per 16 lanes, in a unit of their own). The q8 codes cost ~0.29 ns on top of
@@ -223,8 +225,12 @@ OA_INLINE V code_bits(V lattice) {
 // Narrows one block of new values x[0, n) to codes[0, n), given the block's largest
 // magnitude amax, and writes its new scale. d is a copy, and the rounding bits advance
 // from vector to vector: the code stores (of bytes) could alias a reference.
+// Inlined into the step: as a call (twice per block) it clobbered every vector register,
+// and the step's constants were broadcast again for every block (AVX-512 0.557-0.569 ->
+// 0.546-0.549 ns/element inlined, AVX2 0.713-0.747 -> 0.708-0.711;
+// bench/results/kernel_cost_issue16_inline.log).
 template <class V, bool SIGNED, bool DITHER>
-void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* scale, const Dither d) {
+OA_INLINE void encode_block(const float* x, int64_t n, float amax, uint8_t* codes, float* scale, const Dither d) {
   const Q8Block blk = q8_block<SIGNED>(amax);
   *scale = blk.scale;
   V random = rounding_bits<V, DITHER>(d, 0);

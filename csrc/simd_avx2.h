@@ -153,32 +153,46 @@ struct Avx2Vec {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
   }
   // store_q8 of 4 vectors (32 codes) at once: the clamps and the narrowing then cost
-  // per 32 codes instead of per 8. The codes before narrowing fit 16 bits (|d >> sh| <
-  // 2^13), so vpackssdw/vpackusdw are exact; the byte packs saturate, which is the top
-  // clamp (127 with the sign apart, 255); packing works within 128-bit halves, and one
-  // vpermd puts the 8 dwords of codes back in order.
+  // per 32 codes instead of per 8. Packing works within 128-bit halves, and one vpermd
+  // puts the 8 dwords of codes back in order.
+  //   signed (exp_avg): c as in store_q8 (|c| < 2^12); the dword pack with unsigned
+  //     saturation is the bottom clamp (0), the word pack with signed saturation the top
+  //     (127).
+  //   unsigned (exp_avg_sq): base is a multiple of 2^20 (q8_block), so
+  //     c = ((|x| + offset) >> 20) - (base >> 20), the shift logical (|x| + offset < 2^32);
+  //     the subtraction is done on the packed words (both terms below 2^12: no pack
+  //     saturates before it), the byte pack's saturation clamps to [0, 255], and the
+  //     floor (1 for a positive x) is applied to the bytes: |x| packed with saturation is
+  //     0 only where x is +-0 (as in simd_avx512.h).
   static constexpr int q8_group = 4;
   template <bool SIGNED, bool DITHER>
   OA_INLINE static void store_q8_group(uint8_t* p, const float* x, Avx2Vec random, uint32_t base) {
     __m256i c[4], xs[4];
     for (int k = 0; k < 4; ++k) {
       xs[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * k));
-      if constexpr (DITHER) {
-        c[k] = q8_magnitudes<SIGNED>(xs[k], mix_bits(random), base);
-        random = next_random(random);
+      const Avx2Vec bits = DITHER ? mix_bits(random) : random;
+      if constexpr (SIGNED) {
+        c[k] = q8_magnitudes<true>(xs[k], bits, base);
       } else {
-        c[k] = q8_magnitudes<SIGNED>(xs[k], random, base);
+        const __m256i a = _mm256_and_si256(xs[k], i32(0x7FFFFFFFu));
+        const __m256i offset = _mm256_srli_epi32(_mm256_castps_si256(bits.v), 32 - kQ8Shift);
+        c[k] = _mm256_srli_epi32(_mm256_add_epi32(a, offset), kQ8Shift);
+        xs[k] = a;
       }
+      if constexpr (DITHER) random = next_random(random);
     }
     __m256i b;
     if constexpr (SIGNED) {
-      b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-      b = _mm256_max_epi8(b, _mm256_setzero_si256());
+      b = _mm256_packs_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
       // The signs: x packed with signed saturation keeps each sign in bit 7.
       const __m256i s = _mm256_packs_epi16(_mm256_packs_epi32(xs[0], xs[1]), _mm256_packs_epi32(xs[2], xs[3]));
       b = _mm256_or_si256(b, _mm256_and_si256(s, i32(0x80808080u)));
     } else {
-      b = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+      const __m256i k = _mm256_set1_epi16(static_cast<short>(base >> kQ8Shift));
+      b = _mm256_packus_epi16(_mm256_sub_epi16(_mm256_packus_epi32(c[0], c[1]), k),
+                              _mm256_sub_epi16(_mm256_packus_epi32(c[2], c[3]), k));
+      const __m256i nonzero = _mm256_packus_epi16(_mm256_packs_epi32(xs[0], xs[1]), _mm256_packs_epi32(xs[2], xs[3]));
+      b = _mm256_max_epu8(b, _mm256_min_epu8(nonzero, _mm256_set1_epi8(1)));
     }
     b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
