@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import offload_adam  # noqa: E402
 from bench.machine import machine_info, one_line  # noqa: E402
+from bench.nvme_bench import disk_limit  # noqa: E402
 
 
 def make_model(dim: int, layers: int) -> torch.nn.Module:
@@ -87,9 +88,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     nparams = sum(p.numel() for p in make_model(args.dim, args.layers).parameters())
     times = {False: [], True: []}
+    limits = []
+    state_bytes = 12 * nparams   # fp32 master and moments: read and written each step
+
+    def measure_disk():
+        if args.state_dirs:   # the disk's own speed, in the same run (it drifts)
+            limits.append(disk_limit(args.state_dirs, state_bytes, 4, 16 << 20, passes=1))
+
+    measure_disk()
     for _ in range(args.rounds):
         for mode in (False, True):
             times[mode] += iteration_times(mode, args)
+    measure_disk()
     print(f"machine: {one_line(machine_info())}")
     print(f"model: {args.layers} x (Linear {args.dim}->{4 * args.dim}, GELU, Linear), bf16, "
           f"{nparams / 1e6:.1f}M params, batch {args.batch}, bucket_mb {args.bucket_mb}, "
@@ -105,6 +115,13 @@ def main() -> None:
               f"{1e3 * max(t):8.1f}")
     gain = 1 - statistics.median(times[True]) / statistics.median(times[False])
     print(f"median iteration time change with step_in_backward=True: {-100 * gain:+.1f}%")
+    for when, limit in zip(("before", "after"), limits):
+        t = limit["mixed_seconds_per_byte_pair"] * state_bytes
+        print(f"disk {when} (O_DIRECT, {state_bytes / 1e9:.2f} GB read and written at once, "
+              f"{limit['mixed_Bps'] / 1e9:.2f} GB/s): {1e3 * t:.0f} ms a step, the limit; "
+              f"median iteration / limit: step_in_backward False "
+              f"{statistics.median(times[False]) / t:.2f}, True "
+              f"{statistics.median(times[True]) / t:.2f}")
 
 
 if __name__ == "__main__":
