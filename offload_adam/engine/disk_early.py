@@ -84,20 +84,24 @@ class DiskEarly:
         with self._lock:
             if id(rec) in self._arrived:
                 return   # accumulated before its bucket started: counted once
+            first = not self._arrived
             self._arrived.add(id(rec))
             self._left[i] -= 1
-            if self._left[i]:
-                return
-            self._completed.append(i)
-            if self.order is None:
-                return   # the first backward: no order yet, all at step()
-        recs = [rec for rec, _ in self.files[i]]
-        for b in {p.bucket.index: p.bucket for r in recs for p in r.pieces}.values():
-            engine.flush_pack(b)   # a pack waiting for pieces of other buckets: sent now
-        self._early.begin(recs)
-        with self._lock:
-            self._ready.add(i)
-        engine.run(self._advance)
+            complete = not self._left[i]
+            if complete:
+                self._completed.append(i)
+        if self.order is None:
+            return   # the first backward: no order yet, all at step()
+        if complete:
+            recs = [rec for rec, _ in self.files[i]]
+            for b in {p.bucket.index: p.bucket for r in recs for p in r.pieces}.values():
+                engine.flush_pack(b)   # a pack waiting for pieces of other buckets: sent now
+            if not self._early.begin(recs):
+                return   # the optimizer is gone
+            with self._lock:
+                self._ready.add(i)
+        if first or complete:   # the first grad starts the reads ahead
+            engine.run(self._advance)
 
     # ---- on the worker -----------------------------------------------------------------
 

@@ -88,14 +88,18 @@ class EarlyStart:
             if self._waiting[b.index] == 0:
                 self._start(engine, b)
 
-    def begin(self, recs) -> None:
+    def begin(self, recs) -> bool:
         """recs' steps start now, from their grad copies and their groups'
-        hyperparameters as they are (read once per group per iteration)."""
+        hyperparameters as they are (read once per group per iteration). False
+        when the optimizer is gone (no groups to step with)."""
         owner = self._owner()
+        if owner is None:
+            return False
         for rec in recs:
-            if rec.group not in self._hyper and owner is not None:
+            if rec.group not in self._hyper:
                 self._hyper[rec.group] = Hyper.of(owner.param_groups[rec.group])
             self._started[id(rec)] = rec.copy
+        return True
 
     def hyper(self, group: int) -> Hyper:
         """The hyperparameters group's early steps use (`begin` read them)."""
