@@ -239,10 +239,10 @@ class NvmeTier:
 
     def _abandon_early(self, reason: str) -> None:
         """A pass started in backward is stopped before the files or the ring change
-        under it; the next step() raises `reason` (nothing stepped)."""
-        if self._early is not None and self._early.started:
-            early = self.engine.early
-            early.error = early.error or reason
+        under it; if it had begun stepping, the next step() raises `reason` (nothing
+        stepped), as step_in_backward does in RAM."""
+        if self._early is not None and self._early.busy:
+            self.engine.early.interrupted(reason)
             self._early.abandon()
 
     def _check_format(self, gi: int, param_groups) -> None:

@@ -66,11 +66,18 @@ class DiskEarly:
         self._gen: Optional[Iterator] = None
         self._pending = None              # (index, views) yielded, not stepped yet
         self._position = 0                # buckets of the pass stepped so far
+        self._kicked = False              # the pass was queued on the worker
         self.stepped: List[ParamRec] = []
 
     @property
     def started(self) -> bool:
+        """Whether a pass is open (once the worker is idle: the caller drained it)."""
         return self._gen is not None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a pass was queued this iteration (it may not have started yet)."""
+        return self._kicked or self._gen is not None
 
     # ---- during backward (autograd's thread) ----------------------------------------
 
@@ -101,6 +108,7 @@ class DiskEarly:
             with self._lock:
                 self._ready.add(i)
         if first or complete:   # the first grad starts the reads ahead
+            self._kicked = True
             engine.run(self._advance)
 
     # ---- on the worker -----------------------------------------------------------------
@@ -143,7 +151,7 @@ class DiskEarly:
         learned before)."""
         engine = self._engine()
         try:
-            if engine is not None and self._gen is not None:
+            if engine is not None and self.busy:
                 engine.drain()
         finally:
             self._close()

@@ -101,6 +101,12 @@ class EarlyStart:
             self._started[id(rec)] = rec.copy
         return True
 
+    def interrupted(self, reason: str) -> None:
+        """Something replaced what the steps started in backward use (the state files
+        were loaded into): step() raises `reason`, if any step started."""
+        if self._started and self.error is None:
+            self.error = reason
+
     def hyper(self, group: int) -> Hyper:
         """The hyperparameters group's early steps use (`begin` read them)."""
         return self._hyper[group]
@@ -230,7 +236,7 @@ class EarlyStart:
         if self._started or self.error is not None:
             self.fail(self.error or "zero_grad() was called after steps started during "
                       "backward, before step()")
-        if self.files is not None and self.files.started:   # read ahead, nothing stepped
+        if self.files is not None and self.files.busy:   # read ahead, nothing stepped
             self.commit()
 
     def new_iteration(self) -> None:
