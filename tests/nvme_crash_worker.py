@@ -72,10 +72,16 @@ def optimizer_worker(state_dir, fmt, until, progress):
     each step count once its step() returned."""
     params = model_params()
     opt = optimizer(params, state_dir, fmt)
+    steps_until(opt, lambda k: train(opt, params, k, 1), until, progress)
+
+
+def steps_until(opt, train_step, until, progress):
+    """Sends opt's committed step, then train_step(k) for each next k up to `until`,
+    sending each step count once it returned."""
     step = committed_step(opt)
     progress.send(step)
     while step < until:
-        train(opt, params, step, 1)
+        train_step(step)
         step += 1
         progress.send(step)
 
@@ -137,14 +143,9 @@ def engine_train(m, opt, first, count):
 
 def engine_worker(state_dir, until, progress):
     """As optimizer_worker, for the engine with step_in_backward on the simulated device;
-    the model starts from another init: the files restore it."""
+    the model starts from its init, and the files restore it."""
     sim = AsyncSimDevice(seed=until % 7)
     with simulated(sim), sim.watch():
         m = engine_model(seed=11)
         opt = engine_optimizer(m, state_dir)
-        step = committed_step(opt)
-        progress.send(step)
-        while step < until:
-            engine_train(m, opt, step, 1)
-            step += 1
-            progress.send(step)
+        steps_until(opt, lambda k: engine_train(m, opt, k, 1), until, progress)
