@@ -346,8 +346,9 @@ class NvmeTier:
                 if float(t[f"{e.name}.step"]) > 0:
                     stepped.add(id(e.param))
 
-        # the files' step count: the largest loaded one (known before the first bucket)
-        step = max((int(float(saved_of(e).get("step", 0))) for b in self.buckets for e in b),
+        # the files' step count: the largest loaded one (known before the first bucket;
+        # no step counts 0, as kernel_state reads it)
+        step = max((int(float(saved_of(e).get("step") or 0)) for b in self.buckets for e in b),
                    default=0)
         self.pipeline.load(fill, step=step)
         self._loaded, self._stepped = loaded, stepped

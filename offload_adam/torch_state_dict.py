@@ -132,8 +132,9 @@ class TorchStateDict:
                                f"param {saved_id} (shape {tuple(p.shape)})")
             for key in MOMENT_KEYS + tuple(SCALE_KEYS.values()) + (MASTER_KEY,):
                 state.pop(key, None)
+            moment_of = {scale: key for key, scale in SCALE_KEYS.items()}
             state.update({k: v for k, v in got.moments.items()
-                          if k in present or any(SCALE_KEYS.get(m) == k for m in present)})
+                          if moment_of.get(k, k) in present})
             if got.master is not None:
                 state[MASTER_KEY] = got.master
                 self._loaded_masters.append(p)

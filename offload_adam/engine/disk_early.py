@@ -154,8 +154,7 @@ class DiskEarly:
             if engine is not None and self.busy:
                 engine.drain()
         finally:
-            self._close()
-            self._reset()
+            self._reset()   # (closes the pass)
 
     def _close(self) -> None:
         gen = getattr(self, "_gen", None)

@@ -63,11 +63,11 @@ class DiskStep:
         return id(rec) in self.ready
 
     def bucket(self, entries: Sequence[Tuple[ParamRec, str, Ready]],
-               views: Dict[str, torch.Tensor], skip: frozenset = frozenset()) -> None:
+               views: Dict[str, torch.Tensor]) -> None:
         """Steps the recs of one file bucket that take part in this step: (rec, its name
         in the files, how its master is made ready) each; `views`: the bucket's tensors
-        in the ring buffer; `skip`: ids of recs stepped already (during backward)."""
-        todo = [e for e in entries if self.takes_part(e[0]) and id(e[0]) not in skip]
+        in the ring buffer. (A bucket stepped during backward is not passed again.)"""
+        todo = [e for e in entries if self.takes_part(e[0])]
         if todo:
             step_file_bucket(self.engine, todo, views, self._hyper, self.grad_scale,
                              self.threads, self.fence)
