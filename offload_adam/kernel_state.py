@@ -21,7 +21,7 @@ while it still rounds to the param (params.rounds_to; checked at the next step).
 from __future__ import annotations
 
 import math
-from typing import Dict, NamedTuple, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 
@@ -53,6 +53,16 @@ def kernel_state(st: dict, shape, fmt: StateFormat, amsgrad: bool, has_master: b
     return KernelState(0.0 if step is None else float(step), moments,
                        as_fp32_like(master, shape, MASTER_KEY, label)
                        if isinstance(master, torch.Tensor) else None)
+
+
+def master_from_param(how: Optional[str], step: float, stale: Callable[[], bool]) -> bool:
+    """Whether a master is started from its param before a step: at the param's first
+    step (`step` 0), when a load said so (`how` "take": it brought none), or when a
+    loaded one is no longer the param's (`how` "check" and `stale()`, which each stepper
+    answers from its own copy of the param; called only then). `how` None: the master
+    is current. The NVMe tier's two steppers ask it: in place (nvme_tier.py) and the
+    engine's (engine/disk_step.py)."""
+    return how == "take" or step == 0 or (how == "check" and stale())
 
 
 def as_fp32_like(t: torch.Tensor, shape, key: str, label: str) -> torch.Tensor:

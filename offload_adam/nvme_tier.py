@@ -45,7 +45,7 @@ from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, rounds_to
 from .engine.disk_early import DiskEarly
 from .engine.disk_step import DiskStep
-from .kernel_state import kernel_state
+from .kernel_state import kernel_state, master_from_param
 from .kernel_step import Hyper, KernelArgs
 from .nvme import BucketSpec, NvmeState, StateSpec, StepPipeline, adam_bucket
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
@@ -297,11 +297,9 @@ class NvmeTier:
     def _ready_master(self, e: _Param, master: torch.Tensor, step: torch.Tensor) -> None:
         """The master of a bf16/fp16 param before its kernel call: from the param at its
         first step, or when a loaded one was absent or no longer rounds to the param."""
-        how = self._loaded.get(id(e.param))
         p = local(e.param).detach()
-        if how == "check":
-            how = None if rounds_to(master, p) else "take"
-        if how == "take" or float(step) == 0:
+        if master_from_param(self._loaded.get(id(e.param)), float(step),
+                             lambda: not rounds_to(master, p)):
             master.copy_(p)
 
     # ---- state dict ----------------------------------------------------------------------

@@ -114,6 +114,36 @@ def test_a_checkpoint_moves_between_the_tiers_both_ways(kernels, tmp_path, fmt):
         assert_same(params_of(ms[0]), params_of(ms[2]), ref, to_ram)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_loaded_master_that_no_longer_rounds_to_its_param_starts_from_the_param(
+        kernels, tmp_path, fmt):
+    """The engine's side of the tier (disk_step._ready_masters): masters loaded into a model
+    whose params moved since they were saved (another checkpoint of it loaded: here every
+    param 0.25 up) are started from the params at the next step (the bf16 params' after a
+    check against a copy of the param, the fp32 head's at once, its master being the
+    param), bitwise as in RAM."""
+    src, a, b = model(), model(), model()
+    with torch.no_grad():
+        for p in params_of(a) + params_of(b):
+            p.add_(0.25)
+    with sim_path("sim-seed0"):
+        saved = offload_adam.AdamW(groups(src), state_dtype=fmt, **OPTS)
+        train(src, saved, 0, 3)
+        sd = saved.state_dict()
+        ram = offload_adam.AdamW(groups(a), state_dtype=fmt, **OPTS)
+        disk = offload_adam.AdamW(groups(b), state_dtype=fmt, state_dirs=tmp_path, **OPTS)
+        ram.load_state_dict(sd)
+        disk.load_state_dict(sd)
+        before = [p.detach().clone() for p in params_of(b)]
+        train(a, ram, 3, 1)
+        train(b, disk, 3, 1)
+        for p, q, s in zip(params_of(b), before, params_of(src)):   # no jump to `src`
+            assert (p.float() - q.float()).abs().max() < 0.05 < (q.float() - s.float()).abs().max()
+        train(a, ram, 4, 2)
+        train(b, disk, 4, 2)
+        assert_same(params_of(a), params_of(b), ram, disk)
+
+
 def test_a_new_optimizer_resumes_from_the_files(kernels, tmp_path):
     """close() lets the files go at once (a step after it raises); state_resume=True on a
     freshly initialised model restores its params from the files (the engine's masters, fp32

@@ -156,6 +156,31 @@ def test_a_loaded_state_is_the_files_step_at_once(kernels, tmp_path):
     assert_same(ps, rs, ram, opt)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_loaded_master_that_no_longer_rounds_to_its_param_starts_from_the_param(
+        kernels, tmp_path, fmt):
+    """As in RAM (test_torch_contract.py): a state dict whose masters the params no longer
+    round to (here: saved from a model that trained on, loaded into one that did not) starts
+    each such master from its param at the next step, instead of moving the param back to
+    it; the tier then steps bitwise as RAM does."""
+    src = make_params(seed=3)
+    saved = offload_adam.AdamW(groups(src), lr=0.01, state_dtype=fmt)
+    train(saved, src, 0, 3)
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype=fmt)
+    disk = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype=fmt, state_dirs=tmp_path, **NVME)
+    ram.load_state_dict(saved.state_dict())
+    disk.load_state_dict(saved.state_dict())
+    before = [q.detach().clone() for q in qs]
+    train(ram, ps, 3, 1)
+    train(disk, qs, 3, 1)
+    for q, b, s in zip(qs, before, src):   # one step from the param, not a jump to `src`
+        assert (q.float() - b.float()).abs().max() < 0.05 < (b.float() - s.float()).abs().max()
+    train(ram, ps, 4, 2)
+    train(disk, qs, 4, 2)
+    assert_same(ps, qs, ram, disk)
+
+
 # ---- bad input ---------------------------------------------------------------------------
 
 def test_state_dirs_and_budget_are_checked_at_construction(tmp_path):

@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..kernel_state import master_from_param
 from ..kernel_step import Hyper
 from ..params import rounds_to
 from ..state_format import SCALE_KEYS
@@ -138,19 +139,21 @@ def _ready_masters(engine: OffloadEngine, recs: Sequence[Tuple[ParamRec, Ready]]
     """Masters from their params where the files' are new ("take", or a step count
     of 0) or stale ("check" that does not round to the param; an fp32 param's
     master is the param, so it is simply taken)."""
-    take = [rec for rec, how in recs
-            if how == "take" or float(rec.step_t) == 0
-            or (how == "check" and not rec.low_precision)]
     check = [rec for rec, how in recs if how == "check" and rec.low_precision
              and float(rec.step_t) != 0]
-    if check:
+    if check:   # the params, for stale() below, in one batch of copies
         dev = engine.device
         pieces = [p for rec in check for p in rec.pieces]
         dev.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
         dev.wait_host(dev.d2h([p.staging for p in pieces],
                               [p.of(p.rec.live()) for p in pieces]))
-        take += [rec for rec in check if not all(
-            rounds_to(p.state("master"), p.staging) for p in rec.pieces)]
+
+    def stale(rec: ParamRec) -> bool:
+        return not rec.low_precision or not all(
+            rounds_to(p.state("master"), p.staging) for p in rec.pieces)
+
+    take = [rec for rec, how in recs
+            if master_from_param(how, float(rec.step_t), lambda rec=rec: stale(rec))]
     if take:
         _masters_from_params(engine.device, take)
 
