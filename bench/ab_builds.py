@@ -60,9 +60,12 @@ def main() -> None:
         K.set_isa(a.isa)
         K.stream_limit(p, g, m, v, lp, a.threads, **scales)
 
+    # One set of tensors for both builds (the codes are the same in both): separate copies sit on
+    # different physical pages, and on the VM that alone moved the same code's time by 3-10 %
+    # (the A / B limit ratio, the same code in both builds, showed it).
+    d = data(builds["A"])
     runs = {}
     for b, K in builds.items():
-        d = data(K)
         for what, fn in (("step", step), ("limit", limit)):
             runs[f"{b} {what}"] = (lambda fn=fn, K=K, d=d: fn(K, d))
     for run in runs.values():
