@@ -9,6 +9,7 @@ leaves nothing stepped: the params, the files and what state_dict() shows are th
 last completed step, and training goes on from there as if that iteration never ran."""
 import io
 import threading
+import time
 
 import pytest
 import torch
@@ -100,6 +101,72 @@ def test_the_pass_in_backward_is_bitwise_the_plain_step(kernels, tmp_path, monke
     # the first backward learns the order; then kernels run in backward in every one
     assert early[0] == 0 and all(n > 0 for n in early[1:]), early
     assert disk._nvme.state.step == 6
+
+
+def test_a_pass_that_steps_every_bucket_in_backward_commits_nothing_before_step(
+        kernels, tmp_path, monkeypatch):
+    """Every file bucket complete in backward (no `unused` layer, `sometimes` in every
+    step): the pass steps them all there, but the last one is not written, as that would
+    commit the step. The files stay at the last step until step(), and an error then
+    leaves nothing stepped."""
+    b = model()
+    del b.unused
+    with sim_path("sim-seed1"):
+        disk = offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path,
+                                  step_in_backward=True, state_budget_mb=0.2, **OPTS)
+        for it in (1, 3):
+            backward(b, it)
+            disk.step()
+            disk.zero_grad()
+        snap = snapshot(b, disk)
+        calls = KernelCalls(monkeypatch)
+        backward(b, 5)
+        settle(disk)
+        assert calls.off_main > 0
+        assert disk._nvme.state.step == 2
+        with pytest.raises(RuntimeError, match="Nothing was stepped: the state files"):
+            disk.zero_grad()
+        assert_snapshot(b, disk, snap)
+        assert disk._nvme.state.step == 2
+
+
+def test_an_error_while_the_pass_runs_waits_for_it_to_stop(kernels, tmp_path, monkeypatch):
+    """zero_grad() right after backward, while the worker is inside a kernel of the pass
+    (held there for a moment): the pass is stopped only once the worker is out of it, so
+    no kernel runs on a ring buffer the pipeline has let go; nothing is stepped, and
+    training goes on bitwise as in RAM."""
+    a, b = model(), model()
+    with sim_path("sim-seed1"):
+        ram = offload_adam.AdamW(groups(a), state_dtype="bfloat16", **OPTS)
+        disk = offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path,
+                                  step_in_backward=True, state_budget_mb=0.2, **OPTS)
+        for it in range(2):
+            for m, opt in ((a, ram), (b, disk)):
+                backward(m, it)
+                opt.step()
+                opt.zero_grad()
+        snap = snapshot(b, disk)
+        main, held = threading.get_ident(), threading.Event()
+
+        def hold(args):
+            if threading.get_ident() != main and not held.is_set():
+                held.set()
+                time.sleep(0.3)
+        kernels_that(monkeypatch, hold)
+        backward(b, 2)
+        assert held.wait(10)   # the worker is in (or past) the pass's first kernel
+        with pytest.raises(RuntimeError, match="Nothing was stepped: the state files"):
+            disk.zero_grad()
+        assert_snapshot(b, disk, snap)
+        assert disk._nvme.state.step == 2
+        monkeypatch.undo()
+        disk.zero_grad()
+        for it in range(3, 5):
+            for m, opt in ((a, ram), (b, disk)):
+                backward(m, it)
+                opt.step()
+                opt.zero_grad()
+        assert_same(params_of(a), params_of(b), ram, disk)
 
 
 @pytest.mark.parametrize("change", ["clip", "zero_grad", "accumulate", "load_state_dict",
