@@ -103,6 +103,23 @@ def test_the_pass_in_backward_is_bitwise_the_plain_step(kernels, tmp_path, monke
     assert disk._nvme.state.step == 6
 
 
+def in_ram_and_on_disk(a, b, tmp_path):
+    """The error tests' pair: model a's optimizer in RAM (the default), b's on disk with
+    step_in_backward, bf16 moments, a ring of a few buckets."""
+    ram = offload_adam.AdamW(groups(a), state_dtype="bfloat16", **OPTS)
+    disk = offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path,
+                              step_in_backward=True, state_budget_mb=0.2, **OPTS)
+    return ram, disk
+
+
+def train_both(a, b, ram, disk, iterations):
+    for it in iterations:
+        for m, opt in ((a, ram), (b, disk)):
+            backward(m, it)
+            opt.step()
+            opt.zero_grad()
+
+
 def test_a_pass_that_steps_every_bucket_in_backward_commits_nothing_before_step(
         kernels, tmp_path, monkeypatch):
     """Every file bucket complete in backward (no `unused` layer, `sometimes` in every
@@ -137,14 +154,8 @@ def test_an_error_while_the_pass_runs_waits_for_it_to_stop(kernels, tmp_path, mo
     training goes on bitwise as in RAM."""
     a, b = model(), model()
     with sim_path("sim-seed1"):
-        ram = offload_adam.AdamW(groups(a), state_dtype="bfloat16", **OPTS)
-        disk = offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path,
-                                  step_in_backward=True, state_budget_mb=0.2, **OPTS)
-        for it in range(2):
-            for m, opt in ((a, ram), (b, disk)):
-                backward(m, it)
-                opt.step()
-                opt.zero_grad()
+        ram, disk = in_ram_and_on_disk(a, b, tmp_path)
+        train_both(a, b, ram, disk, range(2))
         snap = snapshot(b, disk)
         main, held = threading.get_ident(), threading.Event()
 
@@ -161,11 +172,7 @@ def test_an_error_while_the_pass_runs_waits_for_it_to_stop(kernels, tmp_path, mo
         assert disk._nvme.state.step == 2
         monkeypatch.undo()
         disk.zero_grad()
-        for it in range(3, 5):
-            for m, opt in ((a, ram), (b, disk)):
-                backward(m, it)
-                opt.step()
-                opt.zero_grad()
+        train_both(a, b, ram, disk, range(3, 5))
         assert_same(params_of(a), params_of(b), ram, disk)
 
 
@@ -178,14 +185,8 @@ def test_an_error_leaves_nothing_stepped_and_training_goes_on(kernels, tmp_path,
     on bitwise as one that never had that iteration."""
     a, b = model(), model()
     with sim_path("sim-seed1"):
-        ram = offload_adam.AdamW(groups(a), state_dtype="bfloat16", **OPTS)
-        disk = offload_adam.AdamW(groups(b), state_dtype="bfloat16", state_dirs=tmp_path,
-                                  step_in_backward=True, state_budget_mb=0.2, **OPTS)
-        for it in range(2):
-            for m, opt in ((a, ram), (b, disk)):
-                backward(m, it)
-                opt.step()
-                opt.zero_grad()
+        ram, disk = in_ram_and_on_disk(a, b, tmp_path)
+        train_both(a, b, ram, disk, range(2))
         snap = snapshot(b, disk)
         calls = KernelCalls(monkeypatch)
         if change == "kernel_error":   # the first kernel of the pass in backward fails
@@ -230,10 +231,6 @@ def test_an_error_leaves_nothing_stepped_and_training_goes_on(kernels, tmp_path,
         assert disk._nvme.state.step == 2
         monkeypatch.undo()
         disk.zero_grad()
-        for it in range(3, 6):
-            for m, opt in ((a, ram), (b, disk)):
-                backward(m, it)
-                opt.step()
-                opt.zero_grad()
+        train_both(a, b, ram, disk, range(3, 6))
         assert_same(params_of(a), params_of(b), ram, disk)
     assert disk._nvme.state.step == 5
