@@ -3,12 +3,14 @@ steps in host RAM, with the project's fused kernel: bitwise the same state, in e
 format, striped over one or two directories, at the smallest ring and a deeper one. And the
 state_dict path: memory-mapped views that torch.save streams, loaded back bucket by bucket."""
 import io
+import threading
+import time
 
 import pytest
 import torch
 
 from nvme_adam import adam_fn, fill_initial, host_state, host_step, make_spec, same_bits
-from offload_adam.nvme import NvmeState, StepPipeline
+from offload_adam.nvme import NvmeState, StepPipeline, direct_io
 
 STEPS = 4
 
@@ -126,6 +128,63 @@ def test_a_step_interrupted_commits_nothing(kernels, tmp_path, how):
         assert state.step == 0 and same_bits(disk_state(state), before)
         for i, tensors in pipe.buckets():   # the step again, from the intact state
             step(i, tensors)
+        ram = host_state(spec, seed=3)
+        host_step(ram, seed=3, step=0)
+        pipe.close()
+        assert state.step == 1 and same_bits(disk_state(state), ram)
+
+
+def slow_writes(monkeypatch, seconds, until=None):
+    """Every write request held `seconds` before it runs (until the event `until` is set):
+    writes that land late, as on a busy disk."""
+    real = direct_io._write
+
+    def slow(fd, view, offset):
+        if until is None or not until.is_set():
+            time.sleep(seconds)
+        return real(fd, view, offset)
+    monkeypatch.setattr(direct_io, "_write", slow)
+
+
+def test_a_buffer_is_read_into_only_after_its_write_landed(kernels, tmp_path, monkeypatch):
+    """With writes landing late, the smallest ring reads the next bucket into a buffer right
+    after the write from it started; the pipeline waits for that write first, so the state
+    on disk is still bitwise the host's."""
+    spec = make_spec("bf16", buckets=6)
+    ram = host_state(spec, seed=2)
+    slow_writes(monkeypatch, 0.02)
+    with NvmeState.open([tmp_path], spec) as state:
+        pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
+        pipe.load(fill_initial(seed=2), step=0)
+        for step in range(2):
+            pipe.step(adam_fn(seed=2, step=step))
+            host_step(ram, seed=2, step=step)
+        pipe.close()
+        assert state.step == 2 and same_bits(disk_state(state), ram)
+
+
+def test_an_error_returns_only_after_the_writes_in_flight_landed(kernels, tmp_path,
+                                                                  monkeypatch):
+    """A kernel error while the earlier buckets' writes are still in flight (held 50 ms):
+    the pass returns once they have landed, so none of them lands in a slot or reads a
+    buffer that the step taken again is using."""
+    spec = make_spec("bf16", buckets=4)
+    with NvmeState.open([tmp_path], spec) as state:
+        pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
+        pipe.load(fill_initial(seed=3), step=0)
+        full_speed = threading.Event()
+        slow_writes(monkeypatch, 0.05, until=full_speed)
+        step = adam_fn(seed=3, step=0)
+
+        def fails_at_bucket_2(i, t):
+            step(i, t)
+            if i == 2:
+                raise RuntimeError("kernel failed")
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            pipe.step(fails_at_bucket_2)
+        full_speed.set()
+        pipe.step(step)
+        time.sleep(0.2)   # past any write of the failed pass that was still held
         ram = host_state(spec, seed=3)
         host_step(ram, seed=3, step=0)
         pipe.close()
