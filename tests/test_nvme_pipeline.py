@@ -61,6 +61,16 @@ def test_buckets_are_striped_over_the_directories(kernels, tmp_path):
             assert e.offset % 4096 == 0 and e.nbytes % 4096 == 0
 
 
+def two_steps_at_the_smallest_ring(state, spec, ram):
+    """Two steps of the files and of `ram`, seed 2, through a ring of 3 buckets."""
+    pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
+    pipe.load(fill_initial(seed=2), step=0)
+    for step in range(2):
+        pipe.step(adam_fn(seed=2, step=step))
+        host_step(ram, seed=2, step=step)
+    pipe.close()
+
+
 def test_state_dict_views_stream_through_torch_save_and_load_back(kernels, tmp_path):
     """views(i): each tensor its own mmap'd storage (torch.save writes its bytes only),
     copy-on-write (writing to it does not reach the files); loaded into a new directory
@@ -70,12 +80,7 @@ def test_state_dict_views_stream_through_torch_save_and_load_back(kernels, tmp_p
     (tmp_path / "b").mkdir()
     ram = host_state(spec, seed=2)
     with NvmeState.open([tmp_path / "a"], spec) as state:
-        pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
-        pipe.load(fill_initial(seed=2), step=0)
-        for step in range(2):
-            pipe.step(adam_fn(seed=2, step=step))
-            host_step(ram, seed=2, step=step)
-        pipe.close()
+        two_steps_at_the_smallest_ring(state, spec, ram)
         views = [state.views(i) for i in range(3)]
         for v, b in zip(views, spec.buckets):
             for t in b.tensors:
@@ -154,12 +159,7 @@ def test_a_buffer_is_read_into_only_after_its_write_landed(kernels, tmp_path, mo
     ram = host_state(spec, seed=2)
     slow_writes(monkeypatch, 0.02)
     with NvmeState.open([tmp_path], spec) as state:
-        pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
-        pipe.load(fill_initial(seed=2), step=0)
-        for step in range(2):
-            pipe.step(adam_fn(seed=2, step=step))
-            host_step(ram, seed=2, step=step)
-        pipe.close()
+        two_steps_at_the_smallest_ring(state, spec, ram)
         assert state.step == 2 and same_bits(disk_state(state), ram)
 
 
