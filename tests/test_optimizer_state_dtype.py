@@ -27,6 +27,17 @@ def train(fmt, steps=3, **options):
     return model, opt
 
 
+def resumed(sd, msd, fmt):
+    """A new model and optimizer loaded from the checkpoint (msd, sd) after 2 steps, and
+    trained 2 more."""
+    model, _ = make_pair(seed=3)
+    model.load_state_dict(msd)
+    opt = offload_adam.AdamW(model.parameters(), state_dtype=fmt, **OPTS)
+    opt.load_state_dict(sd)
+    run(model, opt, 2, start=2)
+    return model, opt
+
+
 def test_the_block_size_is_the_kernels(kernels):
     assert QUANT_BLOCK == kernels.quant_block_size()
 
@@ -63,6 +74,38 @@ def test_host_memory_per_param(kernels):
     assert 6 <= held["8bit"] < 6 + 8 / QUANT_BLOCK + 0.5  # + the partial blocks of small params
 
 
+@pytest.mark.parametrize("fmt", FORMATS[:2], ids=IDS[:2])
+def test_a_state_dict_with_non_contiguous_moments_resumes_bitwise(path, fmt):
+    """Moments that are views in another memory order (a state dict built by other code)
+    are taken by value, not by their storage: the run resumes bitwise as from the
+    contiguous ones."""
+    model, opt = train(fmt, steps=2)
+    sd, msd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    run(model, opt, 2, start=2)
+    transposed = 0
+    for st in sd["state"].values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if st[key].dim() == 2:
+                st[key] = st[key].t().contiguous().t()
+                transposed += not st[key].is_contiguous()
+    assert transposed > 0
+    assert_same((model, opt), resumed(sd, msd, fmt))
+
+
+def test_8bit_codes_with_a_scale_of_the_wrong_length_are_a_clear_error(path):
+    model, opt = train("8bit", steps=2)
+    sd = copy.deepcopy(opt.state_dict())
+    st = next(st for st in sd["state"].values() if st["exp_avg_scale"].numel() > 1)
+    st["exp_avg_scale"] = st["exp_avg_scale"][:-1].clone()
+    model2, _ = make_pair()
+    model2.load_state_dict(model.state_dict())
+    opt2 = offload_adam.AdamW(model2.parameters(), state_dtype="8bit", **OPTS)
+    with pytest.raises(ValueError, match=r"'exp_avg' holds 8-bit codes but 'exp_avg_scale' is "
+                                         r"missing or not \d+ long"):
+        opt2.load_state_dict(sd)
+        run(model2, opt2, 1, start=2)
+
+
 @pytest.mark.parametrize("fmt", [torch.bfloat16, "8bit"], ids=IDS[1:])
 def test_training_stays_close_to_fp32_moments(kernels, fmt):
     """Six steps: the masters' distance to the fp32-moment run's, relative to how
@@ -89,12 +132,7 @@ def test_checkpoint_resumes_bitwise(path, fmt):
     model, opt = train(fmt, steps=2)
     sd, msd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
     run(model, opt, 2, start=2)
-    model2, _ = make_pair(seed=3)
-    model2.load_state_dict(msd)
-    opt2 = offload_adam.AdamW(model2.parameters(), state_dtype=fmt, **OPTS)
-    opt2.load_state_dict(sd)
-    run(model2, opt2, 2, start=2)
-    assert_same((model, opt), (model2, opt2))
+    assert_same((model, opt), resumed(sd, msd, fmt))
 
 
 @pytest.mark.parametrize("fmt", [torch.bfloat16, "8bit"], ids=IDS[1:])
@@ -215,6 +253,9 @@ def test_a_state_dict_of_any_format_loads_into_any_other(path, saved, loaded):
             continue
         st, st2 = opt.state[p], opt2.state[q]
         assert st2["exp_avg"].dtype == MOMENT_DTYPE[loaded] and float(st2["step"]) == 3.0
+        # a format without block scales keeps none of the saved ones
+        assert {k for k in st2 if k.endswith("_scale")} == (
+            {"exp_avg_scale", "exp_avg_sq_scale"} if loaded == "8bit" else set())
         # the step started from the loaded moments: their scale carried over
         m_saved = offload_adam.state_format.float32_moment(
             st["exp_avg_sq"], st.get("exp_avg_sq_scale"), "exp_avg_sq")
@@ -279,3 +320,17 @@ def test_a_changed_state_dtype_is_converted_in_place_and_refused_by_the_engine(p
     else:
         opt.step()
         assert opt.state[model.head.weight]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_a_group_changed_from_8bit_keeps_no_block_scales(kernels):
+    """In place (the engine refuses the change: the test above), 8-bit -> bf16: the
+    moments are decoded and stored as bf16, and the 8-bit block scales go (a later
+    state_dict() must not offer them beside bf16 moments)."""
+    model, opt = train("8bit", steps=1)
+    for g in opt.param_groups:
+        g["state_dtype"] = "bfloat16"
+    loss_of(model, 1).backward()
+    opt.step()
+    for st in opt.state.values():
+        assert st["exp_avg"].dtype == torch.bfloat16
+        assert not {k for k in st if k.endswith("_scale")}
