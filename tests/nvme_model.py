@@ -58,3 +58,10 @@ def assert_same(ps, qs, a, b):
         assert sorted(sa["state"][i]) == sorted(sb["state"][i])
         for k in sa["state"][i]:
             assert torch.equal(bits(sa["state"][i][k]), bits(sb["state"][i][k])), (i, k)
+
+
+def assert_stepped_from(after, before, other):
+    """Each param went one step on from `before` (under 0.05 away), where `other` (the
+    values a stale master would have moved it back to) lies further than that."""
+    for a, b, o in zip(after, before, other):
+        assert (a.float() - b.float()).abs().max() < 0.05 < (b.float() - o.float()).abs().max()

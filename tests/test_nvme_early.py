@@ -120,6 +120,18 @@ def train_both(a, b, ram, disk, iterations):
             opt.zero_grad()
 
 
+def goes_on_as_if_never_ran(a, b, ram, disk, snap, monkeypatch, iterations):
+    """After an error at iteration 2: b's params, files and state_dict() are as at `snap`
+    (step 2); with the test's patches undone and the grads cleared, training both over
+    `iterations` ends bitwise the same."""
+    assert_snapshot(b, disk, snap)
+    assert disk._nvme.state.step == 2
+    monkeypatch.undo()
+    disk.zero_grad()
+    train_both(a, b, ram, disk, iterations)
+    assert_same(params_of(a), params_of(b), ram, disk)
+
+
 def test_a_pass_that_steps_every_bucket_in_backward_commits_nothing_before_step(
         kernels, tmp_path, monkeypatch):
     """Every file bucket complete in backward (no `unused` layer, `sometimes` in every
@@ -168,12 +180,7 @@ def test_an_error_while_the_pass_runs_waits_for_it_to_stop(kernels, tmp_path, mo
         assert held.wait(10)   # the worker is in (or past) the pass's first kernel
         with pytest.raises(RuntimeError, match="Nothing was stepped: the state files"):
             disk.zero_grad()
-        assert_snapshot(b, disk, snap)
-        assert disk._nvme.state.step == 2
-        monkeypatch.undo()
-        disk.zero_grad()
-        train_both(a, b, ram, disk, range(3, 5))
-        assert_same(params_of(a), params_of(b), ram, disk)
+        goes_on_as_if_never_ran(a, b, ram, disk, snap, monkeypatch, range(3, 5))
 
 
 @pytest.mark.parametrize("change", ["clip", "zero_grad", "accumulate", "load_state_dict",
@@ -227,10 +234,5 @@ def test_an_error_leaves_nothing_stepped_and_training_goes_on(kernels, tmp_path,
             disk.__dict__.pop("grad_scale", None)
             disk.__dict__.pop("found_inf", None)
             disk.param_groups[0]["lr"] = OPTS["lr"]
-        assert_snapshot(b, disk, snap)
-        assert disk._nvme.state.step == 2
-        monkeypatch.undo()
-        disk.zero_grad()
-        train_both(a, b, ram, disk, range(3, 6))
-        assert_same(params_of(a), params_of(b), ram, disk)
+        goes_on_as_if_never_ran(a, b, ram, disk, snap, monkeypatch, range(3, 6))
     assert disk._nvme.state.step == 5

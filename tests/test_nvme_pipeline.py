@@ -109,6 +109,15 @@ def test_a_budget_below_three_buckets_is_refused(tmp_path):
             StepPipeline(state, 2 * max(b.nbytes for b in spec.buckets))
 
 
+def failing_at_bucket_2(step):
+    """`step`, raising "kernel failed" once it has stepped bucket 2."""
+    def fails(i, t):
+        step(i, t)
+        if i == 2:
+            raise RuntimeError("kernel failed")
+    return fails
+
+
 @pytest.mark.parametrize("how", ["kernel error", "loop left early"])
 def test_a_step_interrupted_commits_nothing(kernels, tmp_path, how):
     spec = make_spec("bf16", buckets=4)
@@ -118,13 +127,9 @@ def test_a_step_interrupted_commits_nothing(kernels, tmp_path, how):
         before = disk_state(state)
         step = adam_fn(seed=3, step=0)
 
-        def fails_at_bucket_2(i, t):
-            step(i, t)
-            if i == 2:
-                raise RuntimeError("kernel failed")
         if how == "kernel error":
             with pytest.raises(RuntimeError, match="kernel failed"):
-                pipe.step(fails_at_bucket_2)
+                pipe.step(failing_at_bucket_2(step))
         else:
             for i, tensors in pipe.buckets():
                 step(i, tensors)
@@ -176,12 +181,8 @@ def test_an_error_returns_only_after_the_writes_in_flight_landed(kernels, tmp_pa
         slow_writes(monkeypatch, 0.05, until=full_speed)
         step = adam_fn(seed=3, step=0)
 
-        def fails_at_bucket_2(i, t):
-            step(i, t)
-            if i == 2:
-                raise RuntimeError("kernel failed")
         with pytest.raises(RuntimeError, match="kernel failed"):
-            pipe.step(fails_at_bucket_2)
+            pipe.step(failing_at_bucket_2(step))
         full_speed.set()
         pipe.step(step)
         time.sleep(0.2)   # past any write of the failed pass that was still held
