@@ -20,6 +20,12 @@ limit time = read bytes / read GB/s + write bytes / write GB/s (the disk doing t
 reads and its writes, each at its own measured speed); ratio = step time / limit time.
 Target (issue 17): step time <= 1.15 x max(limit time, cpu step time) at 2 threads.
 
+Checksums (issue 25): every bucket slot is CRC32'd as it is written and verified as it is
+read, by the I/O threads. --checksums both (the default) steps two states of each format
+side by side, alternating step by step: one as the tier runs (checksums on) and one with
+the checksum replaced by a constant (off), so that their ratio is what checksumming costs,
+paired. The disk's limit is measured without checksums (the disk's own speed).
+
     flock /tmp/offload_bench.lock python bench/nvme_bench.py            # ~2 GB of fp32 state
     python bench/nvme_bench.py --state-gb 0.2 --steps 2 --out /tmp/x      # smoke run
 
@@ -29,6 +35,7 @@ start and the end (the machine's cores may be shared).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -45,11 +52,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.machine import load_average, machine_info, one_line  # noqa: E402
 from offload_adam.kernel_step import Hyper, adam_step  # noqa: E402
 from offload_adam.nvme import NvmeState, StateSpec, StepPipeline, adam_bucket  # noqa: E402
+from offload_adam.nvme import direct_io  # noqa: E402
 from offload_adam.nvme.direct_io import AlignedBuffer, IOPool, open_direct, wait  # noqa: E402
 
 HYPER = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
               decoupled_weight_decay=True, maximize=False, amsgrad=False)
 FORMATS = {"fp32": "float32", "bf16": "bfloat16", "8bit": "8bit"}
+
+
+CRC32 = direct_io.crc32
+
+
+@contextlib.contextmanager
+def checksums(on: bool):
+    """The tier's checksum as it is (on), or a constant (off: nothing computed, and a
+    state written so verifies as read so)."""
+    direct_io.crc32 = CRC32 if on else (lambda data, value=0: 0)
+    try:
+        yield
+    finally:
+        direct_io.crc32 = CRC32
 
 
 def log(out, line=""):
@@ -148,7 +170,8 @@ def fill(i, t):
 
 
 def measured_limit(args, size, out, when):
-    limit = disk_limit(args.dir, size, args.io_threads, 16 << 20)
+    with checksums(False):   # the disk's own speed
+        limit = disk_limit(args.dir, size, args.io_threads, 16 << 20)
     log(out, f"disk {when} the steps (O_DIRECT, {limit['bytes'] / 1e9:.2f} GB sequential): "
              f"write {limit['write_Bps'] / 1e9:.3f} GB/s, read {limit['read_Bps'] / 1e9:.3f} "
              f"GB/s, read+write at once {limit['mixed_Bps'] / 1e9:.3f} GB/s")
@@ -165,7 +188,8 @@ def against(row, limit, out):
     ratios = dict(limit_seconds=limit_t, mixed_limit_seconds=mixed_t,
                   ratio_to_limit=step_t / limit_t, ratio_to_bound=step_t / bound,
                   ratio_to_mixed=step_t / mixed_t, target_met=step_t <= 1.15 * bound)
-    log(out, f"{row['format']:>5} {row['buckets']:>4} x {row['bucket_params'] / 1e6:.2f}M "
+    log(out, f"{row['format']:>5} crc {row['checksums']:>3} {row['buckets']:>4} x "
+             f"{row['bucket_params'] / 1e6:.2f}M "
              f"params  {nbytes / 1e9:6.2f} GB  step {step_t:6.2f} s ({row['step_GBps']:.2f} "
              f"GB/s r+w)  limit {limit_t:6.2f} s  mixed {mixed_t:6.2f} s  cpu {cpu_t:6.2f} s  "
              f"step/max(limit,cpu) {ratios['ratio_to_bound']:.3f}  "
@@ -176,47 +200,64 @@ def against(row, limit, out):
 
 
 def bench_format(fmt, args, folder, limit, out):
+    """The rows of format `fmt`: one per checksum mode, the modes' steps alternating."""
     # a bucket of --bucket-mb of state in every format (8-bit: more params per bucket)
     bucket_numel = int(args.bucket_mb * 2**20 / (make_spec(fmt, 1, 1 << 20).nbytes / 2**20))
     bucket_numel -= bucket_numel % 32768
     buckets = max(3, int(args.state_gb * 1e9 / make_spec(fmt, 1, bucket_numel).nbytes))
     spec = make_spec(fmt, buckets, bucket_numel)
     grad = torch.randn(bucket_numel) * 1e-2
-    state_dir = os.path.join(folder, fmt)
-    os.makedirs(state_dir, exist_ok=True)
-    row = {"format": fmt, "buckets": buckets, "params": buckets * bucket_numel,
-           "bytes_per_generation": spec.nbytes}
-    with NvmeState.open([state_dir], spec, io_threads=args.io_threads) as state:
-        pipe = StepPipeline(state, args.ring * spec.buckets[0].nbytes, pin=False)
-        row.update(ring=len(pipe.buffers), depth=pipe.depth, host_buffer_bytes=pipe.host_bytes)
-        t = time.perf_counter()
-        pipe.load(fill, step=0)
-        row["load_seconds"] = time.perf_counter() - t
-        fn = kernel_fn(grad, args.threads)
-        pipe.step(fn)   # warm-up: the second slots' extents are written for the first time
+    fn = kernel_fn(grad, args.threads)
+    modes = ["on", "off"] if args.checksums == "both" else [args.checksums]
+    rows, pipes = {}, {}
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            state_dir = os.path.join(folder, f"{fmt}_{mode}")
+            os.makedirs(state_dir, exist_ok=True)
+            stack.callback(shutil.rmtree, state_dir)
+            state = stack.enter_context(NvmeState.open([state_dir], spec,
+                                                       io_threads=args.io_threads))
+            pipe = StepPipeline(state, args.ring * spec.buckets[0].nbytes, pin=False)
+            stack.callback(pipe.close)
+            row = {"format": fmt, "checksums": mode, "buckets": buckets,
+                   "params": buckets * bucket_numel, "bytes_per_generation": spec.nbytes,
+                   "ring": len(pipe.buffers), "depth": pipe.depth,
+                   "host_buffer_bytes": pipe.host_bytes, "bucket_params": bucket_numel,
+                   "step_seconds": [], "io_only_seconds": []}
+            with checksums(mode == "on"):
+                t = time.perf_counter()
+                pipe.load(fill, step=0)
+                row["load_seconds"] = time.perf_counter() - t
+                pipe.step(fn)   # warm-up: the second slots' extents written the first time
+            rows[mode], pipes[mode] = row, pipe
         cpu = []
+        pipe = pipes[modes[0]]
         for _ in range(args.steps):   # the kernel alone, over the same ring buffers
             t = time.perf_counter()
             for i in range(buckets):
-                fn(i, state.tensors(i, pipe.buffers[i % len(pipe.buffers)]))
+                fn(i, pipe.state.tensors(i, pipe.buffers[i % len(pipe.buffers)]))
             cpu.append(time.perf_counter() - t)
-        steps, io_only = [], []
         for _ in range(args.steps):
-            t = time.perf_counter()
-            pipe.step(fn)
-            steps.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            pipe.step(lambda i, tensors: None)   # the pipeline's I/O without the kernel
-            io_only.append(time.perf_counter() - t)
-        pipe.close()
-    shutil.rmtree(state_dir)
-    step_t = statistics.median(steps)
-    row.update(bucket_params=bucket_numel, step_seconds=steps, cpu_seconds=cpu,
-               io_only_seconds=io_only, io_only_median=statistics.median(io_only),
-               step_median=step_t, cpu_median=statistics.median(cpu),
-               step_GBps=2 * spec.nbytes / step_t / 1e9)
-    row["against_before"] = against(row, limit, out)
-    return row
+            for mode in modes:   # alternating: the pair sees the same disk and load
+                with checksums(mode == "on"):
+                    t = time.perf_counter()
+                    pipes[mode].step(fn)
+                    rows[mode]["step_seconds"].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    pipes[mode].step(lambda i, tensors: None)   # the pipeline's I/O alone
+                    rows[mode]["io_only_seconds"].append(time.perf_counter() - t)
+    for row in rows.values():
+        step_t = statistics.median(row["step_seconds"])
+        row.update(cpu_seconds=cpu, io_only_median=statistics.median(row["io_only_seconds"]),
+                   step_median=step_t, cpu_median=statistics.median(cpu),
+                   step_GBps=2 * spec.nbytes / step_t / 1e9)
+        row["against_before"] = against(row, limit, out)
+    if len(rows) == 2:
+        pairs = [a / b for a, b in zip(rows["on"]["step_seconds"], rows["off"]["step_seconds"])]
+        rows["on"]["checksum_cost_ratios"] = pairs
+        log(out, f"{fmt:>5} checksums on / off, step by step: "
+                 f"{' '.join(f'{r:.3f}' for r in pairs)}  median {statistics.median(pairs):.3f}")
+    return list(rows.values())
 
 
 def main():
@@ -231,6 +272,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="kernel threads")
     ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--checksums", choices=["both", "on", "off"], default="both",
+                    help="both: a state with and one without, alternating (the paired cost)")
     ap.add_argument("--tag", default=socket.gethostname())
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "nvme"))
@@ -246,7 +289,8 @@ def main():
         # measured on as many bytes as one generation of the fp32 state
         size = max(64 << 20, int(args.state_gb * 1e9) // (64 << 20) * (64 << 20))
         before = measured_limit(args, size, out, "before")
-        rows = [bench_format(f, args, args.dir, before, out) for f in args.formats.split(",")]
+        rows = [row for f in args.formats.split(",")
+                for row in bench_format(f, args, args.dir, before, out)]
         after = measured_limit(args, size, out, "after")
         limit = {"before": before, "after": after}
         log(out, "the same rows against the disk measured after the steps:")

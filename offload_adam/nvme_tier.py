@@ -17,11 +17,16 @@ The same kernel calls on the same values as in RAM, so the params come out bitwi
 same as with the state in host RAM. Every param has a master in the files, so the files
 hold the whole training state: an fp32 param stepped in place is its own master (as in
 RAM), and its new value is copied there after its kernel; a param without a grad in a
-step has its master refreshed from the param if it no longer rounds to it. A resumed
-state restores the params from the masters (`_restore_params`). A master is taken from
-its param at the param's first step (its step count is 0), and a loaded or resumed one is
+step has its master refreshed from the param if it no longer rounds to it. A master is
+taken from its param at the param's first step (its step count is 0), and a loaded one is
 kept only while it still rounds to its param (as torch_state_dict.py's
 _drop_stale_masters does in RAM).
+
+A resumed state restores the params from the masters (`_restore_params`), after the ranks
+of a sharded run agreed on one step (`_agree_on_step`). Until the next step nothing may
+mix two steps: params changed since the restore must be the files' step, or the step
+before (the state goes back to it: `_check_resumed`), and a state dict loaded over the
+restored params must be theirs (`_refuse_a_mix`).
 
 optimizer.state holds an empty entry for each of these params that has a state (`mark`);
 state_dict() shows their state as file views (`add_state`) and load_state_dict() writes
@@ -36,18 +41,22 @@ restores them from the files, as after a crash.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.autograd.graph import increment_version
 
+from . import distributed
 from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, rounds_to
 from .engine.disk_early import DiskEarly
 from .engine.disk_step import DiskStep
 from .kernel_state import kernel_state, master_from_param
 from .kernel_step import Hyper, KernelArgs
-from .nvme import BucketSpec, NvmeState, StateSpec, StepPipeline, adam_bucket
+from .nvme import (BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, adam_bucket,
+                   ring_size)
+from .nvme.store import STATE_FILES
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
 
 _MB = 2 ** 20
@@ -82,7 +91,8 @@ class NvmeTier:
     offload engine stepping some of them (its records name which), or None."""
 
     def __init__(self, param_groups, params: List[List[torch.Tensor]], dirs, bucket_mb: float,
-                 budget_mb: Optional[float], resume: bool = False, engine=None):
+                 budget_mb: Optional[float], resume: bool = False, engine=None,
+                 process_group=None):
         recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
         self.engine = engine
         self.buckets: List[List[_Param]] = []
@@ -116,27 +126,38 @@ class NvmeTier:
                          extra={"amsgrad": self._amsgrad})
         largest = max((b.nbytes for b in spec.buckets), default=0)
         budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
-        self.state = NvmeState.open(list(dirs), spec)
-        if self.state.step and not resume:
-            step = self.state.step
-            self.state.close()
-            raise ValueError(
-                f"state_dirs={list(dirs)} already hold this optimizer's state at step "
-                f"{step} (an earlier run, or one that crashed). Pass "
-                "state_resume=True to continue from it, or empty the directories to start "
-                "afresh")
-        try:
-            self.pipeline = StepPipeline(self.state, budget)
+        try:   # before any file is made: a refused construction leaves none behind
+            ring_size(spec, budget)
         except ValueError as e:
-            self.state.close()
             raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
-        self._stepped: set = set()   # ids of the params whose files hold a stepped state
-        if self.state.step:
-            self._restore_params()
-        # Masters to check against their param at the next step: all of a resumed state
-        # (restored from them, unless the model is loaded again before that step).
-        self._loaded: Dict[int, str] = ({id(e.param): "check" for b in self.buckets for e in b
-                                         if e.has_master} if self.state.step else {})
+        self.pipeline = None
+        self.state = NvmeState.open(list(dirs), spec)
+        try:
+            self._agree_on_step(params, process_group)
+            if self.state.step and not resume:
+                raise ValueError(
+                    f"state_dirs={list(dirs)} already hold this optimizer's state at step "
+                    f"{self.state.step} (an earlier run, or one that crashed). To continue "
+                    "from it, pass state_resume=True (the params are then set from it too). "
+                    "To start afresh, or from a checkpoint of your own (a model and an "
+                    "optimizer state_dict, e.g. Trainer's resume_from_checkpoint), remove its "
+                    f"files ({', '.join(STATE_FILES)}) or give other directories: a state is "
+                    "never overwritten unasked")
+            self.pipeline = StepPipeline(self.state, budget)
+            self._stepped: set = set()   # ids of the params whose files hold a stepped state
+            # The params state_resume=True restored: id -> (entry, how the param was then,
+            # the step it was restored from); checked at the next step (_check_resumed)
+            self._resumed: Dict[int, Tuple[_Param, tuple, float]] = {}
+            if self.state.step:
+                self._restore_params()   # (a damaged slot raises here)
+        except BaseException:
+            if self.pipeline is not None:
+                self.pipeline.close()
+            self.state.close(discard=True)
+            raise
+        # Masters loaded by load_state_dict, to take from or check against the param at
+        # its next step ("take" / "check", kernel_state.master_from_param)
+        self._loaded: Dict[int, str] = {}
         self._early = None   # step_in_backward: the pass that starts in backward
         if engine is not None and engine.early is not None:
             self._early = DiskEarly(
@@ -146,19 +167,127 @@ class NvmeTier:
                 lambda rec: self._loaded.get(id(rec.param)))
             engine.early.use_files(self._early)
 
+    def _agree_on_step(self, params, process_group) -> None:
+        """Under several ranks (FSDP2, or process_group=): every rank resumes from the same
+        step. A rank killed between the others' commit of a step and its own is one step
+        behind; the others go back to its step, which their files still hold (the other
+        slots, checked whole first). Ranks that cannot agree all raise the same error."""
+        flat = [p for group in params for p in group]
+        mine = (self.state.step, self.state.previous)
+        ranks = distributed.every_rank(mine, flat, process_group)
+        if ranks is None:
+            return
+        target = min(step for step, _ in ranks)
+        if any(step != target and previous != target for step, previous in ranks):
+            raise ValueError(
+                f"offload_adam: the ranks' state files are at steps {[s for s, _ in ranks]} "
+                f"(rank order) and cannot be brought to one step (each keeps the step "
+                f"before its last); they are not the files of one run. Give the directories "
+                "of one run, or remove the state files to start afresh")
+        problem = None
+        if self.state.step != target:
+            try:
+                self.state.rollback()
+            except NvmeError as e:
+                problem = str(e)
+        problems = distributed.every_rank(problem, flat, process_group)
+        bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if bad:
+            raise ValueError(
+                f"offload_adam: the ranks' state files are at steps {[s for s, _ in ranks]} "
+                f"(rank order); going back to step {target} failed on rank {bad[0][0]}: "
+                f"{bad[0][1]}")
+        if target != mine[0]:
+            warnings.warn(f"offload_adam: this rank's state files were at step {mine[0]}, "
+                          f"another rank's at step {target} (killed before it committed step "
+                          f"{mine[0]}): all ranks resume from step {target}", RuntimeWarning)
+
     def _restore_params(self) -> None:
         """A resumed state gives the params their values of its last completed step:
         each param stepped at least once takes its master from the files (rounded to a
         bf16/fp16 param), so that a crash loses nothing even between a step and the
-        user's own checkpoint of the model."""
+        user's own checkpoint of the model. What each param is then is kept, to check at
+        the next step that nothing loaded after mixes steps (_check_resumed)."""
+        self._stepped, self._resumed = set(), {}
+        # every slot checked before any param is set: a damaged one changes nothing
+        every = [self.state.views(i) for i in range(len(self.buckets))]
         with torch.no_grad():
-            for i, bucket in enumerate(self.buckets):
-                views = self.state.views(i)
+            for bucket, views in zip(self.buckets, every):
                 for e in bucket:
-                    if float(views[f"{e.name}.step"]) > 0:
+                    step = float(views[f"{e.name}.step"])
+                    if step > 0:
                         live = local(e.param).detach()
                         live.copy_(views[f"{e.name}.master"].to(live.dtype))
                         self._stepped.add(id(e.param))
+                        self._resumed[id(e.param)] = (e, _as_now(e.param), step)
+
+    def _check_resumed(self, stepping: bool) -> None:
+        """Before the first step after state_resume=True (and the state dict's views): the
+        params changed since they were restored (a model checkpoint loaded after building
+        the optimizer) must be the files' step, or training on would mix the params of
+        one step with the moments and step count of another. Params of the step before,
+        which the files hold too (a kill between step() and the model's save), set the
+        state back to that step, with a warning; params of no step the files hold are
+        refused, before anything is stepped."""
+        if not self._resumed:
+            return
+        changed = [e for e, now, _ in self._resumed.values() if _as_now(e.param) != now]
+        if changed and not self._params_match(changed, previous=False):
+            step, previous = self.state.step, self.state.previous
+            older = [e for e, _, _ in self._resumed.values()]
+            if previous is not None and self._params_match(older, previous=True):
+                self.state.rollback()
+                self._restore_params()   # (the same values: they are the params)
+                warnings.warn(
+                    f"offload_adam: the params were changed after state_resume=True set them "
+                    f"to the state files' step {step}, and they are the params of step "
+                    f"{previous}, which the files hold too (a model checkpoint saved before "
+                    f"the last step?): the optimizer state went back to step {previous} to "
+                    "match them. To continue from the files' last step instead, do not load "
+                    "the model after building the optimizer with state_resume=True",
+                    RuntimeWarning, stacklevel=4)
+            else:
+                held = f"step {step}" + (f" or {previous}" if previous is not None else "")
+                raise RuntimeError(
+                    f"offload_adam: {len(changed)} params were changed after "
+                    f"state_resume=True set them to the state files' step {step} (first: "
+                    f"param {changed[0].name}), and they are not the params of any step the "
+                    f"files hold ({held}): training on would step them with another run's "
+                    "moments and step count. Nothing was stepped. Either resume from the "
+                    "files alone (state_resume=True sets the params: do not load the model "
+                    "after building the optimizer), or load the optimizer state saved with "
+                    "these params (opt.load_state_dict) before stepping")
+        if stepping:   # (until then, a model loaded later is checked again)
+            self._resumed = {}
+
+    def _params_match(self, entries: List[_Param], previous: bool) -> bool:
+        """Whether each entry's param is its master in the files' current (or previous)
+        generation, as a restore from it would have set it; entries not stepped in that
+        generation match whatever they are (they start from their param)."""
+        by_bucket: Dict[int, List[_Param]] = {}
+        where = {id(e.param): i for i, b in enumerate(self.buckets) for e in b}
+        for e in entries:
+            by_bucket.setdefault(where[id(e.param)], []).append(e)
+        with torch.no_grad():
+            for i, bucket in sorted(by_bucket.items()):
+                try:
+                    views = self.state.views(i, previous=previous)
+                except NvmeError:
+                    if previous:
+                        return False   # not whole any more: no step to go back to
+                    raise
+                for e in bucket:
+                    if float(views[f"{e.name}.step"]) == 0:
+                        continue
+                    if not rounds_to(views[f"{e.name}.master"],
+                                     local(e.param).detach().to("cpu")):
+                        return False
+        return True
+
+    @property
+    def committed_step(self) -> int:
+        """The completed steps the files hold (the last commit)."""
+        return self.state.step
 
     def mark(self, state) -> None:
         """An empty entry in optimizer.state for each param whose state is in the files
@@ -204,6 +333,7 @@ class NvmeTier:
             raise RuntimeError("offload_adam: this optimizer was closed (its state files "
                                "too); build a new one, with state_resume=True to continue "
                                "from them")
+        self._check_resumed(stepping=True)
         with_grads = [e for b in self.buckets for e in b
                       if e.rec is None and e.param.grad is not None]
         for e in with_grads:   # before any bucket is stepped
@@ -307,6 +437,7 @@ class NvmeTier:
     def add_state(self, sd: dict) -> dict:
         """torch's state dict `sd` with the state of the params here, as file views, under
         the ids sd gives them, in the keys and order of the state in RAM."""
+        self._check_resumed(stepping=False)
         state = dict(sd["state"])
         for i, bucket in enumerate(self.buckets):
             views = self.state.views(i)
@@ -330,17 +461,18 @@ class NvmeTier:
         """Writes a loaded state dict into the files, bucket by bucket: for each param its
         saved state converted to its group's format (state_format.py), or a fresh one.
         `saved_ids`: id(param) -> its key in `saved_state`."""
+        def saved_of(e: _Param) -> dict:
+            return saved_state.get(saved_ids.get(id(e.param))) or {}
+
+        self._refuse_a_mix(saved_of)
         self._abandon_early("the optimizer state was replaced (load_state_dict) after "
                             "its step started during backward")
         loaded: Dict[int, str] = {}
         stepped: set = set()
 
-        def saved_of(e: _Param) -> dict:
-            return saved_state.get(saved_ids.get(id(e.param))) or {}
-
         def fill(i, t):
             for e in self.buckets[i]:
-                self._fill_param(e, t, stored_state(saved_of(e), f" of param {e.name}"), loaded)
+                self._fill_param(e, t, self._local_saved(e, saved_of(e)), loaded)
                 if float(t[f"{e.name}.step"]) > 0:
                     stepped.add(id(e.param))
 
@@ -350,17 +482,57 @@ class NvmeTier:
                    default=0)
         self.pipeline.load(fill, step=step)
         self._loaded, self._stepped = loaded, stepped
+        # the params still as state_resume=True set them were checked to be the loaded
+        # state's (_refuse_a_mix): they stay to check at the next step
+        self._resumed = {k: v for k, v in self._resumed.items() if _as_now(v[0].param) == v[1]}
 
-    def _fill_param(self, e: _Param, t, saved: dict, loaded: Dict[int, str]) -> None:
-        """Writes param e's `saved` state, in the kernels' form (kernel_state.py), into
-        its bucket's buffer `t`; `loaded` says which masters to check or take at the
-        next step."""
-        p = local(e.param)   # a DTensor's shard: its state is the shard's (distributed.py)
-        label = f"param {e.name} (shape {tuple(p.shape)})"
-        if is_dtensor(e.param):
-            saved = {k: local_value(v, e.param, k, lambda: label[len("param "):])
+    def _local_saved(self, e: _Param, saved: dict) -> dict:
+        """Param e's state in a state dict, under the state's keys, as this rank's shard."""
+        saved = stored_state(saved, f" of param {e.name}")
+        if is_dtensor(e.param):   # its state is the local shard's (distributed.py)
+            label = f"{e.name} (shape {tuple(local(e.param).shape)})"
+            saved = {k: local_value(v, e.param, k, lambda: label)
                      if isinstance(v, torch.Tensor) and k in MOMENT_KEYS + (MASTER_KEY,) else v
                      for k, v in saved.items()}
+        return saved
+
+    def _refuse_a_mix(self, saved_of) -> None:
+        """load_state_dict after state_resume=True set the params: a state saved with other
+        params (another step's, whose model the restore overwrote) would step these with
+        its moments. Refused before anything is written when a param still as the restore
+        set it is not the loaded state's: its master does not round to it, or (no master:
+        an fp32 param stepped in place) its step count is not the files'. Params loaded
+        again since the restore are the user's to match, as in RAM."""
+        for e, now, step in self._resumed.values():
+            saved = saved_of(e)
+            if not saved or _as_now(e.param) != now:
+                continue
+            master = self._local_saved(e, saved).get(MASTER_KEY) if e.has_master else None
+            if isinstance(master, torch.Tensor):
+                same = rounds_to(master.detach().to("cpu", torch.float32),
+                                 local(e.param).detach().to("cpu"))
+            else:
+                same = saved.get("step") is None or float(saved["step"]) == step
+            if same:
+                continue
+            raise ValueError(
+                f"offload_adam: state_resume=True set the params to the state files' step "
+                f"{self.state.step} when the optimizer was built, and the optimizer state "
+                f"being loaded was saved with other params (param {e.name}: its step "
+                f"{float(saved.get('step', 0)):g}, {step:g} in the files): it would step "
+                "these params with the moments of another step. To resume from a "
+                "checkpoint (its model and optimizer state, e.g. Trainer's "
+                "resume_from_checkpoint), build the optimizer without state_resume on "
+                "directories without state (remove their files, "
+                f"{', '.join(STATE_FILES)}, or give others); to continue from the files, "
+                "do not load a state dict. Nothing was loaded")
+
+    def _fill_param(self, e: _Param, t, saved: dict, loaded: Dict[int, str]) -> None:
+        """Writes param e's `saved` state (_local_saved), in the kernels' form
+        (kernel_state.py), into its bucket's buffer `t`; `loaded` says which masters to
+        check or take at the next step."""
+        p = local(e.param)
+        label = f"param {e.name} (shape {tuple(p.shape)})"
         got = kernel_state(saved, p.shape, self._formats[e.group], self._amsgrad[e.group],
                            e.has_master, label)
         t[f"{e.name}.step"].fill_(got.step)
@@ -373,6 +545,13 @@ class NvmeTier:
             t[f"{e.name}.master"].copy_(local(p).detach().to("cpu", torch.float32))
             if e.has_master:
                 loaded[id(e.param)] = "take"
+
+
+def _as_now(p: torch.Tensor) -> tuple:
+    """What tells that a param was changed: its data's version counter (bumped by every
+    in-place write, a model's load_state_dict included) and its storage (p.data = ...)."""
+    t = local(p)
+    return t._version, t.data_ptr()
 
 
 def _check_grad(e: _Param, group: dict) -> None:

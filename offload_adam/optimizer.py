@@ -281,7 +281,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         self._nvme = NvmeTier(self.param_groups, [g["params"] for g in self.param_groups],
                               dirs, self._options.bucket_mb,
                               self._options.state_budget_mb,
-                              self._options.state_resume or resume, engine=self._engine)
+                              self._options.state_resume or resume, engine=self._engine,
+                              process_group=self._options.process_group)
         weakref.finalize(self, self._nvme.close)
         self._nvme.mark(self.state)
         self._reset_caches()
@@ -322,6 +323,18 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
+
+    @property
+    def step_count(self) -> int:
+        """The completed steps of the optimizer's state: with state_dirs=, the files' last
+        committed step (what state_resume=True continued from: a resumed run sets its LR
+        schedule and data position from it); otherwise the largest step count of a
+        param's state (a param without a grad in some steps counts fewer). 0 before the
+        first step."""
+        if self._nvme is not None:
+            return self._nvme.committed_step
+        return int(max((float(st["step"]) for st in self.state.values()
+                        if isinstance(st, dict) and "step" in st), default=0))
 
     def zero_grad(self, set_to_none=True):
         if self._engine is not None:

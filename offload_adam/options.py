@@ -5,10 +5,12 @@ documented here and nowhere else.
   overlap (True): copy each grad to the host as backward produces it; with
     False everything happens inside step(). Both give the same results.
   bucket_mb (32): size of the buckets the engine steps and transfers at once.
-  free_grads_after_copy (False): drop each grad (p.grad = None) as soon as it
-    is on the host, to save device memory. Then code between backward and
-    step() must not read or change p.grad (clip with opt.clip_grad_norm_), and
-    grads cannot be accumulated over micro-batches (an error says so).
+  free_grads_after_copy (False): free each grad's device memory as soon as it
+    is on the host: p.grad then holds a FreedGrad (freed_grad.py), a tensor of
+    the grad's shape and dtype that owns no memory. It answers clipping
+    (torch.nn.utils.clip_grad_norm_, opt.clip_grad_norm_) and GradScaler's inf
+    check from the host copy, and refuses everything else with an error:
+    reading its values, editing it, accumulating another micro-batch into it.
     Needs overlap=True.
   num_threads (None): kernel threads, for every param; None =
     torch.get_num_threads(), minus one for CUDA params (the thread driving the
@@ -55,14 +57,25 @@ documented here and nowhere else.
     directories must exist and be writable; each optimizer needs its own.
     Under several ranks (FSDP2's DTensor params, or process_group=) each rank
     keeps its shards' state in a folder "rank<R>" of each directory (made if
-    missing), so every rank may be given the same directories. A directory
-    that already holds the state of the same params (names, shapes, dtypes,
-    state_dtype, amsgrad) at a completed step is refused unless
+    missing), so every rank may be given the same directories; resumed, the
+    ranks agree on one step (a rank killed before it committed the others'
+    last step makes them go back to the one before, which their files keep).
+    The files are identified by the params (names, shapes, their order in the
+    groups), state_dtype, amsgrad and bucket_mb (which lays out the buckets:
+    give the same one to resume); not by the params' dtype (the files hold
+    fp32 masters: a model cast between runs resumes from them). A directory
+    that already holds this state at a completed step is refused unless
     state_resume=True (a fresh run must not silently start from an old run's
-    moments and step count); one that holds another model's is refused.
-    state_dict() returns tensors backed by the files (mmap'd, copy on write;
-    save them before the second step after), load_state_dict() writes into the
-    files. Fixed at construction (no add_param_group). None = host RAM.
+    moments and step count); one that holds another model's, or files of a
+    state that cannot be trusted (data files without their manifest, the
+    directories in another order than they were made in, a file of another
+    run), is refused: a state is never overwritten unasked (remove its files
+    to start afresh). Every bucket is checksummed (CRC32) as it is written and
+    checked whenever it is read (each step, state_dict(), a resume): damaged
+    bytes are an error naming the bucket and the file. state_dict() returns
+    tensors backed by the files (mmap'd, copy on write; save them before the
+    second step after), load_state_dict() writes into the files. Fixed at
+    construction (no add_param_group). None = host RAM.
   state_budget_mb (None): the host memory the NVMe tier may hold: a ring of
     buffers of the largest bucket; the ring needs 3 (one read ahead, one
     stepped, one written back), more read further ahead. None = 4 buckets.
@@ -72,9 +85,16 @@ documented here and nowhere else.
     params too: each param stepped at least once is set at construction from
     its master in the files (the files hold every param's value, fp32 params
     stepped in place included), so a crash loses nothing even without a model
-    checkpoint. A model loaded after construction wins: a master that no longer
-    rounds to its param is taken from the param at the next step. Needs
-    state_dirs.
+    checkpoint; opt.step_count says the step. Nothing loaded after may mix
+    steps: params changed before the next step must be the files' (or those
+    of the step before, which the files keep: a model checkpoint saved before
+    a kill between step() and the model's save; the state then goes back to
+    that step, with a warning), else the step raises, nothing stepped; a
+    state_dict loaded over params the resume set must be the one saved with
+    them, else load_state_dict raises, nothing loaded. To resume from a
+    checkpoint of your own (model and optimizer state, e.g. Trainer's
+    resume_from_checkpoint), use directories without state and no
+    state_resume. Needs state_dirs.
 
 The state format is a param-group key, not an option of this record:
   state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
@@ -185,8 +205,8 @@ def _checked_dirs(value) -> Tuple[str, ...]:
         problem = folder_problem(d)
         if problem is not None:
             error, what = problem
-            hint = ("" if error is PermissionError
-                    else " (create one per drive before building the optimizer)")
+            hint = (" (create one per drive before building the optimizer)"
+                    if error is FileNotFoundError else "")
             raise ValueError(f"state_dirs: {d!r} {what}{hint}")
     if len(set(out)) != len(out):
         raise ValueError(f"state_dirs names a directory twice: {list(out)}")

@@ -484,6 +484,58 @@ def nvme(variant):
     return out
 
 
+KILLED_STEPS = 2   # completed by both ranks before rank 0 is killed in the next one
+
+
+@scenario("fp32", "bf16")
+def nvme_kill(variant):
+    """Phase 1 of issue 25's item 7 (tests/test_distributed.py runs it alone): both ranks
+    complete KILLED_STEPS steps on their files; in the next one rank 1 commits and rank 0
+    is SIGKILLed right before its commit (its slots written, its manifest one step
+    behind). Rank 1 then writes its result and exits at once (rank 0 is gone)."""
+    import signal
+    dtype = BF16 if variant == "bf16" else torch.float32
+    folder = os.path.join(OUT_DIR, f"nvme_kill_{variant}")
+    os.makedirs(folder, exist_ok=True)
+    model = build(dtype)
+    opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=WD, bucket_mb=0.0005,
+                             state_dirs=folder)
+    train(model, opt, KILLED_STEPS)
+    if dist.get_rank() == 0:
+        def killed(*args, **kw):
+            os.kill(os.getpid(), signal.SIGKILL)
+        offload_adam.nvme.NvmeState.commit = killed
+    train(model, opt, 1, start=KILLED_STEPS)
+    with open(os.path.join(OUT_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({f"nvme_kill_{variant}": {"ok": True, "step": opt.step_count}}, f)
+    os._exit(0)
+
+
+@scenario("fp32", "bf16")
+def nvme_after_kill(variant):
+    """Phase 2: both ranks resume the files phase 1 left (rank 0 one step behind rank 1)
+    with state_resume=True: they agree on step KILLED_STEPS (rank 1 goes back, its other
+    slots still hold it), bitwise the uninterrupted run in RAM, and train on bitwise."""
+    import warnings
+    dtype = BF16 if variant == "bf16" else torch.float32
+    folder = os.path.join(OUT_DIR, f"nvme_kill_{variant}")
+    ram_model = build(dtype)
+    ram = offload_adam.AdamW(ram_model.parameters(), lr=LR, weight_decay=WD)
+    train(ram_model, ram, KILLED_STEPS)
+    model = build(dtype, seed=5)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=WD,
+                                 bucket_mb=0.0005, state_dirs=folder, state_resume=True)
+    out = {"resumed_step": opt.step_count,
+           "warned": [str(w.message) for w in seen if "all ranks resume" in str(w.message)],
+           "resumed_bitwise": same_run((ram_model, ram), (model, opt))}
+    train(ram_model, ram, 2, start=KILLED_STEPS)
+    train(model, opt, 2, start=KILLED_STEPS)
+    out["trained_on_bitwise"] = same_run((ram_model, ram), (model, opt))
+    return out
+
+
 # ---- the rank's main ----------------------------------------------------------------
 
 OUT_DIR = None
@@ -492,7 +544,8 @@ OUT_DIR = None
 def main(argv):
     global OUT_DIR
     rank, world, port, OUT_DIR = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
-    names = argv[4:] or sorted(SCENARIOS)
+    # (the kill's two phases only when named: the first ends its processes)
+    names = argv[4:] or sorted(n for n in SCENARIOS if "_kill" not in n)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))

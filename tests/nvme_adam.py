@@ -89,3 +89,12 @@ def same_bits(a, b) -> bool:
         and torch.equal(x[k].view(torch.uint8) if x[k].dim() else x[k].reshape(1).view(torch.uint8),
                         y[k].view(torch.uint8) if y[k].dim() else y[k].reshape(1).view(torch.uint8))
         for k in x) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+def flip_byte(path, offset: int, mask: int = 0x40) -> None:
+    """Flips bits `mask` of the byte at `offset` of file `path` (damage from outside)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1) or b"\0"
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))

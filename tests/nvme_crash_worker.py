@@ -52,10 +52,11 @@ def model_params():
     return make_params(**MODEL)
 
 
-def optimizer(params, folder, fmt, **kw):
-    """The optimizer of the optimizer worker: state in files under `folder` when given, in
-    host RAM otherwise (the uninterrupted run the test compares with)."""
-    extra = dict(state_dirs=folder, bucket_mb=BUCKET_MB, state_resume=True) if folder else {}
+def optimizer(params, folder, fmt, resume=True, **kw):
+    """The optimizer of the optimizer worker: state in files under `folder` (a directory
+    or a list) when given, resumed from them; in host RAM otherwise (the uninterrupted run
+    the test compares with)."""
+    extra = dict(state_dirs=folder, bucket_mb=BUCKET_MB, state_resume=resume) if folder else {}
     return offload_adam.AdamW(groups(params, split=3), lr=0.01, state_dtype=fmt, **extra, **kw)
 
 

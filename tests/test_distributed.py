@@ -31,16 +31,16 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(kernels, tmp_path_factory):
-    """Every scenario's results, per rank: [rank0 results, rank1 results]."""
-    out = tmp_path_factory.mktemp("fsdp2")
+def launch(out, names=()):
+    """Runs the named scenarios (default: all but the kill's, which run alone) on WORLD
+    ranks writing into `out`; each rank's exit code and results: [(code, results), ...]."""
     port = _free_port()
     # The children import this checkout's offload_adam, as pytest does.
     repo = str(RANKS.parent.parent)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
-    procs = [subprocess.Popen([sys.executable, str(RANKS), str(r), str(WORLD), str(port), str(out)],
+    procs = [subprocess.Popen([sys.executable, str(RANKS), str(r), str(WORLD), str(port),
+                               str(out), *names],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(WORLD)]
     logs = []
@@ -52,11 +52,21 @@ def ranks(kernels, tmp_path_factory):
             if p.poll() is None:
                 p.kill()
     results = []
-    for r in range(WORLD):
+    for r, p in enumerate(procs):
         path = out / f"rank{r}.json"
+        if p.returncode == -9:   # a rank the scenario killed
+            results.append((p.returncode, None))
+            continue
         assert path.is_file(), f"rank {r} wrote no results:\n" + "\n".join(logs)
-        results.append(json.loads(path.read_text()))
+        results.append((p.returncode, json.loads(path.read_text())))
+        path.unlink()
     return results
+
+
+@pytest.fixture(scope="module")
+def ranks(kernels, tmp_path_factory):
+    """Every scenario's results, per rank: [rank0 results, rank1 results]."""
+    return [res for _, res in launch(tmp_path_factory.mktemp("fsdp2"))]
 
 
 def result(ranks, name):
@@ -173,3 +183,20 @@ def test_the_fsdp2_example_trains_and_resumes_bitwise(kernels, tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + "\n" + proc.stderr[-4000:]
     assert proc.stdout.count("resumed run bitwise equal to the uninterrupted one: True") == 2
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16"])
+def test_fsdp2_ranks_killed_between_their_commits_resume_one_step(kernels, tmp_path, variant):
+    """Issue 25 item 7, with real processes and files: rank 0 is SIGKILLed right before it
+    commits step 3, which rank 1 committed. Resumed with state_resume=True, both ranks are
+    at step 2 (rank 1 went back, warned), bitwise the uninterrupted run, and train on
+    bitwise; never ranks at steps [2, 3] mixing shards of two steps."""
+    (code0, _), (code1, phase1) = launch(tmp_path, [f"nvme_kill_{variant}"])
+    assert code0 == -9 and code1 == 0
+    assert phase1[f"nvme_kill_{variant}"]["step"] == 3   # rank 1 committed step 3
+    after = [res for _, res in launch(tmp_path, [f"nvme_after_kill_{variant}"])]
+    r0, r1 = result(after, f"nvme_after_kill_{variant}")
+    assert r0["resumed_step"] == r1["resumed_step"] == 2
+    assert not r0["warned"] and len(r1["warned"]) == 1, (r0, r1)
+    for res in (r0, r1):
+        assert res["resumed_bitwise"] and res["trained_on_bitwise"], res

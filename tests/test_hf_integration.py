@@ -219,3 +219,42 @@ def test_accelerate_save_state_load_state_is_bitwise(tmp_path):
     resumed, ropt, _ = accelerate_run(offload_adam.AdamW, torch.bfloat16, state_dir, resume=True)
     assert bitwise(params_of(full), params_of(resumed))
     assert bitwise(opt_state(fopt, full), opt_state(ropt, resumed))
+
+
+def test_trainer_resume_from_checkpoint_with_state_dirs(tmp_path):
+    """Issue 25 item 6: Trainer builds the optimizer (optimizer_cls_and_kwargs) after it
+    loaded checkpoint-3's model. With state_resume=True on the run's state files (at step
+    6) that would set the params to step 6 and load step 3's moments over them: refused
+    with a clear error, naming the way that works. That way (the checkpoint's model and
+    optimizer state, the optimizer on directories without state) resumes bitwise the
+    uninterrupted run: the same params and losses."""
+    from offload_adam.nvme import manifest
+    def run(name, state_dir, resume=None, **extra):
+        kwargs = {"lr": LR, "state_dirs": str(state_dir), "bucket_mb": 0.01, **extra}
+        model = tiny_llama(torch.bfloat16)
+        trainer = transformers.Trainer(
+            model=model, args=trainer_args(tmp_path / name), train_dataset=Tokens(),
+            optimizer_cls_and_kwargs=(offload_adam.AdamW, kwargs))
+        trainer.train(resume_from_checkpoint=resume)
+        trainer.optimizer.optimizer.close()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return model, trainer.optimizer.optimizer, losses
+
+    for d in ("d", "fresh"):
+        (tmp_path / d).mkdir()
+    full, fopt, full_losses = run("full", tmp_path / "d")
+    checkpoint = str(tmp_path / "full" / "checkpoint-3")
+    with pytest.raises(ValueError, match=r"state_resume=True set the params to the state files' "
+                                         r"step 6 .* build the optimizer without state_resume "
+                                         r"on directories without state"):
+        run("again", tmp_path / "d", resume=checkpoint, state_resume=True)
+    # the files still hold step 6 (Accelerate loads the optimizer's own state dict into it
+    # once, which writes the same state again)
+    assert manifest.read(str(tmp_path / "d"))["step"] == STEPS
+    with pytest.raises(ValueError, match=r"already hold this optimizer's state at step 6.*"
+                                         r"from a checkpoint of your own .* remove its files"):
+        run("again", tmp_path / "d", resume=checkpoint)   # not state_resume for a checkpoint
+    resumed, ropt, losses = run("resumed", tmp_path / "fresh", resume=checkpoint)
+    assert bitwise(params_of(full), params_of(resumed))
+    assert losses == full_losses   # (steps 1-3 from the checkpoint's log, 4-6 trained)
+    assert ropt.step_count == fopt.step_count == STEPS

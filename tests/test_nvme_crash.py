@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from nvme_adam import host_state, host_step, same_bits
+from nvme_adam import flip_byte, host_state, host_step, same_bits
 from nvme_crash_worker import (SEED, committed_step, engine_model, engine_optimizer,
                                engine_train, engine_worker, model_params, optimizer,
                                optimizer_worker, spec_of, worker)
@@ -251,3 +251,65 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
     finally:
         sim.close()
     print(f"step_in_backward: steps at the kills {steps_seen}")
+
+
+def test_after_a_kill_a_misused_state_is_refused_and_still_resumes(kernels, tmp_path,
+                                                                     forkserver):
+    """Issue 25 items 1-3 with real processes and files: a run striped over [a, b],
+    SIGKILLed at random instants. After each kill its directories given as [b, a] or [b],
+    its manifest gone, or a bit flipped in a master of the committed step: each refused
+    (resumed or not), no byte changed; given right again, the state resumes bitwise the
+    uninterrupted run at its step."""
+    from offload_adam.nvme import NvmeError, StateSpec, manifest
+    from offload_adam.nvme.layout import place
+
+    rng = random.Random(97)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    ps = model_params()
+    ram = optimizer(ps, None, "float32")
+    ram_step, timing = 0, Timing()
+
+    def contents():
+        return {p: p.read_bytes() for d in (a, b) for p in sorted(d.iterdir())
+                if not p.name.endswith(".lock")}
+
+    def refused(dirs, error, match, resumes=(True, False)):
+        for resume in resumes:
+            with pytest.raises(error, match=match):
+                optimizer(model_params(), [str(d) for d in dirs], "float32", resume)
+            gc.collect()
+
+    def master_byte():
+        """The file and offset of a byte of bucket 0's first master, committed slot."""
+        body = manifest.read(str(a))
+        spec = StateSpec.from_json(manifest.read(str(a), manifest.SPEC))
+        e = place(spec, 2)[0][0]
+        return (a, b)[e.file] / "offload_adam_state.bin", e.at(body["slots"][0]) + 4 * 10 + 3
+
+    for _ in range(3):
+        code, _ = run_worker(forkserver, optimizer_worker, ([str(a), str(b)], "float32", 10_000),
+                             rng, timing)
+        assert code == -9
+        if manifest.read(str(a)) is None or not manifest.read(str(a))["written"]:
+            continue   # killed before the first commit: nothing to misuse yet
+        before = contents()
+        refused([b, a], ValueError, "in the order")
+        refused([b], ValueError, "in the order")
+        (a / "offload_adam_state.manifest").rename(tmp_path / "aside")
+        refused([a, b], ValueError, "no manifest")
+        (tmp_path / "aside").rename(a / "offload_adam_state.manifest")
+        path, at = master_byte()
+        flip_byte(path, at)
+        refused([a, b], NvmeError, "bucket 0 .* is damaged", resumes=(True,))
+        refused([a, b], ValueError, "already hold", resumes=(False,))   # (nothing read)
+        flip_byte(path, at)
+        assert contents() == before
+        qs = model_params()
+        opt = optimizer(qs, [str(a), str(b)], "float32")
+        step = opt.step_count
+        train(ram, ps, ram_step, step - ram_step)
+        ram_step = step
+        assert_same(ps, qs, ram, opt)
+        opt.close()

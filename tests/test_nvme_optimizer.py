@@ -181,28 +181,6 @@ def test_a_loaded_master_that_no_longer_rounds_to_its_param_starts_from_the_para
     assert_same(ps, qs, ram, disk)
 
 
-def test_a_model_loaded_after_a_resume_is_what_training_continues_from(kernels, tmp_path):
-    """state_resume=True restores the params from the files; a model checkpoint loaded after
-    that, before the next step, wins: the files' masters no longer round to its params and
-    start from them (as after load_state_dict), instead of moving them back at the step."""
-    ps = make_params()
-    opt = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
-                             **NVME)
-    train(opt, ps, 0, 3)
-    opt.close()
-    gc.collect()
-    rs = make_params(seed=8)
-    opt = offload_adam.AdamW(groups(rs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
-                             state_resume=True, **NVME)
-    assert all(torch.equal(bits(r), bits(p)) for r, p in zip(rs, ps))
-    with torch.no_grad():   # another checkpoint of the model, loaded now
-        for r, o in zip(rs, make_params(seed=5)):
-            r.copy_(o)
-    before = [r.detach().clone() for r in rs]
-    train(opt, rs, 3, 1)
-    assert_stepped_from(rs, before, ps)   # from the loaded params, no jump back
-
-
 def test_a_param_made_non_contiguous_is_stepped_through_a_copy(kernels, tmp_path):
     """p.data replaced by a non-contiguous tensor after the optimizer was built: stepped
     through a contiguous copy and written back, bitwise as in RAM (test_engine.py has the

@@ -8,8 +8,9 @@ import warnings
 
 import pytest
 
-from nvme_adam import adam_fn, fill_initial, make_spec, same_bits
-from offload_adam.nvme import NvmeError, NvmeState, StateSpec, StepPipeline, direct_io, manifest
+from nvme_adam import adam_fn, fill_initial, flip_byte, make_spec, same_bits
+from offload_adam.nvme import (NvmeError, NvmeState, StateSpec, StepPipeline, direct_io,
+                               manifest, store)
 
 
 def ring_of(spec, n=3):
@@ -73,6 +74,20 @@ def test_missing_and_unwritable_directories_are_named(tmp_path):
         NvmeState.open([locked], spec)
 
 
+def committed(folder, spec):
+    """A state in `folder` with its first values committed (step 0)."""
+    with NvmeState.open([folder], spec) as state:
+        pipe = StepPipeline(state, ring_of(spec))
+        pipe.load(fill_initial(0), step=0)
+        pipe.close()
+
+
+def file_bytes(*folders):
+    return {os.path.join(f, n): open(os.path.join(f, n), "rb").read()
+            for f in folders for n in sorted(os.listdir(f))
+            if n.startswith("offload_adam_state.") and not n.endswith(".lock")}
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(fmt="bf16"), "state format 'float32' in the files, 'bfloat16' here"),
     (dict(numel=3001), r"bucket 0: b0p0.master float32 \[3000\] in the files, "
@@ -81,7 +96,8 @@ def test_missing_and_unwritable_directories_are_named(tmp_path):
 ])
 def test_files_of_another_model_or_optimizer_are_refused(tmp_path, change, message):
     args = dict(fmt="fp32", buckets=2, numel=3000)
-    NvmeState.open([tmp_path], make_spec(**args)).close()
+    committed(tmp_path, make_spec(**args))
+    before = file_bytes(tmp_path)
     with pytest.raises(ValueError, match=f"holds the optimizer state of another model or "
                                          f"optimizer: {message}"):
         NvmeState.open([tmp_path], make_spec(**{**args, **change}))
@@ -89,8 +105,42 @@ def test_files_of_another_model_or_optimizer_are_refused(tmp_path, change, messa
     other = StateSpec(spec.buckets, spec.state_format, {"amsgrad": True})
     with pytest.raises(ValueError, match="amsgrad = None in the files, True here"):
         NvmeState.open([tmp_path], other)
+    assert file_bytes(tmp_path) == before   # nothing overwritten
     NvmeState.open([tmp_path], spec).close()   # the right one still opens
 
+
+def test_a_state_never_committed_is_made_anew_for_another_spec(tmp_path):
+    """Created and never committed (a construction refused after the files were made, a
+    crash while creating): nothing of value, so another spec may take the directory."""
+    NvmeState.open([tmp_path], make_spec("fp32", buckets=2, numel=3000)).close()
+    spec = make_spec("bf16", buckets=3, numel=2000)
+    with NvmeState.open([tmp_path], spec) as state:
+        assert state.spec == spec and state.step == 0
+    (tmp_path / "offload_adam_state.bin").unlink()   # a crash before the data file was made
+    with NvmeState.open([tmp_path], spec) as state:
+        assert state.step == 0
+    committed(tmp_path, spec)
+    with pytest.raises(ValueError, match="holds the optimizer state of another model"):
+        NvmeState.open([tmp_path], make_spec("fp32", buckets=2, numel=3000))
+    # but a never-committed manifest beside another state's data file takes nothing
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    NvmeState.open([fresh], spec).close()
+    for name in ("offload_adam_state.manifest", "offload_adam_state.spec"):
+        (tmp_path / name).write_bytes((fresh / name).read_bytes())
+    before = file_bytes(tmp_path)
+    with pytest.raises(ValueError, match="belongs to another optimizer state .* never committed"):
+        NvmeState.open([tmp_path], make_spec("fp32", buckets=2, numel=3000))
+    assert file_bytes(tmp_path) == before
+
+
+def test_a_refused_open_that_created_the_files_can_remove_them(tmp_path):
+    spec = make_spec("fp32", buckets=2, numel=3000)
+    NvmeState.open([tmp_path], spec).close(discard=True)
+    assert os.listdir(tmp_path) == ["offload_adam_state.lock"]
+    committed(tmp_path, spec)
+    NvmeState.open([tmp_path], spec).close(discard=True)   # not one it created: kept
+    assert "offload_adam_state.manifest" in os.listdir(tmp_path)
 
 def test_two_openers_of_one_directory(tmp_path):
     spec = make_spec("fp32", buckets=1, numel=1000)
@@ -102,23 +152,46 @@ def test_two_openers_of_one_directory(tmp_path):
 
 
 def test_directories_in_another_order_are_refused(tmp_path):
+    """Issue 25 item 1: a state striped over [a, b] given as [b, a] or [b] is refused, naming
+    where its manifest is and the order to give; nothing is overwritten, [a, b] opens."""
     spec = make_spec("fp32", buckets=2, numel=1000)
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    NvmeState.open([a, b], spec).close()
+    with NvmeState.open([a, b], spec) as state:
+        pipe = StepPipeline(state, ring_of(spec))
+        pipe.load(fill_initial(0), step=0)
+        pipe.step(adam_fn(0, 0))
+        pipe.close()
+        stepped = disk_state(state)
+    before = file_bytes(a, b)
+    with pytest.raises(ValueError, match=f"manifest .* is in '{a}', directory 1 of those "
+                                         f"given, and must be in the first: give the "
+                                         f"directories in the order .*'{a}', '{b}'"):
+        NvmeState.open([b, a], spec)
+    with pytest.raises(ValueError, match=f"'{b}' holds optimizer state files "
+                                         r"\(offload_adam_state.bin\) but no manifest .* file 1 "
+                                         f"of a state striped over 2 directories, made as "
+                                         f"\\['{a}', '{b}'\\]"):
+        NvmeState.open([b], spec)
     with pytest.raises(ValueError, match="striped over 2 directories"):
         NvmeState.open([a], spec)
     for name in ("offload_adam_state.manifest", "offload_adam_state.spec"):
         (b / name).write_bytes((a / name).read_bytes())
-    with pytest.raises(ValueError, match="is not file 0 of the state"):
+    with pytest.raises(ValueError, match="is file 1 of the state, given as directory 0"):
         NvmeState.open([b, a], spec)
+    for name in ("offload_adam_state.manifest", "offload_adam_state.spec"):
+        (b / name).unlink()
+    assert file_bytes(a, b) == before
+    with NvmeState.open([a, b], spec) as state:
+        assert state.step == 1 and same_bits(disk_state(state), stepped)
 
 
 @pytest.mark.parametrize("name", ["manifest", "spec"])
-def test_a_damaged_manifest_or_spec_is_an_error(tmp_path, name):
+def test_a_damaged_or_missing_manifest_or_spec_is_an_error(tmp_path, name):
+    """Issue 25 item 2: without its manifest a state is refused, never made anew."""
     spec = make_spec("fp32", buckets=1, numel=1000)
-    NvmeState.open([tmp_path], spec).close()
+    committed(tmp_path, spec)
     path = tmp_path / f"offload_adam_state.{name}"
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 1
@@ -126,19 +199,103 @@ def test_a_damaged_manifest_or_spec_is_an_error(tmp_path, name):
     with pytest.raises(manifest.ManifestError, match=f"{path} is damaged"):
         NvmeState.open([tmp_path], spec)
     path.unlink()
+    before = file_bytes(tmp_path)
     if name == "spec":
         with pytest.raises(manifest.ManifestError, match="is missing"):
             NvmeState.open([tmp_path], spec)
-    else:   # no manifest: no committed state (creating was interrupted), created anew
-        with NvmeState.open([tmp_path], spec) as state:
-            assert state.step == 0
+    else:
+        with pytest.raises(ValueError, match=r"holds optimizer state files \(offload_adam_state"
+                                             r".bin, offload_adam_state.spec\) but no manifest"
+                                             ".* never overwritten"):
+            NvmeState.open([tmp_path], spec)
+    assert file_bytes(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["one-byte", "every-page"])
+def test_a_damaged_slot_is_an_error_where_it_is_read(kernels, tmp_path, where):
+    """Issue 25 item 3: each slot's checksum is verified when it is read: by the views
+    (state_dict, a resume) and by the step's read-ahead, naming the bucket and the file.
+    The other slot (not current) is not read: damage there is overwritten by the next step."""
+    spec = make_spec("8bit", buckets=3, numel=20000)
+    started(tmp_path, spec, steps=2)
+    data = tmp_path / "offload_adam_state.bin"
+    with NvmeState.open([tmp_path], spec) as state:
+        e, slot = state.extents[1], state.slots[1]
+        other = state.extents[2]
+    flip_byte(data, other.at(1 - slot) + 100)          # the other slot of bucket 2: harmless
+    offsets = ([e.at(slot) + 4 * 1234] if where == "one-byte"
+               else range(e.at(slot), e.at(slot) + e.nbytes, 4096))
+    for at in offsets:
+        flip_byte(data, at)
+    with NvmeState.open([tmp_path], spec) as state:
+        state.views(0)
+        state.views(2)
+        with pytest.raises(NvmeError, match=f"bucket 1 of the optimizer state in {data} is "
+                                            f"damaged: .* do not match the checksum"):
+            state.views(1)
+        pipe = StepPipeline(state, ring_of(spec))
+        with pytest.raises(NvmeError, match="bucket 1 .* is damaged"):
+            pipe.step(adam_fn(0, 2))
+        assert state.step == 2   # nothing committed
+        pipe.close()
+
+
+def test_the_previous_step_can_be_gone_back_to_while_it_is_whole(kernels, tmp_path):
+    """Two generations: after a commit the other slots hold the step before, checked by
+    their checksums; rollback() makes them current. A pass that started since overwrote
+    some of them: the rollback is refused (the damaged bucket named)."""
+    spec = make_spec("bf16", buckets=3, numel=20000)
+    (tmp_path / "two").mkdir()
+    after_two = started(tmp_path / "two", spec, steps=2)
+    started(tmp_path, spec, steps=3)
+    with NvmeState.open([tmp_path], spec) as state:
+        assert (state.step, state.previous) == (3, 2)
+        state.rollback()
+        assert (state.step, state.previous) == (2, None)
+        assert same_bits(disk_state(state), after_two)
+    with NvmeState.open([tmp_path], spec) as state:   # committed: reopened at step 2
+        assert state.step == 2 and same_bits(disk_state(state), after_two)
+        pipe = StepPipeline(state, ring_of(spec))
+        pipe.step(adam_fn(0, 2))
+        assert (state.step, state.previous) == (3, 2)
+        with pytest.raises(RuntimeError, match="stop"):   # a pass that writes bucket 0 and
+            for i, _ in pipe.buckets():                    # dies: its old slot is gone
+                if i == 2:
+                    raise RuntimeError("stop")
+        pipe.close()
+        with pytest.raises(NvmeError, match="bucket 0 .* is damaged"):
+            state.rollback()
+        assert state.step == 3
+
+
+def test_a_state_of_the_earlier_manifest_format_opens_and_gains_checksums(kernels, tmp_path):
+    """A manifest written before checksums (format 1: no "format", "sums", "previous"):
+    opened as it is (nothing a user saved is lost), each slot checksummed as written."""
+    spec = make_spec("fp32", buckets=2, numel=5000)
+    stepped = started(tmp_path, spec, steps=1)
+    body = manifest.read(tmp_path)
+    old = {k: v for k, v in body.items()
+           if k not in ("format", "sums", "previous", "written", "sum_bytes")}
+    manifest.commit(tmp_path, old)
+    with NvmeState.open([tmp_path], spec) as state:
+        assert state.step == 1 and state.previous is None
+        assert same_bits(disk_state(state), stepped)
+        pipe = StepPipeline(state, ring_of(spec))
+        pipe.step(adam_fn(0, 1))
+        pipe.close()
+    body = manifest.read(tmp_path)
+    assert body["format"] == 2 and all(s[c] is not None for s, c in zip(body["sums"],
+                                                                         body["slots"]))
 
 
 def test_a_state_larger_than_the_disk_fails_at_open(tmp_path):
     big = make_spec("fp32", buckets=1, numel=1 << 40)
-    with pytest.raises(NvmeError, match="needs .* GiB in .* only .* GiB is free") as e:
+    with pytest.raises(NvmeError, match=r"needs \d+\.\d\d GiB in .* only .* is free") as e:
         NvmeState.open([tmp_path], big)
     assert e.value.errno == errno.ENOSPC
+    # a small disk's sizes in a unit that shows them
+    assert [store.size_text(n) for n in (4 << 20, 12345, 3 << 30, 7)] == [
+        "4.00 MiB", "12.06 KiB", "3.00 GiB", "7 bytes"]
 
 
 @pytest.mark.parametrize("failing,code", [(direct_io._write, errno.ENOSPC),
@@ -182,7 +339,8 @@ def test_a_failed_manifest_write_keeps_the_last_completed_step(kernels, tmp_path
         pipe = StepPipeline(state, ring_of(spec))
         with pytest.raises(NvmeError, match="committing the step .* No space left on device"):
             pipe.step(adam_fn(0, 1))
-        with pytest.raises(RuntimeError, match="close and reopen the NVMe state"):
+        with pytest.raises(RuntimeError, match="not known here. Build the optimizer again "
+                                               "with state_resume=True"):
             pipe.step(adam_fn(0, 1))   # which slots are current is unknown: refused
         pipe.close()
     monkeypatch.undo()

@@ -5,7 +5,8 @@ ring of host buffers at the disk's speed, and crash-safe.
   layout.py    what a bucket holds, where its two slots lie in the files, the fingerprint
   direct_io.py aligned buffers, O_DIRECT (buffered fallback), a pool of pread/pwrite threads
   manifest.py  the checksummed manifest committed atomically each step; the directory lock
-  store.py     NvmeState: open/create the files, read/write a bucket, commit, mmap views
+  store.py     NvmeState: open/create the files (never over a state), read/write a bucket
+               (each slot checksummed), commit, roll back one step, mmap views
   pipeline.py  StepPipeline: read ahead, step, write back, commit
 
 Integration (the optimizer): build a StateSpec from its buckets in the order they are stepped
@@ -18,8 +19,8 @@ pipeline.step(fn)); state_dict() returns NvmeState.views(i) of every bucket.
 
 from .direct_io import AlignedBuffer, NvmeError
 from .layout import BucketSpec, StateSpec, TensorSpec, adam_bucket
-from .pipeline import StepPipeline
+from .pipeline import StepPipeline, ring_size
 from .store import NvmeState
 
 __all__ = ["AlignedBuffer", "BucketSpec", "NvmeError", "NvmeState", "StateSpec",
-           "StepPipeline", "TensorSpec", "adam_bucket"]
+           "StepPipeline", "TensorSpec", "adam_bucket", "ring_size"]

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
@@ -35,6 +37,7 @@ ALIGN = 4096        # every extent and request: O_DIRECT's alignment on any comm
 TENSOR_ALIGN = 64   # a tensor's offset inside its bucket: a cache line
 HEADER_BYTES = ALIGN
 SLOTS = 2
+SUM_BYTES = 4 << 20   # a slot's checksum is over chunks of this size (an I/O request each)
 
 _DTYPES = {str(d).replace("torch.", ""): d
            for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float64,
@@ -162,6 +165,13 @@ def place(spec: StateSpec, files: int) -> Tuple[List[Extent], List[int]]:
         extents.append(Extent(k, sizes[k], b.nbytes))
         sizes[k] += SLOTS * b.nbytes
     return extents, sizes
+
+
+def slot_checksum(chunk_crcs: Sequence[int]) -> int:
+    """A slot's checksum: the CRC32 of its chunks' CRC32s (each SUM_BYTES from the extent's
+    start, the last one shorter), so that the I/O threads checksum their own requests in
+    parallel and a slot still has one number to keep in the manifest."""
+    return zlib.crc32(struct.pack(f"<{len(chunk_crcs)}I", *chunk_crcs))
 
 
 def adam_bucket(prefix_shapes: Sequence[Tuple[str, Sequence[int]]], state_format: str,

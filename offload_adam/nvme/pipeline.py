@@ -8,7 +8,8 @@ host-memory budget. Bucket i is stepped in buffer i % ring:
     are being read ahead.
 
 Before buffer (i+depth) % ring is read into, the write of its last bucket (i+depth-ring =
-i-2) must be done; that is the only wait besides "bucket i is read". Every bucket is
+i-2) must be done; that is the only wait besides "bucket i is read" (and checked against
+its checksum: a damaged slot raises before it is stepped). Every bucket is
 written to its non-current slot; after the last write the files are fsync'd and the
 manifest commits the step (store.py). An error anywhere (I/O, the kernel) waits for the
 requests in flight and raises with nothing committed: the files still hold the last
@@ -22,26 +23,35 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from .direct_io import AlignedBuffer, wait
+from .direct_io import AlignedBuffer
+from .layout import StateSpec
 from .store import NvmeState
 
 StepFn = Callable[[int, Dict[str, torch.Tensor]], None]
+
+
+def ring_size(spec: StateSpec, budget_bytes: int) -> int:
+    """The buffers of the ring for `spec` in `budget_bytes`; ValueError below 3. (Asked
+    before a state is opened too: a budget too small is refused before any file is made.)"""
+    slot = max((b.nbytes for b in spec.buckets), default=0)
+    ring = min(budget_bytes // max(slot, 1), len(spec.buckets) + 2)
+    if ring < 3:
+        raise ValueError(f"offload_adam: the host memory budget for the NVMe state "
+                         f"({budget_bytes} bytes) holds {budget_bytes // max(slot, 1)} of "
+                         f"its largest bucket ({slot} bytes); the pipeline needs 3 (one "
+                         "read ahead, one stepped, one written back): raise the budget "
+                         "or make the buckets smaller")
+    return ring
 
 
 class StepPipeline:
     """Steps every bucket of `state` through a ring of buffers of `budget_bytes` at most."""
 
     def __init__(self, state: NvmeState, budget_bytes: int, pin: bool = True):
-        slot = max((b.nbytes for b in state.spec.buckets), default=0)
-        ring = min(budget_bytes // max(slot, 1), len(state.spec.buckets) + 2)
-        if ring < 3:
-            raise ValueError(f"offload_adam: the host memory budget for the NVMe state "
-                             f"({budget_bytes} bytes) holds {budget_bytes // max(slot, 1)} of "
-                             f"its largest bucket ({slot} bytes); the pipeline needs 3 (one "
-                             "read ahead, one stepped, one written back): raise the budget "
-                             "or make the buckets smaller")
+        ring = ring_size(state.spec, budget_bytes)
         self.state = state
         self.depth = ring - 2
+        slot = max((b.nbytes for b in state.spec.buckets), default=0)
         self.buffers = [AlignedBuffer(slot, pin=pin) for _ in range(ring)]
 
     @property
@@ -68,31 +78,33 @@ class StepPipeline:
             raise ValueError(f"offload_adam: internal error: a pipeline order {order} is "
                              f"not one of the {n} buckets each")
         # k: a bucket's position in the pass, which picks its buffer (k % ring)
-        reads: Dict[int, list] = {}
-        writes: Dict[int, list] = {}
+        reads: Dict[int, object] = {}
+        writes: Dict[int, object] = {}
 
         def start_read(k):
-            reads[k] = st.read(order[k], bufs[k % ring]) if read else []
+            reads[k] = st.read(order[k], bufs[k % ring]) if read else None
 
         try:
             for k in range(min(self.depth, n)):
                 start_read(k)
             for k in range(n):
-                st.check(reads.pop(k), "reading", order[k])
+                req = reads.pop(k)
+                if req is not None:
+                    st.finish(req)   # (a damaged slot raises here, before it is stepped)
                 yield order[k], st.tensors(order[k], bufs[k % ring])
                 writes[k] = st.write(order[k], bufs[k % ring])
                 j = k + self.depth
                 if j < n:
                     if j - ring in writes:
-                        st.check(writes.pop(j - ring), "writing", order[j - ring])
+                        st.finish(writes.pop(j - ring))
                     start_read(j)
             for k in sorted(writes):
-                st.check(writes.pop(k), "writing", order[k])
+                st.finish(writes.pop(k))
             st.commit(range(n), step)
         finally:
             # on an error: nothing may still write into the slots once we return
-            for futures in list(reads.values()) + list(writes.values()):
-                wait(futures)
+            for req in list(reads.values()) + list(writes.values()):
+                st.wait(req)
 
     def step(self, fn: StepFn, read: bool = True, step: Optional[int] = None) -> None:
         """fn(i, tensors) for every bucket i (see `buckets`)."""

@@ -1,15 +1,33 @@
 """The optimizer state in files: open (or create) it, read and write buckets, commit a step.
 
     state = NvmeState.open(["/nvme0/run1", "/nvme1/run1"], spec)   # spec: layout.StateSpec
-    futures = state.read(i, buf)       # bucket i's current slot into an AlignedBuffer
+    req = state.read(i, buf)           # bucket i's current slot into an AlignedBuffer
+    state.finish(req)                  # waits; an I/O error or a damaged slot raises
     state.tensors(i, buf)              # {name: tensor} views of the buffer, as the spec says
-    futures = state.write(i, buf)      # into bucket i's other slot
+    req = state.write(i, buf)          # into bucket i's other slot
     state.commit([i, ...])             # fsync the files, then the manifest names the new slots
     state.views(i)                     # read-only (copy-on-write) mmap views of the committed slot
 
-The pipeline (pipeline.py) drives these; nothing here keeps state in RAM. On open the files
-are checked against the spec (the fingerprint, layout.py) and created when there are none:
-fallocate'd whole up front, so that a full disk shows at open and not mid-step.
+The pipeline (pipeline.py) drives these; nothing here keeps state in RAM.
+
+What is never done: overwrite a user's state without being asked. A state is created only
+in directories that hold none of its files; a directory with data files or a spec but no
+manifest, the state's manifest in another directory than the first, a data file of another
+state, one too short or with a damaged header, are refused with what was found and what to
+give instead. The only state opened over is one that was created and never committed (no
+pass, no load: nothing of value), which a construction refused later, or a crash while
+creating, can leave.
+
+Checksums: every bucket slot has a CRC32 (layout.slot_checksum), computed by the I/O threads
+as they write it, recorded in the manifest when the step commits, and verified whenever the
+slot is read: by the pipeline's read-ahead, by `views` (state_dict(), a resume), and before
+a rollback. A flipped bit in the files is an error naming the bucket and the file, never a
+silently wrong state.
+
+Two generations: the manifest keeps both slots' checksums and the step the other slot held
+when it was last current (`previous`), so that a state can be set back one step
+(`rollback`) while that slot is intact: the ranks of a sharded run that died between their
+commits agree on the older step that way (nvme_tier.py).
 """
 
 from __future__ import annotations
@@ -21,16 +39,20 @@ import os
 import shutil
 import uuid
 import warnings
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import manifest
+from . import direct_io, manifest
 from .direct_io import AlignedBuffer, IOPool, NvmeError, open_direct, wait, warn_buffered
-from .layout import HEADER_BYTES, SLOTS, StateSpec, differences, place
+from .layout import (HEADER_BYTES, SLOTS, SUM_BYTES, StateSpec, differences, place,
+                     slot_checksum)
 
 DATA_FILE = "offload_adam_state.bin"
 _HEADER_MAGIC = b"OFFLOAD_ADAM_NVME_STATE_1\n"
+FORMAT = 2   # the manifest's: 2 adds the slots' checksums, `previous` and `written`
+# The tier's files in a directory (the lock is not state: any open makes one).
+STATE_FILES = (DATA_FILE, manifest.MANIFEST, manifest.SPEC)
 
 
 def folder_problem(folder: str) -> Optional[Tuple[type, str]]:
@@ -62,24 +84,43 @@ def _check_folder(folder: str) -> str:
     return folder
 
 
+def size_text(n: int) -> str:
+    """Bytes in the unit that shows them (a 4 MB disk is not "0.00 GiB")."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"
+
+
+class Request(NamedTuple):
+    """A bucket's read or write in flight: its futures give each SUM_BYTES chunk's CRC32."""
+    kind: str        # "reading" or "writing"
+    bucket: int
+    slot: int
+    futures: list
+
+
 class NvmeState:
     """The state files of one optimizer (one rank): see the module's docstring."""
 
     def __init__(self, folders: List[str], spec: StateSpec, body: dict, fds: List[int],
-                 locks: manifest.DirLocks, io: IOPool, buffered: List[str]):
+                 locks: manifest.DirLocks, io: IOPool, buffered: List[str], created: bool):
         self.folders, self.spec = folders, spec
         self.buffered = buffered   # the folders that refused O_DIRECT (warned about once)
         self.paths = [os.path.join(f, DATA_FILE) for f in folders]
         self.extents, self.file_sizes = place(spec, len(folders))
         self._body, self._fds, self._locks, self._io = body, fds, locks, io
+        self._created = created    # by this open: removed again by close(discard=True)
         self._unsure: Optional[str] = None   # why the manifest on disk may not be _body
+        self._sums: Dict[int, int] = {}      # checksums of the slots written, to commit
 
     # -- opening -------------------------------------------------------------------------
 
     @classmethod
     def open(cls, folders: Sequence[str], spec: StateSpec, io_threads: int = 4) -> "NvmeState":
-        """The state in `folders` (one file each), created (all zero, step 0) when it has
-        no manifest yet; refused when it holds another spec's state or is locked."""
+        """The state in `folders` (one file each), created (all zero, step 0) where the
+        directories hold none of its files; refused when they hold another spec's state,
+        a state that cannot be trusted (module docstring), or are locked."""
         if isinstance(folders, (str, os.PathLike)):
             folders = [folders]
         if not folders:
@@ -91,16 +132,18 @@ class NvmeState:
         fds: List[int] = []
         io = None
         try:
-            body = manifest.read(folders[0])
+            body = _upgraded(manifest.read(folders[0]))
             buffered: List[str] = []
+            created = body is None or not _reusable(folders, body, spec)
             if body is None:
+                _check_nothing_there(folders)
+            if created:
                 body, fds = _create(folders, spec, buffered)
             else:
-                _check_spec(folders[0], body, spec)
                 fds = _open_files(folders, body, buffered)
             warn_buffered(buffered)
-            io = IOPool(io_threads)
-            return cls(folders, spec, body, fds, locks, io, buffered)
+            io = IOPool(io_threads, body["sum_bytes"])
+            return cls(folders, spec, body, fds, locks, io, buffered, created)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -109,13 +152,22 @@ class NvmeState:
             locks.release()
             raise
 
-    def close(self) -> None:
-        """Closes the files and drops the lock (the state stays as last committed)."""
+    def close(self, discard: bool = False) -> None:
+        """Closes the files and drops the lock (the state stays as last committed).
+        `discard`: a state this open created and nothing committed since is removed
+        again (a refused construction leaves the directories as it found them)."""
         if self._io is None:
             return
         self._io.close()
         for fd in self._fds:
             os.close(fd)
+        if discard and self._created and not self._body["written"]:
+            for folder in self.folders:
+                for name in STATE_FILES:
+                    try:
+                        os.unlink(os.path.join(folder, name))
+                    except FileNotFoundError:
+                        pass
         self._locks.release()
         self._io = None
 
@@ -136,6 +188,13 @@ class NvmeState:
     def slots(self) -> List[int]:
         return list(self._body["slots"])
 
+    @property
+    def previous(self) -> Optional[int]:
+        """The step the other slots held when they were last current (the commit before
+        the last one), or None: a rollback target while those slots are intact (a pass
+        started since overwrites them; `rollback` verifies them first)."""
+        return self._body["previous"]
+
     # -- bucket I/O ----------------------------------------------------------------------
 
     def tensors(self, i: int, buf: AlignedBuffer) -> Dict[str, torch.Tensor]:
@@ -144,22 +203,48 @@ class NvmeState:
         return {t.name: buf.tensor[o:o + t.nbytes].view(t.dtype).view(t.shape)
                 for t, o in zip(b.tensors, b.offsets())}
 
-    def read(self, i: int, buf: AlignedBuffer):
-        """Starts reading bucket i's committed slot into `buf`; its futures."""
+    def read(self, i: int, buf: AlignedBuffer) -> Request:
+        """Starts reading bucket i's committed slot into `buf`."""
         self._check_sure()
-        e = self.extents[i]
-        return self._io.read(self._fds[e.file], buf.view[:e.nbytes], e.at(self.slots[i]))
+        e, slot = self.extents[i], self.slots[i]
+        return Request("reading", i, slot,
+                       self._io.read(self._fds[e.file], buf.view[:e.nbytes], e.at(slot)))
 
-    def write(self, i: int, buf: AlignedBuffer):
-        """Starts writing `buf` into bucket i's other slot; its futures."""
+    def write(self, i: int, buf: AlignedBuffer) -> Request:
+        """Starts writing `buf` into bucket i's other slot."""
         self._check_sure()
-        e = self.extents[i]
-        return self._io.write(self._fds[e.file], buf.view[:e.nbytes], e.at(1 - self.slots[i]))
+        e, slot = self.extents[i], 1 - self.slots[i]
+        return Request("writing", i, slot,
+                       self._io.write(self._fds[e.file], buf.view[:e.nbytes], e.at(slot)))
 
-    def check(self, futures, what: str, i: int) -> None:
-        """Waits for `futures`; an I/O error becomes an NvmeError naming the bucket, the
-        file, and that the last completed step is intact."""
-        self._raise(wait(futures), f"{what} bucket {i}", self.paths[self.extents[i].file])
+    def finish(self, req: Request) -> None:
+        """Waits for `req`. An I/O error becomes an NvmeError naming the bucket, the file,
+        and that the last completed step is intact; a slot read that does not match its
+        committed checksum is one too. A write's checksum is kept for the commit."""
+        path = self.paths[self.extents[req.bucket].file]
+        self._raise(wait(req.futures), f"{req.kind} bucket {req.bucket}", path)
+        got = slot_checksum([f.result() for f in req.futures])
+        if req.kind == "writing":
+            self._sums[req.bucket] = got
+        else:
+            self._verify(req.bucket, req.slot, got, path)
+
+    @staticmethod
+    def wait(req: Optional[Request]) -> None:
+        """Waits for `req` to be done, whatever its outcome (an error path's cleanup)."""
+        if req is not None:
+            wait(req.futures)
+
+    def _verify(self, i: int, slot: int, got: int, path: str) -> None:
+        want = self._body["sums"][i][slot]
+        if want is not None and got != want:
+            raise NvmeError(errno.EIO, f"offload_adam: bucket {i} of the optimizer state in "
+                            f"{path} is damaged: its bytes (slot {slot}, "
+                            f"{self.extents[i].nbytes} bytes at offset "
+                            f"{self.extents[i].at(slot)}) do not match the checksum committed "
+                            f"with them (CRC32 {got:#010x}, {want:#010x} expected). The file "
+                            "was changed outside offload_adam, or the disk returned wrong "
+                            "data; the state cannot be trusted", path)
 
     def _raise(self, e: Optional[BaseException], what: str, path: str) -> None:
         if e is None:
@@ -172,8 +257,14 @@ class NvmeState:
                         "last completed one) is intact on disk", path) from e
 
     def commit(self, written: Iterable[int], step: Optional[int] = None) -> None:
-        """Makes the slots just written current: fsync every file, then the manifest.
-        `step`: the completed step count to record (default: one more)."""
+        """Makes the slots just written (and finished) current: fsync every file, then the
+        manifest, with their checksums. `step`: the completed step count to record
+        (default: one more)."""
+        written = list(written)
+        missing = [i for i in written if i not in self._sums]
+        if missing:
+            raise RuntimeError(f"offload_adam: internal error: buckets {missing} committed "
+                               "before their writes finished")
         for fd, path in zip(self._fds, self.paths):
             try:
                 os.fsync(fd)
@@ -181,39 +272,83 @@ class NvmeState:
                 self._raise(e, "flushing", path)
         body = dict(self._body)
         slots = list(body["slots"])
+        sums = [list(s) for s in body["sums"]]
         for i in written:
             slots[i] = 1 - slots[i]
-        body["slots"] = slots
-        body["step"] = self.step + 1 if step is None else int(step)
+            sums[i][slots[i]] = self._sums.pop(i)
+        # the old slots are a whole earlier step only when every bucket moved on, and
+        # only a committed one with checksums (not the zeros of a new state)
+        whole = (len(set(written)) == len(slots) and self._body["written"]
+                 and all(s[1 - c] is not None for s, c in zip(sums, slots)))
+        body.update(slots=slots, sums=sums, written=True,
+                    step=self.step + 1 if step is None else int(step),
+                    previous=self.step if whole else None)
+        self._store(body, "committing the step")
+
+    def rollback(self) -> None:
+        """Makes the previous generation current again (step `previous`), after checking
+        that every slot of it is intact; raises NvmeError naming a damaged one."""
+        if self.previous is None:
+            raise RuntimeError("offload_adam: internal error: no previous step to go back to")
+        self._check_sure()
+        for i in range(len(self.spec.buckets)):
+            self._verify_slot(i, 1 - self.slots[i])
+        body = dict(self._body)
+        body.update(slots=[1 - s for s in body["slots"]], step=body["previous"],
+                    previous=None)   # the generation left is a later step, not an earlier
+        self._store(body, "going back to the previous step")
+
+    def _store(self, body: dict, what: str) -> None:
         path = os.path.join(self.folders[0], manifest.MANIFEST)
         try:
             manifest.commit(self.folders[0], body)
         except OSError as e:
             # the rename may or may not have happened: which slots are current is unknown
             # here, and writing either could overwrite the committed ones
-            self._unsure = f"committing a step to {path} failed ({e.strerror or e})"
-            self._raise(e, "committing the step", path)
+            self._unsure = f"{what} to {path} failed ({e.strerror or e})"
+            self._raise(e, what, path)
         self._body = body
 
     def _check_sure(self) -> None:
         if self._unsure:
-            raise RuntimeError(f"offload_adam: {self._unsure}; close and reopen the NVMe "
-                               "state (NvmeState.open) to continue from the step on disk")
+            raise RuntimeError(f"offload_adam: {self._unsure}, so which step the files hold "
+                               "is not known here. Build the optimizer again with "
+                               "state_resume=True to continue from the step on disk")
 
     # -- reading without the pipeline ----------------------------------------------------
 
-    def views(self, i: int) -> Dict[str, torch.Tensor]:
+    def _verify_slot(self, i: int, slot: int) -> None:
+        """Reads bucket i's `slot` (through the page cache) and checks its checksum."""
+        e = self.extents[i]
+        path = self.paths[e.file]
+        chunk = self._body["sum_bytes"]
+        crcs = []
+        with open(path, "rb", buffering=0) as f:
+            for at in range(0, e.nbytes, chunk):
+                data = os.pread(f.fileno(), min(chunk, e.nbytes - at), e.at(slot) + at)
+                if len(data) != min(chunk, e.nbytes - at):
+                    self._raise(OSError(errno.EIO, "unexpected end of file"),
+                                f"reading bucket {i}", path)
+                crcs.append(direct_io.crc32(data))
+        self._verify(i, slot, slot_checksum(crcs), path)
+
+    def views(self, i: int, previous: bool = False) -> Dict[str, torch.Tensor]:
         """Bucket i's committed tensors memory-mapped from its file, copy-on-write: writes to
         them stay in this process and never reach the files. Each tensor has its own
-        storage, so torch.save writes just its bytes, paged in as it goes. They keep these
-        values through the next step; the step after it rewrites their slot: save them
-        before then."""
+        storage, so torch.save writes just its bytes, paged in as it goes. The slot is
+        checked against its checksum first (a read of the extent, which the page cache
+        then serves to the mappings). They keep these values through the next step; the
+        step after it rewrites their slot: save them before then. `previous`: the other
+        slot, the bucket at step `previous` (while it is whole)."""
+        self._check_sure()
+        slot = self.slots[i] if not previous else 1 - self.slots[i]
+        self._verify_slot(i, slot)
         e = self.extents[i]
         b = self.spec.buckets[i]
         out = {}
         with open(self.paths[e.file], "rb") as f:
             for t, o in zip(b.tensors, b.offsets()):
-                start = e.at(self.slots[i]) + o
+                start = e.at(slot) + o
                 page = start - start % mmap.ALLOCATIONGRANULARITY
                 if t.nbytes == 0:
                     out[t.name] = torch.empty(t.shape, dtype=t.dtype)
@@ -227,49 +362,149 @@ class NvmeState:
         return out
 
 
-# -- creating and checking the files -------------------------------------------------------
+# -- finding, creating and checking the files ---------------------------------------------
+
+def _upgraded(body: Optional[dict]) -> Optional[dict]:
+    """A manifest of an earlier version in this version's form: its slots have no
+    checksums yet (each gets one when it is next written), no previous step is known,
+    and it was committed."""
+    if body is None or body.get("format") == FORMAT:
+        return body
+    n = len(body["slots"])
+    return {**body, "format": FORMAT, "sums": [[None] * SLOTS for _ in range(n)],
+            "previous": None, "written": True, "sum_bytes": SUM_BYTES}
+
+
+def _reusable(folders: List[str], body: dict, spec: StateSpec) -> bool:
+    """Whether the state of manifest `body` (in folders[0]) is this spec's; False for a
+    state created and never committed (it is made anew); a committed state of another
+    spec, or one whose files do not fit its manifest, is refused (raises)."""
+    stored = manifest.read(folders[0], manifest.SPEC)
+    fits = stored is not None and StateSpec.from_json(stored).digest() == body["spec_sha256"]
+    if not body["written"]:
+        # nothing was ever committed here: a different spec, or files a crash while
+        # creating left unfinished, are made anew; but never over a data file of another
+        # state (one with a header of its own)
+        for folder in folders:
+            head = _read_header(os.path.join(folder, DATA_FILE))
+            if head == "damaged" or (isinstance(head, dict) and head["uuid"] != body["uuid"]):
+                raise ValueError(f"offload_adam: {_header_problem(folder, 0, body)}; the "
+                                 f"manifest in {folders[0]!r} is of a state never "
+                                 "committed. Give the directories of one state, or remove "
+                                 f"their state files ({', '.join(STATE_FILES)}) to start "
+                                 "afresh")
+        return fits and differences(StateSpec.from_json(stored), spec) == [] and all(
+            _header_problem(f, k, body) is None for k, f in enumerate(folders)) and len(
+            folders) == len(body["folders"])
+    if not fits:
+        raise manifest.ManifestError(f"offload_adam: {os.path.join(folders[0], manifest.SPEC)}"
+                                     " is missing or is not the one its manifest names")
+    diff = differences(StateSpec.from_json(stored), spec)
+    if diff:
+        raise ValueError(f"offload_adam: {folders[0]!r} holds the optimizer state of another "
+                         f"model or optimizer: {'; '.join(diff)}. Point the optimizer at a "
+                         "directory without state, or remove that state's files "
+                         f"({', '.join(STATE_FILES)}) to start afresh")
+    return True
+
+
+def _check_nothing_there(folders: List[str]) -> None:
+    """Before creating a state: none of the directories holds any of a state's files.
+    A manifest found in another one than the first means the directories were given in
+    another order; data files or a spec without a manifest are a state that cannot be
+    trusted. Either is refused: creating would overwrite it."""
+    for k, folder in enumerate(folders[1:], 1):
+        body = manifest.read(folder)
+        if body is not None:
+            raise ValueError(
+                f"offload_adam: the optimizer state's manifest ({manifest.MANIFEST}) is in "
+                f"{folder!r}, directory {k} of those given, and must be in the first: give "
+                f"the directories in the order the state was made with: {body['folders']}")
+    for folder in folders:
+        found = [n for n in STATE_FILES if os.path.exists(os.path.join(folder, n))]
+        if not found:
+            continue
+        head = _read_header(os.path.join(folder, DATA_FILE))
+        made = (f"; it is file {head['file']} of a state striped over {head['files']} "
+                f"directories" + (f", made as {head['folders']}" if "folders" in head else "")
+                if isinstance(head, dict) else "")
+        raise ValueError(
+            f"offload_adam: {folder!r} holds optimizer state files ({', '.join(found)}) but "
+            f"no manifest ({manifest.MANIFEST}) in the first directory given{made}. A state "
+            "is never overwritten by a new one: give its directories in the order it was "
+            "made (the first holds the manifest), restore a manifest that was deleted or "
+            "not copied, or remove these files to start afresh")
+
 
 def _header(body: dict, index: int) -> bytes:
-    data = _HEADER_MAGIC + json.dumps({"uuid": body["uuid"], "file": index,
-                                       "files": len(body["folders"]),
-                                       "spec_sha256": body["spec_sha256"]}).encode()
-    if len(data) > HEADER_BYTES:
-        raise ValueError("offload_adam: NVMe state header too long")
+    head = {"uuid": body["uuid"], "file": index, "files": len(body["folders"]),
+            "spec_sha256": body["spec_sha256"], "folders": body["folders"]}
+    data = _HEADER_MAGIC + json.dumps(head).encode()
+    if len(data) > HEADER_BYTES:   # (the folders are a hint for errors only)
+        del head["folders"]
+        data = _HEADER_MAGIC + json.dumps(head).encode()
     return data
 
 
+def _read_header(path: str):
+    """The header of data file `path` as a dict, "damaged" when it is not one,
+    "unwritten" when it is all zero (reserved by a creation cut short), or None when
+    there is no file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except FileNotFoundError:
+        return None
+    if not raw.strip(b"\0"):
+        return "unwritten"   # reserved, its header not yet written: a creation cut short
+    if not raw.startswith(_HEADER_MAGIC):
+        return "damaged"
+    try:
+        head = json.loads(raw[len(_HEADER_MAGIC):].rstrip(b"\0"))
+    except ValueError:
+        return "damaged"
+    return head if isinstance(head, dict) and {"uuid", "file"} <= set(head) else "damaged"
+
+
+def _header_problem(folder: str, k: int, body: dict) -> Optional[str]:
+    """Why the data file in `folder` is not file k of the state of `body`, or None."""
+    path = os.path.join(folder, DATA_FILE)
+    head = _read_header(path)
+    if head is None:
+        return (f"{path} (file {k} of the state whose manifest is in "
+                f"{body['folders'][0]!r}) is missing")
+    if head in ("damaged", "unwritten"):
+        return (f"{path} is damaged: its header is not an offload_adam state file's. The "
+                "state cannot be trusted")
+    if head["uuid"] != body["uuid"]:
+        return (f"{path} belongs to another optimizer state than the manifest in the first "
+                "directory given (a file copied or swapped from another run?)")
+    if head["file"] != k:
+        return (f"{path} is file {head['file']} of the state, given as directory {k}: give "
+                f"the directories in the order the state was made with: {body['folders']}")
+    return None
+
+
 def _create(folders: List[str], spec: StateSpec, buffered: List[str]):
+    """A new state: the spec and a manifest that says nothing was committed yet go first
+    (a crash before the data files are whole leaves a state that is made anew), then the
+    data files, reserved whole."""
     _, sizes = place(spec, len(folders))
-    body = {"uuid": uuid.uuid4().hex, "folders": folders, "spec_sha256": spec.digest(),
-            "step": 0, "slots": [0] * len(spec.buckets), "file_sizes": sizes}
+    body = {"format": FORMAT, "uuid": uuid.uuid4().hex, "folders": folders,
+            "spec_sha256": spec.digest(), "step": 0, "slots": [0] * len(spec.buckets),
+            "file_sizes": sizes, "sums": [[None] * SLOTS for _ in spec.buckets],
+            "previous": None, "written": False, "sum_bytes": SUM_BYTES}
     for folder, size in zip(folders, sizes):
         free = shutil.disk_usage(folder).free
+        old = os.path.join(folder, DATA_FILE)
+        free += os.path.getsize(old) if os.path.exists(old) else 0
         if size > free:
             raise NvmeError(errno.ENOSPC, f"offload_adam: the optimizer state needs "
-                            f"{size / 2**30:.2f} GiB in {folder!r} ({len(spec.buckets)} "
-                            f"buckets, {SLOTS} slots each), only {free / 2**30:.2f} GiB is "
-                            "free", folder)
-    fds = _open_all(folders, body, buffered, create=True)
-    try:
-        manifest.commit(folders[0], spec.to_json(), manifest.SPEC)
-        manifest.commit(folders[0], body)
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return body, fds
-
-
-def _check_spec(folder: str, body: dict, spec: StateSpec) -> None:
-    stored = manifest.read(folder, manifest.SPEC)
-    if stored is None or StateSpec.from_json(stored).digest() != body["spec_sha256"]:
-        raise manifest.ManifestError(f"offload_adam: {os.path.join(folder, manifest.SPEC)} "
-                                     "is missing or is not the one its manifest names")
-    diff = differences(StateSpec.from_json(stored), spec)
-    if diff:
-        raise ValueError(f"offload_adam: {folder!r} holds the optimizer state of another "
-                         f"model or optimizer: {'; '.join(diff)}. Point the optimizer at an "
-                         "empty directory, or remove that state")
+                            f"{size_text(size)} in {folder!r} ({len(spec.buckets)} buckets, "
+                            f"{SLOTS} slots each), only {size_text(free)} is free", folder)
+    manifest.commit(folders[0], spec.to_json(), manifest.SPEC)
+    manifest.commit(folders[0], body)
+    return body, _open_all(folders, body, buffered, create=True)
 
 
 def _open_files(folders: List[str], body: dict, buffered: List[str]) -> List[int]:
@@ -278,16 +513,16 @@ def _open_files(folders: List[str], body: dict, buffered: List[str]) -> List[int
                          f"{len(body['folders'])} directories ({body['folders']}), "
                          f"{len(folders)} given")
     for k, folder in enumerate(folders):
-        path = os.path.join(folder, DATA_FILE)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"offload_adam: {path} (file {k} of the state whose "
-                                    f"manifest is in {folders[0]!r}) is missing")
+        problem = _header_problem(folder, k, body)
+        if problem is not None:
+            error = FileNotFoundError if problem.endswith("is missing") else ValueError
+            raise error(f"offload_adam: {problem}")
     return _open_all(folders, body, buffered, create=False)
 
 
 def _open_all(folders: List[str], body: dict, buffered: List[str], create: bool) -> List[int]:
-    """The data files' fds: created (reserved whole, header written) or checked (size and
-    header); the folders that refused O_DIRECT are added to `buffered`."""
+    """The data files' fds: created (reserved whole, header written) or checked (size);
+    the folders that refused O_DIRECT are added to `buffered`."""
     fds: List[int] = []
     buf = AlignedBuffer(HEADER_BYTES, pin=False)
     try:
@@ -302,22 +537,17 @@ def _open_all(folders: List[str], body: dict, buffered: List[str], create: bool)
             fds.append(fd)
             if not direct:
                 buffered.append(folder)
-            head = _header(body, k)
             if create:
+                head = _header(body, k)
                 buf.view[:] = bytes(HEADER_BYTES)
                 buf.view[:len(head)] = head
                 os.pwritev(fd, [buf.view], 0)
                 os.fsync(fd)
                 manifest.fsync_dir(folder)
-                continue
-            if os.fstat(fd).st_size < size:
+            elif os.fstat(fd).st_size < size:
                 raise ValueError(f"offload_adam: {path} is shorter than the state it holds "
-                                 f"({os.fstat(fd).st_size} < {size} bytes)")
-            os.preadv(fd, [buf.view], 0)
-            if bytes(buf.view[:len(head)]) != head:
-                raise ValueError(f"offload_adam: {path} is not file {k} of the state whose "
-                                 f"manifest is in {folders[0]!r} (give the directories in the "
-                                 f"order they were created: {body['folders']})")
+                                 f"({os.fstat(fd).st_size} < {size} bytes): the file was "
+                                 "truncated or replaced; the state cannot be trusted")
     except BaseException:
         for fd in fds:
             os.close(fd)

@@ -1,0 +1,149 @@
+"""Fault injection on the state in files as a whole (issue 25): for every file the tier
+writes (data, manifest, spec, lock) and every way it can go wrong outside offload_adam
+(deleted, truncated, a byte flipped, swapped with another run's, a stale copy from an
+earlier step), a resume either continues bitwise from a completed step or refuses with an
+error of offload_adam's naming the problem; and no new state is ever made over the files:
+an optimizer built without state_resume refuses, every byte left as it was.
+
+The run under test trains 4 steps (copies of its files taken after steps 2 and 3 are the
+stale ones); "another run's" files are those of the same model from another init, so that
+its spec is the same file and its manifest and data look right but for their identity."""
+import os
+import shutil
+
+import pytest
+import torch
+
+import offload_adam
+from nvme_adam import flip_byte
+from nvme_model import NVME, assert_same, groups, make_params, train
+
+NAMES = {"data": "offload_adam_state.bin", "manifest": "offload_adam_state.manifest",
+         "spec": "offload_adam_state.spec", "lock": "offload_adam_state.lock"}
+STEPS = 4
+
+
+def build(params, folder, **kw):
+    return offload_adam.AdamW(groups(params), lr=0.01, state_dtype="8bit", state_dirs=folder,
+                              **NVME, **kw)
+
+
+def ram_at(step):
+    ps = make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="8bit")
+    train(ram, ps, 0, step)
+    return ps, ram
+
+
+@pytest.fixture(scope="module")
+def runs(kernels, tmp_path_factory):
+    """{"run": its folder, "stale2"/"stale3": its files after steps 2/3, "other": another
+    run's folder, "slot": (offset, size) of bucket 0's committed slot in the data file}."""
+    root = tmp_path_factory.mktemp("faults")
+    out = {k: root / k for k in ("run", "stale2", "stale3", "other")}
+    for d in out.values():
+        d.mkdir()
+    qs = make_params()
+    opt = build(qs, out["run"])
+    for k in range(STEPS):
+        train(opt, qs, k, 1)
+        if k + 1 in (2, 3):
+            for name in NAMES.values():
+                shutil.copy(out["run"] / name, out[f"stale{k + 1}"] / name)
+    st = opt._nvme.state
+    out["slot"] = (st.extents[0].at(st.slots[0]), st.extents[0].nbytes)
+    opt.close()
+    ps = make_params(seed=3)
+    other = build(ps, out["other"])
+    train(other, ps, 0, 3)
+    other.close()
+    return out
+
+
+def inject(folder, runs, which, fault):
+    path = folder / NAMES[which]
+    size = path.stat().st_size
+    if fault == "delete":
+        path.unlink()
+    elif fault == "truncate":
+        os.truncate(path, size // 2)
+    elif fault == "flip":
+        at, nbytes = runs["slot"] if which == "data" else (0, size)
+        flip_byte(path, at + nbytes // 3)
+    elif fault == "flip-header":
+        flip_byte(path, 40)
+    elif fault == "swap":
+        shutil.copy(runs["other"] / NAMES[which], path)
+    else:   # "stale2", "stale3": the file as it was after that step
+        shutil.copy(runs[fault] / NAMES[which], path)
+
+
+def contents(folder):
+    return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))
+            if n != NAMES["lock"]}
+
+
+# What each fault must give: "refused", or the completed step resumed from.
+EXPECTED = {
+    ("data", "delete"): "refused", ("data", "truncate"): "refused",
+    ("data", "flip"): "refused", ("data", "flip-header"): "refused",
+    ("data", "swap"): "refused", ("data", "stale2"): "refused", ("data", "stale3"): "refused",
+    ("manifest", "delete"): "refused", ("manifest", "truncate"): "refused",
+    ("manifest", "flip"): "refused", ("manifest", "swap"): "refused",
+    ("manifest", "stale2"): "refused",
+    ("manifest", "stale3"): 3,   # the slots it names still hold step 3, whole
+    ("spec", "delete"): "refused", ("spec", "truncate"): "refused",
+    ("spec", "flip"): "refused",
+    ("spec", "swap"): STEPS, ("spec", "stale2"): STEPS,   # the same bytes: nothing changed
+    **{("lock", f): STEPS for f in ("delete", "truncate", "flip", "swap", "stale2")},
+}
+
+
+@pytest.mark.parametrize("which,fault", sorted(EXPECTED), ids=[f"{w}-{f}" for w, f in sorted(EXPECTED)])
+def test_a_damaged_state_resumes_a_completed_step_or_is_refused(runs, tmp_path, which, fault):
+    folder = tmp_path / "state"
+    shutil.copytree(runs["run"], folder)
+    inject(folder, runs, which, fault)
+    before = contents(folder)
+    with pytest.raises((ValueError, RuntimeError, OSError), match="offload_adam"):
+        build(make_params(seed=7), folder)   # never a new state over it
+    assert contents(folder) == before
+    expected = EXPECTED[(which, fault)]
+    qs = make_params(seed=7)
+    if expected == "refused":
+        with pytest.raises((ValueError, RuntimeError, OSError), match="offload_adam") as e:
+            build(qs, folder, state_resume=True)
+        assert contents(folder) == before, e.value
+        assert all(torch.equal(q, p) for q, p in zip(qs, make_params(seed=7)))   # untouched
+        return
+    opt = build(qs, folder, state_resume=True)
+    assert opt.step_count == expected
+    ps, ram = ram_at(expected)
+    assert_same(ps, qs, ram, opt)
+    train(opt, qs, expected, 1)   # and on
+    train(ram, ps, expected, 1)
+    assert_same(ps, qs, ram, opt)
+    opt.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_byte_flipped_anywhere_in_the_data_file(runs, tmp_path, seed):
+    """A byte flipped at a random place: in what the state reads (a header, a committed
+    slot) it is refused; elsewhere (the other slots, padding) the state resumes at its
+    step bitwise, and the next step overwrites the damage."""
+    folder = tmp_path / "state"
+    shutil.copytree(runs["run"], folder)
+    path = folder / NAMES["data"]
+    at = torch.randint(0, path.stat().st_size, (1,),
+                       generator=torch.Generator().manual_seed(seed)).item()
+    flip_byte(path, at)
+    qs = make_params(seed=7)
+    try:
+        opt = build(qs, folder, state_resume=True)
+    except (ValueError, OSError) as e:
+        assert "offload_adam" in str(e)
+        return
+    assert opt.step_count == STEPS
+    ps, ram = ram_at(STEPS)
+    assert_same(ps, qs, ram, opt)
+    opt.close()

@@ -1,0 +1,295 @@
+"""What the state in files must never do (issue 25): be overwritten unasked, load wrong
+bytes silently, or resume a mix of two steps. Each test is one way a user gets there: the
+directories in another order, a manifest deleted, a flipped bit, a construction refused,
+a model or a state dict loaded after a resume. The optimizer as users build it, small
+sizes under tmp_path (tests/nvme_model.py's model)."""
+import gc
+import os
+import re
+import warnings
+
+import pytest
+import torch
+
+import offload_adam
+from nvme_adam import flip_byte
+from nvme_model import NVME, assert_same, bits, groups, make_params, train
+from offload_adam.nvme import NvmeError
+
+FILES = ("offload_adam_state.bin", "offload_adam_state.manifest", "offload_adam_state.spec")
+
+
+def build(params, dirs, **kw):
+    return offload_adam.AdamW(groups(params), lr=0.01, state_dtype="bfloat16",
+                              state_dirs=dirs, **NVME, **kw)
+
+
+def ram_run(steps):
+    """The uninterrupted run in host RAM after `steps` steps: (params, optimizer)."""
+    ps = make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="bfloat16")
+    train(ram, ps, 0, steps)
+    return ps, ram
+
+
+def on_disk(dirs, steps):
+    """A run with its state in `dirs`, `steps` steps trained, closed: its params."""
+    qs = make_params()
+    opt = build(qs, dirs)
+    train(opt, qs, 0, steps)
+    opt.close()
+    return qs
+
+
+def snapshot(*folders):
+    """Every byte of every file of the state (the lock aside)."""
+    return {os.path.join(f, n): open(os.path.join(f, n), "rb").read()
+            for f in folders for n in sorted(os.listdir(f)) if not n.endswith(".lock")}
+
+
+def resumed(dirs):
+    return build(make_params(seed=7), dirs, state_resume=True)
+
+
+def test_directories_in_another_order_are_refused_and_nothing_is_overwritten(kernels, tmp_path):
+    """Item 1: [a, b] reopened as [b, a] or [b] (with or without state_resume) is refused,
+    naming where the manifest is and the order to give; [a, b] still resumes bitwise."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    on_disk([a, b], 5)
+    before = snapshot(a, b)
+    for dirs in ([b, a], [b]):
+        for resume in (True, False):
+            with pytest.raises(ValueError, match=re.escape(f"['{a}', '{b}']")):
+                build(make_params(seed=7), dirs, state_resume=resume)
+            gc.collect()
+    assert snapshot(a, b) == before
+    ps, ram = ram_run(5)
+    qs = make_params(seed=7)
+    opt = build(qs, [a, b], state_resume=True)
+    assert opt.step_count == 5
+    assert_same(ps, qs, ram, opt)
+
+
+def test_a_missing_manifest_is_refused_never_made_anew(kernels, tmp_path):
+    """Item 2: data files and a spec without a manifest are a state that cannot be trusted:
+    refused (resumed or not), the files left as they are."""
+    on_disk(tmp_path, 5)
+    (tmp_path / "offload_adam_state.manifest").unlink()
+    before = snapshot(tmp_path)
+    for resume in (True, False):
+        with pytest.raises(ValueError, match=r"holds optimizer state files .* but no manifest "
+                                             r".*never overwritten"):
+            build(make_params(seed=7), tmp_path, state_resume=resume)
+        gc.collect()
+    assert snapshot(tmp_path) == before
+
+
+def flip_master_byte(opt, folder, bucket, param_name, index):
+    """Flips a bit of element `index` of a master in the committed slot of `bucket`."""
+    st = opt._nvme.state
+    spec = st.spec.buckets[bucket]
+    names = [t.name for t in spec.tensors]
+    offset = spec.offsets()[names.index(f"{param_name}.master")] + 4 * index + 3
+    # an exponent bit: -0.0996 becomes ~-3e37
+    flip_byte(os.path.join(folder, "offload_adam_state.bin"),
+              st.extents[bucket].at(st.slots[bucket]) + offset)
+
+
+def test_a_flipped_bit_is_refused_at_resume_at_state_dict_and_at_the_step(kernels, tmp_path):
+    """Item 3: each bucket slot is checksummed as written and verified as read: a resume,
+    state_dict() and the step's read-ahead each refuse a damaged master, naming the bucket
+    and the file; nothing is restored or stepped from it."""
+    qs = make_params()
+    opt = build(qs, tmp_path)
+    train(opt, qs, 0, 3)
+    flip_master_byte(opt, tmp_path, 0, "0:0", 7)
+    data = tmp_path / "offload_adam_state.bin"
+    with pytest.raises(NvmeError, match=f"bucket 0 of the optimizer state in {data} is damaged"):
+        opt.state_dict()
+    before = [q.detach().clone() for q in qs]
+    with pytest.raises(NvmeError, match="bucket 0 .* is damaged"):
+        train(opt, qs, 3, 1)
+    assert all(torch.equal(bits(q), bits(b)) for q, b in zip(qs, before))
+    assert opt.step_count == 3
+    opt.close()
+    fresh = make_params(seed=7)
+    start = [r.detach().clone() for r in fresh]
+    with pytest.raises(NvmeError, match="bucket 0 .* is damaged"):
+        build(fresh, tmp_path, state_resume=True)
+    assert all(torch.equal(bits(r), bits(s)) for r, s in zip(fresh, start))   # none restored
+
+
+def test_a_refused_construction_leaves_the_directory_as_it_found_it(kernels, tmp_path):
+    """Item 4: a budget too small for the buckets is refused before a file is made, so the
+    fix the message suggests (smaller buckets) works; a state made and never committed is
+    taken by another layout too."""
+    with pytest.raises(ValueError, match="raise the budget or make the buckets smaller"):
+        offload_adam.AdamW(make_params(), state_dirs=tmp_path, state_budget_mb=0.06,
+                           bucket_mb=0.05)
+    gc.collect()
+    assert not any(os.path.exists(tmp_path / n) for n in FILES)
+    opt = offload_adam.AdamW(make_params(), state_dirs=tmp_path, state_budget_mb=0.06,
+                             bucket_mb=0.005)   # the fix it named
+    opt.close()
+    qs = make_params()
+    opt = offload_adam.AdamW(qs, state_dirs=tmp_path, bucket_mb=0.001)   # never stepped
+    train(opt, qs, 0, 1)
+    assert opt.step_count == 1
+
+
+def test_a_model_of_no_step_the_files_hold_loaded_after_a_resume_is_refused(kernels, tmp_path):
+    """Item 5: state_resume=True set the params from the files; another model loaded after
+    that, before the next step, would be stepped with the files' moments and step count:
+    refused at that step (nothing stepped); state_dict() refuses too."""
+    on_disk(tmp_path, 3)
+    rs = make_params(seed=8)
+    opt = build(rs, tmp_path, state_resume=True)
+    with torch.no_grad():   # another checkpoint of the model, loaded now
+        for r, o in zip(rs, make_params(seed=5)):
+            r.copy_(o)
+    before = [r.detach().clone() for r in rs]
+    with pytest.raises(RuntimeError, match=r"4 params were changed after state_resume=True "
+                                           r"set them to the state files' step 3 .* not the "
+                                           r"params of any step the files hold \(step 3 or 2\)"
+                                           r".*Nothing was stepped"):
+        train(opt, rs, 3, 1)
+    with pytest.raises(RuntimeError, match="were changed after state_resume=True"):
+        opt.state_dict()
+    assert all(torch.equal(bits(r), bits(b)) for r, b in zip(rs, before))
+    assert opt.step_count == 3
+
+
+def test_a_model_of_the_step_before_loaded_after_a_resume_sets_the_state_back(kernels,
+                                                                              tmp_path):
+    """Item 5, the usual way there: killed between step() (step 3 committed) and the save
+    of the model, the run restarts from its last model checkpoint (step 2), loaded after the
+    optimizer was built with state_resume=True. Those are the params of step 2, which the
+    files hold too: the state goes back to step 2, with a warning, and training goes on
+    bitwise as the uninterrupted run from step 2."""
+    qs = make_params()
+    opt = build(qs, tmp_path)
+    train(opt, qs, 0, 2)
+    checkpoint = [q.detach().clone() for q in qs]   # the model saved after step 2
+    train(opt, qs, 2, 1)                              # step 3 committed, then killed
+    opt.close()
+    rs = make_params(seed=8)
+    opt = build(rs, tmp_path, state_resume=True)
+    assert opt.step_count == 3
+    with torch.no_grad():
+        for r, c in zip(rs, checkpoint):
+            r.copy_(c)
+    with pytest.warns(RuntimeWarning, match="they are the params of step 2, which the files "
+                                            "hold too .* went back to step 2"):
+        train(opt, rs, 2, 1)
+    assert opt.step_count == 3
+    train(opt, rs, 3, 2)
+    ps, ram = ram_run(5)
+    assert_same(ps, rs, ram, opt)
+
+
+def test_a_state_dict_of_another_step_after_a_resume_is_refused(kernels, tmp_path):
+    """Item 6 in one process: a model checkpoint of step 2 loaded, then the optimizer built
+    with state_resume=True on files at step 4 (which sets the params to step 4), then the
+    checkpoint's optimizer state loaded: its moments would train step 4's weights. Refused
+    with nothing loaded, naming the way that works: build without state_resume on a
+    directory without state, then load; that run equals the uninterrupted one."""
+    qs = make_params()
+    opt = build(qs, tmp_path)
+    train(opt, qs, 0, 2)
+    ck_model = [q.detach().clone() for q in qs]
+    ck_opt = {k: v for k, v in opt.state_dict().items()}
+    ck_opt = {**ck_opt, "state": {i: {k: v.clone() for k, v in st.items()}
+                                  for i, st in ck_opt["state"].items()}}
+    train(opt, qs, 2, 2)
+    opt.close()
+    rs = [c.clone().requires_grad_() for c in ck_model]   # the model loaded first
+    opt = build(rs, tmp_path, state_resume=True)
+    at_four = [r.detach().clone() for r in rs]
+    files = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=r"state_resume=True set the params to the state files' "
+                                         r"step 4 .* saved with other params \(param 0:0: its step "
+                                         r"2, 4 in the files\).*build the optimizer without state_resume "
+                                         r"on directories without state.*Nothing was loaded"):
+        opt.load_state_dict(ck_opt)
+    assert snapshot(tmp_path) == files and opt.step_count == 4
+    assert all(torch.equal(bits(r), bits(a)) for r, a in zip(rs, at_four))
+    opt.close()
+    # the way it names: a directory without state, the checkpoint's model and state
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    rs = [c.clone().requires_grad_() for c in ck_model]
+    opt = build(rs, fresh)
+    opt.load_state_dict(ck_opt)
+    train(opt, rs, 2, 3)
+    ps, ram = ram_run(5)
+    assert_same(ps, rs, ram, opt)
+
+
+def test_a_state_dict_of_the_files_step_after_a_resume_loads(kernels, tmp_path):
+    """Not a mix: the state dict saved at the step the files are at (a checkpoint every
+    step), or loaded after a model of its own step, is loaded as always."""
+    qs = make_params()
+    opt = build(qs, tmp_path)
+    train(opt, qs, 0, 3)
+    sd = opt.state_dict()
+    sd = {**sd, "state": {i: {k: v.clone() for k, v in st.items()}
+                          for i, st in sd["state"].items()}}
+    opt.close()
+    rs = make_params(seed=8)
+    opt = build(rs, tmp_path, state_resume=True)
+    opt.load_state_dict(sd)
+    train(opt, rs, 3, 2)
+    ps, ram = ram_run(5)
+    assert_same(ps, rs, ram, opt)
+
+
+def test_the_param_dtype_may_change_between_runs(kernels, tmp_path):
+    """The files hold fp32 masters whatever the params' dtype: a bf16 model's state resumes
+    for the model cast to fp32 (its params are then the masters themselves)."""
+    qs = make_params()
+    opt = build(qs, tmp_path)
+    train(opt, qs, 0, 2)
+    masters = {i: st["master_param"].clone() for i, st in opt.state_dict()["state"].items()
+               if "master_param" in st}
+    opt.close()
+    rs = [p.detach().float().requires_grad_() for p in make_params(seed=8)]
+    opt = build(rs, tmp_path, state_resume=True)
+    assert all(torch.equal(rs[i].detach(), m) for i, m in masters.items())
+    train(opt, rs, 2, 1)
+    assert opt.step_count == 3
+
+
+def test_step_count_is_the_completed_steps(kernels, tmp_path):
+    ps = make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01)
+    assert ram.step_count == 0
+    train(ram, ps, 0, 3)   # (param 1 has no grad at step 2: it counts 2)
+    assert ram.step_count == 3
+    qs = make_params()
+    disk = build(qs, tmp_path)
+    assert disk.step_count == 0
+    train(disk, qs, 0, 3)
+    assert disk.step_count == 3
+
+
+def test_messages_that_name_what_to_do(kernels, tmp_path):
+    """The smaller items: a path that is a file is not told to create a directory; a
+    refused state names the way to resume from a checkpoint without advising state_resume
+    for it; a damaged data file header is not reported as an order problem."""
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"is not a directory$"):
+        offload_adam.AdamW(make_params(), state_dirs=tmp_path / "file")
+    d = tmp_path / "d"
+    d.mkdir()
+    on_disk(d, 2)
+    with pytest.raises(ValueError, match=r"at step 2 .* To continue from it, pass "
+                                         r"state_resume=True .* To start afresh, or from a "
+                                         r"checkpoint of your own .* remove its files"):
+        build(make_params(), d)
+    gc.collect()
+    with open(d / "offload_adam_state.bin", "r+b") as f:
+        f.write(b"garbage")
+    with pytest.raises(ValueError, match="its header is not an offload_adam state file's"):
+        build(make_params(), d, state_resume=True)
