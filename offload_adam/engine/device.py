@@ -25,9 +25,11 @@ from the device is this (`dsts`/`srcs`: a tensor or equal-length lists):
                                               engine's worker): its device, its stream
     pin(t) / unpin(t)                        page-lock host memory in place, and undo it
 
-A list of many small tensors is one copy through a temporary on the device (a
-gather before D2H, a scatter after H2D), so that norms and biases do not cost a
-DMA each; the host side of such a list must be views of one buffer.
+In a list, small host views that abut (a bucket's packed buffers, layout.py)
+go as one copy through a temporary on the device (a gather before D2H, a
+scatter after H2D: packed_copy.py), so that norms and biases do not cost a DMA
+each; every other pair is a copy of its own. No copy moves a host byte that is
+not one of the list's.
 
 The rules the engine follows (checked by offload_adam.testing's AsyncSimDevice on
 CPU, and by compute-sanitizer on a GPU):

@@ -141,8 +141,8 @@ class _Copy:
     kind: str                      # "d2h" | "h2d" | "d2d" (a contiguous copy on the device)
     stream: "_Stream"
     seq: int
-    dsts: List[torch.Tensor]       # what it writes (of a pack: the host bytes of each run)
-    srcs: List[torch.Tensor]       # what it reads (of a pack: the host bytes of each run)
+    dsts: List[torch.Tensor]       # what it writes and what it reads; on the host side:
+    srcs: List[torch.Tensor]       # ... the host bytes of each run of its plan (packed_copy.py)
     body: Callable[[], None]       # the copy itself, run when it executes
     after: List["_Copy"]           # copies that must have executed first
     after_stream: int              # the compute stream of the event it waits for ...
