@@ -8,8 +8,9 @@ on fp32 twins (a tolerance: another order of float operations) and our own
 in-place path built outside the simulation (bit for bit).
 """
 import _thread
-import math
+import contextlib
 import copy
+import math
 import gc
 import time
 import weakref
@@ -305,6 +306,18 @@ def test_free_grads_after_copy(path):
         loss_of(model, 1).backward()
 
 
+def _torch_clipped_run(model, opt, loss, max_norm, steps=3) -> list:
+    """`steps` steps, each clipped by torch.nn.utils.clip_grad_norm_ (as Trainer
+    and Accelerate do); the norms it returned."""
+    norms = []
+    for it in range(steps):
+        loss(model, it).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
 def test_torch_clipping_of_freed_grads(path):
     """torch.nn.utils.clip_grad_norm_ (what Trainer and Accelerate clip and log
     the norm with) after free_grads_after_copy freed the grads: the norm comes
@@ -316,13 +329,7 @@ def test_torch_clipping_of_freed_grads(path):
     for free in (True, False):
         model = make_mlp()
         opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=free, **MLP_OPTS)
-        norms = []
-        for it in range(3):
-            mlp_loss(model, it).backward()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
-            opt.step()
-            opt.zero_grad()
-        runs.append((model, opt, norms))
+        runs.append((model, opt, _torch_clipped_run(model, opt, mlp_loss, 0.5)))
     (freed, o1, n1), (kept, o2, n2) = runs
     assert n1 == pytest.approx(n2, rel=1e-2) and max(n1) > 0.5   # it clipped
     for p, q in zip(freed.parameters(), kept.parameters()):
@@ -448,6 +455,42 @@ def test_large_params_in_pieces_and_small_ones_packed(path):
         ropt = offload_adam.AdamW(ref.parameters(), lr=3e-3, bucket_mb=0.1)
     run(ref, ropt, 3, loss=_wide_loss)
     assert_same((model, opt), (ref, ropt))
+
+
+def _encoder_and_head(dtype):
+    """Issue 25's model: with the default bucket_mb, one bucket holds the norms'
+    and biases' packed grads between large weights', in the order backward
+    makes them."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.TransformerEncoderLayer(256, 4, dropout=0.0, batch_first=True),
+        torch.nn.Linear(256, 37)).to(dtype)
+
+
+def _encoder_loss(model, seed):
+    x = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(seed))
+    return model(x.to(model[1].weight.dtype)).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["kept", "freed"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_packs_among_large_grads_move_only_their_bytes(sim, dtype, free):
+    """Issue 25: a pack's copy (through a temporary, as on a GPU) wrote the
+    whole span from its lowest to its highest byte, over the host grads of
+    three weights; freed grads' norms came out NaN, and the H2D read and
+    moved the span. Same bits and norms as in place."""
+    runs = []
+    for build in (sim.outside, contextlib.nullcontext):
+        with build():
+            model = _encoder_and_head(dtype)
+            opt = offload_adam.AdamW(model.parameters(), lr=1e-3, free_grads_after_copy=free)
+        runs.append((model, opt, _torch_clipped_run(model, opt, _encoder_loss, 1e9)))
+    (ref, ropt, ref_norms), (model, opt, norms) = runs
+    assert all(map(math.isfinite, norms)) and norms == pytest.approx(ref_norms, rel=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+        for key, value in ropt.state[q].items():   # in place, fp32 has no master_param
+            assert torch.equal(opt.state[p][key], value), key
 
 
 def _column_major_grads(model):

@@ -5,8 +5,7 @@ import torch
 
 import offload_adam
 from offload_adam.engine import device as engine_device
-from offload_adam.engine.device import (HostDevice, Transfer, current_host_stand_in,
-                                        host_span, make_device)
+from offload_adam.engine.device import HostDevice, Transfer, current_host_stand_in, make_device
 from offload_adam.params import one_device
 from offload_adam.testing import AsyncSimDevice, simulated
 
@@ -28,16 +27,6 @@ def test_transfer_seconds_is_computed_once():
     timed = Transfer(0.0, waiter=lambda: calls.append(1) or 0.25)
     assert timed.seconds() == 0.25 and timed.seconds() == 0.25
     assert calls == [1]  # waited for once, then remembered
-
-
-def test_host_span_covers_views_of_one_buffer():
-    base = torch.arange(100.0)
-    views = [base[10:14], base[40:41], base[20:30]]
-    flat, offsets = host_span(views)
-    assert flat.data_ptr() == base[10:].data_ptr() and flat.numel() == 31
-    assert offsets == [0, 30, 10]
-    for v, o in zip(views, offsets):
-        assert torch.equal(flat[o:o + v.numel()], v)
 
 
 class FakeCudart:

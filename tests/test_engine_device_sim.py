@@ -107,6 +107,37 @@ def test_latest_holds_a_copy_until_it_is_needed(dev):
     assert t.sim_copy.executed.is_set()
 
 
+def test_a_packed_copy_writes_only_its_pieces_host_bytes(dev):
+    """Two packed grads with another grad's host copy between them, as a
+    bucket interleaved them before (issue 25): the pack's copy, through its
+    temporary as on a GPU, leaves that copy alone. A copy of the span from the
+    first piece to the last would poison it here, and land the temporary's
+    uninitialised bytes on it on a GPU."""
+    host = torch.zeros(12)
+    a, other, c = host[:4], host[4:8], host[8:]
+    dev.wait_host(dev.d2h(other, torch.full((4,), 7.0)))
+    t = dev.d2h([c, a], [torch.full((4,), 2.0), torch.ones(4)])
+    assert torch.equal(other, torch.full((4,), 7.0))
+    dev.wait_host(t)
+    assert torch.equal(host, torch.tensor([1.0] * 4 + [7.0] * 4 + [2.0] * 4))
+    dev.check()
+
+
+def test_a_packed_copy_reads_only_its_pieces_host_bytes(dev):
+    """The H2D side: the host may write a buffer lying between two packed
+    sources while their copy is in flight (another bucket's update), since
+    that copy neither reads it nor moves it."""
+    host = torch.ones(12)
+    dev.pin(host)
+    a, c = torch.zeros(4), torch.zeros(4)
+    with dev.watch():
+        t = dev.h2d([a, c], [host[:4], host[8:]], dev.fence())
+        host[4:8].fill_(3.0)
+    dev.wait_host(t)
+    assert torch.equal(a, torch.ones(4)) and torch.equal(c, torch.ones(4))
+    dev.check()
+
+
 # ---- the engine with a wait or a fence removed ----------------------------------------------
 
 def _train(sim, model_fn=make_mlp, loss=mlp_loss, steps=3, **options):
@@ -242,13 +273,16 @@ def _fault_b(sim, after_step):
 
 
 def _fault_c(sim):
-    """(c) fp32 params: the master is the H2D source; loading a state dict
-    rewrites it at the next step, which must first wait for the last H2D."""
+    """(c) fp32 params: an unpacked one's master is its H2D source (a packed
+    one's update goes from staging); loading a state dict rewrites it at the
+    next step, which must first wait for the last H2D."""
     def loss(model, seed):
-        return model(torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))).pow(2).sum()
+        x = torch.randn(5, 256, generator=torch.Generator().manual_seed(seed))
+        return model(x).pow(2).sum()
 
     with simulated(sim), sim.watch():
-        model = make_mlp().float()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 256)   # a weight of 256 KiB: unpacked
         opt = offload_adam.AdamW(model.parameters(), **OPTS)
         run(model, opt, 1, loss=loss)
         sd = opt.state_dict()

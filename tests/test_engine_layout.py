@@ -69,3 +69,28 @@ def test_host_buffers_are_aligned_apart_and_skewed():
     assert transfers.nbytes() >= 2 * 2 * sum(r.numel for r in recs)  # grad + staging
     pieces = [p for b in buckets for p in b.pieces]
     assert all(p.staging is not None and p.staging.dtype == BF16 for p in pieces)
+
+
+def test_a_buckets_packed_buffers_lie_side_by_side():
+    """Grads come small, large, small, non-contiguous, small (hook order): the
+    bucket's packed pieces' grad and staging buffers abut, no padding and no
+    other piece between them, so that a pack is one copy of exactly their
+    bytes (issue 25: a pack's span covered three weights' grads). An fp32
+    packed piece is staged too: its pack goes back from there, not from
+    masters spread over the state."""
+    for dtype in (BF16, torch.float32):
+        recs = [rec((100,), dtype), rec((PACK_BELOW_BYTES,), dtype), rec((7,), dtype),
+                rec((3, 5), dtype, contiguous=False), rec((33,), dtype)]
+        for r in recs:
+            r.pieces = cut(r, 1 << 30)
+        (bucket,) = make_buckets([p for r in recs for p in r.pieces], 1 << 30)
+        allocate_transfers([bucket], HOST, None)
+        packed = [p for p in bucket.pieces if p.packed]
+        assert [p.rec for p in packed] == [recs[0], recs[2], recs[4]]
+        for role in ("grad", "staging"):
+            views = sorted((getattr(p, role) for p in packed), key=lambda v: v.data_ptr())
+            ends = [v.data_ptr() + v.numel() * v.element_size() for v in views]
+            assert ends[:-1] == [v.data_ptr() for v in views[1:]], (dtype, role)
+        unpacked = [p for p in bucket.pieces if not p.packed]
+        assert all(p.staging is not None for p in packed)
+        assert all((p.staging is None) == (dtype == torch.float32) for p in unpacked)

@@ -592,6 +592,12 @@ class BucketJob:
                      if blockwise else None, p.start)
         t0 = time.perf_counter()
         args.run([p.grad for p in pieces], hyper, self.grad_scale, self.threads)
+        if not bucket.low_precision:
+            # An fp32 update that goes back from staging (packed, or with the
+            # state in files: layout.allocate_transfers) is the master.
+            for p in pieces:
+                if p.staging is not None:
+                    p.staging.copy_(p.state("master"))
         engine._profile.add_cpu(bucket.index, t0, time.perf_counter())
 
     def write_back(self) -> None:

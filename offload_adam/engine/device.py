@@ -25,9 +25,11 @@ from the device is this (`dsts`/`srcs`: a tensor or equal-length lists):
                                               engine's worker): its device, its stream
     pin(t) / unpin(t)                        page-lock host memory in place, and undo it
 
-A list of many small tensors is one copy through a temporary on the device (a
-gather before D2H, a scatter after H2D), so that norms and biases do not cost a
-DMA each; the host side of such a list must be views of one buffer.
+In a list, small host views that abut (a bucket's packed buffers, layout.py)
+go as one copy through a temporary on the device (a gather before D2H, a
+scatter after H2D: packed_copy.py), so that norms and biases do not cost a DMA
+each; every other pair is a copy of its own. No copy moves a host byte that is
+not one of the list's.
 
 The rules the engine follows (checked by offload_adam.testing's AsyncSimDevice on
 CPU, and by compute-sanitizer on a GPU):
@@ -53,11 +55,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from ..params import one_device
+from .packed_copy import plan_copy, run_plan
 
 
 class Transfer:
@@ -80,16 +83,6 @@ class Transfer:
 
 def as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def host_span(views: List[torch.Tensor]):
-    """(one 1-D view covering all `views`, each view's offset in it): the host
-    side of a packed copy. The views must be contiguous and share a storage."""
-    starts = [v.storage_offset() for v in views]
-    lo = min(starts)
-    hi = max(s + v.numel() for s, v in zip(starts, views))
-    flat = views[0].as_strided((hi - lo,), (1,), lo)
-    return flat, [s - lo for s in starts]
 
 
 class HostDevice:
@@ -214,23 +207,19 @@ class CudaDevice:
         return self._copy(self.h2d_stream, after, as_list(dsts), as_list(srcs), to_host=False)
 
     def _copy(self, stream, ready, dsts, srcs, to_host: bool) -> Transfer:
-        """One copy, or a pack of them through one temporary on the device: a
-        gather then one D2H, or one H2D then a scatter."""
-        device_side = srcs if to_host else dsts
+        """One copy, or a pack of them through temporaries on the device
+        (packed_copy.py: a gather then one D2H, or one H2D then a scatter)."""
+        host, device_side = (dsts, srcs) if to_host else (srcs, dsts)
+        runs = plan_copy(host, device_side)
 
         def body():
-            if len(srcs) == 1:
-                dsts[0].copy_(srcs[0], non_blocking=True)
-                return
-            host, offsets = host_span(dsts if to_host else srcs)
-            tmp = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            views = [tmp[o:o + t.numel()].view(t.shape) for o, t in zip(offsets, device_side)]
-            if to_host:
-                torch._foreach_copy_(views, srcs)
-                host.copy_(tmp, non_blocking=True)
-            else:
-                tmp.copy_(host, non_blocking=True)
-                torch._foreach_copy_(dsts, views)
+            # Called with `stream` current: each temporary is allocated on the
+            # stream that alone uses it, so the caching allocator hands its
+            # memory out again (once dropped, right after its copies are
+            # queued) only to later work of that stream.
+            run_plan(runs, host, device_side, to_host, non_blocking=True,
+                     empty=lambda like: torch.empty(like.shape, dtype=like.dtype,
+                                                    device=self.device))
 
         transfer = self._timed(stream, ready, body)
         for t in device_side:

@@ -121,9 +121,6 @@ def step_file_bucket(engine: OffloadEngine, todo: Sequence[Tuple[ParamRec, str, 
             job = engine.bucket_job(bucket, pieces, hyper_of(bucket.group), grad_scale,
                                     threads, fence)
             job.kernel()
-            for p in pieces:
-                if not bucket.low_precision and p.staging is not None:
-                    p.staging.copy_(p.state("master"))
             if write:
                 before = len(bucket.h2d)
                 job.write_back()

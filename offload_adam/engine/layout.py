@@ -11,18 +11,19 @@ A *bucket* is a run of pieces of one param group and dtype, about `bucket_mb`
 of device bytes, in the order backward produces their grads: the unit of the
 pipeline. Pieces smaller than PACK_BELOW_BYTES (norms, biases) are *packed*:
 their grads go to the host in one copy per bucket, their updates back in one,
-instead of one DMA each (device.py gathers/scatters them on the device).
+instead of one DMA each (packed_copy.py gathers/scatters them on the device).
 
 Host memory (host_memory.py arenas): the state (fp32 master, exp_avg,
 exp_avg_sq, max_exp_avg_sq) is laid out once per param, in registration order;
-the transfer buffers (grad copies, bf16/fp16 staging of the update) are laid
-out per bucket, so that a bucket's packed pieces are adjacent, and are laid out
-anew when the buckets change (`TransferBuffers`).
+the transfer buffers (grad copies, staging of the update) are laid out per
+bucket, its packed pieces' side by side, and are laid out anew when the buckets
+change (`allocate_transfers`).
 """
 
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -31,8 +32,8 @@ from ..distributed import local
 from ..params import LOW_PRECISION
 from ..state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat, scale_len
 from .host_memory import HostArenas
+from .packed_copy import PACK_BELOW_BYTES
 
-PACK_BELOW_BYTES = 1 << 18
 SPLIT_ALIGN = 32768  # also a multiple of QUANT_BLOCK: a piece owns whole 8-bit blocks
 
 
@@ -193,19 +194,36 @@ def allocate_state(recs: Sequence[ParamRec], device, available: Optional[int],
 
 def allocate_transfers(buckets: Sequence[Bucket], device, available: Optional[int],
                        stage_fp32: bool = False) -> HostArenas:
-    """Grad and staging buffers of every piece, bucket after bucket. A bf16/fp16
-    param's update is staged (the kernel writes it there); an fp32 param's is its
-    master, copied from there, unless `stage_fp32`: with the state in files and
-    step_in_backward the master is gone (its file bucket written, the buffer reused)
-    before step() writes the params, so its value waits in staging (disk_step.py)."""
+    """Grad and staging buffers of every piece, bucket after bucket.
+
+    A bucket's packed pieces lie side by side, with no padding between them,
+    so that its pack is one copy of exactly their bytes each way
+    (packed_copy.py); they are small, so their kernel calls lose nothing to
+    starting off a cache line. Their updates are staged whatever the dtype (an
+    fp32 one copied from its master after the kernel), so the pack goes back
+    from there and not from masters spread over the state arenas.
+    An unpacked bf16/fp16 piece's update is staged (the kernel writes it
+    there); an fp32 one's is its master, copied from there, unless
+    `stage_fp32`: with the state in files and step_in_backward the master is
+    gone (its file bucket written, the buffer reused) before step() writes the
+    params, so its value waits in staging (disk_step.py)."""
     arenas = HostArenas(device)
     offsets = []
     for b in buckets:
+        packed = [p for p in b.pieces if p.packed]
+        if packed:
+            dtype = b.pieces[0].rec.dtype   # a bucket holds one dtype
+            total = sum(p.numel for p in packed)
+            grad = arenas.reserve(f"grad {dtype}", dtype, total)
+            staging = arenas.reserve(f"staging {dtype}", dtype, total)
+            at = accumulate((p.numel for p in packed[:-1]), initial=0)
+            offsets += [(p, grad + o, staging + o) for p, o in zip(packed, at)]
         for p in b.pieces:
-            dtype = p.rec.dtype
-            offsets.append((p, arenas.reserve(f"grad {dtype}", dtype, p.numel),
-                            arenas.reserve(f"staging {dtype}", dtype, p.numel)
-                            if p.rec.low_precision or stage_fp32 else None))
+            if not p.packed:
+                dtype = p.rec.dtype
+                offsets.append((p, arenas.reserve(f"grad {dtype}", dtype, p.numel),
+                                arenas.reserve(f"staging {dtype}", dtype, p.numel)
+                                if p.rec.low_precision or stage_fp32 else None))
     arenas.allocate(available)
     for p, g, s in offsets:
         shape = (p.numel,) if p.rec.flat else p.rec.shape

@@ -12,6 +12,10 @@ same interface on CPU tensors the way CUDA would, and is hostile about timing:
   * a copy reads its source and writes its destination when it *executes*, not
     when it is queued; the host side of a device->host copy is poisoned (NaN) at
     queue time, so a host read before the copy landed sees NaN;
+  * a copy of a list moves the bytes CudaDevice's would: the same plan and the
+    same copies (engine/packed_copy.py: straight, or gathered and scattered
+    through temporaries, here filled with NaN as uninitialised memory), and its
+    host side, poisoned and checked, is every host byte the plan moves;
   * events complete when their stream reaches them; `publish` makes the compute
     stream (the caller's own work) wait for copies without blocking the host.
 
@@ -57,7 +61,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,6 +69,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..distributed import local
 from ..engine.device import Transfer, as_list
+from ..engine.packed_copy import plan_copy, run_plan
 
 _local = threading.local()  # .inside: the device's own ops (not checked)
 
@@ -104,6 +109,14 @@ def _checksum(ts: Sequence[torch.Tensor]) -> List[bytes]:
                 if t.numel() else b"" for t in ts]
 
 
+def _temporary(like: torch.Tensor) -> torch.Tensor:
+    """A packed copy's temporary on the device: uninitialised memory, which
+    is what lands wherever a copy of it writes bytes its gather did not fill."""
+    t = torch.empty(like.shape, dtype=like.dtype)
+    _poison(t)
+    return t
+
+
 def _poison(t: torch.Tensor) -> None:
     with _unchecked():
         if t.is_floating_point():
@@ -128,8 +141,9 @@ class _Copy:
     kind: str                      # "d2h" | "h2d" | "d2d" (a contiguous copy on the device)
     stream: "_Stream"
     seq: int
-    dsts: List[torch.Tensor]
-    srcs: List[torch.Tensor]
+    dsts: List[torch.Tensor]       # what it writes and what it reads; on the host side:
+    srcs: List[torch.Tensor]       # ... the host bytes of each run of its plan (packed_copy.py)
+    body: Callable[[], None]       # the copy itself, run when it executes
     after: List["_Copy"]           # copies that must have executed first
     after_stream: int              # the compute stream of the event it waits for ...
     after_epoch: int               # ... and the compute work on it ordered before this copy
@@ -261,15 +275,12 @@ class AsyncSimDevice:
                             self._epoch, stream)
 
     def d2h(self, dsts, srcs, after: Optional[SimEvent] = None) -> Transfer:
-        dsts, srcs = as_list(dsts), as_list(srcs)
-        ev = after if after is not None else self._now()
-        return self._queue("d2h", dsts, srcs, ev).transfer
+        return self._transfer("d2h", dsts, srcs, after if after is not None else self._now())
 
     def h2d(self, dsts, srcs, after: Optional[SimEvent] = None) -> Transfer:
-        dsts, srcs = as_list(dsts), as_list(srcs)
         if after is None:
             after = getattr(self, "_last_fence", None) or SimEvent([], -1)
-        return self._queue("h2d", dsts, srcs, after).transfer
+        return self._transfer("h2d", dsts, srcs, after)
 
     def contiguous(self, t: torch.Tensor, after: Optional[SimEvent] = None) -> torch.Tensor:
         """A contiguous copy of device tensor `t`, made on the D2H stream (after
@@ -278,7 +289,8 @@ class AsyncSimDevice:
             out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         with self.lock:
             self._last_access.pop(_span(out)[0], None)  # new memory: no past
-        self._queue("d2d", [out], [t], after if after is not None else self._now())
+        self._queue("d2d", [out], [t], after if after is not None else self._now(),
+                    lambda: out.data.copy_(t))
         return out
 
     def on_thread(self):
@@ -376,16 +388,32 @@ class AsyncSimDevice:
                         if not (op.executed.is_set() and op.host_synced)]
         return self._copies
 
-    def _queue(self, kind, dsts, srcs, after: SimEvent) -> _Copy:
-        if len(dsts) != len(srcs):
-            raise ValueError(f"{kind}: {len(dsts)} destinations for {len(srcs)} sources")
+    def _transfer(self, kind, dsts, srcs, after: SimEvent) -> Transfer:
+        """A d2h or h2d copy as CudaDevice makes it (packed_copy.py's plan and
+        copies: straight, or gathered/scattered through temporaries), queued to
+        run late. The copy writes or reads the whole host side of each run of
+        the plan, so that is what it poisons, checksums and conflicts on."""
+        dsts, srcs = as_list(dsts), as_list(srcs)
+        to_host = kind == "d2h"
+        # .data: a device write leaves autograd's version counters alone (the
+        # engine bumps them itself at step(), as torch's step does).
+        host, device = [[t.data for t in ts] for ts in ((dsts, srcs) if to_host else (srcs, dsts))]
+        runs = plan_copy(host, device)
+        spans = [run.host for run in runs]
+
+        def body():
+            run_plan(runs, host, device, to_host, empty=_temporary, non_blocking=False)
+        writes, reads = (spans, device) if to_host else (device, spans)
+        return self._queue(kind, writes, reads, after, body).transfer
+
+    def _queue(self, kind, dsts, srcs, after: SimEvent, body) -> _Copy:
         host, dev = {"d2h": (dsts, srcs), "h2d": (srcs, dsts), "d2d": ([], dsts + srcs)}[kind]
         stream = self._streams["h2d" if kind == "h2d" else "d2h"]
         with self.lock:
             stream.seq += 1
             hold = (1.0 if self._latency == "latest" or self._rng.random() < 0.2
                     else self._rng.random() * self._max_delay)
-            op = _Copy(kind, stream, stream.seq, dsts, srcs, list(after.copies), after.stream,
+            op = _Copy(kind, stream, stream.seq, dsts, srcs, body, list(after.copies), after.stream,
                        after.epoch, hold, [_span(t) for t in host], [_span(t) for t in dev],
                        [_span(t) for t in dsts] if kind != "d2h" else [])
             for span in op.device_side:
@@ -436,10 +464,7 @@ class AsyncSimDevice:
             for span in op.host_side:
                 if any(_overlaps(span, f) for f in self._freed):
                     self._violation(f"{op.name()} ran on a host buffer that was freed")
-            for d, s in zip(op.dsts, op.srcs):
-                # .data: a device write leaves autograd's version counters alone
-                # (the engine bumps them itself at step(), as torch's step does).
-                d.data.copy_(s)
+            op.body()
             if op.kind == "d2d":
                 # Later copies of this stream read what it wrote: their sources
                 # are defined from now on (poisoned before).

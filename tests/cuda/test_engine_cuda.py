@@ -225,6 +225,43 @@ def test_pieces_and_packs_and_early_steps_match_the_cpu():
             assert torch.equal(a, b), options
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_packs_among_large_grads_match_the_cpu_fed_the_same_grads(dtype):
+    """Issue 25: at the default bucket_mb a bucket's packed grads (norms,
+    biases) lie among large weights' grads; a pack's copy wrote over those.
+    The engine's steps equal a CPU twin's stepped in place from the same
+    grads, bit for bit, and freed grads clip and step as kept ones."""
+    runs = []
+    for free in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.TransformerEncoderLayer(256, 4, dropout=0.0, batch_first=True),
+            torch.nn.Linear(256, 37)).to("cuda", dtype)
+        twin = copy.deepcopy(model).cpu()
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-3, free_grads_after_copy=free)
+        ropt = offload_adam.AdamW(twin.parameters(), lr=1e-3)   # CPU params: in place
+        norms = []
+        for it in range(3):
+            x = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(it))
+            model(x.to("cuda", dtype)).float().pow(2).mean().backward()
+            if not free:
+                for p, q in zip(model.parameters(), twin.parameters()):
+                    q.grad = p.grad.cpu()
+                ropt.step()
+                ropt.zero_grad()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+            opt.step()
+            opt.zero_grad()
+            if not free:
+                for p, q in zip(model.parameters(), twin.parameters()):
+                    assert torch.equal(p.cpu(), q), it
+        runs.append((model, norms))
+    (kept, kept_norms), (freed, freed_norms) = runs
+    assert freed_norms == pytest.approx(kept_norms, rel=1e-2)
+    for p, q in zip(kept.parameters(), freed.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_delete_frees_pinned_memory():
     import gc
     model = make_model(width=1024)
