@@ -131,7 +131,15 @@ class NvmeTier:
         except ValueError as e:
             raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
         self.pipeline = None
-        self.state = NvmeState.open(list(dirs), spec)
+        try:
+            self.state = NvmeState.open(list(dirs), spec)
+        except ValueError as e:
+            if "of another model or optimizer" not in str(e):
+                raise
+            raise ValueError(f"{e}. (What identifies them: the params' names, shapes and "
+                             "order in the groups, state_dtype, amsgrad, and bucket_mb, which "
+                             f"lays out the buckets: bucket_mb={bucket_mb:g} here; resume "
+                             "with the one they were made with)") from None
         try:
             self._agree_on_step(params, process_group)
             if self.state.step and not resume:

@@ -247,6 +247,9 @@ def test_the_state_of_another_model_is_refused(kernels, tmp_path):
         offload_adam.AdamW(other, state_dirs=tmp_path, **NVME)
     with pytest.raises(ValueError, match="state format 'float32' in the files, 'bfloat16' here"):
         offload_adam.AdamW(ps, state_dirs=tmp_path, state_dtype=torch.bfloat16, **NVME)
+    with pytest.raises(ValueError, match=r"buckets in the files, .* bucket_mb=0.05 here; resume "
+                                         "with the one they were made with"):
+        offload_adam.AdamW(ps, state_dirs=tmp_path, bucket_mb=0.05)
 
 
 def test_two_optimizers_on_one_directory(kernels, tmp_path):
