@@ -191,7 +191,9 @@ class EarlyStart:
 
     def fail(self, reason: str) -> None:
         """Raises the step_in_backward error for `reason`, after writing the
-        params whose step already ran (so each param equals its master)."""
+        params whose step already ran (so each param equals its master). An
+        engine taken over by a newer one writes nothing: the params are not its own."""
+        self._engine().check_open()
         stepped = self.commit() if (self.error is not None or self._started) else 0
         if self.files is not None:
             what = ("Nothing was stepped: the state files and the params are those of "
