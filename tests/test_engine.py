@@ -24,8 +24,8 @@ from offload_adam.testing import settle
 from bare_engine import BareEngine
 from engine_watch import Born, buckets_of, hooked
 from models import (BF16, MLP_OPTS, OPTS, Boom, assert_param_is_master_rounded, assert_same,
-                    copy_grads, kernels_that, loss_of, make_mlp, make_pair, mlp_loss, run, state_of,
-                    steps_of, train_shadow)
+                    copy_grads, early_steps, halve_grad, kernels_that, loss_of, make_mlp, make_pair, mlp_loss,
+                    run, state_of, steps_of, train_shadow)
 
 
 def in_place_run(path, steps, edit=None, micro=1, **options):
@@ -819,6 +819,88 @@ def test_a_new_optimizer_takes_the_params_over_from_a_live_one(path, options):
         results.append((model, new))
     assert_same(*results)
     assert pinned[0] == pinned[1]
+
+
+def _halve_data(p):
+    p.grad.data.mul_(0.5)   # no version bump
+
+
+def _halve_replaced(p):
+    p.grad = p.grad * 0.5
+
+
+def _dropped(p):
+    p.grad = None
+
+
+HOOK_EDITS = {"in place": halve_grad, ".data": _halve_data, "replaced": _halve_replaced,
+              "dropped": _dropped}
+HOOK_OPTIONS = {"default": {}, "free_grads": {"free_grads_after_copy": True},
+                "early": {"step_in_backward": True},
+                "early, free_grads": {"step_in_backward": True, "free_grads_after_copy": True}}
+
+
+@pytest.mark.parametrize("edit", HOOK_EDITS)
+@pytest.mark.parametrize("options", HOOK_OPTIONS)
+def test_a_hook_registered_after_the_optimizer_edits_the_grad_it_steps(path, options, edit):
+    """A user's post-accumulate-grad hook registered after the optimizer runs after
+    the engine's and edits the grad. The engine copies such a grad only once
+    autograd is past that hook (a copy queued before it would race its write on
+    the device, and step_in_backward would step the grad as it was), so every mode
+    steps the edited grad (or none, if the hook dropped it), bit for bit as in
+    place, and steps still start during backward."""
+    options = {**MLP_OPTS, **HOOK_OPTIONS[options]}
+
+    def train(model, opt):
+        for p in list(model.parameters())[::2]:   # some params, not the others
+            p.register_post_accumulate_grad_hook(HOOK_EDITS[edit])
+        started = []
+        for it in range(4):
+            before = steps_of(opt, model)
+            mlp_loss(model, it).backward()
+            started.append(early_steps(opt, model, before))
+            opt.step()
+            opt.zero_grad()
+        return started
+
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **options)
+    started = train(model, opt)
+    with path.outside():
+        ref_model = make_mlp()
+        ref = offload_adam.AdamW(ref_model.parameters(), **MLP_OPTS)   # in place
+    train(ref_model, ref)
+    assert_same((model, opt), (ref_model, ref))
+    with_grads = 2 if edit == "dropped" else 4   # (the hooked params' grads are gone)
+    assert started == ([0] + [with_grads] * 3 if options.get("step_in_backward") else [0] * 4)
+
+
+@pytest.mark.parametrize("options", ["default", "early"])
+def test_a_backward_that_raises_after_a_hooked_grad(path, options):
+    """A backward that raises after the engine's hook of a param whose copy waits
+    for a user's hook: that copy is never taken from the failed backward (step()
+    copies and steps the grads there are), and the next backward into the grads
+    left (no zero_grad: they accumulate, as torch allows) steps exactly as in place."""
+    def train(model, opt):
+        model[2].weight.register_post_accumulate_grad_hook(halve_grad)
+        run(model, opt, 2, loss=mlp_loss)
+        h = FailHalfway.apply(model[1](model[0](torch.randn(5, 8).to(BF16))))
+        with pytest.raises(Boom):
+            model[2](h).float().sum().backward()
+        opt.step()
+        mlp_loss(model, 5).backward()
+        opt.step()
+        opt.zero_grad()
+        run(model, opt, 2, start=6, loss=mlp_loss)
+
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS, **HOOK_OPTIONS[options])
+    train(model, opt)
+    with path.outside():
+        ref_model = make_mlp()
+        ref = offload_adam.AdamW(ref_model.parameters(), **MLP_OPTS)   # in place
+    train(ref_model, ref)
+    assert_same((model, opt), (ref_model, ref))
 
 
 @pytest.mark.parametrize("early", [False, True])

@@ -4,7 +4,10 @@ The data path, in the order this file follows it:
 
   1. backward, a hook per param  the grad's host copy starts on the D2H side
                                  stream (small grads wait for the rest of their
-                                 bucket's pack); one GradCopy record per grad
+                                 bucket's pack; a grad whose param has a hook
+                                 registered after ours, which may edit it,
+                                 waits until autograd is past that hook); one
+                                 GradCopy record per grad
   2. end of backward             the packs still waiting are copied, and the
                                  user's stream is made to wait for the copies:
                                  whatever runs next (clip, edit, another
@@ -103,6 +106,7 @@ class OffloadEngine:
         self._pack_arrived: set = set()           # ids of the packed pieces hooked so far
         self._pack_expected: set = set()          # ... and in the last backward
         self._backward: list = []                 # D2H copies of the running backward
+        self._deferred: List[ParamRec] = []       # grads whose copy waits for hooks after ours
         self._backward_task = None
         self._hook_order: Optional[List[ParamRec]] = []   # the first backward's order
         self._want_norms = False
@@ -237,6 +241,7 @@ class OffloadEngine:
     # ---- 1. backward: each grad streams to the host as it is produced ------------
 
     def _on_grad(self, rec: ParamRec) -> None:
+        self._take_deferred()   # autograd is past the hooks of the params before this one
         grad = rec.param.grad
         if grad is None:
             return  # an earlier hook took it (optimizer-in-backward patterns)
@@ -251,6 +256,21 @@ class OffloadEngine:
         if self._hook_order is not None and rec.copy is None:
             self._hook_order.append(rec)
         self._at_end_of_backward()
+        if _hooked_after(rec):
+            # A hook the user registered after ours runs next and may edit the grad
+            # (p.grad.mul_ in place, .data, a new tensor): a copy queued now would
+            # race that write on the device, and an early step would consume the
+            # grad as it was. Its copy waits until autograd is past those hooks.
+            self._deferred.append(rec)
+        else:
+            self._take(rec)
+
+    def _take(self, rec: ParamRec) -> None:
+        """Starts the host copy of rec's grad in backward, the step of what it
+        completes (step_in_backward) and, with free_grads_after_copy, frees it."""
+        grad = rec.param.grad
+        if grad is None:
+            return  # a hook after ours dropped it: nothing to copy
         with torch.no_grad():
             self._copy([rec], hook=True)
         if self._want_norms:
@@ -319,11 +339,26 @@ class OffloadEngine:
         self._backward_task = task
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: ref() is not None and ref()._end_backward())
+            lambda: ref() is not None and ref()._backward_done())
+
+    def _take_deferred(self) -> None:
+        """Takes the grads whose copy waited for the hooks after ours (_on_grad):
+        called once autograd is past them (the next param's hook, backward's end)."""
+        while self._deferred:
+            self._take(self._deferred.pop(0))
 
     # ---- 2. end of backward ----------------------------------------------------------
 
+    def _backward_done(self) -> None:
+        """Backward's end (autograd's callback, after every hook ran)."""
+        self._take_deferred()
+        self._end_backward()
+
     def _end_backward(self) -> None:
+        # Also called outside a backward's end (step() after a backward that raised,
+        # zero_grad, clipping): grads whose copy still waited are copied at step(),
+        # never from here, where a step started in backward would race step()'s own.
+        self._deferred.clear()
         self._backward_task = None
         if self._pack_arrived:
             self._pack_expected, self._pack_arrived = self._pack_arrived, set()
@@ -701,6 +736,13 @@ def _hook(engine_ref, rec):
         if engine is not None:
             engine._on_grad(rec)
     return hook
+
+
+def _hooked_after(rec: ParamRec) -> bool:
+    """Whether rec's param has a post-accumulate-grad hook registered after the
+    engine's (torch runs them in registration order)."""
+    hooks = rec.param._post_accumulate_grad_hooks
+    return rec.hook is not None and bool(hooks) and next(reversed(hooks)) != rec.hook.id
 
 
 def _transfers_of(recs, buckets) -> list:
