@@ -6,10 +6,9 @@ documented here and nowhere else.
     False everything happens inside step(). Both give the same results.
   bucket_mb (32): size of the buckets the engine steps and transfers at once.
   free_grads_after_copy (False): drop each grad (p.grad = None) as soon as it
-    is on the host, to save device memory (post-accumulate-grad hooks
-    registered after the optimizer still see it). Then code between backward
-    and step() must not read or change p.grad (clip with opt.clip_grad_norm_),
-    and grads cannot be accumulated over micro-batches (an error says so).
+    is on the host, to save device memory. Then code between backward and
+    step() must not read or change p.grad (clip with opt.clip_grad_norm_), and
+    grads cannot be accumulated over micro-batches (an error says so).
     Needs overlap=True.
   num_threads (None): kernel threads, for every param; None =
     torch.get_num_threads(), minus one for CUDA params (the thread driving the
@@ -36,11 +35,11 @@ documented here and nowhere else.
     optimizer was built (p.grad.mul_, .data, a new p.grad) is stepped as
     edited, exactly as by a plain step: the engine copies such a grad, and
     starts its bucket, only once autograd is past that hook (also without
-    step_in_backward). Other writes to a grad during backward (another
-    param's hook, a module's backward hook) are not ordered with its copy (on
-    a GPU it may read them half done): make them there or after backward.
-    Exact only when nothing changes between backward and step(), so the
-    following raise
+    step_in_backward; with free_grads_after_copy the hook sees the grad, freed
+    after it). Other writes to a grad during backward (another param's hook,
+    a module's backward hook) are not ordered with its copy (on a GPU it may
+    read them half done): make them there or after backward. Exact only when
+    nothing changes between backward and step(), so the following raise
     RuntimeError (at step(), zero_grad() or the hook, as noted): editing,
     replacing, dropping, clipping (torch.nn.utils.clip_grad_norm_,
     opt.clip_grad_norm_) or scaling a stepped grad; GradScaler; changing lr or
