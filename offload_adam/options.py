@@ -32,7 +32,15 @@ documented here and nowhere else.
   step_in_backward (False): start each bucket's CPU step during backward, as
     soon as every param of it that got a grad in the previous backward has its
     grad on the host (from the second step on), instead of at step(). Needs
-    overlap=True; max_grad_norm= cannot be used with it. Exact only when
+    overlap=True; max_grad_norm= cannot be used with it. A grad edited during
+    backward by a post-accumulate-grad hook registered on its param after the
+    optimizer was built (p.grad.mul_, .data, a new p.grad) is stepped as
+    edited, exactly as by a plain step: the engine copies such a grad, and
+    starts its bucket, only once autograd is past that hook (also without
+    step_in_backward; with free_grads_after_copy the hook sees the grad, freed
+    after it). Other writes to a grad during backward (another param's hook,
+    a module's backward hook) are not ordered with its copy (on a GPU it may
+    read them half done): make them there or after backward. Exact only when
     nothing changes between backward and step(), so the following raise
     RuntimeError (at step(), zero_grad() or the hook, as noted): editing,
     replacing, dropping, clipping (torch.nn.utils.clip_grad_norm_,

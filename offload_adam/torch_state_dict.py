@@ -53,14 +53,13 @@ class TorchStateDict:
         dtensor_ids = {i for g, group in zip(sd["param_groups"], self.param_groups)
                        for i, p in zip(g["params"], group["params"]) if distributed.is_dtensor(p)}
         if fp32_moments or dtensor_ids:
-            sd = {**sd, "state": {k: with_float32_moments(st)
-                                  if fp32_moments or (k in dtensor_ids and _has_scales(st)) else st
-                                  for k, st in sd["state"].items()}}
+            sd = _per_param(sd, lambda k, st: with_float32_moments(st)
+                            if fp32_moments or (k in dtensor_ids and _has_scales(st)) else st)
         if dtensor_ids:
             ids = [i for g in sd["param_groups"] for i in g["params"]]
             sd["state"] = distributed.export_state(dict(zip(ids, params)), sd["state"])
         if not fp32_moments:
-            sd = {**sd, "state": {k: with_code_keys(st) for k, st in sd["state"].items()}}
+            sd = _per_param(sd, lambda k, st: with_code_keys(st))
         return sd
 
     def load_state_dict(self, state_dict):
@@ -198,6 +197,14 @@ class TorchStateDict:
                             f"{param_label(group, gi, i, p)} has shape {tuple(value.shape)}, "
                             f"expected {tuple(expected)}"
                         )
+
+
+def _per_param(sd: dict, convert) -> dict:
+    """sd with each param's state replaced by convert(key, state). Entries that are
+    not a dict of state pass through as they are, as torch's state_dict passes them
+    (torch's own tests put `optimizer.state["test"] = 1` there)."""
+    return {**sd, "state": {k: convert(k, st) if isinstance(st, dict) else st
+                            for k, st in sd["state"].items()}}
 
 
 def _has_scales(st: dict) -> bool:

@@ -9,6 +9,8 @@ import copy
 
 import torch
 
+from offload_adam.testing import settle
+
 BF16 = torch.bfloat16
 OPTS = dict(lr=3e-3, weight_decay=0.1, bucket_mb=0.01)
 
@@ -86,6 +88,11 @@ def mlp_loss(model, seed):
 MLP_OPTS = dict(lr=3e-3, weight_decay=0.1, eps=1e-2, bucket_mb=0.0001)
 
 
+def halve_grad(p):
+    """A user's post-accumulate-grad hook that edits the grad in place."""
+    p.grad.mul_(0.5)
+
+
 class Boom(ValueError):
     """An error raised on purpose (a failing kernel, hook or user callback)."""
 
@@ -147,6 +154,14 @@ def assert_param_is_master_rounded(opt, model):
 def steps_of(opt, model):
     return [float(opt.state[p]["step"]) if opt.state.get(p) else 0.0
             for p in model.parameters()]
+
+
+def early_steps(opt, model, before):
+    """How many params were stepped during the backward just run (step_in_backward):
+    once the steps it queued have run, their state's step count is past `before`
+    (steps_of from before that backward)."""
+    settle(opt)
+    return sum(now > then for now, then in zip(steps_of(opt, model), before))
 
 
 def kernels_that(monkeypatch, before_step):

@@ -21,11 +21,12 @@ import torch
 import offload_adam
 from offload_adam.engine import OffloadEngine
 from offload_adam.freed_grad import is_freed
+from offload_adam.testing import settle
 from bare_engine import BareEngine
 from engine_watch import Born, buckets_of, hooked
 from models import (BF16, MLP_OPTS, OPTS, Boom, assert_param_is_master_rounded, assert_same,
-                    copy_grads, kernels_that, loss_of, make_mlp, make_pair, mlp_loss, run, steps_of,
-                    train_shadow)
+                    copy_grads, early_steps, halve_grad, kernels_that, loss_of, make_mlp, make_pair, mlp_loss,
+                    run, state_of, steps_of, train_shadow)
 
 
 def in_place_run(path, steps, edit=None, micro=1, **options):
@@ -813,19 +814,136 @@ def test_a_dropped_optimizer_is_freed_at_once(path, options):
     assert_same(*results)
 
 
-def test_two_live_optimizers_over_one_offloaded_param(path):
-    """The engine's hooks take each grad to the host (and free_grads_after_copy
-    frees it): two live optimizers would split the grads between them
-    silently. The second one is refused, naming the param; once the first is
-    gone, it is fine."""
+@pytest.mark.parametrize("options", DROP_OPTIONS)
+def test_a_new_optimizer_takes_the_params_over_from_a_live_one(path, options):
+    """`opt = AdamW(params)` run again while the old optimizer is still bound to
+    `opt` (an LR sweep, a notebook cell run twice, torch's own optimizer tests):
+    as with torch, the new one trains the params, bit for bit as if the old one had
+    been dropped first. The old one's hooks (they would split the grads between
+    the two), worker and pinned memory go at once; its step(), zero_grad() or
+    clip_grad_norm_() afterwards is a clear error that touches nothing."""
+    options = {**MLP_OPTS, **DROP_OPTIONS[options]}
+    engine = path.engine or any(options.get(k) for k in ("free_grads_after_copy",
+                                                         "step_in_backward"))
+    results, pinned = [], []
+    for keep in (True, False):
+        model = make_mlp()
+        before = len(path.sim.pinned()) if path.engine else 0
+        born = Born()
+        old = offload_adam.AdamW(model.parameters(), **options)
+        run(model, old, 2, loss=mlp_loss)
+        state, threads = old.state_dict(), born.threads()
+        if not keep:
+            del old
+        new = offload_adam.AdamW(model.parameters(), **options)
+        new.load_state_dict(state)
+        pinned.append(len(path.sim.pinned()) - before if path.engine else 0)
+        for thread in threads:
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+        run(model, new, 1, start=2, loss=mlp_loss)
+        mlp_loss(model, 3).backward()
+        if keep and engine:
+            settle(new)   # (step_in_backward: its steps started in backward have run)
+            grads, params = [p.grad for p in model.parameters()], state_of(new, model)
+            for use in (old.step, old.zero_grad, lambda: old.clip_grad_norm_(1.0)):
+                with pytest.raises(RuntimeError, match=r"params \(param group 0, param 0 "
+                                   r"\(shape \(16, 8\)\) and 3 other params\) were taken over "
+                                   "by a newer offload_adam optimizer"):
+                    use()
+            assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+            for now, then in zip(state_of(new, model), params):
+                assert all(torch.equal(now[k], then[k]) for k in then)
+        new.step()
+        new.zero_grad()
+        run(model, new, 1, start=4, loss=mlp_loss)
+        hooks = engine and options.get("overlap", True)   # one, the new one's
+        assert all(len(p._post_accumulate_grad_hooks or ()) == hooks for p in model.parameters())
+        results.append((model, new))
+    assert_same(*results)
+    assert pinned[0] == pinned[1]
+
+
+def _halve_data(p):
+    p.grad.data.mul_(0.5)   # no version bump
+
+
+def _halve_replaced(p):
+    p.grad = p.grad * 0.5
+
+
+def _dropped(p):
+    p.grad = None
+
+
+HOOK_EDITS = {"in place": halve_grad, ".data": _halve_data, "replaced": _halve_replaced,
+              "dropped": _dropped}
+HOOK_OPTIONS = {"default": {}, "free_grads": {"free_grads_after_copy": True},
+                "early": {"step_in_backward": True},
+                "early, free_grads": {"step_in_backward": True, "free_grads_after_copy": True}}
+
+
+@pytest.mark.parametrize("edit", HOOK_EDITS)
+@pytest.mark.parametrize("options", HOOK_OPTIONS)
+def test_a_hook_registered_after_the_optimizer_edits_the_grad_it_steps(path, options, edit):
+    """A user's post-accumulate-grad hook registered after the optimizer runs after
+    the engine's and edits the grad. The engine copies such a grad only once
+    autograd is past that hook (a copy queued before it would race its write on
+    the device, and step_in_backward would step the grad as it was), so every mode
+    steps the edited grad (or none, if the hook dropped it), bit for bit as in
+    place, and steps still start during backward."""
+    options = {**MLP_OPTS, **HOOK_OPTIONS[options]}
+
+    def train(model, opt):
+        for p in list(model.parameters())[::2]:   # some params, not the others
+            p.register_post_accumulate_grad_hook(HOOK_EDITS[edit])
+        started = []
+        for it in range(4):
+            before = steps_of(opt, model)
+            mlp_loss(model, it).backward()
+            started.append(early_steps(opt, model, before))
+            opt.step()
+            opt.zero_grad()
+        return started
+
     model = make_mlp()
-    first = offload_adam.AdamW(model.parameters(), **MLP_OPTS, free_grads_after_copy=True)
-    with pytest.raises(RuntimeError, match=r"shape \(16, 8\).*another live offload_adam optimizer"):
-        offload_adam.AdamW(model.parameters(), **MLP_OPTS, free_grads_after_copy=True)
-    other = make_mlp()
-    offload_adam.AdamW(other.parameters(), **MLP_OPTS)   # other params: fine
-    del first
-    offload_adam.AdamW(model.parameters(), **MLP_OPTS, free_grads_after_copy=True)
+    opt = offload_adam.AdamW(model.parameters(), **options)
+    started = train(model, opt)
+    with path.outside():
+        ref_model = make_mlp()
+        ref = offload_adam.AdamW(ref_model.parameters(), **MLP_OPTS)   # in place
+    train(ref_model, ref)
+    assert_same((model, opt), (ref_model, ref))
+    with_grads = 2 if edit == "dropped" else 4   # (the hooked params' grads are gone)
+    assert started == ([0] + [with_grads] * 3 if options.get("step_in_backward") else [0] * 4)
+
+
+@pytest.mark.parametrize("options", ["default", "early"])
+def test_a_backward_that_raises_after_a_hooked_grad(path, options):
+    """A backward that raises after the engine's hook of a param whose copy waits
+    for a user's hook: that copy is never taken from the failed backward (step()
+    copies and steps the grads there are), and the next backward into the grads
+    left (no zero_grad: they accumulate, as torch allows) steps exactly as in place."""
+    def train(model, opt):
+        model[2].weight.register_post_accumulate_grad_hook(halve_grad)
+        run(model, opt, 2, loss=mlp_loss)
+        h = FailHalfway.apply(model[1](model[0](torch.randn(5, 8).to(BF16))))
+        with pytest.raises(Boom):
+            model[2](h).float().sum().backward()
+        opt.step()
+        mlp_loss(model, 5).backward()
+        opt.step()
+        opt.zero_grad()
+        run(model, opt, 2, start=6, loss=mlp_loss)
+
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS, **HOOK_OPTIONS[options])
+    train(model, opt)
+    with path.outside():
+        ref_model = make_mlp()
+        ref = offload_adam.AdamW(ref_model.parameters(), **MLP_OPTS)   # in place
+    train(ref_model, ref)
+    assert_same((model, opt), (ref_model, ref))
 
 
 @pytest.mark.parametrize("early", [False, True])
@@ -885,7 +1003,7 @@ def test_too_little_host_memory_and_failed_pinning(sim, monkeypatch):
     with pytest.warns(RuntimeWarning, match="could not pin .*pageable"):
         engine = OffloadEngine([list(model.parameters())], [False])
     assert not engine.pinned()
-    del engine   # (it holds the params: one live engine per param)
+    del engine
     with pytest.warns(RuntimeWarning, match="could not pin .*pageable"):
         opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
         run(model, opt, 1, loss=mlp_loss)

@@ -21,7 +21,8 @@ from offload_adam.testing import settle
 from bare_engine import BareEngine
 from engine_watch import buckets_of
 from models import (BF16, MLP_OPTS, OPTS, Boom, Sometimes, assert_param_is_master_rounded,
-                    assert_same, kernels_that, loss_of, make_mlp, mlp_loss, run, steps_of)
+                    assert_same, early_steps, kernels_that, loss_of, make_mlp, mlp_loss, run,
+                    steps_of)
 
 
 def make(step_in_backward, seed=0, **kw):
@@ -38,14 +39,6 @@ def make(step_in_backward, seed=0, **kw):
 def backward(model, it):
     model.odd = it % 2 == 1
     loss_of(model, it).backward()
-
-
-def early_steps(opt, model, before):
-    """How many params were stepped during the backward just run: once the
-    steps it queued have run, their state's step count is past `before`
-    (steps_of from before that backward)."""
-    settle(opt)
-    return sum(now > then for now, then in zip(steps_of(opt, model), before))
 
 
 def test_bitwise_equal_to_the_default(path):

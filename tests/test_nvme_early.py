@@ -17,7 +17,8 @@ import torch
 import offload_adam
 from offload_adam.testing import settle
 from conftest import sim_path
-from models import BF16, Boom, Sometimes, decay_groups, fp32_head, kernels_that, loss_of
+from models import (BF16, Boom, Sometimes, decay_groups, fp32_head, halve_grad, kernels_that,
+                    loss_of)
 from nvme_model import assert_same
 
 FORMATS = ["float32", "bfloat16", "8bit"]
@@ -86,21 +87,46 @@ def test_the_pass_in_backward_is_bitwise_the_plain_step(kernels, tmp_path, monke
         disk = offload_adam.AdamW(groups(b), state_dtype=fmt, state_dirs=tmp_path,
                                   step_in_backward=True, state_budget_mb=0.2, **OPTS)
         assert len(disk._nvme.buckets) >= 8
-        early = []
-        for it in range(6):
-            backward(a, it)
-            ram.step()
-            ram.zero_grad()
-            before = calls.off_main
-            backward(b, it)
-            settle(disk)
-            early.append(calls.off_main - before)
-            disk.step()
-            disk.zero_grad()
+        early = train_counting(a, b, ram, disk, calls, 6)
         assert_same(params_of(a), params_of(b), ram, disk)
     # the first backward learns the order; then kernels run in backward in every one
     assert early[0] == 0 and all(n > 0 for n in early[1:]), early
     assert disk._nvme.state.step == 6
+
+
+def train_counting(a, b, ram, disk, calls, iterations):
+    """Trains a with ram and b with disk; returns how many kernels ran during each of
+    b's backwards (KernelCalls `calls`)."""
+    early = []
+    for it in range(iterations):
+        backward(a, it)
+        ram.step()
+        ram.zero_grad()
+        before = calls.off_main
+        backward(b, it)
+        settle(disk)
+        early.append(calls.off_main - before)
+        disk.step()
+        disk.zero_grad()
+    return early
+
+
+@pytest.mark.parametrize("where", ["sim-seed0", "sim-seed1", "sim-latest"])
+def test_a_hook_registered_after_the_optimizer_edits_the_grad_it_steps(kernels, tmp_path,
+                                                                      monkeypatch, where):
+    """A user's post-accumulate-grad hook registered after the optimizer edits the
+    grads in place in backward: the engine copies them only once autograd is past it,
+    so the files' pass in backward steps the edited grads, bit for bit as the plain
+    step in RAM with the same hook, kernels still running during backward."""
+    a, b = model(), model()
+    calls = KernelCalls(monkeypatch)
+    with sim_path(where):
+        ram, disk = in_ram_and_on_disk(a, b, tmp_path)
+        for p in params_of(a)[::2] + params_of(b)[::2]:   # some params, not the others
+            p.register_post_accumulate_grad_hook(halve_grad)
+        early = train_counting(a, b, ram, disk, calls, 5)
+        assert_same(params_of(a), params_of(b), ram, disk)
+    assert early[0] == 0 and all(n > 0 for n in early[1:]), early
 
 
 def in_ram_and_on_disk(a, b, tmp_path):

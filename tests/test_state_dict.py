@@ -190,3 +190,35 @@ def test_load_then_scheduler_and_pickle(kernels):
     run(clone, qs, 1, 2)
     for p, q in zip(ps, qs):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, "8bit"])
+@pytest.mark.parametrize("fp32_moments", [False, True])
+def test_entries_that_are_not_a_params_state_pass_through_as_in_torch(kernels, state_dtype,
+                                                                      fp32_moments):
+    # torch's own suite (test_state_dict_pre_hook, the load hooks' tests) puts
+    # optimizer.state["test"] = 1 there: torch's state_dict keeps such an entry as it
+    # is, its load_state_dict puts it back as it is.
+    ps, qs = make_params(), make_params()
+    ours = offload_adam.AdamW(ps, lr=0.01, state_dtype=state_dtype)
+    theirs = torch.optim.AdamW(qs, lr=0.01)
+    run(ours, ps, 0, 1)
+    run(theirs, qs, 0, 1)
+    for opt in (ours, theirs):
+        opt.register_state_dict_pre_hook(lambda o: o.state.update(test=1, ran=True))
+    sd = ours.state_dict(fp32_moments=fp32_moments)
+    assert (sd["state"]["test"], sd["state"]["ran"]) == (1, True)
+    assert theirs.state_dict()["state"]["test"] == 1
+    codes = state_dtype == "8bit" and not fp32_moments
+    assert ("exp_avg_codes" in sd["state"][0]) == codes   # the params' state as before
+
+    again = offload_adam.AdamW(clone_params(ps), state_dtype=state_dtype)
+    again.load_state_dict(roundtrip(sd))
+    assert (again.state["test"], again.state["ran"]) == (1, True)
+    # and the params' state loaded as from a dict without them: the run resumes
+    rs = again.param_groups[0]["params"]
+    assert [float(again.state[r]["step"]) for r in rs] == [1.0] * len(rs)
+    run(again, rs, 1, 2)
+    run(ours, ps, 1, 2)
+    if state_dtype is torch.float32 or not fp32_moments:   # (else 8-bit codes re-encoded)
+        assert all(torch.equal(p, r) for p, r in zip(ps, rs))

@@ -4,7 +4,10 @@ The data path, in the order this file follows it:
 
   1. backward, a hook per param  the grad's host copy starts on the D2H side
                                  stream (small grads wait for the rest of their
-                                 bucket's pack); one GradCopy record per grad
+                                 bucket's pack; a grad whose param has a hook
+                                 registered after ours, which may edit it,
+                                 waits until autograd is past that hook); one
+                                 GradCopy record per grad
   2. end of backward             the packs still waiting are copied, and the
                                  user's stream is made to wait for the copies:
                                  whatever runs next (clip, edit, another
@@ -103,12 +106,14 @@ class OffloadEngine:
         self._pack_arrived: set = set()           # ids of the packed pieces hooked so far
         self._pack_expected: set = set()          # ... and in the last backward
         self._backward: list = []                 # D2H copies of the running backward
+        self._deferred: List[ParamRec] = []       # grads whose copy waits for hooks after ours
         self._backward_task = None
         self._hook_order: Optional[List[ParamRec]] = []   # the first backward's order
         self._want_norms = False
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
+        self._taken_over: Optional[str] = None   # why a newer engine took the params (_claim)
         self.early = None
         if options.step_in_backward:
             self.early = EarlyStart(self, owner)
@@ -152,7 +157,6 @@ class OffloadEngine:
         new = [ParamRec(p, group, len(self.recs) + i, fmt) for i, p in enumerate(params)]
         for rec, name in zip(new, names or ()):
             rec.name = name
-        _claim(new, self._finalizer)
         self._allocate_state(new, state_roles(fmt, amsgrad))
         for rec in new:
             rec.pieces = cut(rec, self.bucket_bytes)
@@ -164,6 +168,7 @@ class OffloadEngine:
         order = list(dict.fromkeys(known)) + sorted(new, key=lambda r: -r.position)
         self.recs.extend(new)
         self._rebucket(order)
+        _claim(self, new)   # last: a group that fails to be added takes nothing over
 
     def _hook_grad(self, rec: ParamRec) -> None:
         """Copies rec's grad as backward produces it (overlap=True). A frozen
@@ -210,9 +215,33 @@ class OffloadEngine:
     def close(self) -> None:
         self._finalizer()
 
+    def _let_go(self, taken: Sequence[torch.Tensor]) -> None:
+        """A newer engine took `taken` (params of ours) over: this one closes (its
+        hooks, worker and pinned memory go) and refuses to be used again (`check_open`),
+        naming what happened."""
+        first = next(r for r in self.recs if r.param is taken[0])
+        others = f" and {len(taken) - 1} other params" if len(taken) > 1 else ""
+        self._taken_over = (
+            f"offload_adam: this optimizer's params ({first.label()}{others}) were "
+            "taken over by a newer offload_adam optimizer built over them, which now "
+            "takes their grads; this one let go of its hooks, worker and host memory and "
+            "cannot step, zero, clip or unscale any more (its state stays readable): use "
+            "the new optimizer")
+        self.close()
+
+    def check_open(self) -> None:
+        """Refuses to go on once closed (its memory is gone: refuse, do not hang), or
+        taken over by a newer engine."""
+        if self._taken_over is not None:
+            raise RuntimeError(self._taken_over)
+        if not self._finalizer.alive:
+            raise RuntimeError("offload_adam: this optimizer's engine was closed; "
+                               "build a new optimizer")
+
     # ---- 1. backward: each grad streams to the host as it is produced ------------
 
     def _on_grad(self, rec: ParamRec) -> None:
+        self._take_deferred()   # autograd is past the hooks of the params before this one
         grad = rec.param.grad
         if grad is None:
             return  # an earlier hook took it (optimizer-in-backward patterns)
@@ -227,6 +256,21 @@ class OffloadEngine:
         if self._hook_order is not None and rec.copy is None:
             self._hook_order.append(rec)
         self._at_end_of_backward()
+        if _hooked_after(rec):
+            # A hook the user registered after ours runs next and may edit the grad
+            # (p.grad.mul_ in place, .data, a new tensor): a copy queued now would
+            # race that write on the device, and an early step would consume the
+            # grad as it was. Its copy waits until autograd is past those hooks.
+            self._deferred.append(rec)
+        else:
+            self._take(rec)
+
+    def _take(self, rec: ParamRec) -> None:
+        """Starts the host copy of rec's grad in backward, the step of what it
+        completes (step_in_backward) and, with free_grads_after_copy, frees it."""
+        grad = rec.param.grad
+        if grad is None:
+            return  # a hook after ours dropped it: nothing to copy
         with torch.no_grad():
             self._copy([rec], hook=True)
         if self._want_norms:
@@ -295,11 +339,26 @@ class OffloadEngine:
         self._backward_task = task
         ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: ref() is not None and ref()._end_backward())
+            lambda: ref() is not None and ref()._backward_done())
+
+    def _take_deferred(self) -> None:
+        """Takes the grads whose copy waited for the hooks after ours (_on_grad):
+        called once autograd is past them (the next param's hook, backward's end)."""
+        while self._deferred:
+            self._take(self._deferred.pop(0))
 
     # ---- 2. end of backward ----------------------------------------------------------
 
+    def _backward_done(self) -> None:
+        """Backward's end (autograd's callback, after every hook ran)."""
+        self._take_deferred()
+        self._end_backward()
+
     def _end_backward(self) -> None:
+        # Also called outside a backward's end (step() after a backward that raised,
+        # zero_grad, clipping): grads whose copy still waited are copied at step(),
+        # never from here, where a step started in backward would race step()'s own.
+        self._deferred.clear()
         self._backward_task = None
         if self._pack_arrived:
             self._pack_expected, self._pack_arrived = self._pack_arrived, set()
@@ -332,9 +391,7 @@ class OffloadEngine:
         disk_step.py): refuse a closed engine or a changed param, end what a
         backward that raised left, learn the bucket order; returns the fence."""
         self._t_enter = time.perf_counter()
-        if not self._finalizer.alive:  # its memory is gone: refuse, do not hang
-            raise RuntimeError("offload_adam: this optimizer's engine was closed; "
-                               "build a new optimizer")
+        self.check_open()
         if self.early is not None:
             self.early.verify(param_groups, state, grad_scale)   # raises on a change
         self._end_backward()  # what a backward that raised left unflushed
@@ -502,6 +559,7 @@ class OffloadEngine:
         """(param, sum of squares of its current grad) for each param with a
         grad (inf/NaN propagate), from the host copies: no second transfer and
         no GPU work. A DTensor's: of its local shard."""
+        self.check_open()
         self.drain()
         self._want_norms = self.overlap  # from now on, computed while streaming
         with torch.no_grad():
@@ -515,6 +573,7 @@ class OffloadEngine:
     def invalidate_copies(self) -> None:
         """The grads changed in a way version counters do not show (GradScaler's
         unscale_): the next step copies every grad again."""
+        self.check_open()
         if any(r.freed for r in self.recs):
             raise RuntimeError(
                 "offload_adam: the grads were changed in place (GradScaler.unscale_?) "
@@ -534,12 +593,14 @@ class OffloadEngine:
     def drop_freed_grads(self) -> None:
         """p.grad = None where it holds a FreedGrad (before zero_grad, which
         would zero it in place)."""
+        self.check_open()
         for rec in self.recs:
             if is_freed(rec.param.grad):
                 rec.param.grad = None
 
     def zero_grad(self) -> None:
         """Called by the optimizer's zero_grad: grads freed by us are gone too."""
+        self.check_open()
         if self.early is not None:
             self.early.on_zero_grad()
         if self._worker is not None:
@@ -653,23 +714,26 @@ def _factor_of(ready: Sequence[ParamRec]) -> float:
     return factors.pop()
 
 
-# param -> the finalizer of the engine that hooks it (alive while that engine is).
+# param -> a weak reference to the engine that hooks it.
 _owners = WeakIdKeyDictionary()
 
 
-def _claim(recs: Sequence[ParamRec], finalizer) -> None:
-    """Makes this engine the one that takes recs' grads. Two live engines would
-    split a param's grads between them (each hook copies and, with
-    free_grads_after_copy, frees the grad): refused."""
+def _claim(engine: OffloadEngine, recs: Sequence[ParamRec]) -> None:
+    """Makes `engine` the one that takes recs' grads. Two live engines would split
+    a param's grads between them (each hook copies and, with free_grads_after_copy,
+    frees the grad), so an older live engine over any of them lets go of all its
+    params: `opt = AdamW(params)` run again while the old optimizer is still bound
+    to `opt` (an LR sweep, a notebook cell run twice, torch's own optimizer tests)
+    trains as with torch, and the old optimizer, used again, says why it cannot."""
+    taken: Dict[int, tuple] = {}   # id(older engine) -> (it, its params taken)
     for rec in recs:
-        owner = _owners.get(rec.param)
-        if owner is not None and owner is not finalizer and owner.alive:
-            raise RuntimeError(
-                f"offload_adam: {rec.label()} is already stepped by another live "
-                "offload_adam optimizer, whose hooks take its grads; delete that one "
-                "first (del opt) or build one optimizer for all the params")
-    for rec in recs:
-        _owners[rec.param] = finalizer
+        ref = _owners.get(rec.param)
+        old = ref() if ref is not None else None
+        if old is not None and old is not engine and old._finalizer.alive:
+            taken.setdefault(id(old), (old, []))[1].append(rec.param)
+        _owners[rec.param] = weakref.ref(engine)
+    for old, params in taken.values():
+        old._let_go(params)
 
 
 def _hook(engine_ref, rec):
@@ -678,6 +742,13 @@ def _hook(engine_ref, rec):
         if engine is not None:
             engine._on_grad(rec)
     return hook
+
+
+def _hooked_after(rec: ParamRec) -> bool:
+    """Whether rec's param has a post-accumulate-grad hook registered after the
+    engine's (torch runs them in registration order)."""
+    hooks = rec.param._post_accumulate_grad_hooks
+    return rec.hook is not None and bool(hooks) and next(reversed(hooks)) != rec.hook.id
 
 
 def _transfers_of(recs, buckets) -> list:

@@ -21,7 +21,13 @@ bandwidth to write it): an error leaves the params stepped early stepped
 
 The copies an early step reads are ordered before anything the user does after
 backward (the engine publishes a backward's copies at its end), so a change
-after backward cannot tear what was stepped: it is seen here and refused.
+after backward cannot tear what was stepped: it is seen here and refused. A
+change during backward by a post-accumulate-grad hook registered after the
+optimizer (it runs after the engine's, on the same param) is no change here:
+the engine copies that grad only once autograd is past the hook (core.py,
+`_on_grad`), so its bucket starts from the grad as the hook left it, as a plain
+step would. Other writes to a grad during backward (another param's hook, a
+module's backward hook) are not ordered with its copy: not supported.
 
 With the state in files (state_dirs=) the unit is the file bucket and the NVMe
 tier's pass runs during backward (disk_early.py, `use_files`); nothing is
@@ -191,7 +197,9 @@ class EarlyStart:
 
     def fail(self, reason: str) -> None:
         """Raises the step_in_backward error for `reason`, after writing the
-        params whose step already ran (so each param equals its master)."""
+        params whose step already ran (so each param equals its master). An
+        engine taken over by a newer one writes nothing: the params are not its own."""
+        self._engine().check_open()
         stepped = self.commit() if (self.error is not None or self._started) else 0
         if self.files is not None:
             what = ("Nothing was stepped: the state files and the params are those of "
