@@ -756,6 +756,11 @@ def test_close_and_del_let_everything_go(sim):
     with pytest.raises(RuntimeError, match="engine was closed"):
         bare.step()
     engine.close()  # a second close is a no-op
+    closed = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+    run(model, closed, 1, loss=mlp_loss)
+    closed.close()
+    closed.zero_grad()   # as torch's: the grads cleared (a closed engine has no part in it)
+    assert all(p.grad is None for p in model.parameters())
 
     model = make_mlp()
     pinned, born = sim.sim.pinned(), Born()

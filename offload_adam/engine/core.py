@@ -229,14 +229,19 @@ class OffloadEngine:
             "the new optimizer")
         self.close()
 
-    def check_open(self) -> None:
-        """Refuses to go on once closed (its memory is gone: refuse, do not hang), or
-        taken over by a newer engine."""
+    def check_open(self, closed_ok: bool = False) -> bool:
+        """Refuses to go on once taken over by a newer engine, or closed (its memory is
+        gone: refuse, do not hang); `closed_ok`: closed by close(), the caller skips
+        its part (zero_grad after close() clears the grads as torch's does). Whether
+        the engine is open."""
         if self._taken_over is not None:
             raise RuntimeError(self._taken_over)
+        if closed_ok:
+            return self._finalizer.alive
         if not self._finalizer.alive:
             raise RuntimeError("offload_adam: this optimizer's engine was closed; "
                                "build a new optimizer")
+        return True
 
     # ---- 1. backward: each grad streams to the host as it is produced ------------
 
@@ -593,14 +598,15 @@ class OffloadEngine:
     def drop_freed_grads(self) -> None:
         """p.grad = None where it holds a FreedGrad (before zero_grad, which
         would zero it in place)."""
-        self.check_open()
+        self.check_open(closed_ok=True)
         for rec in self.recs:
             if is_freed(rec.param.grad):
                 rec.param.grad = None
 
     def zero_grad(self) -> None:
         """Called by the optimizer's zero_grad: grads freed by us are gone too."""
-        self.check_open()
+        if not self.check_open(closed_ok=True):
+            return
         if self.early is not None:
             self.early.on_zero_grad()
         if self._worker is not None:
