@@ -28,6 +28,20 @@ except ImportError:  # hypothesis is optional; test_properties.py skips without 
     pass
 
 SIM_SEEDS = int(os.environ.get("OFFLOAD_ADAM_SIM_SEEDS", "2"))
+
+
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C raises KeyboardInterrupt in the main thread during the test, as in an
+    interactive Python, whatever the suite was started under: a background job
+    (`bash scripts/run_tests.sh &`) or nohup starts it with SIGINT ignored, and then
+    _thread.interrupt_main() does nothing. The tests of ^C set the handler they rely on."""
+    import signal
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved)
 PATHS = ["in-place"] + [f"sim-seed{s}" for s in range(SIM_SEEDS)] + ["sim-latest"]
 
 

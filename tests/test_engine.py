@@ -608,6 +608,7 @@ def _interrupts_in_first_kernel(count):
     return before_step
 
 
+@pytest.mark.usefixtures("sigint_raises")
 @pytest.mark.parametrize("interrupts", [1, 2])
 def test_keyboard_interrupt_in_step_then_training_goes_on(path, monkeypatch, interrupts):
     """One ^C in step(): every bucket is still stepped, then KeyboardInterrupt

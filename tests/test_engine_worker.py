@@ -29,6 +29,7 @@ def test_worker_runs_jobs_in_order_and_reraises_the_first_error():
         w.submit(lambda: None)
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_worker_drain_survives_keyboard_interrupt():
     w = Worker()
     ran = []
@@ -44,6 +45,7 @@ def test_worker_drain_survives_keyboard_interrupt():
     w.close()
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_interrupts_deferred_holds_the_first_and_nests():
     """The mechanism behind an all-or-nothing step() under Ctrl-C."""
     reached = []
@@ -72,6 +74,7 @@ def test_interrupts_deferred_holds_the_first_and_nests():
     assert off_main == [False]  # no signals there: nothing to defer
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_a_cancelled_step_finishes_a_param_it_started():
     """After an interrupt, the jobs not started are skipped, except one that
     continues the job before it when that one ran (a param cut in pieces)."""
