@@ -51,7 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.machine import load_average, machine_info, one_line  # noqa: E402
 from offload_adam.kernel_step import Hyper, adam_step  # noqa: E402
-from offload_adam.nvme import NvmeState, StateSpec, StepPipeline, adam_bucket  # noqa: E402
+from offload_adam.nvme import NvmeState, StateSpec, StepPipeline  # noqa: E402
+from offload_adam.param_state import adam_bucket  # noqa: E402
 from offload_adam.nvme import direct_io  # noqa: E402
 from offload_adam.nvme.direct_io import AlignedBuffer, IOPool, open_direct, wait  # noqa: E402
 

@@ -22,8 +22,9 @@ from torch.autograd.graph import increment_version
 from .distributed import local
 from .kernel_state import kernel_state
 from .kernel_step import Hyper, KernelArgs
+from .param_state import ParamState
 from .params import check_dense, param_label
-from .state_format import MASTER_KEY, SCALE_KEYS, StateFormat, state_format
+from .state_format import MASTER_KEY, StateFormat, state_format
 
 
 class _Call:
@@ -142,12 +143,7 @@ class InPlace:
             if not t.is_contiguous():
                 call.copy_back.append(len(call.params))
             call.params.append(p)
-            low = p.dtype is not torch.float32
-            call.args.add(st[MASTER_KEY] if low else t, st["exp_avg"], st["exp_avg_sq"],
-                          st["step"], st["max_exp_avg_sq"] if amsgrad else None,
-                          t if low else None,
-                          tuple(st[SCALE_KEYS[k]] for k in ("exp_avg", "exp_avg_sq"))
-                          if fmt.blockwise else None)
+            call.args.add(ParamState.in_dict(st), t)
         plan = _Plan(group, self._key(group), route, calls)
         self._plans[id(group)] = plan
         return plan

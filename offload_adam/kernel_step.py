@@ -10,9 +10,12 @@ compared as a whole by step_in_backward (engine/early.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:   # (param_state imports state_format, which imports this module)
+    from .param_state import ParamState
 
 
 def kernels():
@@ -97,26 +100,28 @@ class KernelArgs:
     def __len__(self) -> int:
         return len(self.work)
 
-    def add(self, work: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            step: torch.Tensor, max_exp_avg_sq: Optional[torch.Tensor] = None,
-            lp_param: Optional[torch.Tensor] = None,
-            scales: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    def add(self, state: ParamState, out: Optional[torch.Tensor] = None,
             first_index: int = 0) -> None:
-        """One tensor: `work` (fp32) stepped with its moments and step count;
-        `lp_param` written from it (a bf16/fp16 param: all or none of a call's);
-        `scales` (exp_avg's, exp_avg_sq's) for 8-bit moments; `first_index`: where it
-        starts in its param (a piece of a param cut in ranges)."""
+        """One tensor's state (param_state.py): the kernel steps its master (or, without
+        one, `out`: an fp32 param that is its own master), with its moments and step
+        count, and writes the master rounded into `out` when it has both (a bf16/fp16
+        param or its staging: all or none of a call's); `first_index`: where it starts
+        in its param (a piece of a param cut in ranges)."""
+        work = state.master if state.master is not None else out
+        if work is None:
+            raise ValueError("offload_adam: internal error: a state without a master "
+                             "needs the param it steps")
         self.work.append(work)
-        self.exp_avgs.append(exp_avg)
-        self.exp_avg_sqs.append(exp_avg_sq)
-        self.steps.append(step)
-        if max_exp_avg_sq is not None:
-            self.max_exp_avg_sqs.append(max_exp_avg_sq)
-        if lp_param is not None:
-            self.lp_params.append(lp_param)
-        if scales is not None:
-            self.exp_avg_scales.append(scales[0])
-            self.exp_avg_sq_scales.append(scales[1])
+        self.exp_avgs.append(state.exp_avg)
+        self.exp_avg_sqs.append(state.exp_avg_sq)
+        self.steps.append(state.step)
+        if state.max_exp_avg_sq is not None:
+            self.max_exp_avg_sqs.append(state.max_exp_avg_sq)
+        if state.master is not None and out is not None:
+            self.lp_params.append(out)
+        if state.exp_avg_scale is not None:
+            self.exp_avg_scales.append(state.exp_avg_scale)
+            self.exp_avg_sq_scales.append(state.exp_avg_sq_scale)
         self.first_indices.append(int(first_index))
 
     def run(self, grads: Sequence[torch.Tensor], hyper: Hyper, grad_scale: float,

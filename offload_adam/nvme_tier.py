@@ -54,8 +54,8 @@ from .engine.disk_early import DiskEarly
 from .engine.disk_step import DiskStep
 from .kernel_state import kernel_state, master_from_param
 from .kernel_step import Hyper, KernelArgs
-from .nvme import (BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, adam_bucket,
-                   ring_size)
+from .param_state import ParamState, adam_bucket
+from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, ring_size
 from .nvme.store import STATE_FILES
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
 
@@ -222,10 +222,11 @@ class NvmeTier:
         with torch.no_grad():
             for bucket, views in zip(self.buckets, every):
                 for e in bucket:
-                    step = float(views[f"{e.name}.step"])
+                    st = ParamState.in_bucket(views, e.name)
+                    step = float(st.step)
                     if step > 0:
                         live = local(e.param).detach()
-                        live.copy_(views[f"{e.name}.master"].to(live.dtype))
+                        live.copy_(st.master.to(live.dtype))
                         self._stepped.add(id(e.param))
                         self._resumed[id(e.param)] = (e, _as_now(e.param), step)
 
@@ -285,9 +286,10 @@ class NvmeTier:
                         return False   # not whole any more: no step to go back to
                     raise
                 for e in bucket:
-                    if float(views[f"{e.name}.step"]) == 0:
+                    st = ParamState.in_bucket(views, e.name)
+                    if float(st.step) == 0:
                         continue
-                    if not rounds_to(views[f"{e.name}.master"],
+                    if not rounds_to(st.master,
                                      local(e.param).detach().to("cpu")):
                         return False
         return True
@@ -395,15 +397,13 @@ class NvmeTier:
         """The in-place params of one bucket: one kernel call per param dtype."""
         if not bucket:
             return
-        gi = bucket[0].group
-        group = param_groups[gi]
-        fmt, amsgrad = self._formats[gi], self._amsgrad[gi]
+        group = param_groups[bucket[0].group]
         by_dtype: Dict[torch.dtype, List[_Param]] = {}
         for e in bucket:
             if e.param.grad is not None:
                 by_dtype.setdefault(e.param.dtype, []).append(e)
             else:   # not stepped: its master in the files still follows the param
-                master, p = t[f"{e.name}.master"], local(e.param).detach()
+                master, p = ParamState.in_bucket(t, e.name).master, local(e.param).detach()
                 if not rounds_to(master, p):
                     master.copy_(p)
         for dtype, entries in by_dtype.items():
@@ -415,21 +415,18 @@ class NvmeTier:
                 if not out.is_contiguous():   # stepped through a copy
                     out = out.contiguous()
                     back.append((p, out))
-                n = e.name
+                st = ParamState.in_bucket(t, e.name)
                 if e.has_master:
-                    self._ready_master(e, t[f"{n}.master"], t[f"{n}.step"])
-                args.add(t[f"{n}.master"] if e.has_master else out, t[f"{n}.exp_avg"],
-                         t[f"{n}.exp_avg_sq"], t[f"{n}.step"],
-                         t[f"{n}.max_exp_avg_sq"] if amsgrad else None,
-                         out if e.has_master else None,
-                         (t[f"{n}.exp_avg_scale"], t[f"{n}.exp_avg_sq_scale"])
-                         if fmt.blockwise else None)
+                    self._ready_master(e, st.master, st.step)
+                else:   # an fp32 param: its own master (the files' copy follows it)
+                    st.master = None
+                args.add(st, out)
             args.run(grads, Hyper.of(group), grad_scale, num_threads)
             for p, out in back:
                 p.detach().copy_(out)
             for e in entries:
                 if not e.has_master:   # an fp32 param: the files hold its new value too
-                    t[f"{e.name}.master"].copy_(local(e.param).detach())
+                    ParamState.in_bucket(t, e.name).master.copy_(local(e.param).detach())
                 increment_version(e.param)
 
     def _ready_master(self, e: _Param, master: torch.Tensor, step: torch.Tensor) -> None:
@@ -450,18 +447,18 @@ class NvmeTier:
         for i, bucket in enumerate(self.buckets):
             views = self.state.views(i)
             for e in bucket:
-                step = views[f"{e.name}.step"]
-                if float(step) == 0:
+                rec = ParamState.in_bucket(views, e.name)
+                if float(rec.step) == 0:
                     continue   # never stepped: no state, as in torch
-                fmt = self._formats[e.group]
-                keys = MOMENT_KEYS if f"{e.name}.max_exp_avg_sq" in views else MOMENT_KEYS[:2]
-                st = {"step": step}
-                for key in keys:
-                    st[key] = views[f"{e.name}.{key}"]
-                    if fmt.blockwise and key in SCALE_KEYS:
-                        st[SCALE_KEYS[key]] = views[f"{e.name}.{SCALE_KEYS[key]}"]
+                st = {"step": rec.step}
+                for key in MOMENT_KEYS:
+                    if getattr(rec, key) is not None:
+                        st[key] = getattr(rec, key)
+                    scale = SCALE_KEYS.get(key)
+                    if scale is not None and getattr(rec, scale) is not None:
+                        st[scale] = getattr(rec, scale)
                 if e.has_master:   # (not an fp32 param stepped in place, as in RAM)
-                    st[MASTER_KEY] = views[f"{e.name}.master"]
+                    st[MASTER_KEY] = rec.master
                 state[sd["param_groups"][e.group]["params"][e.index]] = st
         return {**sd, "state": state}
 
@@ -481,7 +478,7 @@ class NvmeTier:
         def fill(i, t):
             for e in self.buckets[i]:
                 self._fill_param(e, t, self._local_saved(e, saved_of(e)), loaded)
-                if float(t[f"{e.name}.step"]) > 0:
+                if float(ParamState.in_bucket(t, e.name).step) > 0:
                     stepped.add(id(e.param))
 
         # the files' step count: the largest loaded one (known before the first bucket;
@@ -543,14 +540,15 @@ class NvmeTier:
         label = f"param {e.name} (shape {tuple(p.shape)})"
         got = kernel_state(saved, p.shape, self._formats[e.group], self._amsgrad[e.group],
                            e.has_master, label)
-        t[f"{e.name}.step"].fill_(got.step)
+        st = ParamState.in_bucket(t, e.name)
+        st.step.fill_(got.step)
         for key, value in got.moments.items():
-            t[f"{e.name}.{key}"].copy_(value)
+            getattr(st, key).copy_(value)
         if got.master is not None:
-            t[f"{e.name}.master"].copy_(got.master)
+            st.master.copy_(got.master)
             loaded[id(e.param)] = "check"
         else:   # the param as it is now (the files hold the params too); checked again
-            t[f"{e.name}.master"].copy_(local(p).detach().to("cpu", torch.float32))
+            st.master.copy_(local(p).detach().to("cpu", torch.float32))
             if e.has_master:
                 loaded[id(e.param)] = "take"
 

@@ -10,7 +10,8 @@ from typing import Dict, List
 import torch
 
 from offload_adam.kernel_step import Hyper, adam_step
-from offload_adam.nvme import StateSpec, adam_bucket
+from offload_adam.nvme import StateSpec
+from offload_adam.param_state import adam_bucket
 
 HYPER = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
               decoupled_weight_decay=True, maximize=False, amsgrad=False)

@@ -649,14 +649,9 @@ class BucketJob:
         dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
         dev.wait_host(*bucket.h2d)                     # its buffers are free again
         bucket.h2d = []
-        blockwise = pieces[0].rec.fmt.blockwise
         args = KernelArgs()
         for p in pieces:
-            args.add(p.state("master"), p.state("exp_avg"), p.state("exp_avg_sq"), p.step_t,
-                     p.state("max_exp_avg_sq") if hyper.amsgrad else None,
-                     p.staging if bucket.low_precision else None,
-                     (p.state("exp_avg_scale"), p.state("exp_avg_sq_scale"))
-                     if blockwise else None, p.start)
+            args.add(p.param_state(), p.staging if bucket.low_precision else None, p.start)
         t0 = time.perf_counter()
         args.run([p.grad for p in pieces], hyper, self.grad_scale, self.threads)
         if not bucket.low_precision:

@@ -34,8 +34,8 @@ import torch
 
 from ..kernel_state import master_from_param
 from ..kernel_step import Hyper
+from ..param_state import ROLES, ParamState
 from ..params import rounds_to
-from ..state_format import SCALE_KEYS
 from .core import OffloadEngine, _factor_of
 from .layout import ParamRec
 from .state import _masters_from_params
@@ -109,7 +109,7 @@ def step_file_bucket(engine: OffloadEngine, todo: Sequence[Tuple[ParamRec, str, 
         for rec, name, _ in todo:
             _point_at(rec, name, views)
             for piece in rec.pieces:
-                piece.step_t.fill_(float(views[f"{name}.step"]))
+                piece.step_t.fill_(float(ParamState.in_bucket(views, name).step))
         _ready_masters(engine, [(rec, how) for rec, _, how in todo])
         by_bucket: Dict[int, list] = {}
         for rec, _, _ in todo:
@@ -128,7 +128,7 @@ def step_file_bucket(engine: OffloadEngine, todo: Sequence[Tuple[ParamRec, str, 
                     ring_reads += bucket.h2d[before:]
         engine.device.wait_host(*ring_reads)
         for rec, name, _ in todo:
-            views[f"{name}.step"].copy_(rec.step_t)
+            ParamState.in_bucket(views, name).step.copy_(rec.step_t)
             _point_at(rec, None, views)
 
 
@@ -158,10 +158,6 @@ def _ready_masters(engine: OffloadEngine, recs: Sequence[Tuple[ParamRec, Ready]]
 def _point_at(rec: ParamRec, name: Optional[str], views: Dict[str, torch.Tensor]) -> None:
     """rec's state views (what its pieces' kernels read and write): the file bucket's
     tensors of param `name`, or None once its bucket is done with."""
-    def view(key):
-        return None if name is None else views.get(f"{name}.{key}")
-    rec.master = view("master")
-    rec.exp_avg, rec.exp_avg_sq = view("exp_avg"), view("exp_avg_sq")
-    rec.max_exp_avg_sq = view("max_exp_avg_sq")
-    for scale in SCALE_KEYS.values():
-        setattr(rec, scale, view(scale))
+    st = ParamState.in_bucket(views, name) if name is not None else None
+    for role in ROLES:
+        setattr(rec, role, getattr(st, role) if st is not None else None)

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..distributed import local
+from ..param_state import ParamState
 from ..params import LOW_PRECISION
 from ..state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat, scale_len
 from .host_memory import HostArenas
@@ -126,6 +127,18 @@ class Piece:
         if not self.rec.flat:
             return t
         return t[self.start // QUANT_BLOCK:scale_len(self.stop)]
+
+    def param_state(self) -> ParamState:
+        """The piece's state as the kernel steps it (param_state.py): its slices of
+        the param's buffers that exist, and its own step count."""
+        def get(role):
+            if role == "step":
+                return self.step_t
+            if getattr(self.rec, role) is None or (role in SCALE_KEYS.values()
+                                                   and not self.rec.fmt.blockwise):
+                return None
+            return self.state(role)
+        return ParamState.of(get)
 
 
 class Bucket:

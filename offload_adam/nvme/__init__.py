@@ -10,7 +10,8 @@ ring of host buffers at the disk's speed, and crash-safe.
   pipeline.py  StepPipeline: read ahead, step, write back, commit
 
 Integration (the optimizer): build a StateSpec from its buckets in the order they are stepped
-(layout.adam_bucket per bucket; `extra` for what else must match, e.g. amsgrad), open
+(the optimizer's: param_state.adam_bucket per bucket; `extra` for what else must match,
+e.g. amsgrad; nothing in nvme/ knows what the tensors are), open
 NvmeState.open(dirs, spec) (one set of directories per rank), fill it once with
 StepPipeline.load (the masters from the params at step 0, or a loaded state dict), then each
 step loop `for i, tensors in pipeline.buckets(): <bucket i's job: the fused kernel>` (or
@@ -18,9 +19,9 @@ pipeline.step(fn)); state_dict() returns NvmeState.views(i) of every bucket.
 """
 
 from .direct_io import AlignedBuffer, NvmeError
-from .layout import BucketSpec, StateSpec, TensorSpec, adam_bucket
+from .layout import BucketSpec, StateSpec, TensorSpec
 from .pipeline import StepPipeline, ring_size
 from .store import NvmeState
 
 __all__ = ["AlignedBuffer", "BucketSpec", "NvmeError", "NvmeState", "StateSpec",
-           "StepPipeline", "TensorSpec", "adam_bucket", "ring_size"]
+           "StepPipeline", "TensorSpec", "ring_size"]

@@ -1,8 +1,8 @@
 """What the state files hold and where: the buckets' tensors, their extents, the fingerprint.
 
-The optimizer's state is a list of buckets, each a few named flat tensors (fp32 master,
-exp_avg and exp_avg_sq in the state format, 8-bit block scales, step counts), stepped one
-bucket at a time. On disk a bucket is one extent per slot, read and written whole:
+A state is a list of buckets, each a few named tensors (for the optimizer: every param's
+fp32 master, moments, 8-bit block scales and step count, param_state.adam_bucket; nothing
+here knows what they are), stepped one bucket at a time. On disk a bucket is one extent per slot, read and written whole:
 
   file k (one per directory): [header, 4096 B][bucket a slot 0][bucket a slot 1][bucket b slot 0]...
 
@@ -172,24 +172,3 @@ def slot_checksum(chunk_crcs: Sequence[int]) -> int:
     start, the last one shorter), so that the I/O threads checksum their own requests in
     parallel and a slot still has one number to keep in the manifest."""
     return zlib.crc32(struct.pack(f"<{len(chunk_crcs)}I", *chunk_crcs))
-
-
-def adam_bucket(prefix_shapes: Sequence[Tuple[str, Sequence[int]]], state_format: str,
-                amsgrad: bool = False) -> BucketSpec:
-    """The bucket of Adam states of params named and shaped as given, in `state_format`
-    (state_format.py): per param "<name>.master" fp32, "<name>.exp_avg"/".exp_avg_sq" in the
-    format (+ ".max_exp_avg_sq"), 8-bit block scales, and "<name>.step" (fp32, 0-dim as torch's)."""
-    from ..state_format import SCALE_KEYS, scale_len, state_format as fmt_of
-    fmt = fmt_of(state_format)
-    out = []
-    for name, shape in prefix_shapes:
-        shape = tuple(int(s) for s in shape)
-        numel = TensorSpec("", torch.float32, shape).numel
-        out.append(TensorSpec(f"{name}.master", torch.float32, shape))
-        for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
-            out.append(TensorSpec(f"{name}.{key}", fmt.moment_dtype, shape))
-        if fmt.blockwise:
-            out += [TensorSpec(f"{name}.{SCALE_KEYS[k]}", torch.float32, (scale_len(numel),))
-                    for k in ("exp_avg", "exp_avg_sq")]
-        out.append(TensorSpec(f"{name}.step", torch.float32, ()))
-    return BucketSpec(tuple(out))

@@ -1,0 +1,92 @@
+"""One param's Adam state as the kernels step it, wherever it lives: a typed record.
+
+The state of a param (or of a piece of one) is a few tensors, each with a role:
+
+    step              0-dim fp32, the steps taken (the kernel increments it)
+    exp_avg           the first moment, in the group's state format (state_format.py)
+    exp_avg_sq        the second moment, likewise
+    master            fp32 values the kernel steps; None: the param is its own master
+                      (an fp32 CPU param stepped in place)
+    max_exp_avg_sq    amsgrad only
+    exp_avg_scale,    8-bit moments only: one fp32 scale per block of 256
+    exp_avg_sq_scale
+
+Every store holds them its own way: optimizer.state[p] (a dict under torch's keys,
+inplace.py), the engine's host arenas (a piece's slices of them, engine/layout.py), a
+bucket of the NVMe tier's files (named "<param name>.<role>", `file_key`). Each makes a
+`ParamState` of its tensors, and kernel_step.KernelArgs.add maps a record to the kernel's
+arguments: the one place that knows which tensor goes where.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .state_format import MASTER_KEY, SCALE_KEYS, state_format
+
+# The roles besides "step", in the order a bucket of the files lays them out.
+ROLES = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
+         "exp_avg_sq_scale")
+# A role's key in optimizer.state[p] and in a state dict, where it is not the role's name.
+_DICT_KEY = {"master": MASTER_KEY, **{SCALE_KEYS[k]: SCALE_KEYS[k] for k in SCALE_KEYS}}
+
+
+@dataclass
+class ParamState:
+    """The tensors of one param's state (see the module's docstring)."""
+
+    step: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    master: Optional[torch.Tensor] = None
+    max_exp_avg_sq: Optional[torch.Tensor] = None
+    exp_avg_scale: Optional[torch.Tensor] = None
+    exp_avg_sq_scale: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, get: Callable[[str], Optional[torch.Tensor]]) -> "ParamState":
+        """The record of the tensors `get(role)` gives ("step" and every role; None
+        where a role has no tensor)."""
+        return cls(**{f.name: get(f.name) for f in fields(cls)})
+
+    @classmethod
+    def in_dict(cls, st: Mapping[str, torch.Tensor]) -> "ParamState":
+        """The record of optimizer.state[p] as inplace.ready_state leaves it."""
+        return cls.of(lambda role: st.get(_DICT_KEY.get(role, role)))
+
+    @classmethod
+    def in_bucket(cls, views: Mapping[str, torch.Tensor], name: str) -> "ParamState":
+        """The record of param `name` in a bucket of the NVMe tier's files (its
+        tensors `views`, by file_key)."""
+        return cls.of(lambda role: views.get(file_key(name, role)))
+
+
+def file_key(name: str, role: str) -> str:
+    """The name of param `name`'s `role` tensor in a bucket of the NVMe tier's files."""
+    return f"{name}.{role}"
+
+
+def adam_bucket(prefix_shapes: Sequence[Tuple[str, Sequence[int]]], fmt_name: str,
+                amsgrad: bool = False):
+    """The layout (nvme.layout.BucketSpec) of a bucket of the NVMe tier's files holding
+    the states of the params named and shaped as given, in format `fmt_name`
+    (state_format.py): per param its fp32 master, the moments in the format (+
+    max_exp_avg_sq), the 8-bit block scales, and its step (fp32, 0-dim as torch's)."""
+    from .nvme.layout import BucketSpec, TensorSpec
+    from .state_format import scale_len
+    fmt = state_format(fmt_name)
+    out = []
+    for name, shape in prefix_shapes:
+        shape = tuple(int(s) for s in shape)
+        numel = TensorSpec("", torch.float32, shape).numel
+        out.append(TensorSpec(file_key(name, "master"), torch.float32, shape))
+        for role in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
+            out.append(TensorSpec(file_key(name, role), fmt.moment_dtype, shape))
+        if fmt.blockwise:
+            out += [TensorSpec(file_key(name, SCALE_KEYS[k]), torch.float32, (scale_len(numel),))
+                    for k in ("exp_avg", "exp_avg_sq")]
+        out.append(TensorSpec(file_key(name, "step"), torch.float32, ()))
+    return BucketSpec(tuple(out))
