@@ -1,15 +1,13 @@
-"""CPU params stepped in place: one fused kernel call per param group and dtype.
+"""CPU params stepped in place with their state in optimizer.state: one fused kernel
+call per param group and dtype (cpu_step.py, the one CPU stepper).
 
-A CPU param has nothing to transfer: the kernel reads its live grad and writes
-the param itself, fp32 in place, bf16/fp16 rounded from an fp32 master (kept
-in the state as "master_param") in the same pass. This is how the optimizer
-steps every CPU param, unless an engine option needs the pipeline
-(step_in_backward, free_grads_after_copy) or test support
-(offload_adam.testing.simulated) asks for the GPU's path.
+The bf16/fp16 params' fp32 masters are kept in the state as "master_param". This is
+how the optimizer steps every CPU param, unless an engine option needs the pipeline
+(step_in_backward, free_grads_after_copy), test support (offload_adam.testing.simulated)
+asks for the GPU's path, or the state lives in files (state_dirs=, nvme_tier.py).
 
-The arguments of a group's kernel calls (`_Plan`, kernel_step.KernelArgs) are
-built once and reused while the same params have grads; only the grads are
-gathered per step.
+A group's kernel calls (`_Plan`, cpu_step.CpuCall) are built once and reused while the
+same params have grads; only the grads are gathered per step.
 """
 
 from __future__ import annotations
@@ -17,28 +15,14 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.autograd.graph import increment_version
 
+from .cpu_step import CpuCall, contiguous_grad
 from .distributed import local
 from .kernel_state import kernel_state
-from .kernel_step import Hyper, KernelArgs
+from .kernel_step import Hyper
 from .param_state import ParamState
 from .params import check_dense, param_label
 from .state_format import MASTER_KEY, StateFormat, state_format
-
-
-class _Call:
-    """One kernel call: a group's params of one dtype that have grads, and its
-    arguments (kernel_step.KernelArgs). Everything but the grads is cached
-    between steps."""
-
-    __slots__ = ("dtype", "params", "args", "copy_back")
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.params: List[torch.Tensor] = []
-        self.args = KernelArgs()
-        self.copy_back: List[int] = []           # non-contiguous params: stepped via a copy
 
 
 class _Plan:
@@ -68,24 +52,8 @@ class InPlace:
             grads = self._gather(index, group, plan)
         hyper = Hyper.of(group)
         for call, call_grads in zip(plan.calls, grads):
-            if not call_grads:
-                continue
-            work, lp_params = call.args.work, call.args.lp_params
-            if call.copy_back:
-                work, lp_params = list(work), list(lp_params)
-                for j in call.copy_back:
-                    p = call.params[j]
-                    if lp_params:
-                        lp_params[j] = torch.empty(p.shape, dtype=p.dtype)
-                    else:
-                        work[j] = p.contiguous()
-            call.args.run(call_grads, hyper, grad_scale, num_threads, work, lp_params)
-            for j in call.copy_back:
-                local(call.params[j]).copy_(lp_params[j] if lp_params else work[j])
-            # The kernel wrote the params through their pointers: tell autograd,
-            # as torch's in-place step does (a backward of an older forward raises).
-            for p in call.params:
-                increment_version(p)
+            if call_grads:
+                call.run(call_grads, hyper, grad_scale, num_threads)
 
     def grads(self, param_groups) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """(param, its local grad) for each param stepped here that has a grad."""
@@ -109,8 +77,7 @@ class InPlace:
             if c < 0 or g.dtype is not plan.calls[c].dtype or p.dtype is not plan.calls[c].dtype:
                 return None
             check_dense(g, f"param {param_label(group, index, i, p)}")
-            g = local(g)
-            grads[c].append(g if g.is_contiguous() else g.contiguous())
+            grads[c].append(contiguous_grad(p))
         return grads
 
     @staticmethod
@@ -120,7 +87,7 @@ class InPlace:
                 group.get("state_dtype"))
 
     def _build(self, index, group, state) -> _Plan:
-        calls: List[_Call] = []
+        calls: List[CpuCall] = []
         by_dtype: Dict[torch.dtype, int] = {}
         route = []
         amsgrad = bool(group["amsgrad"])
@@ -137,13 +104,9 @@ class InPlace:
             st = ready_state(state[p], t, amsgrad, fmt, f"param {param_label(group, index, i, p)}")
             c = by_dtype.setdefault(p.dtype, len(calls))
             if c == len(calls):
-                calls.append(_Call(p.dtype))
-            call = calls[c]
+                calls.append(CpuCall(p.dtype))
             route.append(c)
-            if not t.is_contiguous():
-                call.copy_back.append(len(call.params))
-            call.params.append(p)
-            call.args.add(ParamState.in_dict(st), t)
+            calls[c].add(p, ParamState.in_dict(st))
         plan = _Plan(group, self._key(group), route, calls)
         self._plans[id(group)] = plan
         return plan

@@ -45,7 +45,6 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch.autograd.graph import increment_version
 
 from . import distributed
 from .distributed import is_dtensor, local, local_value
@@ -53,7 +52,8 @@ from .params import check_dense, param_label, rounds_to
 from .engine.disk_early import DiskEarly
 from .engine.disk_step import DiskStep
 from .kernel_state import kernel_state, master_from_param
-from .kernel_step import Hyper, KernelArgs
+from .cpu_step import calls_by_dtype, contiguous_grad
+from .kernel_step import Hyper
 from .param_state import ParamState, adam_bucket
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, ring_size
 from .nvme.store import STATE_FILES
@@ -394,40 +394,32 @@ class NvmeTier:
                              f"amsgrad={amsgrad})")
 
     def _step_bucket(self, bucket: List[_Param], t, param_groups, grad_scale, num_threads):
-        """The in-place params of one bucket: one kernel call per param dtype."""
+        """The in-place params of one bucket, by the one CPU stepper (cpu_step.py) over
+        their states in the ring buffer. The files hold the params too: a param without
+        a grad has its master follow it, and an fp32 param's new value (it is its own
+        master) is copied into the files' after its call."""
         if not bucket:
             return
         group = param_groups[bucket[0].group]
-        by_dtype: Dict[torch.dtype, List[_Param]] = {}
+        pairs = []
         for e in bucket:
-            if e.param.grad is not None:
-                by_dtype.setdefault(e.param.dtype, []).append(e)
-            else:   # not stepped: its master in the files still follows the param
-                master, p = ParamState.in_bucket(t, e.name).master, local(e.param).detach()
-                if not rounds_to(master, p):
-                    master.copy_(p)
-        for dtype, entries in by_dtype.items():
-            args, grads, back = KernelArgs(), [], []
-            for e in entries:
-                p, g = local(e.param), local(e.param.grad)
-                grads.append(g if g.is_contiguous() else g.contiguous())
-                out = p.detach()
-                if not out.is_contiguous():   # stepped through a copy
-                    out = out.contiguous()
-                    back.append((p, out))
-                st = ParamState.in_bucket(t, e.name)
-                if e.has_master:
-                    self._ready_master(e, st.master, st.step)
-                else:   # an fp32 param: its own master (the files' copy follows it)
-                    st.master = None
-                args.add(st, out)
-            args.run(grads, Hyper.of(group), grad_scale, num_threads)
-            for p, out in back:
-                p.detach().copy_(out)
-            for e in entries:
-                if not e.has_master:   # an fp32 param: the files hold its new value too
-                    ParamState.in_bucket(t, e.name).master.copy_(local(e.param).detach())
-                increment_version(e.param)
+            st = ParamState.in_bucket(t, e.name)
+            p = local(e.param).detach()
+            if e.param.grad is None:   # not stepped: its master in the files follows it
+                if not rounds_to(st.master, p):
+                    st.master.copy_(p)
+                continue
+            if e.has_master:
+                self._ready_master(e, st.master, st.step)
+            else:
+                st.master = None
+            pairs.append((e, st))
+        for call in calls_by_dtype([(e.param, st) for e, st in pairs]):
+            call.run([contiguous_grad(p) for p in call.params], Hyper.of(group), grad_scale,
+                     num_threads)
+        for e, _ in pairs:
+            if not e.has_master:
+                ParamState.in_bucket(t, e.name).master.copy_(local(e.param).detach())
 
     def _ready_master(self, e: _Param, master: torch.Tensor, step: torch.Tensor) -> None:
         """The master of a bf16/fp16 param before its kernel call: from the param at its
