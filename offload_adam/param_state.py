@@ -50,18 +50,23 @@ class ParamState:
     def of(cls, get: Callable[[str], Optional[torch.Tensor]]) -> "ParamState":
         """The record of the tensors `get(role)` gives ("step" and every role; None
         where a role has no tensor)."""
-        return cls(**{f.name: get(f.name) for f in fields(cls)})
+        return cls(*[get(name) for name in _FIELDS])
 
     @classmethod
     def in_dict(cls, st: Mapping[str, torch.Tensor]) -> "ParamState":
         """The record of optimizer.state[p] as inplace.ready_state leaves it."""
-        return cls.of(lambda role: st.get(_DICT_KEY.get(role, role)))
+        return cls(*[st.get(key) for key in _DICT_KEYS])
 
     @classmethod
     def in_bucket(cls, views: Mapping[str, torch.Tensor], name: str) -> "ParamState":
         """The record of param `name` in a bucket of the NVMe tier's files (its
         tensors `views`, by file_key)."""
-        return cls.of(lambda role: views.get(file_key(name, role)))
+        return cls(*[views.get(file_key(name, role)) for role in _FIELDS])
+
+
+# (its fields in order, and their keys in optimizer.state: a step builds many records)
+_FIELDS = tuple(f.name for f in fields(ParamState))
+_DICT_KEYS = tuple(_DICT_KEY.get(name, name) for name in _FIELDS)
 
 
 def file_key(name: str, role: str) -> str:

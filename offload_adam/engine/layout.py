@@ -131,14 +131,12 @@ class Piece:
     def param_state(self) -> ParamState:
         """The piece's state as the kernel steps it (param_state.py): its slices of
         the param's buffers that exist, and its own step count."""
-        def get(role):
-            if role == "step":
-                return self.step_t
-            if getattr(self.rec, role) is None or (role in SCALE_KEYS.values()
-                                                   and not self.rec.fmt.blockwise):
-                return None
-            return self.state(role)
-        return ParamState.of(get)
+        rec, blockwise = self.rec, self.rec.fmt.blockwise
+        return ParamState(
+            self.step_t, self.of(rec.exp_avg), self.of(rec.exp_avg_sq), self.of(rec.master),
+            self.of(rec.max_exp_avg_sq) if rec.max_exp_avg_sq is not None else None,
+            self.state("exp_avg_scale") if blockwise else None,
+            self.state("exp_avg_sq_scale") if blockwise else None)
 
 
 class Bucket:
