@@ -117,6 +117,13 @@ void q8_encode(const float* values, int64_t n, bool second, uint8_t* codes, floa
 void q8_decode(const uint8_t* codes, const float* scales, int64_t n, bool second, float* values,
                int num_threads);
 
+// CRC32C (Castagnoli) of n bytes at data, continuing crc (0 to start; a result passed
+// back continues it, as zlib's crc32 does): the standard CRC32C, the same number on every
+// variant (crc32c.h says exactly what and how fast). The active variant's: SSE4.2's
+// crc32 instruction on x86-64 (AVX2, AVX-512), the CRC32 extension on AArch64 where the
+// CPU has it, a table otherwise. The NVMe tier's checksum of its files.
+uint32_t crc32c(uint32_t crc, const void* data, int64_t n);
+
 // ISA selection. The active variant starts as the best one the CPU supports, or
 // the one named by the environment variable OFFLOAD_ADAM_ISA when it is set.
 Isa active_isa();

@@ -1,5 +1,6 @@
-// The one file that speaks torch: checks tensors, adapts them to the plain C++
-// kernel interface (adam_kernels.h) and releases the GIL while kernels run.
+// The one file that speaks torch: checks tensors (and Python buffers, for the
+// checksum), adapts them to the plain C++ kernel interface (adam_kernels.h) and
+// releases the GIL while kernels run.
 // Errors raised here are ValueError/TypeError with the tensor's position; the
 // Python classes check earlier and name the parameter.
 #include <torch/extension.h>
@@ -291,6 +292,21 @@ void q8_decode(const at::Tensor& codes, const at::Tensor& scales, const at::Tens
                 values.data_ptr<float>(), threads);
 }
 
+// oa::crc32c of a contiguous buffer: bytes, or a memoryview (the NVMe tier's I/O threads
+// hold slices of an mmap); a non-contiguous one is a BufferError. The buffer is held
+// (an mmap cannot close under it) and the GIL released while it runs, so the I/O threads
+// checksum in parallel. `value`: a CRC32C to continue (0 starts one).
+uint32_t crc32c_of_buffer(const py::object& data, uint32_t value) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+  struct Held {
+    Py_buffer* view;
+    ~Held() { PyBuffer_Release(view); }  // after the GIL is taken back (declared first)
+  } held{&view};
+  py::gil_scoped_release no_gil;
+  return oa::crc32c(value, view.buf, static_cast<int64_t>(view.len));
+}
+
 std::vector<std::string> supported_isa_names() {
   std::vector<std::string> out;
   for (oa::Isa isa : oa::supported_isas()) out.emplace_back(oa::isa_name(isa));
@@ -320,6 +336,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("values"), py::arg("second_moment"), py::arg("num_threads") = 1);
   m.def("grad_sq_sums", &grad_sq_sums, "Per-tensor sum of squares, accumulated in double", py::arg("grads"),
         py::arg("num_threads"));
+  m.def("crc32c", &crc32c_of_buffer, "CRC32C (Castagnoli) of a buffer, continuing value; the GIL is released",
+        py::arg("data"), py::arg("value") = 0);
   m.def("isa", [] { return std::string(oa::isa_name(oa::active_isa())); }, "The active ISA variant");
   m.def("supported_isas", &supported_isa_names, "ISA variants this CPU runs, best first");
   m.def("set_isa", &oa::set_isa, "Select an ISA variant: avx512, avx2, neon, scalar or auto", py::arg("name"));

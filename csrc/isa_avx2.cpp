@@ -1,4 +1,6 @@
-// The AVX2 variant: adam_math.h over Avx2Vec. Compiled with -mavx2 -mfma -mf16c
+// The AVX2 variant: adam_math.h over Avx2Vec, and crc32c.h with SSE4.2's crc32
+// instruction (every AVX2 CPU has SSE4.2; -mavx2 implies -msse4.2, and CPUID is asked
+// for it too). Compiled with -mavx2 -mfma -mf16c
 // (offload_adam/_sources.py, CMakeLists.txt) and only ever called after CPUID
 // said the CPU has them (isa_dispatch.cpp).
 #include <cstdint>
@@ -15,10 +17,15 @@ namespace {
 #include "simd_scalar.h"
 #include "simd_avx2.h"
 #include "adam_math.h"
+#include "crc32c.h"
 }  // namespace
 
 const IsaKernels* avx2_kernels() {
-  static const IsaKernels k = make_kernels<Avx2Vec>();
+  static const IsaKernels k = [] {
+    IsaKernels t = make_kernels<Avx2Vec>();
+    t.crc32c = &crc32c_of<Sse42CrcStep>;
+    return t;
+  }();
   return &k;
 }
 

@@ -4,7 +4,8 @@
 //     context switch (an AVX-512 CPU under an OS or hypervisor that does not
 //     enable ZMM state must not run AVX-512 code).
 //   AArch64: NEON is part of the base architecture; on Linux the HWCAP_ASIMD
-//     bit of getauxval(AT_HWCAP) confirms it.
+//     bit of getauxval(AT_HWCAP) confirms it, and HWCAP_CRC32 says whether the
+//     optional CRC32 instructions are there (the checksum's fast path).
 // Best first: avx512, avx2, neon, scalar (the scalar variant always runs).
 #include <atomic>
 #include <cstdlib>
@@ -31,9 +32,10 @@ namespace {
 constexpr Isa kIsas[] = {Isa::avx512, Isa::avx2, Isa::neon, Isa::scalar};
 
 struct CpuFeatures {
-  bool avx2 = false;    // AVX2 + FMA + F16C, and the OS saves YMM state
+  bool avx2 = false;    // AVX2 + FMA + F16C + SSE4.2 (crc32), and the OS saves YMM state
   bool avx512 = false;  // AVX-512 F/BW/VL/DQ on top, and the OS saves ZMM + mask state
   bool neon = false;    // AArch64 Advanced SIMD
+  bool crc32 = false;   // AArch64 CRC32 instructions (optional in ARMv8.0)
 };
 
 #ifdef OA_X86
@@ -47,7 +49,8 @@ CpuFeatures detect() {
   CpuFeatures f;
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
-  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+  const bool fma = c & (1u << 12), sse42 = c & (1u << 20), osxsave = c & (1u << 27), avx = c & (1u << 28),
+             f16c = c & (1u << 29);
   if (!(osxsave && avx)) return f;
   const uint64_t xcr0 = xgetbv0();
   const bool ymm_state = (xcr0 & 0x6) == 0x6;     // SSE + AVX state
@@ -56,7 +59,7 @@ CpuFeatures detect() {
   const bool avx2 = b & (1u << 5);
   const bool avx512f = b & (1u << 16), avx512dq = b & (1u << 17), avx512bw = b & (1u << 30),
              avx512vl = b & (1u << 31);
-  f.avx2 = ymm_state && avx2 && fma && f16c;
+  f.avx2 = ymm_state && avx2 && fma && f16c && sse42;
   f.avx512 = f.avx2 && zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
   return f;
 }
@@ -67,6 +70,11 @@ CpuFeatures detect() {
   f.neon = (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
 #else
   f.neon = true;  // mandatory in AArch64 (macOS, BSDs)
+#endif
+#if defined(__linux__) && defined(HWCAP_CRC32)
+  f.crc32 = (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0;
+#elif defined(__ARM_FEATURE_CRC32)
+  f.crc32 = true;  // the compiler's baseline target has it (Apple: ARMv8.4 and up)
 #endif
   return f;
 }
@@ -83,8 +91,13 @@ const IsaKernels* table_for(Isa isa) {
   }
 }
 
-bool cpu_supports(Isa isa) {
+const CpuFeatures& cpu() {
   static const CpuFeatures f = detect();
+  return f;
+}
+
+bool cpu_supports(Isa isa) {
+  const CpuFeatures& f = cpu();
   switch (isa) {
     case Isa::scalar: return true;
     // Features first: even building a variant's table runs code compiled for it.
@@ -158,5 +171,13 @@ void set_isa(const std::string& name) {
 }
 
 const IsaKernels& active_kernels() { return *table_for(active_isa()); }
+
+Crc32cFn active_crc32c() {
+  const Isa isa = active_isa();
+  if (isa == Isa::neon && cpu().crc32 && armv8_crc32c() != nullptr) return armv8_crc32c();
+  return table_for(isa)->crc32c;
+}
+
+uint32_t crc32c(uint32_t crc, const void* data, int64_t n) { return active_crc32c()(crc, data, n); }
 
 }  // namespace offload_adam

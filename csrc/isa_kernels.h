@@ -47,6 +47,8 @@ using SqSumFn = double (*)(const void* grad, int64_t n);
 // q8 <-> fp32 over whole blocks (n may end in a partial block); scales: one per block.
 using Q8EncodeFn = void (*)(const float* values, int64_t n, uint8_t* codes, float* scales);
 using Q8DecodeFn = void (*)(const uint8_t* codes, const float* scales, int64_t n, float* values);
+// CRC32C of n bytes continuing crc (crc32c.h).
+using Crc32cFn = uint32_t (*)(uint32_t crc, const void* data, int64_t n);
 
 // Index order: state format (StateDType), grad dtype (DType), lp dtype (0 none, 1 bf16,
 // 2 f16), amsgrad, L2 decay. The q8 amsgrad entries are null (not supported).
@@ -56,6 +58,7 @@ struct IsaKernels {
   SqSumFn sq_sum[3];
   Q8EncodeFn q8_encode[2];  // [0] exp_avg, [1] exp_avg_sq
   Q8DecodeFn q8_decode[2];
+  Crc32cFn crc32c;          // the SSE4.2 instruction (x86 variants) or the table step
 };
 
 // Defined in isa_scalar.cpp / isa_avx2.cpp / isa_avx512.cpp / isa_neon.cpp. The
@@ -65,9 +68,15 @@ const IsaKernels* scalar_kernels();
 const IsaKernels* avx2_kernels();
 const IsaKernels* avx512_kernels();
 const IsaKernels* neon_kernels();
+// CRC32C with the ARMv8 CRC32 extension (crc32c_armv8.cpp), null off AArch64; called
+// only where the CPU has the extension (optional in ARMv8.0).
+Crc32cFn armv8_crc32c();
 
 // The table of the active variant (isa_dispatch.cpp); throws when
 // OFFLOAD_ADAM_ISA names a bad value.
 const IsaKernels& active_kernels();
+// The active variant's CRC32C: its table's, or on AArch64 the CRC32 extension's where
+// the CPU has it.
+Crc32cFn active_crc32c();
 
 }  // namespace offload_adam

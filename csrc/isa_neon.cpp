@@ -1,4 +1,6 @@
-// The NEON variant: adam_math.h over NeonVec, for AArch64. NEON is part of the
+// The NEON variant: adam_math.h over NeonVec, for AArch64, and crc32c.h's table
+// step (the CRC32 instructions are optional in ARMv8.0: isa_dispatch.cpp picks
+// crc32c_armv8.cpp's instead where the CPU has them). NEON is part of the
 // AArch64 base architecture, so this unit needs no ISA flag
 // (csrc/kernel_sources.txt) and runs on every AArch64 CPU; isa_dispatch.cpp
 // still asks the OS (getauxval HWCAP_ASIMD) before using it.
@@ -16,10 +18,15 @@ namespace {
 #include "simd_scalar.h"
 #include "simd_neon.h"
 #include "adam_math.h"
+#include "crc32c.h"
 }  // namespace
 
 const IsaKernels* neon_kernels() {
-  static const IsaKernels k = make_kernels<NeonVec>();
+  static const IsaKernels k = [] {
+    IsaKernels t = make_kernels<NeonVec>();
+    t.crc32c = &crc32c_of<TableCrcStep>;
+    return t;
+  }();
   return &k;
 }
 

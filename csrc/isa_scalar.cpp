@@ -1,4 +1,5 @@
-// The portable variant: adam_math.h over ScalarVec, compiled with the baseline
+// The portable variant: adam_math.h over ScalarVec and crc32c.h's table step
+// (the reference of the fast ones), compiled with the baseline
 // flags of the target. On non-x86 builds it is the only variant.
 #include <cstdint>
 #include <cstring>
@@ -10,10 +11,15 @@ namespace {  // internal linkage: each ISA unit keeps its own copy of the inline
 #include "float_bits.h"
 #include "simd_scalar.h"
 #include "adam_math.h"
+#include "crc32c.h"
 }  // namespace
 
 const IsaKernels* scalar_kernels() {
-  static const IsaKernels k = make_kernels<ScalarVec>();
+  static const IsaKernels k = [] {
+    IsaKernels t = make_kernels<ScalarVec>();
+    t.crc32c = &crc32c_of<TableCrcStep>;
+    return t;
+  }();
   return &k;
 }
 

@@ -286,6 +286,45 @@ def test_a_state_of_the_earlier_manifest_format_opens_and_gains_checksums(kernel
     body = manifest.read(tmp_path)
     assert body["format"] == 2 and all(s[c] is not None for s, c in zip(body["sums"],
                                                                          body["slots"]))
+    assert body["sum_algo"] == store.SUM_ALGO == "crc32c"
+
+
+@pytest.mark.parametrize("algo", ["crc64nvme", None])
+def test_a_state_checksummed_with_another_algorithm_is_refused(kernels, tmp_path, algo):
+    """The manifest names the checksum ("sum_algo": CRC32C); a state whose manifest names
+    another one, or none (the zlib CRC32 of the versions before it), cannot be verified:
+    refused with what to do, its files left as they are."""
+    spec = make_spec("fp32", buckets=2, numel=5000)
+    stepped = started(tmp_path, spec, steps=1)
+    body = manifest.read(tmp_path)
+    assert body["sum_algo"] == "crc32c"
+    other = {k: v for k, v in body.items() if k != "sum_algo"}
+    if algo is not None:
+        other["sum_algo"] = algo
+    manifest.commit(tmp_path, other)
+    before = file_bytes(tmp_path)
+    named = algo or r"crc32 \(zlib"
+    with pytest.raises(ValueError, match=f"{tmp_path}.* checksummed with {named}.* verifies "
+                                         r"crc32c .* save a state_dict\(\), or remove"):
+        NvmeState.open([tmp_path], spec)
+    assert file_bytes(tmp_path) == before
+    manifest.commit(tmp_path, body)
+    with NvmeState.open([tmp_path], spec) as state:   # the lock was let go
+        assert same_bits(disk_state(state), stepped)
+
+
+def test_a_kernel_build_that_fails_is_an_error_at_open(tmp_path, monkeypatch):
+    """The checksum is the compiled kernels': open loads them in the caller's thread, so a
+    build that fails raises there, before any file is made (not first in an I/O thread)."""
+    from offload_adam import kernel_step
+
+    def fail():
+        raise RuntimeError("offload_adam: compiling the CPU kernels failed (a test)")
+    monkeypatch.setattr(direct_io, "_crc32c", None)
+    monkeypatch.setattr(kernel_step, "kernels", fail)
+    with pytest.raises(RuntimeError, match="compiling the CPU kernels failed"):
+        NvmeState.open([tmp_path], make_spec("fp32", buckets=1, numel=1000))
+    assert file_bytes(tmp_path) == {}
 
 
 def test_a_state_larger_than_the_disk_fails_at_open(tmp_path):

@@ -18,7 +18,6 @@ import errno
 import mmap
 import os
 import warnings
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import List, Optional, Tuple
 
@@ -28,11 +27,28 @@ from .layout import ALIGN, SUM_BYTES, round_up
 
 # One pread/pwrite: large enough for the drive's bandwidth; each is checksummed on its own.
 REQUEST_BYTES = SUM_BYTES
-# The checksum of a request's bytes: zlib's CRC32 runs at ~4 GB/s a thread (more than a
-# drive reads) and releases the GIL, so the I/O threads checksum their requests in parallel
-# with the kernel and each other. (A name of its own: bench/nvme_bench.py swaps it for a
-# constant to measure what checksumming costs.)
-crc32 = zlib.crc32
+# The checksum of a request's bytes (store.SUM_ALGO): CRC32C, by the compiled kernels
+# (csrc/crc32c.h: the CPU's CRC instruction, ~8 bytes a cycle, where it has one; zlib's
+# CRC32 ran at ~4 GB/s a thread, a bound on a host with several drives). It releases the
+# GIL, so the I/O threads checksum their requests in parallel with the kernel and each
+# other.
+_crc32c = None
+
+
+def load_checksum():
+    """The kernels' CRC32C, loaded (built on first use) now: NvmeState.open calls this in
+    the caller's thread, so that a failed build is an error there, not in an I/O thread."""
+    global _crc32c
+    if _crc32c is None:
+        from ..kernel_step import kernels
+        _crc32c = kernels().crc32c
+    return _crc32c
+
+
+def crc32(data, value: int = 0) -> int:
+    """CRC32C of `data` (bytes or a memoryview), continuing `value`. (A name of its own:
+    bench/nvme_bench.py swaps it for a constant to measure what checksumming costs.)"""
+    return (_crc32c or load_checksum())(data, value)
 
 
 class NvmeError(OSError):
@@ -137,7 +153,7 @@ def _write(fd, view, offset) -> int:
 
 class IOPool:
     """Threads running aligned requests; `read`/`write` cut a range into `request_bytes`
-    requests and return their futures, whose results are the requests' CRC32s."""
+    requests and return their futures, whose results are the requests' checksums."""
 
     def __init__(self, threads: int = 4, request_bytes: int = REQUEST_BYTES):
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="offload_adam_io")

@@ -168,7 +168,8 @@ def place(spec: StateSpec, files: int) -> Tuple[List[Extent], List[int]]:
 
 
 def slot_checksum(chunk_crcs: Sequence[int]) -> int:
-    """A slot's checksum: the CRC32 of its chunks' CRC32s (each SUM_BYTES from the extent's
-    start, the last one shorter), so that the I/O threads checksum their own requests in
-    parallel and a slot still has one number to keep in the manifest."""
+    """A slot's checksum: the CRC32 (zlib) of its chunks' checksums (CRC32C, store.SUM_ALGO,
+    each of SUM_BYTES from the extent's start, the last one shorter; as little-endian
+    uint32s), so that the I/O threads checksum their own requests in parallel and a slot
+    still has one number to keep in the manifest."""
     return zlib.crc32(struct.pack(f"<{len(chunk_crcs)}I", *chunk_crcs))

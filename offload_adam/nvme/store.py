@@ -18,11 +18,12 @@ give instead. The only state opened over is one that was created and never commi
 pass, no load: nothing of value), which a construction refused later, or a crash while
 creating, can leave.
 
-Checksums: every bucket slot has a CRC32 (layout.slot_checksum), computed by the I/O threads
-as they write it, recorded in the manifest when the step commits, and verified whenever the
-slot is read: by the pipeline's read-ahead, by `views` (state_dict(), a resume), and before
-a rollback. A flipped bit in the files is an error naming the bucket and the file, never a
-silently wrong state.
+Checksums: every bucket slot has one (layout.slot_checksum: the CRC32 of the CRC32Cs of its
+requests of `sum_bytes`, the manifest's "sum_algo"), computed by the I/O threads as they
+write it, recorded in the manifest when the step commits, and verified whenever the slot is
+read: by the pipeline's read-ahead, by `views` (state_dict(), a resume), and before a
+rollback. A flipped bit in the files is an error naming the bucket and the file, never a
+silently wrong state. A manifest whose checksums are of another algorithm is refused.
 
 Two generations: the manifest keeps both slots' checksums and the step the other slot held
 when it was last current (`previous`), so that a state can be set back one step
@@ -51,6 +52,8 @@ from .layout import (HEADER_BYTES, SLOTS, SUM_BYTES, StateSpec, differences, pla
 DATA_FILE = "offload_adam_state.bin"
 _HEADER_MAGIC = b"OFFLOAD_ADAM_NVME_STATE_1\n"
 FORMAT = 2   # the manifest's: 2 adds the slots' checksums, `previous` and `written`
+# What the requests' checksums are (direct_io.crc32): the standard CRC32C (csrc/crc32c.h).
+SUM_ALGO = "crc32c"
 # The tier's files in a directory (the lock is not state: any open makes one).
 STATE_FILES = (DATA_FILE, manifest.MANIFEST, manifest.SPEC)
 
@@ -93,7 +96,7 @@ def size_text(n: int) -> str:
 
 
 class Request(NamedTuple):
-    """A bucket's read or write in flight: its futures give each SUM_BYTES chunk's CRC32."""
+    """A bucket's read or write in flight: its futures give each SUM_BYTES chunk's CRC32C."""
     kind: str        # "reading" or "writing"
     bucket: int
     slot: int
@@ -128,11 +131,12 @@ class NvmeState:
         folders = [_check_folder(os.fspath(f)) for f in folders]
         if len(set(folders)) != len(folders):
             raise ValueError(f"offload_adam: an NVMe state directory is named twice: {folders}")
+        direct_io.load_checksum()   # here: a failed build raises now, not in an I/O thread
         locks = manifest.DirLocks(folders)
         fds: List[int] = []
         io = None
         try:
-            body = _upgraded(manifest.read(folders[0]))
+            body = _upgraded(manifest.read(folders[0]), folders[0])
             buffered: List[str] = []
             created = body is None or not _reusable(folders, body, spec)
             if body is None:
@@ -242,7 +246,7 @@ class NvmeState:
                             f"{path} is damaged: its bytes (slot {slot}, "
                             f"{self.extents[i].nbytes} bytes at offset "
                             f"{self.extents[i].at(slot)}) do not match the checksum committed "
-                            f"with them (CRC32 {got:#010x}, {want:#010x} expected). The file "
+                            f"with them ({SUM_ALGO} {got:#010x}, {want:#010x} expected). The file "
                             "was changed outside offload_adam, or the disk returned wrong "
                             "data; the state cannot be trusted", path)
 
@@ -364,15 +368,25 @@ class NvmeState:
 
 # -- finding, creating and checking the files ---------------------------------------------
 
-def _upgraded(body: Optional[dict]) -> Optional[dict]:
+def _upgraded(body: Optional[dict], folder: str) -> Optional[dict]:
     """A manifest of an earlier version in this version's form: its slots have no
     checksums yet (each gets one when it is next written), no previous step is known,
-    and it was committed."""
-    if body is None or body.get("format") == FORMAT:
+    and it was committed. One with checksums of another algorithm than SUM_ALGO is
+    refused: they cannot be verified here."""
+    if body is None:
+        return None
+    if body.get("format") == FORMAT:
+        algo = body.get("sum_algo", "crc32 (zlib, before sum_algo was recorded)")
+        if algo != SUM_ALGO:
+            raise ValueError(f"offload_adam: the optimizer state in {folder!r} was checksummed "
+                             f"with {algo}; this version of offload_adam computes and verifies "
+                             f"{SUM_ALGO} and cannot check it. Resume it with the version that "
+                             "wrote it and save a state_dict(), or remove its files "
+                             f"({', '.join(STATE_FILES)}) to start afresh")
         return body
     n = len(body["slots"])
     return {**body, "format": FORMAT, "sums": [[None] * SLOTS for _ in range(n)],
-            "previous": None, "written": True, "sum_bytes": SUM_BYTES}
+            "previous": None, "written": True, "sum_bytes": SUM_BYTES, "sum_algo": SUM_ALGO}
 
 
 def _reusable(folders: List[str], body: dict, spec: StateSpec) -> bool:
@@ -493,7 +507,7 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str]):
     body = {"format": FORMAT, "uuid": uuid.uuid4().hex, "folders": folders,
             "spec_sha256": spec.digest(), "step": 0, "slots": [0] * len(spec.buckets),
             "file_sizes": sizes, "sums": [[None] * SLOTS for _ in spec.buckets],
-            "previous": None, "written": False, "sum_bytes": SUM_BYTES}
+            "previous": None, "written": False, "sum_bytes": SUM_BYTES, "sum_algo": SUM_ALGO}
     for folder, size in zip(folders, sizes):
         free = shutil.disk_usage(folder).free
         old = os.path.join(folder, DATA_FILE)

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "adam_kernels.h"
+#include "check.h"
 #include "thread_pool.h"
 
 namespace bits {
@@ -29,17 +30,6 @@ namespace bits {
 }
 
 namespace oa = offload_adam;
-
-static int g_failures = 0;
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      ++g_failures;                                                   \
-      std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                              \
-      std::fprintf(stderr, "\n");                                     \
-    }                                                                 \
-  } while (0)
 
 // ---- 16-bit conversions ----------------------------------------------------
 
@@ -1036,7 +1026,5 @@ int main(int argc, char** argv) {
     for (oa::Isa i : oa::supported_isas()) std::printf(" %s", oa::isa_name(i));
     std::printf("\n");
   }
-  if (g_failures) std::printf("%d check(s) failed\n", g_failures);
-  else std::printf("all checks passed\n");
-  return g_failures ? 1 : 0;
+  return checks_result();
 }
