@@ -20,11 +20,13 @@ limit time = read bytes / read GB/s + write bytes / write GB/s (the disk doing t
 reads and its writes, each at its own measured speed); ratio = step time / limit time.
 Target (issue 17): step time <= 1.15 x max(limit time, cpu step time) at 2 threads.
 
-Checksums (issue 25): every bucket slot is CRC32'd as it is written and verified as it is
-read, by the I/O threads. --checksums both (the default) steps two states of each format
-side by side, alternating step by step: one as the tier runs (checksums on) and one with
-the checksum replaced by a constant (off), so that their ratio is what checksumming costs,
-paired. The disk's limit is measured without checksums (the disk's own speed).
+Checksums (issue 25): every bucket slot is CRC32C'd as it is written and verified as it is
+read, by the I/O threads. --checksums both (the default) steps four states of each format
+side by side in rounds: two as the tier runs (checksums on) and two with the checksum
+replaced by a constant (off), made in the order on, off, off, on and stepped in a rotating
+order (where a state's files land, and a step's place in a round, move its time by ~20 %
+on the VM's disk), so that the ratio of a round's on to off time is what checksumming
+costs, paired. The disk's limit is measured without checksums (the disk's own speed).
 
     flock /tmp/offload_bench.lock python bench/nvme_bench.py            # ~2 GB of fp32 state
     python bench/nvme_bench.py --state-gb 0.2 --steps 2 --out /tmp/x      # smoke run
@@ -209,44 +211,55 @@ def bench_format(fmt, args, folder, limit, out):
     spec = make_spec(fmt, buckets, bucket_numel)
     grad = torch.randn(bucket_numel) * 1e-2
     fn = kernel_fn(grad, args.threads)
-    modes = ["on", "off"] if args.checksums == "both" else [args.checksums]
-    rows, pipes = {}, {}
+    # Both: two states of each mode, made in the order on, off, off, on and stepped in a
+    # round's rotating order, so that where a state's files landed (the first made was
+    # ~20 % slower on the VM's disk, checksums or not) and a step's place in the round
+    # weigh on both modes alike.
+    states = (["on", "off", "off", "on"] if args.checksums == "both" else [args.checksums])
+    rows = {mode: {"format": fmt, "checksums": mode, "buckets": buckets,
+                   "params": buckets * bucket_numel, "bytes_per_generation": spec.nbytes,
+                   "bucket_params": bucket_numel, "step_seconds": [], "io_only_seconds": [],
+                   "load_seconds": []} for mode in dict.fromkeys(states)}
+    pipes = []
     with contextlib.ExitStack() as stack:
-        for mode in modes:
-            state_dir = os.path.join(folder, f"{fmt}_{mode}")
+        for k, mode in enumerate(states):
+            state_dir = os.path.join(folder, f"{fmt}_{k}_{mode}")
             os.makedirs(state_dir, exist_ok=True)
             stack.callback(shutil.rmtree, state_dir)
             state = stack.enter_context(NvmeState.open([state_dir], spec,
                                                        io_threads=args.io_threads))
             pipe = StepPipeline(state, args.ring * spec.buckets[0].nbytes, pin=False)
             stack.callback(pipe.close)
-            row = {"format": fmt, "checksums": mode, "buckets": buckets,
-                   "params": buckets * bucket_numel, "bytes_per_generation": spec.nbytes,
-                   "ring": len(pipe.buffers), "depth": pipe.depth,
-                   "host_buffer_bytes": pipe.host_bytes, "bucket_params": bucket_numel,
-                   "step_seconds": [], "io_only_seconds": []}
+            rows[mode].update(ring=len(pipe.buffers), depth=pipe.depth,
+                              host_buffer_bytes=pipe.host_bytes)
             with checksums(mode == "on"):
                 t = time.perf_counter()
                 pipe.load(fill, step=0)
-                row["load_seconds"] = time.perf_counter() - t
+                rows[mode]["load_seconds"].append(time.perf_counter() - t)
                 pipe.step(fn)   # warm-up: the second slots' extents written the first time
-            rows[mode], pipes[mode] = row, pipe
+            pipes.append((mode, pipe))
         cpu = []
-        pipe = pipes[modes[0]]
+        pipe = pipes[0][1]
         for _ in range(args.steps):   # the kernel alone, over the same ring buffers
             t = time.perf_counter()
             for i in range(buckets):
                 fn(i, pipe.state.tensors(i, pipe.buffers[i % len(pipe.buffers)]))
             cpu.append(time.perf_counter() - t)
-        for _ in range(args.steps):
-            for mode in modes:   # alternating: the pair sees the same disk and load
+        rounds = []
+        for k in range(args.steps):
+            took = {mode: 0.0 for mode in rows}
+            for j in range(len(pipes)):
+                mode, pipe = pipes[(j + k) % len(pipes)]   # the order rotates
                 with checksums(mode == "on"):
                     t = time.perf_counter()
-                    pipes[mode].step(fn)
-                    rows[mode]["step_seconds"].append(time.perf_counter() - t)
+                    pipe.step(fn)
+                    dt = time.perf_counter() - t
+                    rows[mode]["step_seconds"].append(dt)
+                    took[mode] += dt
                     t = time.perf_counter()
-                    pipes[mode].step(lambda i, tensors: None)   # the pipeline's I/O alone
+                    pipe.step(lambda i, tensors: None)   # the pipeline's I/O alone
                     rows[mode]["io_only_seconds"].append(time.perf_counter() - t)
+            rounds.append(took)
     for row in rows.values():
         step_t = statistics.median(row["step_seconds"])
         row.update(cpu_seconds=cpu, io_only_median=statistics.median(row["io_only_seconds"]),
@@ -254,9 +267,9 @@ def bench_format(fmt, args, folder, limit, out):
                    step_GBps=2 * spec.nbytes / step_t / 1e9)
         row["against_before"] = against(row, limit, out)
     if len(rows) == 2:
-        pairs = [a / b for a, b in zip(rows["on"]["step_seconds"], rows["off"]["step_seconds"])]
+        pairs = [r["on"] / r["off"] for r in rounds]
         rows["on"]["checksum_cost_ratios"] = pairs
-        log(out, f"{fmt:>5} checksums on / off, step by step: "
+        log(out, f"{fmt:>5} checksums on / off, round by round (two states each): "
                  f"{' '.join(f'{r:.3f}' for r in pairs)}  median {statistics.median(pairs):.3f}")
     return list(rows.values())
 
@@ -270,7 +283,7 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=48, help="MiB of state per bucket")
     ap.add_argument("--ring", type=int, default=6, help="host buffers (buckets) in the ring")
     ap.add_argument("--formats", default="fp32,8bit")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="steps per state (even: ABBA)")
     ap.add_argument("--threads", type=int, default=2, help="kernel threads")
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--checksums", choices=["both", "on", "off"], default="both",
