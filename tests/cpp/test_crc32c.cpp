@@ -1,7 +1,7 @@
 // C++ tests of the checksum (csrc/crc32c.h): every variant the CPU runs, through the
 // public oa::crc32c, against the bitwise reference (the definition) on the standard
 // CRC32C vectors, on every length 0..300 at every start offset mod 8, on lengths around
-// the three-chain blocks (3 x 256 B, 3 x 8 KiB) and on a 4 MiB request; a checksum
+// the three-chain blocks (3 x 256 B, 8 KiB, 128 KiB) and on a 4 MiB request; a checksum
 // continued over pieces equals the whole one; and a flipped bit or a burst anywhere
 // changes it. The aarch64 build runs under qemu (scripts/cross_test_aarch64.sh), where
 // the NEON variant uses the CRC32 extension and its table step is tested directly.
@@ -77,7 +77,7 @@ void test_lengths_and_offsets(const std::vector<Variant>& vs) {
   const std::vector<uint8_t> data = random_bytes((4 << 20) + 64, 1);
   std::vector<int64_t> lengths;
   for (int64_t n = 0; n <= 300; ++n) lengths.push_back(n);
-  for (int64_t block : {ref::kCrcShortBlock, ref::kCrcLongBlock})
+  for (int64_t block : ref::kCrcBlocks)
     for (int64_t k : {1, 2, 3})
       for (int64_t d : {-9, -8, -1, 0, 1, 7, 8, 13}) lengths.push_back(3 * block * k + d);
   lengths.push_back(4 << 20);        // a request
@@ -85,7 +85,7 @@ void test_lengths_and_offsets(const std::vector<Variant>& vs) {
   int bad = 0;
   for (int64_t n : lengths)
     for (int offset = 0; offset < 8; ++offset) {
-      if (n > 100000 && offset % 3 != 1) continue;  // the large ones at offsets 1, 4, 7
+      if (n > 100000 && offset != 3) continue;  // the large ones at one odd offset
       const uint8_t* p = data.data() + offset;
       const uint32_t want = reference(p, n);
       const uint32_t want_continued = ref::crc32c_bitwise(0xDEADBEEFu, p, n);
