@@ -401,7 +401,7 @@ class NvmeTier:
         if not bucket:
             return
         group = param_groups[bucket[0].group]
-        pairs = []
+        pairs, follow = [], []   # follow: (fp32 param, the files' master of it)
         for e in bucket:
             st = ParamState.in_bucket(t, e.name)
             p = local(e.param).detach()
@@ -411,15 +411,15 @@ class NvmeTier:
                 continue
             if e.has_master:
                 self._ready_master(e, st.master, st.step)
-            else:
+            else:   # the kernel steps the param itself
+                follow.append((p, st.master))
                 st.master = None
-            pairs.append((e, st))
-        for call in calls_by_dtype([(e.param, st) for e, st in pairs]):
+            pairs.append((e.param, st))
+        for call in calls_by_dtype(pairs):
             call.run([contiguous_grad(p) for p in call.params], Hyper.of(group), grad_scale,
                      num_threads)
-        for e, _ in pairs:
-            if not e.has_master:
-                ParamState.in_bucket(t, e.name).master.copy_(local(e.param).detach())
+        for p, master in follow:
+            master.copy_(p)
 
     def _ready_master(self, e: _Param, master: torch.Tensor, step: torch.Tensor) -> None:
         """The master of a bf16/fp16 param before its kernel call: from the param at its

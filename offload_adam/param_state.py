@@ -31,7 +31,7 @@ from .state_format import MASTER_KEY, SCALE_KEYS, state_format
 ROLES = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
          "exp_avg_sq_scale")
 # A role's key in optimizer.state[p] and in a state dict, where it is not the role's name.
-_DICT_KEY = {"master": MASTER_KEY, **{SCALE_KEYS[k]: SCALE_KEYS[k] for k in SCALE_KEYS}}
+_DICT_KEY = {"master": MASTER_KEY}
 
 
 @dataclass
