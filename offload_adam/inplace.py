@@ -20,8 +20,9 @@ from .cpu_step import CpuCall, contiguous_grad
 from .distributed import local
 from .kernel_state import kernel_state
 from .kernel_step import Hyper
+from .master_rule import MasterMarks, take_from_param
 from .param_state import ParamState
-from .params import check_dense, param_label
+from .params import check_dense, param_label, rounds_to
 from .state_format import MASTER_KEY, StateFormat, state_format
 
 
@@ -39,8 +40,9 @@ class _Plan:
 class InPlace:
     """Steps the in-place params of an optimizer's groups."""
 
-    def __init__(self, is_mine: Callable[[torch.Tensor], bool]):
+    def __init__(self, is_mine: Callable[[torch.Tensor], bool], marks: MasterMarks):
         self._is_mine = is_mine
+        self._marks = marks
         self._plans: Dict[int, _Plan] = {}
 
     def step_group(self, index: int, group: dict, state, grad_scale: float,
@@ -50,10 +52,28 @@ class InPlace:
         if grads is None:  # no plan yet, or the grads no longer fit it
             plan = self._build(index, group, state)
             grads = self._gather(index, group, plan)
+        self._follow(group, plan, state)
         hyper = Hyper.of(group)
         for call, call_grads in zip(plan.calls, grads):
             if call_grads:
                 call.run(call_grads, hyper, grad_scale, num_threads)
+                if call.dtype is not torch.float32:
+                    self._marks.agree(call.params)
+
+    def _follow(self, group: dict, plan: _Plan, state) -> None:
+        """The master rule (master_rule.py) for the group's bf16/fp16 params, stepped
+        now or not: a master whose param was changed since they last agreed starts again
+        from the param unless the param is still its rounding."""
+        for p, c in zip(group["params"], plan.route):
+            if c == _Plan.ELSEWHERE or p.dtype is torch.float32 or self._marks.current(p):
+                continue
+            master = state[p].get(MASTER_KEY) if p in state else None
+            if master is not None:
+                t = local(p).detach()
+                if take_from_param(float(state[p].get("step") or 0), False,
+                                   lambda: not rounds_to(master, t)):
+                    master.copy_(t)
+                self._marks.agree([p])
 
     def grads(self, param_groups) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """(param, its local grad) for each param stepped here that has a grad."""

@@ -14,14 +14,14 @@ dict holds (a missing one is made at the first step, as above).
 The master: a bf16/fp16 param has one, and so has every param of the engine (its fp32
 values on the host) and of the NVMe tier but the fp32 ones stepped in place, which are
 their own master. A state without one (a fresh param, or a state dict saved by torch)
-starts it from the param, which each stepper reads its own way; a loaded one is kept
-while it still rounds to the param (params.rounds_to; checked at the next step).
+starts it from the param, which each stepper reads its own way; afterwards it follows
+the param by the one rule of master_rule.py (a loaded one is checked at the next step).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
@@ -53,16 +53,6 @@ def kernel_state(st: dict, shape, fmt: StateFormat, amsgrad: bool, has_master: b
     return KernelState(0.0 if step is None else float(step), moments,
                        as_fp32_like(master, shape, MASTER_KEY, label)
                        if isinstance(master, torch.Tensor) else None)
-
-
-def master_from_param(how: Optional[str], step: float, stale: Callable[[], bool]) -> bool:
-    """Whether a master is started from its param before a step: at the param's first
-    step (`step` 0), when a load said so (`how` "take": it brought none), or when a
-    loaded one is no longer the param's (`how` "check" and `stale()`, which each stepper
-    answers from its own copy of the param; called only then). `how` None: the master
-    is current. The NVMe tier's two steppers ask it: in place (nvme_tier.py) and the
-    engine's (engine/disk_step.py)."""
-    return how == "take" or step == 0 or (how == "check" and stale())
 
 
 def as_fp32_like(t: torch.Tensor, shape, key: str, label: str) -> torch.Tensor:

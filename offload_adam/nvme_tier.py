@@ -16,11 +16,11 @@ created, or resumed). Each step() is one pass of the pipeline:
 The same kernel calls on the same values as in RAM, so the params come out bitwise the
 same as with the state in host RAM. Every param has a master in the files, so the files
 hold the whole training state: an fp32 param stepped in place is its own master (as in
-RAM), and its new value is copied there after its kernel; a param without a grad in a
-step has its master refreshed from the param if it no longer rounds to it. A master is
-taken from its param at the param's first step (its step count is 0), and a loaded one is
-kept only while it still rounds to its param (as torch_state_dict.py's
-_drop_stale_masters does in RAM).
+RAM), and its new value is copied there after its kernel. Every master follows its param
+by the one rule (master_rule.py), as in RAM: taken from the param at the param's first
+step (its step count is 0), and, once the param was changed by anything but the optimizer
+(or a state dict was loaded), kept only while the param is still its rounding; also for a
+param without a grad in a step.
 
 A resumed state restores the params from the masters (`_restore_params`), after the ranks
 of a sharded run agreed on one step (`_agree_on_step`). Until the next step nothing may
@@ -51,7 +51,8 @@ from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, rounds_to
 from .engine.disk_early import DiskEarly
 from .engine.disk_step import DiskStep
-from .kernel_state import kernel_state, master_from_param
+from .kernel_state import kernel_state
+from .master_rule import MasterMarks, mark, take_from_param
 from .cpu_step import calls_by_dtype, contiguous_grad
 from .kernel_step import Hyper
 from .param_state import ParamState, adam_bucket
@@ -92,9 +93,10 @@ class NvmeTier:
 
     def __init__(self, param_groups, params: List[List[torch.Tensor]], dirs, bucket_mb: float,
                  budget_mb: Optional[float], resume: bool = False, engine=None,
-                 process_group=None):
+                 process_group=None, marks: Optional[MasterMarks] = None):
         recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
         self.engine = engine
+        self.marks = marks if marks is not None else MasterMarks()
         self.buckets: List[List[_Param]] = []
         self._ids = set()
         specs = []
@@ -163,16 +165,12 @@ class NvmeTier:
                 self.pipeline.close()
             self.state.close(discard=True)
             raise
-        # Masters loaded by load_state_dict, to take from or check against the param at
-        # its next step ("take" / "check", kernel_state.master_from_param)
-        self._loaded: Dict[int, str] = {}
         self._early = None   # step_in_backward: the pass that starts in backward
         if engine is not None and engine.early is not None:
             self._early = DiskEarly(
                 engine, engine.early, self.pipeline,
                 [[(e.rec, e.name) for e in b] if all(e.rec is not None for e in b) else None
-                 for b in self.buckets],
-                lambda rec: self._loaded.get(id(rec.param)))
+                 for b in self.buckets])
             engine.early.use_files(self._early)
 
     def _agree_on_step(self, params, process_group) -> None:
@@ -228,7 +226,8 @@ class NvmeTier:
                         live = local(e.param).detach()
                         live.copy_(st.master.to(live.dtype))
                         self._stepped.add(id(e.param))
-                        self._resumed[id(e.param)] = (e, _as_now(e.param), step)
+                        self._resumed[id(e.param)] = (e, mark(e.param), step)
+        self.marks.agree(e.param for e, _, _ in self._resumed.values())
 
     def _check_resumed(self, stepping: bool) -> None:
         """Before the first step after state_resume=True (and the state dict's views): the
@@ -240,7 +239,7 @@ class NvmeTier:
         refused, before anything is stepped."""
         if not self._resumed:
             return
-        changed = [e for e, now, _ in self._resumed.values() if _as_now(e.param) != now]
+        changed = [e for e, now, _ in self._resumed.values() if mark(e.param) != now]
         if changed and not self._params_match(changed, previous=False):
             step, previous = self.state.step, self.state.previous
             older = [e for e, _, _ in self._resumed.values()]
@@ -363,14 +362,12 @@ class NvmeTier:
                         in_place = [e for e in bucket if e.rec is None]
                         self._step_bucket(in_place, t, param_groups, grad_scale, num_threads)
                         if run is not None:
-                            run.bucket([(e.rec, e.name, self._loaded.get(id(e.param)))
-                                        for e in bucket if e.rec is not None], t)
+                            run.bucket([(e.rec, e.name) for e in bucket if e.rec is not None], t)
                 if stepped_early:   # committed: now their params
                     run.write_early(stepped_early)
                 done = {id(e.param) for e in with_grads}
                 done |= {id(r.param) for r in (run.stepped if run is not None else ())}
                 self._stepped |= done
-                self._loaded = {k: v for k, v in self._loaded.items() if k not in done}
             # else, as torch: a step without grads changes nothing
             completed = True
         finally:
@@ -395,8 +392,8 @@ class NvmeTier:
 
     def _step_bucket(self, bucket: List[_Param], t, param_groups, grad_scale, num_threads):
         """The in-place params of one bucket, by the one CPU stepper (cpu_step.py) over
-        their states in the ring buffer. The files hold the params too: a param without
-        a grad has its master follow it, and an fp32 param's new value (it is its own
+        their states in the ring buffer. The files hold the params too: every master
+        follows its param (master_rule.py), and an fp32 param's new value (it is its own
         master) is copied into the files' after its call."""
         if not bucket:
             return
@@ -405,28 +402,21 @@ class NvmeTier:
         for e in bucket:
             st = ParamState.in_bucket(t, e.name)
             p = local(e.param).detach()
-            if e.param.grad is None:   # not stepped: its master in the files follows it
-                if not rounds_to(st.master, p):
+            if not self.marks.current(e.param):
+                if take_from_param(float(st.step), False, lambda: not rounds_to(st.master, p)):
                     st.master.copy_(p)
+                self.marks.agree([e.param])
+            if e.param.grad is None:   # not stepped
                 continue
-            if e.has_master:
-                self._ready_master(e, st.master, st.step)
-            else:   # the kernel steps the param itself
+            if not e.has_master:   # the kernel steps the param itself
                 follow.append((p, st.master))
                 st.master = None
             pairs.append((e.param, st))
         for call in calls_by_dtype(pairs):
             call.run([contiguous_grad(p) for p in call.params], Hyper.of(group), grad_scale,
                      num_threads)
+            self.marks.agree(call.params)
         for p, master in follow:
-            master.copy_(p)
-
-    def _ready_master(self, e: _Param, master: torch.Tensor, step: torch.Tensor) -> None:
-        """The master of a bf16/fp16 param before its kernel call: from the param at its
-        first step, or when a loaded one was absent or no longer rounds to the param."""
-        p = local(e.param).detach()
-        if master_from_param(self._loaded.get(id(e.param)), float(step),
-                             lambda: not rounds_to(master, p)):
             master.copy_(p)
 
     # ---- state dict ----------------------------------------------------------------------
@@ -464,12 +454,11 @@ class NvmeTier:
         self._refuse_a_mix(saved_of)
         self._abandon_early("the optimizer state was replaced (load_state_dict) after "
                             "its step started during backward")
-        loaded: Dict[int, str] = {}
         stepped: set = set()
 
         def fill(i, t):
             for e in self.buckets[i]:
-                self._fill_param(e, t, self._local_saved(e, saved_of(e)), loaded)
+                self._fill_param(e, t, self._local_saved(e, saved_of(e)))
                 if float(ParamState.in_bucket(t, e.name).step) > 0:
                     stepped.add(id(e.param))
 
@@ -478,10 +467,12 @@ class NvmeTier:
         step = max((int(float(saved_of(e).get("step") or 0)) for b in self.buckets for e in b),
                    default=0)
         self.pipeline.load(fill, step=step)
-        self._loaded, self._stepped = loaded, stepped
+        self._stepped = stepped
+        # every master loaded (or made from its param) is checked at its next step
+        self.marks.forget(e.param for b in self.buckets for e in b)
         # the params still as state_resume=True set them were checked to be the loaded
         # state's (_refuse_a_mix): they stay to check at the next step
-        self._resumed = {k: v for k, v in self._resumed.items() if _as_now(v[0].param) == v[1]}
+        self._resumed = {k: v for k, v in self._resumed.items() if mark(v[0].param) == v[1]}
 
     def _local_saved(self, e: _Param, saved: dict) -> dict:
         """Param e's state in a state dict, under the state's keys, as this rank's shard."""
@@ -502,7 +493,7 @@ class NvmeTier:
         again since the restore are the user's to match, as in RAM."""
         for e, now, step in self._resumed.values():
             saved = saved_of(e)
-            if not saved or _as_now(e.param) != now:
+            if not saved or mark(e.param) != now:
                 continue
             master = self._local_saved(e, saved).get(MASTER_KEY) if e.has_master else None
             if isinstance(master, torch.Tensor):
@@ -524,10 +515,11 @@ class NvmeTier:
                 f"{', '.join(STATE_FILES)}, or give others); to continue from the files, "
                 "do not load a state dict. Nothing was loaded")
 
-    def _fill_param(self, e: _Param, t, saved: dict, loaded: Dict[int, str]) -> None:
+    def _fill_param(self, e: _Param, t, saved: dict) -> None:
         """Writes param e's `saved` state (_local_saved), in the kernels' form
-        (kernel_state.py), into its bucket's buffer `t`; `loaded` says which masters to
-        check or take at the next step."""
+        (kernel_state.py), into its bucket's buffer `t`: a master the state lacks is
+        the param as it is now (the files hold the params too), checked again at the
+        next step, as a loaded one."""
         p = local(e.param)
         label = f"param {e.name} (shape {tuple(p.shape)})"
         got = kernel_state(saved, p.shape, self._formats[e.group], self._amsgrad[e.group],
@@ -538,18 +530,8 @@ class NvmeTier:
             getattr(st, key).copy_(value)
         if got.master is not None:
             st.master.copy_(got.master)
-            loaded[id(e.param)] = "check"
-        else:   # the param as it is now (the files hold the params too); checked again
+        else:
             st.master.copy_(local(p).detach().to("cpu", torch.float32))
-            if e.has_master:
-                loaded[id(e.param)] = "take"
-
-
-def _as_now(p: torch.Tensor) -> tuple:
-    """What tells that a param was changed: its data's version counter (bumped by every
-    in-place write, a model's load_state_dict included) and its storage (p.data = ...)."""
-    t = local(p)
-    return t._version, t.data_ptr()
 
 
 def _check_grad(e: _Param, group: dict) -> None:

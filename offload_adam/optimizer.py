@@ -47,6 +47,7 @@ from .engine import OffloadEngine, Routing
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
 from .inplace import InPlace
+from .master_rule import MasterMarks
 from .params import SUPPORTED_DTYPES, one_device, param_label
 from .nvme_tier import NvmeTier
 from .options import Options
@@ -151,6 +152,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             state_dirs=state_dirs, state_budget_mb=state_budget_mb,
             state_resume=state_resume)
         self._routing = Routing(self._options.needs_pipeline)
+        self._marks = MasterMarks()   # when each param last agreed with its master
         self._clip_coef = None
         defaults = {
             "lr": lr,
@@ -180,8 +182,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         # hooks too) until the cyclic GC runs.
         routing, tier = self._routing, self._nvme
         self._inplace = InPlace(routing.in_place if tier is None else
-                                lambda p: routing.in_place(p) and not tier.holds(p))
-        self._loaded_masters = []   # masters load_state_dict brought in, to check
+                                lambda p: routing.in_place(p) and not tier.holds(p),
+                                self._marks)
 
     def __getstate__(self):
         # The engine (threads, hooks, pinned memory) is not pickled: an unpickled
@@ -191,6 +193,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_inplace", None)
         state.pop("_nvme", None)     # files and a lock: opened again when unpickled
         state.pop("_routing", None)   # decided again when unpickled
+        state.pop("_marks", None)     # every master checked at the first step
         return state
 
     def __setstate__(self, state):
@@ -210,6 +213,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._nvme = None
             self._options = options
             self._routing = Routing(options.needs_pipeline)
+            self._marks = MasterMarks()
             self._clip_coef = None
             self._reset_caches()
             self._start_engine()
@@ -264,6 +268,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
                 state_dtypes=[g["state_dtype"] for g in self.param_groups],
                 options=self._options, owner=weakref.ref(self), routing=self._routing,
+                marks=self._marks,
                 names=[self._engine_names(gi) for gi in range(len(self.param_groups))])
 
     def _engine_names(self, gi: int):
@@ -282,7 +287,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                               dirs, self._options.bucket_mb,
                               self._options.state_budget_mb,
                               self._options.state_resume or resume, engine=self._engine,
-                              process_group=self._options.process_group)
+                              process_group=self._options.process_group, marks=self._marks)
         weakref.finalize(self, self._nvme.close)
         self._nvme.mark(self.state)
         self._reset_caches()
@@ -360,8 +365,6 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         scale = self._step_scale()   # grad_scaling.py
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped
             return loss
-        if self._loaded_masters:
-            self._drop_stale_masters()
         num_threads = self._inplace_threads()
         with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
             for index, group in enumerate(self.param_groups):

@@ -5,7 +5,7 @@ ways; what torch would do wrong to this state (round the fp32 master and
 moments of a bf16 param, garble 8-bit codes, copy an offloaded param's whole
 state to the GPU) is bypassed here. The optimizer class (optimizer.py) mixes
 this in; it provides `_engine`, `_params()`, `_in_engine(p)`,
-`_reset_caches()`, `_loaded_masters` and `_nvme` (nvme_tier.py, or None).
+`_reset_caches()`, `_marks` (master_rule.py) and `_nvme` (nvme_tier.py, or None).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from . import distributed
 from .kernel_state import kernel_state
-from .params import param_label, rounds_to
+from .params import param_label
 from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS, state_format,
                            stored_state, with_code_keys, with_float32_moments)
 
@@ -78,7 +78,13 @@ class TorchStateDict:
         with the dict (not even "step"): loading a live optimizer's state_dict()
         does not tie the two together. The state of a DTensor param is kept as
         this rank's shard (distributed.local_value). A loaded master is checked
-        at the next step() against its param (`_drop_stale_masters`).
+        at the next step() against its param (master_rule.py): one that no
+        longer rounds to it starts again from the param. A dict that went
+        through torch's optimizer has one: torch keeps "master_param" as an
+        unknown key (cast to the param's dtype) and never updates it while its
+        steps move the param; restoring it would move the weights back. Checked
+        when the model is loaded too, in whichever order the two were (with
+        step_in_backward, before the param's step starts in backward).
         """
         seen = {}
 
@@ -136,38 +142,13 @@ class TorchStateDict:
                           if moment_of.get(k, k) in present})
             if got.master is not None:
                 state[MASTER_KEY] = got.master
-                self._loaded_masters.append(p)
-        early = self._engine.early if self._engine is not None else None
-        if early is not None:
-            # Its next steps start in backward: check now. (Loaded in the middle
-            # of an iteration, step() raises instead, leaving the state as loaded.)
-            if not early.stepped():
-                self._drop_stale_masters()
-            self._loaded_masters = []
+        # every master loaded (or not: made from the param) is checked at its next step
+        self._marks.forget(p for _, p, _ in self._loaded_params(seen["state_dict"]))
 
     def _has_master(self, p) -> bool:
         """Whether p's state holds an fp32 master: not an fp32 CPU param stepped in
         place, which is its own master."""
         return p.dtype is not torch.float32 or self._in_engine(p)
-
-    def _drop_stale_masters(self):
-        """Drops each loaded fp32 master that no longer rounds to its param, so
-        that the param's master starts from the param. A dict that went through
-        torch's optimizer has one: torch keeps "master_param" as an unknown key
-        (cast to the param's dtype) and never updates it while its steps move
-        the param; restoring it would move the weights back. Checked at the
-        first step after loading, when the model is loaded too (in whichever
-        order the two were); with step_in_backward, whose steps start in the
-        next backward, at loading (load the model first)."""
-        for p in self._loaded_masters:
-            st = self.state.get(p)
-            master = st.get(MASTER_KEY) if st else None
-            if master is None:
-                continue
-            # (an fp32 param's master, in the engine, rounds to itself)
-            if not rounds_to(master, distributed.local(p).detach().to("cpu")):
-                del st[MASTER_KEY]
-        self._loaded_masters = []
 
     def _loaded_params(self, state_dict):
         """(saved id, param, its group): torch's own matching, in group order."""

@@ -181,6 +181,39 @@ def test_a_loaded_master_that_no_longer_rounds_to_its_param_starts_from_the_para
     assert_same(ps, qs, ram, disk)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_param_changed_between_steps_is_followed_by_its_master_as_in_ram(
+        kernels, tmp_path, fmt):
+    """The one master rule (master_rule.py) in the files as in RAM: params written by the
+    user after step 1 go on from their new values at step 2, where param 1 has no grad
+    (its master follows it all the same) and at step 3. Bitwise: RAM, files, and a RAM
+    optimizer loaded at the edit from a state dict without masters (each starts from
+    its param)."""
+    ps, qs, rs = make_params(), make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype=fmt)
+    disk = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype=fmt, state_dirs=tmp_path, **NVME)
+    ref = offload_adam.AdamW(groups(rs), lr=0.01, state_dtype=fmt)
+    for opt, params in ((ram, ps), (disk, qs), (ref, rs)):
+        train(opt, params, 0, 2)
+        with torch.no_grad():
+            for p in params:
+                p.mul_(-0.5).add_(0.25)
+    sd = ref.state_dict()
+    sd["state"] = {k: {key: v for key, v in st.items() if key != "master_param"}
+                   for k, st in sd["state"].items()}
+    ref = offload_adam.AdamW(groups(rs), lr=0.01, state_dtype=fmt)
+    ref.load_state_dict(sd)
+    edited = qs[1].detach().clone()
+    for opt, params in ((ram, ps), (disk, qs), (ref, rs)):
+        train(opt, params, 2, 1)
+    assert torch.equal(qs[1], edited)
+    assert torch.equal(disk.state_dict()["state"][1]["master_param"].to(qs[1].dtype), edited)
+    for opt, params in ((ram, ps), (disk, qs), (ref, rs)):
+        train(opt, params, 3, 1)
+    assert_same(ps, qs, ram, disk)
+    assert_same(ps, rs, ram, ref)
+
+
 def test_a_param_made_non_contiguous_is_stepped_through_a_copy(kernels, tmp_path):
     """p.data replaced by a non-contiguous tensor after the optimizer was built: stepped
     through a contiguous copy and written back, bitwise as in RAM (test_engine.py has the

@@ -57,6 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..freed_grad import freed_grad, is_freed
 from ..kernel_step import Hyper, KernelArgs
+from ..master_rule import MasterMarks
 from ..options import Options
 from ..params import check_dense, one_device
 from ..state_format import state_format
@@ -66,7 +67,7 @@ from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
                      make_buckets, state_roles)
 from .profile import StepProfile
-from .state import bind_state
+from .state import bind_state, follow_masters, is_bound
 from .worker import Worker, interrupts_deferred
 
 
@@ -77,13 +78,15 @@ class OffloadEngine:
     device); amsgrad[i] says whether that group keeps max_exp_avg_sq; `options`
     (options.py) are the optimizer's, checked; `routing` (the optimizer's) gives
     the device interface (device.py); names[i]: how errors name managed[i]'s
-    params (params.param_label)."""
+    params (params.param_label); `marks`: when each param last agreed with its
+    master (master_rule.py; the optimizer's, shared with its other stores)."""
 
     def __init__(self, managed: Sequence[Sequence[torch.Tensor]], amsgrad: Sequence[bool], *,
                  state_dtypes: Optional[Sequence[str]] = None, options: Optional[Options] = None,
                  owner=None, routing: Optional[Routing] = None,
                  available_host_bytes: Optional[int] = None,
-                 names: Optional[Sequence[Sequence[str]]] = None):
+                 names: Optional[Sequence[Sequence[str]]] = None,
+                 marks: Optional[MasterMarks] = None):
         options = options or Options()
         all_params = [p for ps in managed for p in ps]
         routing = routing or Routing(pipeline=True)
@@ -92,6 +95,7 @@ class OffloadEngine:
         self.bucket_bytes = int(options.bucket_mb * 2**20)
         self.free_grads_after_copy = options.free_grads_after_copy
         self.verify_grads = options.verify_grads
+        self.marks = marks if marks is not None else MasterMarks()
         self._num_threads = options.num_threads
         self._last_threads = self._num_threads or self.device.default_num_threads()
         self._available = available_host_bytes
@@ -415,6 +419,7 @@ class OffloadEngine:
             self.early.new_iteration()
         for rec in stepped:
             increment_version(rec.param)
+        self.marks.agree(rec.param for rec in stepped)   # the params are the masters'
 
     def end_step(self) -> None:
         """After a step that completed: the consumed grad copies let go, the profile."""
@@ -444,6 +449,12 @@ class OffloadEngine:
         early = self.early.stepped() if self.early is not None else set()
         self.bind_state(ready, param_groups, state)
         take = {id(r) for r in ready}
+        # the master rule for every param with a state, stepped now or not (those
+        # stepped during backward followed it before their kernel: early.py)
+        follow_masters(self.device, [r for r in self.recs
+                                     if (id(r) in take or is_bound(r, state))
+                                     and not any(id(p) in early for p in r.pieces)],
+                       self.marks)
         threads = self.threads()
         hypers: Dict[int, Hyper] = {}   # one per group per step
         written = {job.bucket.index: job for job in self.stepped_jobs(early, fence)}
@@ -522,7 +533,7 @@ class OffloadEngine:
                 self._copy(recs, after=check.done, fingerprints=fps, flush=True)
 
     def bind_state(self, recs: Sequence[ParamRec], param_groups, state) -> None:
-        bind_state(self.device, recs, param_groups, state, self._allocate_state)
+        bind_state(self.device, recs, param_groups, state, self._allocate_state, self.marks)
 
     def _allocate_state(self, recs, roles) -> None:
         if self.state_on_disk:

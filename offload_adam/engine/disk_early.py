@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .disk_step import Ready, step_file_bucket
+from .disk_step import step_file_bucket
 from .layout import ParamRec
 
 # Per file bucket: its engine params (rec, name in the files), or None when it holds a
@@ -40,16 +40,13 @@ FileBuckets = Sequence[Optional[Sequence[Tuple[ParamRec, str]]]]
 
 
 class DiskEarly:
-    """The files' pass of one step, started during backward (see above). `how(rec)`:
-    how rec's master is made ready (nvme_tier.py's loaded-master marks)."""
+    """The files' pass of one step, started during backward (see above)."""
 
-    def __init__(self, engine, early, pipeline, files: FileBuckets,
-                 how: Callable[[ParamRec], Ready]):
+    def __init__(self, engine, early, pipeline, files: FileBuckets):
         self._engine = weakref.ref(engine)
         self._early = early
         self.pipeline = pipeline
         self.files = files
-        self._how = how
         self._file_of = {id(rec): i for i, entries in enumerate(files) if entries
                          for rec, _ in entries}
         self._lock = threading.Lock()
@@ -124,8 +121,7 @@ class DiskEarly:
                 self._pending = next(self._gen)
             while self._pending is not None and self._pending[0] in self._ready:
                 i, views = self._pending
-                todo = [(rec, name, self._how(rec)) for rec, name in self.files[i]]
-                step_file_bucket(engine, todo, views, self._early.hyper, 1.0,
+                step_file_bucket(engine, self.files[i], views, self._early.hyper, 1.0,
                                  engine.hook_threads(), write=False)
                 self.stepped.extend(rec for rec, _ in self.files[i])
                 self._position += 1

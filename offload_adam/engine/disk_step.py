@@ -11,9 +11,10 @@ drives, and the engine steps what each file bucket holds:
                     so the grads of all buckets are on their way to the host before
                     the first file bucket is read
     .bucket(...)    one file bucket: the recs' state views point at the ring buffer;
-                    a master the files do not hold yet (first step, a loaded state
-                    without one) comes from its param, and a resumed or loaded one
-                    is kept only while it still rounds to its param; then the same
+                    every master follows its param by the one rule (master_rule.py:
+                    from the param at its first step, and after the param changed
+                    unless it still is the master's rounding), also the masters of
+                    the params without a grad this step; then the same
                     bucket jobs as in RAM (core.BucketJob: wait for the grads, the
                     kernel, the H2D copies of the update) over the recs' pieces,
                     grouped by transfer bucket; then a wait for the H2D copies
@@ -32,17 +33,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..kernel_state import master_from_param
 from ..kernel_step import Hyper
 from ..param_state import ROLES, ParamState
-from ..params import rounds_to
 from .core import OffloadEngine, _factor_of
 from .layout import ParamRec
-from .state import _masters_from_params
+from .state import follow_masters
 
-# How a param's master is made ready (nvme_tier.py's loaded-master marks): None (the
-# files' master is current), "take" (from the param), "check" (kept if it rounds to it).
-Ready = Optional[str]
+# A param of a file bucket: its record, and its name in the files.
+Entry = Tuple[ParamRec, str]
 
 
 class DiskStep:
@@ -63,16 +61,23 @@ class DiskStep:
     def takes_part(self, rec: ParamRec) -> bool:
         return id(rec) in self.ready
 
-    def bucket(self, entries: Sequence[Tuple[ParamRec, str, Ready]],
-               views: Dict[str, torch.Tensor]) -> None:
-        """Steps the recs of one file bucket that take part in this step: (rec, its name
-        in the files, how its master is made ready) each; `views`: the bucket's tensors
-        in the ring buffer. (A bucket stepped during backward is not passed again.)"""
+    def bucket(self, entries: Sequence[Entry], views: Dict[str, torch.Tensor]) -> None:
+        """Steps the recs of one file bucket that take part in this step; the masters
+        of the others follow their params (master_rule.py). `views`: the bucket's
+        tensors in the ring buffer. (A bucket stepped during backward is not passed
+        again.)"""
         todo = [e for e in entries if self.takes_part(e[0])]
+        idle = [e for e in entries if not self.takes_part(e[0])]
+        if idle:
+            with torch.no_grad():
+                _lend(idle, views)
+                follow_masters(self.engine.device, [rec for rec, _ in idle],
+                               self.engine.marks)
+                _lend(idle, None)
         if todo:
             step_file_bucket(self.engine, todo, views, self._hyper, self.grad_scale,
                              self.threads, self.fence)
-            self.stepped.extend(rec for rec, _, _ in todo)
+            self.stepped.extend(rec for rec, _ in todo)
 
     def write_early(self, recs: Sequence[ParamRec]) -> None:
         """Queues the H2D copies of the params stepped during backward (step_in_backward:
@@ -95,24 +100,22 @@ class DiskStep:
         return self._hypers[group]
 
 
-def step_file_bucket(engine: OffloadEngine, todo: Sequence[Tuple[ParamRec, str, Ready]],
+def step_file_bucket(engine: OffloadEngine, todo: Sequence[Entry],
                      views: Dict[str, torch.Tensor], hyper_of: Callable[[int], Hyper],
                      grad_scale: float, threads: int, fence=None, write: bool = True) -> None:
     """One file bucket's recs (each with a grad copy on its way): their state views
-    pointed at the ring buffer, masters made ready, the bucket jobs' kernels grouped by
+    pointed at the ring buffer, their masters following their params (master_rule.py),
+    the bucket jobs' kernels grouped by
     transfer bucket, the files' "<name>.step" set to the count after the step. With
     `write` the params' H2D copies are queued too (after `fence`), and waited for where
     they read the ring buffer itself (an fp32 param's master, unstaged), since the
     pipeline reuses it for a read ahead; write=False (step_in_backward) leaves the
     params to step(): an fp32 master is then in its staging (layout.allocate_transfers)."""
     with torch.no_grad():
-        for rec, name, _ in todo:
-            _point_at(rec, name, views)
-            for piece in rec.pieces:
-                piece.step_t.fill_(float(ParamState.in_bucket(views, name).step))
-        _ready_masters(engine, [(rec, how) for rec, _, how in todo])
+        _lend(todo, views)
+        follow_masters(engine.device, [rec for rec, _ in todo], engine.marks)
         by_bucket: Dict[int, list] = {}
-        for rec, _, _ in todo:
+        for rec, _ in todo:
             for piece in rec.pieces:
                 by_bucket.setdefault(piece.bucket.index, []).append(piece)
         ring_reads = []
@@ -127,37 +130,19 @@ def step_file_bucket(engine: OffloadEngine, todo: Sequence[Tuple[ParamRec, str, 
                 if any(p.staging is None for p in pieces):   # the source is the master
                     ring_reads += bucket.h2d[before:]
         engine.device.wait_host(*ring_reads)
-        for rec, name, _ in todo:
+        for rec, name in todo:
             ParamState.in_bucket(views, name).step.copy_(rec.step_t)
-            _point_at(rec, None, views)
+        _lend(todo, None)
 
 
-def _ready_masters(engine: OffloadEngine, recs: Sequence[Tuple[ParamRec, Ready]]) -> None:
-    """Masters from their params where the files' are new ("take", or a step count
-    of 0) or stale ("check" that does not round to the param; an fp32 param's
-    master is the param, so it is simply taken)."""
-    check = [rec for rec, how in recs if how == "check" and rec.low_precision
-             and float(rec.step_t) != 0]
-    if check:   # the params, for stale() below, in one batch of copies
-        dev = engine.device
-        pieces = [p for rec in check for p in rec.pieces]
-        dev.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
-        dev.wait_host(dev.d2h([p.staging for p in pieces],
-                              [p.of(p.rec.live()) for p in pieces]))
-
-    def stale(rec: ParamRec) -> bool:
-        return not rec.low_precision or not all(
-            rounds_to(p.state("master"), p.staging) for p in rec.pieces)
-
-    take = [rec for rec, how in recs
-            if master_from_param(how, float(rec.step_t), lambda rec=rec: stale(rec))]
-    if take:
-        _masters_from_params(engine.device, take)
-
-
-def _point_at(rec: ParamRec, name: Optional[str], views: Dict[str, torch.Tensor]) -> None:
-    """rec's state views (what its pieces' kernels read and write): the file bucket's
-    tensors of param `name`, or None once its bucket is done with."""
-    st = ParamState.in_bucket(views, name) if name is not None else None
-    for role in ROLES:
-        setattr(rec, role, getattr(st, role) if st is not None else None)
+def _lend(entries: Sequence[Entry], views: Optional[Dict[str, torch.Tensor]]) -> None:
+    """Points the recs' state views (what their pieces' kernels read and write) and
+    step counts at their tensors in a file bucket's `views`; None: back to none, once
+    the bucket is done with."""
+    for rec, name in entries:
+        st = ParamState.in_bucket(views, name) if views is not None else None
+        for role in ROLES:
+            setattr(rec, role, getattr(st, role) if st is not None else None)
+        if st is not None:
+            for piece in rec.pieces:
+                piece.step_t.fill_(float(st.step))

@@ -43,6 +43,7 @@ from ..freed_grad import is_freed
 from ..kernel_step import Hyper
 from ..state_format import MASTER_KEY
 from .grads import start_check
+from .state import follow_masters
 
 
 class EarlyStart:
@@ -125,6 +126,7 @@ class EarlyStart:
         engine.flush_pack(bucket)
         recs = list({id(p.rec): p.rec for p in pieces}.values())
         engine.bind_state(recs, owner.param_groups, owner.state)
+        follow_masters(engine.device, recs, engine.marks)   # before the kernel reads them
         self.begin(recs)
         job = engine.bucket_job(bucket, pieces, self._hyper[bucket.group],
                                 threads=engine.hook_threads())

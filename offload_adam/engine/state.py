@@ -9,7 +9,9 @@ in), and is a no-op otherwise.
 
 A master starts as its param: the param is copied to the host (bf16/fp16
 through staging) and waited for right there, once per param, so that the
-state is whole even when a step stops before this param's bucket.
+state is whole even when a step stops before this param's bucket. Afterwards
+it follows its param by the one master rule (master_rule.py, `follow_masters`),
+here and with the state in files (disk_step.py).
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from itertools import groupby
 from typing import Callable, Sequence
 
 from ..kernel_state import kernel_state
+from ..master_rule import MasterMarks, take_from_param
+from ..params import rounds_to
 from ..state_format import MASTER_KEY, MOMENT_KEYS
 
 
 def bind_state(device, recs: Sequence, param_groups, state,
-               allocate: Callable[[Sequence, tuple], None]) -> None:
+               allocate: Callable[[Sequence, tuple], None], marks: MasterMarks) -> None:
     """Makes state[rec.param] show rec's host buffers for each rec;
     `allocate(recs, roles)` adds host buffers (max_exp_avg_sq when amsgrad was
-    turned on after the optimizer was built)."""
+    turned on after the optimizer was built). A master made from its param agrees
+    with it (`marks`)."""
     ams = [r for r in recs if param_groups[r.group].get("amsgrad", False)
            and r.max_exp_avg_sq is None]
     for r in ams:
@@ -35,6 +40,13 @@ def bind_state(device, recs: Sequence, param_groups, state,
     fresh = [rec for rec in recs if _bind(device, rec, state[rec.param])]
     if fresh:
         _masters_from_params(device, fresh)
+        marks.agree(rec.param for rec in fresh)
+
+
+def is_bound(rec, state) -> bool:
+    """Whether optimizer `state` shows rec's host buffers (rec has a state)."""
+    st = state.get(rec.param)
+    return st is not None and _bound(rec, st)
 
 
 def _bind(device, rec, st: dict) -> bool:
@@ -82,3 +94,30 @@ def _masters_from_params(device, recs: Sequence) -> None:
     for p in pieces:
         if p.rec.low_precision:
             p.state("master").copy_(p.staging)
+
+
+def follow_masters(device, recs: Sequence, marks: MasterMarks) -> None:
+    """The master rule (master_rule.py) for recs whose state views are bound: where a
+    param changed since it last agreed with its master, the master starts again from
+    it unless the param is still its rounding (bf16/fp16 params are read into their
+    staging, in one batch of copies, to compare; an fp32 param's master is the param,
+    so it is simply taken)."""
+    changed = [rec for rec in recs if not marks.current(rec.param)]
+    if not changed:
+        return
+    check = [rec for rec in changed if rec.low_precision and float(rec.step_t) != 0]
+    if check:
+        pieces = [p for rec in check for p in rec.pieces]
+        device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
+        device.wait_host(device.d2h([p.staging for p in pieces],
+                                    [p.of(p.rec.live()) for p in pieces]))
+
+    def stale(rec) -> bool:
+        return not rec.low_precision or not all(
+            rounds_to(p.state("master"), p.staging) for p in rec.pieces)
+
+    take = [rec for rec in changed
+            if take_from_param(float(rec.step_t), False, lambda rec=rec: stale(rec))]
+    if take:
+        _masters_from_params(device, take)
+    marks.agree(rec.param for rec in changed)

@@ -1,0 +1,72 @@
+"""The one rule for a param's fp32 master, asked by every store and stepper.
+
+A bf16/fp16 param has an fp32 master that the kernel steps (the param is its rounding),
+and so has every param of the engine and of the NVMe tier's files (an fp32 param stepped
+in place in RAM is its own master). The master is hidden from the user, so it must never
+win over the param, as torch's optimizers, which keep no master, would not:
+
+    the master follows the param. A master the optimizer wrote is current while the
+    param is as the optimizer left it. Once the param was changed by anything else (a
+    model checkpoint loaded, an in-place edit, p.data = ...), or when the master came
+    from load_state_dict, or it has none (a param's first step), the master is checked
+    at the next step(): kept while the param is still its rounding (a checkpoint of the
+    same step resumes bit for bit), else started again from the param.
+
+A param without a grad in a step is not stepped, but its master follows it all the
+same, in RAM as in the files (which hold the params for state_resume): its next
+stepped value, or the params a resume restores, start from what the user left.
+
+What tells that a param changed: its `Mark`, its data's version counters (torch bumps
+them at every in-place write, a model's load_state_dict included) and its storage. The
+optimizer records a param's mark each time the param and its master agree: after it
+wrote the param, or made the master follow it (`MasterMarks.agree`);
+a mark that differs now costs one comparison of the master with the param (the param
+read from the device for the engine's CUDA params), only then.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Tuple
+
+import torch
+
+from .distributed import local
+
+Mark = Tuple[int, int, int]
+
+
+def mark(p: torch.Tensor) -> Mark:
+    """How param p is now: the version counters of the param and of its local data (a
+    DTensor's shard: either may be the one a write bumps) and the data's address."""
+    t = local(p)
+    return p._version, t._version, t.data_ptr()
+
+
+class MasterMarks:
+    """Per param, its mark when it last agreed with its master."""
+
+    def __init__(self) -> None:
+        self._marks: Dict[int, Mark] = {}
+
+    def agree(self, params: Iterable[torch.Tensor]) -> None:
+        """These params and their masters agree now (the optimizer has just written the
+        params, or made the masters follow them)."""
+        for p in params:
+            self._marks[id(p)] = mark(p)
+
+    def forget(self, params: Iterable[torch.Tensor]) -> None:
+        """Their masters were replaced (load_state_dict): checked at the next step."""
+        for p in params:
+            self._marks.pop(id(p), None)
+
+    def current(self, p: torch.Tensor) -> bool:
+        """Whether p is as the optimizer left it, with its master."""
+        return self._marks.get(id(p)) == mark(p)
+
+
+def take_from_param(step: float, current: bool, stale: Callable[[], bool]) -> bool:
+    """Whether a master starts (again) from its param before a step: at the param's first
+    step (`step` 0: there is no master yet), or when the param is not as the optimizer
+    left it (`current` False) and the master no longer rounds to it (`stale()`, which
+    each store answers from its own copy of the param; called only then)."""
+    return step == 0 or (not current and stale())
