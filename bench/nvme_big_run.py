@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import offload_adam  # noqa: E402
+from offload_adam.testing import ring_buffers, state_files  # noqa: E402
 from bench.machine import load_average, machine_info, one_line  # noqa: E402
 from bench.nvme_bench import disk_limit, log  # noqa: E402
 
@@ -149,10 +150,11 @@ def main():
         t = time.perf_counter()
         opt = offload_adam.AdamW(ps, lr=1e-4, num_threads=args.threads, state_dirs=state_dir,
                                  bucket_mb=args.bucket_mb, state_budget_mb=args.budget_mb)
-        nbytes = opt._nvme.state.spec.nbytes
-        ring = opt._nvme.host_bytes
+        files = state_files(opt)
+        nbytes = files.spec.nbytes
+        ring = sum(b.nbytes for b in ring_buffers(opt))
         log(out, f"state on disk: {nbytes / 1e9:.2f} GB a generation ({nbytes / n:.2f} B/param), "
-                 f"{len(opt._nvme.buckets)} buckets, two generations in the files "
+                 f"{len(files.spec.buckets)} buckets, two generations in the files "
                  f"({2 * nbytes / 1e9:.1f} GB); ring {ring / 2**20:.0f} MiB; files made in "
                  f"{time.perf_counter() - t:.1f} s")
         steps, rss = [], []
@@ -163,8 +165,8 @@ def main():
             rss.append(rss_now())
             log(out, f"step {k + 1}: {steps[-1]:.1f} s  ({2 * nbytes / steps[-1] / 1e9:.2f} GB/s "
                      f"read + write)  VmRSS {rss[-1] / 2**30:.2f} GiB  peak {peak_rss() / 2**30:.2f} GiB")
-        assert opt._nvme.state.step == args.steps
-        opt._nvme.close()
+        assert opt.step_count == args.steps
+        opt.close()
         del opt
         gc.collect()
         shutil.rmtree(state_dir)

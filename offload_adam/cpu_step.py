@@ -1,5 +1,6 @@
-"""The one CPU stepper: CPU params stepped in place from their states, whatever store
-holds the states (optimizer.state for inplace.py, a bucket of the files for nvme_tier.py).
+"""The one CPU stepper (`step_on_cpu`): CPU params stepped in place from their states,
+whatever store lends them (state_store.py: optimizer.state for inplace.py, a bucket of
+the files for nvme_tier.py).
 
 A CPU param has nothing to transfer: the kernel reads its live grad and writes the param
 itself, fp32 in place, bf16/fp16 rounded from its fp32 master in the same pass. Params of
@@ -19,6 +20,7 @@ from torch.autograd.graph import increment_version
 
 from .distributed import local
 from .kernel_step import Hyper, KernelArgs
+from .master_rule import MasterMarks
 from .param_state import ParamState
 
 
@@ -60,6 +62,16 @@ class CpuCall:
         # in-place step does (a backward of an older forward raises).
         for p in self.params:
             increment_version(p)
+
+
+def step_on_cpu(calls: Sequence[Tuple[CpuCall, Sequence[torch.Tensor]]], hyper: Hyper,
+                grad_scale: float, num_threads: int, marks: MasterMarks) -> None:
+    """The CPU stepper: each lent call (state_store.Lent) over its grads. The params it
+    wrote agree with their masters after it (master_rule.py; an fp32 param in RAM is its
+    own master, the files copy it into theirs)."""
+    for call, grads in calls:
+        call.run(grads, hyper, grad_scale, num_threads)
+        marks.agree(call.params)
 
 
 def calls_by_dtype(pairs: Sequence[Tuple[torch.Tensor, ParamState]]) -> List[CpuCall]:

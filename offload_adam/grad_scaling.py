@@ -10,8 +10,9 @@ multiplies it by one factor, folded into its single pass:
     opt.clip_grad_norm_ (this step): computed from the norm of the host copies
     (engine) and of the in-place params' grads, never by a pass over the grads
     on the device.
-The optimizer class (optimizer.py) mixes this in; it provides `_engine`,
-`_inplace`, `_nvme`, `_options`, `_params()` and `_inplace_threads()`.
+The optimizer class (optimizer.py) mixes this in; it provides `_engine` (the
+offload engine, the stepper that streams grads), `_store` (state_store.py: the
+in-place params' grads), `_options`, `_params()` and `_inplace_threads()`.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ class GradScaling:
         the ranks that hold the other shards (distributed.py). Double
         accumulation; inf/NaN propagate."""
         sums = self._engine.grad_sq_sums() if self._engine is not None else []
-        pairs = self._inplace.grads(self.param_groups)
-        if self._nvme is not None:
-            pairs += self._nvme.grads()
+        pairs = self._store.grads(self.param_groups)
         by_dtype = {}   # one kernel call per grad dtype (fp32 and bf16 params in one group)
         for p, g in pairs:
             by_dtype.setdefault(g.dtype, []).append((p, g))

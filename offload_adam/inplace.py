@@ -1,5 +1,6 @@
 """CPU params stepped in place with their state in optimizer.state: one fused kernel
-call per param group and dtype (cpu_step.py, the one CPU stepper).
+call per param group and dtype, lent by the RAM store (state_store.py) to the one CPU
+stepper (cpu_step.py).
 
 The bf16/fp16 params' fp32 masters are kept in the state as "master_param". This is
 how the optimizer steps every CPU param, unless an engine option needs the pipeline
@@ -19,7 +20,6 @@ import torch
 from .cpu_step import CpuCall, contiguous_grad
 from .distributed import local
 from .kernel_state import kernel_state
-from .kernel_step import Hyper
 from .master_rule import MasterMarks, take_from_param
 from .param_state import ParamState
 from .params import check_dense, param_label, rounds_to
@@ -45,20 +45,17 @@ class InPlace:
         self._marks = marks
         self._plans: Dict[int, _Plan] = {}
 
-    def step_group(self, index: int, group: dict, state, grad_scale: float,
-                   num_threads: int) -> None:
+    def lend(self, index: int, group: dict, state) -> List[Tuple[CpuCall, List[torch.Tensor]]]:
+        """The group's kernel calls over its in-place params' states, each with its
+        grads (the calls of params with a grad), once every master follows its param
+        (master_rule.py): the RAM store's bucket of the group (state_store.py)."""
         plan = self._plans.get(id(group))
         grads = self._gather(index, group, plan) if plan is not None else None
         if grads is None:  # no plan yet, or the grads no longer fit it
             plan = self._build(index, group, state)
             grads = self._gather(index, group, plan)
         self._follow(group, plan, state)
-        hyper = Hyper.of(group)
-        for call, call_grads in zip(plan.calls, grads):
-            if call_grads:
-                call.run(call_grads, hyper, grad_scale, num_threads)
-                if call.dtype is not torch.float32:
-                    self._marks.agree(call.params)
+        return [(call, g) for call, g in zip(plan.calls, grads) if g]
 
     def _follow(self, group: dict, plan: _Plan, state) -> None:
         """The master rule (master_rule.py) for the group's bf16/fp16 params, stepped

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,6 +55,7 @@ from .kernel_state import kernel_state
 from .master_rule import MasterMarks, mark, take_from_param
 from .cpu_step import calls_by_dtype, contiguous_grad
 from .kernel_step import Hyper
+from .state_store import Lent, Loaded
 from .param_state import ParamState, adam_bucket
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, ring_size
 from .nvme.store import STATE_FILES
@@ -87,18 +88,18 @@ def _bucket_spec(entries: List[_Param], fmt: str, amsgrad: bool) -> BucketSpec:
     return adam_bucket([(e.name, local(e.param).shape) for e in entries], fmt, amsgrad)
 
 
-class NvmeTier:
-    """The state of `params` (a list per group) in files under `dirs`. `engine`: the
-    offload engine stepping some of them (its records name which), or None."""
+class FileStore:
+    """The state of `params` (a list per group) in files under `dirs`: the file store of
+    state_store.py. `engine`: the offload engine stepping some of them (its records name
+    which), or None; `state`: optimizer.state, given an entry per param stepped."""
 
     def __init__(self, param_groups, params: List[List[torch.Tensor]], dirs, bucket_mb: float,
                  budget_mb: Optional[float], resume: bool = False, engine=None,
-                 process_group=None, marks: Optional[MasterMarks] = None):
+                 process_group=None, marks: Optional[MasterMarks] = None, state=None):
         recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
         self.engine = engine
         self.marks = marks if marks is not None else MasterMarks()
         self.buckets: List[List[_Param]] = []
-        self._ids = set()
         specs = []
         limit = bucket_mb * _MB
         for gi, (group, mine) in enumerate(zip(param_groups, params)):
@@ -118,7 +119,6 @@ class NvmeTier:
                     bucket, size = [], 0
                 bucket.append(entry)
                 size += nbytes
-                self._ids.add(id(p))
             if bucket:
                 specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
                 self.buckets.append(bucket)
@@ -172,6 +172,8 @@ class NvmeTier:
                 [[(e.rec, e.name) for e in b] if all(e.rec is not None for e in b) else None
                  for b in self.buckets])
             engine.early.use_files(self._early)
+        if state is not None:
+            self._mark(state)
 
     def _agree_on_step(self, params, process_group) -> None:
         """Under several ranks (FSDP2, or process_group=): every rank resumes from the same
@@ -293,12 +295,11 @@ class NvmeTier:
                         return False
         return True
 
-    @property
-    def committed_step(self) -> int:
+    def step_count(self, state=None) -> int:
         """The completed steps the files hold (the last commit)."""
         return self.state.step
 
-    def mark(self, state) -> None:
+    def _mark(self, state) -> None:
         """An empty entry in optimizer.state for each param whose state is in the files
         (stepped at least once), as torch's optimizers have one for each param with a
         state: code that asks whether an optimizer has state sees it (torch.distributed.
@@ -309,17 +310,22 @@ class NvmeTier:
                 if id(e.param) in self._stepped:
                     state.setdefault(e.param, {})
 
-    def holds(self, p: torch.Tensor) -> bool:
-        return id(p) in self._ids
-
-    def grads(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def grads(self, param_groups=None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """(param, grad) of every param stepped in place here that has one (clipping's
         norm; the engine's params count theirs from their host copies)."""
         return [(e.param, local(e.param.grad)) for b in self.buckets for e in b
                 if e.rec is None and e.param.grad is not None]
 
-    @property
-    def host_bytes(self) -> int:
+    def add_group(self, index: int, group: dict) -> None:
+        raise NotImplementedError(
+            "add_param_group cannot be used with state_dirs=: the NVMe tier lays out "
+            "its files for the params given at construction")
+
+    def reset(self) -> None:
+        pass   # nothing cached between steps
+
+    def host_bytes(self, param_groups=None, state=None) -> int:
+        """The pipeline's ring buffers: the only state in RAM."""
         return self.pipeline.host_bytes if self.pipeline is not None else 0
 
     @property
@@ -335,9 +341,11 @@ class NvmeTier:
 
     # ---- step -------------------------------------------------------------------------
 
-    def step(self, param_groups, grad_scale: float, num_threads: int) -> None:
-        """One pass over the files: each bucket's in-place params stepped here, its
-        engine params by the engine (engine/disk_step.py); committed once."""
+    def pass_(self, param_groups, state, grad_scale: float) -> Iterator[Lent]:
+        """One pass over the files (state_store.py): each file bucket lent in the
+        pipeline's order, its in-place params to the CPU stepper and its engine params
+        to the engine (engine/disk_step.py); written back and committed once, when the
+        pass ends; an error (or the pass closed early) commits nothing."""
         if self.pipeline is None:
             raise RuntimeError("offload_adam: this optimizer was closed (its state files "
                                "too); build a new one, with state_resume=True to continue "
@@ -359,10 +367,14 @@ class NvmeTier:
                     for i, t in passes:
                         bucket = self.buckets[i]
                         self._check_format(bucket[0].group, param_groups)
-                        in_place = [e for e in bucket if e.rec is None]
-                        self._step_bucket(in_place, t, param_groups, grad_scale, num_threads)
-                        if run is not None:
-                            run.bucket([(e.rec, e.name) for e in bucket if e.rec is not None], t)
+                        calls, follow = self._lend_in_place(
+                            [e for e in bucket if e.rec is None], t)
+                        engine = [(e.rec, e.name) for e in bucket if e.rec is not None]
+                        yield Lent(Hyper.of(param_groups[bucket[0].group]) if calls else None,
+                                   calls, (lambda engine=engine, t=t: run.bucket(engine, t))
+                                   if run is not None and engine else None)
+                        for p, master in follow:   # an fp32 param is its own master
+                            master.copy_(p)
                 if stepped_early:   # committed: now their params
                     run.write_early(stepped_early)
                 done = {id(e.param) for e in with_grads}
@@ -371,8 +383,11 @@ class NvmeTier:
             # else, as torch: a step without grads changes nothing
             completed = True
         finally:
-            if run is not None:
-                run.end(completed)
+            try:
+                if run is not None:
+                    run.end(completed)
+            finally:
+                self._mark(state)
 
     def _abandon_early(self, reason: str) -> None:
         """A pass started in backward is stopped before the files or the ring change
@@ -390,15 +405,13 @@ class NvmeTier:
                              f"state_dirs= (the files hold state_dtype={fmt.name!r}, "
                              f"amsgrad={amsgrad})")
 
-    def _step_bucket(self, bucket: List[_Param], t, param_groups, grad_scale, num_threads):
-        """The in-place params of one bucket, by the one CPU stepper (cpu_step.py) over
-        their states in the ring buffer. The files hold the params too: every master
-        follows its param (master_rule.py), and an fp32 param's new value (it is its own
-        master) is copied into the files' after its call."""
-        if not bucket:
-            return
-        group = param_groups[bucket[0].group]
-        pairs, follow = [], []   # follow: (fp32 param, the files' master of it)
+    def _lend_in_place(self, bucket: List[_Param], t):
+        """The kernel calls of a bucket's in-place params over their states in the ring
+        buffer `t`, each with its grads, once every master follows its param
+        (master_rule.py; the files hold the params too, so also those without a grad);
+        and the (fp32 param, its master in the files) to copy after the calls: the kernel
+        steps such a param itself (it is its own master, as in RAM)."""
+        pairs, follow = [], []
         for e in bucket:
             st = ParamState.in_bucket(t, e.name)
             p = local(e.param).detach()
@@ -408,16 +421,12 @@ class NvmeTier:
                 self.marks.agree([e.param])
             if e.param.grad is None:   # not stepped
                 continue
-            if not e.has_master:   # the kernel steps the param itself
+            if not e.has_master:
                 follow.append((p, st.master))
                 st.master = None
             pairs.append((e.param, st))
-        for call in calls_by_dtype(pairs):
-            call.run([contiguous_grad(p) for p in call.params], Hyper.of(group), grad_scale,
-                     num_threads)
-            self.marks.agree(call.params)
-        for p, master in follow:
-            master.copy_(p)
+        calls = calls_by_dtype(pairs)
+        return [(call, [contiguous_grad(p) for p in call.params]) for call in calls], follow
 
     # ---- state dict ----------------------------------------------------------------------
 
@@ -444,10 +453,15 @@ class NvmeTier:
                 state[sd["param_groups"][e.group]["params"][e.index]] = st
         return {**sd, "state": state}
 
-    def load(self, saved_ids: Dict[int, object], saved_state: dict) -> None:
+    def load(self, loaded: Sequence[Loaded], saved_state: dict, state) -> None:
         """Writes a loaded state dict into the files, bucket by bucket: for each param its
         saved state converted to its group's format (state_format.py), or a fresh one.
-        `saved_ids`: id(param) -> its key in `saved_state`."""
+        `loaded`: (its key in `saved_state`, param, group) each; optimizer `state` keeps
+        an empty entry per param stepped (`_mark`)."""
+        saved_ids = {id(p): saved_id for saved_id, p, _ in loaded}
+        for _, p, _ in loaded:
+            state.pop(p, None)
+
         def saved_of(e: _Param) -> dict:
             return saved_state.get(saved_ids.get(id(e.param))) or {}
 
@@ -468,6 +482,7 @@ class NvmeTier:
                    default=0)
         self.pipeline.load(fill, step=step)
         self._stepped = stepped
+        self._mark(state)
         # every master loaded (or made from its param) is checked at its next step
         self.marks.forget(e.param for b in self.buckets for e in b)
         # the params still as state_resume=True set them were checked to be the loaded

@@ -6,20 +6,21 @@ a float32 0-dim tensor, "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), so a state
 dict moves between them and torch's optimizers both ways, and LR schedulers,
 GradScaler, add_param_group and named parameters work unchanged.
 
-What differs from torch is underneath, and decided in one place
-(engine/device.py's `Routing`):
-  * CPU params are stepped in place (inplace.py): one kernel call per group and
-    dtype; bf16/fp16 params get an fp32 master ("master_param" in the state)
-    that the kernel updates and rounds into the param in the same pass;
-  * CUDA params go through the offload engine (engine/), which keeps fp32
-    master and moments in pinned host memory and streams grads and params. So
-    do bf16/fp16 CPU params with step_in_backward or free_grads_after_copy (the
+What differs from torch is underneath, decided once per param (routing.py) and
+seen through one seam (state_store.py): a store holds the state and lends it
+bucket by bucket to a stepper.
+  * Steppers: CPU params are stepped in place by the fused kernel (cpu_step.py):
+    one call per group and dtype; bf16/fp16 params get an fp32 master
+    ("master_param" in the state) that the kernel updates and rounds into the
+    param in the same pass. CUDA params go through the offload engine
+    (engine/), which streams grads to the host and params back; so do
+    bf16/fp16 CPU params with step_in_backward or free_grads_after_copy (the
     options that need the pipeline), and every param of an optimizer built
     inside offload_adam.testing.simulated() (the tests' asynchronous CPU device).
-  * with state_dirs=, the state (master and moments) of every param lives in
-    files instead (nvme_tier.py), streamed through RAM bucket by bucket; the
-    engine then steps its params over the files' buckets (engine/disk_step.py;
-    with step_in_backward from backward on, engine/disk_early.py).
+  * Stores: host RAM (state_store.RamStore: optimizer.state, and the engine's
+    pinned host arenas), or, with state_dirs=, files (nvme_tier.FileStore):
+    every param's master and moments, streamed through RAM bucket by bucket.
+  * A master follows its param (master_rule.py) in every store.
 The moments of low-precision params stay fp32 (torch would keep them in the
 param's dtype).
 
@@ -29,7 +30,7 @@ scheduler). step_in_backward=True starts each bucket's step during backward as
 soon as its grads are on the host (engine/early.py), and refuses, with a
 RuntimeError, everything that would make it differ.
 
-This file is the class: its checks, where each param is stepped, step(). Its
+This file is the class: its checks, its store and steppers, step(). Its
 other ideas are files of their own: the options (options.py), torch's state
 dict kept as stored (torch_state_dict.py), and the GradScaler and clipping
 protocol (grad_scaling.py).
@@ -37,20 +38,21 @@ protocol (grad_scaling.py).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 from torch.optim import Optimizer
 
-from . import distributed
-from .engine import OffloadEngine, Routing
+from .cpu_step import step_on_cpu
+from .engine import OffloadEngine
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
-from .inplace import InPlace
 from .master_rule import MasterMarks
 from .params import SUPPORTED_DTYPES, one_device, param_label
-from .nvme_tier import NvmeTier
 from .options import Options
+from .routing import Routing
+from .state_store import open_store
 from .state_format import state_format
 from .torch_state_dict import TorchStateDict
 
@@ -144,14 +146,14 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                  state_dirs=None, state_budget_mb=None, state_resume=False):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         self._engine = None
-        self._nvme = None
+        self._store = None
         self._options = Options(
             overlap=overlap, bucket_mb=bucket_mb, free_grads_after_copy=free_grads_after_copy,
             num_threads=num_threads, max_grad_norm=max_grad_norm, process_group=process_group,
             verify_grads=verify_grads, step_in_backward=step_in_backward,
             state_dirs=state_dirs, state_budget_mb=state_budget_mb,
             state_resume=state_resume)
-        self._routing = Routing(self._options.needs_pipeline)
+        self._routing = Routing.of(self._options)
         self._marks = MasterMarks()   # when each param last agreed with its master
         self._clip_coef = None
         defaults = {
@@ -169,29 +171,19 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             "state_dtype": state_format(state_dtype).name,
         }
         _check_modes(defaults, "constructor argument")
-        self._reset_caches()
         super().__init__(params, defaults)
         self._start_engine()
-        self._open_nvme()
+        self._open_store()
         # GradScaler then hands us grad_scale/found_inf instead of unscaling
         # the grads itself: the kernel folds 1/scale into its single pass.
         self._step_supports_amp_scaling = True
-
-    def _reset_caches(self):
-        # The routing is not self: an optimizer in a reference cycle lives (its
-        # hooks too) until the cyclic GC runs.
-        routing, tier = self._routing, self._nvme
-        self._inplace = InPlace(routing.in_place if tier is None else
-                                lambda p: routing.in_place(p) and not tier.holds(p),
-                                self._marks)
 
     def __getstate__(self):
         # The engine (threads, hooks, pinned memory) is not pickled: an unpickled
         # optimizer starts its own, with the same options, for its own params.
         state = super().__getstate__()
         state["_options"] = self._options   # less its process group
-        state.pop("_inplace", None)
-        state.pop("_nvme", None)     # files and a lock: opened again when unpickled
+        state.pop("_store", None)    # (files and a lock): opened again when unpickled
         state.pop("_routing", None)   # decided again when unpickled
         state.pop("_marks", None)     # every master checked at the first step
         return state
@@ -210,16 +202,13 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             group.setdefault("state_dtype", "float32")
         if not hasattr(self, "_engine"):  # unpickling (load_state_dict keeps its engine)
             self._engine = None
-            self._nvme = None
+            self._store = None
             self._options = options
-            self._routing = Routing(options.needs_pipeline)
+            self._routing = Routing.of(options)
             self._marks = MasterMarks()
             self._clip_coef = None
-            self._reset_caches()
             self._start_engine()
-            self._open_nvme(resume=True)   # its own files: it continues from them
-        else:
-            self._reset_caches()
+            self._open_store(resume=True)   # its own files: it continues from them
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -230,10 +219,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             for i, p in enumerate(group["params"]):
                 _check_param(p, lambda: param_label(group, index, i, p))
             self._check_one_device()
-            if self._options.state_dirs is not None and getattr(self, "_engine_started", False):
-                raise NotImplementedError(
-                    "add_param_group cannot be used with state_dirs=: the NVMe tier lays out "
-                    "its files for the params given at construction")
+            if self._store is not None:
+                self._store.add_group(index, group)
             if getattr(self, "_engine_started", False):
                 managed = [p for p in group["params"] if self._in_engine(p)]
                 if managed and self._engine is None:
@@ -276,21 +263,12 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         g = self.param_groups[gi]
         return [param_label(g, gi, i, p) for i, p in enumerate(g["params"]) if self._in_engine(p)]
 
-    def _open_nvme(self, resume: bool = False):
-        """The NVMe tier (state_dirs=, nvme_tier.py) for the in-place params;
-        `resume` as state_resume=True (an unpickled copy reopens its files)."""
-        if self._options.state_dirs is None:
-            return
-        dirs = distributed.rank_dirs(self._options.state_dirs, self._params(),
-                                     self._options.process_group)
-        self._nvme = NvmeTier(self.param_groups, [g["params"] for g in self.param_groups],
-                              dirs, self._options.bucket_mb,
-                              self._options.state_budget_mb,
-                              self._options.state_resume or resume, engine=self._engine,
-                              process_group=self._options.process_group, marks=self._marks)
-        weakref.finalize(self, self._nvme.close)
-        self._nvme.mark(self.state)
-        self._reset_caches()
+    def _open_store(self, resume: bool = False):
+        """The store the routing names (state_store.py); `resume` as state_resume=True
+        (an unpickled copy reopens its files)."""
+        self._store = open_store(self._routing, self.param_groups, self.state, self._marks,
+                                 self._engine, self._options, resume)
+        weakref.finalize(self, self._store.close)
 
     # ---- offload engine: profile, memory ---------------------------------------
     @property
@@ -302,8 +280,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         """Whether the host memory the optimizer holds for transfers (the engine's
         buffers, the NVMe tier's ring) is page-locked; True when it holds none. A
         refused pin (a locked-memory limit) leaves pageable memory, with a warning."""
-        return ((self._engine is None or self._engine.pinned())
-                and (self._nvme is None or self._nvme.pinned))
+        return (self._engine is None or self._engine.pinned()) and self._store.pinned
 
     def close(self) -> None:
         """Lets go now (not when the optimizer is collected) of the engine's worker
@@ -312,19 +289,14 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         the files stay, for state_resume=True."""
         if self._engine is not None:
             self._engine.close()
-        if self._nvme is not None:
-            self._nvme.close()
+        self._store.close()
 
     def host_bytes(self):
         """Host memory the optimizer's state holds: the engine's (master, moments
-        and transfer buffers) and the state tensors of the params stepped in place."""
+        and transfer buffers), the state tensors of the params stepped in place, and
+        with state_dirs= the ring buffers the files are streamed through."""
         engine = self._engine.host_bytes() if self._engine is not None else 0
-        engine += self._nvme.host_bytes if self._nvme is not None else 0
-        return engine + sum(t.numel() * t.element_size()
-                            for g in self.param_groups for p in g["params"]
-                            if not self._in_engine(p)
-                            for t in self.state.get(p, {}).values()
-                            if isinstance(t, torch.Tensor))
+        return engine + self._store.host_bytes(self.param_groups, self.state)
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
@@ -336,10 +308,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         schedule and data position from it); otherwise the largest step count of a
         param's state (a param without a grad in some steps counts fewer). 0 before the
         first step."""
-        if self._nvme is not None:
-            return self._nvme.committed_step
-        return int(max((float(st["step"]) for st in self.state.values()
-                        if isinstance(st, dict) and "step" in st), default=0))
+        return self._store.step_count(self.state)
 
     def zero_grad(self, set_to_none=True):
         if self._engine is not None:
@@ -367,15 +336,12 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             return loss
         num_threads = self._inplace_threads()
         with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
-            for index, group in enumerate(self.param_groups):
-                self._inplace.step_group(index, group, self.state, scale, num_threads)
-            if self._nvme is not None:   # the engine's params too: their state is there
-                try:
-                    self._nvme.step(self.param_groups, scale, num_threads)
-                finally:
-                    self._nvme.mark(self.state)
-            elif self._engine is not None:
-                self._engine.step(self.param_groups, self.state, grad_scale=scale)
+            store_pass = self._store.pass_(self.param_groups, self.state, scale)
+            with contextlib.closing(store_pass):   # an error: nothing committed
+                for lent in store_pass:   # the store's order; its end commits
+                    step_on_cpu(lent.calls, lent.hyper, scale, num_threads, self._marks)
+                    if lent.engine is not None:
+                        lent.engine()
         return loss
 
 

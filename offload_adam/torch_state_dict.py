@@ -4,8 +4,8 @@ The same keys as torch's optimizers, so a state dict moves between them both
 ways; what torch would do wrong to this state (round the fp32 master and
 moments of a bf16 param, garble 8-bit codes, copy an offloaded param's whole
 state to the GPU) is bypassed here. The optimizer class (optimizer.py) mixes
-this in; it provides `_engine`, `_params()`, `_in_engine(p)`,
-`_reset_caches()`, `_marks` (master_rule.py) and `_nvme` (nvme_tier.py, or None).
+this in; it provides `_params()`, `_marks` (master_rule.py) and `_store`
+(state_store.py: the store that holds the state, and puts a loaded one back).
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from __future__ import annotations
 import torch
 
 from . import distributed
-from .kernel_state import kernel_state
 from .params import param_label
-from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS, state_format,
-                           stored_state, with_code_keys, with_float32_moments)
+from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS,
+                           with_code_keys, with_float32_moments)
 
 # The state that bypasses torch's cast when loaded (load_state_dict).
 _HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY, Q8_FORMAT_KEY)
-_KEPT = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + (MASTER_KEY, "step")  # put back from the dict
 
 
 class TorchStateDict:
@@ -46,9 +44,7 @@ class TorchStateDict:
         torch.save streams them. They hold this step's values through the next
         step(); the one after rewrites their place in the files, so save (or
         copy) them before that."""
-        sd = super().state_dict()
-        if self._nvme is not None:
-            sd = self._nvme.add_state(sd)
+        sd = self._store.add_state(super().state_dict())
         params = self._params()
         dtensor_ids = {i for g, group in zip(sd["param_groups"], self.param_groups)
                        for i, p in zip(g["params"], group["params"]) if distributed.is_dtensor(p)}
@@ -69,10 +65,11 @@ class TorchStateDict:
         which would round the fp32 master and moments of a bf16 param, garble
         8-bit codes and copy an offloaded param's whole state to the GPU. So the
         moments, their scales and the master bypass it: torch loads the rest,
-        then they are put back (CPU copies, as saved) from the dict torch loaded
-        from (seen through a pre-hook registered last, so it is the dict after
-        the user's pre-hooks), matched to params the way torch matches them, and
-        converted to the optimizer's state format (its own state_dtype, whatever
+        then the store (state_store.py) puts them back (CPU copies, as saved; with
+        state_dirs= into the files) from the dict torch loaded from (seen through
+        a pre-hook registered last, so it is the dict after the user's pre-hooks),
+        matched to params the way torch matches them, and converted to the
+        optimizer's state format (its own state_dtype, whatever
         the dict's: fp32 moments from torch, 8-bit codes...). Unlike torch's,
         nothing loaded is shared
         with the dict (not even "step"): loading a live optimizer's state_dict()
@@ -106,49 +103,11 @@ class TorchStateDict:
         # the checkpoint's: the loaded moments are converted to it.
         for group, fmt in zip(self.param_groups, formats):
             group["state_dtype"] = fmt
-        self._reset_caches()
-        if self._nvme is not None:   # into the files, bucket by bucket
-            pairs = list(self._loaded_params(seen["state_dict"]))
-            for _, p, _ in pairs:
-                if self._nvme.holds(p):
-                    self.state.pop(p, None)
-            self._nvme.load({id(p): saved_id for saved_id, p, _ in pairs},
-                            seen["state_dict"]["state"])
-            self._nvme.mark(self.state)
-        for saved_id, p, group in self._loaded_params(seen["state_dict"]):
-            saved = seen["state_dict"]["state"].get(saved_id)
-            if saved is None or (self._nvme is not None and self._nvme.holds(p)):
-                continue
-            state = self.state[p]
-            local_p = distributed.local(p)
-            saved = stored_state(saved, f" of param {saved_id} (shape {tuple(p.shape)})")
-            for key in _KEPT:  # copies: the kernels update them in place
-                value = saved.get(key)
-                if isinstance(value, torch.Tensor):
-                    if distributed.is_dtensor(p) and key in MOMENT_KEYS + (MASTER_KEY,):
-                        value = distributed.local_value(
-                            value, p, key, lambda: f"{saved_id} (shape {tuple(p.shape)})")
-                    state[key] = value.detach().to("cpu", copy=True).contiguous()
-            # in the optimizer's state format (kernel_state.py), the moments the dict
-            # holds (a missing one is made at the param's first step, as in torch)
-            present = [k for k in MOMENT_KEYS if k in state]
-            got = kernel_state(state, local_p.shape, state_format(group["state_dtype"]),
-                               "max_exp_avg_sq" in state, self._has_master(p),
-                               f"param {saved_id} (shape {tuple(p.shape)})")
-            for key in MOMENT_KEYS + tuple(SCALE_KEYS.values()) + (MASTER_KEY,):
-                state.pop(key, None)
-            moment_of = {scale: key for key, scale in SCALE_KEYS.items()}
-            state.update({k: v for k, v in got.moments.items()
-                          if moment_of.get(k, k) in present})
-            if got.master is not None:
-                state[MASTER_KEY] = got.master
+        self._store.reset()
+        loaded = list(self._loaded_params(seen["state_dict"]))
+        self._store.load(loaded, seen["state_dict"]["state"], self.state)
         # every master loaded (or not: made from the param) is checked at its next step
-        self._marks.forget(p for _, p, _ in self._loaded_params(seen["state_dict"]))
-
-    def _has_master(self, p) -> bool:
-        """Whether p's state holds an fp32 master: not an fp32 CPU param stepped in
-        place, which is its own master."""
-        return p.dtype is not torch.float32 or self._in_engine(p)
+        self._marks.forget(p for _, p, _ in loaded)
 
     def _loaded_params(self, state_dict):
         """(saved id, param, its group): torch's own matching, in group order."""

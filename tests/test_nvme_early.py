@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import offload_adam
-from offload_adam.testing import settle
+from offload_adam.testing import settle, state_files
 from conftest import sim_path
 from models import (BF16, Boom, Sometimes, decay_groups, fp32_head, halve_grad, kernels_that,
                     loss_of)
@@ -86,12 +86,12 @@ def test_the_pass_in_backward_is_bitwise_the_plain_step(kernels, tmp_path, monke
         ram = offload_adam.AdamW(groups(a), state_dtype=fmt, **OPTS)
         disk = offload_adam.AdamW(groups(b), state_dtype=fmt, state_dirs=tmp_path,
                                   step_in_backward=True, state_budget_mb=0.2, **OPTS)
-        assert len(disk._nvme.buckets) >= 8
+        assert len(state_files(disk).spec.buckets) >= 8
         early = train_counting(a, b, ram, disk, calls, 6)
         assert_same(params_of(a), params_of(b), ram, disk)
     # the first backward learns the order; then kernels run in backward in every one
     assert early[0] == 0 and all(n > 0 for n in early[1:]), early
-    assert disk._nvme.state.step == 6
+    assert disk.step_count == 6
 
 
 def train_counting(a, b, ram, disk, calls, iterations):
@@ -151,7 +151,7 @@ def goes_on_as_if_never_ran(a, b, ram, disk, snap, monkeypatch, iterations):
     (step 2); with the test's patches undone and the grads cleared, training both over
     `iterations` ends bitwise the same."""
     assert_snapshot(b, disk, snap)
-    assert disk._nvme.state.step == 2
+    assert disk.step_count == 2
     monkeypatch.undo()
     disk.zero_grad()
     train_both(a, b, ram, disk, iterations)
@@ -178,11 +178,11 @@ def test_a_pass_that_steps_every_bucket_in_backward_commits_nothing_before_step(
         backward(b, 5)
         settle(disk)
         assert calls.off_main > 0
-        assert disk._nvme.state.step == 2
+        assert disk.step_count == 2
         with pytest.raises(RuntimeError, match="Nothing was stepped: the state files"):
             disk.zero_grad()
         assert_snapshot(b, disk, snap)
-        assert disk._nvme.state.step == 2
+        assert disk.step_count == 2
 
 
 def test_an_error_while_the_pass_runs_waits_for_it_to_stop(kernels, tmp_path, monkeypatch):
@@ -261,4 +261,4 @@ def test_an_error_leaves_nothing_stepped_and_training_goes_on(kernels, tmp_path,
             disk.__dict__.pop("found_inf", None)
             disk.param_groups[0]["lr"] = OPTS["lr"]
         goes_on_as_if_never_ran(a, b, ram, disk, snap, monkeypatch, range(3, 6))
-    assert disk._nvme.state.step == 5
+    assert disk.step_count == 5

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import offload_adam
+from offload_adam.testing import ring_buffers, state_files
 from conftest import sim_path
 from models import decay_groups, fp32_head, loss_of, make_pair
 from nvme_model import assert_same, assert_stepped_from
@@ -71,14 +72,14 @@ def test_the_engine_on_disk_steps_bitwise_as_in_ram(kernels, tmp_path, where, fm
         ram = offload_adam.AdamW(groups(a), state_dtype=fmt, **OPTS, **case)
         disk = offload_adam.AdamW(groups(b), state_dtype=fmt, state_dirs=tmp_path, **OPTS,
                                   **case)
-        assert len(disk._nvme.buckets) >= 6
+        assert len(state_files(disk).spec.buckets) >= 6
         # no state arenas: the engine holds its transfer buffers, the tier its ring
-        assert disk.host_bytes() - disk._nvme.host_bytes < ram.host_bytes()
+        assert disk.host_bytes() - sum(b.nbytes for b in ring_buffers(disk)) < ram.host_bytes()
         train(a, ram, 0, 4, **run)
         train(b, disk, 0, 4, **run)
         assert disk.last_step_profile is not None   # the engine stepped them
         assert_same(params_of(a), params_of(b), ram, disk)
-    assert disk._nvme.state.step == (3 if run.get("scaler") else 4)
+    assert disk.step_count == (3 if run.get("scaler") else 4)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -117,7 +118,7 @@ def test_a_checkpoint_moves_between_the_tiers_both_ways(kernels, tmp_path, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_loaded_master_that_no_longer_rounds_to_its_param_starts_from_the_param(
         kernels, tmp_path, fmt):
-    """The engine's side of the tier (disk_step._ready_masters): masters loaded into a model
+    """The engine's side of the tier (engine.state.follow_masters): masters loaded into a model
     whose params moved since they were saved (another checkpoint of it loaded: here every
     param 0.25 up) are started from the params at the next step (the bf16 params' after a
     check against a copy of the param, the fp32 head's at once, its master being the
@@ -166,7 +167,7 @@ def test_a_new_optimizer_resumes_from_the_files(kernels, tmp_path):
         train(a, ref, 3, 2)
         train(c, opt, 3, 2)
         assert_same(params_of(a), params_of(c), ref, opt)
-        assert opt._nvme.state.step == 5
+        assert opt.step_count == 5
 
 
 def test_freed_grads_on_cpu_params_and_torch_clipping(kernels, tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import offload_adam
+from offload_adam.testing import state_files
 from nvme_adam import flip_byte
 from nvme_model import NVME, assert_same, groups, make_params, train
 
@@ -50,7 +51,7 @@ def runs(kernels, tmp_path_factory):
         if k + 1 in (2, 3):
             for name in NAMES.values():
                 shutil.copy(out["run"] / name, out[f"stale{k + 1}"] / name)
-    st = opt._nvme.state
+    st = state_files(opt)
     out["slot"] = (st.extents[0].at(st.slots[0]), st.extents[0].nbytes)
     opt.close()
     ps = make_params(seed=3)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import offload_adam
+from offload_adam.testing import ring_buffers, state_files
 from nvme_model import (NVME, assert_same, assert_stepped_from, bits, grad, groups, make_params,
                         train)
 
@@ -30,11 +31,11 @@ def test_the_state_on_disk_steps_bitwise_as_in_ram(kernels, tmp_path, fmt, case)
     ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype=fmt, **case)
     disk = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype=fmt, state_dirs=tmp_path,
                               **NVME, **case)
-    assert len(disk._nvme.buckets) >= 3
+    assert len(state_files(disk).spec.buckets) >= 3
     for opt, params in ((ram, ps), (disk, qs)):
         train(opt, params, 0, 4, clip, accumulate)
     assert_same(ps, qs, ram, disk)
-    assert disk._nvme.state.step == 4
+    assert disk.step_count == 4
 
 
 def test_adam_with_l2_and_two_striped_directories(kernels, tmp_path):
@@ -64,9 +65,9 @@ def test_state_dict_is_backed_by_the_files(kernels, tmp_path):
     # dict's tensors are not in the pipeline's buffers but mappings of the files (copy on
     # write)
     assert len(disk.state) == 4 and not any(disk.state.values())
-    assert disk.host_bytes() == disk._nvme.pipeline.host_bytes   # the ring, nothing else
+    assert disk.host_bytes() == sum(b.nbytes for b in ring_buffers(disk))   # the ring, nothing else
     ring = [(b.tensor.data_ptr(), b.tensor.data_ptr() + b.nbytes)
-            for b in disk._nvme.pipeline.buffers]
+            for b in ring_buffers(disk)]
     for t in st[1].values():
         assert not any(lo <= t.data_ptr() < hi for lo, hi in ring)
     fp32 = disk.state_dict(fp32_moments=True)["state"][1]   # torch's format, decoded
@@ -142,7 +143,7 @@ def test_a_loaded_state_is_the_files_step_at_once(kernels, tmp_path):
     opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
                              **NVME)
     opt.load_state_dict(ram.state_dict())
-    assert opt._nvme.state.step == 3
+    assert opt.step_count == 3
     opt.close()
     with pytest.raises(ValueError, match=r"already hold this optimizer's state at step 3"):
         offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="bfloat16", state_dirs=tmp_path,
@@ -312,7 +313,7 @@ def test_casting_the_model_after_building_is_refused_before_any_change(kernels, 
                                            r"state files were laid out for torch.bfloat16"):
         opt.step()
     assert all(torch.equal(p.detach().to(b.dtype), b) for p, b in zip(ps, before))
-    assert opt._nvme.state.step == 1
+    assert opt.step_count == 1
 
 
 def test_a_full_disk_mid_step_raises_and_keeps_the_last_completed_state(kernels, tmp_path,
@@ -337,12 +338,12 @@ def test_a_full_disk_mid_step_raises_and_keeps_the_last_completed_state(kernels,
                                         r"completed one\) is intact"):
         train(opt, ps, 2, 1)
     after = opt.state_dict()["state"]
-    assert opt._nvme.state.step == 2 and after.keys() == before.keys()
+    assert opt.step_count == 2 and after.keys() == before.keys()
     assert all(torch.equal(bits(after[i][k]), bits(v))
                for i in before for k, v in before[i].items())
     monkeypatch.undo()
     train(opt, ps, 3, 1)   # the disk has room again: the optimizer goes on
-    assert opt._nvme.state.step == 3
+    assert opt.step_count == 3
 
 
 def test_grad_scaler_protocol_and_a_skipped_step(kernels, tmp_path):
@@ -359,7 +360,7 @@ def test_grad_scaler_protocol_and_a_skipped_step(kernels, tmp_path):
             opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(found_inf)
             opt.step()
     assert_same(ps, qs, ram, disk)
-    assert disk._nvme.state.step == 2
+    assert disk.step_count == 2
 
 
 def test_dcp_get_state_dict_does_not_step_the_files(kernels, tmp_path):
@@ -379,7 +380,7 @@ def test_dcp_get_state_dict_does_not_step_the_files(kernels, tmp_path):
     before = {i: {k: v.clone() for k, v in st.items()}
               for i, st in opt.state_dict()["state"].items()}
     _, osd = get_state_dict(model, opt)
-    assert opt._nvme.state.step == 1
+    assert opt.step_count == 1
     after = opt.state_dict()["state"]
     assert all(torch.equal(after[i][k], v) for i in before for k, v in before[i].items())
     assert len(osd["state"]) == 4

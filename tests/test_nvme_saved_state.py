@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import offload_adam
+from offload_adam.testing import state_files
 from nvme_adam import flip_byte
 from nvme_model import NVME, assert_same, bits, groups, make_params, train
 from offload_adam.nvme import NvmeError
@@ -88,7 +89,7 @@ def test_a_missing_manifest_is_refused_never_made_anew(kernels, tmp_path):
 
 def flip_master_byte(opt, folder, bucket, param_name, index):
     """Flips a bit of element `index` of a master in the committed slot of `bucket`."""
-    st = opt._nvme.state
+    st = state_files(opt)
     spec = st.spec.buckets[bucket]
     names = [t.name for t in spec.tensors]
     offset = spec.offsets()[names.index(f"{param_name}.master")] + 4 * index + 3

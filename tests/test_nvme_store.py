@@ -316,12 +316,12 @@ def test_a_state_checksummed_with_another_algorithm_is_refused(kernels, tmp_path
 def test_a_kernel_build_that_fails_is_an_error_at_open(tmp_path, monkeypatch):
     """The checksum is the compiled kernels': open loads them in the caller's thread, so a
     build that fails raises there, before any file is made (not first in an I/O thread)."""
-    from offload_adam import kernel_step
+    from offload_adam import _build
 
     def fail():
         raise RuntimeError("offload_adam: compiling the CPU kernels failed (a test)")
     monkeypatch.setattr(direct_io, "_crc32c", None)
-    monkeypatch.setattr(kernel_step, "kernels", fail)
+    monkeypatch.setattr(_build, "load_kernels", fail)
     with pytest.raises(RuntimeError, match="compiling the CPU kernels failed"):
         NvmeState.open([tmp_path], make_spec("fp32", buckets=1, numel=1000))
     assert file_bytes(tmp_path) == {}

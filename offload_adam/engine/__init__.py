@@ -4,13 +4,12 @@ memory, grads streamed to the host during backward, params streamed back.
 Read in data order: core.py (the engine, the pipeline from hook to publish),
 then its parts: layout.py (pieces, buckets, host buffers), grads.py (one record
 per grad copy, fingerprints), early.py (step_in_backward), state.py (the state
-dict's views), device.py (the device interface and its rules; CudaDevice; which
-params the engine takes), packed_copy.py (which host bytes a copy of a list
+dict's views), device.py (the device interface and its rules; CudaDevice),
+packed_copy.py (which host bytes a copy of a list
 moves, through which temporary), host_memory.py (pinned arenas), worker.py (the worker
 thread, Ctrl-C), profile.py (the per-step profile).
 """
 
 from .core import OffloadEngine
-from .device import Routing
 
-__all__ = ["OffloadEngine", "Routing"]
+__all__ = ["OffloadEngine"]

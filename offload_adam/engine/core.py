@@ -61,7 +61,7 @@ from ..master_rule import MasterMarks
 from ..options import Options
 from ..params import check_dense, one_device
 from ..state_format import state_format
-from .device import Routing
+from .device import current_host_stand_in, make_device
 from .early import EarlyStart
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
@@ -83,14 +83,15 @@ class OffloadEngine:
 
     def __init__(self, managed: Sequence[Sequence[torch.Tensor]], amsgrad: Sequence[bool], *,
                  state_dtypes: Optional[Sequence[str]] = None, options: Optional[Options] = None,
-                 owner=None, routing: Optional[Routing] = None,
+                 owner=None, routing=None,
                  available_host_bytes: Optional[int] = None,
                  names: Optional[Sequence[Sequence[str]]] = None,
                  marks: Optional[MasterMarks] = None):
         options = options or Options()
         all_params = [p for ps in managed for p in ps]
-        routing = routing or Routing(pipeline=True)
-        self.device = routing.device([local(p) for p in all_params])
+        locals_ = [local(p) for p in all_params]
+        self.device = (routing.device(locals_) if routing is not None   # (None: a bare engine)
+                       else make_device(one_device(locals_), current_host_stand_in()))
         self.overlap = options.overlap
         self.bucket_bytes = int(options.bucket_mb * 2**20)
         self.free_grads_after_copy = options.free_grads_after_copy

@@ -59,7 +59,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..params import one_device
 from .packed_copy import plan_copy, run_plan
 
 
@@ -306,26 +305,3 @@ def make_device(device: torch.device, stand_in=None):
         return CudaDevice(device)
     raise ValueError(f"offload_adam: params on {device} are not supported "
                      "(cpu and cuda are)")
-
-
-class Routing:
-    """Which params the engine steps, and the device it moves them through:
-    decided once, when an optimizer is built (`pipeline`: step_in_backward or
-    free_grads_after_copy, the options that need the engine's pipeline)."""
-
-    def __init__(self, pipeline: bool):
-        self.pipeline = bool(pipeline)
-        self.stand_in = current_host_stand_in()
-
-    def in_engine(self, p) -> bool:
-        """True for the offload engine, False for in place on the CPU (inplace.py)."""
-        if p.device.type != "cpu" or self.stand_in is not None:
-            return True
-        return self.pipeline and p.dtype is not torch.float32
-
-    def in_place(self, p) -> bool:
-        return not self.in_engine(p)
-
-    def device(self, params):
-        """The device interface for the engine's `params` (all on one device)."""
-        return make_device(one_device(params), self.stand_in)

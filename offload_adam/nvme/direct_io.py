@@ -40,8 +40,8 @@ def load_checksum():
     the caller's thread, so that a failed build is an error there, not in an I/O thread."""
     global _crc32c
     if _crc32c is None:
-        from ..kernel_step import kernels
-        _crc32c = kernels().crc32c
+        from .._build import load_kernels   # (the build, not the Adam code around it)
+        _crc32c = load_kernels().crc32c
     return _crc32c
 
 

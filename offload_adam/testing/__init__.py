@@ -12,6 +12,8 @@
 
 settle(opt) waits for the CPU steps an optimizer has queued (step_in_backward
 starts them during backward), for tests that read its state before step().
+state_files(opt) and ring_buffers(opt) show an optimizer's state files
+(state_dirs=) to the tests that check or damage them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Iterator, Optional
 from ..engine.device import host_stand_in
 from .sim_device import AsyncSimDevice, SimEvent
 
-__all__ = ["AsyncSimDevice", "SimEvent", "settle", "simulated"]
+__all__ = ["AsyncSimDevice", "SimEvent", "ring_buffers", "settle", "simulated", "state_files"]
 
 
 @contextlib.contextmanager
@@ -43,3 +45,26 @@ def settle(optimizer) -> None:
     engine = getattr(optimizer, "_engine", None)
     if engine is not None:
         engine.drain()
+
+
+def _file_store(optimizer):
+    store = getattr(optimizer, "_store", None)
+    files = getattr(store, "state", None)
+    if files is None:
+        raise ValueError("offload_adam.testing: this optimizer keeps its state in RAM "
+                         "(it was built without state_dirs=)")
+    return store
+
+
+def state_files(optimizer):
+    """The state files of an optimizer built with state_dirs= (nvme.NvmeState: its
+    layout `spec`, one bucket per `spec.buckets` entry; the committed `step`; the slots
+    and extents, to find a byte in the files)."""
+    return _file_store(optimizer).state
+
+
+def ring_buffers(optimizer) -> list:
+    """The ring buffers (nvme.AlignedBuffer) its state files stream through: all the
+    host memory its state holds (the engine's transfer buffers aside)."""
+    pipeline = _file_store(optimizer).pipeline
+    return list(pipeline.buffers) if pipeline is not None else []
