@@ -10,7 +10,7 @@ created, or resumed). Each step() is one pass of the pipeline:
         its CPU params stepped in place: the fused kernel on the live grad and param,
             the fp32 master and moments from the bucket's buffer
         its engine params (CUDA, or CPU through the pipeline): stepped by the engine
-            over the same buffer (engine/disk_step.py)
+            over the same buffer (engine/core.py, EngineStep.lent)
     -> written back, then the step is committed
 
 The same kernel calls on the same values as in RAM, so the params come out bitwise the
@@ -50,7 +50,6 @@ from . import distributed
 from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, rounds_to
 from .engine.disk_early import DiskEarly
-from .engine.disk_step import DiskStep
 from .kernel_state import kernel_state
 from .master_rule import MasterMarks, mark, take_from_param
 from .cpu_step import calls_by_dtype, contiguous_grad
@@ -67,7 +66,7 @@ _MB = 2 ** 20
 class _Param:
     """One param of the tier: where it is in the groups, its name in the files, the
     dtype its files were laid out for, and its engine record when the engine steps it
-    (engine/disk_step.py; None: stepped in place here). Every param has a master in
+    (EngineStep.lent; None: stepped in place here). Every param has a master in
     the files; the kernel steps it, except for an fp32 param stepped in place, which
     is its own master (as in RAM): the kernel steps the param and its value is copied
     into the files' master, so that the files hold the params too."""
@@ -344,7 +343,7 @@ class FileStore:
     def pass_(self, param_groups, state, grad_scale: float) -> Iterator[Lent]:
         """One pass over the files (state_store.py): each file bucket lent in the
         pipeline's order, its in-place params to the CPU stepper and its engine params
-        to the engine (engine/disk_step.py); written back and committed once, when the
+        to the engine (EngineStep.lent); written back and committed once, when the
         pass ends; an error (or the pass closed early) commits nothing."""
         if self.pipeline is None:
             raise RuntimeError("offload_adam: this optimizer was closed (its state files "
@@ -356,7 +355,7 @@ class FileStore:
         for e in with_grads:   # before any bucket is stepped
             _check_grad(e, param_groups[e.group])
         # (step_in_backward: verify() here may abandon the pass, then raises)
-        run = DiskStep(self.engine, param_groups, grad_scale) if self.engine else None
+        run = self.engine.stepping(param_groups, grad_scale) if self.engine else None
         early = self._early if self._early is not None and self._early.started else None
         stepped_early = list(early.stepped) if early is not None else []
         completed = False
@@ -371,7 +370,7 @@ class FileStore:
                             [e for e in bucket if e.rec is None], t)
                         engine = [(e.rec, e.name) for e in bucket if e.rec is not None]
                         yield Lent(Hyper.of(param_groups[bucket[0].group]) if calls else None,
-                                   calls, (lambda engine=engine, t=t: run.bucket(engine, t))
+                                   calls, (lambda engine=engine, t=t: run.lent(engine, t))
                                    if run is not None and engine else None)
                         for p, master in follow:   # an fp32 param is its own master
                             master.copy_(p)

@@ -1,4 +1,4 @@
-"""The offload engine with its state in files (state_dirs=, offload_adam/engine/disk_step.py),
+"""The offload engine with its state in files (state_dirs=, offload_adam/engine/core.py's EngineStep.lent),
 on the asynchronous simulated device (the GPU's path: copies land late and read their source
 when they run, so a missing wait before the pipeline reuses a ring buffer fails here): bitwise
 the engine with its state in host RAM, through real backward passes with hooks, clipping,

@@ -16,7 +16,9 @@ The data path, in the order this file follows it:
                                  backward work); grads whose copy is stale are
                                  copied again, reused copies get their
                                  fingerprint compared on the device; one job per
-                                 bucket on the worker thread
+                                 bucket on the worker thread (the one entry point,
+                                 `stepping`, also steps state a store lends: the
+                                 files' buckets, `EngineStep.lent`)
   4. bucket job (worker)         wait: its fingerprint check (copy again what
                                  changed), its grads landed, its last H2D done
                                  with its buffers; kernel: the fused Adam step
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.autograd.graph import increment_version
@@ -58,6 +60,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..freed_grad import freed_grad, is_freed
 from ..kernel_step import Hyper, KernelArgs
 from ..master_rule import MasterMarks
+from ..param_state import ROLES, ParamState
 from ..options import Options
 from ..params import check_dense, one_device
 from ..state_format import state_format
@@ -101,7 +104,7 @@ class OffloadEngine:
         self._last_threads = self._num_threads or self.device.default_num_threads()
         self._available = available_host_bytes
         # state_dirs=: master and moments live in the NVMe tier's files, in RAM only
-        # while its pipeline holds their bucket (disk_step.py): no host arenas for them.
+        # while its pipeline holds their bucket (EngineStep.lent): no host arenas for them.
         self.state_on_disk = options.state_dirs is not None
         self.recs: List[ParamRec] = []
         self.buckets: List[Bucket] = []           # replaced in place (the finalizer holds it)
@@ -380,26 +383,31 @@ class OffloadEngine:
     # ---- 3. step ----------------------------------------------------------------------
 
     def step(self, param_groups: List[dict], state, grad_scale: float = 1.0) -> None:
-        """One Adam step of every offloaded param that has a grad. grad_scale
-        multiplies every grad inside the kernel (clipping coefficient, 1/loss
-        scale). Returns once the params read on the current stream are the
+        """One Adam step of every offloaded param that has a grad, its state in the
+        engine's own host arenas (the RAM store's engine bucket, state_store.py).
+        grad_scale multiplies every grad inside the kernel (clipping coefficient,
+        1/loss scale). Returns once the params read on the current stream are the
         updated ones."""
-        fence = self.begin_step(param_groups, state, grad_scale)
-        with torch.no_grad():
-            jobs, stepped = self._plan(param_groups, state, grad_scale, fence)
-            try:
-                with interrupts_deferred() as deferring:
-                    for job, continues in jobs:
-                        self.run(job, continues)
-                    self.drain(finish=not deferring)  # all, or fewer after a second ^C
-            finally:  # also after an error: what was queued must land before reads
-                self.publish_step(stepped)
-        self.end_step()
+        run = self.stepping(param_groups, grad_scale, state)
+        completed = False
+        try:
+            run.in_arenas()
+            completed = True
+        finally:  # also after an error: what was queued must land before reads
+            run.end(completed)
 
-    def begin_step(self, param_groups: List[dict], state, grad_scale: float = 1.0):
-        """What every step starts with (also the step over a state on disk,
-        disk_step.py): refuse a closed engine or a changed param, end what a
-        backward that raised left, learn the bucket order; returns the fence."""
+    def stepping(self, param_groups: List[dict], grad_scale: float = 1.0,
+                 state=None) -> "EngineStep":
+        """The one way a step of the engine's params begins (EngineStep, below):
+        `state`, optimizer.state, when the engine's host arenas hold the state
+        (`in_arenas`); None when a store lends it bucket by bucket (`lent`: the
+        files' buckets, nvme_tier.py)."""
+        return EngineStep(self, param_groups, grad_scale, state)
+
+    def _begin_step(self, param_groups: List[dict], state, grad_scale: float = 1.0):
+        """What every step starts with: refuse a closed engine or a changed param,
+        end what a backward that raised left, learn the bucket order; returns the
+        fence."""
         self._t_enter = time.perf_counter()
         self.check_open()
         if self.early is not None:
@@ -411,7 +419,7 @@ class OffloadEngine:
         self._learn_bucket_order()
         return self.device.fence()
 
-    def publish_step(self, stepped: Sequence[ParamRec]) -> None:
+    def _publish_step(self, stepped: Sequence[ParamRec]) -> None:
         """What every step ends with, also after an error: the user's stream
         waits for the queued H2D copies; autograd sees the stepped params change
         (a backward of an older forward then raises, as after torch's step)."""
@@ -422,7 +430,7 @@ class OffloadEngine:
             increment_version(rec.param)
         self.marks.agree(rec.param for rec in stepped)   # the params are the masters'
 
-    def end_step(self) -> None:
+    def _end_step(self) -> None:
         """After a step that completed: the consumed grad copies let go, the profile."""
         self._consumed()
         self._profile.exposed_s = time.perf_counter() - self._t_enter
@@ -445,7 +453,7 @@ class OffloadEngine:
         """The bucket jobs of this step ((BucketJob or its write_back, continues)
         for the worker), and the recs taking part."""
         checks: Dict[int, object] = {}
-        ready = self.ready_grads(checks)
+        ready = self._ready_grads(checks)
         grad_scale *= _factor_of(ready)
         early = self.early.stepped() if self.early is not None else set()
         self.bind_state(ready, param_groups, state)
@@ -458,7 +466,7 @@ class OffloadEngine:
                        self.marks)
         threads = self.threads()
         hypers: Dict[int, Hyper] = {}   # one per group per step
-        written = {job.bucket.index: job for job in self.stepped_jobs(early, fence)}
+        written = {job.bucket.index: job for job in self._stepped_jobs(early, fence)}
         jobs = []
         for b in self.buckets:
             if b.index in written:  # stepped during backward: only its params to write
@@ -474,28 +482,28 @@ class OffloadEngine:
                         "new optimizer (load_state_dict converts a saved state)")
                 if b.group not in hypers:
                     hypers[b.group] = Hyper.of(group)
-                job = self.bucket_job(b, todo, hypers[b.group], grad_scale, threads, fence,
+                job = self._bucket_job(b, todo, hypers[b.group], grad_scale, threads, fence,
                                       checks.get(b.index))
                 jobs.append((job, todo[0].start > 0))
         return jobs, ready
 
-    def bucket_job(self, bucket: Bucket, pieces: List[Piece], hyper: Optional[Hyper] = None,
+    def _bucket_job(self, bucket: Bucket, pieces: List[Piece], hyper: Optional[Hyper] = None,
                    grad_scale: float = 1.0, threads: Optional[int] = None, fence=None,
                    check=None) -> "BucketJob":
         """The job that steps `pieces` of `bucket` (step 4, below)."""
         return BucketJob(self, bucket, pieces, hyper, grad_scale, threads, fence, check)
 
-    def stepped_jobs(self, stepped: set, fence) -> List["BucketJob"]:
+    def _stepped_jobs(self, stepped: set, fence) -> List["BucketJob"]:
         """The jobs that write back the pieces (ids in `stepped`) whose kernel
         already ran (step_in_backward): write_back() only."""
         jobs = []
         for b in self.buckets:
             done = [p for p in b.pieces if id(p) in stepped]
             if done:
-                jobs.append(self.bucket_job(b, done, fence=fence))
+                jobs.append(self._bucket_job(b, done, fence=fence))
         return jobs
 
-    def ready_grads(self, checks: Optional[dict] = None) -> List[ParamRec]:
+    def _ready_grads(self, checks: Optional[dict] = None) -> List[ParamRec]:
         """The recs taking part in this step, each with a copy of its current
         grad: stale copies are copied again, reused ones are fingerprint-
         checked (verify_grads): queued per bucket into `checks` for the bucket
@@ -545,6 +553,40 @@ class OffloadEngine:
         """Step 5: the user's stream waits for every queued H2D copy."""
         self.device.publish([t for b in self.buckets for t in b.h2d])
 
+    # ---- what early start asks of the engine (early.py, disk_early.py) -----------------
+    # Besides these three: flush_pack, run, drain, hook_threads, bind_state, buckets,
+    # order_learned, publish_h2d and check_open.
+
+    def start_early(self, bucket: Bucket, pieces: List[Piece], param_groups, state,
+                    begin: Callable[[List[ParamRec]], Hyper], done: Callable[[], None]) -> None:
+        """step_in_backward, the state in the arenas: `pieces` of `bucket` stepped now,
+        their kernel only (step() or the early start's commit writes the params): their
+        state bound and masters followed, then `begin(recs)` (early start records what
+        the step reads and returns the hyperparameters), then the kernel on the worker,
+        and `done()` after it."""
+        recs = list({id(p.rec): p.rec for p in pieces}.values())
+        self.bind_state(recs, param_groups, state)
+        follow_masters(self.device, recs, self.marks)   # before the kernel reads them
+        job = self._bucket_job(bucket, pieces, begin(recs), threads=self.hook_threads())
+
+        def kernel_only():
+            job.kernel()
+            done()
+        self.run(kernel_only)
+
+    def step_lent_early(self, entries: Sequence[Entry], views: Dict[str, torch.Tensor],
+                        hyper_of: Callable[[int], Hyper]) -> None:
+        """step_in_backward, the state lent by a store (the files): a lent bucket's
+        kernels, on the caller's thread (the worker), no param written (step_lent)."""
+        step_lent(self, entries, views, hyper_of, 1.0, self.hook_threads(), write=False)
+
+    def write_stepped(self, stepped: set) -> None:
+        """The early start's commit: the H2D copies of the pieces (ids in `stepped`)
+        whose kernel ran in backward, after a new fence, published."""
+        for job in self._stepped_jobs(stepped, self.device.fence()):
+            job.write_back()
+        self.publish_h2d()
+
     # ---- after the step -----------------------------------------------------------------
 
     def _consumed(self) -> None:
@@ -581,7 +623,7 @@ class OffloadEngine:
         self._want_norms = self.overlap  # from now on, computed while streaming
         with torch.no_grad():
             self._end_backward()
-            ready = self.ready_grads()
+            ready = self._ready_grads()
             threads = self.threads()
             for rec in ready:
                 sq_sum(self.device, rec, rec.copy, threads)
@@ -626,6 +668,144 @@ class OffloadEngine:
         self._end_backward()
         for rec in self.recs:
             rec.freed = False
+
+
+# ---- 3'. the step's session: the engine's own arenas, or state lent by a store --------
+
+# A param lent by a store: its record, and its name in the store's bucket (param_state.py).
+Entry = Tuple[ParamRec, str]
+
+
+class EngineStep:
+    """One step of the engine's params (OffloadEngine.stepping; state_store.py lends the
+    state). Begun, it has refused what must be refused and taken the fence; then either
+
+        in_arenas()     the state is in the engine's host arenas (optimizer.state shows
+                        them): a job per transfer bucket on the worker (step 4)
+        lent(...)       per bucket a store lends (the files': nvme_tier.py): the recs'
+                        state views point at the lent tensors, the same bucket jobs
+                        run on the caller's thread; every grad was made ready when the
+                        step began, so all are on their way to the host before the store
+                        reads its first bucket
+        write_early()   the params stepped during backward over lent state
+                        (step_in_backward, disk_early.py), once the store committed
+
+    and end() (also after an error) publishes the H2D copies and bumps the versions of
+    what was stepped."""
+
+    def __init__(self, engine: OffloadEngine, param_groups: List[dict], grad_scale: float,
+                 state=None):
+        self.engine, self.param_groups, self.state = engine, param_groups, state
+        self.fence = engine._begin_step(param_groups, {} if state is None else state,
+                                        grad_scale)
+        self.grad_scale = grad_scale
+        self.stepped: List[ParamRec] = []
+        self._hypers: Dict[int, Hyper] = {}
+        self._begun = state is None   # (in_arenas: once its plan is made)
+        self.ready: Dict[int, ParamRec] = {}
+        if state is None:
+            with torch.no_grad():
+                ready = engine._ready_grads()   # fingerprint checks done (and acted on) here
+            self.grad_scale *= _factor_of(ready)
+            self.ready = {id(r): r for r in ready}
+            self.threads = engine.threads()
+
+    def in_arenas(self) -> None:
+        engine = self.engine
+        with torch.no_grad():
+            jobs, self.stepped = engine._plan(self.param_groups, self.state, self.grad_scale,
+                                              self.fence)
+            self._begun = True
+            with interrupts_deferred() as deferring:
+                for job, continues in jobs:
+                    engine.run(job, continues)
+                engine.drain(finish=not deferring)  # all, or fewer after a second ^C
+
+    def lent(self, entries: Sequence[Entry], views: Dict[str, torch.Tensor]) -> None:
+        """Steps the recs of one lent bucket that take part in this step; the masters
+        of the others follow their params (master_rule.py). `views`: the bucket's
+        tensors. (A bucket stepped during backward is not lent again.)"""
+        todo = [e for e in entries if id(e[0]) in self.ready]
+        idle = [e for e in entries if id(e[0]) not in self.ready]
+        if idle:
+            with torch.no_grad():
+                _lend(idle, views)
+                follow_masters(self.engine.device, [rec for rec, _ in idle], self.engine.marks)
+                _lend(idle, None)
+        if todo:
+            step_lent(self.engine, todo, views, self._hyper, self.grad_scale, self.threads,
+                      self.fence)
+            self.stepped.extend(rec for rec, _ in todo)
+
+    def write_early(self, recs: Sequence[ParamRec]) -> None:
+        """Queues the H2D copies of the params stepped during backward (their updates
+        wait in staging), once the store holds their step."""
+        pieces = {id(p) for rec in recs for p in rec.pieces}
+        for job in self.engine._stepped_jobs(pieces, self.fence):
+            job.write_back()
+        self.stepped.extend(recs)
+
+    def end(self, completed: bool) -> None:
+        """Publishes the H2D copies and bumps the stepped params' versions, also after
+        an error; the rest of the step's end only when it completed."""
+        if self._begun:
+            self.engine._publish_step(self.stepped)
+        if completed:
+            self.engine._end_step()
+
+    def _hyper(self, group: int) -> Hyper:
+        if group not in self._hypers:   # one per group per step, as in the arenas
+            self._hypers[group] = Hyper.of(self.param_groups[group])
+        return self._hypers[group]
+
+
+def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, torch.Tensor],
+              hyper_of: Callable[[int], Hyper], grad_scale: float, threads: int, fence=None,
+              write: bool = True) -> None:
+    """One lent bucket's recs (each with a grad copy on its way): their state views
+    pointed at the lent tensors, their masters following their params (master_rule.py),
+    the bucket jobs' kernels grouped by transfer bucket, each param's "<name>.step" set
+    to the count after the step. With `write` the params' H2D copies are queued too
+    (after `fence`), and waited for where they read the lent tensors themselves (an fp32
+    param's master, unstaged), since the store reuses them for its next bucket;
+    write=False (step_in_backward) leaves the params to step(): an fp32 master is then
+    in its staging (layout.allocate_transfers). Each piece keeps its own step count, as
+    in the arenas, loaded from and stored into the lent "step"."""
+    with torch.no_grad():
+        _lend(todo, views)
+        follow_masters(engine.device, [rec for rec, _ in todo], engine.marks)
+        by_bucket: Dict[int, list] = {}
+        for rec, _ in todo:
+            for piece in rec.pieces:
+                by_bucket.setdefault(piece.bucket.index, []).append(piece)
+        ring_reads = []
+        for index, pieces in sorted(by_bucket.items()):
+            bucket = engine.buckets[index]
+            job = engine._bucket_job(bucket, pieces, hyper_of(bucket.group), grad_scale,
+                                     threads, fence)
+            job.kernel()
+            if write:
+                before = len(bucket.h2d)
+                job.write_back()
+                if any(p.staging is None for p in pieces):   # the source is the master
+                    ring_reads += bucket.h2d[before:]
+        engine.device.wait_host(*ring_reads)
+        for rec, name in todo:
+            ParamState.in_bucket(views, name).step.copy_(rec.step_t)
+        _lend(todo, None)
+
+
+def _lend(entries: Sequence[Entry], views: Optional[Dict[str, torch.Tensor]]) -> None:
+    """Points the recs' state views (what their pieces' kernels read and write) and
+    step counts at their tensors in a lent bucket's `views`; None: back to none, once
+    the bucket is done with."""
+    for rec, name in entries:
+        st = ParamState.in_bucket(views, name) if views is not None else None
+        for role in ROLES:
+            setattr(rec, role, getattr(st, role) if st is not None else None)
+        if st is not None:
+            for piece in rec.pieces:
+                piece.step_t.fill_(float(st.step))
 
 
 # ---- 4. the bucket job (worker thread) ------------------------------------------------

@@ -9,7 +9,7 @@ backward, on the engine's worker:
                                in the order their grads completed in the last backward
     a file bucket completes    (every engine param in it has its grad copied) it is
                                stepped when the pass reaches it: the kernels on the
-                               ring buffer (disk_step.step_file_bucket), no param
+                               ring buffer (core.step_lent), no param
                                written; then the pass writes it back and reads ahead
     step()                     EarlyStart.verify; the pass goes on over what is left
                                (buckets with params stepped in place, with a param
@@ -31,7 +31,6 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .disk_step import step_file_bucket
 from .layout import ParamRec
 
 # Per file bucket: its engine params (rec, name in the files), or None when it holds a
@@ -121,8 +120,7 @@ class DiskEarly:
                 self._pending = next(self._gen)
             while self._pending is not None and self._pending[0] in self._ready:
                 i, views = self._pending
-                step_file_bucket(engine, self.files[i], views, self._early.hyper, 1.0,
-                                 engine.hook_threads(), write=False)
+                engine.step_lent_early(self.files[i], views, self._early.hyper)
                 self.stepped.extend(rec for rec, _ in self.files[i])
                 self._position += 1
                 # the last bucket is not written here: that would commit the step

@@ -43,7 +43,6 @@ from ..freed_grad import is_freed
 from ..kernel_step import Hyper
 from ..state_format import MASTER_KEY
 from .grads import start_check
-from .state import follow_masters
 
 
 class EarlyStart:
@@ -124,17 +123,13 @@ class EarlyStart:
             return  # the optimizer is gone: no groups to step with
         pieces = [p for p in bucket.pieces if id(p.rec) in self._hooked]
         engine.flush_pack(bucket)
-        recs = list({id(p.rec): p.rec for p in pieces}.values())
-        engine.bind_state(recs, owner.param_groups, owner.state)
-        follow_masters(engine.device, recs, engine.marks)   # before the kernel reads them
-        self.begin(recs)
-        job = engine.bucket_job(bucket, pieces, self._hyper[bucket.group],
-                                threads=engine.hook_threads())
 
-        def kernel_only():   # step() or commit() writes back
-            job.kernel()
-            self._stepped.update(map(id, pieces))
-        engine.run(kernel_only)
+        def begin(recs):
+            self.begin(recs)
+            return self._hyper[bucket.group]
+        # step() or commit() writes the params back
+        engine.start_early(bucket, pieces, owner.param_groups, owner.state, begin,
+                           lambda: self._stepped.update(map(id, pieces)))
 
     # ---- at step() ----------------------------------------------------------------------
 
@@ -236,9 +231,7 @@ class EarlyStart:
         finally:
             stepped = {id(p.rec) for b in engine.buckets for p in b.pieces
                        if id(p) in self._stepped}
-            for job in engine.stepped_jobs(self._stepped, engine.device.fence()):
-                job.write_back()
-            engine.publish_h2d()
+            engine.write_stepped(self._stepped)
             self.new_iteration()
         return len(stepped)
 

@@ -217,7 +217,7 @@ def allocate_transfers(buckets: Sequence[Bucket], device, available: Optional[in
     there); an fp32 one's is its master, copied from there, unless
     `stage_fp32`: with the state in files and step_in_backward the master is
     gone (its file bucket written, the buffer reused) before step() writes the
-    params, so its value waits in staging (disk_step.py)."""
+    params, so its value waits in staging (core.step_lent)."""
     arenas = HostArenas(device)
     offsets = []
     for b in buckets:

@@ -11,7 +11,7 @@ A master starts as its param: the param is copied to the host (bf16/fp16
 through staging) and waited for right there, once per param, so that the
 state is whole even when a step stops before this param's bucket. Afterwards
 it follows its param by the one master rule (master_rule.py, `follow_masters`),
-here and with the state in files (disk_step.py).
+here and over the files' lent buckets (core.step_lent).
 """
 
 from __future__ import annotations
