@@ -26,12 +26,13 @@ from .param_state import ParamState
 
 class CpuCall:
     """One kernel call: params of one dtype and their states' arguments (KernelArgs),
-    built once; `run` takes the grads."""
+    built once; `run` takes the grads. `followed`: the params have masters that follow
+    them (master_rule.py; not an fp32 param in RAM, its own master)."""
 
-    __slots__ = ("dtype", "params", "args", "copy_back")
+    __slots__ = ("dtype", "params", "args", "copy_back", "followed")
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, followed: bool = True):
+        self.dtype, self.followed = dtype, followed
         self.params: List[torch.Tensor] = []
         self.args = KernelArgs()
         self.copy_back: List[int] = []   # non-contiguous params: stepped via a copy
@@ -67,11 +68,12 @@ class CpuCall:
 def step_on_cpu(calls: Sequence[Tuple[CpuCall, Sequence[torch.Tensor]]], hyper: Hyper,
                 grad_scale: float, num_threads: int, marks: MasterMarks) -> None:
     """The CPU stepper: each lent call (state_store.Lent) over its grads. The params it
-    wrote agree with their masters after it (master_rule.py; an fp32 param in RAM is its
-    own master, the files copy it into theirs)."""
+    wrote agree with their masters after it (master_rule.py; the files copy an fp32
+    param into theirs)."""
     for call, grads in calls:
         call.run(grads, hyper, grad_scale, num_threads)
-        marks.agree(call.params)
+        if call.followed:
+            marks.agree(call.params)
 
 
 def calls_by_dtype(pairs: Sequence[Tuple[torch.Tensor, ParamState]]) -> List[CpuCall]:

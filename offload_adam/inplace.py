@@ -29,12 +29,13 @@ from .state_format import MASTER_KEY, StateFormat, state_format
 class _Plan:
     """A group's calls for one pattern of which params have grads."""
 
-    __slots__ = ("group", "key", "route", "calls")
+    __slots__ = ("group", "key", "route", "calls", "ptrs")
     NO_GRAD = -1    # route of a param that had no grad when the plan was built
     ELSEWHERE = -2  # route of a param stepped by the engine
 
-    def __init__(self, group, key, route, calls):
+    def __init__(self, group, key, route, calls, ptrs):
         self.group, self.key, self.route, self.calls = group, key, route, calls
+        self.ptrs = ptrs   # per param, the address of the data its call steps (or None)
 
 
 class InPlace:
@@ -79,7 +80,7 @@ class InPlace:
 
     def _gather(self, index, group, plan) -> Optional[List[List[torch.Tensor]]]:
         """Per call, the grads to pass, or None when the plan no longer fits
-        (a param gained or lost its grad, or changed dtype)."""
+        (a param gained or lost its grad, changed dtype, or has new data: p.data = ...)."""
         if plan.group is not group or plan.key != self._key(group):
             return None
         grads: List[List[torch.Tensor]] = [[] for _ in plan.calls]
@@ -91,7 +92,8 @@ class InPlace:
                 if c >= 0:
                     return None
                 continue
-            if c < 0 or g.dtype is not plan.calls[c].dtype or p.dtype is not plan.calls[c].dtype:
+            if (c < 0 or g.dtype is not plan.calls[c].dtype or p.dtype is not plan.calls[c].dtype
+                    or local(p).data_ptr() != plan.ptrs[i]):
                 return None
             check_dense(g, f"param {param_label(group, index, i, p)}")
             grads[c].append(contiguous_grad(p))
@@ -106,10 +108,11 @@ class InPlace:
     def _build(self, index, group, state) -> _Plan:
         calls: List[CpuCall] = []
         by_dtype: Dict[torch.dtype, int] = {}
-        route = []
+        route, ptrs = [], []
         amsgrad = bool(group["amsgrad"])
         fmt = state_format(group.get("state_dtype", "float32"))
         for i, p in enumerate(group["params"]):
+            ptrs.append(None)
             if not self._is_mine(p):
                 route.append(_Plan.ELSEWHERE)
                 continue
@@ -120,11 +123,12 @@ class InPlace:
             t = local(p)   # a DTensor's shard: its state is the shard's (distributed.py)
             st = ready_state(state[p], t, amsgrad, fmt, f"param {param_label(group, index, i, p)}")
             c = by_dtype.setdefault(p.dtype, len(calls))
-            if c == len(calls):
-                calls.append(CpuCall(p.dtype))
+            if c == len(calls):   # (an fp32 param is its own master: none to follow it)
+                calls.append(CpuCall(p.dtype, followed=p.dtype is not torch.float32))
             route.append(c)
+            ptrs[-1] = t.data_ptr()
             calls[c].add(p, ParamState.in_dict(st))
-        plan = _Plan(group, self._key(group), route, calls)
+        plan = _Plan(group, self._key(group), route, calls, ptrs)
         self._plans[id(group)] = plan
         return plan
 

@@ -38,8 +38,14 @@ Mark = Tuple[int, int, int]
 def mark(p: torch.Tensor) -> Mark:
     """How param p is now: the version counters of the param and of its local data (a
     DTensor's shard: either may be the one a write bumps) and the data's address."""
+    if type(p) in _PLAIN:   # (the common case, asked per param per step: kept short)
+        v = p._version
+        return v, v, p.data_ptr()
     t = local(p)
     return p._version, t._version, t.data_ptr()
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class MasterMarks:

@@ -136,10 +136,25 @@ def test_a_loaded_master_is_checked_whatever_the_loading_order(path):
     assert_same((model, opt), (fresh, fopt))
 
 
-def _without_masters(sd):
-    """A state dict with no "master_param": loaded, every master starts from its param."""
-    return {**sd, "state": {k: {key: v for key, v in st.items() if key != "master_param"}
-                            for k, st in sd["state"].items()}}
+def _edited_and_reloaded(dtype, edit):
+    """Two twin runs of 2 steps, then `edit(param)` applied to every param of both:
+    (model, its optimizer, twin, an optimizer built over the twin at the edit from its
+    optimizer's state dict without "master_param": every master starts from its param)."""
+    model, twin = make_mlp().to(dtype), make_mlp().to(dtype)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    ref = offload_adam.AdamW(twin.parameters(), **OPTS)
+    run(model, opt, 2, loss=mlp_loss)
+    run(twin, ref, 2, loss=mlp_loss)
+    for m in (model, twin):
+        with torch.no_grad():
+            for p in m.parameters():
+                edit(p)
+    sd = ref.state_dict()
+    sd["state"] = {k: {key: v for key, v in st.items() if key != "master_param"}
+                   for k, st in sd["state"].items()}
+    reloaded = offload_adam.AdamW(twin.parameters(), **OPTS)
+    reloaded.load_state_dict(sd)
+    return model, opt, twin, reloaded
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
@@ -149,31 +164,37 @@ def test_a_param_changed_between_steps_is_stepped_from_its_new_value(path, dtype
     # in place, a model checkpoint of another step loaded) go on from their new values,
     # and a param without a grad in the next step has its master follow it all the
     # same. Bitwise the run of an optimizer whose masters were dropped at the edit.
-    model, twin = make_mlp().to(dtype), make_mlp().to(dtype)
-    opt = offload_adam.AdamW(model.parameters(), **OPTS)
-    ref = offload_adam.AdamW(twin.parameters(), **OPTS)
-    run(model, opt, 2, loss=mlp_loss)
-    run(twin, ref, 2, loss=mlp_loss)
-    for m in (model, twin):
-        with torch.no_grad():
-            for p in m.parameters():
-                p.mul_(-0.5).add_(0.25)
+    model, opt, twin, ref = _edited_and_reloaded(dtype, lambda p: p.mul_(-0.5).add_(0.25))
     edited = [p.clone() for p in model.parameters()]
-    ref2 = offload_adam.AdamW(twin.parameters(), **OPTS)
-    ref2.load_state_dict(_without_masters(ref.state_dict()))
 
     def no_grad_for_the_last_bias(m, o):
         m[2].bias.grad = None
 
     run(model, opt, 1, start=2, loss=mlp_loss, edit=no_grad_for_the_last_bias)
-    run(twin, ref2, 1, start=2, loss=mlp_loss, edit=no_grad_for_the_last_bias)
+    run(twin, ref, 1, start=2, loss=mlp_loss, edit=no_grad_for_the_last_bias)
     assert torch.equal(model[2].bias, edited[-1])   # not stepped
     assert torch.equal(opt.state[model[2].bias]["master_param"].to(dtype), edited[-1])
     for p, e in zip(list(model.parameters())[:-1], edited):   # one step on from the edit
         assert (p.float() - e.float()).abs().max() < 0.05
     run(model, opt, 2, start=3, loss=mlp_loss)
-    run(twin, ref2, 2, start=3, loss=mlp_loss)
-    assert_same((model, opt), (twin, ref2))
+    run(twin, ref, 2, start=3, loss=mlp_loss)
+    assert_same((model, opt), (twin, ref))
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_param_data_replaced_between_steps_is_stepped_from_its_new_values(path, dtype):
+    # p.data = new tensor between steps (weights swapped in, load_state_dict(assign=True)):
+    # the next step steps the new data from its values, as torch's AdamW does (in place,
+    # the kernel kept writing the old tensor: the param did not move). Bitwise an
+    # optimizer loaded at the swap without masters.
+    def swap(p):
+        p.data = (p.detach() * -0.5 + 0.25).clone()
+    model, opt, twin, ref = _edited_and_reloaded(dtype, swap)
+    swapped = [p.detach().clone() for p in model.parameters()]
+    run(model, opt, 2, start=2, loss=mlp_loss)
+    run(twin, ref, 2, start=2, loss=mlp_loss)
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), swapped))
+    assert_same((model, opt), (twin, ref))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
