@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -168,11 +169,14 @@ class NvmeTier:
         self._loaded: Dict[int, str] = {}
         self._early = None   # step_in_backward: the pass that starts in backward
         if engine is not None and engine.early is not None:
+            # (the engine holds the pass: it holds the tier weakly, else a dropped
+            # optimizer's engine, hooks and tier would wait for the cyclic GC)
+            tier = weakref.ref(self)
             self._early = DiskEarly(
                 engine, engine.early, self.pipeline,
                 [[(e.rec, e.name) for e in b] if all(e.rec is not None for e in b) else None
                  for b in self.buckets],
-                lambda rec: self._loaded.get(id(rec.param)))
+                lambda rec: tier()._loaded.get(id(rec.param)) if tier() is not None else None)
             engine.early.use_files(self._early)
 
     def _agree_on_step(self, params, process_group) -> None:
