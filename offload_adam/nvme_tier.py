@@ -361,9 +361,12 @@ class NvmeTier:
             if early is not None or with_grads or (run is not None and run.ready):
                 passes = early.rest() if early is not None else self.pipeline.buckets()
                 with contextlib.closing(passes):   # an error: the I/O in flight waited for
+                    # every group, the buckets stepped in backward too (the pass does
+                    # not hand those on): an error here commits nothing
+                    for gi in range(len(param_groups)):
+                        self._check_format(gi, param_groups)
                     for i, t in passes:
                         bucket = self.buckets[i]
-                        self._check_format(bucket[0].group, param_groups)
                         in_place = [e for e in bucket if e.rec is None]
                         self._step_bucket(in_place, t, param_groups, grad_scale, num_threads)
                         if run is not None:
