@@ -363,9 +363,12 @@ class FileStore:
             if early is not None or with_grads or (run is not None and run.ready):
                 passes = early.rest() if early is not None else self.pipeline.buckets()
                 with contextlib.closing(passes):   # an error: the I/O in flight waited for
+                    # every group, the buckets stepped in backward too (the pass does
+                    # not hand those on): an error here commits nothing
+                    for gi in range(len(param_groups)):
+                        self._check_format(gi, param_groups)
                     for i, t in passes:
                         bucket = self.buckets[i]
-                        self._check_format(bucket[0].group, param_groups)
                         calls, follow = self._lend_in_place(
                             [e for e in bucket if e.rec is None], t)
                         engine = [(e.rec, e.name) for e in bucket if e.rec is not None]

@@ -117,9 +117,11 @@ The state format is a param-group key, not an option of this record:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Any, Optional, Tuple
+import tempfile
+from typing import Any, Iterator, Optional, Tuple
 
 from .nvme.store import folder_problem
 
@@ -147,6 +149,8 @@ class Options:
     state_resume: bool = False
 
     def __post_init__(self):
+        if self.state_dirs is None and _state_roots and _state_roots[-1] is not None:
+            object.__setattr__(self, "state_dirs", tempfile.mkdtemp(dir=_state_roots[-1]))
         if self.state_dirs is not None:
             object.__setattr__(self, "state_dirs", _checked_dirs(self.state_dirs))
         if self.state_budget_mb is not None:
@@ -189,8 +193,9 @@ class Options:
         return self.step_in_backward or self.free_grads_after_copy
 
     def replace(self, **changes) -> "Options":
-        """A copy with `changes`, checked again."""
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`, checked again (its state where this one's is)."""
+        with state_root(None):
+            return dataclasses.replace(self, **changes)
 
     def __getstate__(self):
         # A process group is not pickled.
@@ -200,6 +205,21 @@ class Options:
     def __setstate__(self, state):
         for name, value in state.items():
             object.__setattr__(self, name, value)
+
+
+_state_roots: list = []   # pushed by state_root(), innermost last
+
+
+@contextlib.contextmanager
+def state_root(root: Optional[str]) -> Iterator[Optional[str]]:
+    """The seam for test support (offload_adam.testing.state_in_files): Options built
+    inside this block with state_dirs=None get a new directory of their own under
+    `root`, as if given it (None: host RAM, even inside an outer block)."""
+    _state_roots.append(root)
+    try:
+        yield root
+    finally:
+        _state_roots.pop()
 
 
 def _checked_dirs(value) -> Tuple[str, ...]:

@@ -15,6 +15,7 @@ import torch
 
 from offload_adam.engine import OffloadEngine
 from offload_adam.options import Options
+from offload_adam.testing import state_in_files
 
 # torch.optim.AdamW's group keys, as offload_adam.AdamW fills them.
 _GROUP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
@@ -29,7 +30,8 @@ class BareEngine:
 
     def __init__(self, params, **kw):
         defaults = {**_GROUP, **{k: v for k, v in kw.items() if k in _HYPER}}
-        options = Options(**{k: v for k, v in kw.items() if k not in _HYPER})
+        with state_in_files(None):   # the engine alone has no files (the optimizer's tier)
+            options = Options(**{k: v for k, v in kw.items() if k not in _HYPER})
         params = list(params)
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]

@@ -7,6 +7,12 @@ path, with copies that land late and CUDA's ordering rules checked), with
 several seeds of random latency and once with every copy held as late as
 CUDA allows. The device's violations fail the test.
 
+A name ending in "+files" keeps the state in files instead of host RAM
+(offload_adam.testing.state_in_files: each optimizer built with
+state_dirs=None gets a new directory of the test's own), so that the NVMe tier
+is held to the same contract: `path.files` says so. path.outside() builds the
+reference in RAM, in place.
+
 OFFLOAD_ADAM_SIM_SEEDS=N sets how many random seeds (default 2); a long soak
 is `OFFLOAD_ADAM_SIM_SEEDS=50 bash scripts/run_tests.sh tests/test_engine.py`.
 """
@@ -28,6 +34,7 @@ except ImportError:  # hypothesis is optional; test_properties.py skips without 
     pass
 
 SIM_SEEDS = int(os.environ.get("OFFLOAD_ADAM_SIM_SEEDS", "2"))
+FILES_PATHS = ["in-place+files", "sim-latest+files"]
 
 
 @pytest.fixture
@@ -42,7 +49,8 @@ def sigint_raises():
         yield
     finally:
         signal.signal(signal.SIGINT, saved)
-PATHS = ["in-place"] + [f"sim-seed{s}" for s in range(SIM_SEEDS)] + ["sim-latest"]
+PATHS = (["in-place"] + [f"sim-seed{s}" for s in range(SIM_SEEDS)] + ["sim-latest"]
+         + FILES_PATHS)
 
 
 @pytest.fixture(scope="session")
@@ -54,10 +62,11 @@ def kernels():
 
 
 class Path:
-    """Where the test's optimizers run; `sim` is the simulated device or None."""
+    """Where the test's optimizers run; `sim` is the simulated device or None;
+    `files`: their state in files (state_dirs=) instead of host RAM."""
 
-    def __init__(self, name, sim=None):
-        self.name, self.sim = name, sim
+    def __init__(self, name, sim=None, files=False):
+        self.name, self.sim, self.files = name, sim, files
 
     @property
     def engine(self) -> bool:
@@ -66,36 +75,40 @@ class Path:
     @contextlib.contextmanager
     def outside(self):
         """Builds optimizers the normal way inside it (a reference run)."""
-        from offload_adam.testing import simulated
+        from offload_adam.testing import simulated, state_in_files
 
-        with simulated(None):
+        with simulated(None), state_in_files(None):
             yield
 
 
-def sim_path(name):
-    """A context yielding a Path for `name` (one of PATHS)."""
-    from offload_adam.testing import AsyncSimDevice, simulated
+def sim_path(name, files_root=None):
+    """A context yielding a Path for `name` (one of PATHS); a "+files" name keeps
+    the state in new directories under `files_root`."""
+    from offload_adam.testing import AsyncSimDevice, simulated, state_in_files
 
     @contextlib.contextmanager
     def run():
-        if name == "in-place":
-            yield Path(name)
-            return
-        latest = name == "sim-latest"
-        sim = AsyncSimDevice(seed=0 if latest else int(name[len("sim-seed"):]),
-                             latency="latest" if latest else "random")
-        try:
-            with simulated(sim), sim.watch():
-                yield Path(name, sim)
-            sim.check()
-        finally:
-            sim.close()
+        base, files = name.removesuffix("+files"), name.endswith("+files")
+        with state_in_files(files_root if files else None):
+            if base == "in-place":
+                yield Path(name, files=files)
+                return
+            latest = base == "sim-latest"
+            sim = AsyncSimDevice(seed=0 if latest else int(base[len("sim-seed"):]),
+                                 latency="latest" if latest else "random")
+            try:
+                with simulated(sim), sim.watch():
+                    yield Path(name, sim, files)
+                sim.check()
+            finally:
+                sim.close()
     return run()
 
 
 @pytest.fixture(params=PATHS)
-def path(request, kernels):
-    with sim_path(request.param) as p:
+def path(request, kernels, tmp_path_factory):
+    root = tmp_path_factory.mktemp("state") if request.param.endswith("+files") else None
+    with sim_path(request.param, root) as p:
         yield p
 
 

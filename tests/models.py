@@ -9,7 +9,8 @@ import copy
 
 import torch
 
-from offload_adam.testing import settle
+from offload_adam.state_format import stored_state
+from offload_adam.testing import files_stepped_early, in_files, settle
 
 BF16 = torch.bfloat16
 OPTS = dict(lr=3e-3, weight_decay=0.1, bucket_mb=0.01)
@@ -127,10 +128,25 @@ def train_shadow(shadow, ref, ropt, steps, micro=1):
                 p.copy_(q)
 
 
+def states(opt):
+    """param -> its state, wherever the optimizer keeps it: opt.state in host RAM; with
+    state_dirs= (opt.state then holds an empty entry per stepped param, nvme_tier.py) the
+    files' last committed step, as state_dict() shows it, under the state's own keys
+    (stored_state: 8-bit codes as "exp_avg"...). The file views hold their values
+    through the next step (clone to keep them longer)."""
+    if not in_files(opt):
+        return opt.state
+    sd = opt.state_dict()
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {p: stored_state(sd["state"][i]) for i, p in zip(ids, params) if i in sd["state"]}
+
+
 def state_of(opt, model, keys=("master_param", "exp_avg", "exp_avg_sq", "step")):
     """Every param's state entries (None for a param never stepped), cloned."""
-    return [{k: opt.state[p][k].clone() for k in keys if k in opt.state[p]}
-            if opt.state.get(p) else None for p in model.parameters()]
+    held = states(opt)
+    return [{k: held[p][k].clone() for k in keys if k in held[p]}
+            if held.get(p) else None for p in model.parameters()]
 
 
 def assert_same(a, b):
@@ -145,21 +161,25 @@ def assert_same(a, b):
 
 
 def assert_param_is_master_rounded(opt, model):
+    held = states(opt)
     for p in model.parameters():
-        st = opt.state.get(p)
+        st = held.get(p)
         if st and p.dtype != torch.float32:
             assert torch.equal(p, st["master_param"].to(p.dtype))
 
 
 def steps_of(opt, model):
-    return [float(opt.state[p]["step"]) if opt.state.get(p) else 0.0
-            for p in model.parameters()]
+    held = states(opt)
+    return [float(held[p]["step"]) if held.get(p) else 0.0 for p in model.parameters()]
 
 
 def early_steps(opt, model, before):
     """How many params were stepped during the backward just run (step_in_backward):
     once the steps it queued have run, their state's step count is past `before`
-    (steps_of from before that backward)."""
+    (steps_of from before that backward). With state_dirs= the state shows nothing
+    before step() commits (engine/disk_early.py): the params the files' pass stepped."""
+    if in_files(opt):
+        return files_stepped_early(opt)
     settle(opt)
     return sum(now > then for now, then in zip(steps_of(opt, model), before))
 

@@ -7,7 +7,9 @@ The state such an error leaves is pinned down here: every param is either
 stepped once with the grads as they were at backward (equal to a plain step) or
 not stepped at all, and each param equals its master rounded. Every test runs
 on the host device (CPU params, copies on the spot) and on the asynchronous
-simulated device (conftest.path).
+simulated device (conftest.path). With the state in files (path.files) nothing
+is committed before step() (options.py, engine/disk_early.py): an error leaves
+no param stepped, and says so.
 """
 import gc
 import re
@@ -22,7 +24,7 @@ from bare_engine import BareEngine
 from engine_watch import buckets_of
 from models import (BF16, MLP_OPTS, OPTS, Boom, Sometimes, assert_param_is_master_rounded,
                     assert_same, early_steps, kernels_that, loss_of, make_mlp, mlp_loss, run,
-                    steps_of)
+                    states, steps_of)
 
 
 def make(step_in_backward, seed=0, **kw):
@@ -57,10 +59,11 @@ def test_bitwise_equal_to_the_default(path):
     assert len(buckets_of(runs[1][1].last_step_profile)) > 3
     # nothing starts in the first backward (the buckets are learned then), then
     # every param that got a grad before does
-    n_grads = sum(1 for p in runs[0][0].parameters() if p in runs[0][1].state)
+    held = states(runs[0][1])
+    n_grads = sum(1 for p in runs[0][0].parameters() if p in held)
     assert started[0] == 0 and min(started[1:]) > n_grads // 2
     assert_same(*runs)
-    assert not runs[1][1].state.get(runs[1][0].unused.weight)
+    assert not states(runs[1][1]).get(runs[1][0].unused.weight)
 
 
 def test_free_grads_after_copy_too(path):
@@ -119,13 +122,15 @@ CHANGES = {
     "dropped": (_dropped, "was dropped"),
     "torch clip": (_torch_clip, "changed after it was copied"),
     "lr": (_lr, r"param group 1's hyperparameters changed after its step started \(lr 0.01 -> 0.005"),
-    "load_state_dict": (_reloaded, "state .* was replaced"),
+    # (in files, load_state_dict replaces the whole state: no param named)
+    "load_state_dict": (_reloaded, r"state (of .* )?was replaced \(load_state_dict\??\) after its "
+                                   "step started"),
 }
 
 
 def _snapshot(opt, model):
-    return {p: opt.state[p]["master_param"].clone() for p in model.parameters()
-            if opt.state.get(p)}
+    held = states(opt)
+    return {p: held[p]["master_param"].clone() for p in model.parameters() if held.get(p)}
 
 
 def _in_second_backward():
@@ -140,20 +145,27 @@ def _in_second_backward():
     return model, opt, before
 
 
-def _check_left_state(opt, model, before, after_plain, message):
+def _check_left_state(opt, model, before, after_plain, message, files=False):
     """Each param: stepped as by a plain step, or not stepped; as many stepped
-    as the message says; param == master rounded."""
+    as the message says; param == master rounded. With the state in files
+    (`files`): none stepped, as the message says."""
     stepped = 0
+    held = states(opt)
     for p in model.parameters():
-        if not opt.state.get(p):  # never stepped (the unused layer)
+        if not held.get(p):  # never stepped (the unused layer)
             assert p not in before
             continue
-        master = opt.state[p]["master_param"]
+        master = held[p]["master_param"]
         assert torch.equal(p, master.to(BF16))
         if after_plain[p] is not None and torch.equal(master, after_plain[p]):
             stepped += 1
         else:
             assert torch.equal(master, before[p])
+    if files:
+        assert stepped == 0
+        assert ("Nothing was stepped: the state files and the params are those of the "
+                "last completed step") in message
+        return
     assert stepped > 0
     assert f"The Adam step of {stepped} params already ran" in message
     assert "the other params are not" in message
@@ -167,7 +179,8 @@ def _reference_after_plain_step(path, it):
         backward(model, i)
         opt.step()
         opt.zero_grad()
-    return [opt.state[p]["master_param"].clone() if opt.state.get(p) else None
+    held = states(opt)
+    return [held[p]["master_param"].clone() if held.get(p) else None
             for p in model.parameters()]
 
 
@@ -179,11 +192,13 @@ def test_a_change_after_backward_is_an_error(path, change):
     with pytest.raises(RuntimeError, match="step_in_backward=True forbids") as err:
         opt.step()
     message = str(err.value)
-    # steps had started in the second backward (the error counts those that ran)
-    assert re.search(r"The Adam step of [1-9]\d* params already ran", message), message
+    # steps had started in the second backward (the error counts those that ran;
+    # in files none is committed)
+    if not path.files:
+        assert re.search(r"The Adam step of [1-9]\d* params already ran", message), message
     assert re.search(pattern, message), message
     after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
-    _check_left_state(opt, model, before, after, message)
+    _check_left_state(opt, model, before, after, message, path.files)
     # training goes on: the next iterations run (and start early again)
     opt.zero_grad()
     for it in (2, 3):
@@ -202,12 +217,14 @@ def test_clip_grad_norm_and_grad_scaler_are_errors(path):
     opt.step()
     opt.zero_grad()
     backward(model, 1)
-    with pytest.raises(RuntimeError, match="clip_grad_norm_ was called.*params already ran"):
+    # (in files nothing is committed before step(): nothing was stepped)
+    ran = "Nothing was stepped: the state files" if path.files else "params already ran"
+    with pytest.raises(RuntimeError, match="clip_grad_norm_ was called.*" + ran):
         opt.clip_grad_norm_(1.0)
     opt.zero_grad()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(loss_of(model, 2)).backward()
-    with pytest.raises(RuntimeError, match="GradScaler.step was used.*params already ran"):
+    with pytest.raises(RuntimeError, match="GradScaler.step was used.*" + ran):
         scaler.step(opt)
 
 
@@ -216,9 +233,9 @@ def test_zero_grad_before_step_is_an_error(path):
     with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called") as err:
         opt.zero_grad()
     after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
-    _check_left_state(opt, model, before, after, str(err.value))
+    _check_left_state(opt, model, before, after, str(err.value), path.files)
     opt.step()  # no grads: nothing happens
-    _check_left_state(opt, model, before, after, str(err.value))
+    _check_left_state(opt, model, before, after, str(err.value), path.files)
 
 
 def test_accumulation_is_an_error(path):
@@ -228,7 +245,7 @@ def test_accumulation_is_an_error(path):
     with pytest.raises(RuntimeError, match="a grad arrived again") as err:
         opt.step()
     after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
-    _check_left_state(opt, model, before, after, str(err.value))
+    _check_left_state(opt, model, before, after, str(err.value), path.files)
 
 
 # ---- less travelled branches ------------------------------------------------------------
@@ -260,7 +277,11 @@ def test_dead_owner_starts_no_early_step(path):
 @pytest.mark.parametrize("when", ["from the start", "turned on after step 1"])
 def test_amsgrad_early_start_is_bitwise_equal_to_the_default(path, when):
     """amsgrad with steps started in backward, also when amsgrad is switched on
-    later (its max_exp_avg_sq buffers are then added by the early start)."""
+    later (its max_exp_avg_sq buffers are then added by the early start; in
+    files that is refused: _amsgrad_switched_on_in_files_is_refused)."""
+    if path.files and when == "turned on after step 1":
+        _amsgrad_switched_on_in_files_is_refused(path)
+        return
     runs = []
     for early in (False, True):
         model = make_mlp()
@@ -280,11 +301,40 @@ def test_amsgrad_early_start_is_bitwise_equal_to_the_default(path, when):
         runs.append((model, opt))
     assert_same(*runs)
     (m0, o0), (m, o) = runs
+    held0, held = states(o0), states(o)
     for p, q in zip(m0.parameters(), m.parameters()):
-        assert torch.equal(o0.state[p]["max_exp_avg_sq"], o.state[q]["max_exp_avg_sq"])
+        assert torch.equal(held0[p]["max_exp_avg_sq"], held[q]["max_exp_avg_sq"])
     # amsgrad really ran: max_exp_avg_sq is not exp_avg_sq
-    assert any(not torch.equal(o.state[p]["max_exp_avg_sq"], o.state[p]["exp_avg_sq"])
+    assert any(not torch.equal(held[p]["max_exp_avg_sq"], held[p]["exp_avg_sq"])
                for p in m.parameters())
+
+
+def _amsgrad_switched_on_in_files_is_refused(path):
+    """state_dirs=: amsgrad cannot change after construction (options.py: the files
+    are laid out with or without max_exp_avg_sq). The step after the switch raises,
+    nothing stepped (the pass started in backward too), and training goes on once it
+    is switched back, as if that iteration never ran."""
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **MLP_OPTS)
+    run(model, opt, 1, loss=mlp_loss)
+    for g in opt.param_groups:
+        g["amsgrad"] = True
+    mlp_loss(model, 1).backward()
+    params = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="state_dtype and amsgrad cannot change with state_dirs="):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert steps_of(opt, model) == [1.0] * 4
+    for g in opt.param_groups:
+        g["amsgrad"] = False
+    opt.zero_grad()
+    run(model, opt, 2, start=2, loss=mlp_loss)
+    with path.outside():
+        ref = make_mlp()
+        ropt = offload_adam.AdamW(ref.parameters(), **MLP_OPTS)
+    run(ref, ropt, 1, loss=mlp_loss)
+    run(ref, ropt, 2, start=2, loss=mlp_loss)
+    assert_same((model, opt), (ref, ropt))
 
 
 def test_grad_scale_after_early_steps_is_an_error(path):
@@ -308,7 +358,8 @@ def test_grad_scale_after_early_steps_is_an_error(path):
 def test_failing_early_kernel_leaves_stepped_params_consistent(path, monkeypatch):
     """An early step whose kernel raises: step() re-raises that exception, the
     bucket stepped before it has its param written (param == master rounded),
-    the failed and the skipped ones are not stepped, and training goes on."""
+    the failed and the skipped ones are not stepped, and training goes on. (In
+    files none is stepped: nothing is committed before step().)"""
     model = make_mlp()
     opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **MLP_OPTS)
     run(model, opt, 1, loss=mlp_loss)
@@ -326,11 +377,11 @@ def test_failing_early_kernel_leaves_stepped_params_consistent(path, monkeypatch
         opt.step()
     monkeypatch.undo()
     steps = steps_of(opt, model)
-    assert sorted(steps) == [1.0, 1.0, 1.0, 2.0]
+    assert sorted(steps) == ([1.0] * 4 if path.files else [1.0, 1.0, 1.0, 2.0])
     assert_param_is_master_rounded(opt, model)
     for p, b, n in zip(model.parameters(), before, steps):
         assert torch.equal(p, b) == (n == 1.0)
     opt.zero_grad()
     run(model, opt, 2, start=2, loss=mlp_loss)
-    assert sorted(steps_of(opt, model)) == [3.0, 3.0, 3.0, 4.0]
+    assert sorted(steps_of(opt, model)) == ([3.0] * 4 if path.files else [3.0, 3.0, 3.0, 4.0])
     assert_param_is_master_rounded(opt, model)

@@ -11,7 +11,8 @@ import offload_adam
 from offload_adam.engine import grads as engine_grads
 from offload_adam.freed_grad import is_freed
 from engine_watch import buckets_of
-from models import BF16, MLP_OPTS, OPTS, assert_same, loss_of, make_mlp, make_pair, mlp_loss
+from models import (BF16, MLP_OPTS, OPTS, assert_same, loss_of, make_mlp, make_pair, mlp_loss,
+                    states)
 
 
 
@@ -166,4 +167,4 @@ def test_opt_clip_after_unscale_without_verify_grads_is_an_error(sim):
                        r"GradScaler.unscale_\(opt\)"):
         scaler.step(opt)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert not any(opt.state.get(p) for p in model.parameters())
+    assert not any(states(opt).get(p) for p in model.parameters())

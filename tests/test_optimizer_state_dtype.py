@@ -13,7 +13,7 @@ import torch
 
 import offload_adam
 from offload_adam.state_format import QUANT_BLOCK, state_format
-from models import BF16, OPTS, assert_same, loss_of, make_pair, run
+from models import BF16, OPTS, assert_same, loss_of, make_pair, run, states
 
 FORMATS = [torch.float32, torch.bfloat16, "8bit"]
 MOMENT_DTYPE = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, "8bit": torch.uint8}
@@ -45,8 +45,9 @@ def test_the_block_size_is_the_kernels(kernels):
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_state_is_stored_in_the_format_and_equal_on_every_path(path, fmt):
     model, opt = train(fmt)
+    held = states(opt)
     for p in model.parameters():
-        st = opt.state.get(p)
+        st = held.get(p)
         if not st:
             continue
         assert st["master_param"].dtype == torch.float32
@@ -67,7 +68,7 @@ def test_host_memory_per_param(kernels):
     held = {}
     for fmt, name in zip(FORMATS, IDS):
         model, opt = train(fmt, steps=1)
-        n = sum(p.numel() for p in model.parameters() if opt.state.get(p))
+        n = sum(p.numel() for p in model.parameters() if states(opt).get(p))
         held[name] = opt.host_bytes() / n
     assert 12 <= held["fp32"] < 12.01
     assert 8 <= held["bf16"] < 8.01
@@ -116,7 +117,7 @@ def test_training_stays_close_to_fp32_moments(kernels, fmt):
         init = [p.detach().float().clone() for p in model.parameters()]
         opt = offload_adam.AdamW(model.parameters(), state_dtype=fmt, **OPTS)
         run(model, opt, 6)
-        return [opt.state[p]["master_param"] if opt.state.get(p) else None
+        return [states(opt)[p]["master_param"] if states(opt).get(p) else None
                 for p in model.parameters()], init
 
     ref, init = train_from_init(torch.float32)
@@ -141,7 +142,8 @@ def test_fp32_moments_for_torch_and_back(path, fmt):
     and 8-bit ones to within their own rounding."""
     model, opt = train(fmt, steps=2)
     sd = opt.state_dict(fp32_moments=True)
-    masters = [opt.state[p]["master_param"] for p in model.parameters() if opt.state.get(p)]
+    held = states(opt)
+    masters = [held[p]["master_param"] for p in model.parameters() if held.get(p)]
     for st in sd["state"].values():
         assert st["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in st
     ref = [torch.nn.Parameter(m.clone()) for m in masters]
@@ -159,10 +161,11 @@ def test_fp32_moments_for_torch_and_back(path, fmt):
     if fmt is torch.bfloat16:
         assert_same((model, opt), (model2, opt2))
     else:
+        held, held2 = states(opt), states(opt2)
         for p, q in zip(model.parameters(), model2.parameters()):
-            if opt.state.get(p):
-                torch.testing.assert_close(opt2.state[q]["master_param"],
-                                           opt.state[p]["master_param"], rtol=0, atol=3e-3)
+            if held.get(p):
+                torch.testing.assert_close(held2[q]["master_param"],
+                                           held[p]["master_param"], rtol=0, atol=3e-3)
 
 
 def test_8bit_codes_do_not_pass_for_torch_moments(path):
@@ -221,10 +224,11 @@ def test_8bit_state_of_codes_format_1_loads_converted(path):
     opt2.load_state_dict(sd)
     ids = [i for g in sd["param_groups"] for i in g["params"]]
     params = [p for g in opt2.param_groups for p in g["params"]]
+    held2 = states(opt2)
     for k, p in zip(ids, params):
         if k in want:
-            assert torch.equal(opt2.state[p]["exp_avg_sq"], want[k])
-            assert "exp_avg_sq_scale" not in opt2.state[p]
+            assert torch.equal(held2[p]["exp_avg_sq"], want[k])
+            assert "exp_avg_sq_scale" not in held2[p]
     model3, _ = make_pair()
     model3.load_state_dict(model.state_dict())
     opt3 = offload_adam.AdamW(model3.parameters(), state_dtype="8bit", **OPTS)
@@ -247,10 +251,11 @@ def test_a_state_dict_of_any_format_loads_into_any_other(path, saved, loaded):
     opt2 = offload_adam.AdamW(model2.parameters(), state_dtype=loaded, **OPTS)
     opt2.load_state_dict(sd)
     run(model2, opt2, 1, start=2)
+    held, held2 = states(opt), states(opt2)
     for p, q in zip(model.parameters(), model2.parameters()):
-        if not opt.state.get(p):
+        if not held.get(p):
             continue
-        st, st2 = opt.state[p], opt2.state[q]
+        st, st2 = held[p], held2[q]
         assert st2["exp_avg"].dtype == MOMENT_DTYPE[loaded] and float(st2["step"]) == 3.0
         # a format without block scales keeps none of the saved ones
         assert {k for k in st2 if k.endswith("_scale")} == (
@@ -275,7 +280,9 @@ def test_bad_state_dtype_and_8bit_amsgrad_are_clear_errors(path):
                              "amsgrad": True})
     opt.param_groups[0]["amsgrad"] = True  # turned on by hand after construction
     p.grad = torch.ones_like(p)
-    with pytest.raises(ValueError, match="amsgrad=True cannot be used"):
+    # (state files refuse any change of amsgrad first: options.py)
+    with pytest.raises(ValueError, match="state_dtype and amsgrad cannot change with state_dirs="
+                       if path.files else "amsgrad=True cannot be used"):
         opt.step()
     assert state_format("bf16") is state_format(torch.bfloat16)
 
@@ -287,8 +294,8 @@ def test_a_group_can_keep_fp32_moments(path):
                                + list(model.head.parameters())}],
                              state_dtype="8bit", **OPTS)
     run(model, opt, 2)
-    assert opt.state[model.embed.weight]["exp_avg"].dtype == torch.float32
-    assert opt.state[model.head.weight]["exp_avg"].dtype == torch.uint8
+    assert states(opt)[model.embed.weight]["exp_avg"].dtype == torch.float32
+    assert states(opt)[model.head.weight]["exp_avg"].dtype == torch.uint8
 
 
 def test_clipping_and_grad_scaler_with_reduced_state(path):
@@ -309,16 +316,24 @@ def test_clipping_and_grad_scaler_with_reduced_state(path):
 
 
 def test_a_changed_state_dtype_is_converted_in_place_and_refused_by_the_engine(path):
+    # (and refused by the state files, laid out for the format: options.py)
     model, opt = train(torch.float32, steps=1)
     for g in opt.param_groups:
         g["state_dtype"] = "bfloat16"
     loss_of(model, 1).backward()
-    if path.engine:
+    if path.files:
+        params = [p.clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"state_dtype and amsgrad cannot change with "
+                                             r"state_dirs= \(the files hold state_dtype='float32'"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+        assert states(opt)[model.head.weight]["exp_avg"].dtype == torch.float32
+    elif path.engine:
         with pytest.raises(ValueError, match="state_dtype changed from 'float32' to 'bfloat16'"):
             opt.step()
     else:
         opt.step()
-        assert opt.state[model.head.weight]["exp_avg"].dtype == torch.bfloat16
+        assert states(opt)[model.head.weight]["exp_avg"].dtype == torch.bfloat16
 
 
 def test_a_group_changed_from_8bit_keeps_no_block_scales(kernels):
@@ -330,6 +345,6 @@ def test_a_group_changed_from_8bit_keeps_no_block_scales(kernels):
         g["state_dtype"] = "bfloat16"
     loss_of(model, 1).backward()
     opt.step()
-    for st in opt.state.values():
+    for st in states(opt).values():
         assert st["exp_avg"].dtype == torch.bfloat16
         assert not {k for k in st if k.endswith("_scale")}

@@ -1,5 +1,6 @@
 """Test support, not part of the optimizer: the asynchronous simulated device
-(sim_device.py) and the switch that runs optimizers on it.
+(sim_device.py), the switch that runs optimizers on it, and one that keeps
+their state in files.
 
     from offload_adam.testing import AsyncSimDevice, simulated
 
@@ -10,21 +11,37 @@
     sim.check()                                # raises the ordering violations seen
     sim.close()
 
+    from offload_adam.testing import state_in_files
+
+    with state_in_files(tmp_dir):
+        opt = offload_adam.AdamW(params)   # as if given state_dirs=<a new folder in tmp_dir>
+
+state_in_files(root) gives every optimizer built inside it with state_dirs=None
+a new directory of its own under `root` (an existing directory) as its
+state_dirs (each its own: two optimizers on one directory refuse each other).
+Nested in simulated(), the engine steps over the files' buckets.
+
 settle(opt) waits for the CPU steps an optimizer has queued (step_in_backward
 starts them during backward), for tests that read its state before step().
 state_files(opt) and ring_buffers(opt) show an optimizer's state files
-(state_dirs=) to the tests that check or damage them.
+(state_dirs=) to the tests that check or damage them; in_files(opt) says whether
+it has them, files_stepped_early(opt) how many params its files' pass stepped
+during the backward just run (step_in_backward: nothing shows in its state
+before step() commits).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator, Optional
 
 from ..engine.device import host_stand_in
+from ..options import state_root
 from .sim_device import AsyncSimDevice, SimEvent
 
-__all__ = ["AsyncSimDevice", "SimEvent", "ring_buffers", "settle", "simulated", "state_files"]
+__all__ = ["AsyncSimDevice", "SimEvent", "files_stepped_early", "in_files", "ring_buffers",
+           "settle", "simulated", "state_files", "state_in_files"]
 
 
 @contextlib.contextmanager
@@ -37,6 +54,15 @@ def simulated(device: Optional[AsyncSimDevice]) -> Iterator[Optional[AsyncSimDev
         yield device
 
 
+@contextlib.contextmanager
+def state_in_files(root) -> Iterator[Optional[str]]:
+    """Optimizers built inside this block with state_dirs=None keep their state in
+    files, each in a new directory under `root`. state_in_files(None) builds them
+    the normal way again inside an outer block (a reference run)."""
+    with state_root(None if root is None else os.fspath(root)) as where:
+        yield where
+
+
 def settle(optimizer) -> None:
     """Waits until every CPU step `optimizer` has queued has run: with
     step_in_backward, those started during backward. A test may then read or
@@ -45,6 +71,19 @@ def settle(optimizer) -> None:
     engine = getattr(optimizer, "_engine", None)
     if engine is not None:
         engine.drain()
+
+
+def in_files(optimizer) -> bool:
+    """Whether the optimizer keeps its state in files (state_dirs=)."""
+    return getattr(getattr(optimizer, "_store", None), "state", None) is not None
+
+
+def files_stepped_early(optimizer) -> int:
+    """How many params the files' pass stepped during the backward just run
+    (step_in_backward with state_dirs=), once the steps it queued have run."""
+    settle(optimizer)
+    early = _file_store(optimizer)._early
+    return len({id(rec.param) for rec in (early.stepped if early is not None else ())})
 
 
 def _file_store(optimizer):
