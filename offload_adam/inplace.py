@@ -20,7 +20,7 @@ import torch
 from .cpu_step import CpuCall, contiguous_grad
 from .distributed import local
 from .kernel_state import kernel_state
-from .master_rule import MasterMarks, take_from_param
+from .master_rule import PLAIN, MasterMarks, take_from_param
 from .param_state import ParamState
 from .params import check_dense, param_label, rounds_to
 from .state_format import MASTER_KEY, StateFormat, state_format
@@ -92,11 +92,15 @@ class InPlace:
                 if c >= 0:
                     return None
                 continue
-            if (c < 0 or g.dtype is not plan.calls[c].dtype or p.dtype is not plan.calls[c].dtype
-                    or local(p).data_ptr() != plan.ptrs[i]):
+            if c < 0 or g.dtype is not plan.calls[c].dtype or p.dtype is not plan.calls[c].dtype:
                 return None
-            check_dense(g, f"param {param_label(group, index, i, p)}")
-            grads[c].append(contiguous_grad(p))
+            plain = type(p) in PLAIN   # (per param per step: the common case kept short)
+            if (p if plain else local(p)).data_ptr() != plan.ptrs[i]:
+                return None
+            if g.layout is not torch.strided:   # (the label only for the error)
+                check_dense(g, f"param {param_label(group, index, i, p)}")
+            grads[c].append((g if g.is_contiguous() else g.contiguous()) if plain
+                            else contiguous_grad(p))
         return grads
 
     @staticmethod

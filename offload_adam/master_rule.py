@@ -38,14 +38,16 @@ Mark = Tuple[int, int, int]
 def mark(p: torch.Tensor) -> Mark:
     """How param p is now: the version counters of the param and of its local data (a
     DTensor's shard: either may be the one a write bumps) and the data's address."""
-    if type(p) in _PLAIN:   # (the common case, asked per param per step: kept short)
+    if type(p) in PLAIN:   # (the common case, asked per param per step: kept short)
         v = p._version
         return v, v, p.data_ptr()
     t = local(p)
     return p._version, t._version, t.data_ptr()
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Tensors that are their own local data (not a DTensor): a fast path where a step asks
+# something of every param.
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class MasterMarks:
