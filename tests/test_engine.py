@@ -695,17 +695,9 @@ def test_backward_that_raises_halfway(path):
     assert_same(*results)
 
 
-# Left out: the engine with the state in files, then="backward". There the group is
-# refused and nothing re-buckets, which shows an engine bug (in RAM too, without
-# add_param_group): a backward that raised leaves its packed grads waiting in the
-# engine's packs; the next backward copies those grads again and appends them a
-# second time, and the flush at its end sends both, so their copies count -1 unsent
-# and step() raises "internal error: a bucket's step started before all of its grads
-# were sent to the host" (engine/core.py, OffloadEngine._copy and BucketJob.kernel).
 @pytest.mark.parametrize("trained_before", [False, True])
 @pytest.mark.parametrize("path,then", [
-    (p, then) for p in PATHS for then in ["step", "backward", "zero_grad"]
-    if not (p.startswith("sim") and p.endswith("+files") and then == "backward")],
+    (p, then) for p in PATHS for then in ["step", "backward", "zero_grad"]],
     indirect=["path"])
 def test_add_param_group_after_a_backward_that_raised(path, trained_before, then):
     """A backward that raised left grads hooked halfway (the last layer's, in a

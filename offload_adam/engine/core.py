@@ -313,6 +313,10 @@ class OffloadEngine:
                 # Pieces are ranges of the flat grad: one contiguous copy, on
                 # the D2H stream, in order with the copies that read it.
                 g = self.device.contiguous(g, after)
+            if rec.copy is not None and rec.copy.unsent:
+                # an older copy's pieces still wait in their packs (a backward that
+                # raised): they go no more, this copy replaces them
+                self._drop_from_packs(rec)
             rec.copy = GradCopy(grad, fp, len(rec.pieces))
             for piece in rec.pieces:
                 if piece.packed:
@@ -324,6 +328,14 @@ class OffloadEngine:
         for index in list(self._packs):
             if flush or self._pack_complete(self.buckets[index]):
                 self._send(self._packs.pop(index), after)
+
+    def _drop_from_packs(self, rec: ParamRec) -> None:
+        for index in {p.bucket.index for p in rec.pieces if p.packed}:
+            left = [(p, g) for p, g in self._packs.get(index, ()) if p.rec is not rec]
+            if left:
+                self._packs[index] = left
+            else:
+                self._packs.pop(index, None)
 
     def _pack_complete(self, bucket: Bucket) -> bool:
         """Every packed piece of `bucket` that came in the last backward came."""
