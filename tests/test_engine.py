@@ -271,13 +271,7 @@ def test_add_param_group_while_training(path):
         run(model, opt, 1)
         group = {"params": list(model.embed.parameters()) + list(model.head.parameters()),
                  "lr": 1e-2}
-        if refused:
-            with pytest.raises(NotImplementedError, match="add_param_group cannot be used "
-                                                          "with state_dirs="):
-                opt.add_param_group(group)
-            assert len(opt.param_groups) == 1
-        if adds:
-            opt.add_param_group(group)
+        _add_group(opt, group, adds, refused)
         run(model, opt, 2, start=1)
         return model, opt
 
@@ -695,6 +689,18 @@ def test_backward_that_raises_halfway(path):
     assert_same(*results)
 
 
+def _add_group(opt, group, adds, refused):
+    """opt.add_param_group(group) when `adds`; `refused` (the state in files): it raises
+    NotImplementedError and leaves the optimizer with its one group."""
+    if refused:
+        with pytest.raises(NotImplementedError, match="add_param_group cannot be used "
+                                                      "with state_dirs="):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1
+    if adds:
+        opt.add_param_group(group)
+
+
 @pytest.mark.parametrize("trained_before", [False, True])
 @pytest.mark.parametrize("path,then", [
     (p, then) for p in PATHS for then in ["step", "backward", "zero_grad"]],
@@ -721,13 +727,7 @@ def test_add_param_group_after_a_backward_that_raised(path, trained_before, then
         if then == "zero_grad":
             opt.zero_grad()
         group = {"params": list(extra.parameters()), "lr": 1e-2}
-        if refused:
-            with pytest.raises(NotImplementedError, match="add_param_group cannot be used "
-                                                          "with state_dirs="):
-                opt.add_param_group(group)
-            assert len(opt.param_groups) == 1
-        if adds:
-            opt.add_param_group(group)
+        _add_group(opt, group, adds, refused)
         if then != "step":
             (mlp_loss(model, 1) + extra(torch.ones(2, 4).to(BF16)).float().pow(2).sum()).backward()
         opt.step()
