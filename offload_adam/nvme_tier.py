@@ -92,6 +92,14 @@ class FileStore:
     state_store.py. `engine`: the offload engine stepping some of them (its records name
     which), or None; `state`: optimizer.state, given an entry per param stepped."""
 
+    # A pass commits the step only at its end: a bucket stepped before a second Ctrl-C
+    # would leave its params ahead of their files. So every Ctrl-C is held until the
+    # pass ends (a hard kill is what the files are crash-safe against).
+    interrupt_note = ("offload_adam: Ctrl-C held until this step ends: the state files are "
+                      "being written, and a bucket already stepped would be ahead of them. "
+                      "To stop at once, kill the process (Ctrl-\\ or kill -9); "
+                      "state_resume=True restores the last completed step.")
+
     def __init__(self, param_groups, params: List[List[torch.Tensor]], dirs, bucket_mb: float,
                  budget_mb: Optional[float], resume: bool = False, engine=None,
                  process_group=None, marks: Optional[MasterMarks] = None, state=None):

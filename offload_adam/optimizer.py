@@ -335,7 +335,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped
             return loss
         num_threads = self._inplace_threads()
-        with interrupts_deferred():  # Ctrl-C: the whole step, then KeyboardInterrupt
+        # Ctrl-C: the whole step, then KeyboardInterrupt (a second one: see the store)
+        with interrupts_deferred(self._store.interrupt_note):
             store_pass = self._store.pass_(self.param_groups, self.state, scale)
             with contextlib.closing(store_pass):   # an error: nothing committed
                 for lent in store_pass:   # the store's order; its end commits

@@ -19,7 +19,7 @@
 Both answer the optimizer and its mixins (optimizer.py, torch_state_dict.py,
 grad_scaling.py) through the same methods: `pass_`, `grads` (clipping's norm of the
 in-place params), `add_state` / `load` (the state dict), `add_group`, `reset`,
-`step_count`, `host_bytes`, `pinned`, `close` (the engine, a stepper, answers for its
+`step_count`, `host_bytes`, `pinned`, `close`, `interrupt_note` (the engine, a stepper, answers for its
 own memory). Nothing outside the stores asks which one it is. `open_store` builds the
 one the routing names.
 """
@@ -60,6 +60,10 @@ class Lent:
 class RamStore:
     """The state in host RAM: a CPU param's in optimizer.state (inplace.py), an engine
     param's in the engine's host arenas (optimizer.state shows views of them)."""
+
+    # A second Ctrl-C in step() gives up the buckets not started: each param's state
+    # and value move together, so each param is stepped or not, never half.
+    interrupt_note = None
 
     def __init__(self, routing: Routing, marks: MasterMarks, engine=None):
         self._routing, self._marks, self.engine = routing, marks, engine

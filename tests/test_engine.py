@@ -610,8 +610,8 @@ def test_a_kernel_error_surfaces_with_the_original_exception(path, monkeypatch):
     assert_param_is_master_rounded(opt, model)
 
 
-def _interrupts_in_first_kernel(count):
-    """A kernel wrapper that, in the first kernel call only, sends `count`
+def _interrupts_in_kernel(count, at):
+    """A kernel wrapper that, in kernel call `at` only, sends `count`
     SIGINTs to the main thread and gives each time to be handled (the sleep is
     sliced so that the main thread, when it is the one waiting here, runs its
     handler between slices). Sent from inside the step, not from timers, so
@@ -620,7 +620,7 @@ def _interrupts_in_first_kernel(count):
 
     def before_step(args):
         calls.append(1)
-        if len(calls) > 1:
+        if len(calls) != at:
             return
         for _ in range(count):
             _thread.interrupt_main()
@@ -632,29 +632,40 @@ def _interrupts_in_first_kernel(count):
 
 @pytest.mark.usefixtures("sigint_raises")
 @pytest.mark.parametrize("interrupts", [1, 2])
-def test_keyboard_interrupt_in_step_then_training_goes_on(path, monkeypatch, interrupts):
+@pytest.mark.parametrize("last", [False, True])
+def test_keyboard_interrupt_in_step_then_training_goes_on(path, monkeypatch, capfd, interrupts, last):
     """One ^C in step(): every bucket is still stepped, then KeyboardInterrupt
     (the step is all or nothing). A second ^C gives up on the buckets not
-    started; each param is then stepped or not, never half. Either way the
-    next iteration runs."""
+    started; each param is then stepped or not, never half. With the state in
+    files a second ^C is held too (a bucket stepped would be ahead of the files
+    until the pass commits), and a line on stderr says why and how to stop at
+    once. Either way the next iteration runs. The ^Cs come in the first kernel
+    call of the second step, or in its `last` (the buckets before it are done)."""
     model = make_mlp()
     opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
-    kernels_that(monkeypatch, _interrupts_in_first_kernel(interrupts))
+    calls = []
+    kernels_that(monkeypatch, calls.append)
     mlp_loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    kernels_that(monkeypatch, _interrupts_in_kernel(interrupts, len(calls) if last else 1))
+    mlp_loss(model, 1).backward()
     before = [p.clone() for p in model.parameters()]
+    capfd.readouterr()
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     steps = steps_of(opt, model)
-    if interrupts == 1:
+    held = "the state files are being written" in capfd.readouterr().err
+    if interrupts == 1 or path.files or (path.engine and last):
+        assert steps == [2.0] * len(steps)
+    elif path.engine:  # the bucket running finishes, those queued are dropped
+        assert 1 < sum(steps) / len(steps) < 2 and set(steps) <= {1.0, 2.0}
+    else:  # in place, one kernel call: the second ^C came before it started
         assert steps == [1.0] * len(steps)
-    elif path.engine and not path.files:  # the bucket running finishes, those queued are dropped
-        assert 0 < sum(steps) < len(steps) and set(steps) <= {0.0, 1.0}
-    else:  # in place, one kernel call (with the state in files the kernels run on the
-        # caller's thread): the second ^C came before the first started
-        assert steps == [0.0] * len(steps)
     # a param not stepped is as it was
-    assert all(torch.equal(p, b) for p, b, n in zip(model.parameters(), before, steps) if n == 0)
+    assert all(torch.equal(p, b) for p, b, n in zip(model.parameters(), before, steps) if n == 1)
     assert_param_is_master_rounded(opt, model)
+    assert held == (interrupts == 2 and path.files)
     monkeypatch.undo()
     opt.zero_grad()
     mlp_loss(model, 1).backward()

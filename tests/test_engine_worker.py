@@ -75,6 +75,22 @@ def test_interrupts_deferred_holds_the_first_and_nests():
 
 
 @pytest.mark.usefixtures("sigint_raises")
+def test_interrupts_deferred_can_hold_every_one_and_say_why(capsys):
+    """hold_all (a pass over the state files): every SIGINT is held to the block's
+    end, and the second one writes the note to stderr, once."""
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred(hold_all="why and how to stop"):
+            for _ in range(3):
+                _thread.interrupt_main()
+                time.sleep(0.05)
+            reached.append("end of block")
+    assert reached == ["end of block"]
+    assert capsys.readouterr().err == "why and how to stop\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.usefixtures("sigint_raises")
 def test_a_cancelled_step_finishes_a_param_it_started():
     """After an interrupt, the jobs not started are skipped, except one that
     continues the job before it when that one ran (a param cut in pieces)."""

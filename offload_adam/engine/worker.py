@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import signal
+import sys
 import threading
 from typing import Callable, Iterator, Optional
 
@@ -106,14 +107,16 @@ class Worker:
 
 
 @contextlib.contextmanager
-def interrupts_deferred() -> Iterator[bool]:
+def interrupts_deferred(hold_all: Optional[str] = None) -> Iterator[bool]:
     """Makes a step all or nothing under Ctrl-C: on the main thread with
     Python's default SIGINT handler, the first SIGINT inside the block is held
     until the block ends and then raised as KeyboardInterrupt; a second one is
     raised at once (the user insists: the buckets not started are left alone).
-    Yields whether it is deferring (elsewhere, or under a handler of the
-    user's, signals keep their usual course). Nested blocks share the outer
-    one's hold."""
+    `hold_all`: a block that must not be given up halfway (a pass over the state
+    files, which commits only at its end) holds every SIGINT, and at the second
+    writes this line to stderr once: why, and how to stop at once. Yields
+    whether it is deferring (elsewhere, or under a handler of the user's,
+    signals keep their usual course). Nested blocks share the outer one's hold."""
     current = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     if getattr(current, "offload_adam_hold", False):
         yield True
@@ -124,8 +127,10 @@ def interrupts_deferred() -> Iterator[bool]:
     held = []
 
     def hold(signum, frame):
-        if held:
+        if held and hold_all is None:
             raise KeyboardInterrupt
+        if len(held) == 1:
+            sys.stderr.write(hold_all + "\n")
         held.append(signum)
     hold.offload_adam_hold = True
 
