@@ -4,8 +4,9 @@ Importing the package compiles nothing; the kernels are built (or the prebuilt
 extension is loaded) on the first optimizer step or the first call below.
 """
 from .optimizer import Adam, AdamW
+from .param_stream import ParamStreamer, stream_params
 
-__all__ = ["Adam", "AdamW", "kernel_isa", "supported_isas"]
+__all__ = ["Adam", "AdamW", "ParamStreamer", "kernel_isa", "stream_params", "supported_isas"]
 
 
 def kernel_isa() -> str:

@@ -1,9 +1,12 @@
 """What every path says about a param: the dtypes it may have, how an error
 names it, the one device of an optimizer's params, whether a master still rounds to
-its param, and the refusal of sparse grads (in place, the engine and the NVMe
-tier raise the same words)."""
+its param, the refusal of sparse grads (in place, the engine and the NVMe
+tier raise the same words), and where a streamed param's values live between uses
+(`home_of`: param_stream.py registers them, the engine reads and writes them)."""
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -45,3 +48,28 @@ def check_dense(grad: torch.Tensor, label: str) -> None:
         raise RuntimeError(
             f"offload_adam does not support sparse gradients ({label}, grad layout "
             f"{grad.layout}); consider torch.optim.SparseAdam")
+
+
+_homes: dict = {}   # id(param) -> (weak reference to it, its Home): by identity
+
+
+def home_of(p: torch.Tensor):
+    """The `Home` of a streamed param (param_stream.py): its values in host memory, which
+    the optimizer reads and steps instead of the device copy; None for any other."""
+    if not _homes:
+        return None
+    entry = _homes.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
+
+
+def set_home(p: torch.Tensor, home) -> None:
+    """Registers (or, with None, forgets) the home of streamed param p."""
+    key = id(p)
+    if home is None:
+        _homes.pop(key, None)
+        return
+
+    def gone(ref, key=key):
+        if _homes.get(key, (None,))[0] is ref:
+            del _homes[key]
+    _homes[key] = (weakref.ref(p, gone), home)

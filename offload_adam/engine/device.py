@@ -24,6 +24,10 @@ from the device is this (`dsts`/`srcs`: a tensor or equal-length lists):
                                               user's that issues device work (the
                                               engine's worker): its device, its stream
     pin(t) / unpin(t)                        page-lock host memory in place, and undo it
+    materialize(t) / release(t)              give device tensor t's storage its bytes (on
+                                              the current stream), and take them back
+                                              (param_stream.py: a streamed block's params
+                                              between uses hold no device memory)
 
 In a list, small host views that abut (a bucket's packed buffers, layout.py)
 go as one copy through a temporary on the device (a gather before D2H, a
@@ -131,8 +135,19 @@ class HostDevice:
     def unpin(self, t: torch.Tensor) -> None:
         pass
 
+    def materialize(self, t: torch.Tensor) -> None:
+        t.untyped_storage().resize_(_nbytes(t))
+
+    def release(self, t: torch.Tensor) -> None:
+        t.untyped_storage().resize_(0)
+
     def default_num_threads(self) -> int:
         return torch.get_num_threads()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """The storage bytes device tensor `t` (a streamed param's) needs."""
+    return (t.storage_offset() + t.numel()) * t.element_size()
 
 
 def _register(t: torch.Tensor) -> None:
@@ -268,6 +283,20 @@ class CudaDevice:
 
     def unpin(self, t: torch.Tensor) -> None:
         _unregister(t)
+
+    def materialize(self, t: torch.Tensor) -> None:
+        # Allocated on the current (compute) stream: an H2D copy into it waits for a
+        # fence taken after this, so it cannot overwrite memory whose last compute
+        # reader (the caching allocator's previous owner) has not run yet.
+        with torch.cuda.device(self.device):
+            t.untyped_storage().resize_(_nbytes(t))
+
+    def release(self, t: torch.Tensor) -> None:
+        # Freed in the current stream's order; a side-stream copy into it was recorded
+        # on its stream (record_stream in _copy), so the memory is not handed out again
+        # before that copy ran either.
+        with torch.cuda.device(self.device):
+            t.untyped_storage().resize_(0)
 
     def default_num_threads(self) -> int:
         # Leave one core to the thread that drives the GPU.

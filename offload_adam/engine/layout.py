@@ -30,7 +30,7 @@ import torch
 
 from ..distributed import local
 from ..param_state import ParamState
-from ..params import LOW_PRECISION
+from ..params import LOW_PRECISION, home_of
 from ..state_format import FLOAT32, QUANT_BLOCK, SCALE_KEYS, StateFormat, scale_len
 from .host_memory import HostArenas
 from .packed_copy import PACK_BELOW_BYTES
@@ -49,7 +49,10 @@ class ParamRec:
 
     def __init__(self, param: torch.Tensor, group: int, position: int,
                  fmt: StateFormat = FLOAT32):
-        t = local(param)
+        # A streamed param (param_stream.py) is read and written in its host copy: its
+        # device tensor holds its values only while its block computes.
+        self.home = home_of(param)
+        t = self.home.tensor if self.home is not None else local(param)
         self.param = param
         self.group = group
         self.position = position           # registration order
@@ -78,7 +81,17 @@ class ParamRec:
 
     def live(self) -> torch.Tensor:
         """The param's local tensor now, checked against what it was when the
-        optimizer was built (`p.data = ...` or `model.to(...)` may change it)."""
+        optimizer was built (`p.data = ...` or `model.to(...)` may change it). A
+        streamed param's is its host copy (`home`)."""
+        home = home_of(self.param)
+        if home is not self.home:
+            raise RuntimeError(
+                f"offload_adam: {self.label()} "
+                + ("streams (stream_params) since the optimizer was built: build the "
+                   "optimizer after stream_params()" if home is not None else
+                   "no longer streams (its streamer was closed): build a new optimizer"))
+        if home is not None:
+            return home.tensor
         t = local(self.param).detach()
         if t.dtype != self.dtype or tuple(t.shape) != self.shape:
             raise RuntimeError(

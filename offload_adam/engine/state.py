@@ -86,11 +86,23 @@ def _bound(rec, st: dict) -> bool:
                     if getattr(rec, key) is not None))
 
 
+def read_params(device, dsts: Sequence, pieces: Sequence) -> None:
+    """Copies each piece of its param into the host tensor beside it in `dsts`, and waits:
+    from the device, or from a streamed param's host copy (param_stream.py)."""
+    went = []
+    for dst, p in zip(dsts, pieces):
+        if p.rec.home is not None:
+            dst.copy_(p.of(p.rec.live()))
+        else:
+            went.append(device.d2h(dst, p.of(p.rec.live())))
+    device.wait_host(*went)
+
+
 def _masters_from_params(device, recs: Sequence) -> None:
     pieces = [p for rec in recs for p in rec.pieces]
     device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
-    device.wait_host(*[device.d2h(p.staging if p.rec.low_precision else p.state("master"),
-                                  p.of(p.rec.live())) for p in pieces])
+    read_params(device, [p.staging if p.rec.low_precision else p.state("master")
+                         for p in pieces], pieces)
     for p in pieces:
         if p.rec.low_precision:
             p.state("master").copy_(p.staging)
@@ -109,8 +121,7 @@ def follow_masters(device, recs: Sequence, marks: MasterMarks) -> None:
     if check:
         pieces = [p for rec in check for p in rec.pieces]
         device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
-        device.wait_host(device.d2h([p.staging for p in pieces],
-                                    [p.of(p.rec.live()) for p in pieces]))
+        read_params(device, [p.staging for p in pieces], pieces)
 
     def stale(rec) -> bool:
         return not rec.low_precision or not all(

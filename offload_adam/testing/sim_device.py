@@ -45,7 +45,15 @@ CUDA leaves to the programmer:
   * a copy whose host source changed between queueing and executing, or whose
     device source changed although nothing ordered the change after the copy;
   * a host buffer unpinned (freed) while a copy still uses it; it is poisoned
-    too, so that copy moves NaN.
+    too, so that copy moves NaN;
+  * device memory given back (`release`, a streamed param between uses) while a
+    copy into it is neither published nor waited for; memory given out again
+    (`materialize`) counts as written by the caller's stream at that moment, so a
+    copy into it must be ordered after that (the memory's last reader may not
+    have run on a GPU).
+
+It counts what a test of memory and traffic asks (`counters()`): the bytes each
+copy direction moved, and device memory given out by `materialize` (now and peak).
 
 Every violation is recorded with a message; `check()` raises them (tests call
 it at the end of each test). The engine cannot tell this device from a GPU: it
@@ -232,6 +240,8 @@ class AsyncSimDevice:
         self._freed: list = []               # spans of unpinned host buffers
         self._freed_tensors: list = []
         self._pinned: list = []              # spans of pinned host buffers
+        self._moved = {"d2h": 0, "h2d": 0}   # bytes each direction copied
+        self._held = self._peak = 0          # device bytes materialized, now and at most
         self.violations: List[str] = []
         self._mode = _Watch(self)
         self._streams = {"d2h": _Stream(self, "d2h"), "h2d": _Stream(self, "h2d")}
@@ -261,6 +271,53 @@ class AsyncSimDevice:
             # unpinning frees nothing while tensors (a state_dict's views) hold
             # the memory, on a GPU as here.
             _poison(t)
+
+    def materialize(self, t: torch.Tensor) -> None:
+        """Gives device tensor t's storage its bytes: new memory, uninitialised (NaN),
+        written by the caller's stream now (a copy into it waits for a fence after)."""
+        nbytes = (t.storage_offset() + t.numel()) * t.element_size()
+        with _unchecked():
+            t.untyped_storage().resize_(nbytes)
+        _poison(t)
+        with self.lock:
+            self._epoch += 1
+            self._last_access[_span(t)[0]] = {_compute_stream(): (-1, self._epoch)}
+            self._held += nbytes
+            self._peak = max(self._peak, self._held)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Takes t's bytes back (a resize to 0, as CudaDevice does). A copy into it
+        that nothing ordered before the release is a violation; it runs first here
+        (on a GPU it would write memory handed out again)."""
+        span = _span(t)
+        stream = _compute_stream()
+        with self.lock:
+            pending = [op for op in self._in_flight()
+                       if any(_overlaps(span, s) for s in op.device_side)]
+            for op in pending:
+                if not (op.host_synced or stream in op.published_to):
+                    self._violation(f"device memory was released while {op.name()} still "
+                                    "used it (neither published to the releasing stream "
+                                    "nor waited for)")
+        for op in pending:
+            self._force(op)
+            op.executed.wait()
+        with self.lock:
+            self._last_access.pop(span[0], None)
+            self._held -= t.untyped_storage().nbytes()
+        with _unchecked():
+            t.untyped_storage().resize_(0)
+
+    def counters(self) -> dict:
+        """Bytes copied host->device and device->host so far, and the device bytes
+        materialized now and at most (`reset_peak` starts a new peak)."""
+        with self.lock:
+            return {"h2d_bytes": self._moved["h2d"], "d2h_bytes": self._moved["d2h"],
+                    "materialized_bytes": self._held, "peak_materialized_bytes": self._peak}
+
+    def reset_peak(self) -> None:
+        with self.lock:
+            self._peak = self._held
 
     def fence(self) -> SimEvent:
         self._last_fence = self._now()   # what an h2d without `after` waits for
@@ -404,6 +461,8 @@ class AsyncSimDevice:
         def body():
             run_plan(runs, host, device, to_host, empty=_temporary, non_blocking=False)
         writes, reads = (spans, device) if to_host else (device, spans)
+        with self.lock:
+            self._moved[kind] += sum(t.numel() * t.element_size() for t in device)
         return self._queue(kind, writes, reads, after, body).transfer
 
     def _queue(self, kind, dsts, srcs, after: SimEvent, body) -> _Copy:

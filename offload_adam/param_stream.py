@@ -1,0 +1,420 @@
+"""Params off the device between uses: each streamed block's params wait in host memory
+and come in just before the block runs, for its forward and again for its backward.
+
+    streamer = offload_adam.stream_params(model, blocks=LlamaDecoderLayer, prefetch=2)
+    opt = offload_adam.AdamW(model.parameters())   # built after: it steps the host copies
+
+The data path of one block (a module whose params stream), in the order of its uses:
+
+    host copy (pinned, the param's dtype) --H2D on a side stream, up to k uses ahead-->
+    the param's device storage
+    forward pre-hook   the copy is published to the compute stream; the next k uses of
+                       the recorded order are fetched
+    forward hook       the storage is given back; hooks on the outputs (the block's
+                       backward is next: fetch it again) and the inputs (it is done)
+    backward           fetched when the grads of its outputs arrive (before its recompute
+                       under activation checkpointing too), given back once the grads of
+                       its inputs are computed, or at the end of backward
+    step()             the CPU step writes the new values into the host copy: the engine
+                       reads and writes a streamed param's `Home`, never its device copy,
+                       so nothing goes back to the device at step()
+
+Between uses a streamed param holds no device memory: its storage is resized to 0 and the
+param shows a placeholder of its shape that reads as NaN (one element, expanded): a stray
+read is loud, a write raises, and shapes and counts stay right. The storage object stays
+the same, so the views of the param that autograd saved in forward (a Linear's
+weight.t()) see the values again once backward fetched them. `model.state_dict()` shows
+the host copies; `load_state_dict` writes them.
+
+The order of uses (block, forward or backward) is recorded over the first micro-batch (to
+the end of its backward) and the prefetch follows it; a use off the recorded order is
+fetched on demand, never wrong. Device memory for params is at most (k + 2) x the largest
+block beyond the resident params (those outside the blocks: embeddings, norms, a tied
+head): the block in use, k ahead, and one given back whose compute may still be queued.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .engine.device import current_host_stand_in, make_device
+from .params import home_of, set_home
+
+__all__ = ["ParamStreamer", "stream_params"]
+
+BlockSpec = Union[type, Tuple[type, ...], Iterable[str], Callable[[str, torch.nn.Module], bool]]
+_ALIGN = 64   # bytes: each host copy starts on a cache line
+
+
+class Home:
+    """A streamed param's values in host memory: what the optimizer reads and steps."""
+
+    def __init__(self, tensor: torch.Tensor, block: "_Block"):
+        self.tensor, self.block = tensor, block
+
+    def before_write(self) -> None:
+        """Waits until no copy to the device still reads this block's host copies (the
+        host is about to rewrite them)."""
+        self.block.settle()
+
+
+class _Block:
+    """One streamed module: its params, their host copies and device tensors, and where
+    they are: "away" (no device memory), "coming" (copy queued), "here" (published)."""
+
+    def __init__(self, streamer: "ParamStreamer", index: int, name: str,
+                 module: torch.nn.Module, params: List[Tuple[str, torch.nn.Parameter]]):
+        self.streamer, self.index, self.name, self.module = streamer, index, name, module
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.state = "away"
+        self.copies: list = []    # its last fetch's H2D copies, until the host waited for them
+        self.homes: List[torch.Tensor] = []
+        self.device_tensors: List[torch.Tensor] = []
+        self.placeholders: List[torch.Tensor] = []
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+
+    def settle(self) -> None:
+        if self.copies:
+            self.streamer.device.wait_host(*self.copies)
+            self.copies = []
+
+
+class _AfterBackward(torch.autograd.Function):
+    """The identity on a block's inputs; its backward runs once the grads of all of
+    them are computed, that is, once the block's backward is done."""
+
+    @staticmethod
+    def forward(ctx, done, *xs):
+        ctx.done = done
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None,) + grads
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class ParamStreamer:
+    """The streaming of one model's blocks (see the module docstring); made by
+    `stream_params`. `fetched_bytes`: host-to-device bytes of params sent so far."""
+
+    def __init__(self, model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
+                 device=None):
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"offload_adam.stream_params: prefetch must be an int >= 0, "
+                             f"got {prefetch!r}")
+        self.model, self.prefetch = model, prefetch
+        self.device, self.torch_device = _device_of(model, device)
+        self.blocks = [_Block(self, i, name, m, params)
+                       for i, (name, m, params) in enumerate(_find_blocks(model, blocks))]
+        if not self.blocks:
+            raise ValueError("offload_adam.stream_params: no module of the model matches "
+                             f"blocks={blocks!r}")
+        self.fetched_bytes = 0
+        self._order: Optional[List[Tuple[int, str]]] = None   # recorded uses
+        self._recording: List[Tuple[int, str]] = []
+        self._cursor: Optional[int] = 0
+        self._graph_task = None          # the backward whose end releases every block
+        self._handles: list = []
+        self._pinned: list = []
+        self._move_resident()
+        for block in self.blocks:
+            self._take(block)
+            self._hook(block)
+
+    # ---- setup --------------------------------------------------------------------
+
+    def _move_resident(self) -> None:
+        """What does not stream goes to the device: the params outside the blocks, every
+        buffer (a block's included: they are small)."""
+        streamed = {id(p) for b in self.blocks for p in b.params}
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if id(p) not in streamed and p.device != self.torch_device:
+                    p.data = p.data.to(self.torch_device)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(self.torch_device)
+            for m in self.model.modules():
+                for key, b in m._buffers.items():
+                    if b is not None and b.device != self.torch_device:
+                        m._buffers[key] = b.to(self.torch_device)
+
+    def _take(self, block: _Block) -> None:
+        """Copies the block's params into one host buffer (pinned), and leaves each param
+        a placeholder and an empty device tensor for its fetches."""
+        offsets, size = [], 0
+        for p in block.params:
+            offsets.append(size)
+            size += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+        buffer = torch.empty(size, dtype=torch.uint8)
+        if self.device.pin(buffer):
+            self._pinned.append(buffer)
+        nan = {}
+        with torch.no_grad():
+            for p, off in zip(block.params, offsets):
+                nbytes = p.numel() * p.element_size()
+                home = buffer[off:off + nbytes].view(p.dtype).view(p.shape)
+                home.copy_(p.detach())
+                block.homes.append(home)
+                real = torch.empty(p.shape, dtype=p.dtype, device=self.torch_device)
+                real.untyped_storage().resize_(0)
+                block.device_tensors.append(real)
+                if p.dtype not in nan:
+                    nan[p.dtype] = torch.full((), math.nan, dtype=p.dtype,
+                                              device=self.torch_device)
+                block.placeholders.append(nan[p.dtype].expand(p.shape))
+                p.data = block.placeholders[-1]
+                p.grad = None
+                set_home(p, Home(home, block))
+
+    def _hook(self, block: _Block) -> None:
+        m = block.module
+        self._handles += [
+            m.register_forward_pre_hook(lambda mod, args, kwargs, b=block:
+                                        self._pre_forward(b, args, kwargs), with_kwargs=True),
+            m.register_forward_hook(lambda mod, args, out, b=block: self._post_forward(b, out)),
+            m._register_state_dict_hook(lambda mod, sd, prefix, meta, b=block:
+                                        self._state_dict(b, sd, prefix)),
+            m._register_load_state_dict_pre_hook(
+                lambda sd, prefix, *rest, b=block: self._before_load(b)),
+            m.register_load_state_dict_post_hook(lambda mod, keys, b=block: self._after_load(b)),
+        ]
+
+    # ---- the hooks ---------------------------------------------------------------------
+
+    def _pre_forward(self, block: _Block, args, kwargs):
+        if _in_backward():   # the recompute of activation checkpointing
+            if block.state != "here":
+                self._use(block, "b")
+            return None
+        self._use(block, "f")
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        wrap = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not wrap:
+            return None   # nothing flows back through its inputs: end of backward releases it
+        outs = _AfterBackward.apply(lambda: self._release(block), *[flat[i] for i in wrap])
+        for i, x in zip(wrap, outs):
+            flat[i] = x
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, block: _Block, output) -> None:
+        if _in_backward():
+            return   # a recompute: its backward comes next and releases it
+        if torch.is_grad_enabled():
+            outs = [t for t in tree_flatten(output)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outs, lambda grads, b=block: self._pre_backward(b), mode="any")
+        self._release(block)
+
+    def _pre_backward(self, block: _Block) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._graph_task:
+            self._graph_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._use(block, "b")
+
+    def _end_of_backward(self) -> None:
+        self._graph_task = None
+        for block in self.blocks:
+            self._release(block)
+        if self._order is None and self._recording:
+            self._order = self._recording
+        self._cursor = 0
+
+    # ---- fetch, use, release --------------------------------------------------------
+
+    def _use(self, block: _Block, phase: str) -> None:
+        """The block is about to compute: its params on the device, published to the
+        current stream; the next uses in the recorded order fetched ahead."""
+        key = (block.index, phase)
+        ahead: Sequence[Tuple[int, str]] = ()
+        if self._order is None:
+            self._recording.append(key)
+        else:
+            self._cursor = _advance(self._order, self._cursor, key)
+            if self._cursor is not None:
+                ahead = self._order[self._cursor:self._cursor + self.prefetch]
+        self._fetch(block)
+        self.device.publish(block.copies)
+        block.state = "here"
+        for index, _ in ahead:
+            self._fetch(self.blocks[index])
+
+    def _fetch(self, block: _Block) -> None:
+        if block.state != "away":
+            return
+        block.settle()   # (its last copies read the same host memory: done long ago)
+        for t in block.device_tensors:
+            self.device.materialize(t)
+        fence = self.device.fence()   # after the last compute that used this memory
+        block.copies = [self.device.h2d(list(block.device_tensors), list(block.homes), fence)]
+        for p, t in zip(block.params, block.device_tensors):
+            p.data = t
+        block.state = "coming"
+        self.fetched_bytes += block.nbytes
+
+    def _release(self, block: _Block) -> None:
+        if block.state == "away":
+            return
+        if block.state == "coming":   # fetched ahead, never used: free after its copy
+            self.device.publish(block.copies)
+        for p, placeholder in zip(block.params, block.placeholders):
+            p.data = placeholder
+        for t in block.device_tensors:
+            self.device.release(t)
+        block.state = "away"
+
+    # ---- state dicts ------------------------------------------------------------------
+
+    def _state_dict(self, block: _Block, sd: dict, prefix: str) -> None:
+        for name, home in zip(block.names, block.homes):
+            key = prefix + name
+            if key in sd:
+                sd[key] = home if not isinstance(sd[key], torch.nn.Parameter) else sd[key]
+
+    def _before_load(self, block: _Block) -> None:
+        """load_state_dict copies into the host copies (the params show them meanwhile)."""
+        self._release(block)
+        block.settle()
+        for p, home in zip(block.params, block.homes):
+            p.data = home
+
+    def _after_load(self, block: _Block) -> None:
+        for p, placeholder in zip(block.params, block.placeholders):
+            p.data = placeholder
+
+    # ---- the rest -----------------------------------------------------------------------
+
+    @property
+    def streamed_bytes(self) -> int:
+        """The bytes of all streamed params (one copy of each)."""
+        return sum(b.nbytes for b in self.blocks)
+
+    @property
+    def largest_block_bytes(self) -> int:
+        return max(b.nbytes for b in self.blocks)
+
+    def close(self) -> None:
+        """Stops streaming: every param goes back to the device for good (the optimizer
+        must be built again: it stepped the host copies)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        with torch.no_grad():
+            for block in self.blocks:
+                self._release(block)
+                block.settle()
+                for p, home in zip(block.params, block.homes):
+                    p.data = home.to(self.torch_device, copy=True)
+                    set_home(p, None)
+        for buffer in self._pinned:
+            self.device.unpin(buffer)
+        self._pinned = []
+
+
+def stream_params(model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
+                  device=None) -> ParamStreamer:
+    """Streams the params of `model`'s blocks from host memory: between uses they hold
+    no device memory (see offload_adam/param_stream.py). Build the optimizer after.
+
+    Args:
+        model: the model, on the CPU or already on the device (streamed params move to
+            host memory, the rest to the device).
+        blocks: which modules stream: a module class or tuple of classes (e.g. the
+            decoder layer), an iterable of module names, or a predicate
+            f(name, module) -> bool. A matching module inside another streams with it.
+        prefetch: how many uses ahead to fetch (k).
+        device: where the blocks compute (default: the current CUDA device).
+    """
+    return ParamStreamer(model, blocks, prefetch, device)
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+def _device_of(model, device):
+    stand_in = current_host_stand_in()
+    if stand_in is not None:   # offload_adam.testing.simulated(): the GPU's path on CPU
+        return stand_in, torch.device("cpu")
+    if device is None:
+        if not torch.cuda.is_available():
+            raise ValueError("offload_adam.stream_params: no CUDA device to stream the "
+                             "params to (device=None and torch.cuda.is_available() is "
+                             "False)")
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"offload_adam.stream_params: params stream to a CUDA device, "
+                         f"not {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return make_device(device), device
+
+
+def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
+    """[(name, module, [(param name in the module, param)])] of the outermost matching
+    modules; a ValueError for a param shared by two blocks or with the rest."""
+    match = _matcher(spec)
+    found: List[Tuple[str, torch.nn.Module]] = []
+    for name, m in model.named_modules():
+        if m is model or any(name.startswith(outer + ".") for outer, _ in found):
+            continue
+        if match(name, m):
+            found.append((name, m))
+    owner: Dict[int, str] = {}
+    out = []
+    for name, m in found:
+        params = list(m.named_parameters(remove_duplicate=True))
+        for pname, p in params:
+            if id(p) in owner and owner[id(p)] != name:
+                raise ValueError(f"offload_adam.stream_params: param {name}.{pname} is "
+                                 f"shared with block {owner[id(p)]}: a streamed param "
+                                 "belongs to one block")
+            owner[id(p)] = name
+            if home_of(p) is not None:
+                raise ValueError(f"offload_adam.stream_params: param {name}.{pname} "
+                                 "streams already (stream_params called twice?)")
+        out.append((name, m, params))
+    for full, p in model.named_parameters(remove_duplicate=False):
+        block = owner.get(id(p))
+        if block is not None and not (full == block or full.startswith(block + ".")):
+            raise ValueError(f"offload_adam.stream_params: param {full} is block "
+                             f"{block}'s too (tied weights): keep it out of the streamed "
+                             "blocks")
+    return out
+
+
+def _matcher(spec: BlockSpec) -> Callable[[str, torch.nn.Module], bool]:
+    if isinstance(spec, type) or (isinstance(spec, tuple) and spec
+                                  and all(isinstance(c, type) for c in spec)):
+        return lambda name, m: isinstance(m, spec)
+    if callable(spec):
+        return spec
+    if isinstance(spec, str):
+        spec = [spec]
+    names = set(spec)
+    return lambda name, m: name in names
+
+
+def _advance(order: List[Tuple[int, str]], cursor: Optional[int], key) -> Optional[int]:
+    """The position after `key` in the recorded order: the next one when it matches,
+    else the first match from the start (a new micro-batch, or a forward without
+    backward); None when the order does not know it (no prefetch until it does)."""
+    if cursor is not None and cursor < len(order) and order[cursor] == key:
+        return cursor + 1
+    try:
+        return order.index(key) + 1
+    except ValueError:
+        return None
