@@ -264,3 +264,17 @@ def test_each_ordering_of_the_streamer_is_needed(kernels, drop):
             sim.check()
     finally:
         sim.close()
+
+
+def test_close_puts_the_params_back_and_the_old_optimizer_refuses(device):
+    model = make_llama(layers=2, frozen=())
+    streamer = offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 1)
+    stepped = values(model)
+    streamer.close()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, stepped[name]), name   # resident again, with the stepped values
+    llama_loss(model, 5).backward()
+    with pytest.raises(RuntimeError, match="no longer streams"):
+        opt.step()

@@ -871,14 +871,14 @@ class BucketJob:
         engine, bucket, pieces = self.engine, self.bucket, self.pieces
         srcs = [p.state("master") if p.staging is None else p.staging for p in pieces]
         dsts = [p.of(p.rec.live()) for p in pieces]
-        for home in {id(p.rec.home): p.rec.home for p in pieces if p.rec.home is not None}.values():
+        streamed = [i for i, p in enumerate(pieces) if p.rec.home is not None]
+        for home in {id(pieces[i].rec.home): pieces[i].rec.home for i in streamed}.values():
             home.before_write()   # its block's copies to the device no longer read it
-        for i, p in enumerate(pieces):   # a streamed param's values live in its host copy
-            if p.rec.home is not None:
-                dsts[i].copy_(srcs[i])
-        packed = [i for i, p in enumerate(pieces) if p.packed and p.rec.home is None]
-        sends = [[i] for i, p in enumerate(pieces) if not p.packed and p.rec.home is None] + (
-            [packed] if packed else [])
+        for i in streamed:   # a streamed param's values live in its host copy
+            dsts[i].copy_(srcs[i])
+        resident = [i for i, p in enumerate(pieces) if p.rec.home is None]
+        packed = [i for i in resident if pieces[i].packed]
+        sends = [[i] for i in resident if not pieces[i].packed] + ([packed] if packed else [])
         for idx in sends:
             t = engine.device.h2d([dsts[i] for i in idx], [srcs[i] for i in idx], self.fence)
             bucket.h2d.append(t)

@@ -136,7 +136,7 @@ class HostDevice:
         pass
 
     def materialize(self, t: torch.Tensor) -> None:
-        t.untyped_storage().resize_(_nbytes(t))
+        t.untyped_storage().resize_(storage_bytes(t))
 
     def release(self, t: torch.Tensor) -> None:
         t.untyped_storage().resize_(0)
@@ -145,7 +145,7 @@ class HostDevice:
         return torch.get_num_threads()
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def storage_bytes(t: torch.Tensor) -> int:
     """The storage bytes device tensor `t` (a streamed param's) needs."""
     return (t.storage_offset() + t.numel()) * t.element_size()
 
@@ -289,7 +289,7 @@ class CudaDevice:
         # fence taken after this, so it cannot overwrite memory whose last compute
         # reader (the caching allocator's previous owner) has not run yet.
         with torch.cuda.device(self.device):
-            t.untyped_storage().resize_(_nbytes(t))
+            t.untyped_storage().resize_(storage_bytes(t))
 
     def release(self, t: torch.Tensor) -> None:
         # Freed in the current stream's order; a side-stream copy into it was recorded

@@ -76,7 +76,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..distributed import local
-from ..engine.device import Transfer, as_list
+from ..engine.device import Transfer, as_list, storage_bytes
 from ..engine.packed_copy import plan_copy, run_plan
 
 _local = threading.local()  # .inside: the device's own ops (not checked)
@@ -275,7 +275,7 @@ class AsyncSimDevice:
     def materialize(self, t: torch.Tensor) -> None:
         """Gives device tensor t's storage its bytes: new memory, uninitialised (NaN),
         written by the caller's stream now (a copy into it waits for a fence after)."""
-        nbytes = (t.storage_offset() + t.numel()) * t.element_size()
+        nbytes = storage_bytes(t)
         with _unchecked():
             t.untyped_storage().resize_(nbytes)
         _poison(t)
