@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run that fits one device call (under 10
-# minutes on an H100): builds the kernels, runs tests/cuda, compute-sanitizer
-# (racecheck, synccheck) on a small training run, the transfer benchmark against
-# pinned bandwidth, the step benchmark on this host's CPU, and the end-to-end
-# comparison with the peers plus the size sweep. Every log and JSON goes under
+# minutes on an H100): builds the kernels, runs tests/cuda, the streamed-params
+# benchmark (bench/stream_gpu.py), the end-to-end comparison with the peers plus
+# the size sweep, compute-sanitizer (racecheck, synccheck) on small training runs
+# (params resident and streamed), the transfer benchmark against pinned
+# bandwidth and the step benchmark on this host's CPU, most telling first. Every log and JSON goes under
 # bench/results/<gpu name>/, with summary.txt (each stage's exit code and time);
 # when $OUT is set (the device tool), a tarball of that folder is left there.
 #
 #   bash scripts/gpu_wheels.sh         # here, first: optional peers as wheels in .whl/
 #   bash scripts/gpu_check.sh          # there (the device tool: carry .whl)
+#   GPU_CHECK_SECONDS=300 E2E_OPTIMIZERS=offload_adam,offload_adam_streamed bash scripts/gpu_check.sh
 #
 # A stage that fails or runs out of time is recorded and the next one runs; the
 # whole run stops at GPU_CHECK_SECONDS (default 560). The exit code is the
@@ -16,6 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # the scripts run by path import offload_adam
 PY=${PYTHON:-python3}
 DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-560}))
 
@@ -24,7 +27,7 @@ if [[ -z "$gpu" ]]; then
   echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False)" >&2
   exit 1
 fi
-name=$(echo "$gpu" | tr -c 'A-Za-z0-9._-\n' '_')
+name=$(echo "$gpu" | tr -c 'A-Za-z0-9._\n-' '_')
 R=bench/results/$name
 mkdir -p "$R"
 : >"$R/summary.txt"
@@ -63,13 +66,18 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, record
 
 stage build 150 "$PY" -c "import offload_adam; print('isa', offload_adam.kernel_isa(), 'supported', offload_adam.supported_isas())"
 stage cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/cuda
+stage stream_bench 120 "$PY" bench/stream_gpu.py --out "$R" --tag "$name"
+stage racecheck_stream 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_param_stream_cuda.py
 stage racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
-stage synccheck 60 compute-sanitizer --tool synccheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
 stage transfer_bench 60 "$PY" bench/transfer_bench.py --mb 512 --repeats 5 --out "$R" --tag "$name"
 stage step_bench 90 "$PY" bench/step_bench.py --numel 33554432 --steps 12 --warmup 2 --no-deepspeed \
   --no-plot --out "$R" --tag "${name}_host"
-stage e2e 200 "$PY" -m bench.e2e --device cuda --size 350m --steps 12 --warmup 4 \
-  --sweep --sweep-budget 90 --no-progress --out "$R/e2e"
+stage e2e 150 "$PY" -m bench.e2e --device cuda --size 350m --steps ${E2E_STEPS:-8} --warmup 3 \
+  --no-sweep ${E2E_OPTIMIZERS:+--optimizers "$E2E_OPTIMIZERS"} --no-progress --out "$R/e2e"
+stage synccheck 60 compute-sanitizer --tool synccheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
+
+stage e2e_sweep 150 "$PY" -m bench.e2e --device cuda --size 350m --steps ${E2E_STEPS:-8} --warmup 3 \
+  --sweep --sweep-budget 90 --optimizers torch_adamw_amp --no-progress --out "$R/e2e_sweep"
 
 echo "failed stages: $failed" | tee -a "$R/summary.txt"
 if [[ -n "${OUT:-}" ]]; then

@@ -91,6 +91,14 @@ def _offload_adam(**options):
     return build
 
 
+def _offload_adam_streamed(model: nn.Module, hp: HParams):
+    """Params streamed per block from pinned host memory (stream_params), state in host RAM."""
+    from offload_adam import AdamW, stream_params
+    from .model import _Block
+    stream_params(model, _Block, prefetch=2)
+    return AdamW(model.parameters(), **hp.adam_kwargs())
+
+
 class NoOptimizer:
     """Forward+backward only: the iteration an optimizer's exposed time is measured against."""
 
@@ -208,6 +216,10 @@ CONTENDERS: dict[str, Contender] = {c.name: c for c in [
               why_not_cpu="saves GPU memory only", needs_option="free_grads_after_copy",
               host_bytes_per_param=16,
               no_accumulation="free_grads_after_copy drops each grad once copied: nothing to accumulate into"),
+    Contender("offload_adam_streamed", "offload_adam.AdamW, bf16, blocks' params streamed from the host",
+              torch.bfloat16, _offload_adam_streamed, devices=("cuda",),
+              why_not_cpu="streams params to a GPU: nothing to stream on a CPU-only run",
+              host_bytes_per_param=18),
     Contender("torchao_offload", "torchao CPUOffloadOptimizer(AdamW), bf16", torch.bfloat16,
               _torchao_offload(False), devices=("cuda",), why_not_cpu=_GPU_ONLY, needs_module="torchao",
               host_bytes_per_param=8),
@@ -229,12 +241,12 @@ DEFAULTS = {
             "offload_adam_no_overlap", "torchao_offload", "deepspeed_cpu_adam"],
     "cuda": ["torch_adamw_fp32", "torch_adamw_amp", "torch_adamw_bf16", "torch_master_bf16", "offload_adam",
              "offload_adam_bf16_state", "offload_adam_8bit_state",
-             "offload_adam_no_overlap", "offload_adam_free_grads", "torchao_offload",
+             "offload_adam_no_overlap", "offload_adam_free_grads", "offload_adam_streamed", "torchao_offload",
              "torchao_offload_grads", "deepspeed_cpu_adam"],
 }
 
 # The size sweep: the GPU baseline, pure bf16 and the offloading optimizers.
-SWEEP = ["torch_adamw_amp", "torch_adamw_bf16", "offload_adam", "offload_adam_free_grads",
+SWEEP = ["torch_adamw_amp", "torch_adamw_bf16", "offload_adam", "offload_adam_free_grads", "offload_adam_streamed",
          "torchao_offload_grads", "deepspeed_cpu_adam"]
 
 

@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""Params streamed per block on a GPU (offload_adam.stream_params) against the same model
+with every param resident, in one process, on one GPU.
+
+Per mode (resident, streamed with prefetch k for each --prefetch): the median of --steps
+timed steps (after --warmup) of: forward + backward (CUDA events), opt.step() (wall), the
+whole iteration (wall, synchronized); the peak device memory (max_memory_allocated); the
+param bytes sent host-to-device per step (the streamer's count). The bound a streamed
+step is measured against: max(resident forward + backward, 2 x streamed bytes / the pinned
+host-to-device bandwidth measured here, resident opt.step()).
+
+    python bench/stream_gpu.py                      # ~0.8B-param GPT, batch 4 x 2048
+    python bench/stream_gpu.py --layers 4 --width 1024 --steps 3 --out /tmp/s   # smoke
+
+Writes <out>/stream_gpu_<tag>.json. Without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def pinned_h2d_gbps(nbytes=1 << 30, repeats=5):
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def run_mode(cfg, args, prefetch):
+    import offload_adam
+    from bench.e2e.model import _Block, build_model
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = build_model(cfg, "cuda", torch.bfloat16)
+    streamer = None
+    if prefetch is not None:
+        streamer = offload_adam.stream_params(model, _Block, prefetch=prefetch)
+    opt = offload_adam.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for it in range(args.warmup + args.steps):
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), device="cuda",
+                               generator=gen)
+        if it == args.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        fetched0 = streamer.fetched_bytes if streamer else 0
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        e1.record()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        rows.append(dict(fwd_bwd_s=e0.elapsed_time(e1) / 1e3, queue_s=t1 - t0, step_s=t2 - t1,
+                         iter_s=t3 - t0, loss=float(loss.detach()),
+                         h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0))
+    timed = rows[args.warmup:]
+    med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    out = dict(mode="resident" if prefetch is None else f"streamed k={prefetch}",
+               prefetch=prefetch, median=med, rows=rows,
+               peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+               streamed_gb=(streamer.streamed_bytes / 1e9) if streamer else 0.0,
+               largest_block_gb=(streamer.largest_block_bytes / 1e9) if streamer else 0.0)
+    del model, opt, streamer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prefetch", default="1,2")
+    ap.add_argument("--tag", default=socket.gethostname())
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("stream_gpu: no CUDA device here; nothing to measure")
+        return 0
+    from bench.e2e.model import config_for
+    from bench.machine import machine_info, one_line
+    cfg = config_for(args.layers, args.width, args.vocab, args.seq)
+    print(one_line(machine_info()))
+    print(f"model: {cfg.num_params() / 1e9:.2f}B params ({cfg}), batch {args.batch} x {args.seq}")
+    h2d = pinned_h2d_gbps()
+    print(f"pinned host-to-device: {h2d:.1f} GB/s")
+    modes = [run_mode(cfg, args, None)]
+    for k in (int(x) for x in args.prefetch.split(",")):
+        modes.append(run_mode(cfg, args, k))
+    resident = modes[0]["median"]
+    print(f"{'mode':<14}{'iter s':>9}{'fwd+bwd s':>11}{'step s':>9}{'peak GB':>9}"
+          f"{'H2D GB/it':>11}{'bound s':>9}{'iter/bound':>11}")
+    for m in modes:
+        med = m["median"]
+        bound = max(resident["fwd_bwd_s"], med["h2d_param_bytes"] / 1e9 / h2d, resident["step_s"])
+        m["bound_s"] = bound
+        print(f"{m['mode']:<14}{med['iter_s']:>9.3f}{med['fwd_bwd_s']:>11.3f}{med['step_s']:>9.3f}"
+              f"{m['peak_gb']:>9.2f}{med['h2d_param_bytes'] / 1e9:>11.2f}{bound:>9.3f}"
+              f"{med['iter_s'] / bound:>11.2f}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"stream_gpu_{args.tag}.json"
+    path.write_text(json.dumps(dict(machine=machine_info(), args=vars(args), num_params=cfg.num_params(),
+                                    pinned_h2d_gbps=h2d, modes=modes), indent=1))
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Params streamed per block on a real GPU (skipped without CUDA).
+
+tests/test_param_stream.py proves the ordering on the simulated device; these show
+what only a GPU shows: the streamed training is bit for bit the resident one with
+real streams and the caching allocator, and between uses the streamed params hold
+no device memory. Race check (not run by pytest): compute-sanitizer on
+`python tests/cuda/test_param_stream_cuda.py` (the __main__ run).
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+import offload_adam
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_param_stream import OPTS, Block, make_llama  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def loss_of(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 61, (2, 9), generator=g).cuda()
+    logits = model(tokens[:, :-1]).float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 61), tokens[:, 1:].reshape(-1))
+
+
+def train(model, opt, steps, micro, clip):
+    for it in range(steps):
+        for m in range(micro):
+            loss_of(model, 10 * it + m).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def run(streamed, checkpointed=False, prefetch=2, **opts):
+    model = make_llama(checkpointed=checkpointed)
+    if streamed:
+        streamer = offload_adam.stream_params(model, Block, prefetch=prefetch)
+    else:
+        model.cuda()
+        streamer = None
+    opt = offload_adam.AdamW(model.parameters(), **dict(OPTS, **opts))
+    early = opts.get("step_in_backward", False)   # forbids accumulating and clipping
+    train(model, opt, 3, micro=1 if early else 3, clip=not early)
+    torch.cuda.synchronize()
+    values = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return model, opt, streamer, values
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_streamed_training_is_the_resident_training_on_cuda(checkpointed, prefetch):
+    _, _, _, resident = run(False, checkpointed)
+    _, _, _, streamed = run(True, checkpointed, prefetch)
+    assert resident.keys() == streamed.keys()
+    for k in resident:
+        assert torch.equal(resident[k], streamed[k]), k
+
+
+def test_streamed_training_stepped_in_backward_on_cuda():
+    _, _, _, resident = run(False, step_in_backward=True)
+    _, _, _, streamed = run(True, step_in_backward=True)
+    for k in resident:
+        assert torch.equal(resident[k], streamed[k]), k
+
+
+def test_between_uses_the_streamed_params_hold_no_device_memory():
+    """After a step, the streamed run holds at least the streamed bytes less device
+    memory than the resident run (the engine's own device buffers are alike)."""
+    held = {}
+    for streamed in (False, True):
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        model, opt, streamer, _ = run(streamed)
+        held[streamed] = torch.cuda.memory_allocated() - base
+        if streamed:
+            streamed_bytes = streamer.streamed_bytes
+            for p in model.layers.parameters():
+                assert p.untyped_storage().nbytes() <= 2 and torch.isnan(p).all()
+        del model, opt, streamer
+    assert held[False] - held[True] >= streamed_bytes > 0, (held, streamed_bytes)
+
+
+if __name__ == "__main__":   # a small run for compute-sanitizer
+    for opts in ({}, {"step_in_backward": True}):
+        for checkpointed in (False, True):
+            run(True, checkpointed, **opts)
+    torch.cuda.synchronize()
+    print("ok")
