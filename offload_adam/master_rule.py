@@ -31,6 +31,7 @@ from typing import Callable, Dict, Iterable, Tuple
 import torch
 
 from .distributed import local
+from .params import home_of
 
 Mark = Tuple[int, int, int]
 
@@ -38,6 +39,9 @@ Mark = Tuple[int, int, int]
 def mark(p: torch.Tensor) -> Mark:
     """How param p is now: the version counters of the param and of its local data (a
     DTensor's shard: either may be the one a write bumps) and the data's address."""
+    if home_of(p) is not None:   # streamed: its values are its host copy's
+        t = home_of(p).tensor
+        return t._version, t._version, t.data_ptr()
     if type(p) in PLAIN:   # (the common case, asked per param per step: kept short)
         v = p._version
         return v, v, p.data_ptr()

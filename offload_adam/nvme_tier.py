@@ -48,7 +48,7 @@ import torch
 
 from . import distributed
 from .distributed import is_dtensor, local, local_value
-from .params import check_dense, param_label, rounds_to
+from .params import check_dense, param_label, param_values, rounds_to
 from .engine.disk_early import DiskEarly
 from .kernel_state import kernel_state
 from .master_rule import MasterMarks, mark, take_from_param
@@ -232,7 +232,7 @@ class FileStore:
                     st = ParamState.in_bucket(views, e.name)
                     step = float(st.step)
                     if step > 0:
-                        live = local(e.param).detach()
+                        live = param_values(e.param, write=True)
                         live.copy_(st.master.to(live.dtype))
                         self._stepped.add(id(e.param))
                         self._resumed[id(e.param)] = (e, mark(e.param), step)
@@ -297,8 +297,7 @@ class FileStore:
                     st = ParamState.in_bucket(views, e.name)
                     if float(st.step) == 0:
                         continue
-                    if not rounds_to(st.master,
-                                     local(e.param).detach().to("cpu")):
+                    if not rounds_to(st.master, param_values(e.param).to("cpu")):
                         return False
         return True
 
@@ -424,7 +423,7 @@ class FileStore:
         pairs, follow = [], []
         for e in bucket:
             st = ParamState.in_bucket(t, e.name)
-            p = local(e.param).detach()
+            p = param_values(e.param)
             if not self.marks.current(e.param):
                 if take_from_param(float(st.step), False, lambda: not rounds_to(st.master, p)):
                     st.master.copy_(p)
@@ -523,7 +522,7 @@ class FileStore:
             master = self._local_saved(e, saved).get(MASTER_KEY) if e.has_master else None
             if isinstance(master, torch.Tensor):
                 same = rounds_to(master.detach().to("cpu", torch.float32),
-                                 local(e.param).detach().to("cpu"))
+                                 param_values(e.param).to("cpu"))
             else:
                 same = saved.get("step") is None or float(saved["step"]) == step
             if same:
@@ -556,7 +555,7 @@ class FileStore:
         if got.master is not None:
             st.master.copy_(got.master)
         else:
-            st.master.copy_(local(p).detach().to("cpu", torch.float32))
+            st.master.copy_(param_values(e.param).to("cpu", torch.float32))
 
 
 def _check_grad(e: _Param, group: dict) -> None:

@@ -78,6 +78,12 @@ class _Block:
         self.placeholders: List[torch.Tensor] = []
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
 
+    def show(self, tensors: List[torch.Tensor]) -> None:
+        """Each param shows its tensor in `tensors` (device copies, host copies or
+        placeholders)."""
+        for p, t in zip(self.params, tensors):
+            p.data = t
+
     def settle(self) -> None:
         if self.copies:
             self.streamer.device.wait_host(*self.copies)
@@ -114,11 +120,15 @@ class ParamStreamer:
                              f"got {prefetch!r}")
         self.model, self.prefetch = model, prefetch
         self.device, self.torch_device = _device_of(model, device)
-        self.blocks = [_Block(self, i, name, m, params)
-                       for i, (name, m, params) in enumerate(_find_blocks(model, blocks))]
-        if not self.blocks:
+        found = _find_blocks(model, blocks)
+        if not found:
             raise ValueError("offload_adam.stream_params: no module of the model matches "
                              f"blocks={blocks!r}")
+        if any(p.is_meta for p in model.parameters()):
+            _replace_meta(model, {id(p) for _, _, ps in found for _, p in ps}, self.torch_device)
+            found = _find_blocks(model, blocks)
+        self.blocks = [_Block(self, i, name, m, params)
+                       for i, (name, m, params) in enumerate(found)]
         self.fetched_bytes = 0
         self._order: Optional[List[Tuple[int, str]]] = None   # recorded uses
         self._recording: List[Tuple[int, str]] = []
@@ -130,6 +140,7 @@ class ParamStreamer:
         for block in self.blocks:
             self._take(block)
             self._hook(block)
+        self._guard_conversions()
 
     # ---- setup --------------------------------------------------------------------
 
@@ -140,13 +151,13 @@ class ParamStreamer:
         with torch.no_grad():
             for p in self.model.parameters():
                 if id(p) not in streamed and p.device != self.torch_device:
-                    p.data = p.data.to(self.torch_device)
+                    p.data = _moved(p.data, self.torch_device)
                     if p.grad is not None:
                         p.grad = p.grad.to(self.torch_device)
             for m in self.model.modules():
                 for key, b in m._buffers.items():
                     if b is not None and b.device != self.torch_device:
-                        m._buffers[key] = b.to(self.torch_device)
+                        m._buffers[key] = _moved(b, self.torch_device)
 
     def _take(self, block: _Block) -> None:
         """Copies the block's params into one host buffer (pinned), and leaves each param
@@ -188,6 +199,41 @@ class ParamStreamer:
                 lambda sd, prefix, *rest, b=block: self._before_load(b)),
             m.register_load_state_dict_post_hook(lambda mod, keys, b=block: self._after_load(b)),
         ]
+
+    def _guard_conversions(self) -> None:
+        """model.to(dtype), .float(), .half(), .cpu() and the like would replace a streamed
+        param's placeholder by a tensor of NaNs of its full size, and the streamer would go
+        on with the old host copies: each module that holds streamed params (a block or an
+        ancestor) checks a conversion against them first, and refuses it before anything
+        is converted. A conversion that leaves them as they are (model.to(their dtype))
+        goes through."""
+        under: dict = {}
+        for block in self.blocks:
+            parts = block.name.split(".") if block.name else []
+            for i in range(len(parts) + 1):
+                under.setdefault(".".join(parts[:i]), []).append(block)
+        self._guarded = []
+        for name, module in self.model.named_modules():
+            if name in under:
+                module._apply = self._guarded_apply(module, name, under[name])
+                self._guarded.append(module)
+
+    def _guarded_apply(self, module: torch.nn.Module, name: str, blocks: List[_Block]):
+        original = type(module)._apply.__get__(module)
+
+        def _apply(fn, *args, **kwargs):
+            for block in blocks:
+                for p, placeholder in zip(block.params, block.placeholders):
+                    if fn(placeholder) is not placeholder:
+                        raise RuntimeError(
+                            f"offload_adam.stream_params: converting "
+                            f"{name or 'the model'} ({type(module).__name__}: model.to, "
+                            f".float(), .half(), .cpu() and the like) would change the "
+                            f"streamed params of block {block.name} ({p.dtype} on "
+                            f"{self.torch_device}); nothing was converted. Convert the "
+                            f"model before stream_params, or close() the streamer first")
+            return original(fn, *args, **kwargs)
+        return _apply
 
     # ---- the hooks ---------------------------------------------------------------------
 
@@ -261,8 +307,7 @@ class ParamStreamer:
             self.device.materialize(t)
         fence = self.device.fence()   # after the last compute that used this memory
         block.copies = [self.device.h2d(list(block.device_tensors), list(block.homes), fence)]
-        for p, t in zip(block.params, block.device_tensors):
-            p.data = t
+        block.show(block.device_tensors)
         block.state = "coming"
         self.fetched_bytes += block.nbytes
 
@@ -271,8 +316,7 @@ class ParamStreamer:
             return
         if block.state == "coming":   # fetched ahead, never used: free after its copy
             self.device.publish(block.copies)
-        for p, placeholder in zip(block.params, block.placeholders):
-            p.data = placeholder
+        block.show(block.placeholders)
         for t in block.device_tensors:
             self.device.release(t)
         block.state = "away"
@@ -289,12 +333,10 @@ class ParamStreamer:
         """load_state_dict copies into the host copies (the params show them meanwhile)."""
         self._release(block)
         block.settle()
-        for p, home in zip(block.params, block.homes):
-            p.data = home
+        block.show(block.homes)
 
     def _after_load(self, block: _Block) -> None:
-        for p, placeholder in zip(block.params, block.placeholders):
-            p.data = placeholder
+        block.show(block.placeholders)
 
     # ---- the rest -----------------------------------------------------------------------
 
@@ -313,6 +355,9 @@ class ParamStreamer:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for module in self._guarded:
+            module.__dict__.pop("_apply", None)
+        self._guarded = []
         with torch.no_grad():
             for block in self.blocks:
                 self._release(block)
@@ -331,8 +376,10 @@ def stream_params(model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
     no device memory (see offload_adam/param_stream.py). Build the optimizer after.
 
     Args:
-        model: the model, on the CPU or already on the device (streamed params move to
-            host memory, the rest to the device).
+        model: the model, on the CPU, already on the device, or on the meta device
+            (then NaN until a state dict is loaded); streamed params move to host
+            memory, the rest to the device. Converting it afterwards (model.to(dtype),
+            .half(), .cpu()) is refused.
         blocks: which modules stream: a module class or tuple of classes (e.g. the
             decoder layer), an iterable of module names, or a predicate
             f(name, module) -> bool. A matching module inside another streams with it.
@@ -343,6 +390,37 @@ def stream_params(model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
 
 
 # ---- helpers -------------------------------------------------------------------------
+
+def _nan(t: torch.Tensor, device: torch.device, full: bool = True) -> torch.Tensor:
+    """A tensor of t's shape and dtype on `device` that holds no value yet: NaN (zeros for
+    an integer dtype); `full=False`: one element expanded (no memory)."""
+    fill = math.nan if t.is_floating_point() else 0
+    one = torch.full((), fill, dtype=t.dtype, device=device)
+    return one.expand(t.shape) if not full else torch.full(t.shape, fill, dtype=t.dtype,
+                                                            device=device)
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t on `device`; a meta tensor (a model built without memory) becomes NaNs there."""
+    return _nan(t, device) if t.is_meta else t.to(device)
+
+
+def _replace_meta(model: torch.nn.Module, streamed: set, device: torch.device) -> None:
+    """A model built on the meta device gets real params, NaN until a state dict is
+    loaded: the resident ones on `device`, the streamed ones as one NaN element expanded
+    (their host copies take those NaNs, and nothing of their size is allocated on the
+    device). A meta tensor cannot take other data (`p.data = ...` refuses), so each is a
+    new Parameter, set wherever the old one was (tied params stay tied)."""
+    new: dict = {}
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                new[id(p)] = torch.nn.Parameter(_nan(p, device, full=id(p) not in streamed),
+                                                requires_grad=p.requires_grad)
+            module._parameters[key] = new[id(p)]
+
 
 def _device_of(model, device):
     stand_in = current_host_stand_in()

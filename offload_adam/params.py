@@ -73,3 +73,16 @@ def set_home(p: torch.Tensor, home) -> None:
         if _homes.get(key, (None,))[0] is ref:
             del _homes[key]
     _homes[key] = (weakref.ref(p, gone), home)
+
+
+def param_values(p: torch.Tensor, write: bool = False) -> torch.Tensor:
+    """The tensor that holds param p's values, detached: a streamed param's host copy, any
+    other's local tensor (a DTensor's shard). `write`: the caller is about to write it (a
+    streamed param's copies to the device that still read it are waited for first)."""
+    from .distributed import local
+    home = home_of(p)
+    if home is None:
+        return local(p).detach()
+    if write:
+        home.before_write()
+    return home.tensor

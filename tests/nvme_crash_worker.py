@@ -113,11 +113,48 @@ class Elementwise(torch.nn.Module):
         return (x.float() * self.head).sum(-1)
 
 
-def engine_model(seed):
+class Layer(torch.nn.Module):
+    """One elementwise layer as a module: the block that `streamed` models stream."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = torch.nn.Parameter(1 + 0.1 * torch.randn(dim))
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        return torch.tanh(x * self.scale + self.bias)
+
+
+class Blocks(torch.nn.Module):
+    """Elementwise's layers as modules, so that they can stream (issue 27)."""
+
+    def __init__(self, dim=256, layers=8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(37, dim)
+        self.layers = torch.nn.ModuleList(Layer(dim) for _ in range(layers))
+        self.head = torch.nn.Parameter(torch.randn(dim) / dim ** 0.5)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return (x.float() * self.head).sum(-1)
+
+
+def engine_model(seed, blocks=False, streamed=False):
+    """Elementwise, or Blocks; `streamed`: Blocks with its layers streamed (stream_params,
+    inside offload_adam.testing.simulated)."""
     torch.manual_seed(seed)
-    m = Elementwise().to(torch.bfloat16)
+    m = (Blocks() if blocks or streamed else Elementwise()).to(torch.bfloat16)
     m.head.data = m.head.data.float()
+    if streamed:
+        offload_adam.stream_params(m, Layer, prefetch=1)
     return m
+
+
+def engine_values(m):
+    """Every param's value in order (a streamed one's from its host copy)."""
+    return list(m.state_dict().values())
 
 
 def engine_loss(m, k):
@@ -142,11 +179,11 @@ def engine_train(m, opt, first, count):
         opt.zero_grad()
 
 
-def engine_worker(state_dir, until, progress):
+def engine_worker(state_dir, until, streamed, progress):
     """As optimizer_worker, for the engine with step_in_backward on the simulated device;
     the model starts from its init, and the files restore it."""
     sim = AsyncSimDevice(seed=until % 7)
     with simulated(sim), sim.watch():
-        m = engine_model(seed=11)
+        m = engine_model(seed=11, streamed=streamed)
         opt = engine_optimizer(m, state_dir)
         steps_until(opt, lambda k: engine_train(m, opt, k, 1), until, progress)

@@ -23,10 +23,10 @@ accelerate = pytest.importorskip(
 LR, CLIP, ACCUMULATE, STEPS = 1e-2, 0.5, 2, 6
 
 
-def tiny_llama(dtype=torch.float32):
+def tiny_llama(dtype=torch.float32, layers=2):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_hidden_layers=layers, num_attention_heads=2,
                                       num_key_value_heads=1, max_position_embeddings=32)
     return transformers.LlamaForCausalLM(config).to(dtype)
 
@@ -170,6 +170,61 @@ def test_trainer_clips_freed_grads(tmp_path):
     assert len(freed_norms) == STEPS and max(kept_norms) > CLIP   # the clip clipped
     assert freed_norms == pytest.approx(kept_norms, rel=2e-2)
     assert max_rel(params_of(freed), params_of(kept)) < 2e-2
+
+
+def test_trainer_streamed_llama_trains_saves_and_resumes_like_resident(tmp_path):
+    """Issue 27: transformers' own Llama with its decoder layers streamed
+    (stream_params) on the simulated device, trained by Trainer with accumulation,
+    clipping and a schedule, a checkpoint saved at step 3: bit for bit the run with every
+    param resident, the saved checkpoint holds the real weights, and resuming from it
+    (a new streamed model) is bit for bit the uninterrupted run."""
+    from safetensors.torch import load_file
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from offload_adam.testing import AsyncSimDevice, simulated
+
+    class Settle(transformers.TrainerCallback):
+        """Lets the simulated device's copies land before Trainer saves: safetensors
+        reads a CPU tensor's bytes without an aten op, which the device cannot see
+        (on a GPU the read is a copy ordered on the stream)."""
+
+        def on_step_end(self, args, state, control, **kw):
+            sim.settle()
+
+    def run(name, streamed, resume=None):
+        nonlocal sim
+        sim = AsyncSimDevice(seed=0)
+        try:
+            model = tiny_llama(torch.bfloat16, layers=4)
+            with simulated(sim):
+                if streamed:
+                    offload_adam.stream_params(model, LlamaDecoderLayer, prefetch=1)
+                opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=0.1, bucket_mb=0.01)
+            trainer = transformers.Trainer(model=model, args=trainer_args(tmp_path / name),
+                                           train_dataset=Tokens(), optimizers=(opt, schedule(opt)),
+                                           callbacks=[Settle()])
+            with sim.watch():
+                trainer.train(resume_from_checkpoint=resume)
+            sim.check()
+        finally:
+            sim.close()
+        values = {k: v.clone() for k, v in model.state_dict().items()}
+        return values, opt_state(opt, model), trainer
+
+    sim = None
+    resident, resident_state, _ = run("resident", False)
+    streamed, streamed_state, t = run("streamed", True)
+    assert resident.keys() == streamed.keys()
+    assert all(torch.equal(resident[k], streamed[k]) for k in resident)
+    assert bitwise(resident_state, streamed_state)
+    saved = [load_file(str(tmp_path / name / "checkpoint-3" / "model.safetensors"))
+             for name in ("resident", "streamed")]
+    assert saved[0].keys() == saved[1].keys() and len(saved[0]) > 20
+    assert all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
+    resumed, resumed_state, t2 = run("resumed", True, resume=str(tmp_path / "streamed" / "checkpoint-3"))
+    assert t2.state.global_step == STEPS
+    assert all(torch.equal(resumed[k], streamed[k]) for k in streamed)
+    assert bitwise(resumed_state, streamed_state)
 
 
 # ---- Accelerate -----------------------------------------------------------------------

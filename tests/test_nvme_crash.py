@@ -21,7 +21,7 @@ import pytest
 
 from nvme_adam import flip_byte, host_state, host_step, same_bits
 from nvme_crash_worker import (SEED, committed_step, engine_model, engine_optimizer,
-                               engine_train, engine_worker, model_params, optimizer,
+                               engine_train, engine_values, engine_worker, model_params, optimizer,
                                optimizer_worker, spec_of, worker)
 from nvme_model import assert_same, train
 from offload_adam.nvme import NvmeState
@@ -199,38 +199,40 @@ def test_the_optimizer_killed_at_random_instants_resumes_bitwise(kernels, tmp_pa
 ENGINE_KILLS = 10
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
 def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp_path,
-                                                                    forkserver):
+                                                                    forkserver, streamed):
     """The same for the engine with step_in_backward on the simulated device, where the
     files' pass writes its buckets during backward (engine/disk_early.py) and commits at
     step(): killed anywhere (forward, backward's pass, the commit), the files hold a
     completed step, the params restored from them included, bitwise the uninterrupted
-    plain run in host RAM."""
+    plain run in host RAM. `streamed`: the layers' params streamed per block (issue 27):
+    the files restore their host copies, and the reference is the same model resident."""
     rng = random.Random(8642)
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     sim = AsyncSimDevice(seed=3)
     try:
         with simulated(sim), sim.watch():
-            ref = engine_model(seed=11)
+            ref = engine_model(seed=11, blocks=streamed)
             ram = engine_optimizer(ref)
             ram_step, last_done, steps_seen = 0, 0, []
 
             def reopened():
                 nonlocal ram_step
-                m = engine_model(seed=11)   # the files restore its params
+                m = engine_model(seed=11, blocks=streamed, streamed=streamed)   # files restore it
                 opt = engine_optimizer(m, str(state_dir))
                 step = committed_step(opt)
                 assert last_done <= step <= last_done + 1, (last_done, step)
                 engine_train(ref, ram, ram_step, step - ram_step)
                 ram_step = step
-                assert_same(list(ref.parameters()), list(m.parameters()), ram, opt)
+                assert_same(engine_values(ref), engine_values(m), ram, opt)
                 return step, opt, m
 
             timing = Timing()
             for _ in range(ENGINE_KILLS):
-                code, sent = run_worker(forkserver, engine_worker, (str(state_dir), 10_000),
-                                        rng, timing)
+                code, sent = run_worker(forkserver, engine_worker,
+                                        (str(state_dir), 10_000, streamed), rng, timing)
                 assert code == -9
                 last_done = max(sent)
                 step, opt, _ = reopened()
@@ -238,19 +240,20 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
                 opt.close()
             assert len(set(steps_seen)) > ENGINE_KILLS // 3, steps_seen
             final = max(steps_seen) + 2
-            code, sent = run_worker(forkserver, engine_worker, (str(state_dir), final), rng,
-                                    timing, kill=False)
+            code, sent = run_worker(forkserver, engine_worker, (str(state_dir), final, streamed),
+                                    rng, timing, kill=False)
             assert code == 0 and sent[-1] == final
             last_done = final
             step, opt, m = reopened()
             assert step == final
             engine_train(m, opt, final, 2)   # and on, early passes in this process
             engine_train(ref, ram, final, 2)
-            assert_same(list(ref.parameters()), list(m.parameters()), ram, opt)
+            assert_same(engine_values(ref), engine_values(m), ram, opt)
         sim.check()
     finally:
         sim.close()
-    print(f"step_in_backward: steps at the kills {steps_seen}")
+    print(f"step_in_backward ({'streamed' if streamed else 'resident'}): steps at the kills "
+          f"{steps_seen}")
 
 
 def test_after_a_kill_a_misused_state_is_refused_and_still_resumes(kernels, tmp_path,

@@ -278,3 +278,71 @@ def test_close_puts_the_params_back_and_the_old_optimizer_refuses(device):
     llama_loss(model, 5).backward()
     with pytest.raises(RuntimeError, match="no longer streams"):
         opt.step()
+
+
+class Twice(TinyLlama):
+    """Block 2 runs twice in each forward (weights shared across depth)."""
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i == 2:
+                x = layer(x)
+        return self.head(self.norm(x))
+
+
+def test_a_block_called_twice_per_forward_is_fetched_for_each_use(device):
+    runs = []
+    for streamed in (False, True):
+        torch.manual_seed(0)
+        model = Twice(layers=5).to(BF16)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 3, micro=2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
+@pytest.mark.parametrize("convert", ["float", "half", "cpu-dtype", "double"])
+def test_a_conversion_of_the_streamed_params_is_refused_and_changes_nothing(device, convert):
+    """model.to(dtype) and the like would replace a streamed param's placeholder with a
+    tensor of NaNs: refused with a clear error before any param changed; a .to() that
+    changes nothing of them goes through."""
+    model = make_llama(layers=2, frozen=())
+    offload_adam.stream_params(model, Block)
+    before = values(model)
+    with pytest.raises(RuntimeError, match=r"stream_params: .* would change the streamed "
+                                           r"params of block layers\.\d"):
+        {"float": lambda: model.float(), "half": lambda: model.layers.half(),
+         "cpu-dtype": lambda: model.to("cpu", torch.float32),
+         "double": lambda: model.layers[1].double()}[convert]()
+    after = values(model)
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    model.to(BF16)   # nothing of the streamed params changes: allowed
+    model.bfloat16()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 1)
+
+
+def test_a_model_built_on_meta_streams_then_loads_its_weights(device):
+    """A model too large to build anywhere in full: built on the meta device, streamed
+    (the host copies and the resident params start as NaN), then its weights loaded: the
+    same training as the model built with them."""
+    runs = []
+    for meta in (False, True):
+        weights = make_llama(layers=4, frozen=())
+        if meta:
+            with torch.device("meta"):
+                model = TinyLlama(layers=4).to(BF16)
+            offload_adam.stream_params(model, Block)
+            assert all(torch.isnan(v).all() for v in values(model).values())
+            model.load_state_dict(weights.state_dict())
+        else:
+            model = weights
+            offload_adam.stream_params(model, Block)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 2, micro=2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
