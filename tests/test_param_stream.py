@@ -346,3 +346,22 @@ def test_a_model_built_on_meta_streams_then_loads_its_weights(device):
         train(model, opt, 2, micro=2)
         runs.append((model, opt))
     assert_same_training(*runs)
+
+
+def test_the_bytes_benchmark_reports_what_the_design_says(kernels, tmp_path):
+    """bench/stream_sim.py (the bytes per link on the simulated device), small: its
+    numbers are the ones the tests above assert."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench" / "stream_sim.py"), "--layers", "3",
+                    "--width", "64", "--micro", "2", "--prefetch", "1", "--out", str(tmp_path),
+                    "--tag", "t"], check=True, cwd=root, capture_output=True, timeout=600)
+    resident, streamed = json.loads((tmp_path / "stream_sim_t.json").read_text())["rows"]
+    assert resident["h2d_params_bytes"] == 0 and resident["streamed_bytes"] == 0
+    assert streamed["h2d_params_bytes"] == 2 * 2 * streamed["streamed_bytes"] > 0
+    assert streamed["h2d_step_bytes"] == resident["h2d_step_bytes"] - streamed["streamed_bytes"]
+    assert 0 < streamed["device_peak_bytes"] <= streamed["peak_bound_bytes"]
+    assert streamed["d2h_bytes"] == resident["d2h_bytes"]
