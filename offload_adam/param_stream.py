@@ -58,7 +58,10 @@ class Home:
 
     def before_write(self) -> None:
         """Waits until no copy to the device still reads this block's host copies (the
-        host is about to rewrite them)."""
+        host is about to rewrite them); a device copy of the block made before is stale
+        from now on, and its next use fetches again (`stale` is only set here, maybe on
+        the engine's worker thread, and read on the thread that runs the model)."""
+        self.block.stale = True
         self.block.settle()
 
 
@@ -72,6 +75,7 @@ class _Block:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.state = "away"
+        self.stale = False        # its host copies were written since its last fetch
         self.copies: list = []    # its last fetch's H2D copies, until the host waited for them
         self.homes: List[torch.Tensor] = []
         self.device_tensors: List[torch.Tensor] = []
@@ -239,12 +243,16 @@ class ParamStreamer:
 
     def _pre_forward(self, block: _Block, args, kwargs):
         if _in_backward():   # the recompute of activation checkpointing
-            if block.state != "here":
+            self._note_backward()   # (reentrant: no forward hook saw this backward coming)
+            if block.state != "here" or block.stale:
                 self._use(block, "b")
-            return None
-        self._use(block, "f")
+        else:
+            self._use(block, "f")
         if not torch.is_grad_enabled():
             return None
+        # Released once the grads reach the inputs: after the block's backward, and (a
+        # reentrant checkpoint's recompute, whose graph is backpropagated on its own)
+        # after the recomputed block's.
         flat, spec = tree_flatten((args, kwargs))
         wrap = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not wrap:
@@ -266,11 +274,15 @@ class ParamStreamer:
         self._release(block)
 
     def _pre_backward(self, block: _Block) -> None:
+        self._note_backward()
+        self._use(block, "b")
+
+    def _note_backward(self) -> None:
+        """The end of the backward running now releases every block (once per backward)."""
         task = torch._C._current_graph_task_id()
         if task != self._graph_task:
             self._graph_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._use(block, "b")
 
     def _end_of_backward(self) -> None:
         self._graph_task = None
@@ -300,6 +312,9 @@ class ParamStreamer:
             self._fetch(self.blocks[index])
 
     def _fetch(self, block: _Block) -> None:
+        if block.stale:   # the step wrote its host copies while it was on the device
+            block.stale = False
+            self._release(block)
         if block.state != "away":
             return
         block.settle()   # (its last copies read the same host memory: done long ago)

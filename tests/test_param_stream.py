@@ -60,7 +60,8 @@ class TinyLlama(torch.nn.Module):
     def forward(self, tokens):
         x = self.embed(tokens)
         for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
+            x = (checkpoint(layer, x, use_reentrant=self.checkpointed == "reentrant")
+                 if self.checkpointed else layer(x))
         return self.head(self.norm(x))
 
 
@@ -365,3 +366,52 @@ def test_the_bytes_benchmark_reports_what_the_design_says(kernels, tmp_path):
     assert streamed["h2d_step_bytes"] == resident["h2d_step_bytes"] - streamed["streamed_bytes"]
     assert 0 < streamed["device_peak_bytes"] <= streamed["peak_bound_bytes"]
     assert streamed["d2h_bytes"] == resident["d2h_bytes"]
+
+
+def test_reentrant_checkpointing_streams_and_releases_every_block(device):
+    """torch.utils.checkpoint with use_reentrant=True: the forward runs without grad and
+    the recompute's graph is backpropagated on its own. Bit for bit the resident
+    training, each block fetched for the forward and the recompute, none left on the
+    device after a step (they were, and then computed with the values of the step
+    before)."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=6, checkpointed="reentrant")
+        if streamed:
+            streamer = offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 1, micro=2)
+        if streamed:
+            before = device.counters()["h2d_bytes"]
+        train(model, opt, 2, micro=2, start=1)
+        if streamed:
+            resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                           if not n.startswith("layers."))
+            assert device.counters()["h2d_bytes"] - before == 2 * (
+                2 * 2 * streamer.streamed_bytes + resident)
+            assert all(b.state == "away" for b in streamer.blocks)
+            assert device.counters()["materialized_bytes"] == 0
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
+def test_a_block_left_on_the_device_over_a_step_is_fetched_again(device):
+    """Whatever leaves a block's params on the device when the step rewrites its host
+    copies (a path not foreseen), its next use fetches them again: never the values of
+    the step before."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=4, frozen=())
+        if streamed:
+            streamer = offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 1, micro=1)
+        llama_loss(model, 10).backward()
+        if streamed:
+            streamer._use(streamer.blocks[1], "f")   # left there over the step
+            assert streamer.blocks[1].state == "here"
+        opt.step()
+        opt.zero_grad()
+        train(model, opt, 2, micro=1, start=2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
