@@ -9,8 +9,13 @@ param bytes sent host-to-device per step (the streamer's count). The bound a str
 step is measured against: max(resident forward + backward, 2 x streamed bytes / the pinned
 host-to-device bandwidth measured here, resident opt.step()).
 
-    python bench/stream_gpu.py                      # ~0.8B-param GPT, batch 4 x 2048
+    python bench/stream_gpu.py                      # ~0.9B-param GPT, batch 4 x 2048
     python bench/stream_gpu.py --layers 4 --width 1024 --steps 3 --out /tmp/s   # smoke
+    # ~6.9B GPT (32 x 4096) streamed under a 24 GB cap, activation checkpointing, 8-bit
+    # moments, the CPU step during backward; resident measured without optimizer, uncapped:
+    python bench/stream_gpu.py --layers 32 --width 4096 --checkpoint --cap-gb 24 \
+        --state-dtype 8bit --step-in-backward --free-grads --resident compute --prefetch 2 \
+        --steps 3
 
 Writes <out>/stream_gpu_<tag>.json. Without CUDA it says so and exits 0.
 """
@@ -44,16 +49,54 @@ def pinned_h2d_gbps(nbytes=1 << 30, repeats=5):
     return nbytes / statistics.median(times) / 1e9
 
 
+class Checkpointed(torch.nn.Module):
+    """A block run under non-reentrant activation checkpointing: the block is called
+    inside the checkpointed function, so its streaming hooks run in the recompute too."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+class NoStep:
+    """Forward + backward only (the resident compute the bound is measured against)."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+
+    def step(self):
+        pass
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
 def run_mode(cfg, args, prefetch):
     import offload_adam
     from bench.e2e.model import _Block, build_model
     torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    capped = prefetch is not None and args.cap_gb
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 1e9 / total) if capped else 1.0)
     torch.cuda.reset_peak_memory_stats()
     model = build_model(cfg, "cuda", torch.bfloat16)
+    if args.checkpoint:
+        model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
     streamer = None
     if prefetch is not None:
         streamer = offload_adam.stream_params(model, _Block, prefetch=prefetch)
-    opt = offload_adam.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    if prefetch is None and args.resident == "compute":
+        opt = NoStep(model)
+    else:
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                                 state_dtype=args.state_dtype,
+                                 step_in_backward=args.step_in_backward,
+                                 free_grads_after_copy=args.free_grads)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for it in range(args.warmup + args.steps):
@@ -80,7 +123,8 @@ def run_mode(cfg, args, prefetch):
                          h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0))
     timed = rows[args.warmup:]
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
-    out = dict(mode="resident" if prefetch is None else f"streamed k={prefetch}",
+    name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
+    out = dict(mode=name if prefetch is None else f"streamed k={prefetch}",
                prefetch=prefetch, median=med, rows=rows,
                peak_gb=torch.cuda.max_memory_allocated() / 1e9,
                streamed_gb=(streamer.streamed_bytes / 1e9) if streamer else 0.0,
@@ -101,6 +145,16 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prefetch", default="1,2")
+    ap.add_argument("--checkpoint", action="store_true", help="activation checkpointing per block")
+    ap.add_argument("--cap-gb", type=float, default=0.0,
+                    help="cap the streamed runs' device memory (set_per_process_memory_fraction)")
+    ap.add_argument("--state-dtype", default="float32", help="offload_adam.AdamW state_dtype")
+    ap.add_argument("--step-in-backward", action="store_true",
+                    help="the CPU step during backward (offload_adam.AdamW step_in_backward)")
+    ap.add_argument("--free-grads", action="store_true",
+                    help="free each grad on the device once on the host (free_grads_after_copy)")
+    ap.add_argument("--resident", choices=["full", "compute"], default="full",
+                    help="the resident run with the optimizer, or forward + backward only")
     ap.add_argument("--tag", default=socket.gethostname())
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -111,7 +165,10 @@ def main():
     from bench.machine import machine_info, one_line
     cfg = config_for(args.layers, args.width, args.vocab, args.seq)
     print(one_line(machine_info()))
-    print(f"model: {cfg.num_params() / 1e9:.2f}B params ({cfg}), batch {args.batch} x {args.seq}")
+    print(f"model: {cfg.num_params() / 1e9:.2f}B params ({cfg}), batch {args.batch} x {args.seq}, "
+          f"checkpointing {args.checkpoint}, cap {args.cap_gb or 'none'} GB (streamed runs), "
+          f"state_dtype {args.state_dtype}, step_in_backward {args.step_in_backward}, "
+          f"free_grads_after_copy {args.free_grads}")
     h2d = pinned_h2d_gbps()
     print(f"pinned host-to-device: {h2d:.1f} GB/s")
     modes = [run_mode(cfg, args, None)]
@@ -122,7 +179,8 @@ def main():
           f"{'H2D GB/it':>11}{'bound s':>9}{'iter/bound':>11}")
     for m in modes:
         med = m["median"]
-        bound = max(resident["fwd_bwd_s"], med["h2d_param_bytes"] / 1e9 / h2d, resident["step_s"])
+        cpu_step = resident["step_s"] if args.resident == "full" else 0.0   # (unknown: not run)
+        bound = max(resident["fwd_bwd_s"], med["h2d_param_bytes"] / 1e9 / h2d, cpu_step)
         m["bound_s"] = bound
         print(f"{m['mode']:<14}{med['iter_s']:>9.3f}{med['fwd_bwd_s']:>11.3f}{med['step_s']:>9.3f}"
               f"{m['peak_gb']:>9.2f}{med['h2d_param_bytes'] / 1e9:>11.2f}{bound:>9.3f}"

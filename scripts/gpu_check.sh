@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run that fits one device call (under 10
 # minutes on an H100): builds the kernels, runs tests/cuda, the streamed-params
-# benchmark (bench/stream_gpu.py), the end-to-end comparison with the peers plus
+# benchmark (bench/stream_gpu.py; also a ~6.9B GPT streamed under a 24 GB cap), the
+# end-to-end comparison with the peers plus
 # the size sweep, compute-sanitizer (racecheck, synccheck) on small training runs
 # (params resident and streamed), the transfer benchmark against pinned
 # bandwidth and the step benchmark on this host's CPU, most telling first. Every log and JSON goes under
@@ -69,6 +70,9 @@ stage cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/cuda
 stage stream_bench 120 "$PY" bench/stream_gpu.py --out "$R" --tag "$name"
 stage racecheck_stream 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_param_stream_cuda.py
 stage racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
+stage stream_7b 200 "$PY" bench/stream_gpu.py --layers 32 --width 4096 --checkpoint --cap-gb 24 \
+  --state-dtype 8bit --step-in-backward --free-grads --resident compute --prefetch 2 --steps 3 --warmup 1 \
+  --out "$R" --tag "${name}_7b_cap24"
 stage transfer_bench 60 "$PY" bench/transfer_bench.py --mb 512 --repeats 5 --out "$R" --tag "$name"
 stage step_bench 90 "$PY" bench/step_bench.py --numel 33554432 --steps 12 --warmup 2 --no-deepspeed \
   --no-plot --out "$R" --tag "${name}_host"
