@@ -14,8 +14,12 @@ ask of a grad:
   * GradScaler's inf check (unscaling by 1, what GradScaler.step does before it
     hands the optimizer its scale), so that a step with inf/NaN grads is
     skipped and the scale lowered, as without the option;
-and refuses everything else (reading values, accumulating another backward
-into it, GradScaler.unscale_) with an error that says why and what to do.
+  * autograd's `p.grad += new` when another micro-batch's backward accumulates
+    into it: `new` is sent to the host and added to the host copy there
+    (the engine's accumulation ring), so the device holds no grad between
+    micro-batches;
+and refuses everything else (reading values, GradScaler.unscale_) with an
+error that says why and what to do.
 
 A DTensor param's FreedGrad is a DTensor of the param's layout around one, so
 that the clipping norm's reduction (distributed.py) still sees the layout.
@@ -34,6 +38,7 @@ from .distributed import is_dtensor
 _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 _NORM = torch.ops.aten.linalg_vector_norm.default
 _MUL_ = (torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar)
+_ADD_ = torch.ops.aten.add_.Tensor
 _ALIASES = (torch.ops.aten.view.default, torch.ops.aten.alias.default,
             torch.ops.aten.detach.default)   # DTensor.from_local and to_local make these
 
@@ -44,6 +49,8 @@ class HostCopy(Protocol):
     def sq_sum(self) -> float: ...          # sum of squares (inf/NaN propagate)
 
     def scale(self, factor: float) -> None: ...   # multiply it, in the next step
+
+    def accumulate(self, new: torch.Tensor) -> None: ...   # add another micro-batch's grad
 
 
 class FreedGrad(torch.Tensor):
@@ -70,16 +77,22 @@ class FreedGrad(torch.Tensor):
         if func in _MUL_ and isinstance(args[0], FreedGrad) and not isinstance(args[1], FreedGrad):
             args[0].host.scale(float(args[1]))
             return args[0]
+        if (func is _ADD_ and isinstance(args[0], FreedGrad) and len(args) == 2
+                and isinstance(args[1], torch.Tensor) and not isinstance(args[1], FreedGrad)
+                and kwargs.get("alpha", 1) == 1 and args[1].shape == args[0].shape
+                and args[1].dtype == args[0].dtype):
+            args[0].host.accumulate(args[1])   # autograd accumulating a micro-batch
+            return args[0]
         if func in _ALIASES and (len(args) < 2 or tuple(args[1]) == tuple(args[0].shape)):
             return FreedGrad(args[0], args[0].label, args[0].host)   # the same grad
         freed = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, FreedGrad))
         raise RuntimeError(
             f"offload_adam: the grad of {freed.label} was sent to the host and freed in "
             f"backward (free_grads_after_copy=True), so {func} cannot use it: only its "
-            "norm, a multiplication by a scalar (clipping) and GradScaler's inf check "
-            "are answered from the host copy. Do not accumulate micro-batches or read "
-            "grads between backward and step() with this option; or use "
-            "free_grads_after_copy=False")
+            "norm, a multiplication by a scalar (clipping), GradScaler's inf check and "
+            "the accumulation of another micro-batch's grad are answered from the host "
+            "copy. Do not read grads between backward and step() with this option; or "
+            "use free_grads_after_copy=False")
 
 
 def _inf_check(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

@@ -9,9 +9,10 @@ documented here and nowhere else.
     is on the host: p.grad then holds a FreedGrad (freed_grad.py), a tensor of
     the grad's shape and dtype that owns no memory. It answers clipping
     (torch.nn.utils.clip_grad_norm_, opt.clip_grad_norm_) and GradScaler's inf
-    check from the host copy, and refuses everything else with an error:
-    reading its values, editing it, accumulating another micro-batch into it.
-    Needs overlap=True.
+    check from the host copy; another micro-batch's grad accumulates into it on
+    the host (sent, then added to the host copy: bit for bit the sum on the
+    device); everything else is refused with an error: reading its values,
+    editing it. Needs overlap=True.
   num_threads (None): kernel threads, for every param; None =
     torch.get_num_threads(), minus one for CUDA params (the thread driving the
     GPU keeps a core).

@@ -209,17 +209,21 @@ def test_optimizer_built_before_streaming_is_refused_at_step(device):
         opt.step()
 
 
-@pytest.mark.parametrize("opts", [dict(), dict(step_in_backward=True), dict(files=True)],
-                         ids=["ram", "step-in-backward", "files"])
+@pytest.mark.parametrize("opts", [dict(), dict(step_in_backward=True), dict(files=True),
+                                  dict(free_grads_after_copy=True),
+                                  dict(free_grads_after_copy=True, files=True)],
+                         ids=["ram", "step-in-backward", "files", "free-grads", "free-grads-files"])
 def test_streamed_training_in_every_store_is_the_resident_training(device, tmp_path, opts):
-    """The state in RAM, stepped during backward, or in files (state_dirs=): streamed is
-    still bit for bit the resident training."""
+    """The state in RAM, stepped during backward, or in files (state_dirs=); the grads
+    freed on the device once on the host, the second micro-batch added there: streamed
+    is still bit for bit the resident training (its grads kept on the device)."""
     runs = []
     for streamed in (False, True):
         model = make_llama(layers=6)
         if streamed:
             offload_adam.stream_params(model, Block, prefetch=2)
-        kw = dict(OPTS, step_in_backward=opts.get("step_in_backward", False))
+        kw = dict(OPTS, step_in_backward=opts.get("step_in_backward", False),
+                  free_grads_after_copy=streamed and opts.get("free_grads_after_copy", False))
         if opts.get("files"):
             (tmp_path / f"state{int(streamed)}").mkdir()
             kw["state_dirs"] = str(tmp_path / f"state{int(streamed)}")

@@ -65,6 +65,7 @@ from ..options import Options
 from ..params import check_dense, one_device
 from ..state_format import state_format
 from .device import current_host_stand_in, make_device
+from .host_memory import HostArenas
 from .early import EarlyStart
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
@@ -72,6 +73,8 @@ from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers
 from .profile import StepProfile
 from .state import bind_state, follow_masters, is_bound
 from .worker import Worker, interrupts_deferred
+
+_ACC_SLOTS = 4   # the accumulation ring: pieces in flight to the host before one is added
 
 
 class OffloadEngine:
@@ -118,6 +121,13 @@ class OffloadEngine:
         self._backward_task = None
         self._hook_order: Optional[List[ParamRec]] = []   # the first backward's order
         self._want_norms = False
+        # Micro-batches accumulated into freed grads: each piece's D2H copy into a slot of
+        # a small pinned ring, added to the host copy when its slot is needed again or
+        # before anything reads the host copies (_flush_adds).
+        self._acc_arenas: list = []
+        self._acc_slots: List[torch.Tensor] = []
+        self._acc_free: List[int] = []
+        self._acc_pending: list = []              # (rec, copy, piece, slot index, transfer)
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
@@ -130,7 +140,7 @@ class OffloadEngine:
         # nothing that keeps the engine alive.
         self._finalizer = weakref.finalize(
             self, _shutdown, self.device, self._worker, self.recs, self.buckets,
-            self._state_arenas, self._transfer_arenas)
+            self._state_arenas, self._transfer_arenas, self._acc_arenas)
         for i, (params, ams) in enumerate(zip(managed, amsgrad)):
             self.add_group(i, params, ams, state_dtypes[i] if state_dtypes else "float32",
                            names[i] if names else None)
@@ -215,7 +225,8 @@ class OffloadEngine:
 
     def host_bytes(self) -> int:
         """Host memory held: master, moments, grad and staging buffers."""
-        return sum(a.nbytes() for a in self._state_arenas + self._transfer_arenas)
+        return sum(a.nbytes() for a in self._state_arenas + self._transfer_arenas
+                   + self._acc_arenas)
 
     def pinned(self) -> bool:
         return all(a.pinned for a in self._state_arenas + self._transfer_arenas)
@@ -260,6 +271,9 @@ class OffloadEngine:
             return  # an earlier hook took it (optimizer-in-backward patterns)
         if self.early is not None:
             self.early.before_copy(rec)
+        if rec.freed and rec.accumulated:   # added to the freed grad's host copy
+            rec.accumulated = False
+            return
         if rec.freed:
             raise RuntimeError(
                 "offload_adam: a grad arrived twice before step() with "
@@ -520,6 +534,7 @@ class OffloadEngine:
         grad: stale copies are copied again, reused ones are fingerprint-
         checked (verify_grads): queued per bucket into `checks` for the bucket
         jobs, or, without `checks`, waited for and acted on now."""
+        self._flush_adds()
         ready, stale, reused = [], [], []
         for rec in self.recs:
             grad = rec.param.grad
@@ -678,8 +693,71 @@ class OffloadEngine:
         if self._worker is not None:
             self._worker.raise_pending()
         self._end_backward()
+        self._flush_adds()
         for rec in self.recs:
             rec.freed = False
+            rec.accumulated = False
+
+    # ---- accumulation into freed grads ----------------------------------------------
+
+    def accumulate(self, rec: ParamRec, copy: GradCopy, new: torch.Tensor) -> None:
+        """autograd's `p.grad += new` into a freed grad (free_grads_after_copy, another
+        micro-batch): `new` goes to the host piece by piece and is added to the host
+        copy there, so the device keeps no grad between micro-batches. The add rounds
+        as the device's would (bf16 + bf16 computed in fp32, rounded to nearest even),
+        so the sum is bit for bit the one accumulated on the device."""
+        if self.early is not None:
+            self.early.fail("a grad was accumulated (another micro-batch) into a freed "
+                            "grad whose step already ran in backward")
+        if copy.factor != 1.0:
+            raise RuntimeError(
+                f"offload_adam: the freed grad of {rec.label()} was multiplied (clipped or "
+                "unscaled) and then another micro-batch was accumulated into it: clip and "
+                "unscale once every micro-batch's backward is done")
+        if copy.unsent:
+            self._end_backward()   # its first copy's pack goes before anything adds to it
+        g = local(new).detach()
+        if rec.flat and not g.is_contiguous():
+            g = self.device.contiguous(g)
+        for piece in rec.pieces:
+            index = self._acc_slot(piece)
+            slot = self._acc_slots[index][:piece.numel * g.element_size()].view(g.dtype)
+            t = self.device.d2h([slot], [piece.of(g).reshape(-1)])
+            copy.transfers.append(t)   # waited for with the rest (step, shutdown)
+            self._acc_pending.append((rec, copy, piece, index, t, g.dtype))
+        copy.generation += 1   # a sum of squares computed before is not this grad's
+        copy.sq_sum = None
+        rec.accumulated = True
+
+    def _acc_slot(self, piece: Piece) -> int:
+        """A free slot of the accumulation ring for `piece` (its oldest pending add done
+        first when none is free); the ring is sized on first use for the largest piece."""
+        need = max(p.numel for r in self.recs for p in r.pieces) * 4
+        if not self._acc_slots or self._acc_slots[0].numel() < need:
+            self._flush_adds()
+            for a in self._acc_arenas:
+                a.release()
+            self._acc_arenas.clear()
+            arenas = HostArenas(self.device)
+            offsets = [arenas.reserve("accumulate", torch.uint8, need) for _ in range(_ACC_SLOTS)]
+            arenas.allocate()
+            self._acc_arenas.append(arenas)
+            self._acc_slots = [arenas.view("accumulate", o, (need,)) for o in offsets]
+            self._acc_free = list(range(_ACC_SLOTS))
+        if not self._acc_free:
+            self._flush_adds(len(self._acc_pending) - 1)
+        return self._acc_free.pop(0)
+
+    def _flush_adds(self, keep: int = 0) -> None:
+        """Adds the pending accumulated pieces (oldest first) until `keep` are left."""
+        while len(self._acc_pending) > keep:
+            rec, copy, piece, index, t, dtype = self._acc_pending.pop(0)
+            self.device.wait_host(*copy.transfers)   # its first copy and this one landed
+            if rec.copy is copy:
+                size = piece.numel * torch.empty((), dtype=dtype).element_size()
+                with torch.no_grad():
+                    piece.grad.view(-1).add_(self._acc_slots[index][:size].view(dtype))
+            self._acc_free.append(index)
 
 
 # ---- 3'. the step's session: the engine's own arenas, or state lent by a store --------
@@ -896,11 +974,19 @@ class _FreedHost:
         if engine is None or self.rec.copy is not self.copy:
             raise RuntimeError(f"offload_adam: the host copy of the freed grad of "
                                f"{self.rec.label()} is gone (its step was taken)")
+        engine._flush_adds()
         if self.copy.sq_sum is None:
             with torch.no_grad():
                 engine._end_backward()   # its pack sent, if it still waited
             sq_sum(engine.device, self.rec, self.copy, engine.threads())
         return self.copy.sq_sum * self.copy.factor ** 2
+
+    def accumulate(self, new: torch.Tensor) -> None:
+        engine = self.engine_ref()
+        if engine is None or self.rec.copy is not self.copy:
+            raise RuntimeError(f"offload_adam: the host copy of the freed grad of "
+                               f"{self.rec.label()} is gone (its step was taken)")
+        engine.accumulate(self.rec, self.copy, new)
 
     def scale(self, factor: float) -> None:
         engine = self.engine_ref()
@@ -970,7 +1056,8 @@ def _transfers_of(recs, buckets) -> list:
     return out
 
 
-def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas) -> None:
+def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
+              acc_arenas) -> None:
     for rec in recs:
         if rec.hook is not None:
             rec.hook.remove()
@@ -979,8 +1066,9 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas) -> N
         worker.close()
     # No copy may still read or write the memory about to be unpinned and freed.
     device.wait_host(*_transfers_of(recs, buckets))
-    for a in state_arenas + transfer_arenas:
+    for a in state_arenas + transfer_arenas + acc_arenas:
         a.release()
     # held no more (host_bytes() 0): what optimizer.state still shows stays readable
     state_arenas.clear()
     transfer_arenas.clear()
+    acc_arenas.clear()

@@ -71,7 +71,8 @@ def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
 class GradCopy:
     """One host copy of one param's grad."""
 
-    __slots__ = ("grad", "version", "fingerprint", "transfers", "unsent", "sq_sum", "factor")
+    __slots__ = ("grad", "version", "fingerprint", "transfers", "unsent", "sq_sum", "factor",
+                 "generation")
 
     def __init__(self, grad: torch.Tensor, fingerprint: Optional[torch.Tensor], pieces: int):
         self.grad = weakref.ref(grad)     # the tensor copied (not kept alive)
@@ -81,6 +82,7 @@ class GradCopy:
         self.unsent = pieces              # pieces whose copy is not queued yet (packs)
         self.sq_sum: Optional[float] = None  # its sum of squares, once computed
         self.factor = 1.0                 # a freed grad multiplied since (freed_grad.py)
+        self.generation = 0               # micro-batches added to it since (a freed grad)
 
     def sent(self, transfer) -> None:
         self.transfers.append(transfer)
@@ -125,6 +127,8 @@ def sq_sum(device, rec, copy: GradCopy, threads: int) -> None:
     is summed once sent) or is no longer rec's copy."""
     if copy.unsent or copy.sq_sum is not None:
         return
+    generation = copy.generation
     device.wait_host(*copy.transfers)
-    if rec.copy is copy:
-        copy.sq_sum = math.fsum(grad_sq_sums([p.grad for p in rec.pieces], threads))
+    total = math.fsum(grad_sq_sums([p.grad for p in rec.pieces], threads))
+    if rec.copy is copy and copy.generation == generation:   # (no micro-batch added since)
+        copy.sq_sum = total

@@ -69,6 +69,7 @@ class ParamRec:
         self.step_t: Optional[torch.Tensor] = None
         self.copy = None                    # grads.GradCopy of its grad, or None
         self.freed = False                  # free_grads_after_copy dropped p.grad
+        self.accumulated = False            # ... and a micro-batch was added to its copy
         self.hook = None
         self.name: Optional[str] = None       # params.param_label's, when the optimizer gives it
 
