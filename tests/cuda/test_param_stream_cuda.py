@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import offload_adam
+from offload_adam.freed_grad import is_freed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from test_param_stream import OPTS, Block, make_llama  # noqa: E402
@@ -37,7 +38,7 @@ def train(model, opt, steps, micro, clip):
         opt.zero_grad()
 
 
-def run(streamed, checkpointed=False, prefetch=2, **opts):
+def run(streamed, checkpointed=False, prefetch=2, clip=True, **opts):
     model = make_llama(checkpointed=checkpointed)
     if streamed:
         streamer = offload_adam.stream_params(model, Block, prefetch=prefetch)
@@ -46,7 +47,7 @@ def run(streamed, checkpointed=False, prefetch=2, **opts):
         streamer = None
     opt = offload_adam.AdamW(model.parameters(), **dict(OPTS, **opts))
     early = opts.get("step_in_backward", False)   # forbids accumulating and clipping
-    train(model, opt, 3, micro=1 if early else 3, clip=not early)
+    train(model, opt, 3, micro=1 if early else 3, clip=clip and not early)
     torch.cuda.synchronize()
     values = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return model, opt, streamer, values
@@ -67,6 +68,26 @@ def test_streamed_training_stepped_in_backward_on_cuda():
     _, _, _, streamed = run(True, step_in_backward=True)
     for k in resident:
         assert torch.equal(resident[k], streamed[k]), k
+
+
+def test_streamed_with_freed_grads_accumulates_on_the_host():
+    """free_grads_after_copy with 3 micro-batches: each grad freed once on the host and
+    the next ones added there; bit for bit the resident training with kept grads, and
+    after each backward the device holds no grad of a streamed param."""
+    _, _, _, resident = run(False, clip=False)
+    model = make_llama()
+    offload_adam.stream_params(model, Block, prefetch=2)
+    opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=True, **OPTS)
+    for it in range(3):
+        for m in range(3):
+            loss_of(model, 10 * it + m).backward()
+            assert all(is_freed(p.grad) for p in model.parameters() if p.requires_grad)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    streamed = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    for k in resident:
+        assert torch.equal(streamed[k], resident[k]), k
 
 
 def test_between_uses_the_streamed_params_hold_no_device_memory():
