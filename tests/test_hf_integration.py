@@ -147,7 +147,8 @@ def test_trainer_with_a_frozen_layer_through_the_engine(tmp_path):
     assert bitwise(params_of(inplace), params_of(engine))
 
 
-def test_trainer_clips_freed_grads(tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_trainer_clips_freed_grads(tmp_path, accumulate):
     # free_grads_after_copy=True frees each grad in backward: Trainer's own
     # clipping and grad-norm logging (max_grad_norm in TrainingArguments,
     # through Accelerate and torch.nn.utils.clip_grad_norm_) would find no
@@ -155,10 +156,12 @@ def test_trainer_clips_freed_grads(tmp_path):
     # from their host copies and the clip is applied inside the step: the same
     # norms as with the grads kept, and the same training up to the bf16
     # rounding of the clipped grads (Trainer rounds them, the kernel does not).
+    # accumulate=2: the second micro-batch's grads are added to the freed grads' host
+    # copies (free_grads_after_copy accumulates on the host).
     def run(name, **options):
         model = tiny_llama(torch.bfloat16)
         opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **options)
-        args = trainer_args(tmp_path / name, save_strategy="no", accumulate=1)
+        args = trainer_args(tmp_path / name, save_strategy="no", accumulate=accumulate)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
                                        optimizers=(opt, schedule(opt)))
         trainer.train()
