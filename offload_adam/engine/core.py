@@ -724,6 +724,7 @@ class OffloadEngine:
             slot = self._acc_slots[index][:piece.numel * g.element_size()].view(g.dtype)
             t = self.device.d2h([slot], [piece.of(g).reshape(-1)])
             copy.transfers.append(t)   # waited for with the rest (step, shutdown)
+            copy.adds += 1
             self._acc_pending.append((rec, copy, piece, index, t, g.dtype))
         copy.generation += 1   # a sum of squares computed before is not this grad's
         copy.sq_sum = None
@@ -732,8 +733,9 @@ class OffloadEngine:
     def _acc_slot(self, piece: Piece) -> int:
         """A free slot of the accumulation ring for `piece` (its oldest pending add done
         first when none is free); the ring is sized on first use for the largest piece."""
-        need = max(p.numel for r in self.recs for p in r.pieces) * 4
+        need = piece.numel * 4
         if not self._acc_slots or self._acc_slots[0].numel() < need:
+            need = max(p.numel for r in self.recs for p in r.pieces) * 4   # (fp32 at most)
             self._flush_adds()
             for a in self._acc_arenas:
                 a.release()
@@ -757,6 +759,9 @@ class OffloadEngine:
                 size = piece.numel * torch.empty((), dtype=dtype).element_size()
                 with torch.no_grad():
                     piece.grad.view(-1).add_(self._acc_slots[index][:size].view(dtype))
+            copy.adds -= 1
+            copy.generation += 1   # (a sum of squares being computed meanwhile is dropped)
+            copy.sq_sum = None
             self._acc_free.append(index)
 
 

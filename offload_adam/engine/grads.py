@@ -72,7 +72,7 @@ class GradCopy:
     """One host copy of one param's grad."""
 
     __slots__ = ("grad", "version", "fingerprint", "transfers", "unsent", "sq_sum", "factor",
-                 "generation")
+                 "generation", "adds")
 
     def __init__(self, grad: torch.Tensor, fingerprint: Optional[torch.Tensor], pieces: int):
         self.grad = weakref.ref(grad)     # the tensor copied (not kept alive)
@@ -82,7 +82,8 @@ class GradCopy:
         self.unsent = pieces              # pieces whose copy is not queued yet (packs)
         self.sq_sum: Optional[float] = None  # its sum of squares, once computed
         self.factor = 1.0                 # a freed grad multiplied since (freed_grad.py)
-        self.generation = 0               # micro-batches added to it since (a freed grad)
+        self.generation = 0               # changes each time values are added to it
+        self.adds = 0                     # pieces of micro-batches sent, not yet added
 
     def sent(self, transfer) -> None:
         self.transfers.append(transfer)
@@ -125,8 +126,8 @@ def sq_sum(device, rec, copy: GradCopy, threads: int) -> None:
     """Sets copy.sq_sum, the sum of squares of rec's grad from its host copy
     (for clipping), unless the copy is still in a pack waiting to be sent (it
     is summed once sent) or is no longer rec's copy."""
-    if copy.unsent or copy.sq_sum is not None:
-        return
+    if copy.unsent or copy.sq_sum is not None or copy.adds:
+        return   # (with adds pending, whoever reads it next adds them first: engine.py)
     generation = copy.generation
     device.wait_host(*copy.transfers)
     total = math.fsum(grad_sq_sums([p.grad for p in rec.pieces], threads))
