@@ -339,10 +339,14 @@ class ParamStreamer:
     # ---- state dicts ------------------------------------------------------------------
 
     def _state_dict(self, block: _Block, sd: dict, prefix: str) -> None:
+        """The host copies stand for the params (keep_vars=True: as Parameters around
+        them, not the model's own, whose data is the placeholder between uses)."""
         for name, home in zip(block.names, block.homes):
             key = prefix + name
             if key in sd:
-                sd[key] = home if not isinstance(sd[key], torch.nn.Parameter) else sd[key]
+                was = sd[key]
+                sd[key] = (torch.nn.Parameter(home, requires_grad=was.requires_grad)
+                           if isinstance(was, torch.nn.Parameter) else home)
 
     def _before_load(self, block: _Block) -> None:
         """load_state_dict copies into the host copies (the params show them meanwhile)."""

@@ -175,8 +175,10 @@ def test_state_dict_round_trip_through_the_host_copies(device):
     plain = copy.deepcopy(model)
     offload_adam.stream_params(model, Block)
     sd = model.state_dict()
+    kept = model.state_dict(keep_vars=True)   # Parameters, with the real values too
     for k, v in plain.state_dict().items():
         assert torch.equal(sd[k], v), k
+        assert isinstance(kept[k], torch.nn.Parameter) and torch.equal(kept[k].detach(), v), k
     other = make_llama(seed=1, layers=3, frozen=())
     model.load_state_dict(other.state_dict())
     for k, v in other.state_dict().items():
