@@ -68,11 +68,11 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, record
 stage build 150 "$PY" -c "import offload_adam; print('isa', offload_adam.kernel_isa(), 'supported', offload_adam.supported_isas())"
 stage cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/cuda
 stage stream_bench 120 "$PY" bench/stream_gpu.py --out "$R" --tag "$name"
-stage racecheck_stream 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_param_stream_cuda.py
-stage racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
 stage stream_7b 200 "$PY" bench/stream_gpu.py --layers 32 --width 4096 --checkpoint --cap-gb 24 \
   --state-dtype 8bit --step-in-backward --free-grads --resident compute --prefetch 2 --steps 3 --warmup 1 \
   --out "$R" --tag "${name}_7b_cap24"
+stage racecheck_stream 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_param_stream_cuda.py
+stage racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
 stage transfer_bench 60 "$PY" bench/transfer_bench.py --mb 512 --repeats 5 --out "$R" --tag "$name"
 stage step_bench 90 "$PY" bench/step_bench.py --numel 33554432 --steps 12 --warmup 2 --no-deepspeed \
   --no-plot --out "$R" --tag "${name}_host"
