@@ -316,3 +316,46 @@ def test_trainer_resume_from_checkpoint_with_state_dirs(tmp_path):
     assert bitwise(params_of(full), params_of(resumed))
     assert losses == full_losses   # (steps 1-3 from the checkpoint's log, 4-6 trained)
     assert ropt.step_count == fopt.step_count == STEPS
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_streamed_llama_with_hf_checkpointing_and_generate(tmp_path, reentrant):
+    """Issue 27: transformers' own activation checkpointing (gradient_checkpointing_enable,
+    reentrant or not) on a streamed Llama trains bit for bit like the resident model, and
+    generate() (forwards without grad, with the KV cache) gives the same tokens."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from offload_adam.testing import AsyncSimDevice, simulated
+
+    def run(streamed):
+        sim = AsyncSimDevice(seed=1)
+        try:
+            model = tiny_llama(torch.bfloat16, layers=4)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            model.train()
+            with simulated(sim), sim.watch():
+                if streamed:
+                    offload_adam.stream_params(model, LlamaDecoderLayer, prefetch=1)
+                opt = offload_adam.AdamW(model.parameters(), lr=LR, bucket_mb=0.01)
+                data = Tokens(8)
+                for step in range(3):
+                    for micro in range(2):
+                        batch = data[2 * step + micro]
+                        model(input_ids=batch["input_ids"][None],
+                              labels=batch["labels"][None]).loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                model.eval()
+                with torch.no_grad():
+                    tokens = model.generate(data[0]["input_ids"][None, :4], max_new_tokens=6,
+                                            do_sample=False)
+            sim.check()
+        finally:
+            sim.close()
+        return {k: v.clone() for k, v in model.state_dict().items()}, tokens
+
+    resident, resident_tokens = run(False)
+    streamed, streamed_tokens = run(True)
+    assert all(torch.equal(resident[k], streamed[k]) for k in resident)
+    assert torch.equal(resident_tokens, streamed_tokens) and resident_tokens.shape[1] == 10

@@ -421,3 +421,28 @@ def test_a_block_left_on_the_device_over_a_step_is_fetched_again(device):
         train(model, opt, 2, micro=1, start=2)
         runs.append((model, opt))
     assert_same_training(*runs)
+
+
+def test_grad_scaler_with_fp16_streamed_params(device):
+    """fp16 params streamed, GradScaler with a step that overflows (skipped, the scale
+    lowered): bit for bit the resident training, the same scales."""
+    runs, scales = [], []
+    for streamed in (False, True):
+        torch.manual_seed(0)
+        model = TinyLlama(layers=4).to(torch.float16)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        seen = []
+        for it in range(4):
+            loss = llama_loss(model, it) * (1e30 if it == 1 else 1.0)   # step 1: inf grads
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            seen.append(scaler.get_scale())
+        runs.append((model, opt))
+        scales.append(seen)
+    assert scales[0] == scales[1] and scales[0][1] < scales[0][0]
+    assert_same_training(*runs)
