@@ -4,6 +4,7 @@ and the buffered fallback where O_DIRECT is refused."""
 import errno
 import fcntl
 import os
+import threading
 import warnings
 
 import pytest
@@ -437,3 +438,35 @@ def test_a_filesystem_without_direct_io_warns_once_and_works(kernels, tmp_path, 
             for name in os.listdir(f):
                 os.unlink(os.path.join(f, name))
             os.rmdir(f)
+
+
+@pytest.mark.skipif(not hasattr(threading, "_shutdown_locks_lock"),
+                    reason="this Python's threading has no _shutdown_locks_lock (3.13+)")
+def test_io_pool_close_never_joins_its_threads(tmp_path):
+    """IOPool.close runs in the state's finalizer, which the garbage collector may call
+    while threading holds its _shutdown_locks_lock (a thread starting up): joining a
+    thread there deadlocked (a test run hung). close() must finish with that lock taken
+    by another thread, once the requests queued before it are done."""
+    from offload_adam.nvme.direct_io import IOPool
+    pool = IOPool(threads=2)
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        futures = pool.read(fd, memoryview(bytearray(8192)), 0)
+        go, done = threading.Event(), threading.Event()
+
+        def closer():
+            go.wait()
+            pool.close()
+            done.set()
+        t = threading.Thread(target=closer)
+        t.start()
+        with threading._shutdown_locks_lock:
+            go.set()
+            finished = done.wait(10)
+        t.join()
+        assert finished, "IOPool.close() waited on threading's lock (a join)"
+        assert all(f.done() for f in futures)
+    finally:
+        os.close(fd)

@@ -17,8 +17,10 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import List, Optional, Tuple
 
 import torch
@@ -151,18 +153,26 @@ def _write(fd, view, offset) -> int:
     return crc
 
 
+_IO_THREAD = "offload_adam_io"
+
+
 class IOPool:
     """Threads running aligned requests; `read`/`write` cut a range into `request_bytes`
     requests and return their futures, whose results are the requests' checksums."""
 
     def __init__(self, threads: int = 4, request_bytes: int = REQUEST_BYTES):
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="offload_adam_io")
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=_IO_THREAD)
         self.request_bytes = request_bytes
+        self._futures: List[Future] = []   # the requests close() waits for
 
     def _submit(self, fn, fd: int, view: memoryview, offset: int) -> List[Future]:
         step = self.request_bytes
-        return [self._pool.submit(fn, fd, view[i:i + step], offset + i)
-                for i in range(0, len(view), step)]
+        futures = [self._pool.submit(fn, fd, view[i:i + step], offset + i)
+                   for i in range(0, len(view), step)]
+        if len(self._futures) > 4096:
+            self._futures = [f for f in self._futures if not f.done()]
+        self._futures.extend(futures)
+        return futures
 
     def read(self, fd: int, view: memoryview, offset: int) -> List[Future]:
         return self._submit(_read, fd, view, offset)
@@ -171,7 +181,14 @@ class IOPool:
         return self._submit(_write, fd, view, offset)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Waits for the requests queued so far (the files may be closed after), then lets
+        the threads end on their own. No join: close() may run in a finalizer that the
+        garbage collector calls inside threading's own locked code (a thread starting
+        up), where joining a thread deadlocks on that lock (seen: a test run hung)."""
+        if not threading.current_thread().name.startswith(_IO_THREAD):   # (not its own)
+            futures_wait(self._futures)
+        self._futures = []
+        self._pool.shutdown(wait=False)
 
 
 def wait(futures: List[Future]) -> Optional[BaseException]:
