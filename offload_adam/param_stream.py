@@ -173,7 +173,6 @@ class ParamStreamer:
         buffer = torch.empty(size, dtype=torch.uint8)
         if self.device.pin(buffer):
             self._pinned.append(buffer)
-        nan = {}
         with torch.no_grad():
             for p, off in zip(block.params, offsets):
                 nbytes = p.numel() * p.element_size()
@@ -183,10 +182,7 @@ class ParamStreamer:
                 real = torch.empty(p.shape, dtype=p.dtype, device=self.torch_device)
                 real.untyped_storage().resize_(0)
                 block.device_tensors.append(real)
-                if p.dtype not in nan:
-                    nan[p.dtype] = torch.full((), math.nan, dtype=p.dtype,
-                                              device=self.torch_device)
-                block.placeholders.append(nan[p.dtype].expand(p.shape))
+                block.placeholders.append(_nan(p, self.torch_device, full=False))
                 p.data = block.placeholders[-1]
                 p.grad = None
                 set_home(p, Home(home, block))

@@ -127,7 +127,7 @@ class OffloadEngine:
         self._acc_arenas: list = []
         self._acc_slots: List[torch.Tensor] = []
         self._acc_free: List[int] = []
-        self._acc_pending: list = []              # (rec, copy, piece, slot index, transfer)
+        self._acc_pending: list = []              # (rec, copy, piece, slot index, slot view)
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
@@ -725,7 +725,7 @@ class OffloadEngine:
             t = self.device.d2h([slot], [piece.of(g).reshape(-1)])
             copy.transfers.append(t)   # waited for with the rest (step, shutdown)
             copy.adds += 1
-            self._acc_pending.append((rec, copy, piece, index, t, g.dtype))
+            self._acc_pending.append((rec, copy, piece, index, slot))
         copy.generation += 1   # a sum of squares computed before is not this grad's
         copy.sq_sum = None
         rec.accumulated = True
@@ -753,12 +753,11 @@ class OffloadEngine:
     def _flush_adds(self, keep: int = 0) -> None:
         """Adds the pending accumulated pieces (oldest first) until `keep` are left."""
         while len(self._acc_pending) > keep:
-            rec, copy, piece, index, t, dtype = self._acc_pending.pop(0)
+            rec, copy, piece, index, slot = self._acc_pending.pop(0)
             self.device.wait_host(*copy.transfers)   # its first copy and this one landed
             if rec.copy is copy:
-                size = piece.numel * torch.empty((), dtype=dtype).element_size()
                 with torch.no_grad():
-                    piece.grad.view(-1).add_(self._acc_slots[index][:size].view(dtype))
+                    piece.grad.view(-1).add_(slot)
             copy.adds -= 1
             copy.generation += 1   # (a sum of squares being computed meanwhile is dropped)
             copy.sq_sum = None
@@ -974,11 +973,16 @@ class _FreedHost:
     def __init__(self, engine_ref, rec: ParamRec, copy: GradCopy):
         self.engine_ref, self.rec, self.copy = engine_ref, rec, copy
 
-    def sq_sum(self) -> float:
+    def _engine(self) -> "OffloadEngine":
+        """The engine, while this copy is still the grad's (else a RuntimeError)."""
         engine = self.engine_ref()
         if engine is None or self.rec.copy is not self.copy:
             raise RuntimeError(f"offload_adam: the host copy of the freed grad of "
                                f"{self.rec.label()} is gone (its step was taken)")
+        return engine
+
+    def sq_sum(self) -> float:
+        engine = self._engine()
         engine._flush_adds()
         if self.copy.sq_sum is None:
             with torch.no_grad():
@@ -987,11 +991,7 @@ class _FreedHost:
         return self.copy.sq_sum * self.copy.factor ** 2
 
     def accumulate(self, new: torch.Tensor) -> None:
-        engine = self.engine_ref()
-        if engine is None or self.rec.copy is not self.copy:
-            raise RuntimeError(f"offload_adam: the host copy of the freed grad of "
-                               f"{self.rec.label()} is gone (its step was taken)")
-        engine.accumulate(self.rec, self.copy, new)
+        self._engine().accumulate(self.rec, self.copy, new)
 
     def scale(self, factor: float) -> None:
         engine = self.engine_ref()
