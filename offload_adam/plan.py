@@ -1,0 +1,697 @@
+"""The planner: where every byte of a training run would live, and what bounds its step.
+
+    python -m offload_adam.plan llama-3-70b                       # the 24 GB desktop
+    python -m offload_adam.plan path/to/config.json --machine here --batch 8
+    python -m offload_adam.plan --layers 32 --hidden 4096 --intermediate 14336 --vocab 128256
+
+A model is a Llama-shaped decoder (a preset, a Hugging Face config.json or, with transformers
+installed, a config name; or its shape given as flags): streamed blocks (the decoder layers)
+and resident params (embeddings, final norm, head). For each layout
+
+    params   gpu    every param resident on the GPU in bf16 (the optimizer's default)
+             ram    blocks streamed from pinned host copies (stream_params)
+             files  blocks streamed from param files, a host cache in front (planned: issue 28)
+    state    ram    master + moments in the engine's host arenas
+             files  in the NVMe tier's files (state_dirs=), through its ring of buffers
+    state_dtype     float32, bfloat16 or "8bit" moments (state_format.py)
+
+it counts the bytes on the GPU, in host RAM and on disk, says whether they fit the machine,
+gives the per-step lower bounds (GPU compute at peak, PCIe per direction, the CPU step at the
+DRAM bandwidth, the SSD) with the one that binds, and the largest model of the same width
+(more or fewer blocks) that fits.
+
+Host and disk bytes are counted the way the code allocates them (engine/layout.py: grad and
+staging per piece, master and moments per param, each rounded to a cache line; the NVMe
+tier's buckets laid out by nvme/layout.py itself; the streamer's host copies): the tests
+check them against `host_bytes()`, the files written and the simulated device's peak. GPU
+activations and the step times are estimates from formulas stated below, not measurements.
+The recipe assumed for every layout: bf16 params, free_grads_after_copy=True (a grad leaves
+the GPU once copied), step_in_backward with the state in files, prefetch k blocks ahead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+GB = 1e9
+_LINE = 64        # engine/host_memory.py: every per-param host buffer starts on a cache line
+_QUANT = 256      # state_format.QUANT_BLOCK: one fp32 scale per 256 8-bit codes per moment
+_HOME_ALIGN = 64  # param_stream.py: each streamed param's host copy starts on a cache line
+_MB = 2 ** 20
+
+# What one step of the fused kernel moves through DRAM per param with bf16 params
+# (state_format.py's table: master, moments, grad, bf16 update, read and written).
+_STEP_TRAFFIC = {"float32": 28.0, "bfloat16": 20.0, "8bit": 16.0}
+STATE_DTYPES = ("float32", "bfloat16", "8bit")
+
+
+def _round(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+# ---- the model ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama-shaped decoder: `layers` blocks (attention with `kv_heads` key/value heads,
+    a SwiGLU MLP, two RMSNorms), embeddings of `vocab` x `hidden`, a final norm and an
+    output head (the embedding's, when `tied`)."""
+    name: str
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    tied: bool = False
+
+    def __post_init__(self):
+        for key in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"model {self.name!r}: {key} must be a positive int, got {v!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"model {self.name!r}: hidden ({self.hidden}) must be a multiple "
+                             f"of heads ({self.heads}), and heads of kv_heads ({self.kv_heads})")
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    def block_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """One decoder layer's params, in registration order (transformers' Llama)."""
+        h, i, kv = self.hidden, self.intermediate, self.kv_dim
+        return [("q_proj", (h, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)),
+                ("o_proj", (h, h)), ("gate_proj", (i, h)), ("up_proj", (i, h)),
+                ("down_proj", (h, i)), ("input_layernorm", (h,)),
+                ("post_attention_layernorm", (h,))]
+
+    def resident_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        out = [("embed_tokens", (self.vocab, self.hidden)), ("norm", (self.hidden,))]
+        return out + ([] if self.tied else [("lm_head", (self.vocab, self.hidden))])
+
+    def tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
+        """Every param, in registration order: embeddings, the blocks, the norm, the head."""
+        res = self.resident_tensors()
+        blocks = [(f"layers.{k}.{n}", s) for k in range(self.layers)
+                  for n, s in self.block_tensors()]
+        return res[:1] + blocks + res[1:]
+
+    @property
+    def block_params(self) -> int:
+        return sum(math.prod(s) for _, s in self.block_tensors())
+
+    @property
+    def resident_params(self) -> int:
+        return sum(math.prod(s) for _, s in self.resident_tensors())
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.block_params + self.resident_params
+
+    def with_layers(self, layers: int) -> "ModelShape":
+        return replace(self, layers=layers)
+
+    @classmethod
+    def from_config(cls, cfg: dict, name: str = "config") -> "ModelShape":
+        """From a Hugging Face config (its dict): Llama, Mistral, Qwen2 and the like."""
+        need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads")
+        missing = [k for k in need if k not in cfg]
+        if missing:
+            raise ValueError(f"model config {name!r} lacks {', '.join(missing)}: the planner "
+                             "knows Llama-shaped decoders (give the shape as flags instead)")
+        heads = int(cfg["num_attention_heads"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if head_dim * heads != cfg["hidden_size"]:
+            raise ValueError(f"model config {name!r}: head_dim {head_dim} x {heads} heads is "
+                             f"not hidden_size {cfg['hidden_size']}; not a shape the planner "
+                             "knows")
+        return cls(name, int(cfg["vocab_size"]), int(cfg["hidden_size"]),
+                   int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]), heads,
+                   int(cfg.get("num_key_value_heads") or heads),
+                   bool(cfg.get("tie_word_embeddings", False)))
+
+
+# Published shapes (the models' config.json).
+PRESETS: Dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("llama-3-8b", 128256, 4096, 14336, 32, 32, 8),
+    ModelShape("llama-2-13b", 32000, 5120, 13824, 40, 40, 40),
+    ModelShape("codellama-34b", 32000, 8192, 22016, 48, 64, 8),
+    ModelShape("llama-3-70b", 128256, 8192, 28672, 80, 64, 8),
+)}
+
+
+def load_model(spec: str) -> ModelShape:
+    """A preset name, a config.json (or a directory holding one), or a Hugging Face
+    config name (needs transformers, and the hub or its cache)."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if os.path.isfile(path):
+        with open(path) as f:
+            return ModelShape.from_config(json.load(f), spec)
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ValueError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}) nor a "
+                         "config.json; config names need transformers installed") from None
+    try:
+        cfg = AutoConfig.from_pretrained(spec)
+    except Exception as e:   # noqa: BLE001 -- hub, cache and parse errors alike
+        raise ValueError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}) nor a "
+                         f"config.json, and transformers could not load it: {e}") from None
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return ModelShape.from_config(cfg.to_dict(), spec)
+
+
+# ---- the machine and the run ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Machine:
+    """Capacities in bytes, speeds in GB/s (1e9 B/s) and TFLOPS. `pcie_gbps`: one
+    direction (host-to-device and device-to-host copies run at once); the reserves are
+    what the CUDA context and allocator, and the OS and the process, keep for themselves."""
+    name: str
+    gpu_bytes: float
+    gpu_tflops: float
+    pcie_gbps: float
+    host_bytes: float
+    dram_gbps: float
+    ssd_bytes: float
+    ssd_read_gbps: float
+    ssd_write_gbps: float
+    gpu_reserve_bytes: float = 1.5 * GB
+    host_reserve_bytes: float = 8 * GB
+    measured: Tuple[str, ...] = ()
+
+
+# The issue's reference desktop: a 24 GB GPU (an RTX 4090: 165 dense bf16 TFLOPS with fp32
+# accumulation, PCIe 4.0 x16 ~25 GB/s a direction), 32 cores with 128 GB of DDR5 (~80 GB/s
+# measured by a copy), one 1 TB PCIe 4.0 NVMe SSD (~6.5 GB/s reads, ~5 GB/s writes).
+MACHINES: Dict[str, Machine] = {m.name: m for m in (
+    Machine("desktop-24gb", 24 * GB, 165.0, 25.0, 128 * GB, 80.0, 1000 * GB, 6.5, 5.0),
+    Machine("h100-host", 80 * GB, 989.0, 55.0, 128 * GB, 150.0, 64 * GB, 2.0, 1.0),
+)}
+
+
+def machine_here(base: Machine, state_dir: str = ".") -> Machine:
+    """`base` with what this machine says of itself: its RAM (/proc/meminfo), the free
+    space where the files would go, its GPU's memory (torch.cuda). Speeds stay `base`'s
+    (give them as flags; bench/transfer_bench.py, step_bench.py and nvme_bench.py
+    measure them)."""
+    got = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    got["host_bytes"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        got["ssd_bytes"] = shutil.disk_usage(state_dir).free
+    except OSError:
+        pass
+    try:
+        import torch
+        if torch.cuda.is_available():
+            got["gpu_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    except Exception:   # noqa: BLE001 -- no torch or no driver: keep the base's
+        pass
+    return replace(base, name="here", measured=tuple(sorted(got)), **got)
+
+
+@dataclass(frozen=True)
+class Run:
+    batch: int = 4
+    seq: int = 2048
+    micro: int = 1                 # micro-batches accumulated per optimizer step
+    checkpointing: bool = True     # activation checkpointing of every block
+    prefetch: int = 2              # blocks fetched ahead (stream_params' k)
+    bucket_mb: float = 32.0        # the optimizer's bucket_mb
+    state_budget_mb: Optional[float] = None   # the NVMe tier's ring (default 4 buckets)
+    logit_bytes: float = 6.0       # per logit held at once: bf16 logits + the fp32 loss input
+
+    def __post_init__(self):
+        for key in ("batch", "seq", "micro", "prefetch"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "prefetch" else 1):
+                raise ValueError(f"{key} must be a positive int, got {v!r}")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per micro-batch."""
+        return self.batch * self.seq
+
+
+@dataclass(frozen=True)
+class Layout:
+    params: str        # "gpu", "ram", "files"
+    state: str         # "ram", "files"
+    state_dtype: str   # STATE_DTYPES
+
+    def __post_init__(self):
+        if self.params not in ("gpu", "ram", "files"):
+            raise ValueError(f"params must be 'gpu', 'ram' or 'files', got {self.params!r}")
+        if self.state not in ("ram", "files"):
+            raise ValueError(f"state must be 'ram' or 'files', got {self.state!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got "
+                             f"{self.state_dtype!r}")
+
+    @property
+    def built(self) -> bool:
+        """Whether offload_adam does this today (params in files are issue 28's)."""
+        return self.params != "files"
+
+    @property
+    def streamed(self) -> bool:
+        return self.params != "gpu"
+
+    def __str__(self) -> str:
+        return f"params {self.params}, state {self.state} {self.state_dtype}"
+
+
+def all_layouts(state_dtypes: Sequence[str] = STATE_DTYPES) -> List[Layout]:
+    return [Layout(p, s, d) for p in ("gpu", "ram", "files") for s in ("ram", "files")
+            for d in state_dtypes]
+
+
+# ---- the bytes ------------------------------------------------------------------------------
+
+def engine_pieces(numel: int, bucket_mb: float, itemsize: int = 2) -> List[int]:
+    """The element counts of a param's pieces (engine/layout.py `cut`)."""
+    from .engine.layout import SPLIT_ALIGN
+    bucket_bytes = int(bucket_mb * _MB)
+    if numel * itemsize <= bucket_bytes:
+        return [numel]
+    per = max(SPLIT_ALIGN, bucket_bytes // itemsize // SPLIT_ALIGN * SPLIT_ALIGN)
+    return [min(per, numel - a) for a in range(0, numel, per)]
+
+
+def transfer_bytes(shapes: Sequence[Tuple[int, ...]], bucket_mb: float) -> int:
+    """The engine's grad and staging buffers of bf16 params (per piece, a cache line each;
+    packed pieces share their bucket's run, counted here each rounded up: an upper bound by
+    under a line per small param)."""
+    return sum(2 * _round(n * 2, _LINE) for s in shapes
+               for n in engine_pieces(math.prod(s), bucket_mb))
+
+
+def state_arena_bytes(shapes: Sequence[Tuple[int, ...]], state_dtype: str) -> int:
+    """The engine's state arenas (engine/layout.py `allocate_state`): fp32 master, two
+    moments, 8-bit block scales, per param a cache line each."""
+    moment = {"float32": 4, "bfloat16": 2, "8bit": 1}[state_dtype]
+    total = 0
+    for s in shapes:
+        n = math.prod(s)
+        total += _round(4 * n, _LINE) + 2 * _round(moment * n, _LINE)
+        if state_dtype == "8bit":
+            total += 2 * _round(4 * -(-n // _QUANT), _LINE)
+    return total
+
+
+def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: float,
+                budget_mb: Optional[float], dirs: int = 1) -> dict:
+    """The NVMe tier's layout for these params (one group, in order): the buckets as
+    nvme_tier.FileStore cuts them, their data files (two slots each, nvme/layout.py) and
+    the pipeline's ring of buffers."""
+    from .nvme.layout import StateSpec, place
+    from .param_state import adam_bucket
+    limit = bucket_mb * _MB
+    buckets, bucket, size = [], [], 0
+    for i, s in enumerate(shapes):
+        nbytes = adam_bucket([(f"0:{i}", s)], state_dtype).nbytes
+        if bucket and size + nbytes > limit:
+            buckets.append(adam_bucket(bucket, state_dtype))
+            bucket, size = [], 0
+        bucket.append((f"0:{i}", s))
+        size += nbytes
+    if bucket:
+        buckets.append(adam_bucket(bucket, state_dtype))
+    spec = StateSpec(tuple(buckets), state_dtype)
+    largest = max((b.nbytes for b in spec.buckets), default=0)
+    budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
+    ring = min(budget // max(largest, 1), len(buckets) + 2)
+    _, sizes = place(spec, dirs)
+    return {"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
+            "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,
+            "buckets": len(buckets)}
+
+
+def home_bytes(shapes: Sequence[Tuple[int, ...]]) -> int:
+    """The streamer's host copies of these bf16 params (param_stream.py `_take`)."""
+    return sum(_round(2 * math.prod(s), _HOME_ALIGN) for s in shapes)
+
+
+def activation_bytes(model: ModelShape, run: Run) -> Dict[str, float]:
+    """GPU activations of one micro-batch, bf16, with flash attention (an estimate). Per
+    token a block keeps for its backward its two norms' inputs and outputs (4h), q, k and v
+    after RoPE (h + 2 kv, and RoPE's inputs h + kv), the attention output (h), the MLP's
+    gate, up, SiLU(gate) and product (4i): 7h + 3kv + 4i elements. With checkpointing only
+    each block's input (h) is kept, plus one block's full set while it is recomputed. The
+    logits of the micro-batch are held once (run.logit_bytes each)."""
+    t = run.tokens
+    per_block = 2 * t * (7 * model.hidden + 3 * model.kv_dim + 4 * model.intermediate)
+    if run.checkpointing:
+        kept = model.layers * 2 * t * model.hidden + per_block
+    else:
+        kept = model.layers * per_block
+    return {"blocks": float(kept), "logits": float(t * model.vocab * run.logit_bytes)}
+
+
+def _gpu(model: ModelShape, run: Run, layout: Layout) -> Dict[str, float]:
+    block = 2 * model.block_params
+    resident = 2 * model.resident_params
+    largest_resident = 2 * max(math.prod(s) for _, s in model.resident_tensors())
+    if layout.streamed:
+        # (k + 2) x the largest block at most: k prefetched, one computing, one whose
+        # buffers wait for the compute that read them (the design's bound, checked on the
+        # simulated device); the resident params stay
+        out = {"streamed block buffers": float((run.prefetch + 2) * block),
+               "resident params": float(resident)}
+    else:
+        out = {"params": 2.0 * model.params}
+    # grads are freed once copied: a block's worth being produced and one being copied,
+    # or a resident param's (the head's) grad
+    out["grads in flight"] = float(2 * max(block, largest_resident))
+    out.update({f"activations ({k})": v for k, v in activation_bytes(model, run).items()})
+    return out
+
+
+def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str, float]:
+    shapes = [s for _, s in model.tensors()]
+    streamed = [s for _, s in model.block_tensors()] * model.layers
+    out: Dict[str, float] = {}
+    if layout.params == "files":
+        # planned (issue 27's bounded ring, issue 28's cache): grads through a ring of
+        # 4 buckets, the kernel writes updates into the params' pages (no staging), the
+        # resident params keep their grad and staging, the param cache is given what the
+        # machine has left (computed in plan())
+        bucket = int(run.bucket_mb * _MB)
+        resident = [s for _, s in model.resident_tensors()]
+        out["grad ring (planned)"] = float(4 * bucket)
+        out["resident grad + staging"] = float(transfer_bytes(resident, run.bucket_mb))
+    else:
+        out["grad + staging"] = float(transfer_bytes(shapes, run.bucket_mb))
+        if run.micro > 1:   # free_grads_after_copy accumulates on the host through a ring
+            largest = max(max(engine_pieces(math.prod(s), run.bucket_mb)) for s in shapes)
+            out["accumulation ring"] = float(4 * _round(largest * 4, _LINE))
+    if layout.params == "ram":
+        out["param host copies"] = float(home_bytes(streamed))
+    if layout.state == "ram":
+        out["master + moments"] = float(state_arena_bytes(shapes, layout.state_dtype))
+    else:
+        out["state file ring"] = float(files["ring_bytes"])
+    return out
+
+
+def _disk(model: ModelShape, layout: Layout, files: dict) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    if layout.state == "files":
+        if layout.params == "files":
+            # planned (issue 28): one generation, a spare extent per ring buffer, and a
+            # durable log of the step's bf16 grads to redo unfinished buckets
+            out["state (1 generation + spares, planned)"] = float(
+                files["generation_bytes"] + files["ring"] * files["largest_bucket_bytes"])
+            out["grad redo log (planned)"] = 2.0 * model.params
+        else:
+            out["state (2 generations)"] = float(files["data_file_bytes"])
+    if layout.params == "files":
+        out["param files (planned)"] = 2.0 * model.block_params * model.layers
+    return out
+
+
+@dataclass
+class Plan:
+    model: ModelShape
+    machine: Machine
+    run: Run
+    layout: Layout
+    gpu: Dict[str, float] = field(default_factory=dict)
+    host: Dict[str, float] = field(default_factory=dict)
+    disk: Dict[str, float] = field(default_factory=dict)
+    seconds: Dict[str, float] = field(default_factory=dict)   # per-step lower bounds
+    traffic: Dict[str, float] = field(default_factory=dict)   # bytes per step per link
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(self.gpu.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def disk_total(self) -> float:
+        return sum(self.disk.values())
+
+    def misfits(self) -> List[str]:
+        """What does not fit, named ([] when everything does)."""
+        m = self.machine
+        out = []
+        for what, used, have, reserve in (("GPU", self.gpu_total, m.gpu_bytes, m.gpu_reserve_bytes),
+                                          ("host RAM", self.host_total, m.host_bytes,
+                                           m.host_reserve_bytes),
+                                          ("SSD", self.disk_total, m.ssd_bytes, 0.0)):
+            if used > have - reserve:
+                out.append(f"{what} {used / GB:.1f} GB > {(have - reserve) / GB:.1f} GB")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.misfits()
+
+    @property
+    def bound(self) -> str:
+        return max(self.seconds, key=self.seconds.get)
+
+    @property
+    def step_s(self) -> float:
+        return max(self.seconds.values())
+
+    def as_dict(self) -> dict:
+        return {"model": asdict(self.model), "params": self.model.params,
+                "layout": asdict(self.layout), "built": self.layout.built,
+                "gpu_bytes": self.gpu, "host_bytes": self.host, "disk_bytes": self.disk,
+                "gpu_total": self.gpu_total, "host_total": self.host_total,
+                "disk_total": self.disk_total, "fits": self.fits, "misfits": self.misfits(),
+                "seconds": self.seconds, "bound": self.bound, "step_s": self.step_s,
+                "traffic_bytes": self.traffic}
+
+
+def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
+    shapes = [s for _, s in model.tensors()]
+    files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb)
+    p = Plan(model, machine, run, layout, _gpu(model, run, layout),
+             _host(model, run, layout, files), _disk(model, layout, files))
+    n, streamed = model.params, model.layers * model.block_params
+    cache = 0.0
+    if layout.params == "files":   # what the host has left caches the param files
+        free = machine.host_bytes - machine.host_reserve_bytes - p.host_total
+        cache = max(0.0, min(free, 2.0 * streamed))
+        p.host["param cache (planned)"] = cache
+    m, micro = machine, run.micro
+    # PCIe, per direction: streamed params fetched for forward and again for backward per
+    # micro-batch, the resident params' updates at step(); every grad once per micro-batch
+    h2d = micro * 2 * 2.0 * streamed if layout.streamed else 0.0
+    h2d += 2.0 * (n - streamed if layout.streamed else n)
+    d2h = micro * 2.0 * n
+    # CPU step: the fused kernel's traffic; an accumulated micro-batch adds a read of its
+    # slot and a read-modify-write of the host grad; a streamed param's update is copied
+    # into its host copy; the files' bytes cross DRAM once each way by DMA
+    state_gen = files["generation_bytes"]
+    dram = _STEP_TRAFFIC[layout.state_dtype] * n + (micro - 1) * 6.0 * n
+    if layout.params == "ram":
+        dram += 4.0 * streamed
+    if layout.state == "files":
+        dram += 2 * state_gen
+    # SSD: the state read and written once per step; param files (planned) miss the cache
+    # in forward and backward, and the new params are written
+    ssd_read = ssd_write = 0.0
+    if layout.state == "files":
+        ssd_read, ssd_write = state_gen, state_gen
+        if layout.params == "files":
+            ssd_write += 2.0 * n   # the redo log of the step's grads
+    if layout.params == "files":
+        ssd_read += micro * 2 * max(0.0, 2.0 * streamed - cache)
+        ssd_write += 2.0 * streamed
+    # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
+    # attention's score and value products, causal (6 s h per token per layer, +2 likewise)
+    k = 8 if run.checkpointing else 6
+    flops = micro * run.tokens * (k * n + k * model.layers * run.seq * model.hidden)
+    p.traffic = {"h2d": h2d, "d2h": d2h, "dram": dram, "ssd_read": ssd_read,
+                 "ssd_write": ssd_write, "flops": float(flops)}
+    p.seconds = {"gpu": flops / (m.gpu_tflops * 1e12),
+                 "pcie": max(h2d, d2h) / (m.pcie_gbps * GB),
+                 "cpu": dram / (m.dram_gbps * GB),
+                 "ssd": ssd_read / (m.ssd_read_gbps * GB) + ssd_write / (m.ssd_write_gbps * GB)}
+    return p
+
+
+def largest_fitting(model: ModelShape, machine: Machine, run: Run,
+                    layout: Layout) -> Optional[ModelShape]:
+    """The model of the same width with the most blocks that fits (None: not even one).
+    Bytes grow with the blocks in every tier, so a bisection finds it."""
+    if not plan(model.with_layers(1), machine, run, layout).fits:
+        return None
+    lo, hi = 1, 2
+    while plan(model.with_layers(hi), machine, run, layout).fits:
+        lo, hi = hi, hi * 2
+        if hi > 1 << 16:
+            return model.with_layers(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if plan(model.with_layers(mid), machine, run, layout).fits:
+            lo = mid
+        else:
+            hi = mid
+    return model.with_layers(lo)
+
+
+# ---- the report ------------------------------------------------------------------------------
+
+def _gb(x: float) -> str:
+    return f"{x / GB:8.1f}"
+
+
+def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layout],
+           detail: bool = False) -> Tuple[str, List[dict]]:
+    m = machine
+    lines = [
+        f"model {model.name}: {model.params / 1e9:.2f} B params ({model.layers} blocks of "
+        f"{model.block_params / 1e6:.0f} M, {model.resident_params / 1e6:.0f} M resident), "
+        f"batch {run.batch} x {run.seq}, {run.micro} micro-batch(es) per step, "
+        f"checkpointing {'on' if run.checkpointing else 'off'}, prefetch {run.prefetch}",
+        f"machine {m.name}: GPU {m.gpu_bytes / GB:.1f} GB at {m.gpu_tflops:g} TFLOPS, PCIe "
+        f"{m.pcie_gbps:g} GB/s a direction, RAM {m.host_bytes / GB:.1f} GB at {m.dram_gbps:g} "
+        f"GB/s, SSD {m.ssd_bytes / GB:.0f} GB at {m.ssd_read_gbps:g}/{m.ssd_write_gbps:g} GB/s "
+        f"read/write; reserved: GPU {m.gpu_reserve_bytes / GB:.1f} GB, host "
+        f"{m.host_reserve_bytes / GB:.1f} GB"
+        + (f" (measured here: {', '.join(m.measured)})" if m.measured else ""),
+        "",
+        f"{'layout':34s} {'GPU GB':>8s} {'host GB':>8s} {'disk GB':>8s} {'fits':>4s} "
+        f"{'GPU s':>7s} {'PCIe s':>7s} {'CPU s':>7s} {'SSD s':>7s} {'bound':>5s} "
+        f"{'largest that fits':>18s}",
+    ]
+    out = []
+    for layout in layouts:
+        p = plan(model, machine, run, layout)
+        big = largest_fitting(model, machine, run, layout)
+        name = str(layout) + ("" if layout.built else " *")
+        s = p.seconds
+        lines.append(
+            f"{name:34s} {_gb(p.gpu_total)} {_gb(p.host_total)} {_gb(p.disk_total)} "
+            f"{'yes' if p.fits else 'no':>4s} {s['gpu']:7.2f} {s['pcie']:7.2f} {s['cpu']:7.2f} "
+            f"{s['ssd']:7.2f} {p.bound:>5s} "
+            + (f"{big.params / 1e9:11.1f} B ({big.layers})" if big else f"{'none':>18s}"))
+        if detail:
+            for tier, parts in (("GPU", p.gpu), ("host", p.host), ("disk", p.disk)):
+                for what, b in parts.items():
+                    lines.append(f"    {tier:5s} {what:42s} {b / GB:10.3f} GB")
+            if not p.fits:
+                lines.append(f"    does not fit: {'; '.join(p.misfits())}")
+        d = p.as_dict()
+        d["largest_fitting"] = None if big is None else {"layers": big.layers,
+                                                           "params": big.params}
+        out.append(d)
+    lines += ["", "* planned, not built yet (issue 28: param files, the grad ring). Bounds are "
+              "per optimizer step, each at the stated speed; the step is at least the largest.",
+              "Host and disk bytes are the code's own layouts; GPU activations and times are "
+              "estimates (offload_adam/plan.py says how)."]
+    return "\n".join(lines), out
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m offload_adam.plan",
+        description="Where every byte of a training run would live (GPU, host RAM, SSD) for "
+                    "each layout, the per-step lower bounds, and the largest model that fits.")
+    ap.add_argument("model", nargs="?", help=f"a preset ({', '.join(PRESETS)}), a config.json "
+                    "or its directory, or a Hugging Face config name; or give the shape:")
+    for flag in ("layers", "hidden", "intermediate", "vocab", "heads", "kv-heads"):
+        ap.add_argument(f"--{flag}", type=int)
+    ap.add_argument("--tied", action="store_true", help="tied input and output embeddings")
+    ap.add_argument("--machine", default="desktop-24gb",
+                    help=f"{', '.join(MACHINES)}, or 'here' (the desktop's speeds, this "
+                         "machine's RAM, free disk and GPU memory)")
+    ap.add_argument("--state-dir", default=".", help="where the files would go (with 'here')")
+    for flag, unit in (("gpu-gb", "GB"), ("gpu-tflops", "TFLOPS"), ("pcie-gbps", "GB/s"),
+                       ("ram-gb", "GB"), ("dram-gbps", "GB/s"), ("ssd-gb", "GB"),
+                       ("ssd-read-gbps", "GB/s"), ("ssd-write-gbps", "GB/s"),
+                       ("gpu-reserve-gb", "GB"), ("host-reserve-gb", "GB")):
+        ap.add_argument(f"--{flag}", type=float, help=f"override ({unit})")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro", type=int, default=1, help="micro-batches per step")
+    ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=32.0)
+    ap.add_argument("--state-budget-mb", type=float)
+    ap.add_argument("--state-dtype", action="append", choices=STATE_DTYPES,
+                    help="only these (repeatable; default all)")
+    ap.add_argument("--built-only", action="store_true", help="leave out the planned layouts")
+    ap.add_argument("--detail", action="store_true", help="every tier's bytes, itemized")
+    ap.add_argument("--json", help="also write the plans here")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    shape = {k: getattr(args, k.replace("-", "_")) for k in
+             ("layers", "hidden", "intermediate", "vocab", "heads", "kv-heads")}
+    try:
+        if args.model is not None:
+            model = load_model(args.model)
+            if args.layers is not None:
+                model = model.with_layers(args.layers)
+        else:
+            missing = [f"--{k}" for k, v in shape.items() if v is None and k != "kv-heads"]
+            if missing:
+                raise ValueError("give a model (a preset, a config.json or a config name) or "
+                                 f"its shape: {', '.join(missing)} missing")
+            model = ModelShape("custom", shape["vocab"], shape["hidden"], shape["intermediate"],
+                               shape["layers"], shape["heads"],
+                               shape["kv-heads"] or shape["heads"], args.tied)
+        if args.machine == "here":
+            machine = machine_here(MACHINES["desktop-24gb"], args.state_dir)
+        elif args.machine in MACHINES:
+            machine = MACHINES[args.machine]
+        else:
+            raise ValueError(f"--machine {args.machine!r}: one of {', '.join(MACHINES)} or "
+                             "'here'")
+        over = {"gpu_bytes": args.gpu_gb, "gpu_tflops": args.gpu_tflops,
+                "pcie_gbps": args.pcie_gbps, "host_bytes": args.ram_gb,
+                "dram_gbps": args.dram_gbps, "ssd_bytes": args.ssd_gb,
+                "ssd_read_gbps": args.ssd_read_gbps, "ssd_write_gbps": args.ssd_write_gbps,
+                "gpu_reserve_bytes": args.gpu_reserve_gb,
+                "host_reserve_bytes": args.host_reserve_gb}
+        for key, v in over.items():
+            if v is not None:
+                if v < 0 or (v == 0 and not key.endswith("reserve_bytes")):
+                    raise ValueError(f"--{key}: must be positive, got {v}")
+                machine = replace(machine, **{key: v * GB if key.endswith("bytes") else v})
+        run = Run(args.batch, args.seq, args.micro, not args.no_checkpointing, args.prefetch,
+                  args.bucket_mb, args.state_budget_mb)
+    except ValueError as e:
+        print(f"offload_adam.plan: {e}", file=sys.stderr)
+        return 2
+    layouts = [lay for lay in all_layouts(args.state_dtype or STATE_DTYPES)
+               if lay.built or not args.built_only]
+    text, plans = report(model, machine, run, layouts, args.detail)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": asdict(machine), "run": asdict(run), "plans": plans}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The planner (offload_adam/plan.py): its byte counts against what the code allocates
+(host_bytes(), the state files written, the simulated device's bytes and peak) on a
+transformers Llama, and its command line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import offload_adam
+from offload_adam import plan as planner
+from offload_adam.testing import AsyncSimDevice, simulated
+
+transformers = pytest.importorskip(
+    "transformers", reason="the planner's byte counts are checked on transformers' Llama "
+    "(installed by the README's test command)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def llama_config(**kw):
+    # vocab x hidden = 65536 elements: the embedding is cut into two pieces at bucket_mb=0.05
+    cfg = dict(vocab_size=1024, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg.update(kw)
+    return transformers.LlamaConfig(**cfg)
+
+
+def build(config):
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def shape_of(config, tmp_path):
+    config.save_pretrained(tmp_path)   # as users give it: a config.json
+    return planner.load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_planner_lists_the_params_of_transformers_llama(tmp_path, tied):
+    config = llama_config(tie_word_embeddings=tied)
+    model = build(config)
+    shape = shape_of(config, tmp_path)
+    assert [s for _, s in shape.tensors()] == [tuple(p.shape) for p in model.parameters()]
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.block_params == sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def micro_batch(model, seed, config):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (2, 9), generator=gen)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+
+
+@pytest.mark.parametrize("state_dtype", planner.STATE_DTYPES)
+@pytest.mark.parametrize("params", ["gpu", "ram"])
+@pytest.mark.parametrize("state", ["ram", "files"])
+def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dtype, params,
+                                                    state):
+    """host_bytes() (+ the streamer's host copies) and the state files on disk, after a
+    step, are the planner's to the byte; so are the bytes the simulated device moved per
+    link in a step of 2 micro-batches (grads freed once copied, accumulated on the host)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    config = llama_config()
+    shape = shape_of(config, tmp_path / "cfg")
+    run = planner.Run(batch=2, seq=8, micro=2, prefetch=1, bucket_mb=0.05)
+    layout = planner.Layout(params, state, state_dtype)
+    p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run, layout)
+    (tmp_path / "state").mkdir()
+    sim = AsyncSimDevice(seed=0)
+    try:
+        with simulated(sim), sim.watch():
+            model = build(config)
+            streamer = (offload_adam.stream_params(model, LlamaDecoderLayer, prefetch=1)
+                        if params == "ram" else None)
+            kw = dict(state_dirs=[str(tmp_path / "state")]) if state == "files" else {}
+            opt = offload_adam.AdamW(model.parameters(), lr=1e-3, state_dtype=state_dtype,
+                                     bucket_mb=0.05, free_grads_after_copy=True, **kw)
+            for step in range(2):   # the first learns the order; the second is counted
+                before = sim.counters()
+                for m in range(run.micro):
+                    micro_batch(model, 10 * step + m, config)
+                opt.step()
+                opt.zero_grad()
+            after = sim.counters()
+            host = opt.host_bytes() + (streamer.streamed_bytes if streamer else 0)
+            assert host == p.host_total, (p.host, host)
+            assert after["h2d_bytes"] - before["h2d_bytes"] == p.traffic["h2d"]
+            assert after["d2h_bytes"] - before["d2h_bytes"] == p.traffic["d2h"]
+            opt.close()
+        sim.check()
+    finally:
+        sim.close()
+    if state == "files":
+        data = os.path.getsize(tmp_path / "state" / "offload_adam_state.bin")
+        assert data == p.disk_total == p.disk["state (2 generations)"]
+    else:
+        assert p.disk_total == 0
+
+
+def test_unaligned_shapes_are_bounded_by_a_line_per_piece(kernels):
+    """Pieces packed together share their cache-line padding in the engine; the planner
+    pads each: never under, over by less than a line per packed piece."""
+    shape = planner.ModelShape("odd", 97, 40, 72, 2, 4, 2)
+    run = planner.Run(bucket_mb=0.05)
+    sim = AsyncSimDevice(seed=0)
+    try:
+        with simulated(sim):
+            model = transformers.LlamaForCausalLM(llama_config(
+                vocab_size=97, hidden_size=40, intermediate_size=72, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16)
+            opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.05)
+            real = opt.host_bytes()
+            opt.close()
+    finally:
+        sim.close()
+    p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run,
+                     planner.Layout("gpu", "ram", "float32"))
+    assert 0 <= p.host_total - real < 2 * 64 * len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_the_simulated_device_peak_is_within_the_planned_block_buffers(kernels, prefetch):
+    """The streamer's device bytes at their peak over a step fill the planner's (k + 2)
+    block buffers at most, and more than k of them (the bound is not slack)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    config = llama_config(num_hidden_layers=6)
+    shape = planner.ModelShape.from_config(config.to_dict())
+    run = planner.Run(batch=2, seq=8, prefetch=prefetch)
+    p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run,
+                     planner.Layout("ram", "ram", "float32"))
+    sim = AsyncSimDevice(seed=1)
+    try:
+        with simulated(sim), sim.watch():
+            model = build(config)
+            offload_adam.stream_params(model, LlamaDecoderLayer, prefetch=prefetch)
+            opt = offload_adam.AdamW(model.parameters(), lr=1e-3)
+            for step in range(2):
+                if step:
+                    sim.reset_peak()
+                micro_batch(model, step, config)
+                opt.step()
+                opt.zero_grad()
+            peak = sim.counters()["peak_materialized_bytes"]
+            opt.close()
+        sim.check()
+    finally:
+        sim.close()
+    block = 2 * shape.block_params
+    assert p.gpu["streamed block buffers"] == (prefetch + 2) * block
+    assert prefetch * block < peak <= p.gpu["streamed block buffers"]
+
+
+def test_largest_fitting_is_the_edge_of_what_fits():
+    m, run = planner.MACHINES["desktop-24gb"], planner.Run(batch=1)
+    for layout in (planner.Layout("gpu", "ram", "8bit"), planner.Layout("ram", "files", "8bit")):
+        big = planner.largest_fitting(planner.PRESETS["llama-3-8b"], m, run, layout)
+        assert planner.plan(big, m, run, layout).fits
+        assert not planner.plan(big.with_layers(big.layers + 1), m, run, layout).fits
+    # more host RAM never fits fewer blocks; a GPU too small for the resident params, none
+    lay = planner.Layout("ram", "ram", "8bit")
+    small = planner.largest_fitting(planner.PRESETS["llama-3-8b"], m, run, lay)
+    more = planner.largest_fitting(planner.PRESETS["llama-3-8b"],
+                                   planner.replace(m, host_bytes=2 * m.host_bytes), run, lay)
+    assert more.layers > small.layers
+    assert planner.largest_fitting(planner.PRESETS["llama-3-70b"],
+                                   planner.replace(m, gpu_bytes=4e9), run, lay) is None
+
+
+def test_the_bounds_follow_the_physics():
+    """The CPU step is the kernel's traffic over the DRAM bandwidth; streaming doubles
+    the params' host-to-device bytes per micro-batch; the state in files reads and writes
+    one generation per step."""
+    m, run = planner.MACHINES["desktop-24gb"], planner.Run(batch=1, micro=1)
+    model = planner.PRESETS["llama-3-8b"]
+    n, streamed = model.params, model.layers * model.block_params
+    resident = planner.plan(model, m, run, planner.Layout("gpu", "ram", "float32"))
+    assert resident.traffic["dram"] == 28 * n
+    assert resident.seconds["cpu"] == pytest.approx(28 * n / 80e9)
+    assert resident.traffic["h2d"] == 2 * n
+    stream = planner.plan(model, m, run, planner.Layout("ram", "files", "8bit"))
+    assert stream.traffic["h2d"] == 4 * streamed + 2 * (n - streamed)
+    files = planner.state_files([s for _, s in model.tensors()], "8bit", 32.0, None)
+    assert stream.traffic["ssd_read"] == stream.traffic["ssd_write"] == files["generation_bytes"]
+    assert 6.0 * n < files["generation_bytes"] < 6.1 * n
+    assert files["data_file_bytes"] >= 2 * files["generation_bytes"]
+
+
+def test_command_line_prints_every_layout_and_writes_json(tmp_path):
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "offload_adam.plan", "llama-3-70b", "--batch",
+                        "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "llama-3-70b: 70.55 B params" in r.stdout
+    got = json.loads(out.read_text())
+    assert len(got["plans"]) == 18
+    assert {p["bound"] for p in got["plans"]} <= {"gpu", "pcie", "cpu", "ssd"}
+    assert sum(not p["built"] for p in got["plans"]) == 6
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["./no-such/config.json"], "not a preset"),
+    (["--layers", "4"], "--hidden, --intermediate, --vocab, --heads missing"),
+    (["llama-3-8b", "--machine", "laptop"], "--machine 'laptop'"),
+    (["llama-3-8b", "--ram-gb", "-1"], "must be positive"),
+    (["llama-3-8b", "--batch", "0"], "batch must be a positive int"),
+])
+def test_bad_input_is_named(argv, message, capsys):
+    assert planner.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_config_without_the_llama_shape_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10, "hidden_size": 8}))
+    with pytest.raises(ValueError, match="lacks intermediate_size, num_hidden_layers"):
+        planner.load_model(str(tmp_path))
