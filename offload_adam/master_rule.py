@@ -40,8 +40,10 @@ def mark(p: torch.Tensor) -> Mark:
     """How param p is now: the version counters of the param and of its local data (a
     DTensor's shard: either may be the one a write bumps) and the data's address."""
     if home_of(p) is not None:   # streamed: its values are its host copy's
+        # written through the host copy itself, or through the param while it shows the
+        # host copy (load_state_dict copies into p: p's own counter, not the copy's)
         t = home_of(p).tensor
-        return t._version, t._version, t.data_ptr()
+        return p._version, t._version, t.data_ptr()
     if type(p) in PLAIN:   # (the common case, asked per param per step: kept short)
         v = p._version
         return v, v, p.data_ptr()

@@ -296,11 +296,13 @@ def engine_pieces(numel: int, bucket_mb: float, itemsize: int = 2) -> List[int]:
     return [min(per, numel - a) for a in range(0, numel, per)]
 
 
-def transfer_bytes(shapes: Sequence[Tuple[int, ...]], bucket_mb: float) -> int:
-    """The engine's grad and staging buffers of bf16 params (per piece, a cache line each;
-    packed pieces share their bucket's run, counted here each rounded up: an upper bound by
-    under a line per small param)."""
-    return sum(2 * _round(n * 2, _LINE) for s in shapes
+def transfer_bytes(shapes: Sequence[Tuple[int, ...]], bucket_mb: float,
+                   staged: bool = True) -> int:
+    """The engine's grad buffers of bf16 params and, if `staged`, their staging (a
+    streamed param's is its host copy: none); per piece, a cache line each (packed pieces
+    share their bucket's run, counted here each rounded up: an upper bound by under a line
+    per small param)."""
+    return sum((2 if staged else 1) * _round(n * 2, _LINE) for s in shapes
                for n in engine_pieces(math.prod(s), bucket_mb))
 
 
@@ -398,11 +400,16 @@ def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str,
         resident = [s for _, s in model.resident_tensors()]
         out["grad ring (planned)"] = float(4 * bucket)
         out["resident grad + staging"] = float(transfer_bytes(resident, run.bucket_mb))
+    elif layout.params == "ram":   # a streamed param's update goes to its host copy
+        resident = [s for _, s in model.resident_tensors()]
+        out["resident grad + staging"] = float(transfer_bytes(resident, run.bucket_mb))
+        out["streamed grad"] = float(transfer_bytes(streamed, run.bucket_mb, staged=False))
     else:
         out["grad + staging"] = float(transfer_bytes(shapes, run.bucket_mb))
-        if run.micro > 1:   # free_grads_after_copy accumulates on the host through a ring
-            largest = max(max(engine_pieces(math.prod(s), run.bucket_mb)) for s in shapes)
-            out["accumulation ring"] = float(4 * _round(largest * 4, _LINE))
+    if layout.params != "files" and run.micro > 1:
+        # free_grads_after_copy accumulates on the host through a ring
+        largest = max(max(engine_pieces(math.prod(s), run.bucket_mb)) for s in shapes)
+        out["accumulation ring"] = float(4 * _round(largest * 4, _LINE))
     if layout.params == "ram":
         out["param host copies"] = float(home_bytes(streamed))
     if layout.state == "ram":
@@ -503,13 +510,11 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     h2d = micro * 2 * 2.0 * streamed if layout.streamed else 0.0
     h2d += 2.0 * (n - streamed if layout.streamed else n)
     d2h = micro * 2.0 * n
-    # CPU step: the fused kernel's traffic; an accumulated micro-batch adds a read of its
-    # slot and a read-modify-write of the host grad; a streamed param's update is copied
-    # into its host copy; the files' bytes cross DRAM once each way by DMA
+    # CPU step: the fused kernel's traffic (a streamed param's update written into its
+    # host copy); an accumulated micro-batch adds a read of its slot and a
+    # read-modify-write of the host grad; the files' bytes cross DRAM once each way by DMA
     state_gen = files["generation_bytes"]
     dram = _STEP_TRAFFIC[layout.state_dtype] * n + (micro - 1) * 6.0 * n
-    if layout.params == "ram":
-        dram += 4.0 * streamed
     if layout.state == "files":
         dram += 2 * state_gen
     # SSD: the state read and written once per step; param files (planned) miss the cache

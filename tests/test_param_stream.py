@@ -212,9 +212,11 @@ def test_optimizer_built_before_streaming_is_refused_at_step(device):
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(step_in_backward=True), dict(files=True),
+                                  dict(step_in_backward=True, files=True),
                                   dict(free_grads_after_copy=True),
                                   dict(free_grads_after_copy=True, files=True)],
-                         ids=["ram", "step-in-backward", "files", "free-grads", "free-grads-files"])
+                         ids=["ram", "step-in-backward", "files", "step-in-backward-files",
+                              "free-grads", "free-grads-files"])
 def test_streamed_training_in_every_store_is_the_resident_training(device, tmp_path, opts):
     """The state in RAM, stepped during backward, or in files (state_dirs=); the grads
     freed on the device once on the host, the second micro-batch added there: streamed
@@ -231,6 +233,63 @@ def test_streamed_training_in_every_store_is_the_resident_training(device, tmp_p
             kw["state_dirs"] = str(tmp_path / f"state{int(streamed)}")
         opt = offload_adam.AdamW(model.parameters(), **kw)
         train(model, opt, 3, micro=1 if kw["step_in_backward"] else 2)   # (it forbids accumulation)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
+def test_a_streamed_param_loaded_mid_training_is_followed_by_its_master(device):
+    """model.load_state_dict with new values between steps: the next step starts from
+    them (the master rule), streamed as resident."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=4)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 2)
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        sd["layers.2.q.weight"] = sd["layers.2.q.weight"] * 2
+        model.load_state_dict(sd)
+        train(model, opt, 2, start=2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
+@pytest.mark.parametrize("edited", [False, True])
+def test_an_abandoned_pass_over_files_puts_the_streamed_params_back(device, tmp_path, edited):
+    """step_in_backward with the state in files: a streamed param's kernel writes its host
+    copy during backward. zero_grad() before step() abandons the pass; the params are then
+    bit for bit those of the last completed step (or, for a param edited since, its edited
+    value, followed by its master at the next step), and training on is the run that never
+    had that backward."""
+    def edit(model):
+        sd = model.state_dict()
+        sd["layers.2.q.weight"] = sd["layers.2.q.weight"] * 2
+        model.load_state_dict(sd)
+
+    runs = []
+    for abandoned in (False, True):
+        (tmp_path / f"s{int(abandoned)}").mkdir()
+        model = make_llama(layers=6)
+        offload_adam.stream_params(model, Block, prefetch=2)
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=True,
+                                 state_dirs=str(tmp_path / f"s{int(abandoned)}"), **OPTS)
+        train(model, opt, 2)   # the first learns the order, the second steps in backward
+        if edited:
+            edit(model)
+        if abandoned:
+            before = values(model)
+            llama_loss(model, 99).backward()
+            opt._engine.drain()   # the pass's kernels have run
+            during = values(model)
+            assert any(not torch.equal(before[k], during[k]) for k in before)
+            with pytest.raises(RuntimeError, match="Nothing was stepped"):
+                opt.zero_grad()
+            after = values(model)
+            for k in before:
+                assert torch.equal(before[k], after[k]), k
+            opt.zero_grad()
+        train(model, opt, 2, start=2)
         runs.append((model, opt))
     assert_same_training(*runs)
 

@@ -602,10 +602,14 @@ class OffloadEngine:
         self.run(kernel_only)
 
     def step_lent_early(self, entries: Sequence[Entry], views: Dict[str, torch.Tensor],
-                        hyper_of: Callable[[int], Hyper]) -> None:
+                        hyper_of: Callable[[int], Hyper], keep: Dict[int, torch.Tensor]) -> None:
         """step_in_backward, the state lent by a store (the files): a lent bucket's
-        kernels, on the caller's thread (the worker), no param written (step_lent)."""
-        step_lent(self, entries, views, hyper_of, 1.0, self.hook_threads(), write=False)
+        kernels, on the caller's thread (the worker), no param written but the streamed
+        ones, whose update goes to their host copy; `keep` gets, by id(rec), the values
+        of those that the files' masters cannot give back if the pass is abandoned
+        (step_lent)."""
+        step_lent(self, entries, views, hyper_of, 1.0, self.hook_threads(), write=False,
+                  keep=keep)
 
     def write_stepped(self, stepped: set) -> None:
         """The early start's commit: the H2D copies of the pieces (ids in `stepped`)
@@ -855,7 +859,7 @@ class EngineStep:
 
 def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, torch.Tensor],
               hyper_of: Callable[[int], Hyper], grad_scale: float, threads: int, fence=None,
-              write: bool = True) -> None:
+              write: bool = True, keep: Optional[Dict[int, torch.Tensor]] = None) -> None:
     """One lent bucket's recs (each with a grad copy on its way): their state views
     pointed at the lent tensors, their masters following their params (master_rule.py),
     the bucket jobs' kernels grouped by transfer bucket, each param's "<name>.step" set
@@ -864,9 +868,17 @@ def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, tor
     param's master, unstaged), since the store reuses them for its next bucket;
     write=False (step_in_backward) leaves the params to step(): an fp32 master is then
     in its staging (layout.allocate_transfers). Each piece keeps its own step count, as
-    in the arenas, loaded from and stored into the lent "step"."""
+    in the arenas, loaded from and stored into the lent "step". `keep` (step_in_backward):
+    the streamed params' values before their step where they are not their committed
+    master's rounding (never stepped, or changed since), for an abandoned pass to restore
+    (disk_early.py)."""
     with torch.no_grad():
         _lend(todo, views)
+        if keep is not None:
+            for rec, _ in todo:
+                if rec.home is not None and (float(rec.step_t) == 0
+                                             or not engine.marks.current(rec.param)):
+                    keep[id(rec)] = rec.home.tensor.clone()
         follow_masters(engine.device, [rec for rec, _ in todo], engine.marks)
         by_bucket: Dict[int, list] = {}
         for rec, _ in todo:
@@ -935,6 +947,8 @@ class BucketJob:
         dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
         dev.wait_host(*bucket.h2d)                     # its buffers are free again
         bucket.h2d = []
+        for home in _homes(pieces):   # a streamed param's update goes to its host copy:
+            home.before_write()       # no fetch may still read it
         args = KernelArgs()
         for p in pieces:
             args.add(p.param_state(), p.staging if bucket.low_precision else None, p.start)
@@ -953,11 +967,10 @@ class BucketJob:
         engine, bucket, pieces = self.engine, self.bucket, self.pieces
         srcs = [p.state("master") if p.staging is None else p.staging for p in pieces]
         dsts = [p.of(p.rec.live()) for p in pieces]
-        streamed = [i for i, p in enumerate(pieces) if p.rec.home is not None]
-        for home in {id(pieces[i].rec.home): pieces[i].rec.home for i in streamed}.values():
-            home.before_write()   # its block's copies to the device no longer read it
-        for i in streamed:   # a streamed param's values live in its host copy
-            dsts[i].copy_(srcs[i])
+        for i, p in enumerate(pieces):   # a streamed param's update is in its host copy
+            if p.rec.home is not None and dsts[i].data_ptr() != srcs[i].data_ptr():
+                raise RuntimeError(f"offload_adam: internal error: the update of "
+                                   f"{p.rec.label()} is not in its host copy")
         resident = [i for i, p in enumerate(pieces) if p.rec.home is None]
         packed = [i for i in resident if pieces[i].packed]
         sends = [[i] for i in resident if not pieces[i].packed] + ([packed] if packed else [])
@@ -965,6 +978,11 @@ class BucketJob:
             t = engine.device.h2d([dsts[i] for i in idx], [srcs[i] for i in idx], self.fence)
             bucket.h2d.append(t)
             engine._profile.add_h2d(bucket.index, t)
+
+
+def _homes(pieces: Sequence[Piece]) -> list:
+    """The host copies (param_stream.Home) of the streamed params among `pieces`."""
+    return list({id(p.rec.home): p.rec.home for p in pieces if p.rec.home is not None}.values())
 
 
 class _FreedHost:

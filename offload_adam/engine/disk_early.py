@@ -20,7 +20,10 @@ The worker never waits for a grad: the pass stops at the first bucket not comple
 step() takes it from there. Unlike host RAM, nothing is committed before step(): an error verify
 finds (clipping, GradScaler, a grad edited after its copy, accumulation, zero_grad() or
 load_state_dict() before step()) abandons the pass, and the files and the params stay
-at the last completed step: nothing was stepped.
+at the last completed step: nothing was stepped. (A streamed param's kernel writes its
+update straight into its host copy, in backward: abandoning puts back the committed
+master's rounding, which is what the last step wrote, or the value kept before its step
+where that is not so: never stepped, or changed since.)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..param_state import ParamState
 from .layout import ParamRec
 
 # Per file bucket: its engine params (rec, name in the files), or None when it holds a
@@ -64,6 +68,8 @@ class DiskEarly:
         self._position = 0                # buckets of the pass stepped so far
         self._kicked = False              # the pass was queued on the worker
         self.stepped: List[ParamRec] = []
+        self._stepped_files: List[int] = []   # the file buckets the pass stepped
+        self._kept: Dict[int, torch.Tensor] = {}   # streamed values to restore (step_lent)
 
     @property
     def started(self) -> bool:
@@ -120,7 +126,8 @@ class DiskEarly:
                 self._pending = next(self._gen)
             while self._pending is not None and self._pending[0] in self._ready:
                 i, views = self._pending
-                engine.step_lent_early(self.files[i], views, self._early.hyper)
+                self._stepped_files.append(i)
+                engine.step_lent_early(self.files[i], views, self._early.hyper, self._kept)
                 self.stepped.extend(rec for rec, _ in self.files[i])
                 self._position += 1
                 # the last bucket is not written here: that would commit the step
@@ -148,7 +155,32 @@ class DiskEarly:
             if engine is not None and self.busy:
                 engine.drain()
         finally:
+            stepped, kept = self._stepped_files, self._kept
             self._reset()   # (closes the pass)
+            self._restore(engine, stepped, kept)
+
+    def _restore(self, engine, stepped: List[int], kept: Dict[int, torch.Tensor]) -> None:
+        """The streamed params of the abandoned pass's buckets (their kernel wrote their
+        host copies) go back to their last completed step: the committed master rounded,
+        or the value kept before the step (whose master rule then applies again)."""
+        changed = []
+        with torch.no_grad():
+            for i in stepped:
+                views = None
+                for rec, name in self.files[i]:
+                    if rec.home is None:
+                        continue   # its update waits in staging: nothing was written
+                    old = kept.get(id(rec))
+                    if old is None:
+                        if views is None:
+                            views = self.pipeline.state.views(i)
+                        old = ParamState.in_bucket(views, name).master
+                    else:
+                        changed.append(rec.param)
+                    rec.home.before_write()
+                    rec.home.tensor.copy_(old)
+        if engine is not None:
+            engine.marks.forget(changed)
 
     def _close(self) -> None:
         gen = getattr(self, "_gen", None)

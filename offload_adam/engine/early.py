@@ -6,8 +6,10 @@ as every piece of it whose param got a grad in the previous backward has its
 grad copied in this one (the buckets and their order are learned in the first
 backward, so the first step starts at step()). Only the engine's own host
 buffers are written then (master, moments, step, staging); the params are
-written at step(), so a param read later in backward still sees its old value.
-The early step uses the group's hyperparameters at that moment and a grad
+written at step(), so a param read later in backward still sees its old value
+(a streamed param's staging is its host copy, layout.allocate_transfers: written
+then, once its grad is final, its block's backward is done; it is fetched next in
+the next forward). The early step uses the group's hyperparameters at that moment and a grad
 scale of 1.
 
 It is exact only if nothing changes between backward and step(), so step()

@@ -231,27 +231,38 @@ def allocate_transfers(buckets: Sequence[Bucket], device, available: Optional[in
     there); an fp32 one's is its master, copied from there, unless
     `stage_fp32`: with the state in files and step_in_backward the master is
     gone (its file bucket written, the buffer reused) before step() writes the
-    params, so its value waits in staging (core.step_lent)."""
+    params, so its value waits in staging (core.step_lent).
+    A streamed param's staging is its host copy itself (param_stream.py): the
+    kernel writes its update where the next forward fetches it, so it costs no
+    host memory and no copy (BucketJob.kernel first waits until no fetch reads it)."""
     arenas = HostArenas(device)
     offsets = []
     for b in buckets:
         packed = [p for p in b.pieces if p.packed]
         if packed:
             dtype = b.pieces[0].rec.dtype   # a bucket holds one dtype
-            total = sum(p.numel for p in packed)
-            grad = arenas.reserve(f"grad {dtype}", dtype, total)
-            staging = arenas.reserve(f"staging {dtype}", dtype, total)
-            at = accumulate((p.numel for p in packed[:-1]), initial=0)
-            offsets += [(p, grad + o, staging + o) for p, o in zip(packed, at)]
+            grad = arenas.reserve(f"grad {dtype}", dtype, sum(p.numel for p in packed))
+            staged = [p for p in packed if p.rec.home is None]
+            staging = (arenas.reserve(f"staging {dtype}", dtype, sum(p.numel for p in staged))
+                       if staged else 0)
+            at = dict(zip(map(id, staged), accumulate((p.numel for p in staged[:-1]),
+                                                      initial=0)))
+            offsets += [(p, grad + o, staging + at[id(p)] if id(p) in at else None)
+                        for p, o in zip(packed, accumulate((p.numel for p in packed[:-1]),
+                                                           initial=0))]
         for p in b.pieces:
             if not p.packed:
                 dtype = p.rec.dtype
+                staged = (p.rec.low_precision or stage_fp32) and p.rec.home is None
                 offsets.append((p, arenas.reserve(f"grad {dtype}", dtype, p.numel),
                                 arenas.reserve(f"staging {dtype}", dtype, p.numel)
-                                if p.rec.low_precision or stage_fp32 else None))
+                                if staged else None))
     arenas.allocate(available)
     for p, g, s in offsets:
         shape = (p.numel,) if p.rec.flat else p.rec.shape
         p.grad = arenas.view(f"grad {p.rec.dtype}", g, shape)
-        p.staging = None if s is None else arenas.view(f"staging {p.rec.dtype}", s, shape)
+        if p.rec.home is not None:
+            p.staging = p.of(p.rec.home.tensor).view(shape)
+        else:
+            p.staging = None if s is None else arenas.view(f"staging {p.rec.dtype}", s, shape)
     return arenas
