@@ -62,7 +62,11 @@ documented here and nowhere else.
     (bucket_mb), reading ahead and writing back while the kernel runs, and
     commits it crash-safe. CPU params stepped in place and the engine's params
     (CUDA, or CPU through the pipeline) alike; with step_in_backward the
-    files' pass starts in backward (engine/disk_early.py). The
+    files' pass starts in backward (engine/disk_early.py), and the grads wait
+    for it in a bounded host ring (engine/grad_ring.py: twice the largest
+    bucket's grads, 4 x bucket_mb at least) instead of a buffer per param
+    (from the second step: the first one holds the grads that do not fit the
+    ring until step()). The
     directories must exist and be writable; each optimizer needs its own.
     Under several ranks (FSDP2's DTensor params, or process_group=) each rank
     keeps its shards' state in a folder "rank<R>" of each directory (made if

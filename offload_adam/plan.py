@@ -26,7 +26,8 @@ tier's buckets laid out by nvme/layout.py itself; the streamer's host copies): t
 check them against `host_bytes()`, the files written and the simulated device's peak. GPU
 activations and the step times are estimates from formulas stated below, not measurements.
 The recipe assumed for every layout: bf16 params, free_grads_after_copy=True (a grad leaves
-the GPU once copied), step_in_backward with the state in files, prefetch k blocks ahead.
+the GPU once copied), step_in_backward with the state in files and one micro-batch a step,
+prefetch k blocks ahead.
 """
 
 from __future__ import annotations
@@ -196,9 +197,13 @@ class Machine:
 # The issue's reference desktop: a 24 GB GPU (an RTX 4090: 165 dense bf16 TFLOPS with fp32
 # accumulation, PCIe 4.0 x16 ~25 GB/s a direction), 32 cores with 128 GB of DDR5 (~80 GB/s
 # measured by a copy), one 1 TB PCIe 4.0 NVMe SSD (~6.5 GB/s reads, ~5 GB/s writes).
+# The GPU machine this project is lent (an H100, 989 dense bf16 TFLOPS; 16 cores, 128 GiB,
+# a 64 GiB disk): PCIe 55 GB/s and DRAM ~137 GB/s as measured on its H200 sibling
+# (bench/results/NVIDIA_H200: transfer_bench, step_bench at 0.97 of the limit); its disk's
+# speeds were never measured (1 and 2 GB/s here are placeholders: give them).
 MACHINES: Dict[str, Machine] = {m.name: m for m in (
     Machine("desktop-24gb", 24 * GB, 165.0, 25.0, 128 * GB, 80.0, 1000 * GB, 6.5, 5.0),
-    Machine("h100-host", 80 * GB, 989.0, 55.0, 128 * GB, 150.0, 64 * GB, 2.0, 1.0),
+    Machine("lent-h100", 80 * GB, 989.0, 55.0, 128 * 2**30, 137.0, 64 * 2**30, 2.0, 1.0),
 )}
 
 
@@ -297,12 +302,12 @@ def engine_pieces(numel: int, bucket_mb: float, itemsize: int = 2) -> List[int]:
 
 
 def transfer_bytes(shapes: Sequence[Tuple[int, ...]], bucket_mb: float,
-                   staged: bool = True) -> int:
-    """The engine's grad buffers of bf16 params and, if `staged`, their staging (a
-    streamed param's is its host copy: none); per piece, a cache line each (packed pieces
-    share their bucket's run, counted here each rounded up: an upper bound by under a line
-    per small param)."""
-    return sum((2 if staged else 1) * _round(n * 2, _LINE) for s in shapes
+                   grads: bool = True, staged: bool = True) -> int:
+    """The engine's grad buffers of bf16 params and their staging, per piece, a cache line
+    each (packed pieces share their bucket's run, counted here each rounded up: an upper
+    bound by under a line per small param)."""
+    per = int(grads) + int(staged)
+    return sum(per * _round(n * 2, _LINE) for s in shapes
                for n in engine_pieces(math.prod(s), bucket_mb))
 
 
@@ -324,17 +329,20 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     """The NVMe tier's layout for these params (one group, in order): the buckets as
     nvme_tier.FileStore cuts them, their data files (two slots each, nvme/layout.py) and
     the pipeline's ring of buffers."""
+    from .engine.grad_ring import ring_bytes
     from .nvme.layout import StateSpec, place
     from .param_state import adam_bucket
     limit = bucket_mb * _MB
-    buckets, bucket, size = [], [], 0
+    buckets, bucket, size, grads = [], [], 0, [0]
     for i, s in enumerate(shapes):
         nbytes = adam_bucket([(f"0:{i}", s)], state_dtype).nbytes
         if bucket and size + nbytes > limit:
             buckets.append(adam_bucket(bucket, state_dtype))
             bucket, size = [], 0
+            grads.append(0)
         bucket.append((f"0:{i}", s))
         size += nbytes
+        grads[-1] += 2 * math.prod(s)   # its bf16 grad
     if bucket:
         buckets.append(adam_bucket(bucket, state_dtype))
     spec = StateSpec(tuple(buckets), state_dtype)
@@ -344,7 +352,8 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     _, sizes = place(spec, dirs)
     return {"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
             "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,
-            "buckets": len(buckets)}
+            "buckets": len(buckets),
+            "grad_ring_bytes": ring_bytes(max(grads), int(bucket_mb * _MB))}
 
 
 def home_bytes(shapes: Sequence[Tuple[int, ...]]) -> int:
@@ -388,24 +397,20 @@ def _gpu(model: ModelShape, run: Run, layout: Layout) -> Dict[str, float]:
 
 
 def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str, float]:
+    """Host RAM in steady state. With the state in files and one micro-batch a step (the
+    step in backward) the grads wait in a bounded ring (engine/grad_ring.py); otherwise
+    each piece has a grad buffer. A streamed param's update goes to its host copy: only resident params have a
+    staging buffer."""
     shapes = [s for _, s in model.tensors()]
     streamed = [s for _, s in model.block_tensors()] * model.layers
+    resident = [s for _, s in model.resident_tensors()]
     out: Dict[str, float] = {}
-    if layout.params == "files":
-        # planned (issue 27's bounded ring, issue 28's cache): grads through a ring of
-        # 4 buckets, the kernel writes updates into the params' pages (no staging), the
-        # resident params keep their grad and staging, the param cache is given what the
-        # machine has left (computed in plan())
-        bucket = int(run.bucket_mb * _MB)
-        resident = [s for _, s in model.resident_tensors()]
-        out["grad ring (planned)"] = float(4 * bucket)
-        out["resident grad + staging"] = float(transfer_bytes(resident, run.bucket_mb))
-    elif layout.params == "ram":   # a streamed param's update goes to its host copy
-        resident = [s for _, s in model.resident_tensors()]
-        out["resident grad + staging"] = float(transfer_bytes(resident, run.bucket_mb))
-        out["streamed grad"] = float(transfer_bytes(streamed, run.bucket_mb, staged=False))
+    staged = shapes if layout.params == "gpu" else resident
+    out["staging"] = float(transfer_bytes(staged, run.bucket_mb, grads=False))
+    if _ring(layout, run):
+        out["grad ring"] = float(files["grad_ring_bytes"])
     else:
-        out["grad + staging"] = float(transfer_bytes(shapes, run.bucket_mb))
+        out["grads"] = float(transfer_bytes(shapes, run.bucket_mb, staged=False))
     if layout.params != "files" and run.micro > 1:
         # free_grads_after_copy accumulates on the host through a ring
         largest = max(max(engine_pieces(math.prod(s), run.bucket_mb)) for s in shapes)
@@ -417,6 +422,22 @@ def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str,
     else:
         out["state file ring"] = float(files["ring_bytes"])
     return out
+
+
+def _ring(layout: Layout, run: Run) -> bool:
+    """Whether the grads go through the ring: the state in files, stepped in backward,
+    which accumulates no micro-batches (with more than one, each piece has its buffer)."""
+    return layout.state == "files" and run.micro == 1
+
+
+def first_step_bytes(model: ModelShape, run: Run, layout: Layout, files: dict) -> float:
+    """Host bytes the first step holds beyond the steady state: with the grad ring, the
+    first backward steps nothing before step() (the order is learned then), so the grads
+    that do not fit the ring wait in buffers of their own until step()."""
+    if not _ring(layout, run):
+        return 0.0
+    grads = transfer_bytes([s for _, s in model.tensors()], run.bucket_mb, staged=False)
+    return float(max(0, grads - files["grad_ring_bytes"]))
 
 
 def _disk(model: ModelShape, layout: Layout, files: dict) -> Dict[str, float]:
@@ -446,6 +467,7 @@ class Plan:
     disk: Dict[str, float] = field(default_factory=dict)
     seconds: Dict[str, float] = field(default_factory=dict)   # per-step lower bounds
     traffic: Dict[str, float] = field(default_factory=dict)   # bytes per step per link
+    first_step: float = 0.0   # host bytes the first step holds on top (first_step_bytes)
 
     @property
     def gpu_total(self) -> float:
@@ -469,6 +491,10 @@ class Plan:
                                           ("SSD", self.disk_total, m.ssd_bytes, 0.0)):
             if used > have - reserve:
                 out.append(f"{what} {used / GB:.1f} GB > {(have - reserve) / GB:.1f} GB")
+        first = self.host_total + self.first_step
+        if self.first_step and first > m.host_bytes - m.host_reserve_bytes >= self.host_total:
+            out.append(f"host RAM at the first step {first / GB:.1f} GB > "
+                       f"{(m.host_bytes - m.host_reserve_bytes) / GB:.1f} GB")
         return out
 
     @property
@@ -488,7 +514,8 @@ class Plan:
                 "layout": asdict(self.layout), "built": self.layout.built,
                 "gpu_bytes": self.gpu, "host_bytes": self.host, "disk_bytes": self.disk,
                 "gpu_total": self.gpu_total, "host_total": self.host_total,
-                "disk_total": self.disk_total, "fits": self.fits, "misfits": self.misfits(),
+                "disk_total": self.disk_total, "first_step_extra_host": self.first_step,
+                "fits": self.fits, "misfits": self.misfits(),
                 "seconds": self.seconds, "bound": self.bound, "step_s": self.step_s,
                 "traffic_bytes": self.traffic}
 
@@ -497,11 +524,12 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     shapes = [s for _, s in model.tensors()]
     files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),
-             _host(model, run, layout, files), _disk(model, layout, files))
+             _host(model, run, layout, files), _disk(model, layout, files),
+             first_step=first_step_bytes(model, run, layout, files))
     n, streamed = model.params, model.layers * model.block_params
     cache = 0.0
     if layout.params == "files":   # what the host has left caches the param files
-        free = machine.host_bytes - machine.host_reserve_bytes - p.host_total
+        free = machine.host_bytes - machine.host_reserve_bytes - p.host_total - p.first_step
         cache = max(0.0, min(free, 2.0 * streamed))
         p.host["param cache (planned)"] = cache
     m, micro = machine, run.micro
@@ -600,13 +628,16 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
             for tier, parts in (("GPU", p.gpu), ("host", p.host), ("disk", p.disk)):
                 for what, b in parts.items():
                     lines.append(f"    {tier:5s} {what:42s} {b / GB:10.3f} GB")
+            if p.first_step:
+                lines.append(f"    {'host':5s} {'+ at the first step (grads past the ring)':42s} "
+                             f"{p.first_step / GB:10.3f} GB")
             if not p.fits:
                 lines.append(f"    does not fit: {'; '.join(p.misfits())}")
         d = p.as_dict()
         d["largest_fitting"] = None if big is None else {"layers": big.layers,
                                                            "params": big.params}
         out.append(d)
-    lines += ["", "* planned, not built yet (issue 28: param files, the grad ring). Bounds are "
+    lines += ["", "* planned, not built yet (issue 28: param files). Bounds are "
               "per optimizer step, each at the stated speed; the step is at least the largest.",
               "Host and disk bytes are the code's own layouts; GPU activations and times are "
               "estimates (offload_adam/plan.py says how)."]

@@ -67,6 +67,7 @@ from ..state_format import state_format
 from .device import current_host_stand_in, make_device
 from .host_memory import HostArenas
 from .early import EarlyStart
+from .grad_ring import GradRing
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
                      make_buckets, state_roles)
@@ -128,6 +129,10 @@ class OffloadEngine:
         self._acc_slots: List[torch.Tensor] = []
         self._acc_free: List[int] = []
         self._acc_pending: list = []              # (rec, copy, piece, slot index, slot view)
+        # state_dirs= with step_in_backward: the grads land in a bounded ring instead of
+        # a buffer per piece (grad_ring.py; set up by the files' pass, use_ring)
+        self.ring: Optional[GradRing] = None
+        self._ring_arenas: list = []
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
@@ -140,7 +145,7 @@ class OffloadEngine:
         # nothing that keeps the engine alive.
         self._finalizer = weakref.finalize(
             self, _shutdown, self.device, self._worker, self.recs, self.buckets,
-            self._state_arenas, self._transfer_arenas, self._acc_arenas)
+            self._state_arenas, self._transfer_arenas, self._acc_arenas, self._ring_arenas)
         for i, (params, ams) in enumerate(zip(managed, amsgrad)):
             self.add_group(i, params, ams, state_dtypes[i] if state_dtypes else "float32",
                            names[i] if names else None)
@@ -206,10 +211,12 @@ class OffloadEngine:
             self._end_backward()
         self._wait_all()
         pieces = [p for rec in order for p in rec.pieces]
-        old = {id(p): p.grad for p in pieces if p.grad is not None}
+        # (in the ring, a grad's buffer is its span's whatever its bucket: it stays)
+        old = {id(p): p.grad for p in pieces if p.grad is not None and self.ring is None}
         buckets = make_buckets(pieces, self.bucket_bytes)
         arenas = allocate_transfers(buckets, self.device, self._available,
-                                    stage_fp32=self.state_on_disk and self.early is not None)
+                                    stage_fp32=self.state_on_disk and self.early is not None,
+                                    grads=self.ring is None)
         for p in pieces:
             if id(p) in old:
                 p.grad.copy_(old[id(p)])
@@ -219,17 +226,43 @@ class OffloadEngine:
         self.buckets[:] = buckets
         self._packs.clear()
 
+    def use_ring(self, nbytes: int, busy: Callable[[], bool]) -> None:
+        """The grads land in a ring of `nbytes` (grad_ring.py) from now on; `busy`: whether
+        a job of the files' pass is pending (disk_early.py)."""
+        self._wait_all()
+        self.ring = GradRing(self.device, nbytes, busy)
+        self._ring_arenas.append(self.ring.arenas)
+        for rec in self.recs:
+            rec.copy = None   # (none made yet: built with the optimizer)
+            for p in rec.pieces:
+                p.grad = None
+        self._rebucket(list(dict.fromkeys(p.rec for b in self.buckets for p in b.pieces)))
+
+    def forget_grads(self) -> None:
+        """The ring's spans are all free (a step ended, or the files' pass was abandoned):
+        no grad copy is kept, the next step copies the grads it needs again."""
+        if self.ring is None:
+            return
+        self.ring.reset([p for rec in self.recs for p in rec.pieces])
+        for rec in self.recs:
+            rec.copy = None
+            for p in rec.pieces:
+                p.grad = None
+
     def _wait_all(self) -> None:
         """Host-waits every copy that may still use a host buffer."""
         self.device.wait_host(*_transfers_of(self.recs, self.buckets))
 
     def host_bytes(self) -> int:
-        """Host memory held: master, moments, grad and staging buffers."""
-        return sum(a.nbytes() for a in self._state_arenas + self._transfer_arenas
-                   + self._acc_arenas)
+        """Host memory held: master, moments, grad and staging buffers (the grad ring's
+        spans that overflowed it included)."""
+        return (sum(a.nbytes() for a in self._state_arenas + self._transfer_arenas
+                    + self._acc_arenas + self._ring_arenas)
+                + (self.ring.overflow_bytes if self.ring is not None else 0))
 
     def pinned(self) -> bool:
-        return all(a.pinned for a in self._state_arenas + self._transfer_arenas)
+        return all(a.pinned for a in self._state_arenas + self._transfer_arenas
+                   + self._ring_arenas)
 
     def close(self) -> None:
         self._finalizer()
@@ -364,7 +397,10 @@ class OffloadEngine:
 
     def _send(self, entries, after) -> None:
         pieces = [p for p, _ in entries]
+        span = self.ring.take(pieces, pieces[0].rec.dtype.itemsize) if self.ring else None
         t = self.device.d2h([p.grad for p in pieces], [src for _, src in entries], after)
+        if span is not None:
+            span.transfer = t
         for p in pieces:
             p.rec.copy.sent(t)
         self._backward.append(t)
@@ -459,6 +495,7 @@ class OffloadEngine:
     def _end_step(self) -> None:
         """After a step that completed: the consumed grad copies let go, the profile."""
         self._consumed()
+        self.forget_grads()
         self._profile.exposed_s = time.perf_counter() - self._t_enter
         self._last_profile, self._profile = self._profile, StepProfile()
 
@@ -632,6 +669,12 @@ class OffloadEngine:
         """Waits for the jobs queued on the worker (raises what one raised)."""
         if self._worker is not None:
             self._worker.drain(finish)
+
+    def worker_busy(self) -> bool:
+        """Whether the worker has a job queued or running that will run, other than the
+        caller's own (a job waiting for itself would never end)."""
+        w = self._worker
+        return w is not None and not w.on_worker() and w.busy()
 
     def run(self, job, continues: bool = False) -> None:
         """Runs `job` on the worker thread (inline without overlap)."""
@@ -960,6 +1003,9 @@ class BucketJob:
             for p in pieces:
                 if p.staging is not None:
                     p.staging.copy_(p.state("master"))
+        if engine.ring is not None:   # their grads are read: their spans may be reused
+            for p in pieces:
+                engine.ring.done(p)
         engine._profile.add_cpu(bucket.index, t0, time.perf_counter())
 
     def write_back(self) -> None:
@@ -1080,7 +1126,7 @@ def _transfers_of(recs, buckets) -> list:
 
 
 def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
-              acc_arenas) -> None:
+              acc_arenas, ring_arenas) -> None:
     for rec in recs:
         if rec.hook is not None:
             rec.hook.remove()
@@ -1089,9 +1135,10 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
         worker.close()
     # No copy may still read or write the memory about to be unpinned and freed.
     device.wait_host(*_transfers_of(recs, buckets))
-    for a in state_arenas + transfer_arenas + acc_arenas:
+    for a in state_arenas + transfer_arenas + acc_arenas + ring_arenas:
         a.release()
     # held no more (host_bytes() 0): what optimizer.state still shows stays readable
     state_arenas.clear()
     transfer_arenas.clear()
     acc_arenas.clear()
+    ring_arenas.clear()

@@ -35,6 +35,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..param_state import ParamState
+from .grad_ring import ring_bytes
 from .layout import ParamRec
 
 # Per file bucket: its engine params (rec, name in the files), or None when it holds a
@@ -56,6 +57,10 @@ class DiskEarly:
         self.order: Optional[List[int]] = None   # learned from the last backwards
         self._before: Optional[set] = None       # the buckets completed in the last one
         self._reset()
+        # the grads wait for their step in a bounded ring (grad_ring.py)
+        largest = max((sum(rec.numel * rec.dtype.itemsize for rec, _ in e) for e in files
+                       if e), default=0)
+        engine.use_ring(ring_bytes(largest, engine.bucket_bytes), self.busy_stepping)
 
     def _reset(self) -> None:
         self._close()   # (a pass never handed on: its I/O waited for)
@@ -67,6 +72,7 @@ class DiskEarly:
         self._pending = None              # (index, views) yielded, not stepped yet
         self._position = 0                # buckets of the pass stepped so far
         self._kicked = False              # the pass was queued on the worker
+        self._jobs = 0   # its jobs queued on the worker and not ended (none, when reset)
         self.stepped: List[ParamRec] = []
         self._stepped_files: List[int] = []   # the file buckets the pass stepped
         self._kept: Dict[int, torch.Tensor] = {}   # streamed values to restore (step_lent)
@@ -111,7 +117,17 @@ class DiskEarly:
                 self._ready.add(i)
         if first or complete:   # the first grad starts the reads ahead
             self._kicked = True
+            with self._lock:
+                self._jobs += 1
             engine.run(self._advance)
+
+    def busy_stepping(self) -> bool:
+        """Whether a job of the pass is queued or running: it steps what is complete
+        without waiting for any grad (so a hook may wait for the ring's room it frees)."""
+        engine = self._engine()
+        with self._lock:
+            jobs = self._jobs
+        return jobs > 0 and engine is not None and engine.worker_busy()
 
     # ---- on the worker -----------------------------------------------------------------
 
@@ -119,6 +135,8 @@ class DiskEarly:
         """Steps the pass's buckets in order while the next one is complete."""
         engine = self._engine()
         if engine is None:
+            with self._lock:
+                self._jobs -= 1
             return
         try:
             if self._gen is None:
@@ -136,6 +154,10 @@ class DiskEarly:
         except BaseException:
             self._close()
             raise
+        finally:
+            with self._lock:
+                self._jobs -= 1
+            engine.ring.nudge()
 
     # ---- at step() -----------------------------------------------------------------------
 
@@ -158,6 +180,8 @@ class DiskEarly:
             stepped, kept = self._stepped_files, self._kept
             self._reset()   # (closes the pass)
             self._restore(engine, stepped, kept)
+            if engine is not None:
+                engine.forget_grads()   # the next step copies its grads again
 
     def _restore(self, engine, stepped: List[int], kept: Dict[int, torch.Tensor]) -> None:
         """The streamed params of the abandoned pass's buckets (their kernel wrote their

@@ -128,6 +128,12 @@ def sq_sum(device, rec, copy: GradCopy, threads: int) -> None:
     is summed once sent) or is no longer rec's copy."""
     if copy.unsent or copy.sq_sum is not None or copy.adds:
         return   # (with adds pending, whoever reads it next adds them first: engine.py)
+    if any(p.grad is None for p in rec.pieces):
+        raise RuntimeError(
+            f"offload_adam: the host copy of the grad of {rec.label()} was already read by "
+            "its step during backward, and its room in the grad ring reused (state_dirs= "
+            "with step_in_backward=True): the grads cannot be clipped or unscaled after "
+            "backward then; use step_in_backward=False for that")
     generation = copy.generation
     device.wait_host(*copy.transfers)
     total = math.fsum(grad_sq_sums([p.grad for p in rec.pieces], threads))

@@ -114,6 +114,7 @@ class Piece:
         self.rec, self.start, self.stop, self.packed = rec, start, stop, packed
         self.bucket: Optional[Bucket] = None
         self.grad: Optional[torch.Tensor] = None      # host copy of the grad (transfer)
+        self.span = None   # the grad ring's span its grad is in, until stepped (grad_ring.py)
         self.staging: Optional[torch.Tensor] = None   # bf16/fp16 update (transfer)
         # Its own step count: the kernel counts each piece's step, and a param
         # cut in pieces is stepped by several calls (state["step"] is the first).
@@ -218,7 +219,7 @@ def allocate_state(recs: Sequence[ParamRec], device, available: Optional[int],
 
 
 def allocate_transfers(buckets: Sequence[Bucket], device, available: Optional[int],
-                       stage_fp32: bool = False) -> HostArenas:
+                       stage_fp32: bool = False, grads: bool = True) -> HostArenas:
     """Grad and staging buffers of every piece, bucket after bucket.
 
     A bucket's packed pieces lie side by side, with no padding between them,
@@ -234,14 +235,16 @@ def allocate_transfers(buckets: Sequence[Bucket], device, available: Optional[in
     params, so its value waits in staging (core.step_lent).
     A streamed param's staging is its host copy itself (param_stream.py): the
     kernel writes its update where the next forward fetches it, so it costs no
-    host memory and no copy (BucketJob.kernel first waits until no fetch reads it)."""
+    host memory and no copy (BucketJob.kernel first waits until no fetch reads it).
+    grads=False: the grads land in a ring (grad_ring.py), only staging is laid out here."""
     arenas = HostArenas(device)
     offsets = []
     for b in buckets:
         packed = [p for p in b.pieces if p.packed]
         if packed:
             dtype = b.pieces[0].rec.dtype   # a bucket holds one dtype
-            grad = arenas.reserve(f"grad {dtype}", dtype, sum(p.numel for p in packed))
+            grad = (arenas.reserve(f"grad {dtype}", dtype, sum(p.numel for p in packed))
+                    if grads else 0)
             staged = [p for p in packed if p.rec.home is None]
             staging = (arenas.reserve(f"staging {dtype}", dtype, sum(p.numel for p in staged))
                        if staged else 0)
@@ -254,13 +257,15 @@ def allocate_transfers(buckets: Sequence[Bucket], device, available: Optional[in
             if not p.packed:
                 dtype = p.rec.dtype
                 staged = (p.rec.low_precision or stage_fp32) and p.rec.home is None
-                offsets.append((p, arenas.reserve(f"grad {dtype}", dtype, p.numel),
+                offsets.append((p, arenas.reserve(f"grad {dtype}", dtype, p.numel)
+                                if grads else 0,
                                 arenas.reserve(f"staging {dtype}", dtype, p.numel)
                                 if staged else None))
     arenas.allocate(available)
     for p, g, s in offsets:
         shape = (p.numel,) if p.rec.flat else p.rec.shape
-        p.grad = arenas.view(f"grad {p.rec.dtype}", g, shape)
+        if grads:
+            p.grad = arenas.view(f"grad {p.rec.dtype}", g, shape)
         if p.rec.home is not None:
             p.staging = p.of(p.rec.home.tensor).view(shape)
         else:

@@ -59,6 +59,17 @@ class Worker:
             if self._pending == 0:
                 self._idle.notify_all()
 
+    def on_worker(self) -> bool:
+        """Whether the caller runs on the worker's thread (inside a job)."""
+        return threading.current_thread() is self._thread
+
+    def busy(self) -> bool:
+        """Whether a job is queued or running that will run (not skipped after an
+        error or a cancellation)."""
+        with self._lock:
+            return (self._pending > 0 and self._error is None and not self.cancelled
+                    and not self._closed)
+
     def raise_pending(self) -> None:
         with self._lock:
             error, self._error = self._error, None

@@ -1,0 +1,183 @@
+"""A bounded host buffer for the grads: step_in_backward with the state in files.
+
+Without it every piece has a grad buffer of its own in the transfer arena: 2 B per bf16
+param of pinned host memory, held for good. With the state in files and the step in
+backward (disk_early.py) a grad is dead once its file bucket is stepped, a few buckets
+after it arrived, so the grads of a backward can share a ring:
+
+    hook (autograd's thread)    take(): the next span of the ring, for one copy (a piece,
+                                or a pack of abutting pieces); the D2H lands there
+    the pass (worker)           the kernel reads the span; done(piece) for each piece, and
+                                the span is free once all of its pieces are
+
+Spans are handed out in address order around the ring (next fit: after the last one
+handed out, in the first gap large enough, from the start again past the end), and are
+freed in about that order (the pass steps buckets as their grads complete); a span held
+long (a param in a bucket that completes only at step()) is stepped around. When no gap
+is large enough the hook waits, but only while the worker has a job of the pass queued or
+running (`busy`), which frees spans without any new grad: a pass stalled on a bucket
+whose grads have not all come would wait forever for the thread that is waiting, so then,
+and for a copy larger than the ring, the span is a buffer of its own (overflow), freed
+when done. The first backward (no order learned yet, nothing stepped in backward)
+and the copies step() makes overflow once the ring is full: the ring bounds the steady state,
+not the first step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .host_memory import HostArenas
+
+_LINE = 64
+
+
+def ring_bytes(largest_file_bucket_grads: int, bucket_bytes: int) -> int:
+    """The ring's size: twice the grads of the largest file bucket (one bucket's filling
+    while the one before is stepped), four transfer buckets at least; whole cache lines."""
+    n = max(2 * largest_file_bucket_grads, 4 * bucket_bytes)
+    return -(-n // _LINE) * _LINE
+
+
+class Span:
+    """Where one copy's grads land: `mem` (uint8), `pieces` of them still to be stepped."""
+
+    __slots__ = ("ring", "start", "nbytes", "mem", "left", "transfer")
+
+    def __init__(self, ring: "GradRing", start: Optional[int], nbytes: int, mem: torch.Tensor,
+                 pieces: int):
+        self.ring, self.start, self.nbytes, self.mem = ring, start, nbytes, mem
+        self.left = pieces
+        self.transfer = None   # the D2H copy writing it
+
+    @property
+    def overflow(self) -> bool:
+        return self.start is None
+
+
+class GradRing:
+    """`nbytes` of pinned host memory handed out in spans (see above); `busy()`: whether a
+    job of the worker is pending that frees spans by itself."""
+
+    def __init__(self, device, nbytes: int, busy: Callable[[], bool]):
+        self.device = device
+        self.nbytes = -(-int(nbytes) // _LINE) * _LINE
+        self.arenas = HostArenas(device)
+        at = self.arenas.reserve("grad ring", torch.uint8, self.nbytes)
+        self.arenas.allocate()
+        self.buf = self.arenas.view("grad ring", at, (self.nbytes,))
+        self.busy = busy
+        self._cond = threading.Condition()
+        self._live: dict = {}          # id -> live span in the ring
+        self._cursor = 0                # where the last span handed out ends
+        self.overflow_bytes = 0         # held by overflow spans now
+        self.overflow_taken = 0         # overflow spans handed out (for tests and profiles)
+        self.waits = 0                  # times a hook waited for room
+
+    def host_bytes(self) -> int:
+        return self.arenas.nbytes() + self.overflow_bytes
+
+    # ---- autograd's thread -------------------------------------------------------------
+
+    def take(self, pieces: Sequence, itemsize: int) -> Span:
+        """A span for one copy of `pieces` (each numel x itemsize bytes, laid end to end:
+        a pack's pieces must abut), their `grad` pointed at it."""
+        sizes = [p.numel * itemsize for p in pieces]
+        need = -(-sum(sizes) // _LINE) * _LINE
+        span = None
+        with self._cond:
+            for p in pieces:   # copied again (a grad changed after its copy): the old span
+                if p.span is not None:   # has one piece less to wait for
+                    self._done(p)
+            while need <= self.nbytes:
+                start = self._fit(need)
+                if start is not None:
+                    span = Span(self, start, need, self.buf[start:start + need], len(pieces))
+                    self._live[id(span)] = span
+                    self._cursor = start + need
+                    break
+                if not self.busy():
+                    break
+                self.waits += 1
+                self._cond.wait(0.5)   # (woken by done() and by the pass's end)
+        if span is None:
+            span = Span(self, None, need, torch.empty(need, dtype=torch.uint8), len(pieces))
+            with self._cond:
+                self.overflow_bytes += need
+                self.overflow_taken += 1
+        at = 0
+        for p, size in zip(pieces, sizes):
+            shape = (p.numel,) if p.rec.flat else p.rec.shape
+            p.grad = span.mem[at:at + size].view(p.rec.dtype).view(shape)
+            p.span = span
+            at += size
+        return span
+
+    def _fit(self, need: int) -> Optional[int]:
+        """The start of the first gap of `need` bytes at or after the cursor, else from
+        the start of the ring (None: no gap so large now)."""
+        gaps, at = [], 0
+        for span in sorted(self._live.values(), key=lambda s: s.start):
+            gaps.append((at, span.start))
+            at = span.start + span.nbytes
+        gaps.append((at, self.nbytes))
+        for lo, hi in gaps:   # next fit
+            lo = max(lo, self._cursor)
+            if hi - lo >= need:
+                return lo
+        for lo, hi in gaps:
+            if hi - lo >= need:
+                return lo
+        return None
+
+    # ---- the worker ------------------------------------------------------------------------
+
+    def done(self, piece) -> None:
+        """`piece`'s step has read its grad: its span is free once all of its pieces are."""
+        with self._cond:
+            self._done(piece)
+        piece.grad = None   # (what reads it now reads another grad: sq_sum refuses)
+
+    def _done(self, piece) -> None:
+        span, piece.span = piece.span, None
+        if span is None:
+            return
+        span.left -= 1
+        if span.left == 0:
+            self._free(span)
+            self._cond.notify_all()
+
+    def _free(self, span: Span) -> None:
+        if span.overflow:
+            self.overflow_bytes -= span.nbytes
+        self._live.pop(id(span), None)
+
+    def nudge(self) -> None:
+        """A pass job ended: a hook waiting for room looks again at whether to wait."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- between iterations -------------------------------------------------------------------
+
+    def reset(self, pieces: Sequence) -> None:
+        """Every span free (a step ended, or a pass was abandoned): the copies still
+        landing in them waited for first; `pieces` forget theirs."""
+        with self._cond:
+            spans = dict(self._live)
+        for p in pieces:
+            span = p.span
+            if span is not None:
+                spans[id(span)] = span
+                p.span = None
+        self.device.wait_host(*[s.transfer for s in spans.values() if s.transfer is not None])
+        with self._cond:
+            self._live.clear()
+            self._cursor = 0
+            self.overflow_bytes = 0
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        self.arenas.release()
