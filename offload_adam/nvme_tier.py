@@ -177,7 +177,7 @@ class FileStore:
             self._early = DiskEarly(
                 engine, engine.early, self.pipeline,
                 [[(e.rec, e.name) for e in b] if all(e.rec is not None for e in b) else None
-                 for b in self.buckets])
+                 for b in self.buckets], guess=not self._resumed)
             engine.early.use_files(self._early)
         if state is not None:
             self._mark(state)

@@ -65,8 +65,9 @@ documented here and nowhere else.
     files' pass starts in backward (engine/disk_early.py), and the grads wait
     for it in a bounded host ring (engine/grad_ring.py: twice the largest
     bucket's grads, 4 x bucket_mb at least) instead of a buffer per param
-    (from the second step: the first one holds the grads that do not fit the
-    ring until step()). The
+    (the first backward guesses the buckets' order: the params registered last
+    first; if wrong, the grads that do not fit wait for step() in buffers of
+    their own). The
     directories must exist and be writable; each optimizer needs its own.
     Under several ranks (FSDP2's DTensor params, or process_group=) each rank
     keeps its shards' state in a folder "rank<R>" of each directory (made if

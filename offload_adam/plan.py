@@ -430,16 +430,6 @@ def _ring(layout: Layout, run: Run) -> bool:
     return layout.state == "files" and run.micro == 1
 
 
-def first_step_bytes(model: ModelShape, run: Run, layout: Layout, files: dict) -> float:
-    """Host bytes the first step holds beyond the steady state: with the grad ring, the
-    first backward steps nothing before step() (the order is learned then), so the grads
-    that do not fit the ring wait in buffers of their own until step()."""
-    if not _ring(layout, run):
-        return 0.0
-    grads = transfer_bytes([s for _, s in model.tensors()], run.bucket_mb, staged=False)
-    return float(max(0, grads - files["grad_ring_bytes"]))
-
-
 def _disk(model: ModelShape, layout: Layout, files: dict) -> Dict[str, float]:
     out: Dict[str, float] = {}
     if layout.state == "files":
@@ -467,7 +457,6 @@ class Plan:
     disk: Dict[str, float] = field(default_factory=dict)
     seconds: Dict[str, float] = field(default_factory=dict)   # per-step lower bounds
     traffic: Dict[str, float] = field(default_factory=dict)   # bytes per step per link
-    first_step: float = 0.0   # host bytes the first step holds on top (first_step_bytes)
 
     @property
     def gpu_total(self) -> float:
@@ -491,10 +480,6 @@ class Plan:
                                           ("SSD", self.disk_total, m.ssd_bytes, 0.0)):
             if used > have - reserve:
                 out.append(f"{what} {used / GB:.1f} GB > {(have - reserve) / GB:.1f} GB")
-        first = self.host_total + self.first_step
-        if self.first_step and first > m.host_bytes - m.host_reserve_bytes >= self.host_total:
-            out.append(f"host RAM at the first step {first / GB:.1f} GB > "
-                       f"{(m.host_bytes - m.host_reserve_bytes) / GB:.1f} GB")
         return out
 
     @property
@@ -514,8 +499,7 @@ class Plan:
                 "layout": asdict(self.layout), "built": self.layout.built,
                 "gpu_bytes": self.gpu, "host_bytes": self.host, "disk_bytes": self.disk,
                 "gpu_total": self.gpu_total, "host_total": self.host_total,
-                "disk_total": self.disk_total, "first_step_extra_host": self.first_step,
-                "fits": self.fits, "misfits": self.misfits(),
+                "disk_total": self.disk_total, "fits": self.fits, "misfits": self.misfits(),
                 "seconds": self.seconds, "bound": self.bound, "step_s": self.step_s,
                 "traffic_bytes": self.traffic}
 
@@ -524,12 +508,11 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     shapes = [s for _, s in model.tensors()]
     files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),
-             _host(model, run, layout, files), _disk(model, layout, files),
-             first_step=first_step_bytes(model, run, layout, files))
+             _host(model, run, layout, files), _disk(model, layout, files))
     n, streamed = model.params, model.layers * model.block_params
     cache = 0.0
     if layout.params == "files":   # what the host has left caches the param files
-        free = machine.host_bytes - machine.host_reserve_bytes - p.host_total - p.first_step
+        free = machine.host_bytes - machine.host_reserve_bytes - p.host_total
         cache = max(0.0, min(free, 2.0 * streamed))
         p.host["param cache (planned)"] = cache
     m, micro = machine, run.micro
@@ -628,9 +611,6 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
             for tier, parts in (("GPU", p.gpu), ("host", p.host), ("disk", p.disk)):
                 for what, b in parts.items():
                     lines.append(f"    {tier:5s} {what:42s} {b / GB:10.3f} GB")
-            if p.first_step:
-                lines.append(f"    {'host':5s} {'+ at the first step (grads past the ring)':42s} "
-                             f"{p.first_step / GB:10.3f} GB")
             if not p.fits:
                 lines.append(f"    does not fit: {'; '.join(p.misfits())}")
         d = p.as_dict()

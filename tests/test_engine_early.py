@@ -57,11 +57,13 @@ def test_bitwise_equal_to_the_default(path):
             opt.zero_grad()
         runs.append((model, opt))
     assert len(buckets_of(runs[1][1].last_step_profile)) > 3
-    # nothing starts in the first backward (the buckets are learned then), then
-    # every param that got a grad before does
+    # nothing starts in the first backward in host RAM (the buckets are learned then;
+    # with the state in files the pass guesses the order), then every param that got a
+    # grad before does
     held = states(runs[0][1])
     n_grads = sum(1 for p in runs[0][0].parameters() if p in held)
-    assert started[0] == 0 and min(started[1:]) > n_grads // 2
+    assert started[0] == 0 or path.files, started   # (in files: as far as the guess held)
+    assert min(started[1:]) > n_grads // 2
     assert_same(*runs)
     assert not states(runs[1][1]).get(runs[1][0].unused.weight)
 
@@ -297,7 +299,9 @@ def test_amsgrad_early_start_is_bitwise_equal_to_the_default(path, when):
             started.append(early_steps(opt, model, before) if early else 0)
             opt.step()
             opt.zero_grad()
-        assert started == ([0, 4, 4, 4] if early else [0, 0, 0, 0])
+        # (with the state in files the first backward's pass guesses the order: right)
+        first = 4 if path.files else 0
+        assert started == ([first, 4, 4, 4] if early else [0, 0, 0, 0])
         runs.append((model, opt))
     assert_same(*runs)
     (m0, o0), (m, o) = runs

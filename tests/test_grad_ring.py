@@ -151,3 +151,39 @@ def test_a_norm_of_freed_grads_stepped_in_backward_is_refused_by_name(device, tm
     opt._engine.drain()
     with pytest.raises(RuntimeError, match="its room in the grad ring reused"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+
+def test_the_first_backward_steps_in_the_guessed_order(device, tmp_path):
+    """No order is known at the first backward: the pass guesses the files' buckets last
+    first (backward meets the last registered params first), so for a model in sequence
+    the first step runs in backward too and its grads keep to the ring."""
+    from test_param_stream import llama_loss
+    (tmp_path / "s").mkdir()
+    model = make_llama(layers=8, dim=64, hidden=128, frozen=())
+    model.head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())   # untied
+    offload_adam.stream_params(model, Block, prefetch=2)
+    opt = offload_adam.AdamW(model.parameters(), lr=3e-3, bucket_mb=0.05,
+                             step_in_backward=True, state_dirs=str(tmp_path / "s"))
+    llama_loss(model, 0).backward()
+    opt._engine.drain()
+    files = opt._engine.early.files
+    assert len(files.stepped) > len(list(model.parameters())) // 2
+    assert opt._engine.ring.overflow_taken == 0
+    opt.step()
+
+
+def test_an_error_after_the_first_backward_names_the_params_it_stepped(device, tmp_path):
+    """A first step that ran in backward has no earlier values to go back to (copying
+    every param would cost what the ring saves): zero_grad() before step() says how
+    many streamed params stay stepped, and how to start over."""
+    from test_param_stream import llama_loss
+    (tmp_path / "s").mkdir()
+    model = make_llama(layers=8, dim=64, hidden=128, frozen=())
+    offload_adam.stream_params(model, Block, prefetch=2)
+    opt = offload_adam.AdamW(model.parameters(), lr=3e-3, bucket_mb=0.05,
+                             step_in_backward=True, state_dirs=str(tmp_path / "s"))
+    llama_loss(model, 0).backward()
+    opt._engine.drain()
+    with pytest.raises(RuntimeError, match=r"but \d+ streamed params in their first step.*"
+                                           "load the model's weights again"):
+        opt.zero_grad()

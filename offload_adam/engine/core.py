@@ -213,6 +213,10 @@ class OffloadEngine:
         pieces = [p for rec in order for p in rec.pieces]
         # (in the ring, a grad's buffer is its span's whatever its bucket: it stays)
         old = {id(p): p.grad for p in pieces if p.grad is not None and self.ring is None}
+        # an update stepped in backward waits in staging for step() (the first step, with
+        # the state in files, learns the buckets' order after its pass ran in backward)
+        staged = {id(p): p.staging for p in pieces
+                  if p.staging is not None and p.rec.home is None}
         buckets = make_buckets(pieces, self.bucket_bytes)
         arenas = allocate_transfers(buckets, self.device, self._available,
                                     stage_fp32=self.state_on_disk and self.early is not None,
@@ -220,6 +224,8 @@ class OffloadEngine:
         for p in pieces:
             if id(p) in old:
                 p.grad.copy_(old[id(p)])
+            if id(p) in staged and p.staging is not None:
+                p.staging.copy_(staged[id(p)])
         for a in self._transfer_arenas:
             a.release()
         self._transfer_arenas[:] = [arenas]
@@ -639,14 +645,16 @@ class OffloadEngine:
         self.run(kernel_only)
 
     def step_lent_early(self, entries: Sequence[Entry], views: Dict[str, torch.Tensor],
-                        hyper_of: Callable[[int], Hyper], keep: Dict[int, torch.Tensor]) -> None:
+                        hyper_of: Callable[[int], Hyper], keep: Dict[int, torch.Tensor],
+                        after=None) -> None:
         """step_in_backward, the state lent by a store (the files): a lent bucket's
         kernels, on the caller's thread (the worker), no param written but the streamed
         ones, whose update goes to their host copy; `keep` gets, by id(rec), the values
         of those that the files' masters cannot give back if the pass is abandoned
-        (step_lent)."""
+        (step_lent); `after`: an event taken on the user's stream once the bucket's grads
+        were all produced (a param read to start its master is read after it)."""
         step_lent(self, entries, views, hyper_of, 1.0, self.hook_threads(), write=False,
-                  keep=keep)
+                  keep=keep, after=after)
 
     def write_stepped(self, stepped: set) -> None:
         """The early start's commit: the H2D copies of the pieces (ids in `stepped`)
@@ -902,7 +910,8 @@ class EngineStep:
 
 def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, torch.Tensor],
               hyper_of: Callable[[int], Hyper], grad_scale: float, threads: int, fence=None,
-              write: bool = True, keep: Optional[Dict[int, torch.Tensor]] = None) -> None:
+              write: bool = True, keep: Optional[Dict[int, torch.Tensor]] = None,
+              after=None) -> None:
     """One lent bucket's recs (each with a grad copy on its way): their state views
     pointed at the lent tensors, their masters following their params (master_rule.py),
     the bucket jobs' kernels grouped by transfer bucket, each param's "<name>.step" set
@@ -913,16 +922,20 @@ def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, tor
     in its staging (layout.allocate_transfers). Each piece keeps its own step count, as
     in the arenas, loaded from and stored into the lent "step". `keep` (step_in_backward):
     the streamed params' values before their step where they are not their committed
-    master's rounding (never stepped, or changed since), for an abandoned pass to restore
-    (disk_early.py)."""
+    master's rounding (changed since), for an abandoned pass to restore (disk_early.py);
+    None for those in their first step (a copy of every param at the first step would
+    cost the host memory the ring saves)."""
     with torch.no_grad():
         _lend(todo, views)
         if keep is not None:
             for rec, _ in todo:
-                if rec.home is not None and (float(rec.step_t) == 0
-                                             or not engine.marks.current(rec.param)):
+                if rec.home is None:
+                    continue
+                if float(rec.step_t) == 0:
+                    keep[id(rec)] = None   # its first step: nothing to go back to but this
+                elif not engine.marks.current(rec.param):
                     keep[id(rec)] = rec.home.tensor.clone()
-        follow_masters(engine.device, [rec for rec, _ in todo], engine.marks)
+        follow_masters(engine.device, [rec for rec, _ in todo], engine.marks, after)
         by_bucket: Dict[int, list] = {}
         for rec, _ in todo:
             for piece in rec.pieces:

@@ -47,7 +47,8 @@ CPU, and by compute-sanitizer on a GPU):
     does next (clip, edit, another micro-batch) is ordered after them;
   * device work is issued on a named stream with its ordering explicit: a
     thread that never chose a stream runs on the default stream, not on the
-    user's (the worker's only device work goes through `contiguous` and `h2d`).
+    user's (the worker's only device work goes through `contiguous`, `h2d`, and a
+    `d2h` of params after an event taken on the user's stream).
 
 Implementations: `HostDevice` (CPU params: every copy is a plain copy, done on
 the spot), `CudaDevice` (the only code that touches streams and events) and,

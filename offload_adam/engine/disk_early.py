@@ -7,6 +7,11 @@ backward, on the engine's worker:
 
     a backward's first grad    the pass starts: the first file buckets are read ahead,
                                in the order their grads completed in the last backward
+                               (the first backward guesses: the files' buckets last
+                               first, as backward meets the params registered last
+                               first; a wrong guess only stalls the pass to step();
+                               none after state_resume=True, whose first step checks
+                               the params restored before anything writes them)
     a file bucket completes    (every engine param in it has its grad copied) it is
                                stepped when the pass reaches it: the kernels on the
                                ring buffer (core.step_lent), no param
@@ -46,7 +51,7 @@ FileBuckets = Sequence[Optional[Sequence[Tuple[ParamRec, str]]]]
 class DiskEarly:
     """The files' pass of one step, started during backward (see above)."""
 
-    def __init__(self, engine, early, pipeline, files: FileBuckets):
+    def __init__(self, engine, early, pipeline, files: FileBuckets, guess: bool = True):
         self._engine = weakref.ref(engine)
         self._early = early
         self.pipeline = pipeline
@@ -54,8 +59,11 @@ class DiskEarly:
         self._file_of = {id(rec): i for i, entries in enumerate(files) if entries
                          for rec, _ in entries}
         self._lock = threading.Lock()
-        self.order: Optional[List[int]] = None   # learned from the last backwards
+        # learned from the last backwards; until then a guess: the last buckets first
+        # (none after state_resume=True: its first step checks the params first)
+        self.order: Optional[List[int]] = list(reversed(range(len(files)))) if guess else None
         self._before: Optional[set] = None       # the buckets completed in the last one
+        self.unrestored = 0   # streamed params the last abandoned pass could not put back
         self._reset()
         # the grads wait for their step in a bounded ring (grad_ring.py)
         largest = max((sum(rec.numel * rec.dtype.itemsize for rec, _ in e) for e in files
@@ -75,7 +83,10 @@ class DiskEarly:
         self._jobs = 0   # its jobs queued on the worker and not ended (none, when reset)
         self.stepped: List[ParamRec] = []
         self._stepped_files: List[int] = []   # the file buckets the pass stepped
-        self._kept: Dict[int, torch.Tensor] = {}   # streamed values to restore (step_lent)
+        self._after: Dict[int, object] = {}   # file bucket -> an event after its grads
+        # streamed values to restore (step_lent): a copy, or None for a param in its first
+        # step (none kept: 2 B a param, for an error path)
+        self._kept: Dict[int, Optional[torch.Tensor]] = {}
 
     @property
     def started(self) -> bool:
@@ -106,13 +117,16 @@ class DiskEarly:
             if complete:
                 self._completed.append(i)
         if self.order is None:
-            return   # the first backward: no order yet, all at step()
+            return   # no order to step in: all at step()
         if complete:
             recs = [rec for rec, _ in self.files[i]]
             for b in {p.bucket.index: p.bucket for r in recs for p in r.pieces}.values():
                 engine.flush_pack(b)   # a pack waiting for pieces of other buckets: sent now
             if not self._early.begin(recs):
                 return   # the optimizer is gone
+            # (a param the pass reads from the device, to start its master at its first
+            # step, is read after this: the worker has no stream of the user's)
+            self._after[i] = engine.device.fence()
             with self._lock:
                 self._ready.add(i)
         if first or complete:   # the first grad starts the reads ahead
@@ -145,7 +159,8 @@ class DiskEarly:
             while self._pending is not None and self._pending[0] in self._ready:
                 i, views = self._pending
                 self._stepped_files.append(i)
-                engine.step_lent_early(self.files[i], views, self._early.hyper, self._kept)
+                engine.step_lent_early(self.files[i], views, self._early.hyper, self._kept,
+                                       self._after.get(i))
                 self.stepped.extend(rec for rec, _ in self.files[i])
                 self._position += 1
                 # the last bucket is not written here: that would commit the step
@@ -186,14 +201,19 @@ class DiskEarly:
     def _restore(self, engine, stepped: List[int], kept: Dict[int, torch.Tensor]) -> None:
         """The streamed params of the abandoned pass's buckets (their kernel wrote their
         host copies) go back to their last completed step: the committed master rounded,
-        or the value kept before the step (whose master rule then applies again)."""
+        or the value kept before the step (whose master rule then applies again). A param
+        in its first step has neither: it stays stepped (counted in `unrestored`)."""
         changed = []
+        self.unrestored = 0
         with torch.no_grad():
             for i in stepped:
                 views = None
                 for rec, name in self.files[i]:
                     if rec.home is None:
                         continue   # its update waits in staging: nothing was written
+                    if id(rec) in kept and kept[id(rec)] is None:
+                        self.unrestored += 1
+                        continue
                     old = kept.get(id(rec))
                     if old is None:
                         if views is None:

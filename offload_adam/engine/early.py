@@ -200,7 +200,12 @@ class EarlyStart:
         engine taken over by a newer one writes nothing: the params are not its own."""
         self._engine().check_open()
         stepped = self.commit() if (self.error is not None or self._started) else 0
-        if self.files is not None:
+        if self.files is not None and self.files.unrestored:
+            what = ("The state files are those of the last completed step, and so are the "
+                    f"params, but {self.files.unrestored} streamed params in their first "
+                    "step, which ran during backward and wrote them (their first values "
+                    "are not kept): load the model's weights again to start over")
+        elif self.files is not None:
             what = ("Nothing was stepped: the state files and the params are those of "
                     "the last completed step")
         elif stepped:

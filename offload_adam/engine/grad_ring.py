@@ -18,9 +18,8 @@ is large enough the hook waits, but only while the worker has a job of the pass 
 running (`busy`), which frees spans without any new grad: a pass stalled on a bucket
 whose grads have not all come would wait forever for the thread that is waiting, so then,
 and for a copy larger than the ring, the span is a buffer of its own (overflow), freed
-when done. The first backward (no order learned yet, nothing stepped in backward)
-and the copies step() makes overflow once the ring is full: the ring bounds the steady state,
-not the first step.
+when done. So do the copies step() makes (grads copied again), and those of a first
+backward whose guessed order (disk_early.py) was wrong.
 """
 
 from __future__ import annotations

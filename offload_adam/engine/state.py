@@ -86,9 +86,11 @@ def _bound(rec, st: dict) -> bool:
                     if getattr(rec, key) is not None))
 
 
-def read_params(device, dsts: Sequence, pieces: Sequence) -> None:
+def read_params(device, dsts: Sequence, pieces: Sequence, after=None) -> None:
     """Copies each piece of its param into the host tensor beside it in `dsts`, and waits:
-    from the device, or from a streamed param's host copy (param_stream.py)."""
+    from the device (after the caller's queued work, or event `after`: from the worker,
+    one taken on the user's stream), or from a streamed param's host copy
+    (param_stream.py)."""
     went = []
     for dst, p in zip(dsts, pieces):
         if p.rec.home is not None:
@@ -96,26 +98,26 @@ def read_params(device, dsts: Sequence, pieces: Sequence) -> None:
             if dst.data_ptr() != src.data_ptr():   # (its staging is its host copy itself)
                 dst.copy_(src)
         else:
-            went.append(device.d2h(dst, p.of(p.rec.live())))
+            went.append(device.d2h(dst, p.of(p.rec.live()), after))
     device.wait_host(*went)
 
 
-def _masters_from_params(device, recs: Sequence) -> None:
+def _masters_from_params(device, recs: Sequence, after=None) -> None:
     pieces = [p for rec in recs for p in rec.pieces]
     device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
     read_params(device, [p.staging if p.rec.low_precision else p.state("master")
-                         for p in pieces], pieces)
+                         for p in pieces], pieces, after)
     for p in pieces:
         if p.rec.low_precision:
             p.state("master").copy_(p.staging)
 
 
-def follow_masters(device, recs: Sequence, marks: MasterMarks) -> None:
+def follow_masters(device, recs: Sequence, marks: MasterMarks, after=None) -> None:
     """The master rule (master_rule.py) for recs whose state views are bound: where a
     param changed since it last agreed with its master, the master starts again from
     it unless the param is still its rounding (bf16/fp16 params are read into their
     staging, in one batch of copies, to compare; an fp32 param's master is the param,
-    so it is simply taken)."""
+    so it is simply taken). `after`: read_params'."""
     changed = [rec for rec in recs if not marks.current(rec.param)]
     if not changed:
         return
@@ -123,7 +125,7 @@ def follow_masters(device, recs: Sequence, marks: MasterMarks) -> None:
     if check:
         pieces = [p for rec in check for p in rec.pieces]
         device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
-        read_params(device, [p.staging for p in pieces], pieces)
+        read_params(device, [p.staging for p in pieces], pieces, after)
 
     def stale(rec) -> bool:
         return not rec.low_precision or not all(
@@ -132,5 +134,5 @@ def follow_masters(device, recs: Sequence, marks: MasterMarks) -> None:
     take = [rec for rec in changed
             if take_from_param(float(rec.step_t), False, lambda rec=rec: stale(rec))]
     if take:
-        _masters_from_params(device, take)
+        _masters_from_params(device, take, after)
     marks.agree(rec.param for rec in changed)
