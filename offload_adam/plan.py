@@ -207,12 +207,14 @@ MACHINES: Dict[str, Machine] = {m.name: m for m in (
 )}
 
 
-def machine_here(base: Machine, state_dir: str = ".") -> Machine:
+def machine_here(base: Machine, state_dir: str = ".", measure: bool = False,
+                 probe_bytes: int = 1 << 30) -> Machine:
     """`base` with what this machine says of itself: its RAM (/proc/meminfo), the free
-    space where the files would go, its GPU's memory (torch.cuda). Speeds stay `base`'s
-    (give them as flags; bench/transfer_bench.py, step_bench.py and nvme_bench.py
-    measure them)."""
-    got = {}
+    space where the files would go, its GPU's memory (torch.cuda); with `measure`, also
+    its speeds (probe_speeds, `probe_bytes` each). Otherwise speeds stay `base`'s (give
+    them as flags; bench/transfer_bench.py, step_bench.py and nvme_bench.py measure them
+    more carefully)."""
+    got = probe_speeds(state_dir, probe_bytes) if measure else {}
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -231,6 +233,65 @@ def machine_here(base: Machine, state_dir: str = ".") -> Machine:
     except Exception:   # noqa: BLE001 -- no torch or no driver: keep the base's
         pass
     return replace(base, name="here", measured=tuple(sorted(got)), **got)
+
+
+def probe_speeds(state_dir: str, nbytes: int) -> Dict[str, float]:
+    """Quick probes, the median of 3 passes each (GB/s): DRAM as a torch copy of `nbytes`
+    (read + written: what the step's kernel streams is bound by the same), the disk as a
+    sequential O_DIRECT write then read of a file of `nbytes` in `state_dir` (removed
+    after; skipped where the filesystem refuses O_DIRECT, whose reads the page cache would
+    serve), PCIe as pinned copies each way when CUDA is there."""
+    import time
+
+    import torch
+
+    from .nvme.direct_io import AlignedBuffer, open_direct
+
+    def best(fn) -> float:   # (the median pass's seconds)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return sorted(times)[1]
+
+    got: Dict[str, float] = {}
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    got["dram_gbps"] = 2 * nbytes / best(lambda: dst.copy_(src)) / GB
+    src = dst = None   # (freed before the disk's probe)
+    path = os.path.join(state_dir, "offload_adam_plan_probe.bin")
+    chunk = 8 << 20
+    buf = AlignedBuffer(chunk, pin=False)
+    fd, direct = open_direct(path, create=True, size=nbytes)
+    try:
+        if direct:
+            n = nbytes // chunk * chunk
+
+            def write():
+                for at in range(0, n, chunk):
+                    os.pwrite(fd, buf.view, at)
+                os.fsync(fd)
+
+            def read():
+                for at in range(0, n, chunk):
+                    os.preadv(fd, [buf.view], at)
+            got["ssd_write_gbps"] = n / best(write) / GB
+            got["ssd_read_gbps"] = n / best(read) / GB
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        buf.close()
+    if torch.cuda.is_available():
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+        def copy(a, b):
+            a.copy_(b, non_blocking=True)
+            torch.cuda.synchronize()
+        got["pcie_gbps"] = nbytes / max(best(lambda: copy(dev, host)),
+                                        best(lambda: copy(host, dev))) / GB
+    return got
 
 
 @dataclass(frozen=True)
@@ -585,9 +646,9 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         f"{model.block_params / 1e6:.0f} M, {model.resident_params / 1e6:.0f} M resident), "
         f"batch {run.batch} x {run.seq}, {run.micro} micro-batch(es) per step, "
         f"checkpointing {'on' if run.checkpointing else 'off'}, prefetch {run.prefetch}",
-        f"machine {m.name}: GPU {m.gpu_bytes / GB:.1f} GB at {m.gpu_tflops:g} TFLOPS, PCIe "
-        f"{m.pcie_gbps:g} GB/s a direction, RAM {m.host_bytes / GB:.1f} GB at {m.dram_gbps:g} "
-        f"GB/s, SSD {m.ssd_bytes / GB:.0f} GB at {m.ssd_read_gbps:g}/{m.ssd_write_gbps:g} GB/s "
+        f"machine {m.name}: GPU {m.gpu_bytes / GB:.1f} GB at {m.gpu_tflops:.3g} TFLOPS, PCIe "
+        f"{m.pcie_gbps:.3g} GB/s a direction, RAM {m.host_bytes / GB:.1f} GB at {m.dram_gbps:.3g} "
+        f"GB/s, SSD {m.ssd_bytes / GB:.0f} GB at {m.ssd_read_gbps:.3g}/{m.ssd_write_gbps:.3g} GB/s "
         f"read/write; reserved: GPU {m.gpu_reserve_bytes / GB:.1f} GB, host "
         f"{m.host_reserve_bytes / GB:.1f} GB"
         + (f" (measured here: {', '.join(m.measured)})" if m.measured else ""),
@@ -638,6 +699,10 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"{', '.join(MACHINES)}, or 'here' (the desktop's speeds, this "
                          "machine's RAM, free disk and GPU memory)")
     ap.add_argument("--state-dir", default=".", help="where the files would go (with 'here')")
+    ap.add_argument("--measure", action="store_true",
+                    help="with --machine here: probe DRAM, disk (in --state-dir) and PCIe "
+                         "speeds too (a few seconds; --probe-gb each)")
+    ap.add_argument("--probe-gb", type=float, default=1.0)
     for flag, unit in (("gpu-gb", "GB"), ("gpu-tflops", "TFLOPS"), ("pcie-gbps", "GB/s"),
                        ("ram-gb", "GB"), ("dram-gbps", "GB/s"), ("ssd-gb", "GB"),
                        ("ssd-read-gbps", "GB/s"), ("ssd-write-gbps", "GB/s"),
@@ -675,8 +740,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             model = ModelShape("custom", shape["vocab"], shape["hidden"], shape["intermediate"],
                                shape["layers"], shape["heads"],
                                shape["kv-heads"] or shape["heads"], args.tied)
+        if args.measure and args.machine != "here":
+            raise ValueError("--measure probes this machine: give --machine here")
         if args.machine == "here":
-            machine = machine_here(MACHINES["desktop-24gb"], args.state_dir)
+            machine = machine_here(MACHINES["desktop-24gb"], args.state_dir, args.measure,
+                                   int(args.probe_gb * GB))
         elif args.machine in MACHINES:
             machine = MACHINES[args.machine]
         else:

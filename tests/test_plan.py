@@ -222,6 +222,19 @@ def test_bad_input_is_named(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_here_measures_this_machine(tmp_path):
+    """--machine here takes this machine's RAM and free disk; --measure probes its DRAM
+    and disk speeds too (small probes here), and leaves no file behind."""
+    m = planner.machine_here(planner.MACHINES["desktop-24gb"], str(tmp_path), measure=True,
+                             probe_bytes=32 << 20)
+    assert {"host_bytes", "ssd_bytes", "dram_gbps"} <= set(m.measured)
+    assert 0 < m.dram_gbps < 10_000 and m.host_bytes > 1e9
+    if "ssd_read_gbps" in m.measured:   # (a filesystem refusing O_DIRECT is not probed)
+        assert m.ssd_read_gbps > 0 and m.ssd_write_gbps > 0
+    assert list(tmp_path.iterdir()) == []
+    assert planner.main(["llama-3-8b", "--measure"]) == 2   # (only with --machine here)
+
+
 def test_a_config_without_the_llama_shape_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10, "hidden_size": 8}))
     with pytest.raises(ValueError, match="lacks intermediate_size, num_hidden_layers"):
