@@ -354,11 +354,8 @@ def all_layouts(state_dtypes: Sequence[str] = STATE_DTYPES) -> List[Layout]:
 
 def engine_pieces(numel: int, bucket_mb: float, itemsize: int = 2) -> List[int]:
     """The element counts of a param's pieces (engine/layout.py `cut`)."""
-    from .engine.layout import SPLIT_ALIGN
-    bucket_bytes = int(bucket_mb * _MB)
-    if numel * itemsize <= bucket_bytes:
-        return [numel]
-    per = max(SPLIT_ALIGN, bucket_bytes // itemsize // SPLIT_ALIGN * SPLIT_ALIGN)
+    from .engine.layout import piece_length
+    per = piece_length(numel, itemsize, int(bucket_mb * _MB))
     return [min(per, numel - a) for a in range(0, numel, per)]
 
 

@@ -82,7 +82,6 @@ class DiskEarly:
         self._kicked = False              # the pass was queued on the worker
         self._jobs = 0   # its jobs queued on the worker and not ended (none, when reset)
         self.stepped: List[ParamRec] = []
-        self._stepped_files: List[int] = []   # the file buckets the pass stepped
         self._after: Dict[int, object] = {}   # file bucket -> an event after its grads
         # streamed values to restore (step_lent): a copy, or None for a param in its first
         # step (none kept: 2 B a param, for an error path)
@@ -158,7 +157,6 @@ class DiskEarly:
                 self._pending = next(self._gen)
             while self._pending is not None and self._pending[0] in self._ready:
                 i, views = self._pending
-                self._stepped_files.append(i)
                 engine.step_lent_early(self.files[i], views, self._early.hyper, self._kept,
                                        self._after.get(i))
                 self.stepped.extend(rec for rec, _ in self.files[i])
@@ -192,13 +190,14 @@ class DiskEarly:
             if engine is not None and self.busy:
                 engine.drain()
         finally:
-            stepped, kept = self._stepped_files, self._kept
+            stepped = {self._file_of[id(rec)] for rec in self.stepped}   # its file buckets
+            kept = self._kept
             self._reset()   # (closes the pass)
             self._restore(engine, stepped, kept)
             if engine is not None:
                 engine.forget_grads()   # the next step copies its grads again
 
-    def _restore(self, engine, stepped: List[int], kept: Dict[int, torch.Tensor]) -> None:
+    def _restore(self, engine, stepped, kept: Dict[int, Optional[torch.Tensor]]) -> None:
         """The streamed params of the abandoned pass's buckets (their kernel wrote their
         host copies) go back to their last completed step: the committed master rounded,
         or the value kept before the step (whose master rule then applies again). A param

@@ -165,12 +165,20 @@ class Bucket:
             p.bucket = self
 
 
+def piece_length(numel: int, itemsize: int, bucket_bytes: int) -> int:
+    """The elements of each piece of a contiguous param (the last one may be shorter):
+    all of them if it fits a bucket, else a bucket's worth in whole SPLIT_ALIGN chunks."""
+    if numel * itemsize <= bucket_bytes:
+        return numel
+    return max(SPLIT_ALIGN, bucket_bytes // itemsize // SPLIT_ALIGN * SPLIT_ALIGN)
+
+
 def cut(rec: ParamRec, bucket_bytes: int) -> List[Piece]:
     """rec's pieces: one, or bucket-sized ranges of a large contiguous param."""
     size = rec.dtype.itemsize
     if not rec.flat or rec.numel * size <= bucket_bytes:
         return [Piece(rec, 0, rec.numel, rec.flat and rec.numel * size < PACK_BELOW_BYTES)]
-    per = max(SPLIT_ALIGN, bucket_bytes // size // SPLIT_ALIGN * SPLIT_ALIGN)
+    per = piece_length(rec.numel, size, bucket_bytes)
     return [Piece(rec, a, min(a + per, rec.numel), False) for a in range(0, rec.numel, per)]
 
 
