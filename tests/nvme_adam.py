@@ -99,3 +99,38 @@ def flip_byte(path, offset: int, mask: int = 0x40) -> None:
         byte = f.read(1) or b"\0"
         f.seek(offset)
         f.write(bytes([byte[0] ^ mask]))
+
+
+def grads_record(seed: int, step: int, i: int, tensors_spec) -> tuple:
+    """Bucket i's redo record (offload_adam/nvme/redo.py) of step `step`: its grads."""
+    names = [t.name[:-len(".master")] for t in tensors_spec.tensors if t.name.endswith(".master")]
+    shapes = {t.name: t.shape for t in tensors_spec.tensors}
+    return ({"step": step}, [(n, grad_of(seed, step, i, j, shapes[n + ".master"]))
+                             for j, n in enumerate(names)])
+
+
+def redo_fn(state):
+    """fn(i, tensors): bucket i stepped with the grads of its redo record."""
+    def fn(i, t):
+        meta, grads = state.record(i)
+        names = param_names(t)
+        scales = {}
+        if names[0] + ".exp_avg_scale" in t:
+            scales = dict(exp_avg_scales=[t[n + ".exp_avg_scale"] for n in names],
+                          exp_avg_sq_scales=[t[n + ".exp_avg_sq_scale"] for n in names])
+        adam_step([t[n + ".master"] for n in names], [grads[n] for n in names],
+                  [t[n + ".exp_avg"] for n in names], [t[n + ".exp_avg_sq"] for n in names],
+                  [], [], [t[n + ".step"] for n in names], HYPER, 1.0, 1, **scales)
+    return fn
+
+
+def compact_step(state, pipe, seed: int) -> None:
+    """One step of a compact state: a step cut short finished from its redo records,
+    else the next one begun (every bucket's record written) and stepped."""
+    if state.pending:
+        pipe.step(redo_fn(state))
+        return
+    step = state.step
+    state.begin(step + 1, {i: grads_record(seed, step, i, b)
+                           for i, b in enumerate(state.spec.buckets)})
+    pipe.step(adam_fn(seed, step))

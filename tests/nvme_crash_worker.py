@@ -9,7 +9,7 @@ running while the lock is held."""
 import torch
 
 import offload_adam
-from nvme_adam import adam_fn, fill_initial, make_spec
+from nvme_adam import adam_fn, compact_step, fill_initial, make_spec
 from nvme_model import groups, make_params, train
 from offload_adam.kernel_step import kernels
 from offload_adam.nvme import NvmeState, StepPipeline
@@ -19,8 +19,12 @@ SEED = 5
 kernels()
 
 
-def spec_of(fmt):
-    # 4 buckets of ~1.2 MB (fp32): a step takes long enough that kills land in its writes
+def spec_of(fmt, compact=False):
+    # 4 buckets of ~1.2 MB (fp32): a step takes long enough that kills land in its writes;
+    # compact: 12 smaller ones, so that a step commits its buckets a few at a time (its
+    # ring has room for 4 more)
+    if compact:
+        return make_spec(fmt, buckets=12, numel=16_000)
     return make_spec(fmt, buckets=4, numel=50_000)
 
 
@@ -37,6 +41,30 @@ def worker(folder, fmt, until, progress):
             pipe.step(adam_fn(SEED, state.step, threads=1))
             progress.send(state.step)
         pipe.close()
+
+
+def compact_worker(folder, fmt, until, progress):
+    """worker's run on a compact state (one copy, a redo log): a step cut short is
+    finished from its log when the state is opened again."""
+    spec = spec_of(fmt, compact=True)
+    with open_compact([folder], spec) as state:
+        pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
+        if state.step == 0 and not state.pending:
+            pipe.load(fill_initial(SEED), step=0)
+        if state.pending:
+            compact_step(state, pipe, SEED)
+        progress.send(state.step)
+        while state.step < until:
+            compact_step(state, pipe, SEED)
+            progress.send(state.step)
+        pipe.close()
+
+
+def open_compact(folders, spec):
+    """A compact state of `spec`, its redo log reserved for fp32 grads."""
+    log = [sum(t.numel * 4 for t in b.tensors if t.name.endswith(".master")) + 4096
+           for b in spec.buckets]
+    return NvmeState.open(folders, spec, compact=True, log_bytes=log)
 
 
 # The optimizer worker's model: fp32 and bf16 params in two groups, ~1.1 MB of fp32 state

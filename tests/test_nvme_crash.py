@@ -19,19 +19,31 @@ import time
 
 import pytest
 
-from nvme_adam import flip_byte, host_state, host_step, same_bits
-from nvme_crash_worker import (SEED, committed_step, engine_model, engine_optimizer,
+from nvme_adam import compact_step, flip_byte, host_state, host_step, same_bits
+from nvme_crash_worker import (SEED, committed_step, compact_worker, engine_model,
+                               engine_optimizer, open_compact,
                                engine_train, engine_values, engine_worker, model_params, optimizer,
                                optimizer_worker, spec_of, worker)
 from nvme_model import assert_same, train
-from offload_adam.nvme import NvmeState
+from offload_adam.nvme import NvmeState, StepPipeline
 from offload_adam.testing import AsyncSimDevice, simulated
 
 KILLS = {"fp32": 24, "8bit": 12}
 
 
-def on_disk(folder, fmt):
-    with NvmeState.open([folder], spec_of(fmt)) as state:
+REDONE = []   # the kills after which a compact state had a step to finish from its log
+
+
+def on_disk(folder, fmt, compact=False):
+    """The step and state the files hold; compact: a step cut short finished first (from
+    its redo log, as a resume does)."""
+    with (open_compact([folder], spec_of(fmt, True)) if compact
+          else NvmeState.open([folder], spec_of(fmt))) as state:
+        if state.pending:
+            REDONE.append(len(state.pending))
+            pipe = StepPipeline(state, 3 * max(b.nbytes for b in state.spec.buckets))
+            compact_step(state, pipe, SEED)
+            pipe.close()
         return state.step, [{k: v.clone() for k, v in state.views(i).items()}
                             for i in range(len(state.spec.buckets))]
 
@@ -103,21 +115,26 @@ def test_a_second_process_on_the_directory_is_refused(kernels, tmp_path, forkser
     NvmeState.open([tmp_path], spec_of("fp32")).close()   # SIGKILL dropped the lock
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["two_generations", "compact"])
 @pytest.mark.parametrize("fmt", ["fp32", "8bit"])
-def test_sigkill_at_random_instants_loses_no_completed_step(kernels, tmp_path, forkserver, fmt):
+def test_sigkill_at_random_instants_loses_no_completed_step(kernels, tmp_path, forkserver, fmt,
+                                                            compact):
+    """`compact`: one copy and a redo log (nvme/redo.py): a kill inside a step leaves its
+    log and the buckets already moved; finishing it from the log is the step."""
     rng = random.Random(1234)
-    ram = host_state(spec_of(fmt), SEED)
+    REDONE.clear()
+    ram = host_state(spec_of(fmt, compact), SEED)
     ram_step, last_seen, steps_seen = 0, 0, []
 
     timing = Timing()
 
     def run(until, kill=True):
-        return run_worker(forkserver, worker, (str(tmp_path), fmt, until), rng, timing,
-                          kill)[0]
+        return run_worker(forkserver, compact_worker if compact else worker,
+                          (str(tmp_path), fmt, until), rng, timing, kill)[0]
 
     for _ in range(KILLS[fmt]):
         run(until=10_000)
-        step, state = on_disk(tmp_path, fmt)
+        step, state = on_disk(tmp_path, fmt, compact)
         assert step >= last_seen, "a committed step was lost"
         while ram_step < step:
             host_step(ram, SEED, ram_step)
@@ -127,12 +144,16 @@ def test_sigkill_at_random_instants_loses_no_completed_step(kernels, tmp_path, f
         last_seen = step
         steps_seen.append(step)
     assert len(set(steps_seen)) > KILLS[fmt] // 3, steps_seen   # the kills landed at many steps
+    if compact:   # and inside steps, after their log
+        assert REDONE, "no kill landed inside a step"
+        print(f"compact {fmt}: buckets finished from the log after {len(REDONE)} of "
+              f"{KILLS[fmt]} kills: {REDONE}")
     final = last_seen + 3
     assert run(until=final, kill=False) == 0
     while ram_step < final:
         host_step(ram, SEED, ram_step)
         ram_step += 1
-    step, state = on_disk(tmp_path, fmt)
+    step, state = on_disk(tmp_path, fmt, compact)
     assert step == final and same_bits(state, ram)
 
 

@@ -7,6 +7,8 @@ ring of host buffers at the disk's speed, and crash-safe.
   manifest.py  the checksummed manifest committed atomically each step; the directory lock
   store.py     NvmeState: open/create the files (never over a state), read/write a bucket
                (each slot checksummed), commit, roll back one step, mmap views
+  circular.py  compact states: one copy per bucket in a ring per file with 4 spare extents
+  redo.py      compact states: the redo log written before a step moves any bucket
   pipeline.py  StepPipeline: read ahead, step, write back, commit
 
 Integration (the optimizer): build a StateSpec from its buckets in the order they are stepped

@@ -13,7 +13,9 @@ its checksum: a damaged slot raises before it is stepped). Every bucket is
 written to its non-current slot; after the last write the files are fsync'd and the
 manifest commits the step (store.py). An error anywhere (I/O, the kernel) waits for the
 requests in flight and raises with nothing committed: the files still hold the last
-completed step. `buckets()` is the pipeline as a loop (the caller's body steps bucket i);
+completed step. A compact state (store.py) instead writes each bucket where its ring has
+room and commits a few buckets at a time when it has none (`commit_some`), after the
+step's redo log was begun; an error there leaves the step to finish at a resume. `buckets()` is the pipeline as a loop (the caller's body steps bucket i);
 `step(fn)` the same with a function.
 """
 
@@ -73,8 +75,15 @@ class StepPipeline:
         waiting for that bucket's grads first."""
         st, bufs = self.state, self.buffers
         n, ring = len(st.spec.buckets), len(bufs)
-        order = list(range(n)) if order is None else list(order)
-        if sorted(order) != list(range(n)):
+        if order is None:
+            order = st.pending if st.compact and st.pending else range(n)
+        order = list(order)
+        if st.compact and st.pending:   # a step cut short: its buckets still at t
+            if order != st.pending:
+                raise ValueError("offload_adam: internal error: a compact state's step cut "
+                                 "short is finished in its buckets' order")
+            n = len(order)
+        elif sorted(order) != list(range(n)) or (st.compact and order != sorted(order)):
             raise ValueError(f"offload_adam: internal error: a pipeline order {order} is "
                              f"not one of the {n} buckets each")
         # k: a bucket's position in the pass, which picks its buffer (k % ring)
@@ -84,6 +93,25 @@ class StepPipeline:
         def start_read(k):
             reads[k] = st.read(order[k], bufs[k % ring]) if read else None
 
+        finished = []   # compact: written, not committed yet
+
+        def write(k):
+            req = st.write(order[k], bufs[k % ring])
+            if req is None:   # compact: the ring's room is held by writes to commit
+                for w in sorted(writes):
+                    st.finish(writes.pop(w))
+                    finished.append(order[w])
+                st.commit_some(finished)
+                finished.clear()
+                req = st.write(order[k], bufs[k % ring])
+                if req is None:
+                    raise RuntimeError("offload_adam: internal error: no room in the "
+                                       "compact state's ring after a commit")
+            writes[k] = req
+
+        if st.compact and not read:
+            st.begin_load()
+        completed = False
         try:
             for k in range(min(self.depth, n)):
                 start_read(k)
@@ -92,19 +120,23 @@ class StepPipeline:
                 if req is not None:
                     st.finish(req)   # (a damaged slot raises here, before it is stepped)
                 yield order[k], st.tensors(order[k], bufs[k % ring])
-                writes[k] = st.write(order[k], bufs[k % ring])
+                write(k)
                 j = k + self.depth
                 if j < n:
                     if j - ring in writes:
                         st.finish(writes.pop(j - ring))
+                        finished.append(order[j - ring])
                     start_read(j)
             for k in sorted(writes):
                 st.finish(writes.pop(k))
-            st.commit(range(n), step)
+            st.commit(order, step)
+            completed = True
         finally:
             # on an error: nothing may still write into the slots once we return
             for req in list(reads.values()) + list(writes.values()):
                 st.wait(req)
+            if not completed:
+                st.abandon_pass()
 
     def step(self, fn: StepFn, read: bool = True, step: Optional[int] = None) -> None:
         """fn(i, tensors) for every bucket i (see `buckets`)."""

@@ -29,6 +29,18 @@ Two generations: the manifest keeps both slots' checksums and the step the other
 when it was last current (`previous`), so that a state can be set back one step
 (`rollback`) while that slot is intact: the ranks of a sharded run that died between their
 commits agree on the older step that way (nvme_tier.py).
+
+Compact (`compact=True`): one copy of each bucket in a ring per file with a few spare
+extents (circular.py), and a redo log (redo.py) of what steps the buckets: ~1 x the state
+plus the log on disk instead of 2 x. A step first writes the log of every bucket and
+commits an intent naming it (`begin`); then each bucket is written somewhere free and
+committed a few at a time (`commit_some`), its old copy free from then on. Killed at any
+instant, the files hold step t whole (no intent), or step t+1's intent with each bucket
+at t+1 or at t with its log record whole: `pending` names the latter, which the caller
+steps again from their records (a step is a pure function of the bucket, its record and
+the hyperparameters it holds), and the state is step t+1 whole. No previous step is kept:
+`previous` is None. A load_state_dict into a committed compact state is not atomic: one
+cut short leaves a manifest marked `loading`, refused at open with what to do.
 """
 
 from __future__ import annotations
@@ -46,7 +58,9 @@ import torch
 
 from . import direct_io, manifest
 from .direct_io import AlignedBuffer, IOPool, NvmeError, open_direct, wait, warn_buffered
-from .layout import (HEADER_BYTES, SLOTS, SUM_BYTES, StateSpec, differences, place,
+from . import redo
+from .circular import SPARES, Circular
+from .layout import (HEADER_BYTES, SLOTS, SUM_BYTES, Extent, StateSpec, differences, place,
                      slot_checksum)
 
 DATA_FILE = "offload_adam_state.bin"
@@ -55,7 +69,7 @@ FORMAT = 2   # the manifest's: 2 adds the slots' checksums, `previous` and `writ
 # What the requests' checksums are (direct_io.crc32): the standard CRC32C (csrc/crc32c.h).
 SUM_ALGO = "crc32c"
 # The tier's files in a directory (the lock is not state: any open makes one).
-STATE_FILES = (DATA_FILE, manifest.MANIFEST, manifest.SPEC)
+STATE_FILES = (DATA_FILE, manifest.MANIFEST, manifest.SPEC, redo.LOG_FILE)
 
 
 def folder_problem(folder: str) -> Optional[Tuple[type, str]]:
@@ -116,14 +130,28 @@ class NvmeState:
         self._created = created    # by this open: removed again by close(discard=True)
         self._unsure: Optional[str] = None   # why the manifest on disk may not be _body
         self._sums: Dict[int, int] = {}      # checksums of the slots written, to commit
+        self.compact = body.get("layout") == "compact"
+        self._log: Optional[redo.RedoLog] = None
+        if self.compact:
+            self.ring = Circular(spec, [e.file for e in self.extents], len(folders),
+                                 body["spares"])
+            self.file_sizes = self.ring.file_sizes()
+            self._live: Dict[int, int] = {}   # written this pass, not committed: new offsets
+            self._heads = list(body["heads"])
+            self._log = redo.RedoLog(folders, body["log_sizes"])
 
     # -- opening -------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, folders: Sequence[str], spec: StateSpec, io_threads: int = 4) -> "NvmeState":
+    def open(cls, folders: Sequence[str], spec: StateSpec, io_threads: int = 4,
+             compact: bool = False, log_bytes: Optional[Sequence[int]] = None,
+             spares: int = SPARES) -> "NvmeState":
         """The state in `folders` (one file each), created (all zero, step 0) where the
         directories hold none of its files; refused when they hold another spec's state,
-        a state that cannot be trusted (module docstring), or are locked."""
+        a state that cannot be trusted (module docstring), or are locked. `compact`: one
+        copy and a redo log (module docstring), whose records of bucket i take about
+        log_bytes[i] (the space reserved for them at creation; a larger record grows the
+        log); a state of the other layout is refused with what to give."""
         if isinstance(folders, (str, os.PathLike)):
             folders = [folders]
         if not folders:
@@ -138,12 +166,15 @@ class NvmeState:
         try:
             body = _upgraded(manifest.read(folders[0]), folders[0])
             buffered: List[str] = []
-            created = body is None or not _reusable(folders, body, spec)
+            created = body is None or not _reusable(folders, body, spec) or (
+                not body["written"] and (body.get("layout") == "compact") != compact)
             if body is None:
                 _check_nothing_there(folders)
             if created:
-                body, fds = _create(folders, spec, buffered)
+                layout = (compact, list(log_bytes or [0] * len(spec.buckets)), spares)
+                body, fds = _create(folders, spec, buffered, layout)
             else:
+                _check_layout(folders[0], body, compact)
                 fds = _open_files(folders, body, buffered)
             warn_buffered(buffered)
             io = IOPool(io_threads, body["sum_bytes"])
@@ -165,6 +196,8 @@ class NvmeState:
         self._io.close()
         for fd in self._fds:
             os.close(fd)
+        if self._log is not None:
+            self._log.close()
         if discard and self._created and not self._body["written"]:
             for folder in self.folders:
                 for name in STATE_FILES:
@@ -207,19 +240,47 @@ class NvmeState:
         return {t.name: buf.tensor[o:o + t.nbytes].view(t.dtype).view(t.shape)
                 for t, o in zip(b.tensors, b.offsets())}
 
-    def read(self, i: int, buf: AlignedBuffer) -> Request:
-        """Starts reading bucket i's committed slot into `buf`."""
-        self._check_sure()
-        e, slot = self.extents[i], self.slots[i]
-        return Request("reading", i, slot,
-                       self._io.read(self._fds[e.file], buf.view[:e.nbytes], e.at(slot)))
+    def _at(self, i: int, slot: Optional[int] = None) -> int:
+        """Where bucket i's committed copy (or `slot`, two-slot layout) is in its file."""
+        if self.compact:
+            return HEADER_BYTES + self._body["offsets"][i]
+        return self.extents[i].at(self.slots[i] if slot is None else slot)
 
-    def write(self, i: int, buf: AlignedBuffer) -> Request:
-        """Starts writing `buf` into bucket i's other slot."""
+    def where(self, i: int) -> Extent:
+        """Bucket i's committed copy: its file, offset and size."""
+        return Extent(self.extents[i].file, self._at(i), self.extents[i].nbytes)
+
+    def read(self, i: int, buf: AlignedBuffer) -> Request:
+        """Starts reading bucket i's committed copy into `buf`."""
         self._check_sure()
-        e, slot = self.extents[i], 1 - self.slots[i]
-        return Request("writing", i, slot,
-                       self._io.write(self._fds[e.file], buf.view[:e.nbytes], e.at(slot)))
+        e = self.extents[i]
+        slot = 0 if self.compact else self.slots[i]
+        return Request("reading", i, slot,
+                       self._io.read(self._fds[e.file], buf.view[:e.nbytes], self._at(i)))
+
+    def write(self, i: int, buf: AlignedBuffer) -> Optional[Request]:
+        """Starts writing `buf` as bucket i's next copy: into its other slot, or (compact)
+        where the ring has room; None when that room is held by writes not committed yet
+        (commit_some them, then ask again)."""
+        self._check_sure()
+        e = self.extents[i]
+        if not self.compact:
+            slot = 1 - self.slots[i]
+            return Request("writing", i, slot,
+                           self._io.write(self._fds[e.file], buf.view[:e.nbytes], e.at(slot)))
+        if not self._body["written"]:
+            at = self._body["offsets"][i]   # a new state: in place (a crash makes it anew)
+        else:
+            if self._body["intent"] is None and not self._body["loading"]:
+                raise RuntimeError("offload_adam: internal error: a bucket of a compact "
+                                   "state written before its step's redo log (begin)")
+            at = self.ring.allocate(i, self._body["offsets"], self._heads, self._live)
+            if at is None:
+                return None
+            self._heads[e.file] = at + e.nbytes
+        self._live[i] = at
+        return Request("writing", i, 0, self._io.write(self._fds[e.file],
+                                                       buf.view[:e.nbytes], HEADER_BYTES + at))
 
     def finish(self, req: Request) -> None:
         """Waits for `req`. An I/O error becomes an NvmeError naming the bucket, the file,
@@ -260,11 +321,7 @@ class NvmeState:
                         f"failed: {e.strerror or e}{hint}. The state of step {self.step} (the "
                         "last completed one) is intact on disk", path) from e
 
-    def commit(self, written: Iterable[int], step: Optional[int] = None) -> None:
-        """Makes the slots just written (and finished) current: fsync every file, then the
-        manifest, with their checksums. `step`: the completed step count to record
-        (default: one more)."""
-        written = list(written)
+    def _flush(self, written: List[int]) -> None:
         missing = [i for i in written if i not in self._sums]
         if missing:
             raise RuntimeError(f"offload_adam: internal error: buckets {missing} committed "
@@ -274,6 +331,25 @@ class NvmeState:
                 os.fsync(fd)
             except OSError as e:
                 self._raise(e, "flushing", path)
+
+    def commit(self, written: Iterable[int], step: Optional[int] = None) -> None:
+        """Makes the slots just written (and finished) current: fsync every file, then the
+        manifest, with their checksums. `step`: the completed step count to record
+        (default: one more; compact: the intent's). Compact: the pass is whole, its intent
+        and redo records done with."""
+        written = list(written)
+        if self.compact:   # (those not committed as the pass went)
+            written = [i for i in written if i in self._live]
+        self._flush(written)
+        if self.compact:
+            body = self._moved(written)
+            if step is None:
+                step = (body["intent"]["step"] if body["intent"] is not None
+                        else self.step + 1)
+            body.update(written=True, step=int(step), intent=None, done=[], loading=False)
+            self._store(body, "committing the step")
+            self._live = {}
+            return
         body = dict(self._body)
         slots = list(body["slots"])
         sums = [list(s) for s in body["sums"]]
@@ -289,10 +365,96 @@ class NvmeState:
                     previous=self.step if whole else None)
         self._store(body, "committing the step")
 
+    # -- compact: the redo log, committing as the pass goes -------------------------------
+
+    def _moved(self, written: List[int]) -> dict:
+        """The manifest with buckets `written` (finished) at their new copies."""
+        body = dict(self._body)
+        offsets, heads = list(body["offsets"]), list(body["heads"])
+        sums = [list(s) for s in body["sums"]]
+        done = set(body["done"])
+        for i in sorted(written):   # (in the pass's order: the last one is the head)
+            offsets[i] = self._live.pop(i)
+            sums[i][0] = self._sums.pop(i)
+            heads[self.extents[i].file] = offsets[i] + self.extents[i].nbytes
+            done.add(i)
+        body.update(offsets=offsets, heads=heads, sums=sums, done=sorted(done))
+        return body
+
+    def commit_some(self, written: Iterable[int]) -> None:
+        """Compact: buckets `written` (finished) are at their new copies from now on, and
+        their old ones free; the step stays the intent's to finish."""
+        written = list(written)
+        if not self._body["written"]:
+            return   # a new state's first pass: in place, committed whole at its end
+        self._flush(written)
+        self._store(self._moved(written), "committing buckets")
+
+    def begin(self, step: int, records: Dict[int, "redo.Record"]) -> None:
+        """Compact: writes every bucket's redo record (redo.py: what steps it to `step`)
+        and commits the intent naming them; until then nothing of the step is written.
+        A new state (nothing committed) needs none: a crash makes it anew."""
+        self._check_sure()
+        if not self._body["written"]:
+            return
+        if sorted(records) != list(range(len(self.spec.buckets))):
+            raise RuntimeError("offload_adam: internal error: a step's redo log must have "
+                               "a record for every bucket")
+        where = self._log.write(records, [e.file for e in self.extents])
+        body = dict(self._body)
+        body.update(intent={"step": int(step), "log": {str(i): v for i, v in where.items()}},
+                    done=[])
+        self._store(body, "committing the redo log")
+        self._live = {}
+        self._heads = list(body["heads"])
+
+    def begin_load(self) -> None:
+        """Compact: a whole new state is written next (load_state_dict), with no way back:
+        marked so, a load cut short is refused at open (not taken for a step)."""
+        self._check_sure()
+        if self._body["written"] and not self._body["loading"]:
+            body = dict(self._body)
+            body.update(loading=True, intent=None, done=[])
+            self._store(body, "starting to load a state")
+        self._live = {}
+        self._heads = list(self._body["heads"])
+
+    @property
+    def pending(self) -> List[int]:
+        """Compact: the buckets of a step cut short still to step from their records
+        (none when the files hold a whole step)."""
+        if not self.compact or self._body["intent"] is None:
+            return []
+        done = set(self._body["done"])
+        return [i for i in range(len(self.spec.buckets)) if i not in done]
+
+    @property
+    def intent_step(self) -> Optional[int]:
+        """Compact: the step the buckets `pending` are to be brought to, or None."""
+        intent = self._body["intent"] if self.compact else None
+        return None if intent is None else intent["step"]
+
+    def record(self, i: int) -> Tuple[dict, Dict[str, torch.Tensor]]:
+        """Bucket i's redo record of the step cut short: (meta, {name: tensor})."""
+        offset, nbytes, crc = self._body["intent"]["log"][str(i)]
+        return self._log.read(self.extents[i].file, offset, nbytes, crc, i)
+
+    def abandon_pass(self) -> None:
+        """A pass stopped by an error: its writes not committed are forgotten (their room
+        is free again); a compact step left begun is finished by a resume."""
+        if self.compact:
+            self._live = {}
+            self._sums = {}
+            self._heads = list(self._body["heads"])
+            if self._body["intent"] is not None or self._body["loading"]:
+                self._unsure = self._unsure or (
+                    "a step of the compact state files was cut short by an error after its "
+                    "redo log was written")
+
     def rollback(self) -> None:
         """Makes the previous generation current again (step `previous`), after checking
         that every slot of it is intact; raises NvmeError naming a damaged one."""
-        if self.previous is None:
+        if self.previous is None or self.compact:
             raise RuntimeError("offload_adam: internal error: no previous step to go back to")
         self._check_sure()
         for i in range(len(self.spec.buckets)):
@@ -327,9 +489,10 @@ class NvmeState:
         path = self.paths[e.file]
         chunk = self._body["sum_bytes"]
         crcs = []
+        start = self._at(i, slot)
         with open(path, "rb", buffering=0) as f:
             for at in range(0, e.nbytes, chunk):
-                data = os.pread(f.fileno(), min(chunk, e.nbytes - at), e.at(slot) + at)
+                data = os.pread(f.fileno(), min(chunk, e.nbytes - at), start + at)
                 if len(data) != min(chunk, e.nbytes - at):
                     self._raise(OSError(errno.EIO, "unexpected end of file"),
                                 f"reading bucket {i}", path)
@@ -345,14 +508,17 @@ class NvmeState:
         step after it rewrites their slot: save them before then. `previous`: the other
         slot, the bucket at step `previous` (while it is whole)."""
         self._check_sure()
-        slot = self.slots[i] if not previous else 1 - self.slots[i]
+        if self.compact and previous:
+            raise RuntimeError("offload_adam: internal error: a compact state keeps no "
+                               "previous step")
+        slot = 0 if self.compact else self.slots[i] if not previous else 1 - self.slots[i]
         self._verify_slot(i, slot)
         e = self.extents[i]
         b = self.spec.buckets[i]
         out = {}
         with open(self.paths[e.file], "rb") as f:
             for t, o in zip(b.tensors, b.offsets()):
-                start = e.at(slot) + o
+                start = self._at(i, slot) + o
                 page = start - start % mmap.ALLOCATIONGRANULARITY
                 if t.nbytes == 0:
                     out[t.name] = torch.empty(t.shape, dtype=t.dtype)
@@ -499,26 +665,67 @@ def _header_problem(folder: str, k: int, body: dict) -> Optional[str]:
     return None
 
 
-def _create(folders: List[str], spec: StateSpec, buffered: List[str]):
+def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout):
     """A new state: the spec and a manifest that says nothing was committed yet go first
     (a crash before the data files are whole leaves a state that is made anew), then the
-    data files, reserved whole."""
-    _, sizes = place(spec, len(folders))
+    data files, reserved whole (compact: and the redo logs). `layout`: (compact, the
+    redo bytes of each bucket, spares)."""
+    compact, log_bytes, spares = layout
+    extents, sizes = place(spec, len(folders))
     body = {"format": FORMAT, "uuid": uuid.uuid4().hex, "folders": folders,
             "spec_sha256": spec.digest(), "step": 0, "slots": [0] * len(spec.buckets),
             "file_sizes": sizes, "sums": [[None] * SLOTS for _ in spec.buckets],
             "previous": None, "written": False, "sum_bytes": SUM_BYTES, "sum_algo": SUM_ALGO}
-    for folder, size in zip(folders, sizes):
+    logs = [0] * len(folders)
+    if compact:
+        ring = Circular(spec, [e.file for e in extents], len(folders), spares)
+        sizes = ring.file_sizes()
+        for e, n in zip(extents, log_bytes):
+            logs[e.file] += int(n)
+        body.update(layout="compact", spares=spares, file_sizes=sizes,
+                    offsets=ring.first_offsets(), heads=ring.first_heads(), log_sizes=logs,
+                    intent=None, done=[], loading=False)
+    for folder, size, log in zip(folders, sizes, logs):
         free = shutil.disk_usage(folder).free
-        old = os.path.join(folder, DATA_FILE)
-        free += os.path.getsize(old) if os.path.exists(old) else 0
-        if size > free:
+        for name in (DATA_FILE, redo.LOG_FILE):
+            old = os.path.join(folder, name)
+            free += os.path.getsize(old) if os.path.exists(old) else 0
+        if size + log > free:
+            what = (f"one copy and {SPARES} spares" if compact else f"{SLOTS} slots each")
             raise NvmeError(errno.ENOSPC, f"offload_adam: the optimizer state needs "
-                            f"{size_text(size)} in {folder!r} ({len(spec.buckets)} buckets, "
-                            f"{SLOTS} slots each), only {size_text(free)} is free", folder)
+                            f"{size_text(size + log)} in {folder!r} ({len(spec.buckets)} "
+                            f"buckets, {what}), only {size_text(free)} is free", folder)
     manifest.commit(folders[0], spec.to_json(), manifest.SPEC)
     manifest.commit(folders[0], body)
-    return body, _open_all(folders, body, buffered, create=True)
+    fds = _open_all(folders, body, buffered, create=True)
+    if compact:
+        try:
+            redo.RedoLog(folders, logs, create=True).close()
+        except OSError as e:
+            for fd in fds:
+                os.close(fd)
+            raise NvmeError(e.errno, f"offload_adam: could not create the redo logs in "
+                            f"{folders} ({logs} bytes): {e.strerror}", folders[0]) from e
+    return body, fds
+
+
+def _check_layout(folder: str, body: dict, compact: bool) -> None:
+    """The files' layout is the one asked for; a compact state whose load_state_dict was
+    cut short holds no step and is refused."""
+    found = body.get("layout") == "compact"
+    if found != compact:
+        names = {True: "compact (state_footprint=\"compact\")",
+                 False: "two generations (state_footprint=\"two_generations\")"}
+        raise ValueError(f"offload_adam: the optimizer state in {folder!r} is laid out as "
+                         f"{names[found]}, and {names[compact]} was asked for: give the "
+                         "footprint the files were made with")
+    if found and body["loading"]:
+        raise ValueError(f"offload_adam: a load_state_dict into the optimizer state in "
+                         f"{folder!r} was cut short (the process died while it wrote the "
+                         "files): they hold part of the loaded state and part of the one "
+                         "before, no step. The state dict you loaded is unchanged: remove "
+                         f"these files ({', '.join(STATE_FILES)}), build the optimizer "
+                         "without state_resume and load it again")
 
 
 def _open_files(folders: List[str], body: dict, buffered: List[str]) -> List[int]:

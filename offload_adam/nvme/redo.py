@@ -1,0 +1,142 @@
+"""The redo log of a compact state: what steps each bucket, written before any bucket moves.
+
+A compact state (store.py) keeps one copy of each bucket, so a step cut short cannot go
+back: it goes forward. Before the first bucket of step t+1 is overwritten, every bucket's
+record is on disk: the grads its params are stepped with (as the kernel reads them), the
+param values its masters start again from, and the hyperparameters: all a bucket still at
+step t needs to be stepped to t+1 again, bitwise. The records cost the grads' bytes (2 B
+per bf16 param) of disk and of writes per step; they are read only after a crash.
+
+One file per directory (LOG_FILE), holding the records of the buckets whose data are in
+that directory's data file, end to end from its start each step (the last step's records
+are dead once it is whole). It is buffered I/O (records are built from the caller's
+tensors, unaligned) made durable by fdatasync before the intent names them, and reserved
+at creation to what the records take (a larger record, a param's values beside its
+grads, grows it: a full disk then fails the step before anything moved).
+
+A record: MAGIC, the JSON length (u64 LE), the JSON ({"meta": the caller's, "tensors":
+[[name, dtype, shape], ...]}), the tensors' bytes end to end. Its CRC32C is in the intent,
+checked before it is used.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from . import direct_io
+from .direct_io import NvmeError
+from .layout import _DTYPES
+
+LOG_FILE = "offload_adam_state.redo"
+MAGIC = b"OAREDO1\n"
+_LEN = struct.Struct("<Q")
+
+Record = Tuple[dict, List[Tuple[str, torch.Tensor]]]   # (meta, [(name, tensor), ...])
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def record_bytes(tensors: Sequence[Tuple[str, torch.Tensor]], meta_bytes: int = 1024) -> int:
+    """About what a record of `tensors` takes (its JSON taken as `meta_bytes`)."""
+    return len(MAGIC) + _LEN.size + meta_bytes + sum(t.numel() * t.element_size()
+                                                     for _, t in tensors)
+
+
+class RedoLog:
+    """The log files of `folders`; `sizes`: the bytes each reserves (created so)."""
+
+    def __init__(self, folders: Sequence[str], sizes: Sequence[int], create: bool = False):
+        self.paths = [os.path.join(f, LOG_FILE) for f in folders]
+        self.fds: List[int] = []
+        try:
+            for path, size in zip(self.paths, sizes):
+                flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+                fd = os.open(path, flags, 0o644)
+                self.fds.append(fd)
+                if create and size:
+                    os.posix_fallocate(fd, 0, size)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        while self.fds:
+            os.close(self.fds.pop())
+
+    def write(self, records: Dict[int, Record], files: Sequence[int]
+              ) -> Dict[int, List[int]]:
+        """Writes each bucket's record (bucket i into the log of its file, files[i]) end to
+        end from the start, then fdatasyncs; {i: [offset, nbytes, crc32c]}."""
+        at = [0] * len(self.fds)
+        out: Dict[int, List[int]] = {}
+        for i in sorted(records):
+            meta, tensors = records[i]
+            f = files[i]
+            head = json.dumps({"meta": meta, "tensors": [
+                [n, str(t.dtype).replace("torch.", ""), list(t.shape)] for n, t in tensors]}
+            ).encode()
+            parts = [memoryview(MAGIC + _LEN.pack(len(head)) + head)]
+            parts += [_bytes_of(t) for _, t in tensors]
+            start, crc = at[f], 0
+            for part in parts:
+                crc = direct_io.crc32(part, crc)
+                self._full_write(f, part, at[f])
+                at[f] += len(part)
+            out[i] = [start, at[f] - start, crc]
+        for f, fd in enumerate(self.fds):
+            if at[f]:
+                try:
+                    os.fdatasync(fd)
+                except OSError as e:
+                    raise self._error(f, e, "flushing") from e
+        return out
+
+    def _full_write(self, f: int, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            try:
+                done += os.pwrite(self.fds[f], view[done:], offset + done)
+            except OSError as e:
+                raise self._error(f, e, "writing") from e
+
+    def _error(self, f: int, e: OSError, what: str) -> NvmeError:
+        hint = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+        return NvmeError(e.errno, f"offload_adam: {what} the redo log {self.paths[f]} failed: "
+                         f"{e.strerror or e}{hint}. Nothing of this step was written to the "
+                         "state: the files hold the last completed step", self.paths[f])
+
+    def read(self, f: int, offset: int, nbytes: int, crc: int, bucket: int
+             ) -> Tuple[dict, Dict[str, torch.Tensor]]:
+        """Record of `bucket` at `offset` in file f's log, checked against `crc`:
+        (meta, {name: tensor})."""
+        data = os.pread(self.fds[f], nbytes, offset)
+        if len(data) != nbytes or direct_io.crc32(data) != crc or not data.startswith(MAGIC):
+            raise NvmeError(errno.EIO, f"offload_adam: the redo record of bucket {bucket} in "
+                            f"{self.paths[f]} is damaged or missing ({len(data)} of {nbytes} "
+                            "bytes, checksum mismatch): the step that was cut short cannot be "
+                            "finished and its buckets already written cannot go back. The "
+                            "file was changed outside offload_adam, or the disk returned "
+                            "wrong data", self.paths[f])
+        (length,) = _LEN.unpack_from(data, len(MAGIC))
+        at = len(MAGIC) + _LEN.size
+        head = json.loads(data[at:at + length])
+        at += length
+        buf = bytearray(data[at:])
+        out, pos = {}, 0
+        for name, dtype, shape in head["tensors"]:
+            t = torch.empty(shape, dtype=_DTYPES[dtype])
+            n = t.numel() * t.element_size()
+            t.view(-1).view(torch.uint8).copy_(torch.frombuffer(buf, dtype=torch.uint8,
+                                                                count=n, offset=pos)
+                                               if n else torch.empty(0, dtype=torch.uint8))
+            out[name] = t
+            pos += n
+        return head["meta"], out

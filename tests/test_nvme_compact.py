@@ -1,0 +1,197 @@
+"""The compact layout of the NVMe state (one copy in a ring per file, spares, a redo log):
+its allocation rule, its steps against the same steps in host RAM, a step cut short and
+finished from the log, its footprint, and what is refused. (Killed processes:
+test_nvme_crash.py.)"""
+import os
+import random
+
+import pytest
+
+from nvme_adam import (adam_fn, compact_step, fill_initial, grads_record, host_state, host_step,
+                       make_spec, same_bits)
+from offload_adam.nvme import NvmeState, StepPipeline
+from offload_adam.nvme.circular import SPARES, Circular
+from offload_adam.nvme.layout import BucketSpec, StateSpec, TensorSpec
+from offload_adam.nvme.redo import LOG_FILE
+from offload_adam.nvme.store import DATA_FILE
+
+import torch
+
+
+def on_disk(state):
+    return [{k: v.clone() for k, v in state.views(i).items()}
+            for i in range(len(state.spec.buckets))]
+
+
+def open_compact(folders, spec, **kw):
+    log = [sum(t.numel * 4 for t in b.tensors if t.name.endswith(".master")) + 4096
+           for b in spec.buckets]
+    return NvmeState.open(folders, spec, compact=True, log_bytes=log, **kw)
+
+
+def pipeline(state):
+    return StepPipeline(state, 3 * max(b.nbytes for b in state.spec.buckets), pin=False)
+
+
+# -- the ring ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("files", [1, 2])
+def test_the_ring_never_overlaps_and_always_has_room_after_a_commit(files):
+    """Buckets of very different sizes (a 12x one among them) stepped 60 times through
+    the allocation rule, committing only when it says there is no room, and at random
+    too: no live extent (committed, or written and not committed) ever overlaps another
+    or leaves the ring, and a commit always makes room."""
+    rng = random.Random(7)
+    sizes = [4096 * rng.choice([1, 2, 3, 5, 8]) for _ in range(23)] + [4096 * 12]
+    rng.shuffle(sizes)
+    spec = StateSpec(tuple(BucketSpec((TensorSpec(f"t{i}", torch.uint8, (n,)),))
+                           for i, n in enumerate(sizes)), "float32")
+    where = [i % files for i in range(len(sizes))]
+    ring = Circular(spec, where, files)
+    offsets, heads = ring.first_offsets(), ring.first_heads()
+
+    def check(live):
+        for f in range(files):
+            spans = sorted((offsets[i], offsets[i] + sizes[i]) for i in ring.by_file[f])
+            spans += sorted((live[i], live[i] + sizes[i]) for i in live if where[i] == f)
+            spans.sort()
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+            assert all(0 <= a and b <= ring.capacity[f] for a, b in spans)
+
+    commits = 0
+    for lap in range(60):
+        live = {}
+        mem_heads = list(heads)
+
+        def commit():
+            for i in sorted(live):
+                offsets[i] = live[i]
+                heads[where[i]] = live[i] + sizes[i]
+            live.clear()
+
+        for i in range(len(sizes)):
+            at = ring.allocate(i, offsets, mem_heads, live)
+            if at is None:
+                commit()
+                commits += 1
+                mem_heads = list(heads)
+                at = ring.allocate(i, offsets, mem_heads, live)
+                assert at is not None, "no room after a commit"
+            live[i] = at
+            mem_heads[where[i]] = at + sizes[i]
+            check(live)
+            if lap % 2 and rng.random() < 0.2:
+                commit()
+                mem_heads = list(heads)
+        commit()
+        check({})
+    assert commits > 0   # the rule was exercised at its limit
+    for f in range(files):   # the ring: the buckets and SPARES largest ones
+        mine = [sizes[i] for i in ring.by_file[f]]
+        assert ring.capacity[f] == sum(mine) + SPARES * max(mine)
+
+
+# -- steps -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["fp32", "8bit"])
+@pytest.mark.parametrize("dirs", [1, 2])
+def test_compact_steps_match_the_steps_in_ram(kernels, tmp_path, fmt, dirs):
+    spec = make_spec(fmt, buckets=7, numel=3000)
+    folders = [tmp_path / f"d{k}" for k in range(dirs)]
+    for f in folders:
+        f.mkdir()
+    ram = host_state(spec, 3)
+    with open_compact(folders, spec) as state:
+        pipe = pipeline(state)
+        pipe.load(fill_initial(3), step=0)
+        for s in range(6):
+            compact_step(state, pipe, 3)
+            host_step(ram, 3, s)
+            assert state.step == s + 1 and not state.pending
+            assert same_bits(on_disk(state), ram)
+        pipe.close()
+    with open_compact(folders, spec) as state:   # reopened: the same
+        assert state.step == 6 and same_bits(on_disk(state), ram)
+    # the footprint: one copy of the state, SPARES largest buckets, the log
+    data = sum(os.path.getsize(f / DATA_FILE) for f in folders)
+    per_file = {}
+    for i, b in enumerate(spec.buckets):
+        per_file.setdefault(state.extents[i].file, []).append(b.nbytes)
+    assert data == sum(4096 + sum(v) + SPARES * max(v) for v in per_file.values())
+    if dirs == 1:   # (7 buckets and 4 spares: already less than two slots each)
+        assert data < 2 * spec.nbytes
+
+
+@pytest.mark.parametrize("after", [0, 1, 4, 6])
+def test_a_step_cut_short_is_finished_from_the_redo_log(kernels, tmp_path, after):
+    """A pass that dies after `after` of 7 buckets (its writes committed a few at a
+    time): the reopened state names the buckets still to step and the step they go to;
+    stepped from their records it is bitwise the whole step in RAM."""
+    spec = make_spec("8bit", buckets=7, numel=3000)
+    ram = host_state(spec, 5)
+    with open_compact([tmp_path], spec) as state:
+        pipe = pipeline(state)
+        pipe.load(fill_initial(5), step=0)
+        compact_step(state, pipe, 5)
+        host_step(ram, 5, 0)
+        state.begin(2, {i: grads_record(5, 1, i, b) for i, b in enumerate(spec.buckets)})
+        fn = adam_fn(5, 1)
+        with pytest.raises(KeyboardInterrupt):
+            for k, (i, t) in enumerate(pipe.buckets()):
+                if k == after:
+                    raise KeyboardInterrupt
+                fn(i, t)
+        pipe.close()
+        with pytest.raises(RuntimeError, match="state_resume=True"):
+            state.read(0, pipe.buffers[0] if pipe.buffers else None)
+    host_step(ram, 5, 1)
+    with open_compact([tmp_path], spec) as state:
+        assert state.step == 1 and state.intent_step == 2
+        assert 7 - len(state.pending) <= after   # (those committed as the pass went)
+        assert state.pending == sorted(state.pending)
+        pipe = pipeline(state)
+        compact_step(state, pipe, 5)   # finishes the step from the log
+        assert state.step == 2 and not state.pending
+        assert same_bits(on_disk(state), ram)
+        compact_step(state, pipe, 5)   # and on
+        host_step(ram, 5, 2)
+        assert same_bits(on_disk(state), ram)
+        pipe.close()
+
+
+def test_a_damaged_redo_record_is_an_error_naming_it(kernels, tmp_path):
+    spec = make_spec("fp32", buckets=3, numel=2000)
+    with open_compact([tmp_path], spec) as state:
+        pipe = pipeline(state)
+        pipe.load(fill_initial(1), step=0)
+        compact_step(state, pipe, 1)
+        state.begin(2, {i: grads_record(1, 1, i, b) for i, b in enumerate(spec.buckets)})
+        pipe.close()
+    with open(tmp_path / LOG_FILE, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    with open_compact([tmp_path], spec) as state:
+        with pytest.raises(OSError, match="redo record of bucket 0 .* is damaged"):
+            state.record(0)
+
+
+def test_the_other_layout_and_a_load_cut_short_are_refused(kernels, tmp_path):
+    spec = make_spec("fp32", buckets=3, numel=2000)
+    with open_compact([tmp_path], spec) as state:
+        pipe = pipeline(state)
+        pipe.load(fill_initial(1), step=0)
+        pipe.close()
+    with pytest.raises(ValueError, match="laid out as compact"):
+        NvmeState.open([tmp_path], spec)
+    with open_compact([tmp_path], spec) as state:
+        pipe = pipeline(state)
+        with pytest.raises(KeyboardInterrupt):
+            for k, (i, t) in enumerate(pipe.buckets(read=False, step=9)):
+                if k == 2:
+                    raise KeyboardInterrupt
+                fill_initial(2)(i, t)
+        pipe.close()
+    with pytest.raises(ValueError, match="load_state_dict .* was cut short"):
+        open_compact([tmp_path], spec)
