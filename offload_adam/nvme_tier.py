@@ -41,6 +41,7 @@ restores them from the files, as after a crash.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -53,10 +54,10 @@ from .engine.disk_early import DiskEarly
 from .kernel_state import kernel_state
 from .master_rule import MasterMarks, mark, take_from_param
 from .cpu_step import calls_by_dtype, contiguous_grad
-from .kernel_step import Hyper
+from .kernel_step import Hyper, KernelArgs
 from .state_store import Lent, Loaded
 from .param_state import ParamState, adam_bucket
-from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, ring_size
+from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .nvme.store import STATE_FILES
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
 
@@ -102,7 +103,8 @@ class FileStore:
 
     def __init__(self, param_groups, params: List[List[torch.Tensor]], dirs, bucket_mb: float,
                  budget_mb: Optional[float], resume: bool = False, engine=None,
-                 process_group=None, marks: Optional[MasterMarks] = None, state=None):
+                 process_group=None, marks: Optional[MasterMarks] = None, state=None,
+                 compact: bool = False):
         recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
         self.engine = engine
         self.marks = marks if marks is not None else MasterMarks()
@@ -140,8 +142,10 @@ class FileStore:
         except ValueError as e:
             raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
         self.pipeline = None
-        try:
-            self.state = NvmeState.open(list(dirs), spec)
+        self.compact = compact
+        try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
+            self.state = NvmeState.open(list(dirs), spec, compact=compact, log_bytes=[
+                redo.record_bytes([(e.name, local(e.param)) for e in b]) for b in self.buckets])
         except ValueError as e:
             if "of another model or optimizer" not in str(e):
                 raise
@@ -161,6 +165,9 @@ class FileStore:
                     f"files ({', '.join(STATE_FILES)}) or give other directories: a state is "
                     "never overwritten unasked")
             self.pipeline = StepPipeline(self.state, budget)
+            if self.state.pending:   # compact: a step cut short, finished from its log
+                for i, t in self.pipeline.buckets():
+                    self._redo_bucket(i, t)
             self._stepped: set = set()   # ids of the params whose files hold a stepped state
             # The params state_resume=True restored: id -> (entry, how the param was then,
             # the step it was restored from); checked at the next step (_check_resumed)
@@ -192,6 +199,11 @@ class FileStore:
         ranks = distributed.every_rank(mine, flat, process_group)
         if ranks is None:
             return
+        if self.state.compact:
+            raise ValueError("offload_adam: state_footprint=\"compact\" cannot be used by "
+                             "several ranks yet: ranks killed between their commits agree on "
+                             "the older step, which a compact state does not keep; use "
+                             "state_footprint=\"two_generations\"")
         target = min(step for step, _ in ranks)
         if any(step != target and previous != target for step, previous in ranks):
             raise ValueError(
@@ -368,6 +380,9 @@ class FileStore:
         completed = False
         try:
             if early is not None or with_grads or (run is not None and run.ready):
+                if self.state.logs_steps:   # compact: before any bucket moves
+                    self.state.begin(self.state.step + 1,
+                                     self._records(param_groups, grad_scale, run))
                 passes = early.rest() if early is not None else self.pipeline.buckets()
                 with contextlib.closing(passes):   # an error: the I/O in flight waited for
                     # every group, the buckets stepped in backward too (the pass does
@@ -397,6 +412,68 @@ class FileStore:
                     run.end(completed)
             finally:
                 self._mark(state)
+
+    # ---- compact: the redo log ----------------------------------------------------------
+
+    def _records(self, param_groups, grad_scale: float, run) -> Dict[int, redo.Record]:
+        """Each bucket's redo record of the step about to run (nvme/redo.py): per param
+        stepped, its grad as the kernel will read it (the engine's: piece by piece, once
+        its copy landed) and the factor the kernel scales it by; per param whose master
+        follows it this step (master_rule.py: changed since it last agreed), its value;
+        and the group's hyperparameters."""
+        out = {}
+        for i, bucket in enumerate(self.buckets):
+            tensors, scales = [], {}
+            for e in bucket:
+                ready = e.rec is not None and run is not None and id(e.rec) in run.ready
+                if e.rec is None and e.param.grad is not None:
+                    tensors.append((f"g|{e.name}|0", contiguous_grad(e.param)))
+                    scales[e.name] = grad_scale
+                elif ready:
+                    tensors += [(f"g|{e.name}|{start}", g) for start, g in run.host_grads(e.rec)]
+                    scales[e.name] = run.grad_scale
+                if e.rec is None and not self.marks.current(e.param):
+                    tensors.append((f"p|{e.name}|0", param_values(e.param)))
+                elif e.rec is not None and not self.engine.marks.current(e.param):
+                    tensors += [(f"p|{e.name}|{start}", v)
+                                for start, v in run.host_params(e.rec)]
+            hyper = Hyper.of(param_groups[bucket[0].group])
+            out[i] = ({"hyper": dataclasses.asdict(hyper), "scales": scales}, tensors)
+        return out
+
+    def _redo_bucket(self, i: int, t: Dict[str, torch.Tensor]) -> None:
+        """Bucket i (at the step before the one cut short) stepped again from its redo
+        record: the masters that followed their params, then the kernel on the logged
+        grads with the logged hyperparameters, bitwise the step that ran (elementwise,
+        its rounding drawn by element index: however the engine cut the params)."""
+        meta, logged = self.state.record(i)
+        hyper = Hyper(**meta["hyper"])
+        parts: Dict[Tuple[str, str], list] = {}
+        for key, v in logged.items():
+            name, start = key[2:key.rfind("|")], int(key[key.rfind("|") + 1:])
+            parts.setdefault((key[0], name), []).append((start, v))
+
+        def whole(kind, name, like):
+            pieces = sorted(parts[(kind, name)], key=lambda x: x[0])
+            flat = torch.cat([v.reshape(-1) for _, v in pieces]) if len(pieces) > 1 \
+                else pieces[0][1].reshape(-1)
+            return flat.view(like.shape)
+
+        calls: Dict[Tuple[torch.dtype, float], Tuple[KernelArgs, list]] = {}
+        for e in self.buckets[i]:
+            st = ParamState.in_bucket(t, e.name)
+            if ("p", e.name) in parts:
+                p = whole("p", e.name, st.master)
+                if take_from_param(float(st.step), False, lambda: not rounds_to(st.master, p)):
+                    st.master.copy_(p)
+            if ("g", e.name) in parts:
+                g = whole("g", e.name, st.master)
+                args, grads = calls.setdefault((g.dtype, meta["scales"][e.name]),
+                                               (KernelArgs(), []))
+                args.add(st, None, 0)
+                grads.append(g)
+        for (_, scale), (args, grads) in calls.items():
+            args.run(grads, hyper, scale, max(1, torch.get_num_threads()))
 
     def _abandon_early(self, reason: str) -> None:
         """A pass started in backward is stopped before the files or the ring change

@@ -132,7 +132,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
 
     The options beyond torch's (overlap, bucket_mb, free_grads_after_copy,
     num_threads, max_grad_norm, process_group, verify_grads, step_in_backward,
-    state_dirs, state_budget_mb, state_resume)
+    state_dirs, state_budget_mb, state_resume, state_footprint)
     and the state format (state_dtype, also a param-group key) are documented
     in offload_adam/options.py, and checked there when the optimizer is built.
     """
@@ -143,7 +143,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                  overlap=True, bucket_mb=32.0, free_grads_after_copy=False,
                  num_threads=None, max_grad_norm=None, step_in_backward=False,
                  verify_grads=True, state_dtype=torch.float32, process_group=None,
-                 state_dirs=None, state_budget_mb=None, state_resume=False):
+                 state_dirs=None, state_budget_mb=None, state_resume=False,
+                 state_footprint="two_generations"):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         self._engine = None
         self._store = None
@@ -152,7 +153,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             num_threads=num_threads, max_grad_norm=max_grad_norm, process_group=process_group,
             verify_grads=verify_grads, step_in_backward=step_in_backward,
             state_dirs=state_dirs, state_budget_mb=state_budget_mb,
-            state_resume=state_resume)
+            state_resume=state_resume, state_footprint=state_footprint)
         self._routing = Routing.of(self._options)
         self._marks = MasterMarks()   # when each param last agreed with its master
         self._clip_coef = None
@@ -355,7 +356,7 @@ class AdamW(Adam):
                  free_grads_after_copy=False, num_threads=None, max_grad_norm=None,
                  step_in_backward=False, verify_grads=True, state_dtype=torch.float32,
                  process_group=None, state_dirs=None, state_budget_mb=None,
-                 state_resume=False):
+                 state_resume=False, state_footprint="two_generations"):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
@@ -365,7 +366,7 @@ class AdamW(Adam):
                          step_in_backward=step_in_backward, verify_grads=verify_grads,
                          state_dtype=state_dtype, process_group=process_group,
                          state_dirs=state_dirs, state_budget_mb=state_budget_mb,
-                         state_resume=state_resume)
+                         state_resume=state_resume, state_footprint=state_footprint)
 
     def __setstate__(self, state):
         super().__setstate__(state)

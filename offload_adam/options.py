@@ -109,6 +109,20 @@ documented here and nowhere else.
     checkpoint of your own (model and optimizer state, e.g. Trainer's
     resume_from_checkpoint), use directories without state and no
     state_resume. Needs state_dirs.
+  state_footprint ("two_generations"): how the files keep the state crash-safe.
+    "two_generations": two copies of every bucket (2 x the state on disk); a
+    step writes the other copy, then commits; the step before stays whole
+    (what a model saved before the last step, or the ranks of a sharded run,
+    go back to). "compact": one copy in a ring with 4 spare buckets, and a
+    redo log of each step's grads (and of the param values a master starts
+    again from), written and made durable before any bucket moves; a step
+    cut short is finished from the log by state_resume=True, bitwise the
+    step that was running. On disk ~1 x the state + the grads (2 B per bf16
+    param) instead of 2 x the state; the log adds the grads' bytes to each
+    step's writes. No step before the last is kept (so no going back to
+    it), and a load_state_dict cut short leaves files that are refused (load
+    again). Not yet with step_in_backward=True or several ranks (refused).
+    Fixed when the files are made. Needs state_dirs.
 
 The state format is a param-group key, not an option of this record:
   state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
@@ -138,6 +152,9 @@ _NEEDS_OVERLAP = {
 }
 
 
+FOOTPRINTS = ("two_generations", "compact")   # state_footprint's values
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The options of the module docstring, checked at construction."""
@@ -153,6 +170,7 @@ class Options:
     state_dirs: Optional[Tuple[str, ...]] = None
     state_budget_mb: Optional[float] = None
     state_resume: bool = False
+    state_footprint: str = "two_generations"
 
     def __post_init__(self):
         if self.state_dirs is None and _state_roots and _state_roots[-1] is not None:
@@ -173,6 +191,19 @@ class Options:
             raise ValueError(f"state_resume must be True or False, got {self.state_resume!r}")
         if self.state_resume and self.state_dirs is None:
             raise ValueError("state_resume=True needs state_dirs= (the directories to resume from)")
+        if self.state_footprint not in FOOTPRINTS:
+            raise ValueError(f"state_footprint must be one of {list(FOOTPRINTS)}, got "
+                             f"{self.state_footprint!r}")
+        if self.state_footprint != "two_generations":
+            if self.state_dirs is None:
+                raise ValueError(f"state_footprint={self.state_footprint!r} needs state_dirs= "
+                                 "(it is how the state files are laid out)")
+            if self.step_in_backward:
+                raise ValueError(
+                    "state_footprint=\"compact\" cannot be used with step_in_backward=True "
+                    "yet: the redo log must hold every grad of a step before any bucket "
+                    "moves, and the files' pass in backward moves them as the grads come; "
+                    "use state_footprint=\"two_generations\" with step_in_backward")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: {self.max_grad_norm}")
         for name, why in _NEEDS_OVERLAP.items():

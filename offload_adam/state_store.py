@@ -156,4 +156,5 @@ def open_store(routing: Routing, param_groups, state, marks: MasterMarks, engine
     return FileStore(param_groups, [g["params"] for g in param_groups], dirs,
                      options.bucket_mb, options.state_budget_mb,
                      options.state_resume or resume, engine=engine,
-                     process_group=options.process_group, marks=marks, state=state)
+                     process_group=options.process_group, marks=marks, state=state,
+                     compact=getattr(options, "state_footprint", "") == "compact")

@@ -94,6 +94,13 @@ def committed_step(opt) -> int:
     return int(max((float(s["step"]) for s in opt.state_dict()["state"].values()), default=0))
 
 
+def compact_optimizer_worker(state_dir, fmt, until, progress):
+    """optimizer_worker's run with state_footprint="compact" (one copy, a redo log)."""
+    params = model_params()
+    opt = optimizer(params, state_dir, fmt, state_footprint="compact")
+    steps_until(opt, lambda k: train(opt, params, k, 1), until, progress)
+
+
 def optimizer_worker(state_dir, fmt, until, progress):
     """A training run on the optimizer's NVMe tier: resumes the state in `state_dir`
     (state_resume=True: the params too come back from the files, as of its last completed
@@ -191,11 +198,14 @@ def engine_loss(m, k):
     return ((m(tokens) - tokens.float() / 37) ** 2).mean()
 
 
-def engine_optimizer(m, folder=None):
-    """In files with step_in_backward (resuming them) when `folder` is given; in host RAM
-    with the plain step otherwise (the uninterrupted run)."""
-    extra = dict(state_dirs=folder, state_resume=True, step_in_backward=True,
+def engine_optimizer(m, folder=None, compact=False):
+    """In files with step_in_backward (resuming them) when `folder` is given (`compact`:
+    state_footprint="compact" and the plain step); in host RAM with the plain step
+    otherwise (the uninterrupted run)."""
+    extra = dict(state_dirs=folder, state_resume=True, step_in_backward=not compact,
                  state_budget_mb=0.5) if folder else {}
+    if folder and compact:
+        extra["state_footprint"] = "compact"
     return offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=ENGINE_BUCKET_MB,
                               state_dtype="bfloat16", **extra)
 
@@ -207,11 +217,12 @@ def engine_train(m, opt, first, count):
         opt.zero_grad()
 
 
-def engine_worker(state_dir, until, streamed, progress):
-    """As optimizer_worker, for the engine with step_in_backward on the simulated device;
-    the model starts from its init, and the files restore it."""
+def engine_worker(state_dir, until, streamed, compact, progress):
+    """As optimizer_worker, for the engine with step_in_backward on the simulated device
+    (`compact`: the plain step on compact files); the model starts from its init, and the
+    files restore it."""
     sim = AsyncSimDevice(seed=until % 7)
     with simulated(sim), sim.watch():
         m = engine_model(seed=11, streamed=streamed)
-        opt = engine_optimizer(m, state_dir)
+        opt = engine_optimizer(m, state_dir, compact)
         steps_until(opt, lambda k: engine_train(m, opt, k, 1), until, progress)

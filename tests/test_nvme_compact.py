@@ -195,3 +195,145 @@ def test_the_other_layout_and_a_load_cut_short_are_refused(kernels, tmp_path):
         pipe.close()
     with pytest.raises(ValueError, match="load_state_dict .* was cut short"):
         open_compact([tmp_path], spec)
+
+
+# -- the optimizer: state_footprint="compact" --------------------------------------------
+
+import offload_adam  # noqa: E402
+from nvme_crash_worker import (engine_loss, engine_model, engine_values)  # noqa: E402
+from nvme_model import NVME, assert_same, groups, make_params, train  # noqa: E402
+from offload_adam.testing import AsyncSimDevice, simulated  # noqa: E402
+
+COMPACT = dict(state_footprint="compact", **NVME)
+
+
+def disk_bytes(folder):
+    return sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "8bit"])
+def test_compact_files_train_as_ram(kernels, tmp_path, fmt):
+    """CPU params in place, two groups, clipping and a step without a grad for one
+    param: bitwise the run in RAM, and a resumed run too."""
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype=fmt)
+    opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype=fmt,
+                             state_dirs=str(tmp_path), **COMPACT)
+    for o, p in ((ram, ps), (opt, qs)):
+        train(o, p, 0, 5, clip=True)
+    assert_same(ps, qs, ram, opt)
+    opt.close()
+    qs2 = make_params(seed=9)   # other values: the files restore them
+    opt = offload_adam.AdamW(groups(qs2), lr=0.01, state_dtype=fmt, state_resume=True,
+                             state_dirs=str(tmp_path), **COMPACT)
+    assert_same(ps, qs2, ram, opt)
+    train(opt, qs2, 5, 2)
+    train(ram, ps, 5, 2)
+    assert_same(ps, qs2, ram, opt)
+
+
+def test_compact_files_take_one_copy_spares_and_the_grads(kernels, tmp_path):
+    """40 bf16 params of 6000, 8-bit moments, a bucket each: the compact files are the
+    state once, 4 spare buckets and a log of the bf16 grads, counted from the files; the
+    two-generation layout's twice the state."""
+    shapes, dtypes = [(6000,)] * 40, [torch.bfloat16] * 40
+    sizes = {}
+    for footprint in ("compact", "two_generations"):
+        folder = tmp_path / footprint
+        folder.mkdir()
+        ps = make_params(shapes=shapes, dtypes=dtypes)
+        opt = offload_adam.AdamW(ps, state_dtype="8bit", state_dirs=str(folder),
+                                 state_footprint=footprint, bucket_mb=0.03)
+        train(opt, ps, 0, 2)
+        sizes[footprint] = {n: os.path.getsize(folder / n) for n in os.listdir(folder)}
+        opt.close()
+    bucket = 4096 * -(-(6000 * 6 + 2 * 4 * 24 + 4 + 3 * 64) // 4096)   # master, codes, scales, step
+    assert sizes["two_generations"][DATA_FILE] == 4096 + 40 * 2 * bucket
+    assert sizes["compact"][DATA_FILE] == 4096 + (40 + SPARES) * bucket
+    log = sizes["compact"][LOG_FILE]
+    assert 40 * 6000 * 2 <= log <= 40 * (6000 * 2 + 1100)   # the grads and each record's head
+    per_param = (sizes["compact"][DATA_FILE] + log) / (40 * 6000)
+    assert per_param < 0.75 * sizes["two_generations"][DATA_FILE] / (40 * 6000)
+    print(f"compact: {per_param:.2f} B/param on disk (state {bucket / 6000:.2f}, 4 spares of "
+          f"40 buckets, the log {log / 240000:.2f}); two generations "
+          f"{sizes['two_generations'][DATA_FILE] / 240000:.2f}")
+
+
+def test_compact_files_with_the_engine_train_as_ram(kernels, tmp_path):
+    """The engine's params (bf16 layers, an fp32 head, one without a grad) on the
+    asynchronous simulated device, stepped over the compact files: bitwise the run in
+    RAM, also with a param edited between steps (its master starts again from it, which
+    the redo log keeps too)."""
+    sim = AsyncSimDevice(seed=2)
+    try:
+        with simulated(sim), sim.watch():
+            ref, m = engine_model(seed=11), engine_model(seed=11)
+            ram = offload_adam.AdamW(ref.parameters(), lr=3e-3, bucket_mb=0.01,
+                                     state_dtype="bfloat16")
+            opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=0.01,
+                                     state_dtype="bfloat16", state_dirs=str(tmp_path),
+                                     state_footprint="compact")
+            for k in range(5):
+                for model, o in ((ref, ram), (m, opt)):
+                    if k == 3:
+                        with torch.no_grad():
+                            model.head.mul_(0.5)
+                    engine_loss(model, k).backward()
+                    o.step()
+                    o.zero_grad()
+            assert_same(engine_values(ref), engine_values(m), ram, opt)
+        sim.check()
+    finally:
+        sim.close()
+
+
+def test_an_error_inside_a_compact_step_is_finished_by_a_resume(kernels, tmp_path,
+                                                                 monkeypatch):
+    """A step that fails after its redo log (here: the kernel of the third bucket) leaves
+    the files mid-step: the optimizer refuses to go on, and one built again with
+    state_resume=True finishes the step from the log: bitwise the uninterrupted run."""
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="8bit")
+    opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="8bit",
+                             state_dirs=str(tmp_path), **COMPACT)
+    train(ram, ps, 0, 4)
+    train(opt, qs, 0, 3)
+    from offload_adam import kernel_step
+    real, calls = kernel_step.adam_step, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kernel_step, "adam_step", failing)
+    with pytest.raises(KeyboardInterrupt):
+        train(opt, qs, 3, 1)
+    monkeypatch.setattr(kernel_step, "adam_step", real)
+    assert len(calls) == 3
+    with pytest.raises(RuntimeError, match="state_resume=True"):
+        train(opt, qs, 4, 1)
+    opt.close()
+    qs2 = make_params(seed=9)
+    opt = offload_adam.AdamW(groups(qs2), lr=0.01, state_dtype="8bit", state_resume=True,
+                             state_dirs=str(tmp_path), **COMPACT)
+    assert opt.step_count == 4
+    assert_same(ps, qs2, ram, opt)
+
+
+def test_what_compact_refuses(kernels, tmp_path):
+    ps = make_params()
+    with pytest.raises(ValueError, match="state_footprint must be one of"):
+        offload_adam.AdamW(ps, state_dirs=str(tmp_path), state_footprint="small")
+    with pytest.raises(ValueError, match="needs state_dirs"):
+        offload_adam.AdamW(ps, state_footprint="compact")
+    with pytest.raises(ValueError, match="step_in_backward"):
+        offload_adam.AdamW(ps, state_dirs=str(tmp_path), state_footprint="compact",
+                           step_in_backward=True)
+    opt = offload_adam.AdamW(groups(ps), state_dirs=str(tmp_path), **NVME)
+    train(opt, ps, 0, 1)
+    opt.close()
+    with pytest.raises(ValueError, match="laid out as two generations"):
+        offload_adam.AdamW(groups(ps), state_dirs=str(tmp_path), state_resume=True,
+                           **COMPACT)

@@ -20,15 +20,22 @@ import time
 import pytest
 
 from nvme_adam import compact_step, flip_byte, host_state, host_step, same_bits
-from nvme_crash_worker import (SEED, committed_step, compact_worker, engine_model,
+from nvme_crash_worker import (SEED, committed_step, compact_optimizer_worker, compact_worker,
+                               engine_model,
                                engine_optimizer, open_compact,
                                engine_train, engine_values, engine_worker, model_params, optimizer,
                                optimizer_worker, spec_of, worker)
 from nvme_model import assert_same, train
-from offload_adam.nvme import NvmeState, StepPipeline
+from offload_adam.nvme import NvmeState, StepPipeline, manifest
 from offload_adam.testing import AsyncSimDevice, simulated
 
 KILLS = {"fp32": 24, "8bit": 12}
+
+
+def mid_step(folder) -> bool:
+    """Whether the compact files in `folder` hold a step begun and not finished."""
+    body = manifest.read(str(folder))
+    return body is not None and body.get("intent") is not None
 
 
 REDONE = []   # the kills after which a compact state had a step to finish from its log
@@ -160,9 +167,10 @@ def test_sigkill_at_random_instants_loses_no_completed_step(kernels, tmp_path, f
 OPTIMIZER_KILLS = {"float32": 12, "8bit": 8}
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["two_generations", "compact"])
 @pytest.mark.parametrize("fmt", ["float32", "8bit"])
 def test_the_optimizer_killed_at_random_instants_resumes_bitwise(kernels, tmp_path, forkserver,
-                                                                 fmt):
+                                                                 fmt, compact):
     """The same at the optimizer's level: offload_adam.AdamW(state_dirs=...,
     state_resume=True) trains fp32 and bf16 params in two groups, ~16 buckets a step, with
     no model checkpoint of its own; SIGKILLed at random instants. Each time, a new optimizer
@@ -173,6 +181,7 @@ def test_the_optimizer_killed_at_random_instants_resumes_bitwise(kernels, tmp_pa
     ends bitwise where the uninterrupted one ends."""
     rng = random.Random(4321)
     state_dir = tmp_path / "state"
+    begun = []   # compact: whether each kill left a step to finish from its log
     state_dir.mkdir()
     ps = model_params()
     ram = optimizer(ps, None, fmt)
@@ -183,7 +192,10 @@ def test_the_optimizer_killed_at_random_instants_resumes_bitwise(kernels, tmp_pa
         compared."""
         nonlocal ram_step
         qs = model_params()
-        opt = optimizer(qs, str(state_dir), fmt)
+        if compact:
+            begun.append(mid_step(state_dir))
+        opt = optimizer(qs, str(state_dir), fmt,
+                        **(dict(state_footprint="compact") if compact else {}))
         step = committed_step(opt)
         assert last_done <= step <= last_done + 1, (last_done, step)
         assert step <= until
@@ -194,7 +206,8 @@ def test_the_optimizer_killed_at_random_instants_resumes_bitwise(kernels, tmp_pa
 
     timing = Timing()
     for _ in range(OPTIMIZER_KILLS[fmt]):
-        code, sent = run_worker(forkserver, optimizer_worker,
+        worker_fn = compact_optimizer_worker if compact else optimizer_worker
+        code, sent = run_worker(forkserver, worker_fn,
                                 (str(state_dir), fmt, 10_000), rng, timing)
         assert code == -9
         last_done = max(sent)   # the last opt.step() seen to return
@@ -203,8 +216,10 @@ def test_the_optimizer_killed_at_random_instants_resumes_bitwise(kernels, tmp_pa
         del opt   # closes the files, drops the lock
         gc.collect()
     assert len(set(steps_seen)) > OPTIMIZER_KILLS[fmt] // 3, steps_seen
+    if compact:
+        assert any(begun), "no kill landed inside a step, after its redo log"
     final = max(steps_seen) + 3
-    code, sent = run_worker(forkserver, optimizer_worker, (str(state_dir), fmt, final), rng,
+    code, sent = run_worker(forkserver, worker_fn, (str(state_dir), fmt, final), rng,
                             timing, kill=False)
     assert code == 0 and sent[-1] == final
     last_done = final
@@ -220,9 +235,11 @@ def test_the_optimizer_killed_at_random_instants_resumes_bitwise(kernels, tmp_pa
 ENGINE_KILLS = 10
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["step_in_backward", "compact"])
 @pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
 def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp_path,
-                                                                    forkserver, streamed):
+                                                                    forkserver, streamed,
+                                                                    compact):
     """The same for the engine with step_in_backward on the simulated device, where the
     files' pass writes its buckets during backward (engine/disk_early.py) and commits at
     step(): killed anywhere (forward, backward's pass, the commit), the files hold a
@@ -231,6 +248,7 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
     the files restore their host copies, and the reference is the same model resident."""
     rng = random.Random(8642)
     state_dir = tmp_path / "state"
+    begun = []
     state_dir.mkdir()
     sim = AsyncSimDevice(seed=3)
     try:
@@ -242,7 +260,9 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
             def reopened():
                 nonlocal ram_step
                 m = engine_model(seed=11, blocks=streamed, streamed=streamed)   # files restore it
-                opt = engine_optimizer(m, str(state_dir))
+                if compact:
+                    begun.append(mid_step(state_dir))
+                opt = engine_optimizer(m, str(state_dir), compact)
                 step = committed_step(opt)
                 assert last_done <= step <= last_done + 1, (last_done, step)
                 engine_train(ref, ram, ram_step, step - ram_step)
@@ -253,16 +273,19 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
             timing = Timing()
             for _ in range(ENGINE_KILLS):
                 code, sent = run_worker(forkserver, engine_worker,
-                                        (str(state_dir), 10_000, streamed), rng, timing)
+                                        (str(state_dir), 10_000, streamed, compact), rng, timing)
                 assert code == -9
                 last_done = max(sent)
                 step, opt, _ = reopened()
                 steps_seen.append(step)
                 opt.close()
             assert len(set(steps_seen)) > ENGINE_KILLS // 3, steps_seen
+            if compact:
+                assert any(begun), "no kill landed inside a step, after its redo log"
             final = max(steps_seen) + 2
-            code, sent = run_worker(forkserver, engine_worker, (str(state_dir), final, streamed),
-                                    rng, timing, kill=False)
+            code, sent = run_worker(forkserver, engine_worker,
+                                    (str(state_dir), final, streamed, compact), rng, timing,
+                                    kill=False)
             assert code == 0 and sent[-1] == final
             last_done = final
             step, opt, m = reopened()

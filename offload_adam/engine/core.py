@@ -72,7 +72,7 @@ from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
                      make_buckets, state_roles)
 from .profile import StepProfile
-from .state import bind_state, follow_masters, is_bound
+from .state import bind_state, follow_masters, is_bound, read_params
 from .worker import Worker, interrupts_deferred
 
 _ACC_SLOTS = 4   # the accumulation ring: pieces in flight to the host before one is added
@@ -885,6 +885,20 @@ class EngineStep:
             step_lent(self.engine, todo, views, self._hyper, self.grad_scale, self.threads,
                       self.fence)
             self.stepped.extend(rec for rec, _ in todo)
+
+    def host_grads(self, rec: ParamRec) -> List[Tuple[int, torch.Tensor]]:
+        """rec's grad as this step's kernels read it, (start, host tensor) per piece, once
+        its copies landed: what the NVMe tier's redo log keeps (nvme_tier.py)."""
+        self.engine.device.wait_host(*rec.copy.transfers)
+        return [(p.start, p.grad) for p in rec.pieces]
+
+    def host_params(self, rec: ParamRec) -> List[Tuple[int, torch.Tensor]]:
+        """rec's param now, (start, host copy) per piece, read from the device after the
+        user's queued work (or its streamed host copy)."""
+        live = rec.live()
+        dsts = [torch.empty(p.of(live).shape, dtype=rec.dtype) for p in rec.pieces]
+        read_params(self.engine.device, dsts, rec.pieces)
+        return [(p.start, d) for p, d in zip(rec.pieces, dsts)]
 
     def write_early(self, recs: Sequence[ParamRec]) -> None:
         """Queues the H2D copies of the params stepped during backward (their updates

@@ -420,6 +420,11 @@ class NvmeState:
         self._heads = list(self._body["heads"])
 
     @property
+    def logs_steps(self) -> bool:
+        """Whether a step must `begin` with its redo log (compact, once committed)."""
+        return self.compact and self._body["written"]
+
+    @property
     def pending(self) -> List[int]:
         """Compact: the buckets of a step cut short still to step from their records
         (none when the files hold a whole step)."""
