@@ -337,3 +337,55 @@ def test_what_compact_refuses(kernels, tmp_path):
     with pytest.raises(ValueError, match="laid out as two generations"):
         offload_adam.AdamW(groups(ps), state_dirs=str(tmp_path), state_resume=True,
                            **COMPACT)
+
+
+def test_a_full_disk_in_a_compact_step_loses_nothing(kernels, tmp_path, monkeypatch):
+    """Full while the redo log is written (injected: every write of the log fails with
+    ENOSPC, as when a record outgrows its reserve, the values of edited params logged
+    beside the grads): nothing moved, the step raises naming the log, and
+    the optimizer goes on once there is room. Full while a bucket is written (after the
+    log): the step raises saying a resume finishes it; the optimizer refuses to go on; a
+    resumed one is bitwise the uninterrupted run."""
+    import errno
+    from offload_adam.nvme import direct_io
+    from offload_adam.nvme.direct_io import NvmeError
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="8bit")
+    opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype="8bit",
+                             state_dirs=str(tmp_path), **COMPACT)
+    train(ram, ps, 0, 4)
+    train(opt, qs, 0, 2)
+    before = {i: {k: v.clone() for k, v in s.items()}
+              for i, s in opt.state_dict()["state"].items()}
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(NvmeError, match=r"writing the redo log .* \(the disk is full\)\. "
+                                        r"Nothing of this step was written"):
+        train(opt, qs, 2, 1)
+    monkeypatch.undo()
+    after = opt.state_dict()["state"]
+    assert opt.step_count == 2 and all(torch.equal(after[i][k], v)
+                                       for i in before for k, v in before[i].items())
+    train(opt, qs, 2, 1)   # room again: on
+    writes, real = [], direct_io._write
+
+    def full_on_third(fd, view, offset):
+        writes.append(offset)
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, view, offset)
+    monkeypatch.setattr(direct_io, "_write", full_on_third)
+    with pytest.raises(NvmeError, match=r"the disk is full\)\. The files hold step 3 and the "
+                                        r"redo log of step 4, which state_resume=True finishes"):
+        train(opt, qs, 3, 1)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="state_resume=True"):
+        train(opt, qs, 3, 1)
+    opt.close()
+    qs2 = make_params(seed=9)
+    opt = offload_adam.AdamW(groups(qs2), lr=0.01, state_dtype="8bit", state_resume=True,
+                             state_dirs=str(tmp_path), **COMPACT)
+    assert opt.step_count == 4
+    assert_same(ps, qs2, ram, opt)

@@ -317,9 +317,15 @@ class NvmeState:
         if not isinstance(e, OSError):
             raise e
         hint = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+        intent = self._body.get("intent")
+        if intent is not None:   # compact: the step cannot go back, a resume finishes it
+            left = (f"The files hold step {self.step} and the redo log of step "
+                    f"{intent['step']}, which state_resume=True finishes (build the optimizer "
+                    "again with it once the disk works)")
+        else:
+            left = f"The state of step {self.step} (the last completed one) is intact on disk"
         raise NvmeError(e.errno, f"offload_adam: {what} of the optimizer state in {path} "
-                        f"failed: {e.strerror or e}{hint}. The state of step {self.step} (the "
-                        "last completed one) is intact on disk", path) from e
+                        f"failed: {e.strerror or e}{hint}. {left}", path) from e
 
     def _flush(self, written: List[int]) -> None:
         missing = [i for i in written if i not in self._sums]
