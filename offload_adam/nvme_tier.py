@@ -145,7 +145,8 @@ class FileStore:
         self.compact = compact
         try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
             self.state = NvmeState.open(list(dirs), spec, compact=compact, log_bytes=[
-                redo.record_bytes([(e.name, local(e.param)) for e in b]) for b in self.buckets])
+                redo.record_reserve([local(e.param).numel() * local(e.param).element_size()
+                                     for e in b]) for b in self.buckets])
         except ValueError as e:
             if "of another model or optimizer" not in str(e):
                 raise

@@ -12,7 +12,11 @@ and resident params (embeddings, final norm, head). For each layout
              ram    blocks streamed from pinned host copies (stream_params)
              files  blocks streamed from param files, a host cache in front (planned: issue 28)
     state    ram    master + moments in the engine's host arenas
-             files  in the NVMe tier's files (state_dirs=), through its ring of buffers
+             files  in the NVMe tier's files (state_dirs=), two generations, through its
+                    ring of buffers, stepped in backward (its grads through the grad ring)
+             compact  the same files with state_footprint="compact": one copy in a ring
+                    with 4 spare buckets and the redo log of the grads; stepped at step()
+                    (not yet in backward), so each piece keeps a host grad buffer
     state_dtype     float32, bfloat16 or "8bit" moments (state_format.py)
 
 it counts the bytes on the GPU, in host RAM and on disk, says whether they fit the machine,
@@ -26,8 +30,11 @@ tier's buckets laid out by nvme/layout.py itself; the streamer's host copies): t
 check them against `host_bytes()`, the files written and the simulated device's peak. GPU
 activations and the step times are estimates from formulas stated below, not measurements.
 The recipe assumed for every layout: bf16 params, free_grads_after_copy=True (a grad leaves
-the GPU once copied), step_in_backward with the state in files and one micro-batch a step,
-prefetch k blocks ahead.
+the GPU once copied), step_in_backward with the two-generation files and one micro-batch a
+step, prefetch k blocks ahead.
+
+A layout with params in files is planned (issue 28): its param files count 2 B per streamed
+param, and its host cache what RAM has left.
 """
 
 from __future__ import annotations
@@ -320,14 +327,14 @@ class Run:
 @dataclass(frozen=True)
 class Layout:
     params: str        # "gpu", "ram", "files"
-    state: str         # "ram", "files"
+    state: str         # "ram", "files", "compact" (STATES)
     state_dtype: str   # STATE_DTYPES
 
     def __post_init__(self):
         if self.params not in ("gpu", "ram", "files"):
             raise ValueError(f"params must be 'gpu', 'ram' or 'files', got {self.params!r}")
-        if self.state not in ("ram", "files"):
-            raise ValueError(f"state must be 'ram' or 'files', got {self.state!r}")
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got "
                              f"{self.state_dtype!r}")
@@ -341,12 +348,19 @@ class Layout:
     def streamed(self) -> bool:
         return self.params != "gpu"
 
+    @property
+    def in_files(self) -> bool:
+        return self.state != "ram"
+
     def __str__(self) -> str:
         return f"params {self.params}, state {self.state} {self.state_dtype}"
 
 
+STATES = ("ram", "files", "compact")
+
+
 def all_layouts(state_dtypes: Sequence[str] = STATE_DTYPES) -> List[Layout]:
-    return [Layout(p, s, d) for p in ("gpu", "ram", "files") for s in ("ram", "files")
+    return [Layout(p, s, d) for p in ("gpu", "ram", "files") for s in STATES
             for d in state_dtypes]
 
 
@@ -386,32 +400,38 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
                 budget_mb: Optional[float], dirs: int = 1) -> dict:
     """The NVMe tier's layout for these params (one group, in order): the buckets as
     nvme_tier.FileStore cuts them, their data files (two slots each, nvme/layout.py) and
-    the pipeline's ring of buffers."""
+    the pipeline's ring of buffers; and the compact layout's (nvme/circular.py: one copy
+    and 4 spare buckets; the redo log reserved for the bf16 grads, nvme/redo.py)."""
     from .engine.grad_ring import ring_bytes
+    from .nvme.circular import Circular
     from .nvme.layout import StateSpec, place
+    from .nvme.redo import record_reserve
     from .param_state import adam_bucket
     limit = bucket_mb * _MB
-    buckets, bucket, size, grads = [], [], 0, [0]
+    buckets, bucket, size, grads = [], [], 0, [[]]
     for i, s in enumerate(shapes):
         nbytes = adam_bucket([(f"0:{i}", s)], state_dtype).nbytes
         if bucket and size + nbytes > limit:
             buckets.append(adam_bucket(bucket, state_dtype))
             bucket, size = [], 0
-            grads.append(0)
+            grads.append([])
         bucket.append((f"0:{i}", s))
         size += nbytes
-        grads[-1] += 2 * math.prod(s)   # its bf16 grad
+        grads[-1].append(2 * math.prod(s))   # its bf16 grad
     if bucket:
         buckets.append(adam_bucket(bucket, state_dtype))
     spec = StateSpec(tuple(buckets), state_dtype)
     largest = max((b.nbytes for b in spec.buckets), default=0)
     budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
     ring = min(budget // max(largest, 1), len(buckets) + 2)
-    _, sizes = place(spec, dirs)
+    extents, sizes = place(spec, dirs)
+    compact = Circular(spec, [e.file for e in extents], dirs).file_sizes()
+    log = sum(record_reserve(g) for g in grads)   # each bucket's redo record's reserve
     return {"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
+            "compact_file_bytes": sum(compact), "redo_log_bytes": log,
             "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,
             "buckets": len(buckets),
-            "grad_ring_bytes": ring_bytes(max(grads), int(bucket_mb * _MB))}
+            "grad_ring_bytes": ring_bytes(max(sum(g) for g in grads), int(bucket_mb * _MB))}
 
 
 def home_bytes(shapes: Sequence[Tuple[int, ...]]) -> int:
@@ -484,21 +504,18 @@ def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str,
 
 def _ring(layout: Layout, run: Run) -> bool:
     """Whether the grads go through the ring: the state in files, stepped in backward,
-    which accumulates no micro-batches (with more than one, each piece has its buffer)."""
+    which accumulates no micro-batches (with more than one, each piece has its buffer);
+    not the compact files, stepped at step()."""
     return layout.state == "files" and run.micro == 1
 
 
 def _disk(model: ModelShape, layout: Layout, files: dict) -> Dict[str, float]:
     out: Dict[str, float] = {}
-    if layout.state == "files":
-        if layout.params == "files":
-            # planned (issue 28): one generation, a spare extent per ring buffer, and a
-            # durable log of the step's bf16 grads to redo unfinished buckets
-            out["state (1 generation + spares, planned)"] = float(
-                files["generation_bytes"] + files["ring"] * files["largest_bucket_bytes"])
-            out["grad redo log (planned)"] = 2.0 * model.params
-        else:
-            out["state (2 generations)"] = float(files["data_file_bytes"])
+    if layout.state == "compact":
+        out["state (1 copy + 4 spare buckets)"] = float(files["compact_file_bytes"])
+        out["grad redo log"] = float(files["redo_log_bytes"])
+    elif layout.state == "files":
+        out["state (2 generations)"] = float(files["data_file_bytes"])
     if layout.params == "files":
         out["param files (planned)"] = 2.0 * model.block_params * model.layers
     return out
@@ -584,15 +601,15 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     # read-modify-write of the host grad; the files' bytes cross DRAM once each way by DMA
     state_gen = files["generation_bytes"]
     dram = _STEP_TRAFFIC[layout.state_dtype] * n + (micro - 1) * 6.0 * n
-    if layout.state == "files":
+    if layout.in_files:
         dram += 2 * state_gen
     # SSD: the state read and written once per step; param files (planned) miss the cache
     # in forward and backward, and the new params are written
     ssd_read = ssd_write = 0.0
-    if layout.state == "files":
+    if layout.in_files:
         ssd_read, ssd_write = state_gen, state_gen
-        if layout.params == "files":
-            ssd_write += 2.0 * n   # the redo log of the step's grads
+        if layout.state == "compact":
+            ssd_write += files["redo_log_bytes"]   # the step's grads, logged first
     if layout.params == "files":
         ssd_read += micro * 2 * max(0.0, 2.0 * streamed - cache)
         ssd_write += 2.0 * streamed

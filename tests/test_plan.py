@@ -57,7 +57,7 @@ def micro_batch(model, seed, config):
 
 @pytest.mark.parametrize("state_dtype", planner.STATE_DTYPES)
 @pytest.mark.parametrize("params", ["gpu", "ram"])
-@pytest.mark.parametrize("state", ["ram", "files"])
+@pytest.mark.parametrize("state", ["ram", "files", "compact"])
 def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dtype, params,
                                                     state):
     """host_bytes() (+ the streamer's host copies) and the state files on disk, after a
@@ -68,7 +68,7 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     config = llama_config()
     shape = shape_of(config, tmp_path / "cfg")
-    run = planner.Run(batch=2, seq=8, micro=1 if state == "files" else 2, prefetch=1,
+    run = planner.Run(batch=2, seq=8, micro=2 if state == "ram" else 1, prefetch=1,
                       bucket_mb=0.05)
     layout = planner.Layout(params, state, state_dtype)
     p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run, layout)
@@ -79,8 +79,10 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
             model = build(config)
             streamer = (offload_adam.stream_params(model, LlamaDecoderLayer, prefetch=1)
                         if params == "ram" else None)
-            kw = (dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True)
-                  if state == "files" else {})
+            kw = {"ram": {},
+                  "files": dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True),
+                  "compact": dict(state_dirs=[str(tmp_path / "state")],
+                                  state_footprint="compact")}[state]
             opt = offload_adam.AdamW(model.parameters(), lr=1e-3, state_dtype=state_dtype,
                                      bucket_mb=0.05, free_grads_after_copy=True, **kw)
             for step in range(2):   # the first learns the order; the second is counted
@@ -105,6 +107,12 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
     if state == "files":
         data = os.path.getsize(tmp_path / "state" / "offload_adam_state.bin")
         assert data == p.disk_total == p.disk["state (2 generations)"]
+    elif state == "compact":
+        data = os.path.getsize(tmp_path / "state" / "offload_adam_state.bin")
+        log = os.path.getsize(tmp_path / "state" / "offload_adam_state.redo")
+        assert data == p.disk["state (1 copy + 4 spare buckets)"]
+        assert log == p.disk["grad redo log"]   # (its records fit the reserve)
+        assert p.disk_total == data + log
     else:
         assert p.disk_total == 0
 
@@ -205,9 +213,9 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "llama-3-70b: 70.55 B params" in r.stdout
     got = json.loads(out.read_text())
-    assert len(got["plans"]) == 18
+    assert len(got["plans"]) == 27
     assert {p["bound"] for p in got["plans"]} <= {"gpu", "pcie", "cpu", "ssd"}
-    assert sum(not p["built"] for p in got["plans"]) == 6
+    assert sum(not p["built"] for p in got["plans"]) == 9
 
 
 @pytest.mark.parametrize("argv,message", [

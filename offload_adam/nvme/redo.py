@@ -44,10 +44,15 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def record_bytes(tensors: Sequence[Tuple[str, torch.Tensor]], meta_bytes: int = 1024) -> int:
-    """About what a record of `tensors` takes (its JSON taken as `meta_bytes`)."""
-    return len(MAGIC) + _LEN.size + meta_bytes + sum(t.numel() * t.element_size()
-                                                     for _, t in tensors)
+RECORD_HEAD = 1024   # a record's reserve beyond its tensors' bytes: MAGIC, the JSON's
+PARAM_HEAD = 256     # fixed part (the hyperparameters), and this per param (its names)
+
+
+def record_reserve(grad_bytes: Sequence[int]) -> int:
+    """The log's reserve for a bucket's record: the grads' bytes of its params (one
+    entry each) and the heads. (A record that outgrows it, the values of edited params
+    logged beside their grads, grows the log.)"""
+    return RECORD_HEAD + sum(PARAM_HEAD + int(b) for b in grad_bytes)
 
 
 class RedoLog:
