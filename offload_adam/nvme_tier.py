@@ -32,6 +32,13 @@ optimizer.state holds an empty entry for each of these params that has a state (
 state_dict() shows their state as file views (`add_state`) and load_state_dict() writes
 into the files bucket by bucket (`load`).
 
+state_footprint="compact" (nvme/store.py: one copy, a redo log): each step first writes
+every bucket's redo record (`_log_step`: its grads as the kernel reads them, the values of
+params whose masters start again from them; the hyperparameters and grad scales in the
+intent), so that a resume finishes a step cut short (`_redo_bucket`, at construction).
+With step_in_backward the records of complete file buckets are written during backward
+(engine/disk_log.py) and their grads read back from the log at step() (`_grads_from_log`).
+
 The grads are checked before the first bucket is stepped. An I/O error mid-step raises with
 the files at the last completed step (nvme/pipeline.py), but the params of the buckets
 already stepped have moved: build the optimizer again with state_resume=True, which
@@ -51,6 +58,7 @@ from . import distributed
 from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, param_values, rounds_to
 from .engine.disk_early import DiskEarly
+from .engine.disk_log import DiskLog
 from .kernel_state import kernel_state
 from .master_rule import MasterMarks, mark, take_from_param
 from .cpu_step import calls_by_dtype, contiguous_grad
@@ -181,11 +189,14 @@ class FileStore:
             self.state.close(discard=True)
             raise
         self._early = None   # step_in_backward: the pass that starts in backward
-        if engine is not None and engine.early is not None:
-            self._early = DiskEarly(
-                engine, engine.early, self.pipeline,
-                [[(e.rec, e.name) for e in b] if all(e.rec is not None for e in b) else None
-                 for b in self.buckets], guess=not self._resumed)
+        files = [[(e.rec, e.name) for e in b] if all(e.rec is not None for e in b) else None
+                 for b in self.buckets]
+        if engine is not None and engine.early is not None and compact:
+            self._early = DiskLog(engine, engine.early, self.pipeline, files)
+            engine.early.use_files(self._early)
+        elif engine is not None and engine.early is not None:
+            self._early = DiskEarly(engine, engine.early, self.pipeline, files,
+                                    guess=not self._resumed)
             engine.early.use_files(self._early)
         if state is not None:
             self._mark(state)
@@ -381,9 +392,8 @@ class FileStore:
         completed = False
         try:
             if early is not None or with_grads or (run is not None and run.ready):
-                if self.state.logs_steps:   # compact: before any bucket moves
-                    self.state.begin(self.state.step + 1,
-                                     self._records(param_groups, grad_scale, run))
+                if self.compact:   # before any bucket moves: the redo log
+                    self._log_step(param_groups, grad_scale, run, early)
                 passes = early.rest() if early is not None else self.pipeline.buckets()
                 with contextlib.closing(passes):   # an error: the I/O in flight waited for
                     # every group, the buckets stepped in backward too (the pass does
@@ -392,6 +402,8 @@ class FileStore:
                         self._check_format(gi, param_groups)
                     for i, t in passes:
                         bucket = self.buckets[i]
+                        if early is not None and i in getattr(early, "logged", ()):
+                            self._grads_from_log(i)
                         calls, follow = self._lend_in_place(
                             [e for e in bucket if e.rec is None], t)
                         engine = [(e.rec, e.name) for e in bucket if e.rec is not None]
@@ -416,31 +428,52 @@ class FileStore:
 
     # ---- compact: the redo log ----------------------------------------------------------
 
-    def _records(self, param_groups, grad_scale: float, run) -> Dict[int, redo.Record]:
-        """Each bucket's redo record of the step about to run (nvme/redo.py): per param
+    def _log_step(self, param_groups, grad_scale: float, run, early) -> None:
+        """Compact: the redo records of the buckets not logged in backward (DiskLog),
+        then the intent, with the hyperparameters and grad scales they are stepped with;
+        where the files' pass needs no intent (a new state's first step) the records
+        logged in backward are still what it reads the grads from."""
+        if early is not None:
+            early.settle()   # (its records written)
+        if not self.state.logs_steps:
+            return
+        logged = early.logged if early is not None else {}
+        records = {i: self._record(i, run) for i in range(len(self.buckets)) if i not in logged}
+        groups = sorted({b[0].group for b in self.buckets})
+        meta = {"hypers": {str(g): dataclasses.asdict(Hyper.of(param_groups[g]))
+                           for g in groups},
+                "scale": grad_scale,
+                "engine_scale": run.grad_scale if run is not None else grad_scale}
+        self.state.begin(self.state.step + 1, records, meta)
+
+    def _record(self, i: int, run) -> redo.Record:
+        """Bucket i's redo record of the step about to run (nvme/redo.py): per param
         stepped, its grad as the kernel will read it (the engine's: piece by piece, once
-        its copy landed) and the factor the kernel scales it by; per param whose master
-        follows it this step (master_rule.py: changed since it last agreed), its value;
-        and the group's hyperparameters."""
-        out = {}
-        for i, bucket in enumerate(self.buckets):
-            tensors, scales = [], {}
-            for e in bucket:
-                ready = e.rec is not None and run is not None and id(e.rec) in run.ready
-                if e.rec is None and e.param.grad is not None:
-                    tensors.append((f"g|{e.name}|0", contiguous_grad(e.param)))
-                    scales[e.name] = grad_scale
-                elif ready:
-                    tensors += [(f"g|{e.name}|{start}", g) for start, g in run.host_grads(e.rec)]
-                    scales[e.name] = run.grad_scale
-                if e.rec is None and not self.marks.current(e.param):
-                    tensors.append((f"p|{e.name}|0", param_values(e.param)))
-                elif e.rec is not None and not self.engine.marks.current(e.param):
-                    tensors += [(f"p|{e.name}|{start}", v)
-                                for start, v in run.host_params(e.rec)]
-            hyper = Hyper.of(param_groups[bucket[0].group])
-            out[i] = ({"hyper": dataclasses.asdict(hyper), "scales": scales}, tensors)
-        return out
+        its copy landed); per param whose master follows it this step (master_rule.py:
+        changed since it last agreed), its value; its group and which params are stepped
+        in place (the grad scale differs)."""
+        bucket = self.buckets[i]
+        tensors, in_place = [], []
+        for e in bucket:
+            ready = e.rec is not None and run is not None and id(e.rec) in run.ready
+            if e.rec is None and e.param.grad is not None:
+                tensors.append((f"g|{e.name}|0", contiguous_grad(e.param)))
+                in_place.append(e.name)
+            elif ready:
+                tensors += [(f"g|{e.name}|{start}", g) for start, g in run.host_grads(e.rec)]
+            if e.rec is None and not self.marks.current(e.param):
+                tensors.append((f"p|{e.name}|0", param_values(e.param)))
+            elif e.rec is not None and not self.engine.marks.current(e.param):
+                tensors += [(f"p|{e.name}|{start}", v) for start, v in run.host_params(e.rec)]
+        return {"group": bucket[0].group, "in_place": in_place}, tensors
+
+    def _grads_from_log(self, i: int) -> None:
+        """Bucket i's grads logged in backward (DiskLog: their ring room is reused) back
+        into its pieces, from the redo log, for the step's kernels to read."""
+        _, logged = self.state.record(i)
+        for rec, name in ((e.rec, e.name) for e in self.buckets[i]):
+            for p in rec.pieces:
+                p.grad = logged[f"g|{name}|{p.start}"]
 
     def _redo_bucket(self, i: int, t: Dict[str, torch.Tensor]) -> None:
         """Bucket i (at the step before the one cut short) stepped again from its redo
@@ -448,7 +481,8 @@ class FileStore:
         grads with the logged hyperparameters, bitwise the step that ran (elementwise,
         its rounding drawn by element index: however the engine cut the params)."""
         meta, logged = self.state.record(i)
-        hyper = Hyper(**meta["hyper"])
+        step_meta = self.state.intent_meta
+        hyper = Hyper(**step_meta["hypers"][str(meta["group"])])
         parts: Dict[Tuple[str, str], list] = {}
         for key, v in logged.items():
             name, start = key[2:key.rfind("|")], int(key[key.rfind("|") + 1:])
@@ -469,8 +503,8 @@ class FileStore:
                     st.master.copy_(p)
             if ("g", e.name) in parts:
                 g = whole("g", e.name, st.master)
-                args, grads = calls.setdefault((g.dtype, meta["scales"][e.name]),
-                                               (KernelArgs(), []))
+                scale = step_meta["scale" if e.name in meta["in_place"] else "engine_scale"]
+                args, grads = calls.setdefault((g.dtype, scale), (KernelArgs(), []))
                 args.add(st, None, 0)
                 grads.append(g)
         for (_, scale), (args, grads) in calls.items():

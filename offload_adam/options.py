@@ -121,7 +121,10 @@ documented here and nowhere else.
     param) instead of 2 x the state; the log adds the grads' bytes to each
     step's writes. No step before the last is kept (so no going back to
     it), and a load_state_dict cut short leaves files that are refused (load
-    again). Not yet with step_in_backward=True or several ranks (refused).
+    again). With step_in_backward=True the grads go to the redo log as they
+    complete in backward (engine/disk_log.py: host RAM for grads is the grad
+    ring's), and the pass runs at step(), reading them back (the grads' bytes
+    read once more). Not yet with several ranks (refused).
     Fixed when the files are made. Needs state_dirs.
 
 The state format is a param-group key, not an option of this record:
@@ -198,12 +201,6 @@ class Options:
             if self.state_dirs is None:
                 raise ValueError(f"state_footprint={self.state_footprint!r} needs state_dirs= "
                                  "(it is how the state files are laid out)")
-            if self.step_in_backward:
-                raise ValueError(
-                    "state_footprint=\"compact\" cannot be used with step_in_backward=True "
-                    "yet: the redo log must hold every grad of a step before any bucket "
-                    "moves, and the files' pass in backward moves them as the grads come; "
-                    "use state_footprint=\"two_generations\" with step_in_backward")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"Invalid max_grad_norm: {self.max_grad_norm}")
         for name, why in _NEEDS_OVERLAP.items():

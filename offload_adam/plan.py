@@ -15,8 +15,8 @@ and resident params (embeddings, final norm, head). For each layout
              files  in the NVMe tier's files (state_dirs=), two generations, through its
                     ring of buffers, stepped in backward (its grads through the grad ring)
              compact  the same files with state_footprint="compact": one copy in a ring
-                    with 4 spare buckets and the redo log of the grads; stepped at step()
-                    (not yet in backward), so each piece keeps a host grad buffer
+                    with 4 spare buckets and the redo log of the grads, written in backward
+                    (through the grad ring) and read back by the pass at step()
     state_dtype     float32, bfloat16 or "8bit" moments (state_format.py)
 
 it counts the bytes on the GPU, in host RAM and on disk, says whether they fit the machine,
@@ -30,8 +30,8 @@ tier's buckets laid out by nvme/layout.py itself; the streamer's host copies): t
 check them against `host_bytes()`, the files written and the simulated device's peak. GPU
 activations and the step times are estimates from formulas stated below, not measurements.
 The recipe assumed for every layout: bf16 params, free_grads_after_copy=True (a grad leaves
-the GPU once copied), step_in_backward with the two-generation files and one micro-batch a
-step, prefetch k blocks ahead.
+the GPU once copied), step_in_backward with the state in files and one micro-batch a step,
+prefetch k blocks ahead.
 
 A layout with params in files is planned (issue 28): its param files count 2 B per streamed
 param, and its host cache what RAM has left.
@@ -503,10 +503,10 @@ def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str,
 
 
 def _ring(layout: Layout, run: Run) -> bool:
-    """Whether the grads go through the ring: the state in files, stepped in backward,
-    which accumulates no micro-batches (with more than one, each piece has its buffer);
-    not the compact files, stepped at step()."""
-    return layout.state == "files" and run.micro == 1
+    """Whether the grads go through the ring: the state in files, stepped (compact:
+    logged) in backward, which accumulates no micro-batches (with more than one, each
+    piece has its buffer)."""
+    return layout.in_files and run.micro == 1
 
 
 def _disk(model: ModelShape, layout: Layout, files: dict) -> Dict[str, float]:
@@ -610,6 +610,8 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
         ssd_read, ssd_write = state_gen, state_gen
         if layout.state == "compact":
             ssd_write += files["redo_log_bytes"]   # the step's grads, logged first
+            if _ring(layout, run):   # logged in backward: read back by the pass
+                ssd_read += files["redo_log_bytes"]
     if layout.params == "files":
         ssd_read += micro * 2 * max(0.0, 2.0 * streamed - cache)
         ssd_write += 2.0 * streamed

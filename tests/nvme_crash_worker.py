@@ -200,9 +200,9 @@ def engine_loss(m, k):
 
 def engine_optimizer(m, folder=None, compact=False):
     """In files with step_in_backward (resuming them) when `folder` is given (`compact`:
-    state_footprint="compact" and the plain step); in host RAM with the plain step
-    otherwise (the uninterrupted run)."""
-    extra = dict(state_dirs=folder, state_resume=True, step_in_backward=not compact,
+    state_footprint="compact", the grads logged in backward); in host RAM with the plain
+    step otherwise (the uninterrupted run)."""
+    extra = dict(state_dirs=folder, state_resume=True, step_in_backward=True,
                  state_budget_mb=0.5) if folder else {}
     if folder and compact:
         extra["state_footprint"] = "compact"
@@ -219,8 +219,8 @@ def engine_train(m, opt, first, count):
 
 def engine_worker(state_dir, until, streamed, compact, progress):
     """As optimizer_worker, for the engine with step_in_backward on the simulated device
-    (`compact`: the plain step on compact files); the model starts from its init, and the
-    files restore it."""
+    (`compact`: on compact files); the model starts from its init, and the files restore
+    it."""
     sim = AsyncSimDevice(seed=until % 7)
     with simulated(sim), sim.watch():
         m = engine_model(seed=11, streamed=streamed)

@@ -12,7 +12,7 @@ from nvme_adam import (adam_fn, compact_step, fill_initial, grads_record, host_s
 from offload_adam.nvme import NvmeState, StepPipeline
 from offload_adam.nvme.circular import SPARES, Circular
 from offload_adam.nvme.layout import BucketSpec, StateSpec, TensorSpec
-from offload_adam.nvme.redo import LOG_FILE
+from offload_adam.nvme.redo import LOG_FILE, PARAM_HEAD, RECORD_HEAD
 from offload_adam.nvme.store import DATA_FILE
 
 import torch
@@ -200,7 +200,8 @@ def test_the_other_layout_and_a_load_cut_short_are_refused(kernels, tmp_path):
 # -- the optimizer: state_footprint="compact" --------------------------------------------
 
 import offload_adam  # noqa: E402
-from nvme_crash_worker import (engine_loss, engine_model, engine_values)  # noqa: E402
+from nvme_crash_worker import (Blocks, Elementwise, Layer, engine_loss, engine_model,  # noqa: E402
+                               engine_values)
 from nvme_model import NVME, assert_same, groups, make_params, train  # noqa: E402
 from offload_adam.testing import AsyncSimDevice, simulated  # noqa: E402
 
@@ -251,7 +252,7 @@ def test_compact_files_take_one_copy_spares_and_the_grads(kernels, tmp_path):
     assert sizes["two_generations"][DATA_FILE] == 4096 + 40 * 2 * bucket
     assert sizes["compact"][DATA_FILE] == 4096 + (40 + SPARES) * bucket
     log = sizes["compact"][LOG_FILE]
-    assert 40 * 6000 * 2 <= log <= 40 * (6000 * 2 + 1100)   # the grads and each record's head
+    assert log == 40 * (RECORD_HEAD + PARAM_HEAD + 6000 * 2)   # the grads, each record's head
     per_param = (sizes["compact"][DATA_FILE] + log) / (40 * 6000)
     assert per_param < 0.75 * sizes["two_generations"][DATA_FILE] / (40 * 6000)
     print(f"compact: {per_param:.2f} B/param on disk (state {bucket / 6000:.2f}, 4 spares of "
@@ -259,29 +260,60 @@ def test_compact_files_take_one_copy_spares_and_the_grads(kernels, tmp_path):
           f"{sizes['two_generations'][DATA_FILE] / 240000:.2f}")
 
 
-def test_compact_files_with_the_engine_train_as_ram(kernels, tmp_path):
-    """The engine's params (bf16 layers, an fp32 head, one without a grad) on the
-    asynchronous simulated device, stepped over the compact files: bitwise the run in
-    RAM, also with a param edited between steps (its master starts again from it, which
-    the redo log keeps too)."""
+def small_layers(streamed, blocks):
+    """nvme_crash_worker's models with 80 narrow layers: the grads of a file bucket are
+    small beside the model's (the grad ring is twice the largest bucket's)."""
+    torch.manual_seed(11)
+    m = (Blocks if blocks else Elementwise)(dim=32, layers=80).to(torch.bfloat16)
+    m.head.data = m.head.data.float()
+    if streamed:
+        offload_adam.stream_params(m, Layer, prefetch=1)
+    return m
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("in_backward", [False, True], ids=["plain", "step_in_backward"])
+def test_compact_files_with_the_engine_train_as_ram(kernels, tmp_path, in_backward, streamed):
+    """The engine's params (bf16 layers, an fp32 head, one without a grad; `streamed`:
+    the layers streamed per block) on the asynchronous simulated device, stepped over the
+    compact files: bitwise the run in RAM, also with a param edited between steps (its
+    master starts again from it, which the redo log keeps too). With step_in_backward the
+    grads of the complete file buckets go to the log during backward (engine/disk_log.py):
+    the grad ring, under half the grads' bytes here (bucket_mb 0.001), holds them without overflowing after
+    the first step, and the step reads them back."""
     sim = AsyncSimDevice(seed=2)
     try:
         with simulated(sim), sim.watch():
-            ref, m = engine_model(seed=11), engine_model(seed=11)
+            if in_backward:
+                ref = small_layers(streamed=False, blocks=streamed)
+                m = small_layers(streamed=streamed, blocks=streamed)
+            else:
+                ref = engine_model(seed=11, blocks=streamed)
+                m = engine_model(seed=11, streamed=streamed)
             ram = offload_adam.AdamW(ref.parameters(), lr=3e-3, bucket_mb=0.01,
                                      state_dtype="bfloat16")
-            opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=0.01,
+            opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=0.001,
                                      state_dtype="bfloat16", state_dirs=str(tmp_path),
-                                     state_footprint="compact")
-            for k in range(5):
+                                     state_footprint="compact", step_in_backward=in_backward)
+            logged = []
+            for k in range(4):
                 for model, o in ((ref, ram), (m, opt)):
-                    if k == 3:
+                    if k == 2:
                         with torch.no_grad():
                             model.head.mul_(0.5)
                     engine_loss(model, k).backward()
+                    if o is opt and in_backward:
+                        logged.append(len(o._store._early.logged))
+                        ring = o._engine.ring
+                        assert k == 0 or ring.overflow_bytes == 0
                     o.step()
                     o.zero_grad()
             assert_same(engine_values(ref), engine_values(m), ram, opt)
+            if in_backward:
+                assert min(logged) > 0, logged   # buckets logged in backward, every step
+                grads = sum(p.numel() * p.element_size() for p in m.parameters())
+                assert ring.nbytes * 2 < grads
+            opt.close()
         sim.check()
     finally:
         sim.close()
@@ -328,9 +360,6 @@ def test_what_compact_refuses(kernels, tmp_path):
         offload_adam.AdamW(ps, state_dirs=str(tmp_path), state_footprint="small")
     with pytest.raises(ValueError, match="needs state_dirs"):
         offload_adam.AdamW(ps, state_footprint="compact")
-    with pytest.raises(ValueError, match="step_in_backward"):
-        offload_adam.AdamW(ps, state_dirs=str(tmp_path), state_footprint="compact",
-                           step_in_backward=True)
     opt = offload_adam.AdamW(groups(ps), state_dirs=str(tmp_path), **NVME)
     train(opt, ps, 0, 1)
     opt.close()

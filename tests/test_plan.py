@@ -81,7 +81,7 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
                         if params == "ram" else None)
             kw = {"ram": {},
                   "files": dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True),
-                  "compact": dict(state_dirs=[str(tmp_path / "state")],
+                  "compact": dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True,
                                   state_footprint="compact")}[state]
             opt = offload_adam.AdamW(model.parameters(), lr=1e-3, state_dtype=state_dtype,
                                      bucket_mb=0.05, free_grads_after_copy=True, **kw)

@@ -48,10 +48,13 @@ from .layout import ParamRec
 FileBuckets = Sequence[Optional[Sequence[Tuple[ParamRec, str]]]]
 
 
-class DiskEarly:
-    """The files' pass of one step, started during backward (see above)."""
+class FileBucketsInBackward:
+    """What the files' work in backward shares (DiskEarly here, disk_log.DiskLog): the
+    file buckets of engine params, their grads in a bounded ring (grad_ring.py) until a
+    job on the worker is done with them, and a bucket's start once its grads are all
+    copied."""
 
-    def __init__(self, engine, early, pipeline, files: FileBuckets, guess: bool = True):
+    def __init__(self, engine, early, pipeline, files: FileBuckets):
         self._engine = weakref.ref(engine)
         self._early = early
         self.pipeline = pipeline
@@ -59,16 +62,60 @@ class DiskEarly:
         self._file_of = {id(rec): i for i, entries in enumerate(files) if entries
                          for rec, _ in entries}
         self._lock = threading.Lock()
+        self._jobs = 0
+        largest = max((sum(rec.numel * rec.dtype.itemsize for rec, _ in e) for e in files
+                       if e), default=0)
+        engine.use_ring(ring_bytes(largest, engine.bucket_bytes), self.busy_stepping)
+
+    def busy_stepping(self) -> bool:
+        """Whether a job is queued or running: it frees ring room without waiting for
+        any grad (so a hook may wait for that room)."""
+        engine = self._engine()
+        with self._lock:
+            jobs = self._jobs
+        return jobs > 0 and engine is not None and engine.worker_busy()
+
+    def _count(self, rec: ParamRec):
+        """rec's grad copy has started: counted in its file bucket, once. (engine, its
+        file bucket, whether it is the iteration's first grad, whether it completed the
+        bucket), or None (not an engine param of a file bucket, counted already, or the
+        engine gone)."""
+        i = self._file_of.get(id(rec))
+        engine = self._engine()
+        if i is None or engine is None:
+            return None
+        with self._lock:
+            if id(rec) in self._arrived:
+                return None   # accumulated before its bucket started: counted once
+            first = not self._arrived
+            self._arrived.add(id(rec))
+            self._left[i] -= 1
+            complete = not self._left[i]
+            if complete:
+                self._completed.append(i)
+        return engine, i, first, complete
+
+    def _begin_bucket(self, engine, i: int) -> bool:
+        """File bucket i is complete: the packs holding its pieces are sent, and its
+        params' steps begin (EarlyStart.begin: verify checks them at step()). False when
+        the optimizer is gone."""
+        recs = [rec for rec, _ in self.files[i]]
+        for b in {p.bucket.index: p.bucket for r in recs for p in r.pieces}.values():
+            engine.flush_pack(b)   # a pack waiting for pieces of other buckets: sent now
+        return self._early.begin(recs)
+
+
+class DiskEarly(FileBucketsInBackward):
+    """The files' pass of one step, started during backward (see above)."""
+
+    def __init__(self, engine, early, pipeline, files: FileBuckets, guess: bool = True):
         # learned from the last backwards; until then a guess: the last buckets first
         # (none after state_resume=True: its first step checks the params first)
         self.order: Optional[List[int]] = list(reversed(range(len(files)))) if guess else None
         self._before: Optional[set] = None       # the buckets completed in the last one
         self.unrestored = 0   # streamed params the last abandoned pass could not put back
+        super().__init__(engine, early, pipeline, files)
         self._reset()
-        # the grads wait for their step in a bounded ring (grad_ring.py)
-        largest = max((sum(rec.numel * rec.dtype.itemsize for rec, _ in e) for e in files
-                       if e), default=0)
-        engine.use_ring(ring_bytes(largest, engine.bucket_bytes), self.busy_stepping)
 
     def _reset(self) -> None:
         self._close()   # (a pass never handed on: its I/O waited for)
@@ -102,26 +149,14 @@ class DiskEarly:
     def arrived(self, rec: ParamRec) -> None:
         """rec's grad copy has started: counts it in its file bucket, and starts the
         pass's step of the bucket when it completes."""
-        i = self._file_of.get(id(rec))
-        engine = self._engine()
-        if i is None or engine is None:
+        counted = self._count(rec)
+        if counted is None:
             return
-        with self._lock:
-            if id(rec) in self._arrived:
-                return   # accumulated before its bucket started: counted once
-            first = not self._arrived
-            self._arrived.add(id(rec))
-            self._left[i] -= 1
-            complete = not self._left[i]
-            if complete:
-                self._completed.append(i)
+        engine, i, first, complete = counted
         if self.order is None:
             return   # no order to step in: all at step()
         if complete:
-            recs = [rec for rec, _ in self.files[i]]
-            for b in {p.bucket.index: p.bucket for r in recs for p in r.pieces}.values():
-                engine.flush_pack(b)   # a pack waiting for pieces of other buckets: sent now
-            if not self._early.begin(recs):
+            if not self._begin_bucket(engine, i):
                 return   # the optimizer is gone
             # (a param the pass reads from the device, to start its master at its first
             # step, is read after this: the worker has no stream of the user's)
@@ -133,14 +168,6 @@ class DiskEarly:
             with self._lock:
                 self._jobs += 1
             engine.run(self._advance)
-
-    def busy_stepping(self) -> bool:
-        """Whether a job of the pass is queued or running: it steps what is complete
-        without waiting for any grad (so a hook may wait for the ring's room it frees)."""
-        engine = self._engine()
-        with self._lock:
-            jobs = self._jobs
-        return jobs > 0 and engine is not None and engine.worker_busy()
 
     # ---- on the worker -----------------------------------------------------------------
 

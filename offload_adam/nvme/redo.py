@@ -61,6 +61,7 @@ class RedoLog:
     def __init__(self, folders: Sequence[str], sizes: Sequence[int], create: bool = False):
         self.paths = [os.path.join(f, LOG_FILE) for f in folders]
         self.fds: List[int] = []
+        self.at = [0] * len(folders)   # where the step's next record goes, per file
         try:
             for path, size in zip(self.paths, sizes):
                 flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -76,33 +77,34 @@ class RedoLog:
         while self.fds:
             os.close(self.fds.pop())
 
-    def write(self, records: Dict[int, Record], files: Sequence[int]
-              ) -> Dict[int, List[int]]:
-        """Writes each bucket's record (bucket i into the log of its file, files[i]) end to
-        end from the start, then fdatasyncs; {i: [offset, nbytes, crc32c]}."""
-        at = [0] * len(self.fds)
-        out: Dict[int, List[int]] = {}
-        for i in sorted(records):
-            meta, tensors = records[i]
-            f = files[i]
-            head = json.dumps({"meta": meta, "tensors": [
-                [n, str(t.dtype).replace("torch.", ""), list(t.shape)] for n, t in tensors]}
-            ).encode()
-            parts = [memoryview(MAGIC + _LEN.pack(len(head)) + head)]
-            parts += [_bytes_of(t) for _, t in tensors]
-            start, crc = at[f], 0
-            for part in parts:
-                crc = direct_io.crc32(part, crc)
-                self._full_write(f, part, at[f])
-                at[f] += len(part)
-            out[i] = [start, at[f] - start, crc]
+    def reset(self) -> None:
+        """The next step's records start again at each log's start."""
+        self.at = [0] * len(self.fds)
+
+    def append(self, f: int, record: Record) -> List[int]:
+        """Writes `record` after the step's records so far in file f's log (not yet
+        durable: `sync`); its [offset, nbytes, crc32c]."""
+        meta, tensors = record
+        head = json.dumps({"meta": meta, "tensors": [
+            [n, str(t.dtype).replace("torch.", ""), list(t.shape)] for n, t in tensors]}
+        ).encode()
+        parts = [memoryview(MAGIC + _LEN.pack(len(head)) + head)]
+        parts += [_bytes_of(t) for _, t in tensors]
+        start, crc = self.at[f], 0
+        for part in parts:
+            crc = direct_io.crc32(part, crc)
+            self._full_write(f, part, self.at[f])
+            self.at[f] += len(part)
+        return [start, self.at[f] - start, crc]
+
+    def sync(self) -> None:
+        """The records appended so far are durable."""
         for f, fd in enumerate(self.fds):
-            if at[f]:
+            if self.at[f]:
                 try:
                     os.fdatasync(fd)
                 except OSError as e:
                     raise self._error(f, e, "flushing") from e
-        return out
 
     def _full_write(self, f: int, view: memoryview, offset: int) -> None:
         done = 0

@@ -139,6 +139,7 @@ class NvmeState:
             self._live: Dict[int, int] = {}   # written this pass, not committed: new offsets
             self._heads = list(body["heads"])
             self._log = redo.RedoLog(folders, body["log_sizes"])
+            self._logged: Dict[int, List[int]] = {}   # this step's records written so far
 
     # -- opening -------------------------------------------------------------------------
 
@@ -355,6 +356,7 @@ class NvmeState:
             body.update(written=True, step=int(step), intent=None, done=[], loading=False)
             self._store(body, "committing the step")
             self._live = {}
+            self.forget_log()
             return
         body = dict(self._body)
         slots = list(body["slots"])
@@ -396,23 +398,46 @@ class NvmeState:
         self._flush(written)
         self._store(self._moved(written), "committing buckets")
 
-    def begin(self, step: int, records: Dict[int, "redo.Record"]) -> None:
-        """Compact: writes every bucket's redo record (redo.py: what steps it to `step`)
-        and commits the intent naming them; until then nothing of the step is written.
-        A new state (nothing committed) needs none: a crash makes it anew."""
+    def log_record(self, i: int, record: "redo.Record") -> None:
+        """Compact: writes bucket i's redo record of the coming step now (step_in_backward:
+        as its grads complete), durable at `begin`; `record(i)` reads it back."""
+        self._check_sure()
+        self._logged[i] = self._log.append(self.extents[i].file, record)
+
+    def forget_log(self) -> None:
+        """The records written for a step that will not run (its pass abandoned)."""
+        if self._log is not None:
+            self._logged = {}
+            self._log.reset()
+
+    def begin(self, step: int, records: Dict[int, "redo.Record"],
+              meta: Optional[dict] = None) -> None:
+        """Compact: writes the redo records (redo.py: what steps each bucket to `step`)
+        of the buckets not logged yet, makes them all durable and commits the intent
+        naming them, with `meta` (what every record is stepped with); until then nothing
+        of the step is written. A new state (nothing committed) needs no intent (a crash
+        makes it anew), but a record logged stays readable for the pass."""
         self._check_sure()
         if not self._body["written"]:
             return
-        if sorted(records) != list(range(len(self.spec.buckets))):
+        if sorted(set(records) | set(self._logged)) != list(range(len(self.spec.buckets))):
             raise RuntimeError("offload_adam: internal error: a step's redo log must have "
                                "a record for every bucket")
-        where = self._log.write(records, [e.file for e in self.extents])
+        for i in sorted(records):
+            self.log_record(i, records[i])
+        self._log.sync()
         body = dict(self._body)
-        body.update(intent={"step": int(step), "log": {str(i): v for i, v in where.items()}},
+        body.update(intent={"step": int(step), "meta": meta or {},
+                            "log": {str(i): v for i, v in sorted(self._logged.items())}},
                     done=[])
         self._store(body, "committing the redo log")
         self._live = {}
         self._heads = list(body["heads"])
+
+    @property
+    def intent_meta(self) -> dict:
+        """Compact: the meta the step's intent was committed with (`begin`)."""
+        return self._body["intent"]["meta"]
 
     def begin_load(self) -> None:
         """Compact: a whole new state is written next (load_state_dict), with no way back:
@@ -447,7 +472,10 @@ class NvmeState:
 
     def record(self, i: int) -> Tuple[dict, Dict[str, torch.Tensor]]:
         """Bucket i's redo record of the step cut short: (meta, {name: tensor})."""
-        offset, nbytes, crc = self._body["intent"]["log"][str(i)]
+        if i in self._logged:
+            offset, nbytes, crc = self._logged[i]
+        else:
+            offset, nbytes, crc = self._body["intent"]["log"][str(i)]
         return self._log.read(self.extents[i].file, offset, nbytes, crc, i)
 
     def abandon_pass(self) -> None:
