@@ -418,3 +418,43 @@ def test_a_full_disk_in_a_compact_step_loses_nothing(kernels, tmp_path, monkeypa
                              state_dirs=str(tmp_path), **COMPACT)
     assert opt.step_count == 4
     assert_same(ps, qs2, ram, opt)
+
+
+def test_a_full_disk_while_logging_in_backward_steps_nothing(kernels, tmp_path, monkeypatch):
+    """step_in_backward on compact files: the log's writes fail (ENOSPC) in backward, on
+    the worker: step() raises naming the log and saying nothing was written; the files
+    stay at the last step, and training on (that iteration's step not taken) is bitwise
+    the run in RAM that skipped it too."""
+    import errno
+    from offload_adam.nvme.direct_io import NvmeError
+    sim = AsyncSimDevice(seed=4)
+    try:
+        with simulated(sim), sim.watch():
+            ref, m = small_layers(False, False), small_layers(False, False)
+            ram = offload_adam.AdamW(ref.parameters(), lr=3e-3, state_dtype="bfloat16")
+            opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=0.001,
+                                     state_dtype="bfloat16", state_dirs=str(tmp_path),
+                                     state_footprint="compact", step_in_backward=True)
+            def full(*a, **kw):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            for k in range(4):
+                for model, o in ((ref, ram), (m, opt)):
+                    if k == 2 and o is opt:   # the reference skips it, the disk fails it
+                        with monkeypatch.context() as patch:
+                            patch.setattr(os, "pwrite", full)
+                            engine_loss(model, k).backward()   # (the worker's log writes)
+                            with pytest.raises(NvmeError, match=r"redo log .* disk is "
+                                               r"full\)\. Nothing of this step was"):
+                                o.step()
+                        assert o.step_count == 2
+                    else:
+                        engine_loss(model, k).backward()
+                        if k != 2:
+                            o.step()
+                    o.zero_grad()
+            assert opt.step_count == 3
+            assert_same(engine_values(ref), engine_values(m), ram, opt)
+            opt.close()
+        sim.check()
+    finally:
+        sim.close()
