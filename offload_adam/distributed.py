@@ -116,7 +116,7 @@ def local_value(value: torch.Tensor, p: torch.Tensor, key: str, label) -> torch.
 
 # ---- the NVMe tier: each rank its own files -----------------------------------
 
-def _sharded(params: Iterable[torch.Tensor], process_group=None) -> bool:
+def sharded(params: Iterable[torch.Tensor], process_group=None) -> bool:
     """Whether the params are one rank's part of a run over several ranks (DTensor
     params, or a process_group given for params a user sharded himself)."""
     sharded = process_group is not None or any(is_dtensor(p) for p in params)
@@ -129,7 +129,7 @@ def rank_dirs(dirs: Tuple[str, ...], params: Iterable[torch.Tensor],
     """state_dirs= for this process: under several ranks, a folder "rank<R>" of each
     directory, R the global rank, made if missing, so that every rank may be given the
     same directories; the directories themselves otherwise."""
-    if not _sharded(params, process_group):
+    if not sharded(params, process_group):
         return dirs
     import os
     out = tuple(os.path.join(d, f"rank{dist.get_rank()}") for d in dirs)
@@ -141,7 +141,7 @@ def rank_dirs(dirs: Tuple[str, ...], params: Iterable[torch.Tensor],
 def every_rank(value, params: Iterable[torch.Tensor], process_group=None) -> Optional[list]:
     """`value` of every rank of a sharded run (in rank order; each rank must call it), or
     None under one rank. The NVMe tier's ranks agree on the step to resume with it."""
-    if not _sharded(params, process_group):
+    if not sharded(params, process_group):
         return None
     out = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(out, value, group=process_group)

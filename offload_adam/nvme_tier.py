@@ -38,6 +38,8 @@ params whose masters start again from them; the hyperparameters and grad scales 
 intent), so that a resume finishes a step cut short (`_redo_bucket`, at construction).
 With step_in_backward the records of complete file buckets are written during backward
 (engine/disk_log.py) and their grads read back from the log at step() (`_grads_from_log`).
+Under several ranks every rank's log is durable before any rank moves a bucket
+(`_all_ranks_logged`), so that resumed ranks agree on one step (`_agree_compact`).
 
 The grads are checked before the first bucket is stepped. An I/O error mid-step raises with
 the files at the last completed step (nvme/pipeline.py), but the params of the buckets
@@ -162,6 +164,9 @@ class FileStore:
                              "order in the groups, state_dtype, amsgrad, and bucket_mb, which "
                              f"lays out the buckets: bucket_mb={bucket_mb:g} here; resume "
                              "with the one they were made with)") from None
+        flat = [p for group in params for p in group]
+        self._ranks = ((flat, process_group)   # compact under several ranks: who steps
+                       if compact and distributed.sharded(flat, process_group) else None)
         try:
             self._agree_on_step(params, process_group)
             if self.state.step and not resume:
@@ -208,14 +213,12 @@ class FileStore:
         slots, checked whole first). Ranks that cannot agree all raise the same error."""
         flat = [p for group in params for p in group]
         mine = (self.state.step, self.state.previous)
+        if self.state.compact:
+            self._agree_compact(flat, process_group)
+            return
         ranks = distributed.every_rank(mine, flat, process_group)
         if ranks is None:
             return
-        if self.state.compact:
-            raise ValueError("offload_adam: state_footprint=\"compact\" cannot be used by "
-                             "several ranks yet: ranks killed between their commits agree on "
-                             "the older step, which a compact state does not keep; use "
-                             "state_footprint=\"two_generations\"")
         target = min(step for step, _ in ranks)
         if any(step != target and previous != target for step, previous in ranks):
             raise ValueError(
@@ -240,6 +243,44 @@ class FileStore:
             warnings.warn(f"offload_adam: this rank's state files were at step {mine[0]}, "
                           f"another rank's at step {target} (killed before it committed step "
                           f"{mine[0]}): all ranks resume from step {target}", RuntimeWarning)
+
+    def _agree_compact(self, flat, process_group) -> None:
+        """_agree_on_step for compact files, which keep no step before the last but may
+        hold a step begun (its redo records durable): every rank's step begun is durable
+        before any rank moves a bucket (`_all_ranks_logged`). So the ranks go forward to the
+        latest step when each has it whole or begun; else back to the earliest when none
+        moved a bucket of a later one (dropping what they began); anything else is not
+        the files of one run."""
+        st = self.state
+        ranks = distributed.every_rank((st.step, st.intent_step, st.moved), flat, process_group)
+        if ranks is None:
+            return
+        ahead = max(max(s, i or 0) for s, i, _ in ranks)
+        behind = min(s for s, _, _ in ranks)
+        began = st.intent_step
+        if all(s == ahead or i == ahead for s, i, _ in ranks):
+            target = ahead   # (the ranks with a step begun finish it: `pending`)
+        elif all(s == behind and not moved for s, _, moved in ranks):
+            target = behind
+            st.drop_intent()
+        else:
+            raise ValueError(
+                f"offload_adam: the ranks' compact state files are at steps "
+                f"{[(s, i) for s, i, _ in ranks]} ((completed, begun) in rank order) and "
+                "cannot be brought to one step: they are not the files of one run. Give "
+                "the directories of one run, or remove the state files to start afresh")
+        if began is not None and target != began:
+            warnings.warn(f"offload_adam: this rank began step {began} in its state files, "
+                          f"and another rank did not: all ranks resume from step {target}",
+                          RuntimeWarning)
+
+    def _all_ranks_logged(self) -> None:
+        """Compact, several ranks: no rank moves a bucket of a step before every rank's
+        redo records of it are durable (a collective at each step, stepping or not), so
+        that ranks killed at any instant can all go forward, or all back
+        (`_agree_compact`)."""
+        if self._ranks is not None:
+            distributed.every_rank(True, self._ranks[0], self._ranks[1])
 
     def _restore_params(self) -> None:
         """A resumed state gives the params their values of its last completed step:
@@ -391,9 +432,12 @@ class FileStore:
         stepped_early = list(early.stepped) if early is not None else []
         completed = False
         try:
-            if early is not None or with_grads or (run is not None and run.ready):
-                if self.compact:   # before any bucket moves: the redo log
+            stepping = early is not None or with_grads or (run is not None and run.ready)
+            if self.compact:   # before any bucket moves: the redo log, on every rank
+                if stepping:
                     self._log_step(param_groups, grad_scale, run, early)
+                self._all_ranks_logged()
+            if stepping:
                 passes = early.rest() if early is not None else self.pipeline.buckets()
                 with contextlib.closing(passes):   # an error: the I/O in flight waited for
                     # every group, the buckets stepped in backward too (the pass does

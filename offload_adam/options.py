@@ -124,7 +124,9 @@ documented here and nowhere else.
     again). With step_in_backward=True the grads go to the redo log as they
     complete in backward (engine/disk_log.py: host RAM for grads is the grad
     ring's), and the pass runs at step(), reading them back (the grads' bytes
-    read once more). Not yet with several ranks (refused).
+    read once more). Under several ranks (FSDP2) no rank moves a bucket of a
+    step before every rank's log of it is durable (a collective per step):
+    ranks killed anywhere resume at one step, all forward or all back.
     Fixed when the files are made. Needs state_dirs.
 
 The state format is a param-group key, not an option of this record:

@@ -17,6 +17,7 @@ import copy
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 from contextlib import nullcontext
@@ -487,13 +488,47 @@ def nvme(variant):
 KILLED_STEPS = 2   # completed by both ranks before rank 0 is killed in the next one
 
 
+def _kill(*args, **kw):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _last_step(name, model, opt):
+    """Phase 1's last step, in which ranks are killed; a rank that lives writes its result
+    and exits at once (the other is gone)."""
+    train(model, opt, 1, start=KILLED_STEPS)
+    with open(os.path.join(OUT_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({name: {"ok": True, "step": opt.step_count}}, f)
+    os._exit(0)
+
+
+def _resumed(folder, dtype, steps, **kw):
+    """Phase 2: the files phase 1 left, resumed with state_resume=True on a model of
+    another init: the step the ranks agreed on, the warnings, and whether the run is
+    bitwise the uninterrupted one in RAM after `steps`, and after 2 more."""
+    import warnings
+    ram_model = build(dtype)
+    ram = offload_adam.AdamW(ram_model.parameters(), lr=LR, weight_decay=WD)
+    train(ram_model, ram, steps)
+    model = build(dtype, seed=5)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=WD, state_dirs=folder,
+                                 state_resume=True, **kw)
+    out = {"resumed_step": opt.step_count,
+           "warned": [str(w.message) for w in seen if "all ranks resume" in str(w.message)],
+           "resumed_bitwise": same_run((ram_model, ram), (model, opt))}
+    train(ram_model, ram, 2, start=steps)
+    train(model, opt, 2, start=steps)
+    out["trained_on_bitwise"] = same_run((ram_model, ram), (model, opt))
+    return out
+
+
 @scenario("fp32", "bf16")
 def nvme_kill(variant):
     """Phase 1 of issue 25's item 7 (tests/test_distributed.py runs it alone): both ranks
     complete KILLED_STEPS steps on their files; in the next one rank 1 commits and rank 0
     is SIGKILLed right before its commit (its slots written, its manifest one step
-    behind). Rank 1 then writes its result and exits at once (rank 0 is gone)."""
-    import signal
+    behind)."""
     dtype = BF16 if variant == "bf16" else torch.float32
     folder = os.path.join(OUT_DIR, f"nvme_kill_{variant}")
     os.makedirs(folder, exist_ok=True)
@@ -502,38 +537,56 @@ def nvme_kill(variant):
                              state_dirs=folder)
     train(model, opt, KILLED_STEPS)
     if dist.get_rank() == 0:
-        def killed(*args, **kw):
-            os.kill(os.getpid(), signal.SIGKILL)
-        offload_adam.nvme.NvmeState.commit = killed
-    train(model, opt, 1, start=KILLED_STEPS)
-    with open(os.path.join(OUT_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({f"nvme_kill_{variant}": {"ok": True, "step": opt.step_count}}, f)
-    os._exit(0)
+        offload_adam.nvme.NvmeState.commit = _kill
+    _last_step(f"nvme_kill_{variant}", model, opt)
 
 
 @scenario("fp32", "bf16")
 def nvme_after_kill(variant):
-    """Phase 2: both ranks resume the files phase 1 left (rank 0 one step behind rank 1)
-    with state_resume=True: they agree on step KILLED_STEPS (rank 1 goes back, its other
-    slots still hold it), bitwise the uninterrupted run in RAM, and train on bitwise."""
-    import warnings
+    """Phase 2: both ranks resume the files phase 1 left (rank 0 one step behind rank 1):
+    they agree on step KILLED_STEPS (rank 1 goes back, its other slots still hold it),
+    bitwise the uninterrupted run in RAM, and train on bitwise."""
     dtype = BF16 if variant == "bf16" else torch.float32
-    folder = os.path.join(OUT_DIR, f"nvme_kill_{variant}")
-    ram_model = build(dtype)
-    ram = offload_adam.AdamW(ram_model.parameters(), lr=LR, weight_decay=WD)
-    train(ram_model, ram, KILLED_STEPS)
-    model = build(dtype, seed=5)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=WD,
-                                 bucket_mb=0.0005, state_dirs=folder, state_resume=True)
-    out = {"resumed_step": opt.step_count,
-           "warned": [str(w.message) for w in seen if "all ranks resume" in str(w.message)],
-           "resumed_bitwise": same_run((ram_model, ram), (model, opt))}
-    train(ram_model, ram, 2, start=KILLED_STEPS)
-    train(model, opt, 2, start=KILLED_STEPS)
-    out["trained_on_bitwise"] = same_run((ram_model, ram), (model, opt))
-    return out
+    return _resumed(os.path.join(OUT_DIR, f"nvme_kill_{variant}"), dtype, KILLED_STEPS,
+                    bucket_mb=0.0005)
+
+
+COMPACT = dict(bucket_mb=0.0005, state_footprint="compact")
+
+
+@scenario("forward", "back")
+def nvme_compact_kill(variant):
+    """Phase 1 with compact state files (state_footprint="compact": one copy, a redo
+    log; no rank moves a bucket before every rank's log of the step is durable). Both
+    ranks complete KILLED_STEPS steps; in the next one, "forward": rank 0 is SIGKILLed
+    right before its step's last commit (its log durable, buckets written) while rank 1
+    completes it; "back": rank 0 is SIGKILLed before its log is committed and rank 1 right
+    after its own (before the ranks' collective that lets buckets move)."""
+    folder = os.path.join(OUT_DIR, f"nvme_compact_kill_{variant}")
+    os.makedirs(folder, exist_ok=True)
+    model = build(torch.float32)
+    opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=WD, state_dirs=folder,
+                             **COMPACT)
+    train(model, opt, KILLED_STEPS)
+    if variant == "forward" and dist.get_rank() == 0:
+        offload_adam.nvme.NvmeState.commit = _kill
+    if variant == "back":
+        if dist.get_rank() == 0:
+            offload_adam.nvme.NvmeState.begin = _kill
+        else:
+            from offload_adam.nvme_tier import FileStore
+            FileStore._all_ranks_logged = _kill
+    _last_step(f"nvme_compact_kill_{variant}", model, opt)
+
+
+@scenario("forward", "back")
+def nvme_compact_after_kill(variant):
+    """Phase 2: both ranks resume what phase 1 left: "forward" at step KILLED_STEPS + 1
+    (rank 0 finishes it from its log), "back" at KILLED_STEPS (rank 1 drops the step it
+    began, warned); bitwise the uninterrupted run in RAM, and on."""
+    steps = KILLED_STEPS + (1 if variant == "forward" else 0)
+    return _resumed(os.path.join(OUT_DIR, f"nvme_compact_kill_{variant}"), torch.float32,
+                    steps, **COMPACT)
 
 
 # ---- the rank's main ----------------------------------------------------------------

@@ -185,6 +185,26 @@ def test_the_fsdp2_example_trains_and_resumes_bitwise(kernels, tmp_path):
     assert proc.stdout.count("resumed run bitwise equal to the uninterrupted one: True") == 2
 
 
+@pytest.mark.parametrize("variant", ["forward", "back"])
+def test_fsdp2_compact_ranks_killed_in_a_step_resume_one_step(kernels, tmp_path, variant):
+    """Compact state files (one copy and a redo log) under FSDP2: no rank moves a bucket
+    of a step before every rank's log of it is durable, so ranks killed anywhere resume
+    at one step: "forward", rank 0 killed before its step's last commit while rank 1
+    completed it: both at the later step (rank 0 finishes it from its log); "back", rank 0
+    killed before its log and rank 1 after its own: both at the earlier step (rank 1 drops
+    what it began, warned). Bitwise the uninterrupted run, and on."""
+    codes = [code for code, _ in launch(tmp_path, [f"nvme_compact_kill_{variant}"])]
+    assert codes == ([-9, 0] if variant == "forward" else [-9, -9]), codes
+    after = [res for _, res in launch(tmp_path, [f"nvme_compact_after_kill_{variant}"])]
+    r0, r1 = result(after, f"nvme_compact_after_kill_{variant}")
+    step = 3 if variant == "forward" else 2
+    assert r0["resumed_step"] == r1["resumed_step"] == step
+    assert not r0["warned"]
+    assert len(r1["warned"]) == (1 if variant == "back" else 0), r1
+    for res in (r0, r1):
+        assert res["resumed_bitwise"] and res["trained_on_bitwise"], res
+
+
 @pytest.mark.parametrize("variant", ["fp32", "bf16"])
 def test_fsdp2_ranks_killed_between_their_commits_resume_one_step(kernels, tmp_path, variant):
     """Issue 25 item 7, with real processes and files: rank 0 is SIGKILLed right before it

@@ -435,6 +435,23 @@ class NvmeState:
         self._heads = list(body["heads"])
 
     @property
+    def moved(self) -> bool:
+        """Compact: whether a bucket of the step begun is committed at its new copy (from
+        then on the step can only be finished, not dropped)."""
+        return bool(self.compact and self._body["intent"] is not None and self._body["done"])
+
+    def drop_intent(self) -> None:
+        """Compact: forgets a step begun and not moved (its records written, no bucket
+        committed): the files stay the whole step before it."""
+        if self.moved:
+            raise RuntimeError("offload_adam: internal error: a step whose buckets moved "
+                               "cannot be dropped")
+        if self.compact and self._body["intent"] is not None:
+            body = dict(self._body)
+            body.update(intent=None, done=[])
+            self._store(body, "dropping a step begun")
+
+    @property
     def intent_meta(self) -> dict:
         """Compact: the meta the step's intent was committed with (`begin`)."""
         return self._body["intent"]["meta"]
