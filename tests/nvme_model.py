@@ -65,3 +65,24 @@ def assert_stepped_from(after, before, other):
     values a stale master would have moved it back to) lies further than that."""
     for a, b, o in zip(after, before, other):
         assert (a.float() - b.float()).abs().max() < 0.05 < (b.float() - o.float()).abs().max()
+
+
+def cut_short(opt, ps, step, call=3):
+    """Trains step `step` with the kernel's `call`-th call raising KeyboardInterrupt (as a
+    Ctrl-C would, mid-step): with compact state files the step is cut after its redo log."""
+    import pytest
+    from offload_adam import kernel_step
+    real, calls = kernel_step.adam_step, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+    kernel_step.adam_step = failing
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(opt, ps, step, 1)
+    finally:
+        kernel_step.adam_step = real
+    assert len(calls) == call

@@ -17,7 +17,7 @@ import torch
 import offload_adam
 from offload_adam.testing import state_files
 from nvme_adam import flip_byte
-from nvme_model import NVME, assert_same, groups, make_params, train
+from nvme_model import NVME, assert_same, cut_short, groups, make_params, train
 
 NAMES = {"data": "offload_adam_state.bin", "manifest": "offload_adam_state.manifest",
          "spec": "offload_adam_state.spec", "lock": "offload_adam_state.lock"}
@@ -146,5 +146,81 @@ def test_a_byte_flipped_anywhere_in_the_data_file(runs, tmp_path, seed):
         return
     assert opt.step_count == STEPS
     ps, ram = ram_at(STEPS)
+    assert_same(ps, qs, ram, opt)
+    opt.close()
+
+
+# ---- the compact layout's redo log (state_footprint="compact") -----------------------------
+
+def compact_run(folder, mid_step):
+    """A compact run of STEPS steps; `mid_step`: the next step cut short after its redo
+    log (its third kernel call fails), the files holding step STEPS and the log of the
+    next."""
+    qs = make_params()
+    opt = build(qs, folder, state_footprint="compact")
+    train(opt, qs, 0, STEPS)
+    if mid_step:
+        cut_short(opt, qs, STEPS)
+    opt.close()
+
+
+REDO = "offload_adam_state.redo"
+
+
+@pytest.mark.parametrize("mid_step", [False, True], ids=["whole", "mid-step"])
+@pytest.mark.parametrize("fault", ["delete", "truncate", "flip"])
+def test_a_damaged_redo_log_is_refused_where_it_is_needed(kernels, tmp_path, fault, mid_step):
+    """The redo log deleted, cut or flipped: a missing log is refused; one cut or flipped
+    is refused when a step cut short needs it (nothing changed on disk, the params
+    untouched), and unused otherwise (the files' step resumes bitwise and trains on)."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    compact_run(folder, mid_step)
+    path = folder / REDO
+    if fault == "delete":
+        path.unlink()
+    elif fault == "truncate":
+        os.truncate(path, 100)
+    else:
+        flip_byte(path, 200)
+    before = contents(folder)
+    qs = make_params(seed=7)
+    if fault == "delete" or mid_step:
+        with pytest.raises((ValueError, RuntimeError, OSError), match="offload_adam.*redo"):
+            build(qs, folder, state_resume=True, state_footprint="compact")
+        assert contents(folder) == before
+        assert all(torch.equal(q, p) for q, p in zip(qs, make_params(seed=7)))
+        return
+    opt = build(qs, folder, state_resume=True, state_footprint="compact")
+    assert opt.step_count == STEPS
+    ps, ram = ram_at(STEPS)
+    assert_same(ps, qs, ram, opt)
+    train(opt, qs, STEPS, 1)
+    train(ram, ps, STEPS, 1)
+    assert_same(ps, qs, ram, opt)
+    opt.close()
+
+
+def test_a_stale_compact_manifest_is_refused_or_a_completed_step(kernels, tmp_path):
+    """The manifest of an earlier step put back over a compact state: the ring has since
+    rewritten some of the copies it names, so it is refused by their checksums, or, where
+    they are intact, it is that step, whole and bitwise."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    qs = make_params()
+    opt = build(qs, folder, state_footprint="compact")
+    train(opt, qs, 0, 2)
+    stale = (folder / NAMES["manifest"]).read_bytes()
+    train(opt, qs, 2, 2)
+    opt.close()
+    (folder / NAMES["manifest"]).write_bytes(stale)
+    qs = make_params(seed=7)
+    try:
+        opt = build(qs, folder, state_resume=True, state_footprint="compact")
+    except (ValueError, OSError) as e:
+        assert "offload_adam" in str(e) and "damaged" in str(e), e
+        return
+    assert opt.step_count == 2
+    ps, ram = ram_at(2)
     assert_same(ps, qs, ram, opt)
     opt.close()

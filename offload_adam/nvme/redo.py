@@ -56,7 +56,9 @@ def record_reserve(grad_bytes: Sequence[int]) -> int:
 
 
 class RedoLog:
-    """The log files of `folders`; `sizes`: the bytes each reserves (created so)."""
+    """The log files of `folders`; `sizes`: the bytes each reserves (`create`: made so;
+    else a missing one is refused: a state whose files were removed in part is not
+    trusted, and nothing is made over it)."""
 
     def __init__(self, folders: Sequence[str], sizes: Sequence[int], create: bool = False):
         self.paths = [os.path.join(f, LOG_FILE) for f in folders]
@@ -64,8 +66,15 @@ class RedoLog:
         self.at = [0] * len(folders)   # where the step's next record goes, per file
         try:
             for path, size in zip(self.paths, sizes):
-                flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-                fd = os.open(path, flags, 0o644)
+                flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_CLOEXEC", 0)
+                try:
+                    fd = os.open(path, flags, 0o644)
+                except FileNotFoundError:
+                    raise FileNotFoundError(
+                        f"offload_adam: the redo log {path} of the compact optimizer state in "
+                        f"{os.path.dirname(path)!r} is missing (removed or not copied with the "
+                        "other state files): the state cannot be trusted. Restore it, or "
+                        "remove the state's files to start afresh") from None
                 self.fds.append(fd)
                 if create and size:
                     os.posix_fallocate(fd, 0, size)
