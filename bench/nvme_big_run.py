@@ -17,7 +17,9 @@ by the optimizer with the state in files. In one run, on one directory:
                (torch, the params and grads: 4 B/param) plus what the tier added, against
                its ring (state_budget_mb), the bound it promises
 
-limit time = state bytes / read GB/s + state bytes / write GB/s; ratio = step / max(limit, cpu).
+limit time = state bytes / read GB/s + (state bytes + the redo log's) / write GB/s; ratio = step /
+max(limit, cpu). --footprint compact: state_footprint="compact" (one copy + 4 spare buckets + the
+redo log of the grads, 2 B/param written per step).
 
     flock /tmp/offload_bench.lock python bench/nvme_big_run.py          # 2.7 B params, ~6 min
     python bench/nvme_big_run.py --params-b 0.05 --out /tmp/x              # smoke run
@@ -115,6 +117,8 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=100.0, help="bucket_mb= (MiB of state)")
     ap.add_argument("--budget-mb", type=float, default=800.0, help="state_budget_mb=")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--footprint", default="two_generations",
+                    choices=["two_generations", "compact"], help="state_footprint=")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--cpu-fraction", type=int, default=16)
@@ -149,14 +153,18 @@ def main():
         rss_before = rss_now()   # torch, the params and grads: what the process held already
         t = time.perf_counter()
         opt = offload_adam.AdamW(ps, lr=1e-4, num_threads=args.threads, state_dirs=state_dir,
-                                 bucket_mb=args.bucket_mb, state_budget_mb=args.budget_mb)
+                                 bucket_mb=args.bucket_mb, state_budget_mb=args.budget_mb,
+                                 state_footprint=args.footprint)
         files = state_files(opt)
         nbytes = files.spec.nbytes
         ring = sum(b.nbytes for b in ring_buffers(opt))
+        disk = sum(os.path.getsize(os.path.join(state_dir, f)) for f in os.listdir(state_dir))
+        # what a step writes beyond the state: compact's redo log (the grads, 2 B/param)
+        log_bytes = 2 * n if args.footprint == "compact" else 0
         log(out, f"state on disk: {nbytes / 1e9:.2f} GB a generation ({nbytes / n:.2f} B/param), "
-                 f"{len(files.spec.buckets)} buckets, two generations in the files "
-                 f"({2 * nbytes / 1e9:.1f} GB); ring {ring / 2**20:.0f} MiB; files made in "
-                 f"{time.perf_counter() - t:.1f} s")
+                 f"{len(files.spec.buckets)} buckets, {args.footprint}: the files take "
+                 f"{disk / 1e9:.1f} GB ({disk / n:.2f} B/param); ring {ring / 2**20:.0f} MiB; "
+                 f"files made in {time.perf_counter() - t:.1f} s")
         steps, rss = [], []
         for k in range(args.steps):
             t = time.perf_counter()
@@ -176,7 +184,7 @@ def main():
         added -= rss_before
         med = statistics.median(steps[1:] or steps)
         for name, lim in (("before", before), ("after", after)):
-            limit_t = nbytes / lim["read_Bps"] + nbytes / lim["write_Bps"]
+            limit_t = nbytes / lim["read_Bps"] + (nbytes + log_bytes) / lim["write_Bps"]
             row[f"ratio_{name}"] = r = {
                 "limit_seconds": limit_t, "ratio_to_limit": med / limit_t,
                 "ratio_to_bound": med / max(limit_t, cpu_t),
@@ -186,6 +194,7 @@ def main():
                      f"step/max(limit, cpu) {r['ratio_to_bound']:.3f} "
                      f"({'met' if r['target_met'] else 'MISSED'}: <= 1.15)")
         row.update(params=n, tensors=count, numel=numel, state_bytes=nbytes, ring_bytes=ring,
+                   footprint=args.footprint, disk_bytes=disk, log_bytes_per_step=log_bytes,
                    step_seconds=steps, step_median=med, cpu_step_seconds=cpu_t,
                    cpu_step_samples=cpu_times, cpu_part=part, vmrss_after_steps=rss,
                    peak_rss=row_peak, rss_bound=bound, rss_torch_start=rss_torch,

@@ -100,6 +100,7 @@ def rank_main(rank, world, port, args):
     try:
         if not main(args):
             raise SystemExit(1)
+        dist.barrier()   # both ranks done before either tears down (gloo's exit race)
     finally:
         dist.destroy_process_group()
 
@@ -116,6 +117,7 @@ if __name__ == "__main__":
         dist.init_process_group("gloo")
         try:
             ok = main(args)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         raise SystemExit(0 if ok else 1)
