@@ -542,9 +542,7 @@ class FileStore:
         for e in self.buckets[i]:
             st = ParamState.in_bucket(t, e.name)
             if ("p", e.name) in parts:
-                p = whole("p", e.name, st.master)
-                if take_from_param(float(st.step), False, lambda: not rounds_to(st.master, p)):
-                    st.master.copy_(p)
+                _follow_param(st, whole("p", e.name, st.master))
             if ("g", e.name) in parts:
                 g = whole("g", e.name, st.master)
                 scale = step_meta["scale" if e.name in meta["in_place"] else "engine_scale"]
@@ -581,8 +579,7 @@ class FileStore:
             st = ParamState.in_bucket(t, e.name)
             p = param_values(e.param)
             if not self.marks.current(e.param):
-                if take_from_param(float(st.step), False, lambda: not rounds_to(st.master, p)):
-                    st.master.copy_(p)
+                _follow_param(st, p)
                 self.marks.agree([e.param])
             if e.param.grad is None:   # not stepped
                 continue
@@ -712,6 +709,14 @@ class FileStore:
             st.master.copy_(got.master)
         else:
             st.master.copy_(param_values(e.param).to("cpu", torch.float32))
+
+
+def _follow_param(st: ParamState, p: torch.Tensor) -> None:
+    """The master rule (master_rule.py) for a files' master `st.master` whose param
+    changed, the param being `p` now (or as the redo log kept it): the master starts again
+    from it unless it is still its rounding."""
+    if take_from_param(float(st.step), False, lambda: not rounds_to(st.master, p)):
+        st.master.copy_(p)
 
 
 def _check_grad(e: _Param, group: dict) -> None:

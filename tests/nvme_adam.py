@@ -5,6 +5,7 @@ host RAM (plain tensors) must give the same bits.
 Everything is a function of (seed, step, bucket): the first values and each step's grads,
 so that a run resumed in another process continues exactly as an uninterrupted one.
 """
+import os
 from typing import Dict, List
 
 import torch
@@ -134,3 +135,16 @@ def compact_step(state, pipe, seed: int) -> None:
     state.begin(step + 1, {i: grads_record(seed, step, i, b)
                            for i, b in enumerate(state.spec.buckets)})
     pipe.step(adam_fn(seed, step))
+
+
+def fails_at(call: int, real, code: int):
+    """`real` (direct_io._write or _read: (fd, view, offset)) raising OSError(code) at its
+    `call`-th call, to set in its place: a disk error (ENOSPC, EIO) in the middle of a step."""
+    calls = []
+
+    def fn(fd, view, offset):
+        calls.append(offset)
+        if len(calls) == call:
+            raise OSError(code, os.strerror(code))
+        return real(fd, view, offset)
+    return fn

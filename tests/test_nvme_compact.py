@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from nvme_adam import (adam_fn, compact_step, fill_initial, grads_record, host_state, host_step,
-                       make_spec, same_bits)
+from nvme_adam import (adam_fn, compact_step, fails_at, fill_initial, grads_record, host_state,
+                       host_step, make_spec, same_bits)
 from offload_adam.nvme import NvmeState, StepPipeline
 from offload_adam.nvme.circular import SPARES, Circular
 from offload_adam.nvme.layout import BucketSpec, StateSpec, TensorSpec
@@ -208,8 +208,16 @@ from offload_adam.testing import AsyncSimDevice, simulated  # noqa: E402
 COMPACT = dict(state_footprint="compact", **NVME)
 
 
-def disk_bytes(folder):
-    return sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+def resumed_as(folder, fmt, ps, ram, step):
+    """The compact files in `folder` resumed (state_resume=True) on params of another init:
+    at `step`, the params and the whole state bitwise those of `ram` on `ps`. (optimizer,
+    its params)"""
+    qs = make_params(seed=9)   # other values: the files restore them
+    opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dtype=fmt, state_resume=True,
+                             state_dirs=str(folder), **COMPACT)
+    assert opt.step_count == step
+    assert_same(ps, qs, ram, opt)
+    return opt, qs
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "8bit"])
@@ -224,10 +232,7 @@ def test_compact_files_train_as_ram(kernels, tmp_path, fmt):
         train(o, p, 0, 5, clip=True)
     assert_same(ps, qs, ram, opt)
     opt.close()
-    qs2 = make_params(seed=9)   # other values: the files restore them
-    opt = offload_adam.AdamW(groups(qs2), lr=0.01, state_dtype=fmt, state_resume=True,
-                             state_dirs=str(tmp_path), **COMPACT)
-    assert_same(ps, qs2, ram, opt)
+    opt, qs2 = resumed_as(tmp_path, fmt, ps, ram, step=5)
     train(opt, qs2, 5, 2)
     train(ram, ps, 5, 2)
     assert_same(ps, qs2, ram, opt)
@@ -333,11 +338,7 @@ def test_an_error_inside_a_compact_step_is_finished_by_a_resume(kernels, tmp_pat
     with pytest.raises(RuntimeError, match="state_resume=True"):
         train(opt, qs, 4, 1)
     opt.close()
-    qs2 = make_params(seed=9)
-    opt = offload_adam.AdamW(groups(qs2), lr=0.01, state_dtype="8bit", state_resume=True,
-                             state_dirs=str(tmp_path), **COMPACT)
-    assert opt.step_count == 4
-    assert_same(ps, qs2, ram, opt)
+    resumed_as(tmp_path, "8bit", ps, ram, step=4)
 
 
 def test_what_compact_refuses(kernels, tmp_path):
@@ -384,14 +385,7 @@ def test_a_full_disk_in_a_compact_step_loses_nothing(kernels, tmp_path, monkeypa
     assert opt.step_count == 2 and all(torch.equal(after[i][k], v)
                                        for i in before for k, v in before[i].items())
     train(opt, qs, 2, 1)   # room again: on
-    writes, real = [], direct_io._write
-
-    def full_on_third(fd, view, offset):
-        writes.append(offset)
-        if len(writes) == 3:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, view, offset)
-    monkeypatch.setattr(direct_io, "_write", full_on_third)
+    monkeypatch.setattr(direct_io, "_write", fails_at(3, direct_io._write, errno.ENOSPC))
     with pytest.raises(NvmeError, match=r"the disk is full\)\. The files hold step 3 and the "
                                         r"redo log of step 4, which state_resume=True finishes"):
         train(opt, qs, 3, 1)
@@ -399,11 +393,7 @@ def test_a_full_disk_in_a_compact_step_loses_nothing(kernels, tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="state_resume=True"):
         train(opt, qs, 3, 1)
     opt.close()
-    qs2 = make_params(seed=9)
-    opt = offload_adam.AdamW(groups(qs2), lr=0.01, state_dtype="8bit", state_resume=True,
-                             state_dirs=str(tmp_path), **COMPACT)
-    assert opt.step_count == 4
-    assert_same(ps, qs2, ram, opt)
+    resumed_as(tmp_path, "8bit", ps, ram, step=4)
 
 
 def test_a_full_disk_while_logging_in_backward_steps_nothing(kernels, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import torch
 
 import offload_adam
 from offload_adam.testing import ring_buffers, state_files
+from nvme_adam import fails_at
 from nvme_model import (NVME, assert_same, assert_stepped_from, bits, grad, groups, make_params,
                         train)
 
@@ -326,14 +327,7 @@ def test_a_full_disk_mid_step_raises_and_keeps_the_last_completed_state(kernels,
     train(opt, ps, 0, 2)
     before = opt.state_dict()
     before = {i: {k: v.clone() for k, v in st.items()} for i, st in before["state"].items()}
-    writes, real = [], direct_io._write
-
-    def full_on_third(fd, view, offset):
-        writes.append(offset)
-        if len(writes) == 3:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, view, offset)
-    monkeypatch.setattr(direct_io, "_write", full_on_third)
+    monkeypatch.setattr(direct_io, "_write", fails_at(3, direct_io._write, errno.ENOSPC))
     with pytest.raises(NvmeError, match=r"the disk is full\)\. The state of step 2 \(the last "
                                         r"completed one\) is intact"):
         train(opt, ps, 2, 1)

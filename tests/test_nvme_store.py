@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from nvme_adam import adam_fn, fill_initial, flip_byte, make_spec, same_bits
+from nvme_adam import adam_fn, fails_at, fill_initial, flip_byte, make_spec, same_bits
 from offload_adam.nvme import (NvmeError, NvmeState, StateSpec, StepPipeline, direct_io,
                                manifest, store)
 
@@ -344,14 +344,7 @@ def test_a_disk_error_mid_step_keeps_the_last_completed_step(kernels, tmp_path, 
                                                              failing, code):
     spec = make_spec("8bit", buckets=4, numel=20000)
     committed = started(tmp_path, spec, steps=2)
-    calls = []
-
-    def fail_on_third(fd, view, offset):
-        calls.append(offset)
-        if len(calls) == 3:
-            raise OSError(code, os.strerror(code))
-        return failing(fd, view, offset)
-    monkeypatch.setattr(direct_io, failing.__name__, fail_on_third)
+    monkeypatch.setattr(direct_io, failing.__name__, fails_at(3, failing, code))
     with NvmeState.open([tmp_path], spec) as state:
         pipe = StepPipeline(state, ring_of(spec))
         with pytest.raises(NvmeError, match=f"bucket .* in {tmp_path}/offload_adam_state.bin "

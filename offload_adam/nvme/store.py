@@ -137,7 +137,7 @@ class NvmeState:
                                  body["spares"])
             self.file_sizes = self.ring.file_sizes()
             self._live: Dict[int, int] = {}   # written this pass, not committed: new offsets
-            self._heads = list(body["heads"])
+            self._new_pass()
             self._log = redo.RedoLog(folders, body["log_sizes"])
             self._logged: Dict[int, List[int]] = {}   # this step's records written so far
 
@@ -431,8 +431,12 @@ class NvmeState:
                             "log": {str(i): v for i, v in sorted(self._logged.items())}},
                     done=[])
         self._store(body, "committing the redo log")
+        self._new_pass()
+
+    def _new_pass(self) -> None:
+        """Compact: no write of a pass yet; the ring's head where the manifest has it."""
         self._live = {}
-        self._heads = list(body["heads"])
+        self._heads = list(self._body["heads"])
 
     @property
     def moved(self) -> bool:
@@ -464,8 +468,7 @@ class NvmeState:
             body = dict(self._body)
             body.update(loading=True, intent=None, done=[])
             self._store(body, "starting to load a state")
-        self._live = {}
-        self._heads = list(self._body["heads"])
+        self._new_pass()
 
     @property
     def logs_steps(self) -> bool:
@@ -499,9 +502,8 @@ class NvmeState:
         """A pass stopped by an error: its writes not committed are forgotten (their room
         is free again); a compact step left begun is finished by a resume."""
         if self.compact:
-            self._live = {}
             self._sums = {}
-            self._heads = list(self._body["heads"])
+            self._new_pass()
             if self._body["intent"] is not None or self._body["loading"]:
                 self._unsure = self._unsure or (
                     "a step of the compact state files was cut short by an error after its "
@@ -747,7 +749,7 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout):
             old = os.path.join(folder, name)
             free += os.path.getsize(old) if os.path.exists(old) else 0
         if size + log > free:
-            what = (f"one copy and {SPARES} spares" if compact else f"{SLOTS} slots each")
+            what = (f"one copy and {spares} spares" if compact else f"{SLOTS} slots each")
             raise NvmeError(errno.ENOSPC, f"offload_adam: the optimizer state needs "
                             f"{size_text(size + log)} in {folder!r} ({len(spec.buckets)} "
                             f"buckets, {what}), only {size_text(free)} is free", folder)
