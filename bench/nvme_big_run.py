@@ -208,10 +208,16 @@ def main():
                  f"{nbytes / 2**30:.1f} GiB, RAM {row['ram_bytes'] / 2**30:.1f} GiB")
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
+    save_run(args.out, f"nvme_big_run_{args.tag}", row, out)
+
+
+def save_run(folder: str, name: str, row: dict, out: list) -> None:
+    """The run's record `row` (the load average at its end added) as <name>.json and its
+    log lines as <name>.log in `folder`."""
     row["load_end"] = load_average()
     log(out, f"load average: start {row['load_start']}, end {row['load_end']}")
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"nvme_big_run_{args.tag}")
+    os.makedirs(folder, exist_ok=True)
+    stem = os.path.join(folder, name)
     with open(stem + ".json", "w") as f:
         json.dump(row, f, indent=1, default=str)
     with open(stem + ".log", "w") as f:

@@ -42,8 +42,7 @@ def mark(p: torch.Tensor) -> Mark:
     if home_of(p) is not None:   # streamed: its values are its host copy's
         # written through the host copy itself, or through the param while it shows the
         # host copy (load_state_dict copies into p: p's own counter, not the copy's)
-        t = home_of(p).tensor
-        return p._version, t._version, t.data_ptr()
+        return (p._version,) + home_of(p).mark()
     if type(p) in PLAIN:   # (the common case, asked per param per step: kept short)
         v = p._version
         return v, v, p.data_ptr()

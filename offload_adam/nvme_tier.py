@@ -58,7 +58,7 @@ import torch
 
 from . import distributed
 from .distributed import is_dtensor, local, local_value
-from .params import check_dense, param_label, param_values, rounds_to
+from .params import check_dense, param_label, param_values, rounds_to, write_values
 from .engine.disk_early import DiskEarly
 from .engine.disk_log import DiskLog
 from .kernel_state import kernel_state
@@ -297,8 +297,7 @@ class FileStore:
                     st = ParamState.in_bucket(views, e.name)
                     step = float(st.step)
                     if step > 0:
-                        live = param_values(e.param, write=True)
-                        live.copy_(st.master.to(live.dtype))
+                        write_values(e.param, st.master)
                         self._stepped.add(id(e.param))
                         self._resumed[id(e.param)] = (e, mark(e.param), step)
         self.marks.agree(e.param for e, _, _ in self._resumed.values())

@@ -35,13 +35,17 @@ head): the block in use, k ahead, and one given back whose compute may still be 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+import os
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .engine.device import current_host_stand_in, make_device
+from .nvme.layout import ALIGN, round_up
+from .param_files import ParamFiles, min_slots
 from .params import home_of, set_home
 
 __all__ = ["ParamStreamer", "stream_params"]
@@ -51,18 +55,61 @@ _ALIGN = 64   # bytes: each host copy starts on a cache line
 
 
 class Home:
-    """A streamed param's values in host memory: what the optimizer reads and steps."""
+    """A streamed param's values in host memory: what the optimizer reads and steps.
+    `like`: a meta tensor of its shape and dtype. With param files (param_files.py) the
+    values are in the block's cache slot: `tensor` loads the block if it is not there, and
+    stays valid only until the cache gives the slot to another block, so whoever keeps it
+    across other blocks' loads holds it (before_write ... after_write)."""
 
-    def __init__(self, tensor: torch.Tensor, block: "_Block"):
-        self.tensor, self.block = tensor, block
+    def __init__(self, block: "_Block", k: int, like: torch.Tensor):
+        self.block, self.k, self.like = block, k, like
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The values now. In files: valid while the block is held (held(), or between
+        before_write and after_write): another thread may give its slot away otherwise."""
+        return self.block.host_views()[self.k]
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[torch.Tensor]:
+        """The values, kept where they are until the block ends (for reading)."""
+        self.block.hold()
+        try:
+            yield self.tensor
+        finally:
+            self.block.unhold(dirty=False)
+
+    def values(self) -> torch.Tensor:
+        """The values to read at leisure: the host copy in RAM, a copy of it from files."""
+        if self.block.streamer.files is None:
+            return self.tensor
+        with self.held() as t:
+            return t.clone()
 
     def before_write(self) -> None:
         """Waits until no copy to the device still reads this block's host copies (the
         host is about to rewrite them); a device copy of the block made before is stale
         from now on, and its next use fetches again (`stale` is only set here, maybe on
-        the engine's worker thread, and read on the thread that runs the model)."""
+        the engine's worker thread, and read on the thread that runs the model). With
+        param files the block stays in its slot until after_write()."""
         self.block.stale = True
         self.block.settle()
+        self.block.hold()
+
+    def after_write(self, stepped: int = 0) -> None:
+        """The write that before_write() announced is done: a block in files goes back
+        to its file before its slot is reused. `stepped`: the elements the CPU step wrote
+        (the cache keeps a block until its step wrote all of it)."""
+        self.block.unhold(dirty=True, stepped=stepped)
+
+    def mark(self) -> tuple:
+        """What master_rule.mark reads of the host copy: in RAM, its version counter and
+        address (a write through it bumps the first); in files, no view lives on (they
+        are written through the param, whose counter counts, or by the engine)."""
+        if self.block.streamer.files is not None:
+            return 0, id(self.block)
+        t = self.tensor
+        return t._version, t.data_ptr()
 
 
 class _Block:
@@ -76,8 +123,13 @@ class _Block:
         self.params = [p for _, p in params]
         self.state = "away"
         self.stale = False        # its host copies were written since its last fetch
+        self.awaiting = False     # used in backward, not all stepped (param files' cache)
+        self.unstepped = 0        # ... its trainable elements the step has not written yet
+        self.backward_use = 0     # ... when (the step follows the grads' order)
+        self.trained = False      # the CPU step wrote it once
         self.copies: list = []    # its last fetch's H2D copies, until the host waited for them
-        self.homes: List[torch.Tensor] = []
+        self.homes: List[torch.Tensor] = []   # the host copies in RAM (none with files)
+        self.offsets: List[int] = []          # each param's bytes in the block's host copy
         self.device_tensors: List[torch.Tensor] = []
         self.placeholders: List[torch.Tensor] = []
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
@@ -92,6 +144,33 @@ class _Block:
         if self.copies:
             self.streamer.device.wait_host(*self.copies)
             self.copies = []
+
+    def views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
+        """Each param's host copy in the block's buffer (uint8)."""
+        return [buffer[off:off + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                for p, off in zip(self.params, self.offsets)]
+
+    def host_views(self) -> List[torch.Tensor]:
+        """The host copies now: in RAM, or in the block's cache slot (loaded if need be;
+        valid until the cache reuses the slot: see Home)."""
+        files = self.streamer.files
+        if files is None:
+            return self.homes
+        buffer = files.hold(self.index)
+        files.unhold(self.index, dirty=False)
+        return self.views(buffer)
+
+    def hold(self) -> None:
+        if self.streamer.files is not None:
+            self.streamer.files.hold(self.index)
+
+    def unhold(self, dirty: bool, stepped: int = 0) -> None:
+        if stepped:   # the CPU step
+            self.unstepped -= stepped
+            self.awaiting = self.awaiting and self.unstepped > 0
+            self.trained = True
+        if self.streamer.files is not None:
+            self.streamer.files.unhold(self.index, dirty)
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -118,10 +197,11 @@ class ParamStreamer:
     `stream_params`. `fetched_bytes`: host-to-device bytes of params sent so far."""
 
     def __init__(self, model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
-                 device=None):
+                 device=None, param_dirs=None, param_cache_mb=None):
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"offload_adam.stream_params: prefetch must be an int >= 0, "
                              f"got {prefetch!r}")
+        param_dirs = _check_files(param_dirs, param_cache_mb)
         self.model, self.prefetch = model, prefetch
         self.device, self.torch_device = _device_of(model, device)
         found = _find_blocks(model, blocks)
@@ -133,7 +213,19 @@ class ParamStreamer:
             found = _find_blocks(model, blocks)
         self.blocks = [_Block(self, i, name, m, params)
                        for i, (name, m, params) in enumerate(found)]
+        for block in self.blocks:
+            block.offsets, block.size = _offsets(block.params)
+        self.files: Optional[ParamFiles] = None
+        if param_dirs is not None:
+            largest = max(round_up(b.size, ALIGN) for b in self.blocks)
+            cache = (param_cache_mb * 2**20 if param_cache_mb is not None
+                     else (min_slots(prefetch) + 2) * largest)
+            self.files = ParamFiles(param_dirs, [b.size for b in self.blocks], cache,
+                                    prefetch, self.device,
+                                    settle=lambda i: self.blocks[i].settle())
+            self.files.rank = self._rank
         self.fetched_bytes = 0
+        self._backward_uses = 0
         self._order: Optional[List[Tuple[int, str]]] = None   # recorded uses
         self._recording: List[Tuple[int, str]] = []
         self._cursor: Optional[int] = 0
@@ -164,28 +256,32 @@ class ParamStreamer:
                         m._buffers[key] = _moved(b, self.torch_device)
 
     def _take(self, block: _Block) -> None:
-        """Copies the block's params into one host buffer (pinned), and leaves each param
-        a placeholder and an empty device tensor for its fetches."""
-        offsets, size = [], 0
-        for p in block.params:
-            offsets.append(size)
-            size += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
-        buffer = torch.empty(size, dtype=torch.uint8)
-        if self.device.pin(buffer):
-            self._pinned.append(buffer)
-        with torch.no_grad():
-            for p, off in zip(block.params, offsets):
-                nbytes = p.numel() * p.element_size()
-                home = buffer[off:off + nbytes].view(p.dtype).view(p.shape)
-                home.copy_(p.detach())
-                block.homes.append(home)
-                real = torch.empty(p.shape, dtype=p.dtype, device=self.torch_device)
-                real.untyped_storage().resize_(0)
-                block.device_tensors.append(real)
-                block.placeholders.append(_nan(p, self.torch_device, full=False))
-                p.data = block.placeholders[-1]
-                p.grad = None
-                set_home(p, Home(home, block))
+        """Copies the block's params into one host buffer (pinned), or into its param file
+        through the cache, and leaves each param a placeholder and an empty device tensor
+        for its fetches."""
+        if self.files is None:
+            buffer = torch.empty(block.size, dtype=torch.uint8)
+            if self.device.pin(buffer):
+                self._pinned.append(buffer)
+        else:
+            buffer = self.files.hold(block.index, read=False)
+        try:
+            with torch.no_grad():
+                for k, (p, home) in enumerate(zip(block.params, block.views(buffer))):
+                    home.copy_(p.detach())
+                    if self.files is None:
+                        block.homes.append(home)
+                    real = torch.empty(p.shape, dtype=p.dtype, device=self.torch_device)
+                    real.untyped_storage().resize_(0)
+                    block.device_tensors.append(real)
+                    block.placeholders.append(_nan(p, self.torch_device, full=False))
+                    like = torch.empty(p.shape, dtype=p.dtype, device="meta")
+                    p.data = block.placeholders[-1]
+                    p.grad = None
+                    set_home(p, Home(block, k, like))
+        finally:
+            if self.files is not None:
+                self.files.unhold(block.index, dirty=True)
 
     def _hook(self, block: _Block) -> None:
         m = block.module
@@ -301,11 +397,22 @@ class ParamStreamer:
             self._cursor = _advance(self._order, self._cursor, key)
             if self._cursor is not None:
                 ahead = self._order[self._cursor:self._cursor + self.prefetch]
+        block.awaiting = phase == "b" and block.trained
+        if phase == "b":
+            block.unstepped = sum(p.numel() for p in block.params if p.requires_grad)
+            self._backward_uses += 1
+            block.backward_use = self._backward_uses
         self._fetch(block)
         self.device.publish(block.copies)
         block.state = "here"
         for index, _ in ahead:
             self._fetch(self.blocks[index])
+        if self.files is not None and self._order is not None and self._cursor is not None:
+            # the param files read further ahead than the copies: as far as the cache has
+            # room for blocks used sooner than those it holds
+            later = self._order[self._cursor + self.prefetch:
+                                self._cursor + self.prefetch + len(self.files.slots)]
+            self.files.read_ahead(list(dict.fromkeys(i for i, _ in later)))
 
     def _fetch(self, block: _Block) -> None:
         if block.stale:   # the step wrote its host copies while it was on the device
@@ -317,7 +424,16 @@ class ParamStreamer:
         for t in block.device_tensors:
             self.device.materialize(t)
         fence = self.device.fence()   # after the last compute that used this memory
-        block.copies = [self.device.h2d(list(block.device_tensors), list(block.homes), fence)]
+        if self.files is None:
+            block.copies = [self.device.h2d(list(block.device_tensors), list(block.homes),
+                                            fence)]
+        else:   # from its cache slot, which is not reused before the copy ran (settle)
+            buffer = self.files.hold(block.index)
+            try:
+                block.copies = [self.device.h2d(list(block.device_tensors),
+                                                block.views(buffer), fence)]
+            finally:
+                self.files.unhold(block.index, dirty=False)
         block.show(block.device_tensors)
         block.state = "coming"
         self.fetched_bytes += block.nbytes
@@ -337,7 +453,9 @@ class ParamStreamer:
     def _state_dict(self, block: _Block, sd: dict, prefix: str) -> None:
         """The host copies stand for the params (keep_vars=True: as Parameters around
         them, not the model's own, whose data is the placeholder between uses)."""
-        for name, home in zip(block.names, block.homes):
+        homes = (block.homes if self.files is None
+                 else block.views(self.files.mapped(block.index)))
+        for name, home in zip(block.names, homes):
             key = prefix + name
             if key in sd:
                 was = sd[key]
@@ -345,13 +463,19 @@ class ParamStreamer:
                            if isinstance(was, torch.nn.Parameter) else home)
 
     def _before_load(self, block: _Block) -> None:
-        """load_state_dict copies into the host copies (the params show them meanwhile)."""
+        """load_state_dict copies into the host copies (the params show them meanwhile;
+        with param files the block stays in its cache slot until loaded)."""
         self._release(block)
         block.settle()
-        block.show(block.homes)
+        if self.files is None:
+            block.show(block.homes)
+        else:
+            block.show(block.views(self.files.hold(block.index)))
 
     def _after_load(self, block: _Block) -> None:
         block.show(block.placeholders)
+        if self.files is not None:
+            self.files.unhold(block.index, dirty=True)
 
     # ---- the rest -----------------------------------------------------------------------
 
@@ -363,6 +487,29 @@ class ParamStreamer:
     @property
     def largest_block_bytes(self) -> int:
         return max(b.nbytes for b in self.blocks)
+
+    def host_bytes(self) -> int:
+        """Host memory the streamer holds for the host copies: every block's (in RAM), or
+        the param files' cache."""
+        if self.files is not None:
+            return self.files.cache_bytes
+        return sum(b.size for b in self.blocks)
+
+    def _rank(self, index: int) -> Optional[float]:
+        """How soon block `index` is used next (param files' cache): the uses until its
+        next one in the recorded order; before any, a block the CPU step is still to write
+        (used in backward: the step comes before the next forward, and steps the blocks
+        in the order their grads came); None before the order is recorded."""
+        block = self.blocks[index]
+        if block.awaiting:
+            return float(block.backward_use - 2**40)
+        order = self._order
+        if order is None:
+            return None
+        cursor = self._cursor or 0
+        n = len(order)
+        return float(min(((q - cursor) % n for q, (i, _) in enumerate(order) if i == index),
+                         default=n))
 
     def close(self) -> None:
         """Stops streaming: every param goes back to the device for good (the optimizer
@@ -377,16 +524,23 @@ class ParamStreamer:
             for block in self.blocks:
                 self._release(block)
                 block.settle()
-                for p, home in zip(block.params, block.homes):
-                    p.data = home.to(self.torch_device, copy=True)
-                    set_home(p, None)
+                block.hold()
+                try:
+                    for p, home in zip(block.params, block.host_views()):
+                        p.data = home.to(self.torch_device, copy=True)
+                        set_home(p, None)
+                finally:
+                    block.unhold(dirty=False)
         for buffer in self._pinned:
             self.device.unpin(buffer)
         self._pinned = []
+        if self.files is not None:
+            self.files.close()
+            self.files = None
 
 
 def stream_params(model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
-                  device=None) -> ParamStreamer:
+                  device=None, *, param_dirs=None, param_cache_mb=None) -> ParamStreamer:
     """Streams the params of `model`'s blocks from host memory: between uses they hold
     no device memory (see offload_adam/param_stream.py). Build the optimizer after.
 
@@ -400,11 +554,52 @@ def stream_params(model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
             f(name, module) -> bool. A matching module inside another streams with it.
         prefetch: how many uses ahead to fetch (k).
         device: where the blocks compute (default: the current CUDA device).
+        param_dirs: a directory or a list of them (one per drive) for the host copies:
+            each block in a file there (striped: block i in directory i % n), read
+            ahead through a cache of host buffers (offload_adam/param_files.py). The
+            files are scratch, made anew here and removed by close(): a state to resume
+            is the optimizer's (state_dirs=, state_resume=True writes the params from it).
+        param_cache_mb: host memory for the param files' cache (MiB): at least
+            prefetch + 3 of the largest block; default prefetch + 5 of them.
     """
-    return ParamStreamer(model, blocks, prefetch, device)
+    return ParamStreamer(model, blocks, prefetch, device, param_dirs, param_cache_mb)
 
 
 # ---- helpers -------------------------------------------------------------------------
+
+def _offsets(params) -> Tuple[List[int], int]:
+    """Each param's offset in its block's host copy (a cache line each), and its size."""
+    offsets, size = [], 0
+    for p in params:
+        offsets.append(size)
+        size += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+    return offsets, size
+
+
+def _check_files(param_dirs, param_cache_mb):
+    """param_dirs as a list of paths (None: no files); a ValueError naming a bad one."""
+    if param_dirs is None:
+        if param_cache_mb is not None:
+            raise ValueError("offload_adam.stream_params: param_cache_mb is the param "
+                             "files' cache: give param_dirs too")
+        return None
+    if isinstance(param_dirs, (str, bytes)) or hasattr(param_dirs, "__fspath__"):
+        param_dirs = [param_dirs]
+    param_dirs = list(param_dirs)
+    if not param_dirs:
+        raise ValueError("offload_adam.stream_params: param_dirs is empty")
+    for d in param_dirs:
+        if not isinstance(d, (str, bytes)) and not hasattr(d, "__fspath__"):
+            raise TypeError(f"offload_adam.stream_params: param_dirs holds {d!r}, not a path")
+    if len({os.path.realpath(os.fspath(d)) for d in param_dirs}) != len(param_dirs):
+        raise ValueError(f"offload_adam.stream_params: param_dirs names a directory twice: "
+                         f"{param_dirs}")
+    if param_cache_mb is not None and (isinstance(param_cache_mb, bool) or not isinstance(
+            param_cache_mb, (int, float)) or not param_cache_mb > 0):
+        raise ValueError(f"offload_adam.stream_params: param_cache_mb must be a number > 0, "
+                         f"got {param_cache_mb!r}")
+    return [os.fspath(d) for d in param_dirs]
+
 
 def _nan(t: torch.Tensor, device: torch.device, full: bool = True) -> torch.Tensor:
     """A tensor of t's shape and dtype on `device` that holds no value yet: NaN (zeros for

@@ -75,14 +75,27 @@ def set_home(p: torch.Tensor, home) -> None:
     _homes[key] = (weakref.ref(p, gone), home)
 
 
-def param_values(p: torch.Tensor, write: bool = False) -> torch.Tensor:
-    """The tensor that holds param p's values, detached: a streamed param's host copy, any
-    other's local tensor (a DTensor's shard). `write`: the caller is about to write it (a
-    streamed param's copies to the device that still read it are waited for first)."""
+def param_values(p: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds param p's values, detached, to read now: a streamed param's
+    host copy, any other's local tensor (a DTensor's shard). To write: write_values."""
     from .distributed import local
     home = home_of(p)
     if home is None:
         return local(p).detach()
-    if write:
-        home.before_write()
-    return home.tensor
+    return home.values()
+
+
+def write_values(p: torch.Tensor, values: torch.Tensor) -> None:
+    """Writes `values` (any dtype: cast) into param p's values (param_values), a streamed
+    param's host copy included (in files: marked to go back to its file)."""
+    home = home_of(p)
+    if home is None:
+        t = param_values(p)
+        t.copy_(values.to(t.dtype))
+        return
+    home.before_write()   # (no copy to the device still reads it)
+    try:
+        t = home.tensor
+        t.copy_(values.to(t.dtype))
+    finally:
+        home.after_write()

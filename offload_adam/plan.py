@@ -10,7 +10,8 @@ and resident params (embeddings, final norm, head). For each layout
 
     params   gpu    every param resident on the GPU in bf16 (the optimizer's default)
              ram    blocks streamed from pinned host copies (stream_params)
-             files  blocks streamed from param files, a host cache in front (planned: issue 28)
+             files  blocks streamed from param files (stream_params(param_dirs=)), a cache of
+                    host buffers in front: what host RAM has left, in whole blocks
     state    ram    master + moments in the engine's host arenas
              files  in the NVMe tier's files (state_dirs=), two generations, through its
                     ring of buffers, stepped in backward (its grads through the grad ring)
@@ -33,8 +34,11 @@ The recipe assumed for every layout: bf16 params, free_grads_after_copy=True (a 
 the GPU once copied), step_in_backward with the state in files and one micro-batch a step,
 prefetch k blocks ahead.
 
-A layout with params in files is planned (issue 28): its param files count 2 B per streamed
-param, and its host cache what RAM has left.
+With params in files (param_files.py) each block's file extent is its host copy rounded to
+4 KiB, the cache holds as many blocks as RAM has left (at least prefetch + 3), forward and
+backward each read what the cache does not hold, and the step writes every streamed param
+(in backward, when the block is still in the cache; at step(), reading first the blocks the
+cache does not hold).
 """
 
 from __future__ import annotations
@@ -48,10 +52,13 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .param_files import min_slots
+
 GB = 1e9
 _LINE = 64        # engine/host_memory.py: every per-param host buffer starts on a cache line
 _QUANT = 256      # state_format.QUANT_BLOCK: one fp32 scale per 256 8-bit codes per moment
 _HOME_ALIGN = 64  # param_stream.py: each streamed param's host copy starts on a cache line
+_FILE_ALIGN = 4096  # param_files.py: each block's extent in its file (O_DIRECT)
 _MB = 2 ** 20
 
 # What one step of the fused kernel moves through DRAM per param with bf16 params
@@ -340,11 +347,6 @@ class Layout:
                              f"{self.state_dtype!r}")
 
     @property
-    def built(self) -> bool:
-        """Whether offload_adam does this today (params in files are issue 28's)."""
-        return self.params != "files"
-
-    @property
     def streamed(self) -> bool:
         return self.params != "gpu"
 
@@ -439,6 +441,15 @@ def home_bytes(shapes: Sequence[Tuple[int, ...]]) -> int:
     return sum(_round(2 * math.prod(s), _HOME_ALIGN) for s in shapes)
 
 
+def param_slot_bytes(model: "ModelShape") -> int:
+    """One block's extent in the param files, and one slot of their cache (param_files.py)."""
+    return _round(home_bytes([s for _, s in model.block_tensors()]), _FILE_ALIGN)
+
+
+def param_file_bytes(model: "ModelShape") -> int:
+    return model.layers * param_slot_bytes(model)
+
+
 def activation_bytes(model: ModelShape, run: Run) -> Dict[str, float]:
     """GPU activations of one micro-batch, bf16, with flash attention (an estimate). Per
     token a block keeps for its backward its two norms' inputs and outputs (4h), q, k and v
@@ -489,7 +500,7 @@ def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str,
         out["grad ring"] = float(files["grad_ring_bytes"])
     else:
         out["grads"] = float(transfer_bytes(shapes, run.bucket_mb, staged=False))
-    if layout.params != "files" and run.micro > 1:
+    if run.micro > 1:
         # free_grads_after_copy accumulates on the host through a ring
         largest = max(max(engine_pieces(math.prod(s), run.bucket_mb)) for s in shapes)
         out["accumulation ring"] = float(4 * _round(largest * 4, _LINE))
@@ -517,7 +528,7 @@ def _disk(model: ModelShape, layout: Layout, files: dict) -> Dict[str, float]:
     elif layout.state == "files":
         out["state (2 generations)"] = float(files["data_file_bytes"])
     if layout.params == "files":
-        out["param files (planned)"] = 2.0 * model.block_params * model.layers
+        out["param files"] = float(param_file_bytes(model))
     return out
 
 
@@ -571,7 +582,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {"model": asdict(self.model), "params": self.model.params,
-                "layout": asdict(self.layout), "built": self.layout.built,
+                "layout": asdict(self.layout),
                 "gpu_bytes": self.gpu, "host_bytes": self.host, "disk_bytes": self.disk,
                 "gpu_total": self.gpu_total, "host_total": self.host_total,
                 "disk_total": self.disk_total, "fits": self.fits, "misfits": self.misfits(),
@@ -586,10 +597,12 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
              _host(model, run, layout, files), _disk(model, layout, files))
     n, streamed = model.params, model.layers * model.block_params
     cache = 0.0
-    if layout.params == "files":   # what the host has left caches the param files
+    if layout.params == "files":   # what the host has left caches the param files, in blocks
+        slot = param_slot_bytes(model)
         free = machine.host_bytes - machine.host_reserve_bytes - p.host_total
-        cache = max(0.0, min(free, 2.0 * streamed))
-        p.host["param cache (planned)"] = cache
+        slots = max(min_slots(run.prefetch), min(int(max(free, 0) // slot), model.layers))
+        cache = float(slots * slot)
+        p.host["param cache"] = cache
     m, micro = machine, run.micro
     # PCIe, per direction: streamed params fetched for forward and again for backward per
     # micro-batch, the resident params' updates at step(); every grad once per micro-batch
@@ -603,8 +616,9 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     dram = _STEP_TRAFFIC[layout.state_dtype] * n + (micro - 1) * 6.0 * n
     if layout.in_files:
         dram += 2 * state_gen
-    # SSD: the state read and written once per step; param files (planned) miss the cache
-    # in forward and backward, and the new params are written
+    # SSD: the state read and written once per step; param files miss the cache in forward
+    # and backward, and the new params are written (a step at step() first reads the
+    # blocks the cache does not hold: their frozen or unstepped params keep their values)
     ssd_read = ssd_write = 0.0
     if layout.in_files:
         ssd_read, ssd_write = state_gen, state_gen
@@ -613,8 +627,11 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
             if _ring(layout, run):   # logged in backward: read back by the pass
                 ssd_read += files["redo_log_bytes"]
     if layout.params == "files":
-        ssd_read += micro * 2 * max(0.0, 2.0 * streamed - cache)
-        ssd_write += 2.0 * streamed
+        extent = float(param_file_bytes(model))
+        ssd_read += micro * 2 * max(0.0, extent - cache)
+        if not _ring(layout, run):
+            ssd_read += max(0.0, extent - cache)
+        ssd_write += extent
     # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
     # attention's score and value products, causal (6 s h per token per layer, +2 likewise)
     k = 8 if run.checkpointing else 6
@@ -677,7 +694,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
     for layout in layouts:
         p = plan(model, machine, run, layout)
         big = largest_fitting(model, machine, run, layout)
-        name = str(layout) + ("" if layout.built else " *")
+        name = str(layout)
         s = p.seconds
         lines.append(
             f"{name:34s} {_gb(p.gpu_total)} {_gb(p.host_total)} {_gb(p.disk_total)} "
@@ -694,8 +711,8 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         d["largest_fitting"] = None if big is None else {"layers": big.layers,
                                                            "params": big.params}
         out.append(d)
-    lines += ["", "* planned, not built yet (issue 28: param files). Bounds are "
-              "per optimizer step, each at the stated speed; the step is at least the largest.",
+    lines += ["", "Bounds are per optimizer step, each at the stated speed; the step is at "
+              "least the largest.",
               "Host and disk bytes are the code's own layouts; GPU activations and times are "
               "estimates (offload_adam/plan.py says how)."]
     return "\n".join(lines), out
@@ -733,7 +750,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--state-budget-mb", type=float)
     ap.add_argument("--state-dtype", action="append", choices=STATE_DTYPES,
                     help="only these (repeatable; default all)")
-    ap.add_argument("--built-only", action="store_true", help="leave out the planned layouts")
     ap.add_argument("--detail", action="store_true", help="every tier's bytes, itemized")
     ap.add_argument("--json", help="also write the plans here")
     return ap
@@ -782,8 +798,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"offload_adam.plan: {e}", file=sys.stderr)
         return 2
-    layouts = [lay for lay in all_layouts(args.state_dtype or STATE_DTYPES)
-               if lay.built or not args.built_only]
+    layouts = all_layouts(args.state_dtype or STATE_DTYPES)
     text, plans = report(model, machine, run, layouts, args.detail)
     print(text)
     if args.json:

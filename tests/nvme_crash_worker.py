@@ -176,14 +176,17 @@ class Blocks(torch.nn.Module):
         return (x.float() * self.head).sum(-1)
 
 
-def engine_model(seed, blocks=False, streamed=False):
+def engine_model(seed, blocks=False, streamed=False, param_dir=None):
     """Elementwise, or Blocks; `streamed`: Blocks with its layers streamed (stream_params,
-    inside offload_adam.testing.simulated)."""
+    inside offload_adam.testing.simulated), from param files in `param_dir` when given
+    (a cache of the fewest slots: blocks go back to their files and come again)."""
     torch.manual_seed(seed)
     m = (Blocks() if blocks or streamed else Elementwise()).to(torch.bfloat16)
     m.head.data = m.head.data.float()
     if streamed:
-        offload_adam.stream_params(m, Layer, prefetch=1)
+        files = {} if param_dir is None else dict(param_dirs=param_dir,
+                                                  param_cache_mb=4 * 4096 / 2**20)
+        offload_adam.stream_params(m, Layer, prefetch=1, **files)
     return m
 
 
@@ -219,10 +222,11 @@ def engine_train(m, opt, first, count):
 
 def engine_worker(state_dir, until, streamed, compact, progress):
     """As optimizer_worker, for the engine with step_in_backward on the simulated device
-    (`compact`: on compact files); the model starts from its init, and the files restore
-    it."""
+    (`compact`: on compact files; streamed="files": the layers' params in param files
+    beside the state); the model starts from its init, and the files restore it."""
     sim = AsyncSimDevice(seed=until % 7)
     with simulated(sim), sim.watch():
-        m = engine_model(seed=11, streamed=streamed)
+        m = engine_model(seed=11, streamed=bool(streamed),
+                         param_dir=state_dir + "-params" if streamed == "files" else None)
         opt = engine_optimizer(m, state_dir, compact)
         steps_until(opt, lambda k: engine_train(m, opt, k, 1), until, progress)

@@ -236,7 +236,8 @@ ENGINE_KILLS = 10
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["step_in_backward", "compact"])
-@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
+@pytest.mark.parametrize("streamed", [False, True, "files"],
+                         ids=["resident", "streamed", "param-files"])
 def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp_path,
                                                                     forkserver, streamed,
                                                                     compact):
@@ -245,7 +246,9 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
     step(): killed anywhere (forward, backward's pass, the commit), the files hold a
     completed step, the params restored from them included, bitwise the uninterrupted
     plain run in host RAM. `streamed`: the layers' params streamed per block (issue 27):
-    the files restore their host copies, and the reference is the same model resident."""
+    the files restore their host copies, and the reference is the same model resident;
+    "files": the host copies in param files (issue 28), a cache of 4 blocks of 8, the
+    worker's files left as the kill left them and the resumed model's made anew."""
     rng = random.Random(8642)
     state_dir = tmp_path / "state"
     begun = []
@@ -253,13 +256,16 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
     sim = AsyncSimDevice(seed=3)
     try:
         with simulated(sim), sim.watch():
-            ref = engine_model(seed=11, blocks=streamed)
+            ref = engine_model(seed=11, blocks=bool(streamed))
             ram = engine_optimizer(ref)
             ram_step, last_done, steps_seen = 0, 0, []
 
             def reopened():
                 nonlocal ram_step
-                m = engine_model(seed=11, blocks=streamed, streamed=streamed)   # files restore it
+                param_dir = (str(tmp_path / f"params{len(steps_seen)}")
+                             if streamed == "files" else None)
+                m = engine_model(seed=11, blocks=bool(streamed), streamed=bool(streamed),
+                                 param_dir=param_dir)   # the state files restore it
                 if compact:
                     begun.append(mid_step(state_dir))
                 opt = engine_optimizer(m, str(state_dir), compact)
@@ -296,7 +302,7 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
         sim.check()
     finally:
         sim.close()
-    print(f"step_in_backward ({'streamed' if streamed else 'resident'}): steps at the kills "
+    print(f"step_in_backward ({streamed or 'resident'}): steps at the kills "
           f"{steps_seen}")
 
 

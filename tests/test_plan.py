@@ -12,6 +12,7 @@ import torch
 
 import offload_adam
 from offload_adam import plan as planner
+from offload_adam.param_files import FILE_NAME
 from offload_adam.testing import AsyncSimDevice, simulated
 
 transformers = pytest.importorskip(
@@ -56,12 +57,12 @@ def micro_batch(model, seed, config):
 
 
 @pytest.mark.parametrize("state_dtype", planner.STATE_DTYPES)
-@pytest.mark.parametrize("params", ["gpu", "ram"])
+@pytest.mark.parametrize("params", ["gpu", "ram", "files"])
 @pytest.mark.parametrize("state", ["ram", "files", "compact"])
 def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dtype, params,
                                                     state):
-    """host_bytes() (+ the streamer's host copies) and the state files on disk, after a
-    step, are the planner's to the byte; so are the bytes the simulated device moved per
+    """host_bytes() (+ the streamer's host copies, or its param files' cache) and the
+    state files and param files on disk, after a step, are the planner's to the byte; so are the bytes the simulated device moved per
     link in a step (grads freed once copied; with the state in RAM, 2 micro-batches
     accumulated on the host; in files, one, stepped in backward through the grad ring,
     from the first backward on)."""
@@ -77,8 +78,12 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
     try:
         with simulated(sim), sim.watch():
             model = build(config)
-            streamer = (offload_adam.stream_params(model, LlamaDecoderLayer, prefetch=1)
-                        if params == "ram" else None)
+            files = (dict(param_dirs=tmp_path / "params",
+                          param_cache_mb=p.host["param cache"] / 2**20)
+                     if params == "files" else {})
+            streamer = (offload_adam.stream_params(model, LlamaDecoderLayer, prefetch=1,
+                                                   **files)
+                        if params != "gpu" else None)
             kw = {"ram": {},
                   "files": dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True),
                   "compact": dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True,
@@ -90,11 +95,15 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
                 for m in range(run.micro):
                     micro_batch(model, 10 * step + m, config)
                 if step == 0:
-                    first = opt.host_bytes() + (streamer.streamed_bytes if streamer else 0)
+                    first = opt.host_bytes() + (streamer.host_bytes() if streamer else 0)
                 opt.step()
                 opt.zero_grad()
             after = sim.counters()
-            host = opt.host_bytes() + (streamer.streamed_bytes if streamer else 0)
+            host = opt.host_bytes() + (streamer.host_bytes() if streamer else 0)
+            if streamer is not None and streamer.files is not None:
+                param_files = os.path.getsize(tmp_path / "params" / FILE_NAME)
+                assert param_files == p.disk["param files"]
+                assert len(streamer.files.slots) >= len(streamer.files.sizes)   # all cached
             assert host == p.host_total, (p.host, host)
             # nor does the first step hold more (the pass in its backward guessed the order)
             assert first == host
@@ -104,17 +113,18 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
         sim.check()
     finally:
         sim.close()
+    disk_total = p.disk_total - p.disk.get("param files", 0)
     if state == "files":
         data = os.path.getsize(tmp_path / "state" / "offload_adam_state.bin")
-        assert data == p.disk_total == p.disk["state (2 generations)"]
+        assert data == disk_total == p.disk["state (2 generations)"]
     elif state == "compact":
         data = os.path.getsize(tmp_path / "state" / "offload_adam_state.bin")
         log = os.path.getsize(tmp_path / "state" / "offload_adam_state.redo")
         assert data == p.disk["state (1 copy + 4 spare buckets)"]
         assert log == p.disk["grad redo log"]   # (its records fit the reserve)
-        assert p.disk_total == data + log
+        assert disk_total == data + log
     else:
-        assert p.disk_total == 0
+        assert disk_total == 0
 
 
 def test_unaligned_shapes_are_bounded_by_a_line_per_piece(kernels):
@@ -215,7 +225,7 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     got = json.loads(out.read_text())
     assert len(got["plans"]) == 27
     assert {p["bound"] for p in got["plans"]} <= {"gpu", "pcie", "cpu", "ssd"}
-    assert sum(not p["built"] for p in got["plans"]) == 9
+    assert sum(p["layout"]["params"] == "files" for p in got["plans"]) == 9
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -216,7 +216,7 @@ class OffloadEngine:
         # an update stepped in backward waits in staging for step() (the first step, with
         # the state in files, learns the buckets' order after its pass ran in backward)
         staged = {id(p): p.staging for p in pieces
-                  if p.staging is not None and p.rec.home is None}
+                  if p.rec.home is None and p.staging is not None}
         buckets = make_buckets(pieces, self.bucket_bytes)
         arenas = allocate_transfers(buckets, self.device, self._available,
                                     stage_fp32=self.state_on_disk and self.early is not None,
@@ -482,7 +482,7 @@ class OffloadEngine:
             self.early.verify(param_groups, state, grad_scale)   # raises on a change
         self._end_backward()  # what a backward that raised left unflushed
         for rec in self.recs:
-            rec.live()   # raises for a param cast or replaced, before anything changes
+            rec.live(check_only=True)   # raises for a param cast or replaced, before anything changes
             self._hook_grad(rec)
         self._learn_bucket_order()
         return self.device.fence()
@@ -895,8 +895,8 @@ class EngineStep:
     def host_params(self, rec: ParamRec) -> List[Tuple[int, torch.Tensor]]:
         """rec's param now, (start, host copy) per piece, read from the device after the
         user's queued work (or its streamed host copy)."""
-        live = rec.live()
-        dsts = [torch.empty(p.of(live).shape, dtype=rec.dtype) for p in rec.pieces]
+        like = rec.home.like if rec.home is not None else rec.live()
+        dsts = [torch.empty(p.of(like).shape, dtype=rec.dtype) for p in rec.pieces]
         read_params(self.engine.device, dsts, rec.pieces)
         return [(p.start, d) for p, d in zip(rec.pieces, dsts)]
 
@@ -948,7 +948,7 @@ def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, tor
                 if float(rec.step_t) == 0:
                     keep[id(rec)] = None   # its first step: nothing to go back to but this
                 elif not engine.marks.current(rec.param):
-                    keep[id(rec)] = rec.home.tensor.clone()
+                    keep[id(rec)] = rec.home.values().clone()   # (see disk_early)
         follow_masters(engine.device, [rec for rec, _ in todo], engine.marks, after)
         by_bucket: Dict[int, list] = {}
         for rec, _ in todo:
@@ -963,7 +963,8 @@ def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, tor
             if write:
                 before = len(bucket.h2d)
                 job.write_back()
-                if any(p.staging is None for p in pieces):   # the source is the master
+                if any(p.rec.home is None and p.staging is None
+                       for p in pieces):   # the source is the master
                     ring_reads += bucket.h2d[before:]
         engine.device.wait_host(*ring_reads)
         for rec, name in todo:
@@ -1017,19 +1018,27 @@ class BucketJob:
         dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
         dev.wait_host(*bucket.h2d)                     # its buffers are free again
         bucket.h2d = []
-        for home in _homes(pieces):   # a streamed param's update goes to its host copy:
-            home.before_write()       # no fetch may still read it
-        args = KernelArgs()
-        for p in pieces:
-            args.add(p.param_state(), p.staging if bucket.low_precision else None, p.start)
-        t0 = time.perf_counter()
-        args.run([p.grad for p in pieces], hyper, self.grad_scale, self.threads)
-        if not bucket.low_precision:
-            # An fp32 update that goes back from staging (packed, or with the
-            # state in files: layout.allocate_transfers) is the master.
+        homes = _homes(pieces)
+        written = []
+        try:
+            for home in homes:   # a streamed param's update goes to its host copy: no
+                home.before_write()   # fetch may still read it (in files: held in the cache)
+                written.append(home)
+            args = KernelArgs()
             for p in pieces:
-                if p.staging is not None:
-                    p.staging.copy_(p.state("master"))
+                args.add(p.param_state(), p.staging if bucket.low_precision else None,
+                         p.start)
+            t0 = time.perf_counter()
+            args.run([p.grad for p in pieces], hyper, self.grad_scale, self.threads)
+            if not bucket.low_precision:
+                # An fp32 update that goes back from staging (packed, or with the
+                # state in files: layout.allocate_transfers) is the master.
+                for p in pieces:
+                    if p.staging is not None:
+                        p.staging.copy_(p.state("master"))
+        finally:
+            for home in written:
+                home.after_write(sum(p.numel for p in pieces if p.rec.home is home))
         if engine.ring is not None:   # their grads are read: their spans may be reused
             for p in pieces:
                 engine.ring.done(p)
@@ -1038,13 +1047,11 @@ class BucketJob:
     def write_back(self) -> None:
         """Queues the copies of the stepped values into the params (H2D)."""
         engine, bucket, pieces = self.engine, self.bucket, self.pieces
-        srcs = [p.state("master") if p.staging is None else p.staging for p in pieces]
-        dsts = [p.of(p.rec.live()) for p in pieces]
-        for i, p in enumerate(pieces):   # a streamed param's update is in its host copy
-            if p.rec.home is not None and dsts[i].data_ptr() != srcs[i].data_ptr():
-                raise RuntimeError(f"offload_adam: internal error: the update of "
-                                   f"{p.rec.label()} is not in its host copy")
+        # (a streamed param's update is in its host copy already: its staging)
         resident = [i for i, p in enumerate(pieces) if p.rec.home is None]
+        srcs = {i: pieces[i].state("master") if pieces[i].staging is None
+                else pieces[i].staging for i in resident}
+        dsts = {i: pieces[i].of(pieces[i].rec.live()) for i in resident}
         packed = [i for i in resident if pieces[i].packed]
         sends = [[i] for i in resident if not pieces[i].packed] + ([packed] if packed else [])
         for idx in sends:

@@ -248,7 +248,10 @@ class DiskEarly(FileBucketsInBackward):
                     else:
                         changed.append(rec.param)
                     rec.home.before_write()
-                    rec.home.tensor.copy_(old)
+                    try:
+                        rec.home.tensor.copy_(old)
+                    finally:
+                        rec.home.after_write()
         if engine is not None:
             engine.marks.forget(changed)
 

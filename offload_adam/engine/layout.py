@@ -52,7 +52,7 @@ class ParamRec:
         # A streamed param (param_stream.py) is read and written in its host copy: its
         # device tensor holds its values only while its block computes.
         self.home = home_of(param)
-        t = self.home.tensor if self.home is not None else local(param)
+        t = self.home.like if self.home is not None else local(param)
         self.param = param
         self.group = group
         self.position = position           # registration order
@@ -80,10 +80,11 @@ class ParamRec:
             return f"param {self.name}"
         return f"a param of shape {list(self.shape)} in param group {self.group}"
 
-    def live(self) -> torch.Tensor:
+    def live(self, check_only: bool = False) -> Optional[torch.Tensor]:
         """The param's local tensor now, checked against what it was when the
         optimizer was built (`p.data = ...` or `model.to(...)` may change it). A
-        streamed param's is its host copy (`home`)."""
+        streamed param's is its host copy (`home`). `check_only`: the check alone (a
+        streamed param in files is not loaded for it)."""
         home = home_of(self.param)
         if home is not self.home:
             raise RuntimeError(
@@ -92,7 +93,7 @@ class ParamRec:
                    "optimizer after stream_params()" if home is not None else
                    "no longer streams (its streamer was closed): build a new optimizer"))
         if home is not None:
-            return home.tensor
+            return None if check_only else home.tensor
         t = local(self.param).detach()
         if t.dtype != self.dtype or tuple(t.shape) != self.shape:
             raise RuntimeError(
@@ -115,7 +116,8 @@ class Piece:
         self.bucket: Optional[Bucket] = None
         self.grad: Optional[torch.Tensor] = None      # host copy of the grad (transfer)
         self.span = None   # the grad ring's span its grad is in, until stepped (grad_ring.py)
-        self.staging: Optional[torch.Tensor] = None   # bf16/fp16 update (transfer)
+        self._staging: Optional[torch.Tensor] = None   # bf16/fp16 update (transfer)
+        self.home_shape: Optional[tuple] = None   # a streamed param's: see `staging`
         # Its own step count: the kernel counts each piece's step, and a param
         # cut in pieces is stepped by several calls (state["step"] is the first).
         self.step_t: Optional[torch.Tensor] = None
@@ -123,6 +125,19 @@ class Piece:
     @property
     def numel(self) -> int:
         return self.stop - self.start
+
+    @property
+    def staging(self) -> Optional[torch.Tensor]:
+        """Where the kernel writes its bf16/fp16 update (or an fp32 param's, to copy): a
+        transfer buffer, or a streamed param's host copy itself, looked up at each use (with
+        param files it moves between cache slots; param_stream.Home)."""
+        if self.home_shape is not None:
+            return self.of(self.rec.home.tensor).view(self.home_shape)
+        return self._staging
+
+    @staging.setter
+    def staging(self, t: Optional[torch.Tensor]) -> None:
+        self._staging = t
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """This piece of `t` (a whole-param tensor: the param, its grad, a state view)."""
@@ -275,7 +290,7 @@ def allocate_transfers(buckets: Sequence[Bucket], device, available: Optional[in
         if grads:
             p.grad = arenas.view(f"grad {p.rec.dtype}", g, shape)
         if p.rec.home is not None:
-            p.staging = p.of(p.rec.home.tensor).view(shape)
+            p.home_shape = shape
         else:
             p.staging = None if s is None else arenas.view(f"staging {p.rec.dtype}", s, shape)
     return arenas

@@ -16,6 +16,7 @@ here and over the files' lent buckets (core.step_lent).
 
 from __future__ import annotations
 
+import contextlib
 from itertools import groupby
 from typing import Callable, Sequence
 
@@ -94,22 +95,32 @@ def read_params(device, dsts: Sequence, pieces: Sequence, after=None) -> None:
     went = []
     for dst, p in zip(dsts, pieces):
         if p.rec.home is not None:
-            src = p.of(p.rec.live())
-            if dst.data_ptr() != src.data_ptr():   # (its staging is its host copy itself)
-                dst.copy_(src)
+            with p.rec.home.held():   # (in files: its slot stays until copied)
+                src = p.of(p.rec.live())
+                if dst is not None and dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)   # (its staging is its host copy itself: nothing)
         else:
             went.append(device.d2h(dst, p.of(p.rec.live()), after))
     device.wait_host(*went)
 
 
+def _held(piece):
+    """A streamed param's host copy kept in place while its staging (the copy itself) is
+    used (param files: the cache may give the slot away otherwise)."""
+    home = piece.rec.home
+    return home.held() if home is not None else contextlib.nullcontext()
+
+
 def _masters_from_params(device, recs: Sequence, after=None) -> None:
     pieces = [p for rec in recs for p in rec.pieces]
     device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
-    read_params(device, [p.staging if p.rec.low_precision else p.state("master")
+    read_params(device, [(None if p.rec.home is not None else p.staging)
+                         if p.rec.low_precision else p.state("master")
                          for p in pieces], pieces, after)
     for p in pieces:
         if p.rec.low_precision:
-            p.state("master").copy_(p.staging)
+            with _held(p):
+                p.state("master").copy_(p.staging)
 
 
 def follow_masters(device, recs: Sequence, marks: MasterMarks, after=None) -> None:
@@ -125,11 +136,14 @@ def follow_masters(device, recs: Sequence, marks: MasterMarks, after=None) -> No
     if check:
         pieces = [p for rec in check for p in rec.pieces]
         device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
-        read_params(device, [p.staging for p in pieces], pieces, after)
+        read_params(device, [None if p.rec.home is not None else p.staging for p in pieces],
+                    pieces, after)
 
     def stale(rec) -> bool:
-        return not rec.low_precision or not all(
-            rounds_to(p.state("master"), p.staging) for p in rec.pieces)
+        def rounds(p) -> bool:
+            with _held(p):
+                return rounds_to(p.state("master"), p.staging)
+        return not rec.low_precision or not all(rounds(p) for p in rec.pieces)
 
     take = [rec for rec in changed
             if take_from_param(float(rec.step_t), False, lambda rec=rec: stale(rec))]

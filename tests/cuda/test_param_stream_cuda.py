@@ -38,10 +38,11 @@ def train(model, opt, steps, micro, clip):
         opt.zero_grad()
 
 
-def run(streamed, checkpointed=False, prefetch=2, clip=True, **opts):
+def run(streamed, checkpointed=False, prefetch=2, clip=True, param_dirs=None, **opts):
     model = make_llama(checkpointed=checkpointed)
     if streamed:
-        streamer = offload_adam.stream_params(model, Block, prefetch=prefetch)
+        files = {} if param_dirs is None else dict(param_dirs=param_dirs, param_cache_mb=0.2)
+        streamer = offload_adam.stream_params(model, Block, prefetch=prefetch, **files)
     else:
         model.cuda()
         streamer = None
@@ -66,6 +67,16 @@ def test_streamed_training_is_the_resident_training_on_cuda(checkpointed, prefet
 def test_streamed_training_stepped_in_backward_on_cuda():
     _, _, _, resident = run(False, step_in_backward=True)
     _, _, _, streamed = run(True, step_in_backward=True)
+    for k in resident:
+        assert torch.equal(resident[k], streamed[k]), k
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["at-step", "step-in-backward"])
+def test_params_in_files_train_as_resident_on_cuda(tmp_path, early):
+    """param_dirs=: the blocks' host copies in files behind a cache of 8 of the 16 blocks
+    (pinned slots, reused once the copies that read them ran): bitwise the resident run."""
+    _, _, _, resident = run(False, step_in_backward=early)
+    _, _, _, streamed = run(True, param_dirs=tmp_path, step_in_backward=early)
     for k in resident:
         assert torch.equal(resident[k], streamed[k]), k
 

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Params and state on disk beyond this machine's RAM: stream_params(param_dirs=) + AdamW(state_dirs=).
+
+Issue 28's acceptance run. A stack of wide MLP blocks (bf16), built on the meta device so that
+no full copy ever sits in RAM, streams its blocks' params from param files through a cache of
+`--cache-mb`, on the synchronous host stand-in of a GPU (engine/device.HostDevice: the "device"
+copies are memcpy, its memory is RAM and counted); the optimizer keeps the fp32 master and moments
+in compact state files (state_footprint="compact") and steps each block during backward
+(step_in_backward), the grads through its bounded ring. In one run, on one directory:
+
+  disk limit   O_DIRECT sequential write and read bandwidth before and after (nvme_bench.disk_limit)
+  steps        forward + backward + step() per iteration, --steps of them (the first writes the
+               state for the first time); per iteration the bytes read and written (/proc/self/io)
+  expected     the bytes the design says (the planner's terms, offload_adam/plan.py): the state
+               read and written, the grad log written and read back, the param files read where
+               the cache misses in forward and backward, the new params written
+  peak RSS     VmHWM during the steps against the caches' budgets + the rings + the "device"
+               memory (the blocks on the device at once and the activations) + 1 GiB
+
+limit = bytes read / read GB/s + bytes written / write GB/s (each probe); ratio = iteration / limit.
+
+    flock /tmp/offload_bench.lock python bench/param_files_big_run.py     # ~46 GB on disk, ~15 min
+    python bench/param_files_big_run.py --blocks 3 --dim 512 --limit-gb 0.5 --out /tmp/x  # smoke
+
+Writes results/nvme/param_files_big_run_<tag>.json and .log.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import offload_adam  # noqa: E402
+from offload_adam.engine.device import HostDevice  # noqa: E402
+from offload_adam.testing import ring_buffers, simulated, state_files  # noqa: E402
+from bench.machine import load_average, machine_info, one_line  # noqa: E402
+from bench.nvme_bench import log  # noqa: E402
+from bench.nvme_big_run import limit_of, peak_rss, reset_peak, rss_now, save_run  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    """x + down(silu(up(norm(x)))): 2 x dim x hidden params, the shape of a Llama MLP."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim, elementwise_affine=True, bias=False)
+        self.up = torch.nn.Linear(dim, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, blocks: int, dim: int, hidden: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block(dim, hidden) for _ in range(blocks))
+        self.out = torch.nn.Parameter(torch.ones(dim))   # resident
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return (x.float() * self.out.float()).pow(2).mean()
+
+
+def io_bytes():
+    with open("/proc/self/io") as f:
+        d = dict(line.split(": ") for line in f.read().splitlines())
+    return int(d["read_bytes"]), int(d["write_bytes"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/tmp/offload_adam_param_files_big")
+    ap.add_argument("--blocks", type=int, default=21)
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=16384)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--cache-mb", type=float, default=2048.0, help="param_cache_mb=")
+    ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--bucket-mb", type=float, default=100.0)
+    ap.add_argument("--budget-mb", type=float, default=2600.0,
+                    help="state_budget_mb= (3 of the largest bucket: one 67 M-element param)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--io-threads", type=int, default=4)
+    ap.add_argument("--limit-gb", type=float, default=8.0)
+    ap.add_argument("--tag", default=socket.gethostname())
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results", "nvme"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out, row = [], {"args": vars(args)}
+    info = machine_info()
+    row.update(machine=info, load_start=load_average())
+    log(out, f"param_files_big_run: {one_line(info)}")
+    os.makedirs(args.dir, exist_ok=True)
+    try:
+        row["limit_before"] = before = limit_of(args, out, "before the run")
+        rss_start = rss_now()
+        with simulated(HostDevice(torch.device("cpu"))):
+            with torch.device("meta"):
+                model = Stack(args.blocks, args.dim, args.hidden).to(torch.bfloat16)
+            param_dir = os.path.join(args.dir, "params")
+            t = time.perf_counter()
+            streamer = offload_adam.stream_params(model, Block, prefetch=args.prefetch,
+                                                  param_dirs=param_dir,
+                                                  param_cache_mb=args.cache_mb)
+            gen = torch.Generator().manual_seed(0)
+            for layer in model.layers:   # the weights, block by block (as a checkpoint's shards)
+                layer.load_state_dict({k: torch.empty(v.shape, dtype=v.dtype).normal_(
+                    0, 0.02, generator=gen) if k != "norm.weight" else torch.ones(v.shape, dtype=v.dtype)
+                    for k, v in layer.state_dict().items()})
+            with torch.no_grad():
+                model.out.fill_(1.0)
+            streamer.files.flush()
+            n_streamed = sum(p.numel() for layer in model.layers for p in layer.parameters())
+            n = n_streamed + model.out.numel()
+            block_bytes = streamer.largest_block_bytes
+            log(out, f"{args.blocks} blocks of {block_bytes / 1e6:.0f} MB (dim {args.dim}, hidden "
+                     f"{args.hidden}): {n / 1e9:.3f} B params, {2 * n_streamed / 1e9:.2f} GB of "
+                     f"param files written in {time.perf_counter() - t:.0f} s; cache "
+                     f"{streamer.files.cache_bytes / 2**20:.0f} MiB = {len(streamer.files.slots)} blocks")
+            state_dir = os.path.join(args.dir, "state")
+            os.makedirs(state_dir)
+            opt = offload_adam.AdamW(model.parameters(), lr=1e-4, num_threads=args.threads,
+                                     state_dirs=state_dir, state_footprint="compact",
+                                     step_in_backward=True, free_grads_after_copy=True,
+                                     bucket_mb=args.bucket_mb, state_budget_mb=args.budget_mb)
+            gen = torch.Generator().manual_seed(1)
+            x = torch.randn(args.tokens, args.dim, generator=gen).to(torch.bfloat16)
+            reset_peak()
+            rss_before = rss_now()
+            steps, phases, traffic, rss = [], [], [], []
+            for k in range(args.steps):
+                r0, w0 = io_bytes()
+                t = time.perf_counter()
+                loss = model(x)
+                t_fwd = time.perf_counter()
+                loss.backward()
+                t_bwd = time.perf_counter()
+                opt.step()
+                opt.zero_grad()
+                t_end = time.perf_counter()
+                steps.append(t_end - t)
+                phases.append((t_fwd - t, t_bwd - t_fwd, t_end - t_bwd))
+                r1, w1 = io_bytes()
+                traffic.append((r1 - r0, w1 - w0))
+                rss.append(rss_now())
+                log(out, f"iteration {k + 1}: {steps[-1]:.1f} s (forward {phases[-1][0]:.1f}, "
+                         f"backward {phases[-1][1]:.1f}, step() {phases[-1][2]:.1f}), read "
+                         f"{traffic[-1][0] / 1e9:.2f} GB, written {traffic[-1][1] / 1e9:.2f} GB  "
+                         f"VmRSS {rss[-1] / 2**30:.2f} GiB  peak {peak_rss() / 2**30:.2f} GiB")
+            files = state_files(opt)
+            gen_bytes = files.spec.nbytes
+            ring = sum(b.nbytes for b in ring_buffers(opt))
+            grad_ring = opt._engine.ring.nbytes if getattr(opt._engine, "ring", None) else 0
+            disk = {name: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+                    for name, d in (("state", state_dir), ("params", param_dir))}
+            row_peak = peak_rss()
+            cache = streamer.files.cache_bytes
+            opt.close()
+            streamer.close()
+        shutil.rmtree(state_dir)
+        row["limit_after"] = after = limit_of(args, out, "after the run")
+        # what the design says a step moves (plan.py's terms)
+        log_bytes = 2 * n
+        miss = max(0, 2 * n_streamed - cache)
+        expect_read = gen_bytes + log_bytes + 2 * miss
+        expect_write = gen_bytes + log_bytes + 2 * n_streamed
+        med = statistics.median(steps[1:] or steps)
+        med_read = statistics.median(r for r, _ in traffic[1:] or traffic)
+        med_write = statistics.median(w for _, w in traffic[1:] or traffic)
+        log(out, f"on disk: state {disk['state'] / 1e9:.1f} GB + params {disk['params'] / 1e9:.1f} GB "
+                 f"= {(disk['state'] + disk['params']) / 1e9:.1f} GB "
+                 f"({(disk['state'] + disk['params']) / n:.2f} B/param); RAM "
+                 f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB")
+        log(out, f"bytes per iteration (median of 2..): read {med_read / 1e9:.2f} GB (expected at "
+                 f"most {expect_read / 1e9:.2f}: state {gen_bytes / 1e9:.2f} + log {log_bytes / 1e9:.2f} "
+                 f"+ param misses {2 * miss / 1e9:.2f}), written {med_write / 1e9:.2f} GB (expected "
+                 f"{expect_write / 1e9:.2f}: state + log + params {2 * n_streamed / 1e9:.2f})")
+        for name, lim in (("before", before), ("after", after)):
+            limit_t = med_read / lim["read_Bps"] + med_write / lim["write_Bps"]
+            row[f"ratio_{name}"] = {"limit_seconds": limit_t, "ratio": med / limit_t,
+                                    "target_met": med <= 1.15 * limit_t}
+            log(out, f"against the disk {name}: limit {limit_t:.1f} s for the bytes moved, "
+                     f"iteration (median of 2..) {med:.1f} s, ratio {med / limit_t:.3f} "
+                     f"({'met' if med <= 1.15 * limit_t else 'MISSED'}: <= 1.15)")
+        device_peak = (args.prefetch + 2) * block_bytes
+        bound = cache + ring + grad_ring + device_peak + 2**30
+        log(out, f"peak RSS {row_peak / 2**30:.2f} GiB ({(row_peak - rss_start) / 2**30:.2f} above "
+                 f"the start's {rss_start / 2**30:.2f}); bound: param cache {cache / 2**20:.0f} MiB + "
+                 f"state ring {ring / 2**20:.0f} MiB + grad ring {grad_ring / 2**20:.0f} MiB + device "
+                 f"blocks {device_peak / 2**20:.0f} MiB + 1 GiB = {bound / 2**30:.2f} GiB above the "
+                 f"start: {'within' if row_peak - rss_start <= bound else 'ABOVE'}")
+        row.update(params=n, streamed=n_streamed, block_bytes=block_bytes, cache_bytes=cache,
+                   state_ring_bytes=ring, grad_ring_bytes=grad_ring, disk_bytes=disk,
+                   generation_bytes=gen_bytes, log_bytes=log_bytes, expected_read=expect_read,
+                   expected_write=expect_write, traffic=traffic, step_seconds=steps,
+                   phase_seconds=phases,
+                   step_median=med, read_median=med_read, write_median=med_write,
+                   rss_start=rss_start, rss_before_steps=rss_before, vmrss_after_steps=rss,
+                   peak_rss=row_peak, rss_bound_above_start=bound,
+                   within_rss_bound=row_peak - rss_start <= bound)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    save_run(args.out, f"param_files_big_run_{args.tag}", row, out)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Streamed params in files (param_files.py: stream_params(..., param_dirs=)) on the
+simulated asynchronous device: training is bit for bit the training with the params
+resident, the cache holds what its budget allows and reads what it does not hold, and a
+file changed behind its back is an error, never a wrong value."""
+import os
+
+import pytest
+import torch
+
+import offload_adam
+from offload_adam.param_files import FILE_NAME, ParamFiles
+from test_param_stream import OPTS, Block, assert_same_training, llama_loss, make_llama, train
+import test_param_stream
+
+device = test_param_stream.device   # the fixture: the simulated devices, checked at the end
+
+
+def block_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+
+
+def slots_mb(model, n):
+    """param_cache_mb for n slots of model's blocks (4 KiB-aligned)."""
+    return n * (-(-block_bytes(model) // 4096) * 4096) / 2**20
+
+
+@pytest.mark.parametrize("prefetch,slots,checkpointed,micro", [
+    (1, 4, False, 4), (2, 5, True, 2), (2, 20, False, 2)],
+    ids=["fewest-slots", "checkpointed", "all-cached"])
+def test_params_in_files_train_as_resident(device, tmp_path, prefetch, slots,
+                                           checkpointed, micro):
+    """16 blocks (one frozen), tied embeddings, accumulation: streamed from param files
+    through a cache of `slots` blocks is bit for bit the resident training."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(checkpointed=checkpointed)
+        if streamed:
+            s = offload_adam.stream_params(model, Block, prefetch=prefetch,
+                                           param_dirs=[tmp_path / "a", tmp_path / "b"],
+                                           param_cache_mb=slots_mb(model, slots))
+            assert len(s.files.slots) == slots
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 5, micro=micro)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+    if slots < 16:   # blocks went back to their files and came again
+        streamer = _streamer(runs[1][0])
+        assert streamer.files.read_bytes > 0 and streamer.files.written_bytes > 0
+
+
+def _streamer(model):
+    from offload_adam.params import home_of
+    return home_of(model.layers[0].q.weight).block.streamer
+
+
+@pytest.mark.parametrize("opts", [dict(step_in_backward=True, files=True),
+                                  dict(step_in_backward=True, files=True, compact=True),
+                                  dict(files=True, state_dtype="8bit"),
+                                  dict(free_grads_after_copy=True)],
+                         ids=["step-in-backward-files", "compact", "files-8bit", "free-grads"])
+def test_params_in_files_with_every_store(device, tmp_path, opts):
+    """The state in files (both footprints), stepped in backward; the grads freed on the
+    device: param files train as the resident params."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=6)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
+                                       param_cache_mb=slots_mb(model, 4))
+        kw = dict(OPTS, step_in_backward=opts.get("step_in_backward", False),
+                  free_grads_after_copy=streamed and opts.get("free_grads_after_copy", False))
+        if "state_dtype" in opts:
+            kw["state_dtype"] = opts["state_dtype"]
+        if opts.get("files"):
+            (tmp_path / f"state{int(streamed)}").mkdir()
+            kw["state_dirs"] = str(tmp_path / f"state{int(streamed)}")
+            if opts.get("compact"):
+                kw["state_footprint"] = "compact"
+        opt = offload_adam.AdamW(model.parameters(), **kw)
+        train(model, opt, 3, micro=1 if kw["step_in_backward"] else 2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
+def test_the_cache_reads_what_it_does_not_hold(device, tmp_path):
+    """Per micro-batch once the order is known: with every block cached nothing is read;
+    with fewer slots than blocks, forward and backward read at most 2 x the blocks'
+    bytes, the step writes each block once (at step(): reading first those the cache
+    does not hold), and the host holds the cache's slots, not the blocks. Stepped in
+    backward, a block is still in the cache when its step comes, unless the worker fell
+    so far behind that the cache had to give it away: then it goes back and comes again
+    (how often depends on the threads' timing: bounded here, not counted)."""
+    for slots, in_backward in ((8, False), (4, False), (4, True)):
+        model = make_llama(layers=8, frozen=())
+        folder = tmp_path / f"p{slots}{in_backward}"
+        streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=folder,
+                                              param_cache_mb=slots_mb(model, slots))
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=in_backward, **OPTS)
+        train(model, opt, 2)   # the order is learned, the cache warm
+        files = streamer.files
+        files.flush()   # (the last step's blocks still in the cache go back now)
+        aligned = 8 * files.slot_bytes
+        r0, w0 = files.read_bytes, files.written_bytes
+        held = set(files.slot_of)
+        llama_loss(model, 50).backward()
+        r1 = files.read_bytes
+        opt.step()
+        opt.zero_grad()
+        files.flush()
+        r2, w2 = files.read_bytes, files.written_bytes
+        if slots == 8:
+            assert r2 == r0 and len(held) == 8
+        else:
+            assert 0 < r1 - r0 <= 2 * aligned
+        if in_backward:
+            assert r2 - r1 < aligned and aligned <= w2 - w0 < 2 * aligned
+        else:
+            # the step (in the grads' order: 7 first) read what the cache did not hold
+            # when backward ended, once each
+            assert r2 - r1 == (8 - slots) * files.slot_bytes
+            assert w2 - w0 == aligned
+        assert streamer.host_bytes() == slots * files.slot_bytes
+        assert os.path.getsize(folder / FILE_NAME) >= aligned
+        streamer.close()
+        assert not (folder / FILE_NAME).exists()
+
+
+def test_state_dict_load_and_meta_with_param_files(device, tmp_path):
+    """model.state_dict() shows the values (mapped from the files, flushed first), a
+    load_state_dict writes them, and a model built on the meta device streams from files
+    before its weights are loaded."""
+    plain = make_llama(layers=4, frozen=())
+    model = make_llama(layers=4, frozen=())
+    offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
+                               param_cache_mb=slots_mb(model, 4))
+    for k, v in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    other = make_llama(seed=1, layers=4, frozen=())
+    model.load_state_dict(other.state_dict())
+    for k, v in other.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    torch.testing.assert_close(llama_loss(model, 3), llama_loss(other, 3), rtol=0, atol=0)
+    with torch.device("meta"):
+        meta = make_llama(seed=1, layers=4, frozen=())
+    offload_adam.stream_params(meta, Block, prefetch=1, param_dirs=tmp_path / "m",
+                               param_cache_mb=slots_mb(other, 4))
+    meta.load_state_dict(other.state_dict())
+    opt1 = offload_adam.AdamW(meta.parameters(), **OPTS)
+    opt2 = offload_adam.AdamW(other.parameters(), **OPTS)
+    train(meta, opt1, 2)
+    train(other, opt2, 2)
+    assert_same_training((meta, opt1), (other, opt2))
+
+
+def test_param_files_errors_name_the_problem(device, tmp_path):
+    model = make_llama(layers=2, frozen=())
+    with pytest.raises(ValueError, match="param_cache_mb is the param files' cache"):
+        offload_adam.stream_params(model, Block, param_cache_mb=10)
+    with pytest.raises(ValueError, match=r"prefetch=2 needs 5 .*param_cache_mb >="):
+        offload_adam.stream_params(model, Block, prefetch=2, param_dirs=tmp_path,
+                                   param_cache_mb=slots_mb(model, 4))
+    with pytest.raises(ValueError, match="names a directory twice"):
+        offload_adam.stream_params(model, Block, param_dirs=[tmp_path, str(tmp_path) + "/"])
+    with pytest.raises(ValueError, match="param_cache_mb must be a number > 0"):
+        offload_adam.stream_params(model, Block, param_dirs=tmp_path, param_cache_mb=-1)
+    with pytest.raises(TypeError, match="not a path"):
+        offload_adam.stream_params(model, Block, param_dirs=[tmp_path, 3])
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match="cannot make the param files"):
+        offload_adam.stream_params(model, Block, param_dirs=blocker / "sub")
+    assert all(torch.isfinite(p).all() for p in model.parameters())   # nothing streamed
+    first = make_llama(layers=2, frozen=())
+    offload_adam.stream_params(first, Block, param_dirs=tmp_path / "p")
+    with pytest.raises(ValueError, match="in use by another streamer"):
+        offload_adam.stream_params(model, Block, param_dirs=tmp_path / "p")
+
+
+def test_a_param_file_changed_behind_its_back_is_an_error(device, tmp_path):
+    """A block's bytes in its file are checked when read back: a flipped byte is an error
+    naming the block and the file, never a wrong param."""
+    model = make_llama(layers=6, frozen=())
+    streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path,
+                                          param_cache_mb=slots_mb(model, 4))
+    streamer.files.flush()
+    cached = set(streamer.files.slot_of)
+    victim = next(i for i in range(6) if i not in cached)
+    _, offset = streamer.files.where[victim]
+    with open(tmp_path / FILE_NAME, "r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(OSError, match=f"block {victim}'s params in .* fail their checksum"):
+        llama_loss(model, 0)
+
+
+class _Recorder:
+    """A stand-in device for ParamFiles alone: pins nothing."""
+
+    def pin(self, t):
+        return False
+
+    def unpin(self, t):
+        pass
+
+
+def test_a_slot_is_reused_only_after_its_block_settled_and_went_back(tmp_path):
+    """Eviction order inside ParamFiles: the block leaving a slot is settled (its copies
+    to the device done) while the slot still holds its bytes, and written back first when
+    dirty; read-ahead never evicts a block used sooner than the one it reads, nor a held
+    one; the block used latest leaves first."""
+    sizes = [5000] * 6
+    seen = []
+    files = None
+
+    def settle(i):
+        slot = files.slot_of[i]
+        seen.append((i, int(slot.buffer.tensor[0])))   # still this block's bytes
+
+    files = ParamFiles([tmp_path], sizes, 3 * 8192, prefetch=0, device=_Recorder(),
+                       settle=settle)
+    for i in range(6):
+        buf = files.hold(i, read=False)
+        buf.fill_(i + 1)
+        files.unhold(i, dirty=True)
+    assert seen == [(0, 1), (1, 2), (2, 3)]   # least recently used first, bytes intact
+    when = {i: i for i in range(6)}           # block i used at i: 0 soonest
+    files.rank = lambda i: when[i]
+    assert sorted(files.slot_of) == [3, 4, 5]
+    files.read_ahead([0, 1])   # 5 and 4 are dirty: written back, taken next time
+    assert sorted(files.slot_of) == [3, 4, 5]
+    files.flush()
+    files.read_ahead([0, 1])   # 5 and 4 are used later than 0 and 1
+    assert sorted(files.slot_of) == [0, 1, 3]
+    assert seen[3:] == [(5, 6), (4, 5)]
+    for i in (0, 1, 3):
+        buf = files.hold(i)
+        assert bool((buf == i + 1).all()), i   # read back from the file
+        files.unhold(i, dirty=False)
+    held = files.hold(3)
+    files.read_ahead([2])                      # 3 is held and 0, 1 are sooner: nothing moves
+    assert sorted(files.slot_of) == [0, 1, 3]
+    files.unhold(3, dirty=False)
+    files.close()
+    assert not (tmp_path / FILE_NAME).exists()
+    del held
