@@ -89,7 +89,9 @@ def run_mode(cfg, args, prefetch):
         model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
     streamer = None
     if prefetch is not None:
-        streamer = offload_adam.stream_params(model, _Block, prefetch=prefetch)
+        files = ({} if not args.param_dir else
+                 dict(param_dirs=args.param_dir, param_cache_mb=args.param_cache_mb))
+        streamer = offload_adam.stream_params(model, _Block, prefetch=prefetch, **files)
     if prefetch is None and args.resident == "compute":
         opt = NoStep(model)
     else:
@@ -155,6 +157,10 @@ def main():
                     help="free each grad on the device once on the host (free_grads_after_copy)")
     ap.add_argument("--resident", choices=["full", "compute"], default="full",
                     help="the resident run with the optimizer, or forward + backward only")
+    ap.add_argument("--param-dir", default="",
+                    help="the streamed blocks' host copies in files there (param_dirs=)")
+    ap.add_argument("--param-cache-mb", type=float, default=4096.0,
+                    help="with --param-dir: param_cache_mb=")
     ap.add_argument("--tag", default=socket.gethostname())
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()

@@ -71,7 +71,8 @@ class ParamFiles:
 
     `sizes[i]`: the bytes of block i's host copy; `settle(i)`: waits until no copy to
     the device reads block i's host copy any more (the streamer's); `rank(i)`: how soon
-    block i is used next (smaller: sooner), None while unknown."""
+    block i is used next (smaller: sooner; negative: before any use in the recorded
+    order, e.g. the CPU step's write), None while unknown."""
 
     def __init__(self, dirs: Sequence[str], sizes: Sequence[int], cache_bytes: int,
                  prefetch: int, device, settle: Callable[[int], None],
@@ -231,9 +232,9 @@ class ParamFiles:
         if not candidates:
             return None
         slot = max(candidates, key=self._rank)
-        if sooner_than is not None:
-            mine = self.rank(sooner_than)
-            if mine is None or self._rank(slot) <= mine:
+        if sooner_than is not None:   # reading ahead: only over a block used later, and
+            mine = self.rank(sooner_than)   # never over one needed before any recorded use
+            if mine is None or self._rank(slot) <= mine or self._rank(slot) < 0:
                 return None
             if slot.dirty:   # written back now, taken next time
                 self._write(slot)

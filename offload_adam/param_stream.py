@@ -95,6 +95,7 @@ class Home:
         self.block.stale = True
         self.block.settle()
         self.block.hold()
+        self.block.streamer._read_ahead_for_step()
 
     def after_write(self, stepped: int = 0) -> None:
         """The write that before_write() announced is done: a block in files goes back
@@ -125,8 +126,10 @@ class _Block:
         self.stale = False        # its host copies were written since its last fetch
         self.awaiting = False     # used in backward, not all stepped (param files' cache)
         self.unstepped = 0        # ... its trainable elements the step has not written yet
-        self.backward_use = 0     # ... when (the step follows the grads' order)
+        self.backward_use = 0     # ... when
+        self.step_order = 0       # when the last step first wrote it (its pass's order)
         self.trained = False      # the CPU step wrote it once
+        self.step_started = False
         self.copies: list = []    # its last fetch's H2D copies, until the host waited for them
         self.homes: List[torch.Tensor] = []   # the host copies in RAM (none with files)
         self.offsets: List[int] = []          # each param's bytes in the block's host copy
@@ -166,6 +169,10 @@ class _Block:
 
     def unhold(self, dirty: bool, stepped: int = 0) -> None:
         if stepped:   # the CPU step
+            if self.awaiting and not self.step_started:
+                self.step_started = True
+                self.streamer._step_writes += 1
+                self.step_order = self.streamer._step_writes
             self.unstepped -= stepped
             self.awaiting = self.awaiting and self.unstepped > 0
             self.trained = True
@@ -226,6 +233,7 @@ class ParamStreamer:
             self.files.rank = self._rank
         self.fetched_bytes = 0
         self._backward_uses = 0
+        self._step_writes = 0
         self._order: Optional[List[Tuple[int, str]]] = None   # recorded uses
         self._recording: List[Tuple[int, str]] = []
         self._cursor: Optional[int] = 0
@@ -400,6 +408,7 @@ class ParamStreamer:
         block.awaiting = phase == "b" and block.trained
         if phase == "b":
             block.unstepped = sum(p.numel() for p in block.params if p.requires_grad)
+            block.step_started = False
             self._backward_uses += 1
             block.backward_use = self._backward_uses
         self._fetch(block)
@@ -495,14 +504,21 @@ class ParamStreamer:
             return self.files.cache_bytes
         return sum(b.size for b in self.blocks)
 
+    def _read_ahead_for_step(self) -> None:
+        """The CPU step is writing: the blocks it writes next are read ahead, in the
+        order the last step wrote them (the store's pass order; at first, the grads')."""
+        if self.files is not None:
+            waiting = sorted((b for b in self.blocks if b.awaiting), key=_step_key)
+            self.files.read_ahead([b.index for b in waiting[:len(self.files.slots)]])
+
     def _rank(self, index: int) -> Optional[float]:
         """How soon block `index` is used next (param files' cache): the uses until its
         next one in the recorded order; before any, a block the CPU step is still to write
-        (used in backward: the step comes before the next forward, and steps the blocks
-        in the order their grads came); None before the order is recorded."""
+        (used in backward: the step comes before the next forward; _step_key says when);
+        None before the order is recorded."""
         block = self.blocks[index]
         if block.awaiting:
-            return float(block.backward_use - 2**40)
+            return float(_step_key(block) - 2**40)
         order = self._order
         if order is None:
             return None
@@ -566,6 +582,12 @@ def stream_params(model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
 
 
 # ---- helpers -------------------------------------------------------------------------
+
+def _step_key(block: _Block) -> int:
+    """When the step writes a block (smaller: sooner): the order the last step wrote it in,
+    the order of its grads before any step did."""
+    return block.step_order or block.backward_use
+
 
 def _offsets(params) -> Tuple[List[int], int]:
     """Each param's offset in its block's host copy (a cache line each), and its size."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run that fits one device call (under 10
 # minutes on an H100): builds the kernels, runs tests/cuda, the streamed-params
-# benchmark (bench/stream_gpu.py; also a ~6.9B GPT streamed under a 24 GB cap), the
+# benchmark (bench/stream_gpu.py; also a ~6.9B GPT streamed under a 24 GB cap, from RAM and,
+# last, from param files), the
 # end-to-end comparison with the peers plus
 # the size sweep, compute-sanitizer (racecheck, synccheck) on small training runs
 # (params resident and streamed), the transfer benchmark against pinned
@@ -78,6 +79,10 @@ stage step_bench 90 "$PY" bench/step_bench.py --numel 33554432 --steps 12 --warm
   --no-plot --out "$R" --tag "${name}_host"
 stage e2e 150 "$PY" -m bench.e2e --device cuda --size 350m --steps ${E2E_STEPS:-8} --warmup 3 \
   --no-sweep ${E2E_OPTIMIZERS:+--optimizers "$E2E_OPTIMIZERS"} --no-progress --out "$R/e2e"
+stage stream_7b_files 200 "$PY" bench/stream_gpu.py --layers 32 --width 4096 --checkpoint --cap-gb 24 \
+  --state-dtype 8bit --step-in-backward --free-grads --resident compute --prefetch 2 --steps 3 --warmup 1 \
+  --param-dir "${TMPDIR:-/tmp}/offload_adam_gpu_params" --param-cache-mb 4096 \
+  --out "$R" --tag "${name}_7b_cap24_param_files"
 stage synccheck 60 compute-sanitizer --tool synccheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
 
 stage e2e_sweep 150 "$PY" -m bench.e2e --device cuda --size 350m --steps ${E2E_STEPS:-8} --warmup 3 \

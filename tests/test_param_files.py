@@ -245,3 +245,46 @@ def test_a_slot_is_reused_only_after_its_block_settled_and_went_back(tmp_path):
     files.close()
     assert not (tmp_path / FILE_NAME).exists()
     del held
+
+
+def test_a_disk_error_on_the_param_files_loses_no_step(device, tmp_path, monkeypatch):
+    """A write of the param files fails (ENOSPC) in the third iteration, wherever it lands
+    (a block given back in forward or backward, or in the step): an OSError, and the state
+    files hold a completed step; a new streamer with state_resume=True restores the params
+    from them, bitwise the resident training of that many steps, and trains on."""
+    from offload_adam.nvme import direct_io
+
+    def streamed(folder):
+        model = make_llama(layers=6, frozen=())
+        streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=folder,
+                                              param_cache_mb=slots_mb(model, 4))
+        opt = offload_adam.AdamW(model.parameters(), state_dirs=str(tmp_path / "s"),
+                                 state_resume=True, step_in_backward=True,
+                                 state_footprint="compact", **OPTS)
+        return model, streamer, opt
+
+    (tmp_path / "s").mkdir()
+    model, streamer, opt = streamed(tmp_path / "p")
+    train(model, opt, 2)
+    params = set(streamer.files.fds)
+    real = direct_io._write
+
+    def full(fd, view, offset):
+        if fd in params:
+            raise OSError(28, os.strerror(28))
+        return real(fd, view, offset)
+    monkeypatch.setattr(direct_io, "_write", full)
+    with pytest.raises(OSError, match="No space left"):
+        train(model, opt, 1, start=2)
+    monkeypatch.undo()
+    opt.close()
+    model, _, opt = streamed(tmp_path / "p2")
+    step = opt.step_count
+    assert step in (2, 3)
+    ref = make_llama(layers=6, frozen=())
+    ref_opt = offload_adam.AdamW(ref.parameters(), **OPTS)
+    train(ref, ref_opt, step)
+    assert_same_training((model, opt), (ref, ref_opt))
+    train(model, opt, 2, start=step)
+    train(ref, ref_opt, 2, start=step)
+    assert_same_training((model, opt), (ref, ref_opt))
