@@ -303,6 +303,12 @@ class AsyncSimDevice:
             self._force(op)
             op.executed.wait()
         with self.lock:
+            # They ran: what they did to this memory is over. A later allocation at this
+            # address (on any thread: host and "device" share one address space here) is
+            # unrelated to them (their host sides stay checked).
+            for op in pending:
+                op.device_side = [s for s in op.device_side if not _overlaps(span, s)]
+                op.device_writes = [s for s in op.device_writes if not _overlaps(span, s)]
             self._last_access.pop(span[0], None)
             self._held -= t.untyped_storage().nbytes()
         with _unchecked():
