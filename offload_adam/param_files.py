@@ -77,9 +77,7 @@ class ParamFiles:
     def __init__(self, dirs: Sequence[str], sizes: Sequence[int], cache_bytes: int,
                  prefetch: int, device, settle: Callable[[int], None],
                  threads: int = 4):
-        dirs = [os.fspath(d) for d in dirs]
-        if not dirs:
-            raise ValueError("offload_adam.stream_params: param_dirs is empty")
+        dirs = [os.fspath(d) for d in dirs]   # (stream_params refused an empty list)
         self.dirs, self.sizes = dirs, [int(s) for s in sizes]
         self.slot_bytes = round_up(max(self.sizes), ALIGN)
         need = min_slots(prefetch)
@@ -153,7 +151,7 @@ class ParamFiles:
         with self.lock:
             slot = self.slot_of.get(i)
             if slot is None:
-                slot = self._take_slot(i, sooner_than=None)
+                slot = self._take_slot(i)
                 if read:
                     self._load(i, slot)
             slot.holds += 1
@@ -241,8 +239,8 @@ class ParamFiles:
                 return None
         return slot
 
-    def _take_slot(self, i: int, sooner_than) -> _Slot:
-        slot = self._victim(sooner_than, wait=True)
+    def _take_slot(self, i: int) -> _Slot:
+        slot = self._victim(None, wait=True)
         if slot is None:
             raise RuntimeError(
                 f"offload_adam.stream_params: every one of the {len(self.slots)} param cache "
@@ -264,6 +262,10 @@ class ParamFiles:
         self._finish_writes(slot)
         del self.slot_of[slot.block]
         slot.block = None
+
+    def _path(self, i: int) -> str:
+        """Block i's file."""
+        return self.paths[self.where[i][0]]
 
     def _extent(self, i: int) -> tuple:
         """Block i's place: (its file's descriptor, offset, size rounded for O_DIRECT)."""
@@ -289,12 +291,12 @@ class ParamFiles:
             self._drop(slot)
             raise NvmeError(getattr(error, "errno", None),
                             f"offload_adam: reading block {i}'s params from "
-                            f"{self.paths[self.where[i][0]]} failed: {error}") from error
+                            f"{self._path(i)} failed: {error}") from error
         sums = [f.result() for f in futures]
         if i in self.sums and sums != self.sums[i]:
             self._drop(slot)
             raise NvmeError(None, f"offload_adam: block {i}'s params in "
-                            f"{self.paths[self.where[i][0]]} (bytes {self.where[i][1]}..) "
+                            f"{self._path(i)} (bytes {self.where[i][1]}..) "
                             "fail their checksum: the file was changed or damaged "
                             "since it was written")
 
@@ -317,7 +319,7 @@ class ParamFiles:
             slot.dirty = True   # still only in the cache
             raise NvmeError(getattr(error, "errno", None),
                             f"offload_adam: writing block {slot.block}'s params to "
-                            f"{self.paths[self.where[slot.block][0]]} failed: {error}"
+                            f"{self._path(slot.block)} failed: {error}"
                             ) from error
         self.sums[slot.block] = [f.result() for f in futures]
 

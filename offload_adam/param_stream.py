@@ -235,6 +235,7 @@ class ParamStreamer:
         self._backward_uses = 0
         self._step_writes = 0
         self._order: Optional[List[Tuple[int, str]]] = None   # recorded uses
+        self._uses: Dict[int, List[int]] = {}   # each block's positions in _order
         self._recording: List[Tuple[int, str]] = []
         self._cursor: Optional[int] = 0
         self._graph_task = None          # the backward whose end releases every block
@@ -390,6 +391,8 @@ class ParamStreamer:
             self._release(block)
         if self._order is None and self._recording:
             self._order = self._recording
+            for q, (i, _) in enumerate(self._order):
+                self._uses.setdefault(i, []).append(q)
         self._cursor = 0
 
     # ---- fetch, use, release --------------------------------------------------------
@@ -433,16 +436,13 @@ class ParamStreamer:
         for t in block.device_tensors:
             self.device.materialize(t)
         fence = self.device.fence()   # after the last compute that used this memory
-        if self.files is None:
-            block.copies = [self.device.h2d(list(block.device_tensors), list(block.homes),
+        # (with param files: from its cache slot, not reused before the copy ran: settle)
+        block.hold()
+        try:
+            block.copies = [self.device.h2d(list(block.device_tensors), block.host_views(),
                                             fence)]
-        else:   # from its cache slot, which is not reused before the copy ran (settle)
-            buffer = self.files.hold(block.index)
-            try:
-                block.copies = [self.device.h2d(list(block.device_tensors),
-                                                block.views(buffer), fence)]
-            finally:
-                self.files.unhold(block.index, dirty=False)
+        finally:
+            block.unhold(dirty=False)
         block.show(block.device_tensors)
         block.state = "coming"
         self.fetched_bytes += block.nbytes
@@ -476,15 +476,12 @@ class ParamStreamer:
         with param files the block stays in its cache slot until loaded)."""
         self._release(block)
         block.settle()
-        if self.files is None:
-            block.show(block.homes)
-        else:
-            block.show(block.views(self.files.hold(block.index)))
+        block.hold()
+        block.show(block.host_views())
 
     def _after_load(self, block: _Block) -> None:
         block.show(block.placeholders)
-        if self.files is not None:
-            self.files.unhold(block.index, dirty=True)
+        block.unhold(dirty=True)
 
     # ---- the rest -----------------------------------------------------------------------
 
@@ -524,8 +521,7 @@ class ParamStreamer:
             return None
         cursor = self._cursor or 0
         n = len(order)
-        return float(min(((q - cursor) % n for q, (i, _) in enumerate(order) if i == index),
-                         default=n))
+        return float(min(((q - cursor) % n for q in self._uses.get(index, ())), default=n))
 
     def close(self) -> None:
         """Stops streaming: every param goes back to the device for good (the optimizer

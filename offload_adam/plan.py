@@ -52,7 +52,6 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .param_files import min_slots
 
 GB = 1e9
 _LINE = 64        # engine/host_memory.py: every per-param host buffer starts on a cache line
@@ -591,6 +590,7 @@ class Plan:
 
 
 def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
+    from .param_files import min_slots
     shapes = [s for _, s in model.tensors()]
     files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),

@@ -948,7 +948,8 @@ def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, tor
                 if float(rec.step_t) == 0:
                     keep[id(rec)] = None   # its first step: nothing to go back to but this
                 elif not engine.marks.current(rec.param):
-                    keep[id(rec)] = rec.home.values().clone()   # (see disk_early)
+                    with rec.home.held() as values:   # (see disk_early)
+                        keep[id(rec)] = values.clone()
         follow_masters(engine.device, [rec for rec, _ in todo], engine.marks, after)
         by_bucket: Dict[int, list] = {}
         for rec, _ in todo:
