@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -131,6 +132,7 @@ class _Block:
         self.trained = False      # the CPU step wrote it once
         self.step_started = False
         self.copies: list = []    # its last fetch's H2D copies, until the host waited for them
+        self._copies_lock = threading.Lock()   # (settled on the worker, set on the model's)
         self.homes: List[torch.Tensor] = []   # the host copies in RAM (none with files)
         self.offsets: List[int] = []          # each param's bytes in the block's host copy
         self.device_tensors: List[torch.Tensor] = []
@@ -144,9 +146,19 @@ class _Block:
             p.data = t
 
     def settle(self) -> None:
-        if self.copies:
-            self.streamer.device.wait_host(*self.copies)
-            self.copies = []
+        """Waits for the last fetch's copies; copies set meanwhile (another thread's
+        fetch) are kept for the next settle, not dropped unwaited."""
+        with self._copies_lock:
+            copies = self.copies
+        if copies:
+            self.streamer.device.wait_host(*copies)
+            with self._copies_lock:
+                if self.copies is copies:
+                    self.copies = []
+
+    def set_copies(self, copies: list) -> None:
+        with self._copies_lock:
+            self.copies = copies
 
     def views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
         """Each param's host copy in the block's buffer (uint8)."""
@@ -439,8 +451,8 @@ class ParamStreamer:
         # (with param files: from its cache slot, not reused before the copy ran: settle)
         block.hold()
         try:
-            block.copies = [self.device.h2d(list(block.device_tensors), block.host_views(),
-                                            fence)]
+            block.set_copies([self.device.h2d(list(block.device_tensors),
+                                              block.host_views(), fence)])
         finally:
             block.unhold(dirty=False)
         block.show(block.device_tensors)

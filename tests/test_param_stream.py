@@ -505,3 +505,27 @@ def test_grad_scaler_with_fp16_streamed_params(device):
         scales.append(seen)
     assert scales[0] == scales[1] and scales[0][1] < scales[0][0]
     assert_same_training(*runs)
+
+
+def test_a_fetch_during_another_threads_settle_keeps_its_copies():
+    """Block.settle waits for the copies it saw and forgets only those: copies that a
+    fetch on another thread set meanwhile are still waited for by the next settle (else
+    the host could rewrite memory a copy to the device still reads)."""
+    from offload_adam.param_stream import _Block
+    waited = []
+
+    class Device:
+        def wait_host(self, *copies):
+            waited.extend(copies)
+            if copies == ("old",):   # another thread's fetch lands while this one waits
+                block.set_copies(["new"])
+
+    class Streamer:
+        device = Device()
+
+    block = _Block(Streamer(), 0, "b", torch.nn.Linear(1, 1), [])
+    block.set_copies(["old"])
+    block.settle()
+    assert waited == ["old"] and block.copies == ["new"]
+    block.settle()
+    assert waited == ["old", "new"] and block.copies == []
