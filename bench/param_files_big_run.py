@@ -15,7 +15,16 @@ in compact state files (state_footprint="compact") and steps each block during b
                read and written, the grad log written and read back, the param files read where
                the cache misses in forward and backward, the new params written
   peak RSS     VmHWM during the steps against the caches' budgets + the rings + the "device"
-               memory (the blocks on the device at once and the activations) + 1 GiB
+               memory (the blocks on the device at once and the activations) + 1 GiB; a thread
+               watching VmRSS says in which phase the peak came and what glibc's heap held then
+
+The stand-in's "device" memory is malloc'd host memory: glibc's dynamic mmap threshold rises to
+the largest buffer freed (the 32 MiB grads) and then serves every smaller one from its heap, where
+freed buffers stay (fragmented: with the grads' fingerprints in 8 MiB chunks, 0.33 GiB of a
+24-block run's peak, and more the longer the run). On a GPU they are device memory. So by default
+the run fixes the threshold at 4 MiB (mallopt M_MMAP_THRESHOLD, this process only): larger buffers
+are mmap'd and returned when freed, the fingerprints' 1 MiB chunks on the CPU (engine/grads.py)
+reused from the heap; --malloc glibc keeps glibc's default.
 
 limit = bytes read / read GB/s + bytes written / write GB/s (each probe); ratio = iteration / limit.
 
@@ -27,11 +36,13 @@ Writes results/nvme/param_files_big_run_<tag>.json and .log.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import socket
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -71,6 +82,57 @@ class Stack(torch.nn.Module):
         return (x.float() * self.out.float()).pow(2).mean()
 
 
+_M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                "keepcost")]
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Mallinfo2
+        return libc
+    except (OSError, AttributeError):
+        return None   # not glibc (or older than 2.33): the heap is not reported
+
+
+def fix_mmap_threshold(nbytes: int) -> bool:
+    """Allocations of `nbytes` or more mmap'd and returned when freed (see the docstring)."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, nbytes) == 1)
+
+
+class PeakWatch:
+    """Samples VmRSS every ~2 ms on a thread of its own; at each new peak keeps the phase
+    the model thread set (`phase`) and glibc's heap then: its size and its free bytes."""
+
+    def __init__(self):
+        self.phase, self.peak, self.at = "start", 0, {}
+        self._libc, self._stop = _libc(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            r = rss_now()
+            if r > self.peak:
+                self.peak = r
+                self.at = {"phase": self.phase}
+                if self._libc is not None:
+                    m = self._libc.mallinfo2()
+                    self.at.update(heap_bytes=m.arena, heap_free_bytes=m.fordblks,
+                                   mmapped_bytes=m.hblkhd)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return dict(self.at, rss=self.peak)
+
+
 def io_bytes():
     with open("/proc/self/io") as f:
         d = dict(line.split(": ") for line in f.read().splitlines())
@@ -93,15 +155,20 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--limit-gb", type=float, default=8.0)
+    ap.add_argument("--malloc", choices=("fixed", "glibc"), default="fixed",
+                    help="fixed: glibc's mmap threshold fixed at 4 MiB (see above); glibc: its default")
     ap.add_argument("--tag", default=socket.gethostname())
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", "nvme"))
     args = ap.parse_args()
+    fixed = args.malloc == "fixed" and fix_mmap_threshold(4 << 20)
     torch.set_num_threads(args.threads)
     out, row = [], {"args": vars(args)}
     info = machine_info()
     row.update(machine=info, load_start=load_average())
     log(out, f"param_files_big_run: {one_line(info)}")
+    row["malloc"] = "mmap threshold fixed at 4 MiB" if fixed else "glibc default"
+    log(out, f"malloc: {row['malloc']}")
     os.makedirs(args.dir, exist_ok=True)
     try:
         row["limit_before"] = before = limit_of(args, out, "before the run")
@@ -138,16 +205,20 @@ def main():
             gen = torch.Generator().manual_seed(1)
             x = torch.randn(args.tokens, args.dim, generator=gen).to(torch.bfloat16)
             reset_peak()
+            watch = PeakWatch()
             rss_before = rss_now()
             steps, phases, traffic, step_traffic, rss = [], [], [], [], []
             for k in range(args.steps):
                 r0, w0 = io_bytes()
                 t = time.perf_counter()
+                watch.phase = f"forward {k + 1}"
                 loss = model(x)
                 t_fwd = time.perf_counter()
+                watch.phase = f"backward {k + 1}"
                 loss.backward()
                 t_bwd = time.perf_counter()
                 rb, wb = io_bytes()
+                watch.phase = f"step() {k + 1}"
                 opt.step()
                 opt.zero_grad()
                 t_end = time.perf_counter()
@@ -168,6 +239,7 @@ def main():
             disk = {name: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
                     for name, d in (("state", state_dir), ("params", param_dir))}
             row_peak = peak_rss()
+            at_peak = watch.stop()
             cache = streamer.files.cache_bytes
             opt.close()
             streamer.close()
@@ -214,6 +286,11 @@ def main():
                  f"state ring {ring / 2**20:.0f} MiB + grad ring {grad_ring / 2**20:.0f} MiB + device "
                  f"blocks {device_peak / 2**20:.0f} MiB + 1 GiB = {bound / 2**30:.2f} GiB above the "
                  f"start: {'within' if row_peak - rss_start <= bound else 'ABOVE'}")
+        if "heap_bytes" in at_peak:
+            log(out, f"at the peak (sampled {at_peak['rss'] / 2**30:.2f} GiB, in {at_peak['phase']}): "
+                     f"glibc heap {at_peak['heap_bytes'] / 2**20:.0f} MiB, of it free "
+                     f"{at_peak['heap_free_bytes'] / 2**20:.0f} MiB; malloc's mmaps "
+                     f"{at_peak['mmapped_bytes'] / 2**20:.0f} MiB")
         row.update(params=n, streamed=n_streamed, block_bytes=block_bytes, cache_bytes=cache,
                    state_ring_bytes=ring, grad_ring_bytes=grad_ring, disk_bytes=disk,
                    generation_bytes=gen_bytes, log_bytes=log_bytes, expected_read=expect_read,
@@ -222,7 +299,7 @@ def main():
                    step_median=med, read_median=med_read, write_median=med_write,
                    rss_start=rss_start, rss_before_steps=rss_before, vmrss_after_steps=rss,
                    peak_rss=row_peak, rss_bound_above_start=bound,
-                   within_rss_bound=row_peak - rss_start <= bound)
+                   within_rss_bound=row_peak - rss_start <= bound, at_peak=at_peak)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
     save_run(args.out, f"param_files_big_run_{args.tag}", row, out)

@@ -32,21 +32,29 @@ from ..distributed import local
 from ..kernel_step import grad_sq_sums
 
 # Elements per reduction in grad_fingerprint: bounds its int64 temporaries on
-# the device (two of 8 MiB).
+# the device (two of 8 MiB). On the CPU (a CPU engine, the host stand-in of a GPU)
+# they are malloc'd host memory: 8 MiB ones are mmap'd and page-faulted anew each
+# time, or, once glibc's dynamic mmap threshold has risen past them, kept in its heap
+# and fragmented (0.33 GiB of a 24-block run's peak RSS); 1 MiB ones are reused.
 _FINGERPRINT_CHUNK = 1 << 20
+_CPU_CHUNK = 1 << 17
 _fingerprint_weights: dict = {}
 
 
 def _weights(device: torch.device, n: int) -> torch.Tensor:
     """Fixed pseudo-random odd int64 weights, one per position in a chunk."""
-    key = (device, _FINGERPRINT_CHUNK)
+    key = (device, _chunk(device))
     w = _fingerprint_weights.get(key)
     if w is None:
         gen = torch.Generator().manual_seed(0x0FF10AD)
-        w = torch.randint(-2**62, 2**62, (_FINGERPRINT_CHUNK,), generator=gen,
+        w = torch.randint(-2**62, 2**62, (key[1],), generator=gen,
                           dtype=torch.int64).bitwise_or_(1).to(device)
         _fingerprint_weights[key] = w
     return w[:n]
+
+
+def _chunk(device: torch.device) -> int:
+    return min(_FINGERPRINT_CHUNK, _CPU_CHUNK) if device.type == "cpu" else _FINGERPRINT_CHUNK
 
 
 def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
@@ -62,8 +70,9 @@ def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
     g = grad.detach().reshape(-1)
     bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=g.device)
-    for i in range(0, g.numel(), _FINGERPRINT_CHUNK):
-        part = bits[i:i + _FINGERPRINT_CHUNK]
+    chunk = _chunk(g.device)
+    for i in range(0, g.numel(), chunk):
+        part = bits[i:i + chunk]
         total += (part.to(torch.int64) * _weights(g.device, part.numel())).sum()
     return total
 
