@@ -406,7 +406,7 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     from .engine.grad_ring import ring_bytes
     from .nvme.circular import Circular
     from .nvme.layout import StateSpec, place
-    from .nvme.redo import record_reserve
+    from .nvme.redo import log_sizes, record_reserve
     from .param_state import adam_bucket
     limit = bucket_mb * _MB
     buckets, bucket, size, grads = [], [], 0, [[]]
@@ -427,7 +427,8 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     ring = min(budget // max(largest, 1), len(buckets) + 2)
     extents, sizes = place(spec, dirs)
     compact = Circular(spec, [e.file for e in extents], dirs).file_sizes()
-    log = sum(record_reserve(g) for g in grads)   # each bucket's redo record's reserve
+    log = sum(log_sizes([e.file for e in extents], [record_reserve(g) for g in grads],
+                        dirs))   # each bucket's redo record's reserve, in whole blocks
     return {"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
             "compact_file_bytes": sum(compact), "redo_log_bytes": log,
             "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,

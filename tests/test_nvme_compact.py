@@ -177,6 +177,70 @@ def test_a_damaged_redo_record_is_an_error_naming_it(kernels, tmp_path):
             state.record(0)
 
 
+def test_redo_records_go_through_direct_io_and_read_back_bitwise(tmp_path, monkeypatch):
+    """Records of many sizes (empty tensors, odd byte counts, several staging chunks) in
+    one log: each on a cache line, its tensors bitwise, the log opened O_DIRECT where
+    the filesystem allows, every write whole 4 KiB blocks at a block boundary, and the
+    file the reserve's size while the records fit it (bytes rewritten, never grown)."""
+    import fcntl
+    from offload_adam.nvme import redo
+    monkeypatch.setattr(redo, "CHUNK", 64 << 10)   # records of several chunks, small
+    writes = []
+    real = os.pwritev
+
+    def pwritev(fd, bufs, offset):
+        writes.append((offset, sum(len(b) for b in bufs)))
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    g = torch.Generator().manual_seed(3)
+    sizes = [3, 5000, 1, 3 * (64 << 10) // 2 + 7, 0, 2048, 777]
+    reserve = sum(redo.RECORD_HEAD + 3 * redo.PARAM_HEAD + 2 * n + 4 * (n % 13 + 1) + 2 * (n % 7)
+                  for n in sizes)
+    log = redo.RedoLog([str(tmp_path)], redo.log_sizes([0], [reserve], 1), create=True)
+    flags = fcntl.fcntl(log.fds[0], fcntl.F_GETFL)
+    print("redo log O_DIRECT:", bool(flags & getattr(os, "O_DIRECT", 0)))
+    records = []
+    for i, n in enumerate(sizes):
+        t = [("g|a", torch.randn(n, generator=g).to(torch.bfloat16)),
+             ("p|b", torch.randn(n % 13 + 1, generator=g)),
+             ("g|c", torch.randn(n % 7, generator=g).to(torch.float16))]
+        records.append((i, t, log.append(0, ({"i": i}, t))))
+    log.sync()
+    assert writes and all(o % 4096 == 0 and n % 4096 == 0 for o, n in writes)
+    for i, t, (offset, nbytes, crc) in records:
+        assert offset % 64 == 0
+        meta, out = log.read(0, offset, nbytes, crc, i)
+        assert meta == {"i": i}
+        for name, v in t:
+            assert out[name].dtype == v.dtype and torch.equal(out[name], v), (i, name)
+    log.close()
+    assert os.path.getsize(tmp_path / LOG_FILE) == redo.log_sizes([0], [reserve], 1)[0]
+
+
+def test_a_record_of_the_buffered_log_before_direct_io_reads_back(tmp_path):
+    """A step cut short by a version that wrote the log end to end with buffered I/O
+    leaves records at any offset: they read back bitwise (a resume finishes that step)."""
+    import json
+    import struct
+    from offload_adam.nvme import direct_io, redo
+    log = redo.RedoLog([str(tmp_path)], [100000], create=True)
+    grads = torch.randn(1001).to(torch.bfloat16)
+    values = torch.randn(5)
+    head = json.dumps({"meta": {"group": 0}, "tensors": [["g|x|0", "bfloat16", [1001]],
+                                                        ["p|x|0", "float32", [5]]]}).encode()
+    data = (redo.MAGIC + struct.pack("<Q", len(head)) + head
+            + grads.view(torch.uint8).numpy().tobytes() + values.view(torch.uint8).numpy().tobytes())
+    with open(tmp_path / LOG_FILE, "r+b") as f:
+        f.seek(4099)
+        f.write(data)
+    meta, out = log.read(0, 4099, len(data), direct_io.crc32(data), 0)
+    assert meta == {"group": 0}
+    assert torch.equal(out["g|x|0"], grads) and torch.equal(out["p|x|0"], values)
+    with pytest.raises(OSError, match="redo record of bucket 0 .* is damaged"):
+        log.read(0, 4099, len(data), direct_io.crc32(data) ^ 1, 0)
+    log.close()
+
+
 def test_the_other_layout_and_a_load_cut_short_are_refused(kernels, tmp_path):
     spec = make_spec("fp32", buckets=3, numel=2000)
     with open_compact([tmp_path], spec) as state:
@@ -257,7 +321,8 @@ def test_compact_files_take_one_copy_spares_and_the_grads(kernels, tmp_path):
     assert sizes["two_generations"][DATA_FILE] == 4096 + 40 * 2 * bucket
     assert sizes["compact"][DATA_FILE] == 4096 + (40 + SPARES) * bucket
     log = sizes["compact"][LOG_FILE]
-    assert log == 40 * (RECORD_HEAD + PARAM_HEAD + 6000 * 2)   # the grads, each record's head
+    # the grads, each record's head, in whole 4 KiB blocks (direct I/O)
+    assert log == 4096 * -(-40 * (RECORD_HEAD + PARAM_HEAD + 6000 * 2) // 4096)
     per_param = (sizes["compact"][DATA_FILE] + log) / (40 * 6000)
     assert per_param < 0.75 * sizes["two_generations"][DATA_FILE] / (40 * 6000)
     print(f"compact: {per_param:.2f} B/param on disk (state {bucket / 6000:.2f}, 4 spares of "
@@ -376,7 +441,7 @@ def test_a_full_disk_in_a_compact_step_loses_nothing(kernels, tmp_path, monkeypa
 
     def full(*a, **kw):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(os, "pwrite", full)
+    monkeypatch.setattr(os, "pwritev", full)   # (the log's writes)
     with pytest.raises(NvmeError, match=r"writing the redo log .* \(the disk is full\)\. "
                                         r"Nothing of this step was written"):
         train(opt, qs, 2, 1)
@@ -417,7 +482,7 @@ def test_a_full_disk_while_logging_in_backward_steps_nothing(kernels, tmp_path, 
                 for model, o in ((ref, ram), (m, opt)):
                     if k == 2 and o is opt:   # the reference skips it, the disk fails it
                         with monkeypatch.context() as patch:
-                            patch.setattr(os, "pwrite", full)
+                            patch.setattr(os, "pwritev", full)
                             engine_loss(model, k).backward()   # (the worker's log writes)
                             with pytest.raises(NvmeError, match=r"redo log .* disk is "
                                                r"full\)\. Nothing of this step was"):

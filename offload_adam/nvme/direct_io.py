@@ -97,7 +97,8 @@ def open_direct(path: str, create: bool, size: int = 0) -> Tuple[int, bool]:
         try:
             if create:
                 os.ftruncate(fd, 0)
-                os.posix_fallocate(fd, 0, size)
+                if size:
+                    os.posix_fallocate(fd, 0, size)
             if not mode[1] or _reads_aligned(fd):
                 return fd, mode[1]
         except BaseException:

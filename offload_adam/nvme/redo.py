@@ -8,15 +8,21 @@ step t needs to be stepped to t+1 again, bitwise. The records cost the grads' by
 per bf16 param) of disk and of writes per step; they are read only after a crash.
 
 One file per directory (LOG_FILE), holding the records of the buckets whose data are in
-that directory's data file, end to end from its start each step (the last step's records
-are dead once it is whole). It is buffered I/O (records are built from the caller's
-tensors, unaligned) made durable by fdatasync before the intent names them, and reserved
-at creation to what the records take (a larger record, a param's values beside its
-grads, grows it: a full disk then fails the step before anything moved).
+that directory's data file, one after another from its start each step, each on a cache
+line (the last step's records are dead once it is whole). It is direct I/O like the data
+files (O_DIRECT where the filesystem allows: the log's 2 B/param a step neither fill the
+page cache nor are read back from it unseen): a record goes out through a small aligned
+buffer in whole 4 KiB blocks, chunk by chunk, starting with the block the last record ended
+in (its bytes kept, written again unchanged) and padded with zeros after its end;
+fdatasync makes the records durable before the intent names them. The log is reserved at creation to what the records take (a
+larger record, a param's values beside its grads, grows it: a full disk then fails the step
+before anything moved).
 
 A record: MAGIC, the JSON length (u64 LE), the JSON ({"meta": the caller's, "tensors":
-[[name, dtype, shape], ...]}), the tensors' bytes end to end. Its CRC32C is in the intent,
-checked before it is used.
+[[name, dtype, shape], ...]}, padded with spaces so that the tensors start on a cache
+line), the tensors' bytes end to end. Its offset, length and CRC32C are in the intent,
+checked before it is used. (Records of versions before direct I/O, end to end on no
+particular boundary, read back the same way.)
 """
 
 from __future__ import annotations
@@ -25,17 +31,19 @@ import errno
 import json
 import os
 import struct
-from typing import Dict, List, Sequence, Tuple
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import direct_io
-from .direct_io import NvmeError
-from .layout import _DTYPES
+from .direct_io import AlignedBuffer, NvmeError, open_direct
+from .layout import _DTYPES, ALIGN, TENSOR_ALIGN, round_up
 
 LOG_FILE = "offload_adam_state.redo"
 MAGIC = b"OAREDO1\n"
 _LEN = struct.Struct("<Q")
+CHUNK = 8 << 20   # the staging buffer a record is written through (bytes)
 
 Record = Tuple[dict, List[Tuple[str, torch.Tensor]]]   # (meta, [(name, tensor), ...])
 
@@ -50,9 +58,18 @@ PARAM_HEAD = 256     # fixed part (the hyperparameters), and this per param (its
 
 def record_reserve(grad_bytes: Sequence[int]) -> int:
     """The log's reserve for a bucket's record: the grads' bytes of its params (one
-    entry each) and the heads. (A record that outgrows it, the values of edited params
-    logged beside their grads, grows the log.)"""
+    entry each) and the heads (the cache-line padding included). (A record that outgrows
+    it, the values of edited params logged beside their grads, grows the log.)"""
     return RECORD_HEAD + sum(PARAM_HEAD + int(b) for b in grad_bytes)
+
+
+def log_sizes(files: Sequence[int], reserves: Sequence[int], nfiles: int) -> List[int]:
+    """Each log file's size: the reserves of the buckets whose data are in that file
+    (`files[i]`: bucket i's), in whole 4 KiB blocks (direct I/O writes whole ones)."""
+    sizes = [0] * nfiles
+    for f, n in zip(files, reserves):
+        sizes[f] += int(n)
+    return [round_up(n, ALIGN) for n in sizes]
 
 
 class RedoLog:
@@ -63,12 +80,16 @@ class RedoLog:
     def __init__(self, folders: Sequence[str], sizes: Sequence[int], create: bool = False):
         self.paths = [os.path.join(f, LOG_FILE) for f in folders]
         self.fds: List[int] = []
-        self.at = [0] * len(folders)   # where the step's next record goes, per file
+        # Per file: the records not on disk yet, in a buffer of CHUNK bytes that holds the
+        # log from `base` (a block boundary) for `filled` bytes; the log's end is there.
+        self._bufs: List[Optional[AlignedBuffer]] = [None] * len(folders)
+        self._base = [0] * len(folders)
+        self._filled = [0] * len(folders)
+        self._lock = threading.Lock()
         try:
             for path, size in zip(self.paths, sizes):
-                flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_CLOEXEC", 0)
                 try:
-                    fd = os.open(path, flags, 0o644)
+                    fd, _ = open_direct(path, create=create, size=size)
                 except FileNotFoundError:
                     raise FileNotFoundError(
                         f"offload_adam: the redo log {path} of the compact optimizer state in "
@@ -76,8 +97,6 @@ class RedoLog:
                         "other state files): the state cannot be trusted. Restore it, or "
                         "remove the state's files to start afresh") from None
                 self.fds.append(fd)
-                if create and size:
-                    os.posix_fallocate(fd, 0, size)
         except BaseException:
             self.close()
             raise
@@ -85,43 +104,81 @@ class RedoLog:
     def close(self) -> None:
         while self.fds:
             os.close(self.fds.pop())
+        for b in self._bufs:
+            if b is not None:
+                b.close()
+        self._bufs = [None] * len(self._bufs)
+
+    @property
+    def at(self) -> List[int]:
+        """Where the step's next record goes, per file (before its cache-line padding)."""
+        return [b + n for b, n in zip(self._base, self._filled)]
 
     def reset(self) -> None:
         """The next step's records start again at each log's start."""
-        self.at = [0] * len(self.fds)
+        with self._lock:
+            self._base = [0] * len(self.fds)
+            self._filled = [0] * len(self.fds)
 
     def append(self, f: int, record: Record) -> List[int]:
-        """Writes `record` after the step's records so far in file f's log (not yet
-        durable: `sync`); its [offset, nbytes, crc32c]."""
+        """Adds `record` after the step's records so far in file f's log: on disk once
+        CHUNK bytes are pending, durable at `sync`; its [offset, nbytes, crc32c]."""
         meta, tensors = record
         head = json.dumps({"meta": meta, "tensors": [
             [n, str(t.dtype).replace("torch.", ""), list(t.shape)] for n, t in tensors]}
         ).encode()
+        head += b" " * (-(len(MAGIC) + _LEN.size + len(head)) % TENSOR_ALIGN)
+        # (copied with memoryviews, not torch: a memcpy on this thread, where torch's
+        # copy_ would wait for intra-op threads busy with the step's kernels)
         parts = [memoryview(MAGIC + _LEN.pack(len(head)) + head)]
         parts += [_bytes_of(t) for _, t in tensors]
-        start, crc = self.at[f], 0
-        for part in parts:
-            crc = direct_io.crc32(part, crc)
-            self._full_write(f, part, self.at[f])
-            self.at[f] += len(part)
-        return [start, self.at[f] - start, crc]
+        with self._lock:
+            if self._bufs[f] is None:
+                self._bufs[f] = AlignedBuffer(CHUNK, pin=False)
+            buf = self._bufs[f]
+            start = round_up(self._base[f] + self._filled[f], TENSOR_ALIGN)
+            buf.view[self._filled[f]:start - self._base[f]] = bytes(start - self._base[f]
+                                                                    - self._filled[f])
+            self._filled[f] = start - self._base[f]
+            crc = 0
+            for part in parts:   # through the buffer, a CHUNK a write
+                done = 0
+                while done < len(part):
+                    at = self._filled[f]
+                    n = min(len(part) - done, CHUNK - at)
+                    buf.view[at:at + n] = part[done:done + n]
+                    crc = direct_io.crc32(buf.view[at:at + n], crc)
+                    self._filled[f], done = at + n, done + n
+                    if self._filled[f] == CHUNK:
+                        self._write(f)
+                        self._base[f] += CHUNK
+                        self._filled[f] = 0
+            return [start, self._base[f] + self._filled[f] - start, crc]
+
+    def _write(self, f: int) -> None:
+        """Writes file f's pending bytes, in whole blocks (zeros after them); they stay in
+        the buffer, which goes on filling from there (its blocks written again)."""
+        n = self._filled[f]
+        padded = round_up(n, ALIGN)
+        if not padded:
+            return
+        view = self._bufs[f].view
+        view[n:padded] = bytes(padded - n)
+        try:
+            direct_io._full(os.pwritev, self.fds[f], view[:padded], self._base[f])
+        except OSError as e:
+            raise self._error(f, e, "writing") from e
 
     def sync(self) -> None:
-        """The records appended so far are durable."""
-        for f, fd in enumerate(self.fds):
-            if self.at[f]:
-                try:
-                    os.fdatasync(fd)
-                except OSError as e:
-                    raise self._error(f, e, "flushing") from e
-
-    def _full_write(self, f: int, view: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(view):
-            try:
-                done += os.pwrite(self.fds[f], view[done:], offset + done)
-            except OSError as e:
-                raise self._error(f, e, "writing") from e
+        """The records appended so far are on disk and durable."""
+        with self._lock:
+            for f, fd in enumerate(self.fds):
+                if self._base[f] or self._filled[f]:
+                    self._write(f)
+                    try:
+                        os.fdatasync(fd)
+                    except OSError as e:
+                        raise self._error(f, e, "flushing") from e
 
     def _error(self, f: int, e: OSError, what: str) -> NvmeError:
         hint = " (the disk is full)" if e.errno == errno.ENOSPC else ""
@@ -132,27 +189,57 @@ class RedoLog:
     def read(self, f: int, offset: int, nbytes: int, crc: int, bucket: int
              ) -> Tuple[dict, Dict[str, torch.Tensor]]:
         """Record of `bucket` at `offset` in file f's log, checked against `crc`:
-        (meta, {name: tensor})."""
-        data = os.pread(self.fds[f], nbytes, offset)
-        if len(data) != nbytes or direct_io.crc32(data) != crc or not data.startswith(MAGIC):
+        (meta, {name: tensor}; the tensors share one buffer)."""
+        with self._lock:   # (one appended since the last sync: on disk first)
+            if self._filled[f] and offset + nbytes > self._base[f]:
+                self._write(f)
+        lo = offset - offset % ALIGN   # (direct I/O: whole aligned blocks around it)
+        buf = AlignedBuffer(offset - lo + nbytes, pin=False)
+        try:
+            got = _read_upto(self.fds[f], buf.view, lo) - (offset - lo)
+        except OSError as e:
+            raise self._error(f, e, "reading") from e
+        data = buf.tensor[offset - lo:offset - lo + max(0, min(got, nbytes))]
+        view = buf.view[offset - lo:offset - lo + data.numel()]
+        buf.close()   # (the memory stays while `data` and its views do)
+        if (data.numel() != nbytes or direct_io.crc32(view, 0) != crc
+                or bytes(view[:len(MAGIC)]) != MAGIC):
             raise NvmeError(errno.EIO, f"offload_adam: the redo record of bucket {bucket} in "
-                            f"{self.paths[f]} is damaged or missing ({len(data)} of {nbytes} "
+                            f"{self.paths[f]} is damaged or missing ({data.numel()} of {nbytes} "
                             "bytes, checksum mismatch): the step that was cut short cannot be "
                             "finished and its buckets already written cannot go back. The "
                             "file was changed outside offload_adam, or the disk returned "
                             "wrong data", self.paths[f])
-        (length,) = _LEN.unpack_from(data, len(MAGIC))
+        (length,) = _LEN.unpack_from(view, len(MAGIC))
         at = len(MAGIC) + _LEN.size
-        head = json.loads(data[at:at + length])
+        head = json.loads(bytes(view[at:at + length]))
         at += length
-        buf = bytearray(data[at:])
-        out, pos = {}, 0
+        out = {}
         for name, dtype, shape in head["tensors"]:
-            t = torch.empty(shape, dtype=_DTYPES[dtype])
-            n = t.numel() * t.element_size()
-            t.view(-1).view(torch.uint8).copy_(torch.frombuffer(buf, dtype=torch.uint8,
-                                                                count=n, offset=pos)
-                                               if n else torch.empty(0, dtype=torch.uint8))
-            out[name] = t
-            pos += n
+            dt = _DTYPES[dtype]
+            size = torch.empty((), dtype=dt).element_size()
+            n = size * _numel(shape)
+            raw = data[at:at + n]
+            if (offset + at) % size:   # (a record of an older version: unaligned)
+                raw = raw.clone()
+            out[name] = raw.view(dt).view(shape)
+            at += n
         return head["meta"], out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _read_upto(fd: int, view: memoryview, offset: int) -> int:
+    """Reads into `view` from `offset` until it is full or the file ends; the bytes read."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done

@@ -738,8 +738,7 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout):
     if compact:
         ring = Circular(spec, [e.file for e in extents], len(folders), spares)
         sizes = ring.file_sizes()
-        for e, n in zip(extents, log_bytes):
-            logs[e.file] += int(n)
+        logs = redo.log_sizes([e.file for e in extents], log_bytes, len(folders))
         body.update(layout="compact", spares=spares, file_sizes=sizes,
                     offsets=ring.first_offsets(), heads=ring.first_heads(), log_sizes=logs,
                     intent=None, done=[], loading=False)
