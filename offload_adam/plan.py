@@ -38,7 +38,7 @@ With params in files (param_files.py) each block's file extent is its host copy 
 4 KiB, the cache holds as many blocks as RAM has left (at least prefetch + 3), forward and
 backward each read what the cache does not hold, and the step writes every streamed param
 (in backward, when the block is still in the cache; at step(), reading first the blocks the
-cache does not hold).
+cache does not hold: so with the compact state, whose pass runs at step() after the log).
 """
 
 from __future__ import annotations
@@ -630,7 +630,7 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     if layout.params == "files":
         extent = float(param_file_bytes(model))
         ssd_read += micro * 2 * max(0.0, extent - cache)
-        if not _ring(layout, run):
+        if not _ring(layout, run) or layout.state == "compact":   # the pass at step()
             ssd_read += max(0.0, extent - cache)
         ssd_write += extent
     # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
