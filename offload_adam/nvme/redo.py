@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import struct
 import threading
@@ -108,11 +109,6 @@ class RedoLog:
             if b is not None:
                 b.close()
         self._bufs = [None] * len(self._bufs)
-
-    @property
-    def at(self) -> List[int]:
-        """Where the step's next record goes, per file (before its cache-line padding)."""
-        return [b + n for b, n in zip(self._base, self._filled)]
 
     def reset(self) -> None:
         """The next step's records start again at each log's start."""
@@ -217,21 +213,13 @@ class RedoLog:
         out = {}
         for name, dtype, shape in head["tensors"]:
             dt = _DTYPES[dtype]
-            size = torch.empty((), dtype=dt).element_size()
-            n = size * _numel(shape)
+            n = dt.itemsize * math.prod(shape)
             raw = data[at:at + n]
-            if (offset + at) % size:   # (a record of an older version: unaligned)
+            if (offset + at) % dt.itemsize:   # (a record of an older version: unaligned)
                 raw = raw.clone()
             out[name] = raw.view(dt).view(shape)
             at += n
         return head["meta"], out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _read_upto(fd: int, view: memoryview, offset: int) -> int:
