@@ -80,11 +80,14 @@ def run_mode(cfg, args, prefetch):
     import offload_adam
     from bench.e2e.model import _Block, build_model
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(0).total_memory
-    capped = prefetch is not None and args.cap_gb
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 1e9 / total) if capped else 1.0)
-    torch.cuda.reset_peak_memory_stats()
+    # Built on the device (fast init), then, streamed, moved to host memory before the cap
+    # applies: a model over the cap never has to fit it whole.
+    torch.cuda.set_per_process_memory_fraction(1.0)
     model = build_model(cfg, "cuda", torch.bfloat16)
+    if prefetch is not None:
+        model.cpu()
+        torch.cuda.empty_cache()
+    _cap(args, prefetch is not None)
     if args.checkpoint:
         model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
     streamer = None
@@ -99,6 +102,60 @@ def run_mode(cfg, args, prefetch):
                                  state_dtype=args.state_dtype,
                                  step_in_backward=args.step_in_backward,
                                  free_grads_after_copy=args.free_grads)
+    name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
+    out = _train(cfg, args, model, opt, streamer)
+    out.update(mode=name if prefetch is None else f"streamed k={prefetch}", prefetch=prefetch,
+               streamed_gb=(streamer.streamed_bytes / 1e9) if streamer else 0.0,
+               largest_block_gb=(streamer.largest_block_bytes / 1e9) if streamer else 0.0)
+    del model, opt, streamer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_fsdp2(cfg, args):
+    """The peer: FSDP2 (fully_shard per block, then the root) on a one-GPU mesh with
+    CPUOffloadPolicy and bf16 compute (MixedPrecisionPolicy), fp32 params, grads and
+    torch.optim.AdamW's state on the host: the recipe torch documents for offloading."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from bench.e2e.model import build_model
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    model = build_model(cfg, "cuda", torch.float32)
+    if args.checkpoint:
+        model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
+    policy = dict(offload_policy=CPUOffloadPolicy(),
+                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32))
+    for block in model.blocks:
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    torch.cuda.empty_cache()
+    _cap(args, True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    out = _train(cfg, args, model, opt, None)
+    out.update(mode="fsdp2 cpu offload", prefetch=None, streamed_gb=0.0, largest_block_gb=0.0)
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def _cap(args, capped):
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, args.cap_gb * 1e9 / total) if capped and args.cap_gb else 1.0)
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _train(cfg, args, model, opt, streamer):
+    """--warmup + --steps iterations; per iteration: forward and forward + backward (CUDA
+    events), opt.step() (wall), the whole (wall, synchronized), the engine's CPU step time
+    (its profile: the kernels' time summed over buckets, in backward and at step())."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for it in range(args.warmup + args.steps):
@@ -109,32 +166,27 @@ def run_mode(cfg, args, prefetch):
         fetched0 = streamer.fetched_bytes if streamer else 0
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         e0.record()
         loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
         e1.record()
+        loss.backward()
+        e2.record()
         t1 = time.perf_counter()
         opt.step()
         t2 = time.perf_counter()
         opt.zero_grad()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        rows.append(dict(fwd_bwd_s=e0.elapsed_time(e1) / 1e3, queue_s=t1 - t0, step_s=t2 - t1,
-                         iter_s=t3 - t0, loss=float(loss.detach()),
+        profile = getattr(opt, "last_step_profile", None)
+        rows.append(dict(fwd_s=e0.elapsed_time(e1) / 1e3, fwd_bwd_s=e0.elapsed_time(e2) / 1e3,
+                         queue_s=t1 - t0, step_s=t2 - t1, iter_s=t3 - t0,
+                         cpu_step_s=profile["cpu_step_s"] if profile else 0.0,
+                         loss=float(loss.detach()),
                          h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0))
     timed = rows[args.warmup:]
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
-    name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
-    out = dict(mode=name if prefetch is None else f"streamed k={prefetch}",
-               prefetch=prefetch, median=med, rows=rows,
-               peak_gb=torch.cuda.max_memory_allocated() / 1e9,
-               streamed_gb=(streamer.streamed_bytes / 1e9) if streamer else 0.0,
-               largest_block_gb=(streamer.largest_block_bytes / 1e9) if streamer else 0.0)
-    del model, opt, streamer
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+    return dict(median=med, rows=rows, peak_gb=torch.cuda.max_memory_allocated() / 1e9)
 
 
 def main():
@@ -161,6 +213,8 @@ def main():
                     help="the streamed blocks' host copies in files there (param_dirs=)")
     ap.add_argument("--param-cache-mb", type=float, default=4096.0,
                     help="with --param-dir: param_cache_mb=")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="also the peer: FSDP2 with CPUOffloadPolicy on a one-GPU mesh")
     ap.add_argument("--tag", default=socket.gethostname())
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -180,21 +234,40 @@ def main():
     modes = [run_mode(cfg, args, None)]
     for k in (int(x) for x in args.prefetch.split(",")):
         modes.append(run_mode(cfg, args, k))
+    peer_error = None
+    if args.fsdp2:
+        try:
+            modes.append(run_fsdp2(cfg, args))
+        except Exception as e:   # the peer failing must not lose the rows measured above
+            peer_error = f"{type(e).__name__}: {e}"
+            print("fsdp2 peer failed:", peer_error)
+            args.fsdp2 = False
     resident = modes[0]["median"]
-    print(f"{'mode':<14}{'iter s':>9}{'fwd+bwd s':>11}{'step s':>9}{'peak GB':>9}"
-          f"{'H2D GB/it':>11}{'bound s':>9}{'iter/bound':>11}")
+    print(f"{'mode':<18}{'iter s':>8}{'fwd s':>8}{'fwd+bwd':>9}{'step s':>8}{'cpu step':>9}"
+          f"{'peak GB':>9}{'H2D GB':>8}{'bound s':>9}{'it/bound':>9}{'fwd +%':>8}")
     for m in modes:
         med = m["median"]
-        cpu_step = resident["step_s"] if args.resident == "full" else 0.0   # (unknown: not run)
+        # the CPU step: the resident run's whole step() when it ran one, else this run's
+        # kernels (the engine's profile; 0 for the peer, whose step is not ours to split)
+        cpu_step = max(resident["step_s"] if args.resident == "full" else 0.0, med["cpu_step_s"])
         bound = max(resident["fwd_bwd_s"], med["h2d_param_bytes"] / 1e9 / h2d, cpu_step)
         m["bound_s"] = bound
-        print(f"{m['mode']:<14}{med['iter_s']:>9.3f}{med['fwd_bwd_s']:>11.3f}{med['step_s']:>9.3f}"
-              f"{m['peak_gb']:>9.2f}{med['h2d_param_bytes'] / 1e9:>11.2f}{bound:>9.3f}"
-              f"{med['iter_s'] / bound:>11.2f}")
+        # what streaming added to the forward (waits on param copies included): an upper
+        # bound on the waits, relative to the streamed forward
+        m["fwd_extra"] = 1.0 - resident["fwd_s"] / med["fwd_s"]
+        print(f"{m['mode']:<18}{med['iter_s']:>8.3f}{med['fwd_s']:>8.3f}{med['fwd_bwd_s']:>9.3f}"
+              f"{med['step_s']:>8.3f}{med['cpu_step_s']:>9.3f}{m['peak_gb']:>9.2f}"
+              f"{med['h2d_param_bytes'] / 1e9:>8.2f}{bound:>9.3f}{med['iter_s'] / bound:>9.2f}"
+              f"{100 * m['fwd_extra']:>7.1f}%")
+    if args.fsdp2:
+        peer = modes[-1]["median"]["iter_s"]
+        for m in modes[:-1]:
+            print(f"{m['mode']}: {peer / m['median']['iter_s']:.2f}x the FSDP2 CPU-offload iteration")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"stream_gpu_{args.tag}.json"
     path.write_text(json.dumps(dict(machine=machine_info(), args=vars(args), num_params=cfg.num_params(),
-                                    pinned_h2d_gbps=h2d, modes=modes), indent=1))
+                                    pinned_h2d_gbps=h2d, modes=modes,
+                                    peer_error=peer_error), indent=1))
     print("wrote", path)
     return 0
 

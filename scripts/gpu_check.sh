@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run that fits one device call (under 10
-# minutes on an H100): builds the kernels, runs tests/cuda, the streamed-params
-# benchmark (bench/stream_gpu.py; also a ~6.9B GPT streamed under a 24 GB cap, from RAM and,
-# last, from param files), the
-# end-to-end comparison with the peers plus
-# the size sweep, compute-sanitizer (racecheck, synccheck) on small training runs
-# (params resident and streamed), the transfer benchmark against pinned
-# bandwidth and the step benchmark on this host's CPU, most telling first. Every log and JSON goes under
+# minutes on an H100), most telling first: builds the kernels, runs tests/cuda, the
+# streamed-params benchmark (bench/stream_gpu.py: a ~13B GPT streamed under a 24 GB cap; a
+# ~0.9B one resident, streamed and under FSDP2's CPUOffloadPolicy; a ~6.9B one from param
+# files and from RAM), compute-sanitizer (racecheck, synccheck) on small training runs
+# (params resident and streamed), the transfer benchmark against pinned bandwidth, the
+# step benchmark on this host's CPU, the end-to-end comparison with the peers and the
+# size sweep. Every log and JSON goes under
 # bench/results/<gpu name>/, with summary.txt (each stage's exit code and time);
 # when $OUT is set (the device tool), a tarball of that folder is left there.
 #
 #   bash scripts/gpu_wheels.sh         # here, first: optional peers as wheels in .whl/
 #   bash scripts/gpu_check.sh          # there (the device tool: carry .whl)
 #   GPU_CHECK_SECONDS=300 E2E_OPTIMIZERS=offload_adam,offload_adam_streamed bash scripts/gpu_check.sh
+#   GPU_CHECK_STAGES=build,cuda_tests,stream_13b bash scripts/gpu_check.sh   # only these
 #
 # A stage that fails or runs out of time is recorded and the next one runs; the
 # whole run stops at GPU_CHECK_SECONDS (default 560). The exit code is the
@@ -31,6 +32,7 @@ if [[ -z "$gpu" ]]; then
 fi
 name=$(echo "$gpu" | tr -c 'A-Za-z0-9._\n-' '_')
 R=bench/results/$name
+rm -rf "$R"   # this run's logs only (the committed ones are in git)
 mkdir -p "$R"
 : >"$R/summary.txt"
 
@@ -45,6 +47,7 @@ failed=0
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, record
   local stage_name=$1 limit=$2 start=$SECONDS rc
   shift 2
+  [[ -n "${GPU_CHECK_STAGES:-}" && ",$GPU_CHECK_STAGES," != *",$stage_name,"* ]] && return
   local left=$((DEADLINE - SECONDS))
   ((limit > left)) && limit=$left
   if ((limit < 10)); then
@@ -66,23 +69,27 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, record
   lscpu 2>/dev/null | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-400
 } >"$R/machine.txt" 2>&1
 
+STREAM="--checkpoint --cap-gb 24 --state-dtype 8bit --step-in-backward --free-grads --resident compute"
 stage build 150 "$PY" -c "import offload_adam; print('isa', offload_adam.kernel_isa(), 'supported', offload_adam.supported_isas())"
 stage cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/cuda
-stage stream_bench 120 "$PY" bench/stream_gpu.py --out "$R" --tag "$name"
-stage stream_7b 200 "$PY" bench/stream_gpu.py --layers 32 --width 4096 --checkpoint --cap-gb 24 \
-  --state-dtype 8bit --step-in-backward --free-grads --resident compute --prefetch 2 --steps 3 --warmup 1 \
-  --out "$R" --tag "${name}_7b_cap24"
+# issue 27's acceptance: a ~13B GPT (40 x 5120) at batch 4 x 2048 streamed under a 24 GB cap
+stage stream_13b 200 "$PY" bench/stream_gpu.py --layers 40 --width 5120 $STREAM --prefetch 2 \
+  --steps 3 --warmup 1 --out "$R" --tag "${name}_13b_cap24"
+# the ~0.9B GPT resident, streamed and FSDP2's CPUOffloadPolicy recipe, each stepped in backward
+stage stream_bench 120 "$PY" bench/stream_gpu.py --step-in-backward --free-grads --fsdp2 --steps 3 \
+  --out "$R" --tag "$name"
 stage racecheck_stream 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_param_stream_cuda.py
+stage stream_7b_files 200 "$PY" bench/stream_gpu.py --layers 32 --width 4096 $STREAM --prefetch 2 \
+  --steps 3 --warmup 1 --param-dir "${TMPDIR:-/tmp}/offload_adam_gpu_params" --param-cache-mb 4096 \
+  --out "$R" --tag "${name}_7b_cap24_param_files"
 stage racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
 stage transfer_bench 60 "$PY" bench/transfer_bench.py --mb 512 --repeats 5 --out "$R" --tag "$name"
 stage step_bench 90 "$PY" bench/step_bench.py --numel 33554432 --steps 12 --warmup 2 --no-deepspeed \
   --no-plot --out "$R" --tag "${name}_host"
 stage e2e 150 "$PY" -m bench.e2e --device cuda --size 350m --steps ${E2E_STEPS:-8} --warmup 3 \
   --no-sweep ${E2E_OPTIMIZERS:+--optimizers "$E2E_OPTIMIZERS"} --no-progress --out "$R/e2e"
-stage stream_7b_files 200 "$PY" bench/stream_gpu.py --layers 32 --width 4096 --checkpoint --cap-gb 24 \
-  --state-dtype 8bit --step-in-backward --free-grads --resident compute --prefetch 2 --steps 3 --warmup 1 \
-  --param-dir "${TMPDIR:-/tmp}/offload_adam_gpu_params" --param-cache-mb 4096 \
-  --out "$R" --tag "${name}_7b_cap24_param_files"
+stage stream_7b 200 "$PY" bench/stream_gpu.py --layers 32 --width 4096 $STREAM --prefetch 2 \
+  --steps 3 --warmup 1 --out "$R" --tag "${name}_7b_cap24"
 stage synccheck 60 compute-sanitizer --tool synccheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
 
 stage e2e_sweep 150 "$PY" -m bench.e2e --device cuda --size 350m --steps ${E2E_STEPS:-8} --warmup 3 \

@@ -11,19 +11,30 @@ import offload_adam
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+class Net(torch.nn.Module):
+    """bf16 layers and an fp32 gain on their output (an fp32 param among the bf16 ones,
+    outside the matmuls: cuBLAS takes one dtype)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.seq = torch.nn.Sequential(
+            torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, width),
+            torch.nn.GELU(), torch.nn.Linear(width, 8)).to(torch.bfloat16)
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return self.seq(x).float() * self.gain
+
+
 def make_model(seed=0, width=256):
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(
-        torch.nn.Linear(64, width), torch.nn.GELU(), torch.nn.Linear(width, width),
-        torch.nn.GELU(), torch.nn.Linear(width, 8)).to("cuda", torch.bfloat16)
-    m[-1].bias.data = m[-1].bias.data.float()   # an fp32 param among the bf16 ones
-    return m
+    return Net(width).cuda()
 
 
 def loss_of(model, it):
     g = torch.Generator(device="cuda").manual_seed(it)
     x = torch.randn(16, 64, device="cuda", generator=g, dtype=torch.bfloat16)
-    return model(x).float().pow(2).mean()
+    return model(x).pow(2).mean()
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["plain", "step_in_backward"])
@@ -39,7 +50,7 @@ def test_state_files_on_cuda_match_host_ram(tmp_path, footprint, in_backward):
         for it in range(4):
             if it == 2:
                 with torch.no_grad():   # an edit: the master starts again from the param
-                    model[0].weight.mul_(0.5)
+                    model.seq[0].weight.mul_(0.5)
             loss_of(model, it).backward()
             opt.step()
             opt.zero_grad()
