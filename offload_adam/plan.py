@@ -31,8 +31,9 @@ tier's buckets laid out by nvme/layout.py itself; the streamer's host copies): t
 check them against `host_bytes()`, the files written and the simulated device's peak. GPU
 activations and the step times are estimates from formulas stated below, not measurements.
 The recipe assumed for every layout: bf16 params, free_grads_after_copy=True (a grad leaves
-the GPU once copied), step_in_backward with the state in files and one micro-batch a step,
-prefetch k blocks ahead.
+the GPU once copied), with one micro-batch a step step_in_backward (the grads through the
+bounded grad ring, in host RAM or files alike), with more none (a grad buffer per piece,
+accumulated on the host), prefetch k blocks ahead.
 
 With params in files (param_files.py) each block's file extent is its host copy rounded to
 4 KiB, the cache holds as many blocks as RAM has left (at least prefetch + 3), forward and
@@ -486,18 +487,22 @@ def _gpu(model: ModelShape, run: Run, layout: Layout) -> Dict[str, float]:
 
 
 def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str, float]:
-    """Host RAM in steady state. With the state in files and one micro-batch a step (the
-    step in backward) the grads wait in a bounded ring (engine/grad_ring.py); otherwise
-    each piece has a grad buffer. A streamed param's update goes to its host copy: only resident params have a
-    staging buffer."""
+    """Host RAM in steady state. With one micro-batch a step (the step in backward) the
+    grads wait in a bounded ring (engine/grad_ring.py: with the state in files sized by
+    the file buckets, in RAM 4 engine buckets); otherwise each piece has a grad buffer. A
+    streamed param's update goes to its host copy: only resident params have a staging
+    buffer."""
+    from .engine.grad_ring import ring_bytes
     shapes = [s for _, s in model.tensors()]
     streamed = [s for _, s in model.block_tensors()] * model.layers
     resident = [s for _, s in model.resident_tensors()]
     out: Dict[str, float] = {}
     staged = shapes if layout.params == "gpu" else resident
     out["staging"] = float(transfer_bytes(staged, run.bucket_mb, grads=False))
-    if _ring(layout, run):
-        out["grad ring"] = float(files["grad_ring_bytes"])
+    if run.micro == 1:
+        bucket = int(run.bucket_mb * _MB)
+        out["grad ring"] = float(files["grad_ring_bytes"] if layout.in_files
+                                 else ring_bytes(bucket, bucket))
     else:
         out["grads"] = float(transfer_bytes(shapes, run.bucket_mb, staged=False))
     if run.micro > 1:

@@ -1,8 +1,8 @@
 """The grad ring (engine/grad_ring.py): the bounded host buffer the grads wait in with
-step_in_backward and the state in files. Its spans on their own, then on the simulated
-device: training through it is bit for bit the plain step, in steady state it never
-overflows however small it is next to the grads, and host_bytes() is what the issue
-asked (<= 2.1 B per streamed param + the rings)."""
+step_in_backward, the state in files or in host RAM. Its spans on their own, then on the
+simulated device: training through it is bit for bit the plain step, in steady state it
+never overflows however small it is next to the grads, and host_bytes() is what the issue
+asked (<= 2.1 B per streamed param + the rings; in RAM the grads' bytes less)."""
 
 import threading
 import time
@@ -85,12 +85,16 @@ def test_a_full_ring_waits_while_the_pass_has_work_and_only_then():
 
 
 def _run(tmp_path, name, layers, early, streamed=True, steps=5, free=False):
-    (tmp_path / name).mkdir()
+    """`steps` steps of a llama of `layers` blocks with the state in tmp_path / name (None:
+    in host RAM); the ring's overflow count after each."""
+    files = {}
+    if tmp_path is not None:
+        (tmp_path / name).mkdir()
+        files = dict(state_dirs=str(tmp_path / name))
     model = make_llama(layers=layers, dim=64, hidden=128)
     streamer = offload_adam.stream_params(model, Block, prefetch=2) if streamed else None
     opt = offload_adam.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, bucket_mb=0.05,
-                             step_in_backward=early, state_dirs=str(tmp_path / name),
-                             free_grads_after_copy=free)
+                             step_in_backward=early, free_grads_after_copy=free, **files)
     overflows = []
     for step in range(steps):
         train(model, opt, 1, start=step)
@@ -187,3 +191,65 @@ def test_an_error_after_the_first_backward_names_the_params_it_stepped(device, t
     with pytest.raises(RuntimeError, match=r"but \d+ streamed params in their first step.*"
                                            "load the model's weights again"):
         opt.zero_grad()
+
+
+# ---- the state in host RAM: step_in_backward's grads through the ring too --------------
+
+@pytest.mark.parametrize("free", [False, True], ids=["kept", "freed"])
+@pytest.mark.parametrize("slow_kernel", [False, True])
+def test_in_host_ram_the_grads_keep_to_a_ring_from_the_first_step(device, monkeypatch,
+                                                                 slow_kernel, free):
+    """step_in_backward with the state in host RAM: the grads wait in a ring of 4 buckets
+    (~6x smaller than them here), no buffer per param: bitwise the plain step, no span
+    overflowing from the first backward on (its guess of the order holds: the last
+    params first), also when the kernels are slower than backward (the hooks then wait),
+    and the host holds the grads' bytes less, but for the ring."""
+    if slow_kernel:
+        from offload_adam.engine.core import BucketJob
+        kernel = BucketJob.kernel
+
+        def slowly(self):
+            time.sleep(0.05)
+            kernel(self)
+        monkeypatch.setattr(BucketJob, "kernel", slowly)
+    early = _run(None, None, 16, True, steps=4, free=free)
+    plain = _run(None, None, 16, False, steps=4, free=free)
+    model, opt, _, overflows = early
+    ring = opt._engine.ring
+    grads = sum(2 * p.numel() for p in model.parameters() if p.requires_grad)
+    assert ring is not None and plain[1]._engine.ring is None
+    assert ring.nbytes * 5 < grads
+    assert overflows == [0] * 4 and ring.overflow_bytes == 0
+    if slow_kernel:
+        assert ring.waits > 0
+    assert_same_training(early[:2], plain[:2])
+    saved = plain[1].host_bytes() - opt.host_bytes()
+    assert saved >= grads - ring.nbytes, (saved, grads, ring.nbytes)
+
+
+def test_a_step_after_a_failed_early_start_in_host_ram(device):
+    """clip_grad_norm_ after a backward that stepped buckets in host RAM is refused and
+    names the params stepped; the grads those kernels read are gone from the ring, so a
+    step() then copies the grads still on the device again (as with kept buffers: those
+    params are stepped twice, as the error warned) and never reads a freed span."""
+    from test_param_stream import llama_loss
+    runs = []
+    for ring in (True, False):
+        model = make_llama(layers=8, dim=64, hidden=128)
+        offload_adam.stream_params(model, Block, prefetch=2)
+        opt = offload_adam.AdamW(model.parameters(), lr=3e-3, bucket_mb=0.05,
+                                 step_in_backward=True)
+        if not ring:   # the same steps with a buffer per grad: what the ring must equal
+            engine = opt._engine
+            engine.ring, engine._ring_arenas[:] = None, []
+            engine._rebucket(list(dict.fromkeys(p.rec for b in engine.buckets
+                                                for p in b.pieces)))
+        train(model, opt, 2)
+        llama_loss(model, 5).backward()
+        with pytest.raises(RuntimeError, match=r"The Adam step of [1-9]\d* params already ran"):
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        train(model, opt, 1, start=6)
+        runs.append((model, opt))
+    assert_same_training(*runs)

@@ -58,19 +58,22 @@ def micro_batch(model, seed, config):
 
 @pytest.mark.parametrize("state_dtype", planner.STATE_DTYPES)
 @pytest.mark.parametrize("params", ["gpu", "ram", "files"])
-@pytest.mark.parametrize("state", ["ram", "files", "compact"])
+@pytest.mark.parametrize("state", ["ram", "ram+early", "files", "compact"])
 def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dtype, params,
                                                     state):
     """host_bytes() (+ the streamer's host copies, or its param files' cache) and the
-    state files and param files on disk, after a step, are the planner's to the byte; so are the bytes the simulated device moved per
-    link in a step (grads freed once copied; with the state in RAM, 2 micro-batches
-    accumulated on the host; in files, one, stepped in backward through the grad ring,
+    state files and param files on disk, after a step, are the planner's to the byte; so
+    are the bytes the simulated device moved per link in a step (grads freed once copied;
+    with the state in RAM, 2 micro-batches accumulated on the host, or one stepped in
+    backward; in files, one, stepped in backward; one micro-batch through the grad ring,
     from the first backward on)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     config = llama_config()
     shape = shape_of(config, tmp_path / "cfg")
-    run = planner.Run(batch=2, seq=8, micro=2 if state == "ram" else 1, prefetch=1,
-                      bucket_mb=0.05)
+    early = state == "ram+early"
+    state = "ram" if early else state
+    run = planner.Run(batch=2, seq=8, micro=2 if state == "ram" and not early else 1,
+                      prefetch=1, bucket_mb=0.05)
     layout = planner.Layout(params, state, state_dtype)
     p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run, layout)
     (tmp_path / "state").mkdir()
@@ -84,7 +87,7 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
             streamer = (offload_adam.stream_params(model, LlamaDecoderLayer, prefetch=1,
                                                    **files)
                         if params != "gpu" else None)
-            kw = {"ram": {},
+            kw = {"ram": dict(step_in_backward=early),
                   "files": dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True),
                   "compact": dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True,
                                   state_footprint="compact")}[state]
@@ -138,7 +141,8 @@ def test_unaligned_shapes_are_bounded_by_a_line_per_piece(kernels):
             model = transformers.LlamaForCausalLM(llama_config(
                 vocab_size=97, hidden_size=40, intermediate_size=72, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16)
-            opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.05)
+            # (one micro-batch: the planner's recipe steps in backward, grads in the ring)
+            opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.05, step_in_backward=True)
             real = opt.host_bytes()
             opt.close()
     finally:

@@ -67,7 +67,7 @@ from ..state_format import state_format
 from .device import current_host_stand_in, make_device
 from .host_memory import HostArenas
 from .early import EarlyStart
-from .grad_ring import GradRing
+from .grad_ring import GradRing, ring_bytes
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
                      make_buckets, state_roles)
@@ -129,8 +129,8 @@ class OffloadEngine:
         self._acc_slots: List[torch.Tensor] = []
         self._acc_free: List[int] = []
         self._acc_pending: list = []              # (rec, copy, piece, slot index, slot view)
-        # state_dirs= with step_in_backward: the grads land in a bounded ring instead of
-        # a buffer per piece (grad_ring.py; set up by the files' pass, use_ring)
+        # step_in_backward: the grads land in a bounded ring instead of a buffer per piece
+        # (grad_ring.py; below, or with the state in files by the files' pass, use_ring)
         self.ring: Optional[GradRing] = None
         self._ring_arenas: list = []
         self._profile = StepProfile()
@@ -140,6 +140,10 @@ class OffloadEngine:
         self.early = None
         if options.step_in_backward:
             self.early = EarlyStart(self, owner)
+            if not self.state_on_disk:   # before any transfer buffer is laid out
+                self.ring = GradRing(self.device, ring_bytes(self.bucket_bytes, self.bucket_bytes),
+                                     _worker_busy(weakref.ref(self)))
+                self._ring_arenas.append(self.ring.arenas)
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
         # nothing that keeps the engine alive.
@@ -254,6 +258,18 @@ class OffloadEngine:
             rec.copy = None
             for p in rec.pieces:
                 p.grad = None
+
+    def forget_read(self, stepped: set) -> None:
+        """After early steps that did not end in a step() (EarlyStart.commit): the grads
+        their kernels read (pieces' ids in `stepped`) are gone from the ring, so their
+        params' copies are forgotten: a next step() copies a grad still on the device
+        again, and finds none for a grad freed after its copy."""
+        if self.ring is None:
+            return
+        for rec in self.recs:
+            if any(id(p) in stepped for p in rec.pieces):
+                rec.copy = None
+                rec.freed = False
 
     def _wait_all(self) -> None:
         """Host-waits every copy that may still use a host buffer."""
@@ -1158,6 +1174,15 @@ def _transfers_of(recs, buckets) -> list:
         if rec.copy is not None:
             out.extend(rec.copy.transfers)
     return out
+
+
+def _worker_busy(engine_ref):
+    """The grad ring's `busy` for the early steps in host RAM: a kernel queued or running
+    frees room (a weak reference: the ring must not keep the engine alive)."""
+    def busy() -> bool:
+        engine = engine_ref()
+        return engine is not None and engine.worker_busy()
+    return busy
 
 
 def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,

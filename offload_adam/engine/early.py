@@ -3,8 +3,9 @@
 By default a bucket is stepped at step(), the first moment its grads are known
 to be final. With step_in_backward the worker starts a bucket's kernel as soon
 as every piece of it whose param got a grad in the previous backward has its
-grad copied in this one (the buckets and their order are learned in the first
-backward, so the first step starts at step()). Only the engine's own host
+grad copied in this one (in the first backward: every param with a grad hook, in
+the buckets as first laid out, the last params first; step() then lays them out
+in the order the grads came, moving what waits for it). Only the engine's own host
 buffers are written then (master, moments, step, staging); the params are
 written at step(), so a param read later in backward still sees its old value
 (a streamed param's staging is its host copy, layout.allocate_transfers: written
@@ -31,6 +32,9 @@ the engine copies that grad only once autograd is past the hook (core.py,
 step would. Other writes to a grad during backward (another param's hook, a
 module's backward hook) are not ordered with its copy: not supported.
 
+The grads land in a bounded ring (grad_ring.py): a bucket's room is free again once its
+kernel read it, so the host holds a few buckets of grads, not a buffer per param.
+
 With the state in files (state_dirs=) the unit is the file bucket and the NVMe
 tier's pass runs during backward (disk_early.py, `use_files`); nothing is
 committed before step(), so there an error leaves nothing stepped.
@@ -56,7 +60,8 @@ class EarlyStart:
         self._owner = owner                  # weakref to the optimizer: groups, state
         self.error: Optional[str] = None     # found by a hook, raised at step()
         self._hooked: Dict[int, object] = {}     # recs that got a grad this iteration
-        self._expected: set = set()              # ... and in the previous one
+        self._previous: Optional[set] = None     # ... and in the previous one (None: first)
+        self._expected: Optional[set] = None     # still to come (None: not counted yet)
         self._waiting: Dict[int, int] = {}       # bucket index -> expected pieces to come
         self._started: Dict[int, object] = {}    # rec id -> the GradCopy its step read
         self._stepped: set = set()               # ids of the pieces whose kernel ran
@@ -86,15 +91,27 @@ class EarlyStart:
         if self.files is not None:
             self.files.arrived(rec)
             return
+        engine = self._engine()
+        if self._expected is None:
+            self._count(engine)
         if id(rec) not in self._expected:
             return
         self._expected.discard(id(rec))   # counted once per iteration
-        engine = self._engine()
         for piece in rec.pieces:
             b = piece.bucket
             self._waiting[b.index] -= 1
             if self._waiting[b.index] == 0:
                 self._start(engine, b)
+
+    def _count(self, engine) -> None:
+        """At the iteration's first grad, on the buckets as they are now: the params
+        expected to get one (the previous backward's; in the first, every hooked one)."""
+        expected = self._previous
+        if expected is None or not engine.order_learned:
+            expected = {id(r) for r in engine.recs if r.hook is not None}
+        self._expected = set(expected)
+        self._waiting = {b.index: sum(1 for p in b.pieces if id(p.rec) in expected)
+                         for b in engine.buckets}
 
     def begin(self, recs) -> bool:
         """recs' steps start now, from their grad copies and their groups'
@@ -239,6 +256,7 @@ class EarlyStart:
             stepped = {id(p.rec) for b in engine.buckets for p in b.pieces
                        if id(p) in self._stepped}
             engine.write_stepped(self._stepped)
+            engine.forget_read(self._stepped)
             self.new_iteration()
         return len(stepped)
 
@@ -251,12 +269,13 @@ class EarlyStart:
 
     def new_iteration(self) -> None:
         """The params that got grads this iteration are the ones the next
-        iteration's buckets wait for (once the bucket order is learned)."""
+        iteration's buckets wait for (once the bucket order is learned; before, the
+        guess: every hooked param)."""
         engine = self._engine()
         if self.files is not None:
             self.files.new_iteration()
-        self._expected = set(self._hooked) if engine.order_learned else set()
-        self._waiting = {b.index: sum(1 for p in b.pieces if id(p.rec) in self._expected)
-                         for b in engine.buckets}
+        if self._hooked:   # (none: no backward since the last, e.g. a step() after a failure)
+            self._previous = set(self._hooked) if engine.order_learned else None
+        self._expected, self._waiting = None, {}
         self.error = None
         self._hooked, self._started, self._stepped, self._hyper = {}, {}, set(), {}

@@ -1,25 +1,26 @@
-"""A bounded host buffer for the grads: step_in_backward with the state in files.
+"""A bounded host buffer for the grads: step_in_backward.
 
 Without it every piece has a grad buffer of its own in the transfer arena: 2 B per bf16
-param of pinned host memory, held for good. With the state in files and the step in
-backward (disk_early.py) a grad is dead once its file bucket is stepped, a few buckets
-after it arrived, so the grads of a backward can share a ring:
+param of pinned host memory, held for good. With the step in backward a grad is dead once
+its bucket is stepped (an engine bucket with the state in host RAM, early.py; a file
+bucket with the state in files, disk_early.py), a few buckets after it arrived, so the
+grads of a backward can share a ring:
 
     hook (autograd's thread)    take(): the next span of the ring, for one copy (a piece,
                                 or a pack of abutting pieces); the D2H lands there
-    the pass (worker)           the kernel reads the span; done(piece) for each piece, and
-                                the span is free once all of its pieces are
+    the kernel (worker)         reads the span; done(piece) for each piece, and the span
+                                is free once all of its pieces are
 
 Spans are handed out in address order around the ring (next fit: after the last one
 handed out, in the first gap large enough, from the start again past the end), and are
 freed in about that order (the pass steps buckets as their grads complete); a span held
 long (a param in a bucket that completes only at step()) is stepped around. When no gap
-is large enough the hook waits, but only while the worker has a job of the pass queued or
-running (`busy`), which frees spans without any new grad: a pass stalled on a bucket
-whose grads have not all come would wait forever for the thread that is waiting, so then,
-and for a copy larger than the ring, the span is a buffer of its own (overflow), freed
-when done. So do the copies step() makes (grads copied again), and those of a first
-backward whose guessed order (disk_early.py) was wrong.
+is large enough the hook waits, but only while the worker has a job queued or running
+(`busy`: a kernel, or a job of the files' pass), which frees spans without any new grad:
+a bucket whose grads have not all come would wait forever for the thread that is
+waiting, so then, and for a copy larger than the ring, the span is a buffer of its own
+(overflow), freed when done. So do the copies step() makes (grads copied again), and those of a first
+backward whose guessed order (early.py, disk_early.py) was wrong.
 """
 
 from __future__ import annotations

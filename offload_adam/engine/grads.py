@@ -140,8 +140,8 @@ def sq_sum(device, rec, copy: GradCopy, threads: int) -> None:
     if any(p.grad is None for p in rec.pieces):
         raise RuntimeError(
             f"offload_adam: the host copy of the grad of {rec.label()} was already read by "
-            "its step during backward, and its room in the grad ring reused (state_dirs= "
-            "with step_in_backward=True): the grads cannot be clipped or unscaled after "
+            "its step during backward, and its room in the grad ring reused "
+            "(step_in_backward=True): the grads cannot be clipped or unscaled after "
             "backward then; use step_in_backward=False for that")
     generation = copy.generation
     device.wait_host(*copy.transfers)
