@@ -79,6 +79,8 @@ class NoStep:
 def run_mode(cfg, args, prefetch):
     import offload_adam
     from bench.e2e.model import _Block, build_model
+    mode = "resident" if prefetch is None else f"streamed k={prefetch}"
+    t0 = time.perf_counter()
     torch.cuda.empty_cache()
     # Built on the device (fast init), then, streamed, moved to host memory before the cap
     # applies: a model over the cap never has to fit it whole.
@@ -88,6 +90,7 @@ def run_mode(cfg, args, prefetch):
         model.cpu()
         torch.cuda.empty_cache()
     _cap(args, prefetch is not None)
+    _progress(mode, "model built", t0)
     if args.checkpoint:
         model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
     streamer = None
@@ -95,6 +98,7 @@ def run_mode(cfg, args, prefetch):
         files = ({} if not args.param_dir else
                  dict(param_dirs=args.param_dir, param_cache_mb=args.param_cache_mb))
         streamer = offload_adam.stream_params(model, _Block, prefetch=prefetch, **files)
+        _progress(mode, "streamer set up", t0)
     if prefetch is None and args.resident == "compute":
         opt = NoStep(model)
     else:
@@ -102,8 +106,9 @@ def run_mode(cfg, args, prefetch):
                                  state_dtype=args.state_dtype,
                                  step_in_backward=args.step_in_backward,
                                  free_grads_after_copy=args.free_grads)
+    _progress(mode, "optimizer built", t0)
     name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
-    out = _train(cfg, args, model, opt, streamer)
+    out = _train(cfg, args, model, opt, streamer, mode, t0)
     out.update(mode=name if prefetch is None else f"streamed k={prefetch}", prefetch=prefetch,
                streamed_gb=(streamer.streamed_bytes / 1e9) if streamer else 0.0,
                largest_block_gb=(streamer.largest_block_bytes / 1e9) if streamer else 0.0)
@@ -137,7 +142,7 @@ def run_fsdp2(cfg, args):
     torch.cuda.empty_cache()
     _cap(args, True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    out = _train(cfg, args, model, opt, None)
+    out = _train(cfg, args, model, opt, None, "fsdp2", time.perf_counter())
     out.update(mode="fsdp2 cpu offload", prefetch=None, streamed_gb=0.0, largest_block_gb=0.0)
     del model, opt
     gc.collect()
@@ -152,7 +157,12 @@ def _cap(args, capped):
     torch.cuda.reset_peak_memory_stats()
 
 
-def _train(cfg, args, model, opt, streamer):
+def _progress(mode, what, t0):
+    """A line as each phase ends (a run stopped by a time limit still says how far it got)."""
+    print(f"  [{mode}] {what} at {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _train(cfg, args, model, opt, streamer, mode, t0):
     """--warmup + --steps iterations; per iteration: forward and forward + backward (CUDA
     events), opt.step() (wall), the whole (wall, synchronized), the engine's CPU step time
     (its profile: the kernels' time summed over buckets, in backward and at step())."""
@@ -184,6 +194,10 @@ def _train(cfg, args, model, opt, streamer):
                          cpu_step_s=profile["cpu_step_s"] if profile else 0.0,
                          loss=float(loss.detach()),
                          h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0))
+        r = rows[-1]
+        _progress(mode, f"iteration {it}: {r['iter_s']:.3f} s (fwd {r['fwd_s']:.3f}, fwd+bwd "
+                  f"{r['fwd_bwd_s']:.3f}, step() {r['step_s']:.3f}, CPU step "
+                  f"{r['cpu_step_s']:.3f})", t0)
     timed = rows[args.warmup:]
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     return dict(median=med, rows=rows, peak_gb=torch.cuda.max_memory_allocated() / 1e9)

@@ -6,6 +6,7 @@ real streams and the caching allocator, and between uses the streamed params hol
 no device memory. Race check (not run by pytest): compute-sanitizer on
 `python tests/cuda/test_param_stream_cuda.py` (the __main__ run).
 """
+import gc
 import os
 import sys
 
@@ -108,6 +109,8 @@ def test_between_uses_the_streamed_params_hold_no_device_memory():
     block (512 B)."""
     held = {}
     for streamed in (False, True):
+        gc.collect()   # the last run's engine (in reference cycles) gone before the base
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         model, opt, streamer, _ = run(streamed)
