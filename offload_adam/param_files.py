@@ -147,23 +147,33 @@ class ParamFiles:
 
     def hold(self, i: int, read: bool = True) -> torch.Tensor:
         """Block i's host copy (uint8, its size), in a slot that stays until unhold();
-        loaded first unless `read=False` (the caller writes it all)."""
-        with self.lock:
-            slot = self.slot_of.get(i)
-            if slot is None:
-                slot = self._take_slot(i)
-                if read:
-                    self._load(i, slot)
-            slot.holds += 1
-            self._touch(slot)
+        loaded first unless `read=False` (the caller writes it all). Its read (or write
+        back) is waited for outside the lock: the other threads' holds and unholds (the
+        CPU step's, during backward) go on meanwhile, and the held slot stays put."""
+        while True:
+            with self.lock:
+                slot = self.slot_of.get(i)
+                if slot is None:
+                    slot = self._take_slot(i)
+                    if read:
+                        self._load(i, slot)
+                slot.holds += 1
+                self._touch(slot)
+                pending = slot.loading + slot.writing
             try:
-                self._finish(slot)
-                if slot.writing:           # the caller may write it: let its write land
-                    self._finish_writes(slot)
+                wait(pending)   # (its error, if any, is raised by _finish below)
+                with self.lock:
+                    if self.slot_of.get(i) is not slot:   # its read failed for another
+                        slot.holds -= 1                   # holder, who dropped it: again
+                        continue
+                    self._finish(slot)
+                    if slot.writing:           # the caller may write it: let its write land
+                        self._finish_writes(slot)
+                    return slot.buffer.tensor[:self.sizes[i]]
             except BaseException:
-                slot.holds -= 1
+                with self.lock:
+                    slot.holds -= 1
                 raise
-            return slot.buffer.tensor[:self.sizes[i]]
 
     def unhold(self, i: int, dirty: bool) -> None:
         with self.lock:

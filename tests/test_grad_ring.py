@@ -195,8 +195,8 @@ def test_an_error_after_the_first_backward_names_the_params_it_stepped(device, t
 
 # ---- the state in host RAM: step_in_backward's grads through the ring too --------------
 
-@pytest.mark.parametrize("free", [False, True], ids=["kept", "freed"])
-@pytest.mark.parametrize("slow_kernel", [False, True])
+@pytest.mark.parametrize("free, slow_kernel", [(False, False), (True, False), (False, True)],
+                         ids=["kept", "freed", "kept-slow-kernels"])
 def test_in_host_ram_the_grads_keep_to_a_ring_from_the_first_step(device, monkeypatch,
                                                                  slow_kernel, free):
     """step_in_backward with the state in host RAM: the grads wait in a ring of 4 buckets

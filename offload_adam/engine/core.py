@@ -144,6 +144,8 @@ class OffloadEngine:
                 self.ring = GradRing(self.device, ring_bytes(self.bucket_bytes, self.bucket_bytes),
                                      _worker_busy(weakref.ref(self)))
                 self._ring_arenas.append(self.ring.arenas)
+                if self._worker is not None:   # a hook waiting for room while the worker
+                    self._worker.after_job = self.ring.nudge   # was busy looks again
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
         # nothing that keeps the engine alive.

@@ -36,6 +36,9 @@ class Worker:
         self._idle = threading.Condition(self._lock)
         self.cancelled = False
         self._closed = False
+        # called on the worker after each job is counted done (the grad ring's nudge: a
+        # hook waiting for room while the worker was busy looks again once it is not)
+        self.after_job: Optional[Callable[[], None]] = None
         self._thread = threading.Thread(target=_run, name=name, daemon=True,
                                         args=(self._jobs, self, context))
         self._thread.start()
@@ -170,4 +173,7 @@ def _run(jobs: "queue.Queue", worker: Worker, context) -> None:
             except BaseException as e:  # noqa: BLE001 -- surfaced in the caller
                 error = e
         worker._done(error)
+        after = worker.after_job
+        if after is not None:
+            after()
         del job, item, error
