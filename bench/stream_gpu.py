@@ -109,7 +109,7 @@ def run_mode(cfg, args, prefetch):
     _progress(mode, "optimizer built", t0)
     name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
     out = _train(cfg, args, model, opt, streamer, mode, t0)
-    out.update(mode=name if prefetch is None else f"streamed k={prefetch}", prefetch=prefetch,
+    out.update(mode=name if prefetch is None else mode, prefetch=prefetch,
                streamed_gb=(streamer.streamed_bytes / 1e9) if streamer else 0.0,
                largest_block_gb=(streamer.largest_block_bytes / 1e9) if streamer else 0.0)
     del model, opt, streamer

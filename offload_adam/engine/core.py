@@ -141,11 +141,8 @@ class OffloadEngine:
         if options.step_in_backward:
             self.early = EarlyStart(self, owner)
             if not self.state_on_disk:   # before any transfer buffer is laid out
-                self.ring = GradRing(self.device, ring_bytes(self.bucket_bytes, self.bucket_bytes),
-                                     _worker_busy(weakref.ref(self)))
-                self._ring_arenas.append(self.ring.arenas)
-                if self._worker is not None:   # a hook waiting for room while the worker
-                    self._worker.after_job = self.ring.nudge   # was busy looks again
+                self._make_ring(ring_bytes(self.bucket_bytes, self.bucket_bytes),
+                                _worker_busy(weakref.ref(self)))
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
         # nothing that keeps the engine alive.
@@ -242,13 +239,18 @@ class OffloadEngine:
         """The grads land in a ring of `nbytes` (grad_ring.py) from now on; `busy`: whether
         a job of the files' pass is pending (disk_early.py)."""
         self._wait_all()
-        self.ring = GradRing(self.device, nbytes, busy)
-        self._ring_arenas.append(self.ring.arenas)
+        self._make_ring(nbytes, busy)
         for rec in self.recs:
             rec.copy = None   # (none made yet: built with the optimizer)
             for p in rec.pieces:
                 p.grad = None
         self._rebucket(list(dict.fromkeys(p.rec for b in self.buckets for p in b.pieces)))
+
+    def _make_ring(self, nbytes: int, busy: Callable[[], bool]) -> None:
+        self.ring = GradRing(self.device, nbytes, busy)
+        self._ring_arenas.append(self.ring.arenas)
+        if self._worker is not None:   # a hook waiting for room while the worker was busy
+            self._worker.after_job = self.ring.nudge   # looks again once a job is done
 
     def forget_grads(self) -> None:
         """The ring's spans are all free (a step ended, or the files' pass was abandoned):
