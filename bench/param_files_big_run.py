@@ -153,6 +153,7 @@ def main():
     ap.add_argument("--budget-mb", type=float, default=2600.0,
                     help="state_budget_mb= (the state ring: 12 of the largest bucket, one param)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "8bit"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--limit-gb", type=float, default=8.0)
@@ -202,7 +203,8 @@ def main():
             opt = offload_adam.AdamW(model.parameters(), lr=1e-4, num_threads=args.threads,
                                      state_dirs=state_dir, state_footprint="compact",
                                      step_in_backward=True, free_grads_after_copy=True,
-                                     bucket_mb=args.bucket_mb, state_budget_mb=args.budget_mb)
+                                     bucket_mb=args.bucket_mb, state_budget_mb=args.budget_mb,
+                                     state_dtype=args.state_dtype)
             gen = torch.Generator().manual_seed(1)
             x = torch.randn(args.tokens, args.dim, generator=gen).to(torch.bfloat16)
             reset_peak()
@@ -239,6 +241,9 @@ def main():
             grad_ring = opt._engine.ring.nbytes if getattr(opt._engine, "ring", None) else 0
             disk = {name: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
                     for name, d in (("state", state_dir), ("params", param_dir))}
+            row["state_files"] = {f: os.path.getsize(os.path.join(state_dir, f))
+                                  for f in sorted(os.listdir(state_dir))}
+            row["largest_bucket_bytes"] = max(b.nbytes for b in files.spec.buckets)
             row_peak = peak_rss()
             at_peak = watch.stop()
             cache = streamer.files.cache_bytes
@@ -258,7 +263,10 @@ def main():
         med_write = statistics.median(w for _, w in traffic[1:] or traffic)
         log(out, f"on disk: state {disk['state'] / 1e9:.1f} GB + params {disk['params'] / 1e9:.1f} GB "
                  f"= {(disk['state'] + disk['params']) / 1e9:.1f} GB "
-                 f"({(disk['state'] + disk['params']) / n:.2f} B/param); RAM "
+                 f"({(disk['state'] + disk['params']) / n:.2f} B/param: "
+                 + ", ".join(f"{f} {b / n:.3f}" for f, b in row["state_files"].items()
+                             if b) + f", params {disk['params'] / n:.3f}; largest bucket "
+                 f"{row['largest_bucket_bytes'] / 2**20:.1f} MiB); RAM "
                  f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB")
         log(out, f"bytes per iteration (median of 2..): read {med_read / 1e9:.2f} GB (expected at "
                  f"most {expect_read / 1e9:.2f}: state {gen_bytes / 1e9:.2f} + log {log_bytes / 1e9:.2f} "

@@ -12,6 +12,10 @@ win over the param, as torch's optimizers, which keep no master, would not:
     at the next step(): kept while the param is still its rounding (a checkpoint of the
     same step resumes bit for bit), else started again from the param.
 
+The engine asks it of each piece of a param (engine/state.py follow_masters; a piece is at
+most bucket_mb): a param edited in part keeps the masters of its pieces left as they were,
+wherever their state lives (the files lend a param larger than a bucket in parts).
+
 A param without a grad in a step is not stepped, but its master follows it all the
 same, in RAM as in the files (which hold the params for state_resume): its next
 stepped value, or the params a resume restores, start from what the user left.

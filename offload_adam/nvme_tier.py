@@ -3,7 +3,8 @@
 The storage is nvme/ (files, slots, manifest, the read-ahead pipeline); this is the
 optimizer's side of it. At construction every param of every group is dealt, in order,
 into buckets of about bucket_mb of state (a bucket never spans two groups, so one kernel
-call per param dtype has one set of hyperparameters), and the files are opened (or
+call per param dtype has one set of hyperparameters; an engine param larger than a bucket
+goes in parts, runs of its engine pieces, `_lay_out`), and the files are opened (or
 created, or resumed). Each step() is one pass of the pipeline:
 
     for bucket i (read ahead by the pipeline):
@@ -51,8 +52,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import warnings
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,6 +63,7 @@ from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, param_values, rounds_to, write_values
 from .engine.disk_early import DiskEarly
 from .engine.disk_log import DiskLog
+from .engine.layout import Entry
 from .kernel_state import kernel_state
 from .master_rule import MasterMarks, mark, take_from_param
 from .cpu_step import calls_by_dtype, contiguous_grad
@@ -69,24 +72,63 @@ from .state_store import Lent, Loaded
 from .param_state import ParamState, adam_bucket
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .nvme.store import STATE_FILES
-from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
+from .state_format import (MASTER_KEY, MOMENT_KEYS, QUANT_BLOCK, SCALE_KEYS, scale_len,
+                           state_format, stored_state)
 
 _MB = 2 ** 20
 
 
 class _Param:
-    """One param of the tier: where it is in the groups, its name in the files, the
-    dtype its files were laid out for, and its engine record when the engine steps it
-    (EngineStep.lent; None: stepped in place here). Every param has a master in
-    the files; the kernel steps it, except for an fp32 param stepped in place, which
-    is its own master (as in RAM): the kernel steps the param and its value is copied
-    into the files' master, so that the files hold the params too."""
-    __slots__ = ("group", "index", "param", "name", "dtype", "rec")
+    """One param of the tier, or a part of one: where it is in the groups, its name in
+    the files, the dtype its files were laid out for, and its engine record when the
+    engine steps it (EngineStep.lent; None: stepped in place here). Every param has a
+    master in the files; the kernel steps it, except for an fp32 param stepped in place,
+    which is its own master (as in RAM): the kernel steps the param and its value is
+    copied into the files' master, so that the files hold the params too.
 
-    def __init__(self, group: int, index: int, param: torch.Tensor, name: str, rec=None):
-        self.group, self.index, self.param, self.name = group, index, param, name
+    A part: an engine param whose state is larger than a bucket is cut into runs of its
+    engine pieces (`pieces`), each a flat state of its own in its own bucket, named
+    "<name>#<first element>"; so a bucket, its spare room in a compact ring and the
+    pipeline's buffers stay about bucket_mb whatever the largest param (a 70B model's
+    embedding alone is 6 GB of 8-bit state)."""
+    __slots__ = ("group", "index", "param", "base", "name", "dtype", "rec", "pieces")
+
+    def __init__(self, group: int, index: int, param: torch.Tensor, name: str, rec=None,
+                 pieces=None):
+        self.group, self.index, self.param, self.base = group, index, param, name
         self.dtype = param.dtype
         self.rec = rec
+        self.pieces = tuple(pieces) if pieces is not None else None
+        self.name = name if pieces is None else f"{name}#{pieces[0].start}"
+
+    @property
+    def part(self) -> bool:
+        return self.pieces is not None
+
+    @property
+    def start(self) -> int:
+        return self.pieces[0].start if self.pieces is not None else 0
+
+    @property
+    def shape(self) -> tuple:
+        if self.pieces is not None:
+            return (self.pieces[-1].stop - self.start,)
+        return tuple(local(self.param).shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def entry(self) -> Entry:
+        """What the engine steps (layout.Entry)."""
+        return Entry(self.rec, self.name,
+                     self.pieces if self.pieces is not None else tuple(self.rec.pieces))
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This entry's elements of a whole-param tensor `t` (flat, for a part)."""
+        if self.pieces is None:
+            return t
+        return t.reshape(-1)[self.start:self.start + self.numel]
 
     @property
     def has_master(self) -> bool:
@@ -95,7 +137,60 @@ class _Param:
 
 
 def _bucket_spec(entries: List[_Param], fmt: str, amsgrad: bool) -> BucketSpec:
-    return adam_bucket([(e.name, local(e.param).shape) for e in entries], fmt, amsgrad)
+    return adam_bucket([(e.name, e.shape) for e in entries], fmt, amsgrad)
+
+
+def runs_within(items: Sequence, size: Callable[[list], float], limit: float) -> List[list]:
+    """`items` cut into runs, in order, each of `size(run)` at most `limit` (one item at
+    least): the parts of a param larger than a bucket, from its engine pieces."""
+    runs, run = [], []
+    for item in items:
+        if run and size(run + [item]) > limit:
+            runs.append(run)
+            run = []
+        run.append(item)
+    return runs + [run] if run else runs
+
+
+def _lay_out(param_groups, params, recs, limit: float, split: bool):
+    """The file buckets (lists of _Param) and their specs: every param of every group, in
+    order, dealt into buckets of about `limit` bytes of state (a bucket never spans two
+    groups); with `split`, an engine param whose state is larger than `limit` is cut into
+    parts (_Param), runs of its pieces of at most `limit` bytes each (one piece at least).
+    (split=False: the layout of files made before parts existed, still resumed.)"""
+    buckets, specs = [], []
+    for gi, (group, mine) in enumerate(zip(param_groups, params)):
+        fmt = state_format(group["state_dtype"])
+        amsgrad = bool(group["amsgrad"])
+        names = group.get("param_names")
+        keep = {id(p) for p in mine}
+        bucket, size = [], 0
+
+        def nbytes(e):
+            return _bucket_spec([e], fmt.name, amsgrad).nbytes
+
+        for i, p in enumerate(group["params"]):
+            if id(p) not in keep:
+                continue
+            name = f"{gi}:{names[i] if names else i}"
+            rec = recs.get(id(p))
+            entries = [_Param(gi, i, p, name, rec)]
+            if (split and rec is not None and rec.flat and len(rec.pieces) > 1
+                    and nbytes(entries[0]) > limit):
+                entries = [_Param(gi, i, p, name, rec, run) for run in runs_within(
+                    rec.pieces, lambda run: nbytes(_Param(gi, i, p, name, rec, run)), limit)]
+            for entry in entries:
+                n = nbytes(entry)
+                if bucket and size + n > limit:
+                    specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
+                    buckets.append(bucket)
+                    bucket, size = [], 0
+                bucket.append(entry)
+                size += n
+        if bucket:
+            specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
+            buckets.append(bucket)
+    return buckets, specs
 
 
 class FileStore:
@@ -118,52 +213,40 @@ class FileStore:
         recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
         self.engine = engine
         self.marks = marks if marks is not None else MasterMarks()
-        self.buckets: List[List[_Param]] = []
-        specs = []
-        limit = bucket_mb * _MB
-        for gi, (group, mine) in enumerate(zip(param_groups, params)):
-            fmt = state_format(group["state_dtype"])
-            amsgrad = bool(group["amsgrad"])
-            names = group.get("param_names")
-            keep = {id(p) for p in mine}
-            bucket, size = [], 0
-            for i, p in enumerate(group["params"]):
-                if id(p) not in keep:
-                    continue
-                entry = _Param(gi, i, p, f"{gi}:{names[i] if names else i}", recs.get(id(p)))
-                nbytes = _bucket_spec([entry], fmt.name, amsgrad).nbytes
-                if bucket and size + nbytes > limit:
-                    specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
-                    self.buckets.append(bucket)
-                    bucket, size = [], 0
-                bucket.append(entry)
-                size += nbytes
-            if bucket:
-                specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
-                self.buckets.append(bucket)
         self._formats = [state_format(g["state_dtype"]) for g in param_groups]
         self._amsgrad = [bool(g["amsgrad"]) for g in param_groups]
-        spec = StateSpec(tuple(specs), "+".join(sorted({f.files_name for f in self._formats})),
-                         extra={"amsgrad": self._amsgrad})
-        largest = max((b.nbytes for b in spec.buckets), default=0)
-        budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
-        try:   # before any file is made: a refused construction leaves none behind
-            ring_size(spec, budget)
-        except ValueError as e:
-            raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
+        files_name = "+".join(sorted({f.files_name for f in self._formats}))
         self.pipeline = None
         self.compact = compact
-        try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
-            self.state = NvmeState.open(list(dirs), spec, compact=compact, log_bytes=[
-                redo.record_reserve([local(e.param).numel() * local(e.param).element_size()
-                                     for e in b]) for b in self.buckets])
-        except ValueError as e:
-            if "of another model or optimizer" not in str(e):
-                raise
-            raise ValueError(f"{e}. (What identifies them: the params' names, shapes and "
-                             "order in the groups, state_dtype, amsgrad, and bucket_mb, which "
-                             f"lays out the buckets: bucket_mb={bucket_mb:g} here; resume "
-                             "with the one they were made with)") from None
+        for split in (True, False):   # files made before parts: resumed as they are
+            self.buckets, specs = _lay_out(param_groups, params, recs, bucket_mb * _MB, split)
+            spec = StateSpec(tuple(specs), files_name, extra={"amsgrad": self._amsgrad})
+            largest = max((b.nbytes for b in spec.buckets), default=0)
+            budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
+            try:   # before any file is made: a refused construction leaves none behind
+                ring_size(spec, budget)
+            except ValueError as e:
+                raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
+            try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
+                self.state = NvmeState.open(list(dirs), spec, compact=compact, log_bytes=[
+                    redo.record_reserve([e.numel * e.dtype.itemsize for e in b])
+                    for b in self.buckets])
+                break
+            except ValueError as e:
+                if "of another model or optimizer" not in str(e):
+                    raise
+                if split and any(e.part for b in self.buckets for e in b):
+                    continue
+                raise ValueError(f"{e}. (What identifies them: the params' names, shapes "
+                                 "and order in the groups, state_dtype, amsgrad, and "
+                                 "bucket_mb, which lays out the buckets: "
+                                 f"bucket_mb={bucket_mb:g} here; resume with the one they "
+                                 "were made with)") from None
+        # where each param's state is: (its bucket, its _Param) per part, in order
+        self._where: Dict[int, List[Tuple[int, _Param]]] = {}
+        for i, b in enumerate(self.buckets):
+            for e in b:
+                self._where.setdefault(id(e.param), []).append((i, e))
         flat = [p for group in params for p in group]
         self._ranks = ((flat, process_group)   # compact under several ranks: who steps
                        if compact and distributed.sharded(flat, process_group) else None)
@@ -194,7 +277,7 @@ class FileStore:
             self.state.close(discard=True)
             raise
         self._early = None   # step_in_backward: the pass that starts in backward
-        files = [[(e.rec, e.name) for e in b] if all(e.rec is not None for e in b) else None
+        files = [[e.entry() for e in b] if all(e.rec is not None for e in b) else None
                  for b in self.buckets]
         if engine is not None and engine.early is not None and compact:
             self._early = DiskLog(engine, engine.early, self.pipeline, files)
@@ -297,7 +380,7 @@ class FileStore:
                     st = ParamState.in_bucket(views, e.name)
                     step = float(st.step)
                     if step > 0:
-                        write_values(e.param, st.master)
+                        write_values(e.param, st.master, e.start if e.part else None)
                         self._stepped.add(id(e.param))
                         self._resumed[id(e.param)] = (e, mark(e.param), step)
         self.marks.agree(e.param for e, _, _ in self._resumed.values())
@@ -346,9 +429,9 @@ class FileStore:
         generation, as a restore from it would have set it; entries not stepped in that
         generation match whatever they are (they start from their param)."""
         by_bucket: Dict[int, List[_Param]] = {}
-        where = {id(e.param): i for i, b in enumerate(self.buckets) for e in b}
-        for e in entries:
-            by_bucket.setdefault(where[id(e.param)], []).append(e)
+        for e in {id(e.param): e for e in entries}.values():
+            for i, part in self._where[id(e.param)]:   # (each part of a param in parts)
+                by_bucket.setdefault(i, []).append(part)
         with torch.no_grad():
             for i, bucket in sorted(by_bucket.items()):
                 try:
@@ -361,7 +444,7 @@ class FileStore:
                     st = ParamState.in_bucket(views, e.name)
                     if float(st.step) == 0:
                         continue
-                    if not rounds_to(st.master, param_values(e.param).to("cpu")):
+                    if not rounds_to(st.master, e.of(param_values(e.param).to("cpu"))):
                         return False
         return True
 
@@ -449,7 +532,7 @@ class FileStore:
                             self._grads_from_log(i)
                         calls, follow = self._lend_in_place(
                             [e for e in bucket if e.rec is None], t)
-                        engine = [(e.rec, e.name) for e in bucket if e.rec is not None]
+                        engine = [e.entry() for e in bucket if e.rec is not None]
                         yield Lent(Hyper.of(param_groups[bucket[0].group]) if calls else None,
                                    calls, (lambda engine=engine, t=t: run.lent(engine, t))
                                    if run is not None and engine else None)
@@ -503,20 +586,22 @@ class FileStore:
                 tensors.append((f"g|{e.name}|0", contiguous_grad(e.param)))
                 in_place.append(e.name)
             elif ready:
-                tensors += [(f"g|{e.name}|{start}", g) for start, g in run.host_grads(e.rec)]
+                tensors += [(f"g|{e.name}|{start}", g)
+                            for start, g in run.host_grads(e.rec, e.entry().pieces)]
             if e.rec is None and not self.marks.current(e.param):
                 tensors.append((f"p|{e.name}|0", param_values(e.param)))
             elif e.rec is not None and not self.engine.marks.current(e.param):
-                tensors += [(f"p|{e.name}|{start}", v) for start, v in run.host_params(e.rec)]
+                tensors += [(f"p|{e.name}|{start}", v)
+                            for start, v in run.host_params(e.rec, e.entry().pieces)]
         return {"group": bucket[0].group, "in_place": in_place}, tensors
 
     def _grads_from_log(self, i: int) -> None:
         """Bucket i's grads logged in backward (DiskLog: their ring room is reused) back
         into its pieces, from the redo log, for the step's kernels to read."""
         _, logged = self.state.record(i)
-        for rec, name in ((e.rec, e.name) for e in self.buckets[i]):
-            for p in rec.pieces:
-                p.grad = logged[f"g|{name}|{p.start}"]
+        for e in self.buckets[i]:
+            for p in e.entry().pieces:
+                p.grad = logged[f"g|{e.name}|{p.start}"]
 
     def _redo_bucket(self, i: int, t: Dict[str, torch.Tensor]) -> None:
         """Bucket i (at the step before the one cut short) stepped again from its redo
@@ -546,7 +631,7 @@ class FileStore:
                 g = whole("g", e.name, st.master)
                 scale = step_meta["scale" if e.name in meta["in_place"] else "engine_scale"]
                 args, grads = calls.setdefault((g.dtype, scale), (KernelArgs(), []))
-                args.add(st, None, 0)
+                args.add(st, None, e.start)   # (a part's rounding: its elements' indices)
                 grads.append(g)
         for (_, scale), (args, grads) in calls.items():
             args.run(grads, hyper, scale, max(1, torch.get_num_threads()))
@@ -596,10 +681,17 @@ class FileStore:
         the ids sd gives them, in the keys and order of the state in RAM."""
         self._check_resumed(stepping=False)
         state = dict(sd["state"])
+        parts: Dict[int, List[ParamState]] = {}   # a param in parts: those seen so far
         for i, bucket in enumerate(self.buckets):
             views = self.state.views(i)
             for e in bucket:
                 rec = ParamState.in_bucket(views, e.name)
+                if e.part:
+                    got = parts.setdefault(id(e.param), [])
+                    got.append(rec)
+                    if len(got) < len(self._where[id(e.param)]):
+                        continue
+                    rec = _joined(parts.pop(id(e.param)), local(e.param).shape)
                 if float(rec.step) == 0:
                     continue   # never stepped: no state, as in torch
                 st = {"step": rec.step}
@@ -613,6 +705,8 @@ class FileStore:
                     st[MASTER_KEY] = rec.master
                 state[sd["param_groups"][e.group]["params"][e.index]] = st
         return {**sd, "state": state}
+
+    # (load: a param in parts converted once for all its parts, kept until its last)
 
     def load(self, loaded: Sequence[Loaded], saved_state: dict, state) -> None:
         """Writes a loaded state dict into the files, bucket by bucket: for each param its
@@ -631,9 +725,18 @@ class FileStore:
                             "its step started during backward")
         stepped: set = set()
 
+        converted: Dict[int, object] = {}   # a param in parts: its state, until its last
+
         def fill(i, t):
             for e in self.buckets[i]:
-                self._fill_param(e, t, self._local_saved(e, saved_of(e)))
+                got = converted.get(id(e.param))
+                if got is None:
+                    got = self._converted(e, self._local_saved(e, saved_of(e)))
+                    if e.part:
+                        converted[id(e.param)] = got
+                if e.part and self._where[id(e.param)][-1][1] is e:
+                    del converted[id(e.param)]
+                self._fill_param(e, t, got)
                 if float(ParamState.in_bucket(t, e.name).step) > 0:
                     stepped.add(id(e.param))
 
@@ -682,7 +785,7 @@ class FileStore:
             raise ValueError(
                 f"offload_adam: state_resume=True set the params to the state files' step "
                 f"{self.state.step} when the optimizer was built, and the optimizer state "
-                f"being loaded was saved with other params (param {e.name}: its step "
+                f"being loaded was saved with other params (param {e.base}: its step "
                 f"{float(saved.get('step', 0)):g}, {step:g} in the files): it would step "
                 "these params with the moments of another step. To resume from a "
                 "checkpoint (its model and optimizer state, e.g. Trainer's "
@@ -691,23 +794,47 @@ class FileStore:
                 f"{', '.join(STATE_FILES)}, or give others); to continue from the files, "
                 "do not load a state dict. Nothing was loaded")
 
-    def _fill_param(self, e: _Param, t, saved: dict) -> None:
-        """Writes param e's `saved` state (_local_saved), in the kernels' form
-        (kernel_state.py), into its bucket's buffer `t`: a master the state lacks is
-        the param as it is now (the files hold the params too), checked again at the
-        next step, as a loaded one."""
+    def _converted(self, e: _Param, saved: dict):
+        """Param e's `saved` state (_local_saved) in the kernels' form (kernel_state.py)."""
         p = local(e.param)
-        label = f"param {e.name} (shape {tuple(p.shape)})"
-        got = kernel_state(saved, p.shape, self._formats[e.group], self._amsgrad[e.group],
-                           e.has_master, label)
+        label = f"param {e.base} (shape {tuple(p.shape)})"
+        return kernel_state(saved, p.shape, self._formats[e.group], self._amsgrad[e.group],
+                            e.has_master, label)
+
+    def _fill_param(self, e: _Param, t, got) -> None:
+        """Writes param e's state `got` (_converted; a part: its elements) into its
+        bucket's buffer `t`: a master the state lacks is the param as it is now (the files
+        hold the params too), checked again at the next step, as a loaded one."""
         st = ParamState.in_bucket(t, e.name)
         st.step.fill_(got.step)
         for key, value in got.moments.items():
-            getattr(st, key).copy_(value)
+            getattr(st, key).copy_(_part_of(e, key, value))
         if got.master is not None:
-            st.master.copy_(got.master)
+            st.master.copy_(e.of(got.master))
         else:
-            st.master.copy_(param_values(e.param).to("cpu", torch.float32))
+            st.master.copy_(e.of(param_values(e.param).to("cpu", torch.float32)))
+
+
+def _part_of(e: _Param, key: str, value: torch.Tensor) -> torch.Tensor:
+    """Param e's elements of its whole state tensor `value` under `key` (of an 8-bit
+    scale array: its blocks' scales; a part starts on a block)."""
+    if not e.part or key not in SCALE_KEYS.values():
+        return e.of(value)
+    return value[e.start // QUANT_BLOCK:scale_len(e.start + e.numel)]
+
+
+def _joined(parts: List[ParamState], shape) -> ParamState:
+    """The state of a param in parts as one (state_dict): its parts' tensors end to end
+    (a copy; the 8-bit scales likewise, each part holding whole blocks), the step count
+    of its first part."""
+    def cat(role):
+        ts = [getattr(st, role) for st in parts]
+        if ts[0] is None:
+            return None
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        return flat if role in SCALE_KEYS.values() else flat.view(shape)
+    return ParamState(parts[0].step, *[cat(f.name) for f in dataclasses.fields(ParamState)
+                                       if f.name != "step"])
 
 
 def _follow_param(st: ParamState, p: torch.Tensor) -> None:

@@ -59,7 +59,9 @@ documented here and nowhere else.
     instead of host RAM: every param's fp32 master, the moments in any
     state_dtype, their scales and step counts (the NVMe tier, nvme/ and
     nvme_tier.py). Each step streams it through host RAM bucket by bucket
-    (bucket_mb), reading ahead and writing back while the kernel runs, and
+    (bucket_mb; an engine param whose state is larger is cut into parts of its
+    pieces, so that no buffer or spare extent is sized by the largest param),
+    reading ahead and writing back while the kernel runs, and
     commits it crash-safe. CPU params stepped in place and the engine's params
     (CUDA, or CPU through the pipeline) alike; with step_in_backward the
     files' pass starts in backward (engine/disk_early.py), and the grads wait

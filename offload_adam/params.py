@@ -7,6 +7,7 @@ tier raise the same words), and where a streamed param's values live between use
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -85,17 +86,19 @@ def param_values(p: torch.Tensor) -> torch.Tensor:
     return home.values()
 
 
-def write_values(p: torch.Tensor, values: torch.Tensor) -> None:
+def write_values(p: torch.Tensor, values: torch.Tensor, start: Optional[int] = None) -> None:
     """Writes `values` (any dtype: cast) into param p's values (param_values), a streamed
-    param's host copy included (in files: marked to go back to its file)."""
+    param's host copy included (in files: marked to go back to its file); with `start`,
+    into its flat elements from `start` on (a part of it: values.numel() of them)."""
     home = home_of(p)
-    if home is None:
-        t = param_values(p)
-        t.copy_(values.to(t.dtype))
-        return
-    home.before_write()   # (no copy to the device still reads it)
+    if home is not None:
+        home.before_write()   # (no copy to the device still reads it)
     try:
-        t = home.tensor
+        t = param_values(p) if home is None else home.tensor
+        if start is not None:
+            t = t.view(-1)[start:start + values.numel()]
+            values = values.reshape(-1)
         t.copy_(values.to(t.dtype))
     finally:
-        home.after_write()
+        if home is not None:
+            home.after_write()

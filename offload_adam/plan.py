@@ -409,17 +409,30 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     from .nvme.layout import StateSpec, place
     from .nvme.redo import log_sizes, record_reserve
     from .param_state import adam_bucket
+    from .nvme_tier import runs_within
     limit = bucket_mb * _MB
     buckets, bucket, size, grads = [], [], 0, [[]]
+
+    def nbytes(entry):
+        return adam_bucket([entry], state_dtype).nbytes
+
     for i, s in enumerate(shapes):
-        nbytes = adam_bucket([(f"0:{i}", s)], state_dtype).nbytes
-        if bucket and size + nbytes > limit:
-            buckets.append(adam_bucket(bucket, state_dtype))
-            bucket, size = [], 0
-            grads.append([])
-        bucket.append((f"0:{i}", s))
-        size += nbytes
-        grads[-1].append(2 * math.prod(s))   # its bf16 grad
+        entries = [(f"0:{i}", s)]
+        pieces = engine_pieces(math.prod(s), bucket_mb)
+        if len(pieces) > 1 and nbytes(entries[0]) > limit:   # in parts (nvme_tier._lay_out)
+            starts = [sum(pieces[:k]) for k in range(len(pieces))]
+            entries = [(f"0:{i}#{run[0][0]}", (sum(n for _, n in run),))
+                       for run in runs_within(list(zip(starts, pieces)), lambda run: nbytes(
+                           ("x", (sum(n for _, n in run),))), limit)]
+        for entry in entries:
+            n = nbytes(entry)
+            if bucket and size + n > limit:
+                buckets.append(adam_bucket(bucket, state_dtype))
+                bucket, size = [], 0
+                grads.append([])
+            bucket.append(entry)
+            size += n
+            grads[-1].append(2 * math.prod(entry[1]))   # its bf16 grad
     if bucket:
         buckets.append(adam_bucket(bucket, state_dtype))
     spec = StateSpec(tuple(buckets), state_dtype)

@@ -128,12 +128,15 @@ def steps_until(opt, train_step, until, progress):
 # matmuls: the test compares with a run in another process, and a matmul's rounding may
 # change with the alignment of its buffers, which differs between processes.
 ENGINE_BUCKET_MB = 0.01
+# More rows than the tokens use (37): at dim 256 the table is 3 engine pieces, so its state
+# is in 3 parts in the files (nvme_tier._lay_out), each in a bucket of its own.
+EMBED_ROWS = 300
 
 
 class Elementwise(torch.nn.Module):
-    def __init__(self, dim=256, layers=8):
+    def __init__(self, dim=256, layers=8, rows=EMBED_ROWS):
         super().__init__()
-        self.embed = torch.nn.Embedding(37, dim)
+        self.embed = torch.nn.Embedding(rows, dim)
         self.scales = torch.nn.ParameterList(torch.nn.Parameter(1 + 0.1 * torch.randn(dim))
                                              for _ in range(layers))
         self.biases = torch.nn.ParameterList(torch.nn.Parameter(0.1 * torch.randn(dim))
@@ -163,9 +166,9 @@ class Layer(torch.nn.Module):
 class Blocks(torch.nn.Module):
     """Elementwise's layers as modules, so that they can stream (issue 27)."""
 
-    def __init__(self, dim=256, layers=8):
+    def __init__(self, dim=256, layers=8, rows=EMBED_ROWS):
         super().__init__()
-        self.embed = torch.nn.Embedding(37, dim)
+        self.embed = torch.nn.Embedding(rows, dim)
         self.layers = torch.nn.ModuleList(Layer(dim) for _ in range(layers))
         self.head = torch.nn.Parameter(torch.randn(dim) / dim ** 0.5)
 
@@ -206,7 +209,7 @@ def engine_optimizer(m, folder=None, compact=False):
     state_footprint="compact", the grads logged in backward); in host RAM with the plain
     step otherwise (the uninterrupted run)."""
     extra = dict(state_dirs=folder, state_resume=True, step_in_backward=True,
-                 state_budget_mb=0.5) if folder else {}
+                 state_budget_mb=1.0) if folder else {}   # (3 of its largest buckets)
     if folder and compact:
         extra["state_footprint"] = "compact"
     return offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=ENGINE_BUCKET_MB,

@@ -334,7 +334,7 @@ def small_layers(streamed, blocks):
     """nvme_crash_worker's models with 80 narrow layers: the grads of a file bucket are
     small beside the model's (the grad ring is twice the largest bucket's)."""
     torch.manual_seed(11)
-    m = (Blocks if blocks else Elementwise)(dim=32, layers=80).to(torch.bfloat16)
+    m = (Blocks if blocks else Elementwise)(dim=32, layers=80, rows=37).to(torch.bfloat16)
     m.head.data = m.head.data.float()
     if streamed:
         offload_adam.stream_params(m, Layer, prefetch=1)

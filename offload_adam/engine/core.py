@@ -69,8 +69,8 @@ from .host_memory import HostArenas
 from .early import EarlyStart
 from .grad_ring import GradRing, ring_bytes
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
-from .layout import (Bucket, ParamRec, Piece, allocate_state, allocate_transfers, cut, local,
-                     make_buckets, state_roles)
+from .layout import (Bucket, Entry, ParamRec, Piece, allocate_state, allocate_transfers, cut,
+                     local, make_buckets, state_roles)
 from .profile import StepProfile
 from .state import bind_state, follow_masters, is_bound, read_params
 from .worker import Worker, interrupts_deferred
@@ -549,7 +549,7 @@ class OffloadEngine:
         take = {id(r) for r in ready}
         # the master rule for every param with a state, stepped now or not (those
         # stepped during backward followed it before their kernel: early.py)
-        follow_masters(self.device, [r for r in self.recs
+        follow_masters(self.device, [Entry.whole(r) for r in self.recs
                                      if (id(r) in take or is_bound(r, state))
                                      and not any(id(p) in early for p in r.pieces)],
                        self.marks)
@@ -656,7 +656,8 @@ class OffloadEngine:
         and `done()` after it."""
         recs = list({id(p.rec): p.rec for p in pieces}.values())
         self.bind_state(recs, param_groups, state)
-        follow_masters(self.device, recs, self.marks)   # before the kernel reads them
+        follow_masters(self.device, [Entry.whole(r) for r in recs],
+                       self.marks)   # before the kernel reads them
         job = self._bucket_job(bucket, pieces, begin(recs), threads=self.hook_threads())
 
         def kernel_only():
@@ -840,9 +841,7 @@ class OffloadEngine:
 
 
 # ---- 3'. the step's session: the engine's own arenas, or state lent by a store --------
-
-# A param lent by a store: its record, and its name in the store's bucket (param_state.py).
-Entry = Tuple[ParamRec, str]
+# (what a store lends: layout.Entry, a param or a part of one in a store's bucket)
 
 
 class EngineStep:
@@ -870,6 +869,7 @@ class EngineStep:
         self.grad_scale = grad_scale
         self.stepped: List[ParamRec] = []
         self._hypers: Dict[int, Hyper] = {}
+        self._parts: Dict[int, ParamRec] = {}   # params lent in parts, not stepped
         self._begun = state is None   # (in_arenas: once its plan is made)
         self.ready: Dict[int, ParamRec] = {}
         if state is None:
@@ -894,31 +894,34 @@ class EngineStep:
         """Steps the recs of one lent bucket that take part in this step; the masters
         of the others follow their params (master_rule.py). `views`: the bucket's
         tensors. (A bucket stepped during backward is not lent again.)"""
-        todo = [e for e in entries if id(e[0]) in self.ready]
-        idle = [e for e in entries if id(e[0]) not in self.ready]
+        todo = [e for e in entries if id(e.rec) in self.ready]
+        idle = [e for e in entries if id(e.rec) not in self.ready]
         if idle:
             with torch.no_grad():
                 _lend(idle, views)
-                follow_masters(self.engine.device, [rec for rec, _ in idle], self.engine.marks)
+                follow_masters(self.engine.device, idle, self.engine.marks)
                 _lend(idle, None)
+            self._parts.update((id(e.rec), e.rec) for e in idle if e.part)
         if todo:
             step_lent(self.engine, todo, views, self._hyper, self.grad_scale, self.threads,
                       self.fence)
-            self.stepped.extend(rec for rec, _ in todo)
+            self._add_stepped(e.rec for e in todo)
 
-    def host_grads(self, rec: ParamRec) -> List[Tuple[int, torch.Tensor]]:
-        """rec's grad as this step's kernels read it, (start, host tensor) per piece, once
-        its copies landed: what the NVMe tier's redo log keeps (nvme_tier.py)."""
+    def host_grads(self, rec: ParamRec, pieces=None) -> List[Tuple[int, torch.Tensor]]:
+        """rec's grad as this step's kernels read it, (start, host tensor) per piece (of
+        `pieces`, default all), once its copies landed: what the NVMe tier's redo log
+        keeps (nvme_tier.py)."""
         self.engine.device.wait_host(*rec.copy.transfers)
-        return [(p.start, p.grad) for p in rec.pieces]
+        return [(p.start, p.grad) for p in (pieces if pieces is not None else rec.pieces)]
 
-    def host_params(self, rec: ParamRec) -> List[Tuple[int, torch.Tensor]]:
-        """rec's param now, (start, host copy) per piece, read from the device after the
-        user's queued work (or its streamed host copy)."""
+    def host_params(self, rec: ParamRec, pieces=None) -> List[Tuple[int, torch.Tensor]]:
+        """rec's param now, (start, host copy) per piece (of `pieces`, default all), read
+        from the device after the user's queued work (or its streamed host copy)."""
+        pieces = pieces if pieces is not None else rec.pieces
         like = rec.home.like if rec.home is not None else rec.live()
-        dsts = [torch.empty(p.of(like).shape, dtype=rec.dtype) for p in rec.pieces]
-        read_params(self.engine.device, dsts, rec.pieces)
-        return [(p.start, d) for p, d in zip(rec.pieces, dsts)]
+        dsts = [torch.empty(p.of(like).shape, dtype=rec.dtype) for p in pieces]
+        read_params(self.engine.device, dsts, pieces)
+        return [(p.start, d) for p, d in zip(pieces, dsts)]
 
     def write_early(self, recs: Sequence[ParamRec]) -> None:
         """Queues the H2D copies of the params stepped during backward (their updates
@@ -926,14 +929,22 @@ class EngineStep:
         pieces = {id(p) for rec in recs for p in rec.pieces}
         for job in self.engine._stepped_jobs(pieces, self.fence):
             job.write_back()
-        self.stepped.extend(recs)
+        self._add_stepped(recs)
+
+    def _add_stepped(self, recs) -> None:
+        seen = {id(r) for r in self.stepped}   # (a param in parts: lent once per part)
+        for rec in recs:
+            if id(rec) not in seen:
+                seen.add(id(rec))
+                self.stepped.append(rec)
 
     def end(self, completed: bool) -> None:
         """Publishes the H2D copies and bumps the stepped params' versions, also after
         an error; the rest of the step's end only when it completed."""
         if self._begun:
             self.engine._publish_step(self.stepped)
-        if completed:
+        if completed:   # every part of a param not stepped followed: it agrees
+            self.engine.marks.agree(r.param for r in self._parts.values())
             self.engine._end_step()
 
     def _hyper(self, group: int) -> Hyper:
@@ -962,18 +973,18 @@ def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, tor
     with torch.no_grad():
         _lend(todo, views)
         if keep is not None:
-            for rec, _ in todo:
-                if rec.home is None:
+            for rec, _, pieces in todo:
+                if rec.home is None or id(rec) in keep:   # (a part: kept whole once)
                     continue
-                if float(rec.step_t) == 0:
+                if float(pieces[0].step_t) == 0:
                     keep[id(rec)] = None   # its first step: nothing to go back to but this
                 elif not engine.marks.current(rec.param):
                     with rec.home.held() as values:   # (see disk_early)
                         keep[id(rec)] = values.clone()
-        follow_masters(engine.device, [rec for rec, _ in todo], engine.marks, after)
+        follow_masters(engine.device, todo, engine.marks, after)
         by_bucket: Dict[int, list] = {}
-        for rec, _ in todo:
-            for piece in rec.pieces:
+        for e in todo:
+            for piece in e.pieces:
                 by_bucket.setdefault(piece.bucket.index, []).append(piece)
         ring_reads = []
         for index, pieces in sorted(by_bucket.items()):
@@ -988,21 +999,25 @@ def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, tor
                        for p in pieces):   # the source is the master
                     ring_reads += bucket.h2d[before:]
         engine.device.wait_host(*ring_reads)
-        for rec, name in todo:
-            ParamState.in_bucket(views, name).step.copy_(rec.step_t)
+        for e in todo:
+            ParamState.in_bucket(views, e.name).step.copy_(e.pieces[0].step_t)
         _lend(todo, None)
 
 
 def _lend(entries: Sequence[Entry], views: Optional[Dict[str, torch.Tensor]]) -> None:
-    """Points the recs' state views (what their pieces' kernels read and write) and
-    step counts at their tensors in a lent bucket's `views`; None: back to none, once
-    the bucket is done with."""
-    for rec, name in entries:
-        st = ParamState.in_bucket(views, name) if views is not None else None
-        for role in ROLES:
-            setattr(rec, role, getattr(st, role) if st is not None else None)
+    """Points the entries' state views (what their pieces' kernels read and write: a
+    whole param's, or a part's own, layout.Piece.state) and step counts at their tensors
+    in a lent bucket's `views`; None: back to none, once the bucket is done with."""
+    for e in entries:
+        st = ParamState.in_bucket(views, e.name) if views is not None else None
+        if e.part:
+            for piece in e.pieces:
+                piece.lent, piece.lent_start = st, e.start
+        else:
+            for role in ROLES:
+                setattr(e.rec, role, getattr(st, role) if st is not None else None)
         if st is not None:
-            for piece in rec.pieces:
+            for piece in e.pieces:
                 piece.step_t.fill_(float(st.step))
 
 

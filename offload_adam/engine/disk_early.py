@@ -41,11 +41,12 @@ import torch
 
 from ..param_state import ParamState
 from .grad_ring import ring_bytes
-from .layout import ParamRec
+from .layout import Entry, ParamRec
 
-# Per file bucket: its engine params (rec, name in the files), or None when it holds a
-# param stepped in place (its grad is final only at step(): the bucket is never early).
-FileBuckets = Sequence[Optional[Sequence[Tuple[ParamRec, str]]]]
+# Per file bucket: its engine params (layout.Entry: a param, or a part of one larger than a
+# bucket), or None when it holds a param stepped in place (its grad is final only at step():
+# the bucket is never early).
+FileBuckets = Sequence[Optional[Sequence[Entry]]]
 
 
 class FileBucketsInBackward:
@@ -59,12 +60,14 @@ class FileBucketsInBackward:
         self._early = early
         self.pipeline = pipeline
         self.files = files
-        self._file_of = {id(rec): i for i, entries in enumerate(files) if entries
-                         for rec, _ in entries}
+        self._files_of: Dict[int, List[int]] = {}   # id(rec) -> its file buckets
+        for i, entries in enumerate(files):
+            for e in entries or ():
+                self._files_of.setdefault(id(e.rec), []).append(i)
         self._lock = threading.Lock()
         self._jobs = 0
-        largest = max((sum(rec.numel * rec.dtype.itemsize for rec, _ in e) for e in files
-                       if e), default=0)
+        largest = max((sum(p.numel * e.rec.dtype.itemsize for e in entries for p in e.pieces)
+                       for entries in files if entries), default=0)
         engine.use_ring(ring_bytes(largest, engine.bucket_bytes), self.busy_stepping)
 
     def busy_stepping(self) -> bool:
@@ -76,31 +79,33 @@ class FileBucketsInBackward:
         return jobs > 0 and engine is not None and engine.worker_busy()
 
     def _count(self, rec: ParamRec):
-        """rec's grad copy has started: counted in its file bucket, once. (engine, its
-        file bucket, whether it is the iteration's first grad, whether it completed the
-        bucket), or None (not an engine param of a file bucket, counted already, or the
-        engine gone)."""
-        i = self._file_of.get(id(rec))
+        """rec's grad copy has started: counted in its file buckets (several for a param
+        in parts), once. (engine, the file buckets it completed, whether it is the
+        iteration's first grad), or None (not an engine param of a file bucket, counted
+        already, or the engine gone)."""
+        mine = self._files_of.get(id(rec))
         engine = self._engine()
-        if i is None or engine is None:
+        if mine is None or engine is None:
             return None
+        complete = []
         with self._lock:
             if id(rec) in self._arrived:
                 return None   # accumulated before its bucket started: counted once
             first = not self._arrived
             self._arrived.add(id(rec))
-            self._left[i] -= 1
-            complete = not self._left[i]
-            if complete:
-                self._completed.append(i)
-        return engine, i, first, complete
+            for i in mine:
+                self._left[i] -= 1
+                if not self._left[i]:
+                    complete.append(i)
+            self._completed += complete
+        return engine, complete, first
 
     def _begin_bucket(self, engine, i: int) -> bool:
         """File bucket i is complete: the packs holding its pieces are sent, and its
         params' steps begin (EarlyStart.begin: verify checks them at step()). False when
         the optimizer is gone."""
-        recs = [rec for rec, _ in self.files[i]]
-        for b in {p.bucket.index: p.bucket for r in recs for p in r.pieces}.values():
+        recs = [e.rec for e in self.files[i]]
+        for b in {p.bucket.index: p.bucket for e in self.files[i] for p in e.pieces}.values():
             engine.flush_pack(b)   # a pack waiting for pieces of other buckets: sent now
         return self._early.begin(recs)
 
@@ -128,7 +133,8 @@ class DiskEarly(FileBucketsInBackward):
         self._position = 0                # buckets of the pass stepped so far
         self._kicked = False              # the pass was queued on the worker
         self._jobs = 0   # its jobs queued on the worker and not ended (none, when reset)
-        self.stepped: List[ParamRec] = []
+        self.stepped: List[ParamRec] = []   # (once each, a param in parts too)
+        self._stepped_files: List[int] = []   # the file buckets stepped
         self._after: Dict[int, object] = {}   # file bucket -> an event after its grads
         # streamed values to restore (step_lent): a copy, or None for a param in its first
         # step (none kept: 2 B a param, for an error path)
@@ -152,10 +158,10 @@ class DiskEarly(FileBucketsInBackward):
         counted = self._count(rec)
         if counted is None:
             return
-        engine, i, first, complete = counted
+        engine, complete, first = counted
         if self.order is None:
             return   # no order to step in: all at step()
-        if complete:
+        for i in complete:
             if not self._begin_bucket(engine, i):
                 return   # the optimizer is gone
             # (a param the pass reads from the device, to start its master at its first
@@ -186,7 +192,9 @@ class DiskEarly(FileBucketsInBackward):
                 i, views = self._pending
                 engine.step_lent_early(self.files[i], views, self._early.hyper, self._kept,
                                        self._after.get(i))
-                self.stepped.extend(rec for rec, _ in self.files[i])
+                seen = {id(r) for r in self.stepped}
+                self.stepped.extend(e.rec for e in self.files[i] if id(e.rec) not in seen)
+                self._stepped_files.append(i)
                 self._position += 1
                 # the last bucket is not written here: that would commit the step
                 self._pending = (next(self._gen) if self._position < len(self.order)
@@ -217,7 +225,7 @@ class DiskEarly(FileBucketsInBackward):
             if engine is not None and self.busy:
                 engine.drain()
         finally:
-            stepped = {self._file_of[id(rec)] for rec in self.stepped}   # its file buckets
+            stepped = list(self._stepped_files)
             kept = self._kept
             self._reset()   # (closes the pass)
             self._restore(engine, stepped, kept)
@@ -234,22 +242,24 @@ class DiskEarly(FileBucketsInBackward):
         with torch.no_grad():
             for i in stepped:
                 views = None
-                for rec, name in self.files[i]:
+                for rec, name, pieces in self.files[i]:
                     if rec.home is None:
                         continue   # its update waits in staging: nothing was written
                     if id(rec) in kept and kept[id(rec)] is None:
                         self.unrestored += 1
                         continue
+                    a, b = pieces[0].start, pieces[-1].stop   # (all of it, or its part)
                     old = kept.get(id(rec))
                     if old is None:
                         if views is None:
                             views = self.pipeline.state.views(i)
-                        old = ParamState.in_bucket(views, name).master
+                        old = ParamState.in_bucket(views, name).master.reshape(-1)
                     else:
                         changed.append(rec.param)
+                        old = old.reshape(-1)[a:b]
                     rec.home.before_write()
                     try:
-                        rec.home.tensor.copy_(old)
+                        rec.home.tensor.view(-1)[a:b].copy_(old)
                     finally:
                         rec.home.after_write()
         if engine is not None:

@@ -63,16 +63,17 @@ class DiskLog(FileBucketsInBackward):
         """rec's grad copy has started: counts it in its file bucket, and logs the bucket
         on the worker when it completes."""
         counted = self._count(rec)
-        if counted is None or not counted[3]:
+        if counted is None or not counted[1]:
             return
-        engine, i, _, _ = counted
-        if not self._begin_bucket(engine, i):
-            return   # the optimizer is gone
-        with self._lock:
-            self._queue.append(i)
-            self._jobs += 1
-            self._kicked = True
-        engine.run(self._log_ready)
+        engine, complete, _ = counted
+        for i in complete:
+            if not self._begin_bucket(engine, i):
+                return   # the optimizer is gone
+            with self._lock:
+                self._queue.append(i)
+                self._jobs += 1
+                self._kicked = True
+            engine.run(self._log_ready)
 
     # ---- on the worker -----------------------------------------------------------------
 
@@ -84,12 +85,12 @@ class DiskLog(FileBucketsInBackward):
                     if not self._queue:
                         break
                     i = self._queue.pop(0)
-                pieces = [p for rec, _ in self.files[i] for p in rec.pieces]
-                engine.device.wait_host(*{id(t): t for rec, _ in self.files[i]
-                                          for t in rec.copy.transfers}.values())
-                tensors = [(f"g|{name}|{p.start}", p.grad)
-                           for rec, name in self.files[i] for p in rec.pieces]
-                self.state.log_record(i, ({"group": self.files[i][0][0].group,
+                pieces = [p for e in self.files[i] for p in e.pieces]
+                engine.device.wait_host(*{id(t): t for e in self.files[i]
+                                          for t in e.rec.copy.transfers}.values())
+                tensors = [(f"g|{e.name}|{p.start}", p.grad)
+                           for e in self.files[i] for p in e.pieces]
+                self.state.log_record(i, ({"group": self.files[i][0].rec.group,
                                            "in_place": []}, tensors))
                 self.logged[i] = True
                 for p in pieces:   # logged: their room in the ring is free

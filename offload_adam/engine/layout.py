@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from itertools import accumulate
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -121,6 +121,11 @@ class Piece:
         # Its own step count: the kernel counts each piece's step, and a param
         # cut in pieces is stepped by several calls (state["step"] is the first).
         self.step_t: Optional[torch.Tensor] = None
+        # A part of a param larger than a store's bucket (the files': nvme_tier.py) is lent
+        # on its own: its state tensors (a ParamState over elements [lent_start, ...)),
+        # which the piece's state is cut from instead of its param's whole-param views.
+        self.lent = None
+        self.lent_start = 0
 
     @property
     def numel(self) -> int:
@@ -148,23 +153,30 @@ class Piece:
         # device.contiguous first (engine._copy), params are checked by live().
         return t.view(-1)[self.start:self.stop]
 
-    def state(self, role: str) -> torch.Tensor:
+    def state(self, role: str) -> Optional[torch.Tensor]:
         """This piece of one of its param's state buffers (of an 8-bit scale
-        array: the scales of the piece's blocks)."""
-        t = getattr(self.rec, role)
+        array: the scales of the piece's blocks); None where the role has none."""
+        if self.lent is not None:   # a part's own tensors, from its first element
+            t = getattr(self.lent, role)
+            a, b = self.start - self.lent_start, self.stop - self.lent_start
+        else:
+            t = getattr(self.rec, role)
+            if t is not None and not self.rec.flat:
+                return t
+            a, b = self.start, self.stop
+        if t is None:
+            return None
         if role not in SCALE_KEYS.values():
-            return self.of(t)
-        if not self.rec.flat:
-            return t
-        return t[self.start // QUANT_BLOCK:scale_len(self.stop)]
+            return t.view(-1)[a:b]
+        return t[a // QUANT_BLOCK:scale_len(b)]
 
     def param_state(self) -> ParamState:
         """The piece's state as the kernel steps it (param_state.py): its slices of
         the param's buffers that exist, and its own step count."""
-        rec, blockwise = self.rec, self.rec.fmt.blockwise
+        blockwise = self.rec.fmt.blockwise
         return ParamState(
-            self.step_t, self.of(rec.exp_avg), self.of(rec.exp_avg_sq), self.of(rec.master),
-            self.of(rec.max_exp_avg_sq) if rec.max_exp_avg_sq is not None else None,
+            self.step_t, self.state("exp_avg"), self.state("exp_avg_sq"), self.state("master"),
+            self.state("max_exp_avg_sq"),
             self.state("exp_avg_scale") if blockwise else None,
             self.state("exp_avg_sq_scale") if blockwise else None)
 
@@ -186,6 +198,32 @@ def piece_length(numel: int, itemsize: int, bucket_bytes: int) -> int:
     if numel * itemsize <= bucket_bytes:
         return numel
     return max(SPLIT_ALIGN, bucket_bytes // itemsize // SPLIT_ALIGN * SPLIT_ALIGN)
+
+
+class Entry(NamedTuple):
+    """A param as a store's bucket holds it (the files': nvme_tier.py): its record, its
+    name in the bucket (param_state.py), and the pieces the bucket holds: all of them, or
+    a run of them, a *part* of a param larger than the store's buckets, whose state
+    tensors there are flat from its first piece's start."""
+    rec: ParamRec
+    name: Optional[str]
+    pieces: Tuple[Piece, ...]
+
+    @classmethod
+    def whole(cls, rec: ParamRec, name: Optional[str] = None) -> "Entry":
+        return cls(rec, name, tuple(rec.pieces))
+
+    @property
+    def part(self) -> bool:
+        return len(self.pieces) != len(self.rec.pieces)
+
+    @property
+    def start(self) -> int:
+        return self.pieces[0].start
+
+    @property
+    def stop(self) -> int:
+        return self.pieces[-1].stop
 
 
 def cut(rec: ParamRec, bucket_bytes: int) -> List[Piece]:

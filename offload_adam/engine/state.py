@@ -24,6 +24,7 @@ from ..kernel_state import kernel_state
 from ..master_rule import MasterMarks, take_from_param
 from ..params import rounds_to
 from ..state_format import MASTER_KEY, MOMENT_KEYS
+from .layout import Entry
 
 
 def bind_state(device, recs: Sequence, param_groups, state,
@@ -40,7 +41,7 @@ def bind_state(device, recs: Sequence, param_groups, state,
         allocate(list(same), ("max_exp_avg_sq",))
     fresh = [rec for rec in recs if _bind(device, rec, state[rec.param])]
     if fresh:
-        _masters_from_params(device, fresh)
+        _masters_from_params(device, [p for rec in fresh for p in rec.pieces])
         marks.agree(rec.param for rec in fresh)
 
 
@@ -114,8 +115,7 @@ def _held(piece):
     return home.held() if home is not None else contextlib.nullcontext()
 
 
-def _masters_from_params(device, recs: Sequence, after=None) -> None:
-    pieces = [p for rec in recs for p in rec.pieces]
+def _masters_from_params(device, pieces: Sequence, after=None) -> None:
     device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
     read_params(device, [(None if p.rec.home is not None else p.staging)
                          if p.rec.low_precision else p.state("master")
@@ -126,30 +126,34 @@ def _masters_from_params(device, recs: Sequence, after=None) -> None:
                 p.state("master").copy_(p.staging)
 
 
-def follow_masters(device, recs: Sequence, marks: MasterMarks, after=None) -> None:
-    """The master rule (master_rule.py) for recs whose state views are bound: where a
+def follow_masters(device, entries: Sequence[Entry], marks: MasterMarks, after=None) -> None:
+    """The master rule (master_rule.py) for entries whose state views are bound: where a
     param changed since it last agreed with its master, the master starts again from
     it unless the param is still its rounding (bf16/fp16 params are read into their
     staging, in one batch of copies, to compare; an fp32 param's master is the param,
-    so it is simply taken). `after`: read_params'."""
-    changed = [rec for rec in recs if not marks.current(rec.param)]
+    so it is simply taken). `after`: read_params'. The rule is applied piece by piece (a
+    piece still its master's rounding keeps it: a param edited in part keeps the masters
+    of the rest), so that it gives the same masters however a store lends the pieces: a
+    part of a param (layout.Entry) is an entry of its own, and the param agrees with
+    its masters only once its step ends (EngineStep.end: its other parts follow too)."""
+    changed = [e for e in entries if not marks.current(e.rec.param)]
     if not changed:
         return
-    check = [rec for rec in changed if rec.low_precision and float(rec.step_t) != 0]
+    check = [p for e in changed if e.rec.low_precision for p in e.pieces
+             if float(p.step_t) != 0]
     if check:
-        pieces = [p for rec in check for p in rec.pieces]
-        device.wait_host(*[t for p in pieces for t in p.bucket.h2d])   # staging is free
-        read_params(device, [None if p.rec.home is not None else p.staging for p in pieces],
-                    pieces, after)
+        device.wait_host(*[t for p in check for t in p.bucket.h2d])   # staging is free
+        read_params(device, [None if p.rec.home is not None else p.staging for p in check],
+                    check, after)
 
-    def stale(rec) -> bool:
-        def rounds(p) -> bool:
-            with _held(p):
-                return rounds_to(p.state("master"), p.staging)
-        return not rec.low_precision or not all(rounds(p) for p in rec.pieces)
+    def stale(p) -> bool:
+        if not p.rec.low_precision:
+            return True
+        with _held(p):
+            return not rounds_to(p.state("master"), p.staging)
 
-    take = [rec for rec in changed
-            if take_from_param(float(rec.step_t), False, lambda rec=rec: stale(rec))]
+    take = [p for e in changed for p in e.pieces
+            if take_from_param(float(p.step_t), False, lambda p=p: stale(p))]
     if take:
         _masters_from_params(device, take, after)
-    marks.agree(rec.param for rec in changed)
+    marks.agree(e.rec.param for e in changed if not e.part)
