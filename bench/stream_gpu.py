@@ -162,6 +162,13 @@ def _progress(mode, what, t0):
     print(f"  [{mode}] {what} at {time.perf_counter() - t0:.1f} s", flush=True)
 
 
+def io_bytes():
+    """(read, written) bytes this process moved to and from storage so far (param files)."""
+    with open("/proc/self/io") as f:
+        d = dict(line.split(": ") for line in f.read().splitlines())
+    return int(d["read_bytes"]), int(d["write_bytes"])
+
+
 def _train(cfg, args, model, opt, streamer, mode, t0):
     """--warmup + --steps iterations; per iteration: forward and forward + backward (CUDA
     events), opt.step() (wall), the whole (wall, synchronized), the engine's CPU step time
@@ -174,6 +181,7 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
         if it == args.warmup:
             torch.cuda.reset_peak_memory_stats()
         fetched0 = streamer.fetched_bytes if streamer else 0
+        io0 = io_bytes()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -188,11 +196,13 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
         opt.zero_grad()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
+        io1 = io_bytes()
         profile = getattr(opt, "last_step_profile", None)
         rows.append(dict(fwd_s=e0.elapsed_time(e1) / 1e3, fwd_bwd_s=e0.elapsed_time(e2) / 1e3,
                          queue_s=t1 - t0, step_s=t2 - t1, iter_s=t3 - t0,
                          cpu_step_s=profile["cpu_step_s"] if profile else 0.0,
                          loss=float(loss.detach()),
+                         disk_read_bytes=io1[0] - io0[0], disk_write_bytes=io1[1] - io0[1],
                          h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0))
         r = rows[-1]
         _progress(mode, f"iteration {it}: {r['iter_s']:.3f} s (fwd {r['fwd_s']:.3f}, fwd+bwd "
@@ -245,6 +255,13 @@ def main():
           f"free_grads_after_copy {args.free_grads}")
     h2d = pinned_h2d_gbps()
     print(f"pinned host-to-device: {h2d:.1f} GB/s")
+    disk = None
+    if args.param_dir:   # the param files' disk, in the same run (O_DIRECT, sequential)
+        from bench.nvme_bench import disk_limit
+        os.makedirs(args.param_dir, exist_ok=True)
+        disk = disk_limit(args.param_dir, 2 << 30, 4, 8 << 20)
+        print(f"param files' disk: read {disk['read_Bps'] / 1e9:.2f} GB/s, write "
+              f"{disk['write_Bps'] / 1e9:.2f} GB/s")
     modes = [run_mode(cfg, args, None)]
     for k in (int(x) for x in args.prefetch.split(",")):
         modes.append(run_mode(cfg, args, k))
@@ -264,8 +281,10 @@ def main():
         # the CPU step: the resident run's whole step() when it ran one, else this run's
         # kernels (the engine's profile; 0 for the peer, whose step is not ours to split)
         cpu_step = max(resident["step_s"] if args.resident == "full" else 0.0, med["cpu_step_s"])
-        bound = max(resident["fwd_bwd_s"], med["h2d_param_bytes"] / 1e9 / h2d, cpu_step)
-        m["bound_s"] = bound
+        disk_s = (med["disk_read_bytes"] / disk["read_Bps"] + med["disk_write_bytes"]
+                  / disk["write_Bps"]) if disk is not None and m["prefetch"] else 0.0
+        bound = max(resident["fwd_bwd_s"], med["h2d_param_bytes"] / 1e9 / h2d, cpu_step, disk_s)
+        m["bound_s"], m["disk_s"] = bound, disk_s
         # what streaming added to the forward (waits on param copies included): an upper
         # bound on the waits, relative to the streamed forward
         m["fwd_extra"] = 1.0 - resident["fwd_s"] / med["fwd_s"]
@@ -273,6 +292,12 @@ def main():
               f"{med['step_s']:>8.3f}{med['cpu_step_s']:>9.3f}{m['peak_gb']:>9.2f}"
               f"{med['h2d_param_bytes'] / 1e9:>8.2f}{bound:>9.3f}{med['iter_s'] / bound:>9.2f}"
               f"{100 * m['fwd_extra']:>7.1f}%")
+    for m in modes:
+        if m.get("disk_s"):
+            med = m["median"]
+            print(f"{m['mode']}: param files read {med['disk_read_bytes'] / 1e9:.2f} GB, written "
+                  f"{med['disk_write_bytes'] / 1e9:.2f} GB an iteration: disk limit "
+                  f"{m['disk_s']:.2f} s, iteration {med['iter_s'] / m['disk_s']:.2f} x it")
     if args.fsdp2:
         peer = modes[-1]["median"]["iter_s"]
         for m in modes[:-1]:
@@ -280,7 +305,7 @@ def main():
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"stream_gpu_{args.tag}.json"
     path.write_text(json.dumps(dict(machine=machine_info(), args=vars(args), num_params=cfg.num_params(),
-                                    pinned_h2d_gbps=h2d, modes=modes,
+                                    pinned_h2d_gbps=h2d, disk=disk, modes=modes,
                                     peer_error=peer_error), indent=1))
     print("wrote", path)
     return 0
