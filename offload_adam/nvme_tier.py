@@ -69,7 +69,7 @@ from .master_rule import MasterMarks, mark, take_from_param
 from .cpu_step import calls_by_dtype, contiguous_grad
 from .kernel_step import Hyper, KernelArgs
 from .state_store import Lent, Loaded
-from .param_state import ParamState, adam_bucket
+from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .nvme.store import STATE_FILES
 from .state_format import (MASTER_KEY, MOMENT_KEYS, QUANT_BLOCK, SCALE_KEYS, scale_len,
@@ -137,7 +137,7 @@ class _Param:
 
 
 def _bucket_spec(entries: List[_Param], fmt: str, amsgrad: bool) -> BucketSpec:
-    return adam_bucket([(e.name, e.shape) for e in entries], fmt, amsgrad)
+    return adam_bucket([(e.name, e.shape, e.part) for e in entries], fmt, amsgrad)
 
 
 def runs_within(items: Sequence, size: Callable[[list], float], limit: float) -> List[list]:
@@ -691,7 +691,7 @@ class FileStore:
                     got.append(rec)
                     if len(got) < len(self._where[id(e.param)]):
                         continue
-                    rec = _joined(parts.pop(id(e.param)), local(e.param).shape)
+                    rec = self._joined(e.param, parts.pop(id(e.param)))
                 if float(rec.step) == 0:
                     continue   # never stepped: no state, as in torch
                 st = {"step": rec.step}
@@ -705,6 +705,26 @@ class FileStore:
                     st[MASTER_KEY] = rec.master
                 state[sd["param_groups"][e.group]["params"][e.index]] = st
         return {**sd, "state": state}
+
+    def _joined(self, param, parts: List[ParamState]) -> ParamState:
+        """The state of a param in parts as one (state_dict), the step count its first
+        part's: its master and moments the parts' pages mapped side by side from the files
+        (NvmeState.joined: no copy, as views() are), or, where they cannot be, the parts'
+        tensors copied end to end; its 8-bit scales copied (each part holds whole blocks)."""
+        shape, where = local(param).shape, self._where[id(param)]
+
+        def join(role, ts):
+            if ts[0] is None:
+                return None
+            flat = None
+            if role not in SCALE_KEYS.values():
+                flat = self.state.joined([(i, file_key(e.name, role)) for i, e in where])
+            if flat is None:
+                flat = torch.cat([t.reshape(-1) for t in ts])
+            return flat if role in SCALE_KEYS.values() else flat.view(shape)
+        return ParamState(parts[0].step, *[join(f.name, [getattr(st, f.name) for st in parts])
+                                           for f in dataclasses.fields(ParamState)
+                                           if f.name != "step"])
 
     # (load: a param in parts converted once for all its parts, kept until its last)
 
@@ -821,20 +841,6 @@ def _part_of(e: _Param, key: str, value: torch.Tensor) -> torch.Tensor:
     if not e.part or key not in SCALE_KEYS.values():
         return e.of(value)
     return value[e.start // QUANT_BLOCK:scale_len(e.start + e.numel)]
-
-
-def _joined(parts: List[ParamState], shape) -> ParamState:
-    """The state of a param in parts as one (state_dict): its parts' tensors end to end
-    (a copy; the 8-bit scales likewise, each part holding whole blocks), the step count
-    of its first part."""
-    def cat(role):
-        ts = [getattr(st, role) for st in parts]
-        if ts[0] is None:
-            return None
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        return flat if role in SCALE_KEYS.values() else flat.view(shape)
-    return ParamState(parts[0].step, *[cat(f.name) for f in dataclasses.fields(ParamState)
-                                       if f.name != "step"])
 
 
 def _follow_param(st: ParamState, p: torch.Tensor) -> None:

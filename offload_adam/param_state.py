@@ -74,22 +74,24 @@ def file_key(name: str, role: str) -> str:
     return f"{name}.{role}"
 
 
-def adam_bucket(prefix_shapes: Sequence[Tuple[str, Sequence[int]]], fmt_name: str,
-                amsgrad: bool = False):
+def adam_bucket(prefix_shapes: Sequence[tuple], fmt_name: str, amsgrad: bool = False):
     """The layout (nvme.layout.BucketSpec) of a bucket of the NVMe tier's files holding
-    the states of the params named and shaped as given, in format `fmt_name`
-    (state_format.py): per param its fp32 master, the moments in the format (+
-    max_exp_avg_sq), the 8-bit block scales, and its step (fp32, 0-dim as torch's)."""
-    from .nvme.layout import BucketSpec, TensorSpec
+    the states of the params named and shaped as given ((name, shape), or (name, shape,
+    part): True for a part of a param, whose master and moments start on a page, so
+    that its parts map side by side), in format `fmt_name` (state_format.py): per param
+    its fp32 master, the moments in the format (+ max_exp_avg_sq), the 8-bit block
+    scales, and its step (fp32, 0-dim as torch's)."""
+    from .nvme.layout import ALIGN, TENSOR_ALIGN, BucketSpec, TensorSpec
     from .state_format import scale_len
     fmt = state_format(fmt_name)
     out = []
-    for name, shape in prefix_shapes:
+    for name, shape, *part in prefix_shapes:
         shape = tuple(int(s) for s in shape)
         numel = TensorSpec("", torch.float32, shape).numel
-        out.append(TensorSpec(file_key(name, "master"), torch.float32, shape))
+        align = ALIGN if part and part[0] else TENSOR_ALIGN
+        out.append(TensorSpec(file_key(name, "master"), torch.float32, shape, align))
         for role in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
-            out.append(TensorSpec(file_key(name, role), fmt.moment_dtype, shape))
+            out.append(TensorSpec(file_key(name, role), fmt.moment_dtype, shape, align))
         if fmt.blockwise:
             out += [TensorSpec(file_key(name, SCALE_KEYS[k]), torch.float32, (scale_len(numel),))
                     for k in ("exp_avg", "exp_avg_sq")]

@@ -421,9 +421,9 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
         pieces = engine_pieces(math.prod(s), bucket_mb)
         if len(pieces) > 1 and nbytes(entries[0]) > limit:   # in parts (nvme_tier._lay_out)
             starts = [sum(pieces[:k]) for k in range(len(pieces))]
-            entries = [(f"0:{i}#{run[0][0]}", (sum(n for _, n in run),))
+            entries = [(f"0:{i}#{run[0][0]}", (sum(n for _, n in run),), True)
                        for run in runs_within(list(zip(starts, pieces)), lambda run: nbytes(
-                           ("x", (sum(n for _, n in run),))), limit)]
+                           ("x", (sum(n for _, n in run),), True)), limit)]
         for entry in entries:
             n = nbytes(entry)
             if bucket and size + n > limit:

@@ -7,6 +7,7 @@ step() and in backward, params edited whole or in part between steps), a state d
 joins the parts and loads into parts, a resume from the files, and files laid out before
 parts existed still resumed."""
 import gc
+import os
 
 import pytest
 import torch
@@ -180,6 +181,53 @@ def test_files_laid_out_before_parts_resume_as_they_are(kernels, tmp_path, monke
                                        state_dirs=str(tmp_path / "new"))
             assert part_names(fresh)
             fresh.close()
+        sim.check()
+    finally:
+        sim.close()
+
+
+def mapped_file(t):
+    """The file whose pages hold tensor t's first element (/proc/self/maps), or None."""
+    address = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_the_state_dict_maps_a_param_in_parts_from_the_files(kernels, tmp_path, footprint):
+    """A param in parts shows its master and moments in state_dict() as one tensor whose
+    pages are its parts' pages in the state file, side by side (no copy in RAM, as a whole
+    param's views), copy-on-write: writing into it changes neither the files nor the next
+    state_dict()."""
+    sim = AsyncSimDevice(seed=2)
+    try:
+        with simulated(sim), sim.watch():
+            m = wide()
+            opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=BUCKET_MB,
+                                     state_dtype="8bit", state_dirs=str(tmp_path),
+                                     state_footprint=footprint)
+            train([(m, opt)], 0, 2)
+            data = os.path.realpath(str(tmp_path / "offload_adam_state.bin"))
+            sd = opt.state_dict()
+            st = sd["state"][3]   # the embedding, in 3 parts
+            for key in ("master_param", "exp_avg_codes", "exp_avg_sq_codes"):
+                t = st[key]
+                assert t.shape == m.embed.weight.shape
+                for k in (0, 32768, 65536, t.numel() - 1):   # each part's pages
+                    assert mapped_file(t.view(-1)[k:]) == data, (key, k)
+            before = st["exp_avg_codes"].clone()
+            st["exp_avg_codes"].add_(1)
+            st["master_param"].zero_()
+            again = opt.state_dict()["state"][3]
+            assert torch.equal(again["exp_avg_codes"], before)
+            assert torch.equal(again["master_param"].to(torch.bfloat16), m.embed.weight.detach())
+            opt.close()
         sim.check()
     finally:
         sim.close()

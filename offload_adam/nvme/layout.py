@@ -53,6 +53,9 @@ class TensorSpec:
     name: str
     dtype: torch.dtype
     shape: Tuple[int, ...]
+    # where it may start in its bucket: TENSOR_ALIGN, or ALIGN (a page) for a tensor that
+    # is one part of a larger one, so that the parts map side by side (NvmeState.joined)
+    align: int = TENSOR_ALIGN
 
     @property
     def numel(self) -> int:
@@ -66,11 +69,12 @@ class TensorSpec:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
     def to_json(self) -> list:
-        return [self.name, str(self.dtype).replace("torch.", ""), list(self.shape)]
+        out = [self.name, str(self.dtype).replace("torch.", ""), list(self.shape)]
+        return out + [self.align] if self.align != TENSOR_ALIGN else out
 
     @classmethod
     def from_json(cls, v) -> "TensorSpec":
-        return cls(v[0], _DTYPES[v[1]], tuple(v[2]))
+        return cls(v[0], _DTYPES[v[1]], tuple(v[2]), *v[3:4])
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class BucketSpec:
         """Byte offset of each tensor in the bucket's extent."""
         out, at = [], 0
         for t in self.tensors:
+            at = round_up(at, t.align)
             out.append(at)
             at = round_up(at + t.nbytes, TENSOR_ALIGN)
         return out

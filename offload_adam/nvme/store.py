@@ -45,6 +45,7 @@ cut short leaves a manifest marked `loading`, refused at open with what to do.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import mmap
@@ -588,6 +589,59 @@ class NvmeState:
                     out[t.name] = torch.frombuffer(m, dtype=t.dtype, count=t.numel,
                                                    offset=start - page).view(t.shape)
         return out
+
+    def joined(self, parts: Sequence[Tuple[int, str]]) -> Optional[torch.Tensor]:
+        """The committed tensors `parts` ((bucket, tensor name) each, of one dtype) side by
+        side as one flat tensor, memory-mapped copy-on-write as views() maps them, with no
+        copy: each part's pages mapped into one range (a param in parts, nvme_tier.py: its
+        parts' masters and moments start on a page, layout.TensorSpec.align). None where
+        they cannot be (not Linux; a part not on a page, or one but the last of a length
+        not whole pages): the caller joins copies then."""
+        if not parts or not hasattr(mmap, "MAP_ANONYMOUS") or os.uname().sysname != "Linux":
+            return None
+        self._check_sure()
+        page, places, total, dtype = mmap.PAGESIZE, [], 0, None
+        for k, (i, name) in enumerate(parts):
+            slot = 0 if self.compact else self.slots[i]
+            self._verify_slot(i, slot)
+            b = self.spec.buckets[i]
+            index = [t.name for t in b.tensors].index(name)
+            t, start = b.tensors[index], self._at(i, slot) + b.offsets()[index]
+            dtype = dtype or t.dtype
+            if (start % page or total % page or t.dtype != dtype
+                    or (k < len(parts) - 1 and t.nbytes % page)):
+                return None
+            places.append((self.extents[i].file, start, total, t.nbytes))
+            total += t.nbytes
+        region = mmap.mmap(-1, -(-total // page) * page,
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = (ctypes.c_char * len(region)).from_buffer(region)
+        base = ctypes.addressof(view)
+        del view   # (region unmaps the whole range, the parts' pages too, when freed)
+        for file, start, at, nbytes in places:
+            with open(self.paths[file], "rb") as f:
+                _map_at(base + at, -(-nbytes // page) * page, f.fileno(), start)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "non-writable buffer": it is writable
+            return torch.frombuffer(region, dtype=dtype,
+                                    count=total // torch.empty((), dtype=dtype).element_size())
+
+
+_MAP_FIXED = 0x10   # Linux's: replace the pages at that address (within our own range)
+
+
+def _map_at(address: int, length: int, fd: int, offset: int) -> None:
+    """mmap(2) of file `fd` from `offset`, private and writable (copy-on-write), at
+    `address` exactly (a range the caller holds)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    got = libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset)
+    if got != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"offload_adam: mapping the state file failed: {os.strerror(err)}")
 
 
 # -- finding, creating and checking the files ---------------------------------------------
