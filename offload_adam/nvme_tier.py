@@ -707,10 +707,11 @@ class FileStore:
         return {**sd, "state": state}
 
     def _joined(self, param, parts: List[ParamState]) -> ParamState:
-        """The state of a param in parts as one (state_dict), the step count its first
-        part's: its master and moments the parts' pages mapped side by side from the files
-        (NvmeState.joined: no copy, as views() are), or, where they cannot be, the parts'
-        tensors copied end to end; its 8-bit scales copied (each part holds whole blocks)."""
+        """The state of a param in parts as one (for add_state, whose views() have just
+        verified the parts' slots), the step count its first part's: its master and moments
+        the parts' pages mapped side by side from the files (NvmeState.joined: no copy, as
+        views() are), or, where they cannot be, the parts' tensors copied end to end; its
+        8-bit scales copied (each part holds whole blocks)."""
         shape, where = local(param).shape, self._where[id(param)]
 
         def join(role, ts):
@@ -718,7 +719,8 @@ class FileStore:
                 return None
             flat = None
             if role not in SCALE_KEYS.values():
-                flat = self.state.joined([(i, file_key(e.name, role)) for i, e in where])
+                flat = self.state.joined([(i, file_key(e.name, role)) for i, e in where],
+                                         verified=True)   # (add_state's views() did)
             if flat is None:
                 flat = torch.cat([t.reshape(-1) for t in ts])
             return flat if role in SCALE_KEYS.values() else flat.view(shape)

@@ -590,20 +590,23 @@ class NvmeState:
                                                    offset=start - page).view(t.shape)
         return out
 
-    def joined(self, parts: Sequence[Tuple[int, str]]) -> Optional[torch.Tensor]:
+    def joined(self, parts: Sequence[Tuple[int, str]],
+               verified: bool = False) -> Optional[torch.Tensor]:
         """The committed tensors `parts` ((bucket, tensor name) each, of one dtype) side by
         side as one flat tensor, memory-mapped copy-on-write as views() maps them, with no
         copy: each part's pages mapped into one range (a param in parts, nvme_tier.py: its
         parts' masters and moments start on a page, layout.TensorSpec.align). None where
         they cannot be (not Linux; a part not on a page, or one but the last of a length
-        not whole pages): the caller joins copies then."""
+        not whole pages): the caller joins copies then. `verified`: the caller has just
+        checked the parts' slots (views() of their buckets), so they are not read again."""
         if not parts or not hasattr(mmap, "MAP_ANONYMOUS") or os.uname().sysname != "Linux":
             return None
         self._check_sure()
         page, places, total, dtype = mmap.PAGESIZE, [], 0, None
         for k, (i, name) in enumerate(parts):
             slot = 0 if self.compact else self.slots[i]
-            self._verify_slot(i, slot)
+            if not verified:
+                self._verify_slot(i, slot)
             b = self.spec.buckets[i]
             index = [t.name for t in b.tensors].index(name)
             t, start = b.tensors[index], self._at(i, slot) + b.offsets()[index]
