@@ -63,7 +63,7 @@ from .distributed import is_dtensor, local, local_value
 from .params import check_dense, param_label, param_values, rounds_to, write_values
 from .engine.disk_early import DiskEarly
 from .engine.disk_log import DiskLog
-from .engine.layout import Entry
+from .engine.layout import Entry, state_slice
 from .kernel_state import kernel_state
 from .master_rule import MasterMarks, mark, take_from_param
 from .cpu_step import calls_by_dtype, contiguous_grad
@@ -72,8 +72,7 @@ from .state_store import Lent, Loaded
 from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .nvme.store import STATE_FILES
-from .state_format import (MASTER_KEY, MOMENT_KEYS, QUANT_BLOCK, SCALE_KEYS, scale_len,
-                           state_format, stored_state)
+from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
 
 _MB = 2 ** 20
 
@@ -444,7 +443,7 @@ class FileStore:
                     st = ParamState.in_bucket(views, e.name)
                     if float(st.step) == 0:
                         continue
-                    if not rounds_to(st.master, e.of(param_values(e.param).to("cpu"))):
+                    if not rounds_to(st.master, e.of(param_values(e.param)).to("cpu")):
                         return False
         return True
 
@@ -728,8 +727,6 @@ class FileStore:
                                            for f in dataclasses.fields(ParamState)
                                            if f.name != "step"])
 
-    # (load: a param in parts converted once for all its parts, kept until its last)
-
     def load(self, loaded: Sequence[Loaded], saved_state: dict, state) -> None:
         """Writes a loaded state dict into the files, bucket by bucket: for each param its
         saved state converted to its group's format (state_format.py), or a fresh one.
@@ -747,7 +744,8 @@ class FileStore:
                             "its step started during backward")
         stepped: set = set()
 
-        converted: Dict[int, object] = {}   # a param in parts: its state, until its last
+        # a param in parts: its state converted once for all its parts, kept until its last
+        converted: Dict[int, object] = {}
 
         def fill(i, t):
             for e in self.buckets[i]:
@@ -834,15 +832,13 @@ class FileStore:
         if got.master is not None:
             st.master.copy_(e.of(got.master))
         else:
-            st.master.copy_(e.of(param_values(e.param).to("cpu", torch.float32)))
+            st.master.copy_(e.of(param_values(e.param)).to("cpu", torch.float32))
 
 
 def _part_of(e: _Param, key: str, value: torch.Tensor) -> torch.Tensor:
     """Param e's elements of its whole state tensor `value` under `key` (of an 8-bit
     scale array: its blocks' scales; a part starts on a block)."""
-    if not e.part or key not in SCALE_KEYS.values():
-        return e.of(value)
-    return value[e.start // QUANT_BLOCK:scale_len(e.start + e.numel)]
+    return state_slice(value, key, e.start, e.start + e.numel) if e.part else value
 
 
 def _follow_param(st: ParamState, p: torch.Tensor) -> None:

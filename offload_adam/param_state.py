@@ -21,7 +21,7 @@ arguments: the one place that knows which tensor goes where.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 

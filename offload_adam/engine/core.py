@@ -868,6 +868,7 @@ class EngineStep:
                                         grad_scale)
         self.grad_scale = grad_scale
         self.stepped: List[ParamRec] = []
+        self._stepped_ids: set = set()   # (a param in parts is lent once per part)
         self._hypers: Dict[int, Hyper] = {}
         self._parts: Dict[int, ParamRec] = {}   # params lent in parts, not stepped
         self._begun = state is None   # (in_arenas: once its plan is made)
@@ -932,10 +933,9 @@ class EngineStep:
         self._add_stepped(recs)
 
     def _add_stepped(self, recs) -> None:
-        seen = {id(r) for r in self.stepped}   # (a param in parts: lent once per part)
         for rec in recs:
-            if id(rec) not in seen:
-                seen.add(id(rec))
+            if id(rec) not in self._stepped_ids:
+                self._stepped_ids.add(id(rec))
                 self.stepped.append(rec)
 
     def end(self, completed: bool) -> None:

@@ -133,12 +133,17 @@ class DiskEarly(FileBucketsInBackward):
         self._position = 0                # buckets of the pass stepped so far
         self._kicked = False              # the pass was queued on the worker
         self._jobs = 0   # its jobs queued on the worker and not ended (none, when reset)
-        self.stepped: List[ParamRec] = []   # (once each, a param in parts too)
         self._stepped_files: List[int] = []   # the file buckets stepped
         self._after: Dict[int, object] = {}   # file bucket -> an event after its grads
         # streamed values to restore (step_lent): a copy, or None for a param in its first
         # step (none kept: 2 B a param, for an error path)
         self._kept: Dict[int, Optional[torch.Tensor]] = {}
+
+    @property
+    def stepped(self) -> List[ParamRec]:
+        """The params of the file buckets stepped so far, once each (a param in parts too)."""
+        return list({id(e.rec): e.rec for i in self._stepped_files
+                     for e in self.files[i]}.values())
 
     @property
     def started(self) -> bool:
@@ -192,8 +197,6 @@ class DiskEarly(FileBucketsInBackward):
                 i, views = self._pending
                 engine.step_lent_early(self.files[i], views, self._early.hyper, self._kept,
                                        self._after.get(i))
-                seen = {id(r) for r in self.stepped}
-                self.stepped.extend(e.rec for e in self.files[i] if id(e.rec) not in seen)
                 self._stepped_files.append(i)
                 self._position += 1
                 # the last bucket is not written here: that would commit the step

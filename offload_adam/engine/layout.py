@@ -164,11 +164,7 @@ class Piece:
             if t is not None and not self.rec.flat:
                 return t
             a, b = self.start, self.stop
-        if t is None:
-            return None
-        if role not in SCALE_KEYS.values():
-            return t.view(-1)[a:b]
-        return t[a // QUANT_BLOCK:scale_len(b)]
+        return state_slice(t, role, a, b) if t is not None else None
 
     def param_state(self) -> ParamState:
         """The piece's state as the kernel steps it (param_state.py): its slices of
@@ -198,6 +194,14 @@ def piece_length(numel: int, itemsize: int, bucket_bytes: int) -> int:
     if numel * itemsize <= bucket_bytes:
         return numel
     return max(SPLIT_ALIGN, bucket_bytes // itemsize // SPLIT_ALIGN * SPLIT_ALIGN)
+
+
+def state_slice(t: torch.Tensor, role: str, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of a flat param's state tensor `t` in `role` (of an 8-bit scale
+    array: the scales of their blocks; `a` starts a block)."""
+    if role not in SCALE_KEYS.values():
+        return t.view(-1)[a:b]
+    return t[a // QUANT_BLOCK:scale_len(b)]
 
 
 class Entry(NamedTuple):

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import json
 import mmap
 import os
@@ -633,14 +634,19 @@ class NvmeState:
 _MAP_FIXED = 0x10   # Linux's: replace the pages at that address (within our own range)
 
 
+@functools.lru_cache(maxsize=None)
+def _libc_mmap():
+    mmap_ = ctypes.CDLL(None, use_errno=True).mmap
+    mmap_.restype = ctypes.c_void_p
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+    return mmap_
+
+
 def _map_at(address: int, length: int, fd: int, offset: int) -> None:
     """mmap(2) of file `fd` from `offset`, private and writable (copy-on-write), at
     `address` exactly (a range the caller holds)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    got = libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE,
+    got = _libc_mmap()(address, length, mmap.PROT_READ | mmap.PROT_WRITE,
                     mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset)
     if got != address:
         err = ctypes.get_errno()
