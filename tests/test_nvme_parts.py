@@ -231,3 +231,48 @@ def test_the_state_dict_maps_a_param_in_parts_from_the_files(kernels, tmp_path, 
         sim.check()
     finally:
         sim.close()
+
+
+def contents(folder):
+    return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))
+            if not n.endswith(".lock")}
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+@pytest.mark.parametrize("fault", ["flip", "truncate", "delete"])
+def test_damaged_parts_are_refused_at_resume(kernels, tmp_path, footprint, fault):
+    """The data file of a state in parts, a byte flipped inside a part's committed extent,
+    cut short or gone: state_resume=True refuses it, naming it, and changes neither the
+    files nor the params (never a fresh start over them)."""
+    from nvme_adam import flip_byte
+    folder = tmp_path / "state"
+    folder.mkdir()
+    sim = AsyncSimDevice(seed=3)
+    try:
+        with simulated(sim), sim.watch():
+            m = wide()
+            opts = dict(lr=3e-3, bucket_mb=BUCKET_MB, state_dtype="8bit",
+                        state_dirs=str(folder), state_footprint=footprint)
+            opt = offload_adam.AdamW(m.parameters(), **opts)
+            train([(m, opt)], 0, 2)
+            st = state_files(opt)
+            i = next(k for k, b in enumerate(st.spec.buckets)
+                     if any("#" in t.name for t in b.tensors))   # a bucket holding a part
+            at, nbytes = st._at(i), st.spec.buckets[i].nbytes
+            opt.close()
+            data = folder / "offload_adam_state.bin"
+            if fault == "flip":
+                flip_byte(data, at + nbytes // 3)
+            elif fault == "truncate":
+                os.truncate(data, at + nbytes // 2)
+            else:
+                data.unlink()
+            before = contents(folder)
+            again = wide(seed=7)
+            with pytest.raises((ValueError, RuntimeError, OSError), match="offload_adam"):
+                offload_adam.AdamW(again.parameters(), state_resume=True, **opts)
+            assert contents(folder) == before
+            assert all(torch.equal(p, q) for p, q in zip(params(again), params(wide(seed=7))))
+        sim.check()
+    finally:
+        sim.close()
