@@ -13,8 +13,8 @@ in compact state files (state_footprint="compact") and steps each block during b
                state for the first time); per iteration the bytes read and written (/proc/self/io)
   expected     the bytes the design says (the planner's terms, offload_adam/plan.py): the state
                read and written, the grad log written and read back, the param files read where
-               the cache misses in forward, backward and step() (the compact pass), the new
-               params written
+               the cache misses in forward and backward (the compact pass at step() writes
+               each block whole: none read), the new params written
   peak RSS     VmHWM during the steps against the caches' budgets + the rings + the "device"
                memory (the blocks on the device at once and the activations) + 1 GiB; a thread
                watching VmRSS says in which phase the peak came and what glibc's heap held then
@@ -254,9 +254,8 @@ def main():
         # what the design says a step moves (plan.py's terms)
         log_bytes = 2 * n
         miss = max(0, 2 * n_streamed - cache)
-        # (the compact pass runs at step(): the blocks it writes that the cache does not
-        # hold are read first, a third miss)
-        expect_read = gen_bytes + log_bytes + 3 * miss
+        # (the compact pass at step() writes each block whole: it reads none)
+        expect_read = gen_bytes + log_bytes + 2 * miss
         expect_write = gen_bytes + log_bytes + 2 * n_streamed
         med = statistics.median(steps[1:] or steps)
         med_read = statistics.median(r for r, _ in traffic[1:] or traffic)
@@ -270,7 +269,7 @@ def main():
                  f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB")
         log(out, f"bytes per iteration (median of 2..): read {med_read / 1e9:.2f} GB (expected at "
                  f"most {expect_read / 1e9:.2f}: state {gen_bytes / 1e9:.2f} + log {log_bytes / 1e9:.2f} "
-                 f"+ param misses in forward, backward and step() {3 * miss / 1e9:.2f}), written {med_write / 1e9:.2f} GB (expected "
+                 f"+ param misses in forward and backward {2 * miss / 1e9:.2f}), written {med_write / 1e9:.2f} GB (expected "
                  f"{expect_write / 1e9:.2f}: state + log + params {2 * n_streamed / 1e9:.2f})")
         later = range(1, len(steps)) if len(steps) > 1 else range(len(steps))
         med_step = statistics.median(phases[k][2] for k in later)

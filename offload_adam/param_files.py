@@ -25,9 +25,14 @@ files, so a file holding a step cut short is never read again. Each block's byte
 checksummed (CRC32C per I/O request) when written and checked when read back.
 
 Bytes per step, per streamed param: forward and backward each read what the cache does not
-hold (2 B/param each at most), the step writes 2 B/param (with step_in_backward the block
-is still in the cache when its kernel runs; without, a block not in the cache is read
-before its step: its frozen params and the params not stepped keep their values).
+hold (2 B/param each at most), the step writes 2 B/param. With step_in_backward the block
+is still in the cache when its kernel runs; without (and in the compact state's pass at
+step()), a block not in the cache is not read for its step: the kernel writes its params
+and reads none (hold_to_write), and a block it writes whole is never read. Only the bytes a
+step leaves out (a frozen param, a param without a grad) are read, when someone reads the
+block or it goes back to its file. Read ahead (the streamer's order) takes only slots the
+cache would give away before the block read is used: a block forward finds in the cache is
+not pushed out by the reads for those before it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +69,10 @@ class _Slot:
         self.loading: list = []   # read futures in flight
         self.writing: list = []   # write futures in flight
         self.used = 0           # when last asked for (LRU before the order is known)
+        # Byte ranges of the block the slot does not hold yet: a block taken to be written
+        # (hold_to_write) is not read first; what its writes leave out is read when
+        # someone reads the block or it goes back to its file (_complete).
+        self.missing: List[Tuple[int, int]] = []
 
 
 class ParamFiles:
@@ -150,13 +159,34 @@ class ParamFiles:
         loaded first unless `read=False` (the caller writes it all). Its read (or write
         back) is waited for outside the lock: the other threads' holds and unholds (the
         CPU step's, during backward) go on meanwhile, and the held slot stays put."""
+        return self._hold(i, read, None)[0]
+
+    def hold_to_write(self, i: int, fills: Sequence[Tuple[int, int]]
+                      ) -> Tuple[torch.Tensor, List[Tuple[int, int]]]:
+        """hold(i) for a caller that writes the byte ranges `fills` of block i and reads
+        nothing: a block not in the cache is not read for it. The CPU step at step()
+        writes every byte of a block whose params it all steps, so the block's old
+        bytes would be read (2 B/param) only to be overwritten. Returns the host copy
+        and the ranges the slot did not hold before (the caller gives them back to
+        unhold when its write failed: they are read from the file again then)."""
+        return self._hold(i, True, fills)
+
+    def _hold(self, i: int, read: bool, fills: Optional[Sequence[Tuple[int, int]]]):
         while True:
             with self.lock:
                 slot = self.slot_of.get(i)
                 if slot is None:
                     slot = self._take_slot(i)
-                    if read:
+                    if fills is not None:
+                        slot.missing = [(0, self.sizes[i])]
+                    elif read:
                         self._load(i, slot)
+                claimed: List[Tuple[int, int]] = []
+                if fills is not None and slot.missing:
+                    claimed = _overlap(slot.missing, fills)
+                    slot.missing = _without(slot.missing, fills)
+                elif not read:
+                    slot.missing = []
                 slot.holds += 1
                 self._touch(slot)
                 pending = slot.loading + slot.writing
@@ -169,28 +199,51 @@ class ParamFiles:
                     self._finish(slot)
                     if slot.writing:           # the caller may write it: let its write land
                         self._finish_writes(slot)
-                    return slot.buffer.tensor[:self.sizes[i]]
+                    if fills is None and read:   # a reader: every byte
+                        self._complete(slot)
+                    return slot.buffer.tensor[:self.sizes[i]], claimed
             except BaseException:
                 with self.lock:
                     slot.holds -= 1
+                    if claimed and self.slot_of.get(i) is slot:
+                        slot.missing = _union(slot.missing, claimed)
                 raise
 
-    def unhold(self, i: int, dirty: bool) -> None:
+    def unhold(self, i: int, dirty: bool,
+               unwritten: Sequence[Tuple[int, int]] = ()) -> None:
+        """Ends a hold; `unwritten`: ranges hold_to_write claimed that the caller did not
+        write after all (its write failed): the slot reads them from the file again."""
         with self.lock:
             slot = self.slot_of[i]
             slot.holds -= 1
             slot.dirty = slot.dirty or dirty
+            if unwritten:
+                slot.missing = _union(slot.missing, unwritten)
 
-    def read_ahead(self, blocks: Sequence[int]) -> None:
+    def peek(self, i: int) -> torch.Tensor:
+        """Block i's host copy as the slot holds it now, for a caller that holds it already
+        (hold, or hold_to_write: its missing bytes are not read for this); else hold()'s."""
+        with self.lock:
+            slot = self.slot_of.get(i)
+            if slot is not None and slot.holds > 0:
+                return slot.buffer.tensor[:self.sizes[i]]
+        buffer = self.hold(i)
+        self.unhold(i, dirty=False)
+        return buffer
+
+    def read_ahead(self, blocks: Sequence[int],
+                   floors: Optional[Sequence[float]] = None) -> None:
         """Starts reading `blocks` (soonest first) into slots holding blocks used later
         (or none); stops at the first that has no such slot. A dirty slot in the way is
-        written back now, and taken by a later call."""
+        written back now, and taken by a later call. `floors`: for each block, the rank
+        a slot's block must be above to be taken for it (default: the block's own)."""
         with self.lock:
-            for i in blocks:
+            for k, i in enumerate(blocks):
                 slot = self.slot_of.get(i)
                 if slot is not None:
                     continue
-                slot = self._victim(sooner_than=i, wait=False)
+                slot = self._victim(sooner_than=i, wait=False,
+                                    floor=None if floors is None else floors[k])
                 if slot is None:
                     return
                 self._evict(slot)
@@ -224,7 +277,8 @@ class ParamFiles:
         r = self.rank(slot.block)
         return -slot.used if r is None else r   # unknown order: least recently used last
 
-    def _victim(self, sooner_than: Optional[int], wait: bool) -> Optional[_Slot]:
+    def _victim(self, sooner_than: Optional[int], wait: bool,
+                floor: Optional[float] = None) -> Optional[_Slot]:
         """The slot to give block `sooner_than` (any block: None): an empty one, else the
         one whose block is used latest, not held; with wait=False also not busy (I/O in
         flight, dirty, copies to the device pending) and used later than the new one."""
@@ -242,6 +296,8 @@ class ParamFiles:
         slot = max(candidates, key=self._rank)
         if sooner_than is not None:   # reading ahead: only over a block used later, and
             mine = self.rank(sooner_than)   # never over one needed before any recorded use
+            if mine is not None and floor is not None:
+                mine = max(mine, floor)
             if mine is None or self._rank(slot) <= mine or self._rank(slot) < 0:
                 return None
             if slot.dirty:   # written back now, taken next time
@@ -271,7 +327,7 @@ class ParamFiles:
             self._write(slot)
         self._finish_writes(slot)
         del self.slot_of[slot.block]
-        slot.block = None
+        slot.block, slot.missing = None, []
 
     def _path(self, i: int) -> str:
         """Block i's file."""
@@ -287,7 +343,7 @@ class ParamFiles:
         self.slot_of[i] = slot
         fd, offset, size = self._extent(i)
         slot.loading = self.pool.read(fd, slot.buffer.view[:size], offset)
-        slot.dirty = False
+        slot.dirty, slot.missing = False, []
         self.read_bytes += size
 
     def _finish(self, slot: _Slot) -> None:
@@ -295,26 +351,54 @@ class ParamFiles:
         if not slot.loading:
             return
         futures, slot.loading = slot.loading, []
-        i = slot.block
-        error = wait(futures)
+        error = self._read_error(slot.block, futures)
         if error is not None:
             self._drop(slot)
-            raise NvmeError(getattr(error, "errno", None),
-                            f"offload_adam: reading block {i}'s params from "
-                            f"{self._path(i)} failed: {error}") from error
-        sums = [f.result() for f in futures]
-        if i in self.sums and sums != self.sums[i]:
-            self._drop(slot)
-            raise NvmeError(None, f"offload_adam: block {i}'s params in "
-                            f"{self._path(i)} (bytes {self.where[i][1]}..) "
-                            "fail their checksum: the file was changed or damaged "
-                            "since it was written")
+            raise error
+
+    def _read_error(self, i: int, futures: list) -> Optional[NvmeError]:
+        """Waits for a read of block i's extent: the error it ended in, or its bytes'
+        mismatch with the block's sums as written; None when it read what was written."""
+        error = wait(futures)
+        if error is not None:
+            e = NvmeError(getattr(error, "errno", None), f"offload_adam: reading block {i}'s "
+                          f"params from {self._path(i)} failed: {error}")
+            e.__cause__ = error
+            return e
+        if i in self.sums and [f.result() for f in futures] != self.sums[i]:
+            return NvmeError(None, f"offload_adam: block {i}'s params in "
+                             f"{self._path(i)} (bytes {self.where[i][1]}..) "
+                             "fail their checksum: the file was changed or damaged "
+                             "since it was written")
+        return None
 
     def _drop(self, slot: _Slot) -> None:
         del self.slot_of[slot.block]
-        slot.block, slot.dirty = None, False
+        slot.block, slot.dirty, slot.missing = None, False, []
+
+    def _complete(self, slot: _Slot) -> None:
+        """Reads the bytes of the slot's block its writes left out (hold_to_write) from
+        the block's file: the whole block's extent into a scratch buffer, checked as a
+        load is, and the missing ranges copied over (a block the CPU step wrote only in
+        part: frozen params, or a param without a grad)."""
+        if not slot.missing:
+            return
+        i = slot.block
+        fd, offset, size = self._extent(i)
+        scratch = AlignedBuffer(size, pin=False)
+        try:
+            error = self._read_error(i, self.pool.read(fd, scratch.view[:size], offset))
+            self.read_bytes += size
+            if error is not None:
+                raise error
+            for a, b in slot.missing:
+                slot.buffer.tensor[a:b].copy_(scratch.tensor[a:b])
+            slot.missing = []
+        finally:
+            scratch.close()
 
     def _write(self, slot: _Slot) -> None:
+        self._complete(slot)   # (the file's bytes where the slot has none)
         fd, offset, size = self._extent(slot.block)
         slot.writing = self.pool.write(fd, slot.buffer.view[:size], offset)
         slot.dirty = False
@@ -370,3 +454,33 @@ def _close_fds(fds: List[int]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+# ---- byte ranges [a, b), sorted and disjoint ----------------------------------------------
+
+def _without(ranges: Sequence[Tuple[int, int]], cut: Sequence[Tuple[int, int]]
+             ) -> List[Tuple[int, int]]:
+    """`ranges` less every range of `cut`."""
+    out = list(ranges)
+    for c, d in cut:
+        out = [piece for a, b in out
+               for piece in ((a, min(b, c)), (max(a, d), b)) if piece[0] < piece[1]]
+    return out
+
+
+def _overlap(ranges: Sequence[Tuple[int, int]], other: Sequence[Tuple[int, int]]
+             ) -> List[Tuple[int, int]]:
+    """The bytes in both."""
+    return _union([], [(max(a, c), min(b, d)) for a, b in ranges for c, d in other
+                       if max(a, c) < min(b, d)])
+
+
+def _union(ranges: Sequence[Tuple[int, int]], more: Sequence[Tuple[int, int]]
+           ) -> List[Tuple[int, int]]:
+    out: List[Tuple[int, int]] = []
+    for a, b in sorted(list(ranges) + list(more)):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out

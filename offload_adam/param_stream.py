@@ -87,22 +87,38 @@ class Home:
         with self.held() as t:
             return t.clone()
 
-    def before_write(self) -> None:
+    def before_write(self, ranges: Optional[Sequence[Tuple[int, int]]] = None) -> list:
         """Waits until no copy to the device still reads this block's host copies (the
         host is about to rewrite them); a device copy of the block made before is stale
         from now on, and its next use fetches again (`stale` is only set here, maybe on
         the engine's worker thread, and read on the thread that runs the model). With
-        param files the block stays in its slot until after_write()."""
+        param files the block stays in its slot until after_write().
+        `ranges`: the flat elements [a, b) of the param that the caller writes (None: all),
+        reading nothing of it: with param files a block not in the cache is not read for
+        them (param_files.hold_to_write). Returns what after_write takes back if the
+        write failed."""
         self.block.stale = True
         self.block.settle()
-        self.block.hold()
+        claimed = self.block.hold(self._bytes(ranges))
         self.block.streamer._read_ahead_for_step()
+        return claimed
 
-    def after_write(self, stepped: int = 0) -> None:
+    def after_write(self, stepped: int = 0, unwritten: Sequence[Tuple[int, int]] = ()) -> None:
         """The write that before_write() announced is done: a block in files goes back
         to its file before its slot is reused. `stepped`: the elements the CPU step wrote
-        (the cache keeps a block until its step wrote all of it)."""
-        self.block.unhold(dirty=True, stepped=stepped)
+        (the cache keeps a block until its step wrote all of it); `unwritten`: what
+        before_write returned, when the write failed (those bytes are the file's again)."""
+        self.block.unhold(dirty=True, stepped=stepped, unwritten=unwritten)
+
+    def _bytes(self, ranges: Optional[Sequence[Tuple[int, int]]]) -> List[Tuple[int, int]]:
+        """The bytes of the block's host copy that elements `ranges` of this param are; a
+        range to the param's end takes the padding after it (no one reads it)."""
+        block, n = self.block, self.like.numel()
+        size = self.like.element_size()
+        start = block.offsets[self.k]
+        end = block.offsets[self.k + 1] if self.k + 1 < len(block.offsets) else block.size
+        return [(start + a * size, end if b >= n else start + b * size)
+                for a, b in (ranges if ranges is not None else [(0, n)]) if a < b]
 
     def mark(self) -> tuple:
         """What master_rule.mark reads of the host copy: in RAM, its version counter and
@@ -127,6 +143,7 @@ class _Block:
         self.stale = False        # its host copies were written since its last fetch
         self.awaiting = False     # used in backward, not all stepped (param files' cache)
         self.unstepped = 0        # ... its trainable elements the step has not written yet
+        self.whole = False        # ... the step writes all of it (no frozen param)
         self.backward_use = 0     # ... when
         self.step_order = 0       # when the last step first wrote it (its pass's order)
         self.trained = False      # the CPU step wrote it once
@@ -166,20 +183,28 @@ class _Block:
                 for p, off in zip(self.params, self.offsets)]
 
     def host_views(self) -> List[torch.Tensor]:
-        """The host copies now: in RAM, or in the block's cache slot (loaded if need be;
-        valid until the cache reuses the slot: see Home)."""
+        """The host copies now: in RAM, or in the block's cache slot (as the holder
+        holds it; loaded if no one does; valid until the cache reuses the slot: see
+        Home)."""
         files = self.streamer.files
         if files is None:
             return self.homes
-        buffer = files.hold(self.index)
-        files.unhold(self.index, dirty=False)
-        return self.views(buffer)
+        return self.views(files.peek(self.index))
 
-    def hold(self) -> None:
-        if self.streamer.files is not None:
-            self.streamer.files.hold(self.index)
+    def hold(self, fills: Optional[List[Tuple[int, int]]] = None) -> list:
+        """Keeps the block in its cache slot (param files), loaded; `fills`: the bytes
+        the caller writes instead, the rest not read for it (returns those the slot did
+        not hold: see param_files.hold_to_write)."""
+        files = self.streamer.files
+        if files is None:
+            return []
+        if fills is None:
+            files.hold(self.index)
+            return []
+        return files.hold_to_write(self.index, fills)[1]
 
-    def unhold(self, dirty: bool, stepped: int = 0) -> None:
+    def unhold(self, dirty: bool, stepped: int = 0,
+               unwritten: Sequence[Tuple[int, int]] = ()) -> None:
         if stepped:   # the CPU step
             if self.awaiting and not self.step_started:
                 self.step_started = True
@@ -189,7 +214,7 @@ class _Block:
             self.awaiting = self.awaiting and self.unstepped > 0
             self.trained = True
         if self.streamer.files is not None:
-            self.streamer.files.unhold(self.index, dirty)
+            self.streamer.files.unhold(self.index, dirty, unwritten)
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -248,6 +273,7 @@ class ParamStreamer:
         self._step_writes = 0
         self._order: Optional[List[Tuple[int, str]]] = None   # recorded uses
         self._uses: Dict[int, List[int]] = {}   # each block's positions in _order
+        self._gap: List[int] = []   # at each position of _order: the uses until its block's next
         self._recording: List[Tuple[int, str]] = []
         self._cursor: Optional[int] = 0
         self._graph_task = None          # the backward whose end releases every block
@@ -405,6 +431,9 @@ class ParamStreamer:
             self._order = self._recording
             for q, (i, _) in enumerate(self._order):
                 self._uses.setdefault(i, []).append(q)
+            n = len(self._order)
+            self._gap = [min(((u - q) % n or n for u in self._uses[i]), default=n)
+                         for q, (i, _) in enumerate(self._order)]
         self._cursor = 0
 
     # ---- fetch, use, release --------------------------------------------------------
@@ -423,6 +452,7 @@ class ParamStreamer:
         block.awaiting = phase == "b" and block.trained
         if phase == "b":
             block.unstepped = sum(p.numel() for p in block.params if p.requires_grad)
+            block.whole = block.unstepped == sum(p.numel() for p in block.params)
             block.step_started = False
             self._backward_uses += 1
             block.backward_use = self._backward_uses
@@ -432,11 +462,13 @@ class ParamStreamer:
         for index, _ in ahead:
             self._fetch(self.blocks[index])
         if self.files is not None and self._order is not None and self._cursor is not None:
-            # the param files read further ahead than the copies: as far as the cache has
-            # room for blocks used sooner than those it holds
-            later = self._order[self._cursor + self.prefetch:
-                                self._cursor + self.prefetch + len(self.files.slots)]
-            self.files.read_ahead(list(dict.fromkeys(i for i, _ in later)))
+            # the param files read further ahead than the copies, as far as the cache
+            # has slots it would give away before they are used (_floors)
+            first = self._cursor + self.prefetch
+            later = [i for i, _ in self._order[first:first + len(self.files.slots)]]
+            floors = self._floors(first, len(later))
+            blocks = list(dict.fromkeys(later))
+            self.files.read_ahead(blocks, [floors[later.index(i)] for i in blocks])
 
     def _fetch(self, block: _Block) -> None:
         if block.stale:   # the step wrote its host copies while it was on the device
@@ -515,16 +547,38 @@ class ParamStreamer:
 
     def _read_ahead_for_step(self) -> None:
         """The CPU step is writing: the blocks it writes next are read ahead, in the
-        order the last step wrote them (the store's pass order; at first, the grads')."""
+        order the last step wrote them (the store's pass order; at first, the grads'),
+        those it writes whole excepted (their bytes are not read: Home.before_write)."""
         if self.files is not None:
-            waiting = sorted((b for b in self.blocks if b.awaiting), key=_step_key)
+            waiting = sorted((b for b in self.blocks if b.awaiting and not b.whole),
+                             key=_step_key)
             self.files.read_ahead([b.index for b in waiting[:len(self.files.slots)]])
+
+    def _floors(self, first: int, count: int) -> List[float]:
+        """For the uses at positions first, first + 1, ... of the recorded order: how
+        late a cached block's next use must be for reading that use's block ahead to
+        take its slot (param_files.read_ahead). Later than that use itself, and later
+        than the next use of every block used from the current one until then: the cache
+        gives those away before the cached block when the read comes due (the block used
+        farthest leaves first), so a block used sooner stays and is not read twice. Read
+        ahead freely instead, the reads would take the slots of the blocks forward reads
+        after a step at step() (which wrote the last blocks last) before forward gets to
+        them: every block read in that forward, the cache's worth more than needed."""
+        cursor, order, gap = self._cursor, self._order, self._gap
+        floors: List[float] = []
+        seen = -math.inf
+        for q in range(max(cursor - 1, 0), min(first + count, len(order))):
+            if q >= first:
+                floors.append(max(seen, float(q - cursor)))
+            seen = max(seen, float(q - cursor + gap[q]))
+        return floors
 
     def _rank(self, index: int) -> Optional[float]:
         """How soon block `index` is used next (param files' cache): the uses until its
         next one in the recorded order; before any, a block the CPU step is still to write
         (used in backward: the step comes before the next forward; _step_key says when);
-        None before the order is recorded."""
+        None before the order is recorded. (A block the step writes whole is not read for
+        it, but it needs a slot then all the same: it keeps its own meanwhile.)"""
         block = self.blocks[index]
         if block.awaiting:
             return float(_step_key(block) - 2**40)

@@ -38,8 +38,9 @@ accumulated on the host), prefetch k blocks ahead.
 With params in files (param_files.py) each block's file extent is its host copy rounded to
 4 KiB, the cache holds as many blocks as RAM has left (at least prefetch + 3), forward and
 backward each read what the cache does not hold, and the step writes every streamed param
-(in backward, when the block is still in the cache; at step(), reading first the blocks the
-cache does not hold: so with the compact state, whose pass runs at step() after the log).
+(in backward, when the block is still in the cache; at step(), as the compact state's pass
+does after the log, a block the cache does not hold is not read first: the step writes
+every byte of it, the model's blocks having no frozen params).
 """
 
 from __future__ import annotations
@@ -636,8 +637,8 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     if layout.in_files:
         dram += 2 * state_gen
     # SSD: the state read and written once per step; param files miss the cache in forward
-    # and backward, and the new params are written (a step at step() first reads the
-    # blocks the cache does not hold: their frozen or unstepped params keep their values)
+    # and backward, and the new params are written (the step writes each block whole,
+    # reading none: param_files.hold_to_write; a block with a frozen param would be read)
     ssd_read = ssd_write = 0.0
     if layout.in_files:
         ssd_read, ssd_write = state_gen, state_gen
@@ -648,8 +649,6 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     if layout.params == "files":
         extent = float(param_file_bytes(model))
         ssd_read += micro * 2 * max(0.0, extent - cache)
-        if not _ring(layout, run) or layout.state == "compact":   # the pass at step()
-            ssd_read += max(0.0, extent - cache)
         ssd_write += extent
     # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
     # attention's score and value products, causal (6 s h per token per layer, +2 likewise)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import offload_adam
+from offload_adam.nvme.direct_io import NvmeError
 from offload_adam.param_files import FILE_NAME, ParamFiles
 from test_param_stream import OPTS, Block, assert_same_training, llama_loss, make_llama, train
 import test_param_stream
@@ -85,8 +86,8 @@ def test_params_in_files_with_every_store(device, tmp_path, opts):
 def test_the_cache_reads_what_it_does_not_hold(device, tmp_path):
     """Per micro-batch once the order is known: with every block cached nothing is read;
     with fewer slots than blocks, forward and backward read at most 2 x the blocks'
-    bytes, the step writes each block once (at step(): reading first those the cache
-    does not hold), and the host holds the cache's slots, not the blocks. Stepped in
+    bytes, the step writes each block once (at step(): reading none, it writes every
+    byte of each), and the host holds the cache's slots, not the blocks. Stepped in
     backward, a block is still in the cache when its step comes, unless the worker fell
     so far behind that the cache had to give it away: then it goes back and comes again
     (how often depends on the threads' timing: bounded here, not counted)."""
@@ -115,9 +116,9 @@ def test_the_cache_reads_what_it_does_not_hold(device, tmp_path):
         if in_backward:
             assert r2 - r1 < aligned and aligned <= w2 - w0 < 2 * aligned
         else:
-            # the step (in the grads' order: 7 first) read what the cache did not hold
-            # when backward ended, once each
-            assert r2 - r1 == (8 - slots) * files.slot_bytes
+            # the step wrote every block whole: none was read for it, not even those
+            # the cache did not hold when backward ended
+            assert r2 == r1
             assert w2 - w0 == aligned
         assert streamer.host_bytes() == slots * files.slot_bytes
         assert os.path.getsize(folder / FILE_NAME) >= aligned
@@ -195,6 +196,66 @@ def test_a_param_file_changed_behind_its_back_is_an_error(device, tmp_path):
         llama_loss(model, 0)
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["at-step", "in-backward"])
+def test_each_pass_reads_only_the_blocks_the_cache_lacks(device, tmp_path, in_backward):
+    """Once the order is known, forward and backward each read the blocks the cache does
+    not hold, once each (8 blocks, 5 slots: 3 a pass), and the step reads none: reading
+    ahead leaves the blocks a pass will find in the cache where they are (forward after a
+    step at step(), which wrote the last blocks last, included), and the step writes each
+    block whole."""
+    model = make_llama(layers=8, frozen=())
+    s = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
+                                   param_cache_mb=slots_mb(model, 5))
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=in_backward, **OPTS)
+    train(model, opt, 2)
+    files = s.files
+    for it in range(2, 5):
+        r0 = files.read_bytes
+        loss = llama_loss(model, it)
+        r1 = files.read_bytes
+        loss.backward()
+        r2 = files.read_bytes
+        opt.step()
+        opt.zero_grad()
+        r3 = files.read_bytes
+        assert (r1 - r0, r2 - r1, r3 - r2) == (3 * files.slot_bytes, 3 * files.slot_bytes, 0), it
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["at-step", "in-backward"])
+def test_a_block_the_step_writes_in_part_is_read_first(device, tmp_path, in_backward):
+    """A block with a frozen param: the step writes the rest of it, so the cache reads the
+    block where it does not hold it (the frozen param's bytes are the file's); the blocks
+    it writes whole it never reads; training is the resident one bit for bit."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=8, frozen=())
+        for layer in model.layers[::2]:
+            layer.mlp_norm.weight.requires_grad_(False)
+        read = []
+        if streamed:
+            s = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
+                                           param_cache_mb=slots_mb(model, 4))
+            for name in ("_load", "_complete"):   # the blocks read, as the step reads them
+                def spy(slot_or_i, *a, was=getattr(s.files, name)):
+                    if isinstance(slot_or_i, int) or slot_or_i.missing:
+                        read.append(slot_or_i if isinstance(slot_or_i, int) else slot_or_i.block)
+                    return was(slot_or_i, *a)
+                setattr(s.files, name, spy)
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=in_backward, **OPTS)
+        train(model, opt, 3)
+        llama_loss(model, 50).backward()
+        del read[:]
+        opt.step()
+        opt.zero_grad()
+        if streamed:
+            assert set(read) <= {0, 2, 4, 6}, read
+            if not in_backward:   # some went back to their files in backward
+                assert read
+        train(model, opt, 1, start=3)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
 class _Recorder:
     """A stand-in device for ParamFiles alone: pins nothing."""
 
@@ -245,6 +306,75 @@ def test_a_slot_is_reused_only_after_its_block_settled_and_went_back(tmp_path):
     files.close()
     assert not (tmp_path / FILE_NAME).exists()
     del held
+
+
+def test_a_block_taken_to_be_written_reads_only_what_its_writes_left_out(tmp_path):
+    """hold_to_write: a block not in the cache is not read for the bytes its writer
+    fills; whoever reads it after (a hold, its write back, a flush) gets the file's
+    bytes where nothing was written; a write that failed gives its bytes back to the
+    file's."""
+    sizes = [6000, 6000, 6000]
+    files = ParamFiles([tmp_path], sizes, 3 * 8192, prefetch=0, device=_Recorder(),
+                       settle=lambda i: None)
+    for i in range(3):
+        buf = files.hold(i, read=False)
+        buf.copy_(torch.arange(6000, dtype=torch.int32).to(torch.uint8) + i)
+        files.unhold(i, dirty=True)
+    files.flush()
+    for i in range(3):   # (in their files now: out of the cache)
+        files._drop(files.slot_of[i])
+    old = {i: (torch.arange(6000, dtype=torch.int32).to(torch.uint8) + i) for i in range(3)}
+    r0 = files.read_bytes
+    buf, claimed = files.hold_to_write(0, [(0, 1000), (5000, 6000)])
+    assert claimed == [(0, 1000), (5000, 6000)] and files.read_bytes == r0   # nothing read
+    buf[:1000] = 7
+    buf[5000:] = 9
+    # a second writer, its write failing: its range is the file's again
+    buf2, claimed2 = files.hold_to_write(0, [(1000, 2000)])
+    assert buf2.data_ptr() == buf.data_ptr() and claimed2 == [(1000, 2000)]
+    buf2[1000:2000] = 1   # (half written, then it failed)
+    files.unhold(0, dirty=True, unwritten=claimed2)
+    files.unhold(0, dirty=True)
+    assert files.read_bytes == r0
+    got = files.hold(0)   # a reader: the rest comes from the file, once
+    assert files.read_bytes == r0 + 8192
+    want = old[0].clone()
+    want[:1000], want[5000:] = 7, 9
+    assert torch.equal(got, want)
+    files.unhold(0, dirty=False)
+    # written whole: never read; written in part and given back to the file: the write
+    # back reads the rest first
+    r1 = files.read_bytes
+    buf, _ = files.hold_to_write(1, [(0, 6000)])
+    buf.fill_(3)
+    files.unhold(1, dirty=True)
+    buf, _ = files.hold_to_write(2, [(100, 200)])
+    buf[100:200] = 5
+    files.unhold(2, dirty=True)
+    files.flush()
+    assert files.read_bytes == r1 + 8192   # block 2's rest, not block 1
+    files._drop(files.slot_of[1])
+    files._drop(files.slot_of[2])
+    assert torch.equal(files.hold(1), torch.full((6000,), 3, dtype=torch.uint8))
+    files.unhold(1, dirty=False)
+    want = old[2].clone()
+    want[100:200] = 5
+    assert torch.equal(files.hold(2), want)
+    files.unhold(2, dirty=False)
+    # the file's bytes read for what a write left out are checked as a load's are
+    files._drop(files.slot_of[0])
+    _, offset = files.where[0]
+    with open(tmp_path / FILE_NAME, "r+b") as f:
+        f.seek(offset + 3000)
+        byte = f.read(1)[0]
+        f.seek(offset + 3000)
+        f.write(bytes([byte ^ 1]))
+    buf, _ = files.hold_to_write(0, [(0, 10)])
+    buf[:10] = 1
+    files.unhold(0, dirty=True)
+    with pytest.raises(NvmeError, match=r"block 0's params in .* fail their checksum"):
+        files.hold(0)
+    files.close()
 
 
 def test_a_disk_error_on_the_param_files_loses_no_step(device, tmp_path, monkeypatch):

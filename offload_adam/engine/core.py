@@ -1056,10 +1056,13 @@ class BucketJob:
         bucket.h2d = []
         homes = _homes(pieces)
         written = []
+        done = False
         try:
             for home in homes:   # a streamed param's update goes to its host copy: no
-                home.before_write()   # fetch may still read it (in files: held in the cache)
-                written.append(home)
+                # fetch may still read it (in files: held in the cache, and not read
+                # first: the kernel writes these elements and reads none of them)
+                ranges = [(p.start, p.stop) for p in pieces if p.rec.home is home]
+                written.append((home, home.before_write(ranges)))
             args = KernelArgs()
             for p in pieces:
                 args.add(p.param_state(), p.staging if bucket.low_precision else None,
@@ -1072,9 +1075,11 @@ class BucketJob:
                 for p in pieces:
                     if p.staging is not None:
                         p.staging.copy_(p.state("master"))
+            done = True
         finally:
-            for home in written:
-                home.after_write(sum(p.numel for p in pieces if p.rec.home is home))
+            for home, claimed in written:
+                home.after_write(sum(p.numel for p in pieces if p.rec.home is home),
+                                 unwritten=() if done else claimed)
         if engine.ring is not None:   # their grads are read: their spans may be reused
             for p in pieces:
                 engine.ring.done(p)

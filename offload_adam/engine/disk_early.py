@@ -260,11 +260,13 @@ class DiskEarly(FileBucketsInBackward):
                     else:
                         changed.append(rec.param)
                         old = old.reshape(-1)[a:b]
-                    rec.home.before_write()
+                    claimed = rec.home.before_write([(a, b)])
+                    done = False
                     try:
                         rec.home.tensor.view(-1)[a:b].copy_(old)
+                        done = True
                     finally:
-                        rec.home.after_write()
+                        rec.home.after_write(unwritten=() if done else claimed)
         if engine is not None:
             engine.marks.forget(changed)
 
