@@ -87,6 +87,20 @@ class Home:
         with self.held() as t:
             return t.clone()
 
+    @contextlib.contextmanager
+    def writing(self, ranges: Optional[Sequence[Tuple[int, int]]] = None,
+                stepped: int = 0) -> Iterator[None]:
+        """before_write ... after_write around the caller's write of elements `ranges`
+        (None: all); a write that raised gives the bytes it took over back to the file's.
+        `stepped`: see after_write."""
+        claimed = self.before_write(ranges)
+        done = False
+        try:
+            yield
+            done = True
+        finally:
+            self.after_write(stepped, unwritten=() if done else claimed)
+
     def before_write(self, ranges: Optional[Sequence[Tuple[int, int]]] = None) -> list:
         """Waits until no copy to the device still reads this block's host copies (the
         host is about to rewrite them); a device copy of the block made before is stale

@@ -6,6 +6,7 @@ tier raise the same words), and where a streamed param's values live between use
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Optional
 
@@ -91,16 +92,11 @@ def write_values(p: torch.Tensor, values: torch.Tensor, start: Optional[int] = N
     param's host copy included (in files: marked to go back to its file); with `start`,
     into its flat elements from `start` on (a part of it: values.numel() of them)."""
     home = home_of(p)
-    claimed, done = [], False
-    if home is not None:   # (no copy to the device still reads it; only these are written)
-        claimed = home.before_write(None if start is None else [(start, start + values.numel())])
-    try:
+    # (no copy to the device still reads a host copy written; only these elements are)
+    with (contextlib.nullcontext() if home is None else
+          home.writing(None if start is None else [(start, start + values.numel())])):
         t = param_values(p) if home is None else home.tensor
         if start is not None:
             t = t.view(-1)[start:start + values.numel()]
             values = values.reshape(-1)
         t.copy_(values.to(t.dtype))
-        done = True
-    finally:
-        if home is not None:
-            home.after_write(unwritten=() if done else claimed)

@@ -49,6 +49,7 @@ the only cross-param reduction is the clipping norm (`grad_sq_sums`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -1054,15 +1055,13 @@ class BucketJob:
         dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
         dev.wait_host(*bucket.h2d)                     # its buffers are free again
         bucket.h2d = []
-        homes = _homes(pieces)
-        written = []
-        done = False
-        try:
-            for home in homes:   # a streamed param's update goes to its host copy: no
-                # fetch may still read it (in files: held in the cache, and not read
-                # first: the kernel writes these elements and reads none of them)
-                ranges = [(p.start, p.stop) for p in pieces if p.rec.home is home]
-                written.append((home, home.before_write(ranges)))
+        with contextlib.ExitStack() as writes:
+            for home in _homes(pieces):   # a streamed param's update goes to its host
+                # copy: no fetch may still read it (in files: held in the cache, and not
+                # read first: the kernel writes these elements and reads none of them)
+                mine = [p for p in pieces if p.rec.home is home]
+                writes.enter_context(home.writing([(p.start, p.stop) for p in mine],
+                                                  stepped=sum(p.numel for p in mine)))
             args = KernelArgs()
             for p in pieces:
                 args.add(p.param_state(), p.staging if bucket.low_precision else None,
@@ -1075,11 +1074,6 @@ class BucketJob:
                 for p in pieces:
                     if p.staging is not None:
                         p.staging.copy_(p.state("master"))
-            done = True
-        finally:
-            for home, claimed in written:
-                home.after_write(sum(p.numel for p in pieces if p.rec.home is home),
-                                 unwritten=() if done else claimed)
         if engine.ring is not None:   # their grads are read: their spans may be reused
             for p in pieces:
                 engine.ring.done(p)

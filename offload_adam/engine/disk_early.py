@@ -260,13 +260,8 @@ class DiskEarly(FileBucketsInBackward):
                     else:
                         changed.append(rec.param)
                         old = old.reshape(-1)[a:b]
-                    claimed = rec.home.before_write([(a, b)])
-                    done = False
-                    try:
+                    with rec.home.writing([(a, b)]):
                         rec.home.tensor.view(-1)[a:b].copy_(old)
-                        done = True
-                    finally:
-                        rec.home.after_write(unwritten=() if done else claimed)
         if engine is not None:
             engine.marks.forget(changed)
 
