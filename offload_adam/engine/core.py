@@ -377,9 +377,14 @@ class OffloadEngine:
         large pieces go at once, packed ones when every packed piece of their
         bucket that came in the last backward has come (from a hook), at the end
         of backward, or with flush=True."""
+        # step_in_backward: a hook's param cut in pieces starts each piece's bucket as
+        # the piece is sent (early.py, piece_sent), unless its norm is summed from the
+        # copy (queued after it: the kernels would free the grads first)
+        early = hook and self.early is not None and not self._want_norms
         for i, rec in enumerate(recs):
             grad = rec.param.grad
             check_dense(grad, rec.label())
+            early_pieces = early and len(rec.pieces) > 1
             g = local(grad).detach()
             fp = fingerprints[i] if fingerprints is not None else (
                 grad_fingerprint(g) if self.verify_grads else None)
@@ -399,6 +404,8 @@ class OffloadEngine:
                         self._pack_arrived.add(id(piece))
                 else:
                     self._send([(piece, piece.of(g))], after)
+                    if early_pieces:
+                        self.early.piece_sent(rec, piece)
         for index in list(self._packs):
             if flush or self._pack_complete(self.buckets[index]):
                 self._send(self._packs.pop(index), after)
@@ -429,7 +436,7 @@ class OffloadEngine:
         if span is not None:
             span.transfer = t
         for p in pieces:
-            p.rec.copy.sent(t)
+            p.rec.copy.sent(t, p)
         self._backward.append(t)
         self._profile.add_d2h(pieces[0].bucket.index, t)
 
@@ -1049,10 +1056,12 @@ class BucketJob:
         dev = engine.device
         engine._redo(self.check)
         copies = {id(p.rec): p.rec.copy for p in pieces}.values()
-        if any(c.unsent for c in copies):  # a pack not flushed: a bug, never a wrong step
+        if any(id(p) not in p.rec.copy.sent_ids for p in pieces):
+            # a pack not flushed: a bug, never a wrong step (the other pieces of a param
+            # may still be on their way: early.py, piece_sent)
             raise RuntimeError("offload_adam: internal error: a bucket's step started "
                                "before all of its grads were sent to the host")
-        dev.wait_host(*{id(t): t for c in copies for t in c.transfers}.values())
+        dev.wait_host(*{id(t): t for c in copies for t in list(c.transfers)}.values())
         dev.wait_host(*bucket.h2d)                     # its buffers are free again
         bucket.h2d = []
         with contextlib.ExitStack() as writes:

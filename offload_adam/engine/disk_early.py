@@ -61,9 +61,11 @@ class FileBucketsInBackward:
         self.pipeline = pipeline
         self.files = files
         self._files_of: Dict[int, List[int]] = {}   # id(rec) -> its file buckets
+        self._entry_of: Dict[Tuple[int, int], Entry] = {}   # (file bucket, id(rec)) -> entry
         for i, entries in enumerate(files):
             for e in entries or ():
                 self._files_of.setdefault(id(e.rec), []).append(i)
+                self._entry_of[i, id(e.rec)] = e
         self._lock = threading.Lock()
         self._jobs = 0
         largest = max((sum(p.numel * e.rec.dtype.itemsize for e in entries for p in e.pieces)
@@ -78,11 +80,23 @@ class FileBucketsInBackward:
             jobs = self._jobs
         return jobs > 0 and engine is not None and engine.worker_busy()
 
-    def _count(self, rec: ParamRec):
-        """rec's grad copy has started: counted in its file buckets (several for a param
-        in parts), once. (engine, the file buckets it completed, whether it is the
-        iteration's first grad), or None (not an engine param of a file bucket, counted
-        already, or the engine gone)."""
+    def _reset_counts(self) -> None:
+        self._arrived: set = set()    # ids of the recs counted in whole
+        self._parts_in: set = set()   # (file bucket, id(rec)) counted in
+        self._left = {i: len(e) for i, e in enumerate(self.files) if e}
+        self._completed: List[int] = []   # file buckets in the order they completed
+
+    def piece_sent(self, rec: ParamRec, piece) -> None:
+        """One piece of rec's grad was sent before the rest of it (a param cut in pieces):
+        a file bucket holding a part of rec all sent now may start (early.py, piece_sent)."""
+        self.arrived(rec, piece)
+
+    def _count(self, rec: ParamRec, piece=None):
+        """rec's grad copy has started (with `piece`: that piece was sent, the rest may
+        not be yet): counted in its file buckets (several for a param in parts) whose
+        part of it is all sent, each once. (engine, the file buckets it completed,
+        whether it is the iteration's first grad), or None (not an engine param of a
+        file bucket, counted already, or the engine gone)."""
         mine = self._files_of.get(id(rec))
         engine = self._engine()
         if mine is None or engine is None:
@@ -91,12 +105,17 @@ class FileBucketsInBackward:
         with self._lock:
             if id(rec) in self._arrived:
                 return None   # accumulated before its bucket started: counted once
-            first = not self._arrived
-            self._arrived.add(id(rec))
+            first = not self._arrived and not self._parts_in
             for i in mine:
+                if (i, id(rec)) in self._parts_in or piece is not None and any(
+                        id(p) not in rec.copy.sent_ids for p in self._entry_of[i, id(rec)].pieces):
+                    continue
+                self._parts_in.add((i, id(rec)))
                 self._left[i] -= 1
                 if not self._left[i]:
                     complete.append(i)
+            if piece is None:
+                self._arrived.add(id(rec))
             self._completed += complete
         return engine, complete, first
 
@@ -124,9 +143,7 @@ class DiskEarly(FileBucketsInBackward):
 
     def _reset(self) -> None:
         self._close()   # (a pass never handed on: its I/O waited for)
-        self._arrived: set = set()
-        self._left = {i: len(e) for i, e in enumerate(self.files) if e}
-        self._completed: List[int] = []   # file buckets in the order they completed
+        self._reset_counts()
         self._ready: set = set()          # ... those the pass may step
         self._gen: Optional[Iterator] = None
         self._pending = None              # (index, views) yielded, not stepped yet
@@ -157,10 +174,10 @@ class DiskEarly(FileBucketsInBackward):
 
     # ---- during backward (autograd's thread) ----------------------------------------
 
-    def arrived(self, rec: ParamRec) -> None:
-        """rec's grad copy has started: counts it in its file bucket, and starts the
-        pass's step of the bucket when it completes."""
-        counted = self._count(rec)
+    def arrived(self, rec: ParamRec, piece=None) -> None:
+        """rec's grad copy has started (or one piece of it: piece_sent): counts it in its
+        file buckets, and starts the pass's step of each bucket it completes."""
+        counted = self._count(rec, piece)
         if counted is None:
             return
         engine, complete, first = counted
@@ -174,7 +191,7 @@ class DiskEarly(FileBucketsInBackward):
             self._after[i] = engine.device.fence()
             with self._lock:
                 self._ready.add(i)
-        if first or complete:   # the first grad starts the reads ahead
+        if first and not self._kicked or complete:   # the first grad starts the reads ahead
             self._kicked = True
             with self._lock:
                 self._jobs += 1

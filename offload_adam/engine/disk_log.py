@@ -40,9 +40,7 @@ class DiskLog(FileBucketsInBackward):
         self._reset()
 
     def _reset(self) -> None:
-        self._arrived: set = set()
-        self._left = {i: len(e) for i, e in enumerate(self.files) if e}
-        self._completed: List[int] = []
+        self._reset_counts()
         self._queue: List[int] = []        # complete buckets not logged yet
         self.logged: Dict[int, bool] = {}  # file buckets whose grads are in the log
         self._jobs = 0
@@ -59,10 +57,10 @@ class DiskLog(FileBucketsInBackward):
 
     # ---- during backward (autograd's thread) ----------------------------------------
 
-    def arrived(self, rec: ParamRec) -> None:
-        """rec's grad copy has started: counts it in its file bucket, and logs the bucket
-        on the worker when it completes."""
-        counted = self._count(rec)
+    def arrived(self, rec: ParamRec, piece=None) -> None:
+        """rec's grad copy has started (or one piece of it: piece_sent): counts it in its
+        file buckets, and logs each bucket it completes on the worker."""
+        counted = self._count(rec, piece)
         if counted is None or not counted[1]:
             return
         engine, complete, _ = counted

@@ -65,6 +65,7 @@ class EarlyStart:
         self._waiting: Dict[int, int] = {}       # bucket index -> expected pieces to come
         self._started: Dict[int, object] = {}    # rec id -> the GradCopy its step read
         self._stepped: set = set()               # ids of the pieces whose kernel ran
+        self._counted: set = set()               # ids of the pieces counted in one by one
         self._hyper: Dict[int, Hyper] = {}       # group index -> what its steps used
         self.files = None   # the files' pass (disk_early.py) when the state is in files
 
@@ -85,23 +86,46 @@ class EarlyStart:
                 "next step() or zero_grad() raises too and says what was stepped; "
                 "use step_in_backward=False to accumulate.")
 
+    def piece_sent(self, rec, piece) -> None:
+        """One piece of rec's grad was sent before the rest of it (a param cut in pieces,
+        each in a bucket of its own): the bucket it completes starts now, not once the
+        whole param is sent, so the grad ring drains through the kernels while the later
+        pieces of a param larger than the ring wait for room (if nothing ran, they
+        would take buffers outside the ring: on CUDA pageable memory, copied
+        synchronously)."""
+        if self.files is not None:
+            self._hooked[id(rec)] = rec
+            self.files.piece_sent(rec, piece)
+        elif self._arrived(rec) and id(piece) not in self._counted:
+            self._counted.add(id(piece))
+            self._piece_in(self._engine(), piece)
+
     def after_copy(self, rec) -> None:
         """Counts the grad in; starts every bucket it completes."""
-        self._hooked[id(rec)] = rec
         if self.files is not None:
+            self._hooked[id(rec)] = rec
             self.files.arrived(rec)
             return
-        engine = self._engine()
-        if self._expected is None:
-            self._count(engine)
-        if id(rec) not in self._expected:
+        if not self._arrived(rec):
             return
         self._expected.discard(id(rec))   # counted once per iteration
+        engine = self._engine()
         for piece in rec.pieces:
-            b = piece.bucket
-            self._waiting[b.index] -= 1
-            if self._waiting[b.index] == 0:
-                self._start(engine, b)
+            if id(piece) not in self._counted:   # (piece_sent counted it)
+                self._piece_in(engine, piece)
+
+    def _arrived(self, rec) -> bool:
+        """rec got its grad: whether its pieces are still to be counted in."""
+        self._hooked[id(rec)] = rec
+        if self._expected is None:
+            self._count(self._engine())
+        return id(rec) in self._expected
+
+    def _piece_in(self, engine, piece) -> None:
+        b = piece.bucket
+        self._waiting[b.index] -= 1
+        if self._waiting[b.index] == 0:
+            self._start(engine, b)
 
     def _count(self, engine) -> None:
         """At the iteration's first grad, on the buckets as they are now: the params
@@ -279,3 +303,4 @@ class EarlyStart:
         self._expected, self._waiting = None, {}
         self.error = None
         self._hooked, self._started, self._stepped, self._hyper = {}, {}, set(), {}
+        self._counted = set()

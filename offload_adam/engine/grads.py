@@ -80,8 +80,8 @@ def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
 class GradCopy:
     """One host copy of one param's grad."""
 
-    __slots__ = ("grad", "version", "fingerprint", "transfers", "unsent", "sq_sum", "factor",
-                 "generation", "adds")
+    __slots__ = ("grad", "version", "fingerprint", "transfers", "unsent", "sent_ids", "sq_sum",
+                 "factor", "generation", "adds")
 
     def __init__(self, grad: torch.Tensor, fingerprint: Optional[torch.Tensor], pieces: int):
         self.grad = weakref.ref(grad)     # the tensor copied (not kept alive)
@@ -89,14 +89,16 @@ class GradCopy:
         self.fingerprint = fingerprint    # ... with these values (None: not verified)
         self.transfers: list = []         # the copies carrying it (one per piece or pack)
         self.unsent = pieces              # pieces whose copy is not queued yet (packs)
+        self.sent_ids: set = set()        # ids of the pieces whose copy is queued
         self.sq_sum: Optional[float] = None  # its sum of squares, once computed
         self.factor = 1.0                 # a freed grad multiplied since (freed_grad.py)
         self.generation = 0               # changes each time values are added to it
         self.adds = 0                     # pieces of micro-batches sent, not yet added
 
-    def sent(self, transfer) -> None:
+    def sent(self, transfer, piece) -> None:
         self.transfers.append(transfer)
         self.unsent -= 1
+        self.sent_ids.add(id(piece))
 
     def invalidate(self) -> None:
         """Stale whatever the grad looks like (its transfers stay known)."""
