@@ -319,6 +319,7 @@ class Run:
     bucket_mb: float = 32.0        # the optimizer's bucket_mb
     state_budget_mb: Optional[float] = None   # the NVMe tier's ring (default 4 buckets)
     logit_bytes: float = 6.0       # per logit held at once: bf16 logits + the fp32 loss input
+    param_cache_mb: Optional[float] = None   # stream_params' (None: what the host has left)
 
     def __post_init__(self):
         for key in ("batch", "seq", "micro", "prefetch"):
@@ -621,6 +622,8 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
         slot = param_slot_bytes(model)
         free = machine.host_bytes - machine.host_reserve_bytes - p.host_total
         slots = max(min_slots(run.prefetch), min(int(max(free, 0) // slot), model.layers))
+        if run.param_cache_mb is not None:   # as stream_params(param_cache_mb=) sizes it
+            slots = min(int(run.param_cache_mb * 2**20 // slot), model.layers)
         cache = float(slots * slot)
         p.host["param cache"] = cache
     m, micro = machine, run.micro
@@ -766,6 +769,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--state-budget-mb", type=float)
+    ap.add_argument("--param-cache-mb", type=float,
+                    help="the param files' cache (stream_params' param_cache_mb; default: "
+                         "what host RAM has left)")
     ap.add_argument("--state-dtype", action="append", choices=STATE_DTYPES,
                     help="only these (repeatable; default all)")
     ap.add_argument("--detail", action="store_true", help="every tier's bytes, itemized")
@@ -812,7 +818,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     raise ValueError(f"--{key}: must be positive, got {v}")
                 machine = replace(machine, **{key: v * GB if key.endswith("bytes") else v})
         run = Run(args.batch, args.seq, args.micro, not args.no_checkpointing, args.prefetch,
-                  args.bucket_mb, args.state_budget_mb)
+                  args.bucket_mb, args.state_budget_mb, param_cache_mb=args.param_cache_mb)
+        if args.param_cache_mb is not None:
+            from .param_files import min_slots
+            slot, need = param_slot_bytes(model), min_slots(args.prefetch)
+            if args.param_cache_mb * 2**20 < need * slot:
+                raise ValueError(f"--param-cache-mb {args.param_cache_mb:g} holds fewer than "
+                                 f"the {need} blocks of {slot / 2**20:.1f} MiB that prefetch "
+                                 f"{args.prefetch} needs (>= {need * slot / 2**20:.0f})")
     except ValueError as e:
         print(f"offload_adam.plan: {e}", file=sys.stderr)
         return 2

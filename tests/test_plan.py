@@ -219,6 +219,21 @@ def test_the_bounds_follow_the_physics():
     assert files["data_file_bytes"] >= 2 * files["generation_bytes"]
 
 
+def test_a_param_cache_given_sets_what_the_param_files_read():
+    """--param-cache-mb (stream_params' param_cache_mb): the cache holds the whole blocks it
+    has room for, forward and backward each read what it lacks, the step writes every
+    block (how the GPU run of a 6.7B model from param files with a 4 GiB cache was planned)."""
+    m, model = planner.MACHINES["desktop-24gb"], planner.PRESETS["llama-3-8b"]
+    slot, extent = planner.param_slot_bytes(model), planner.param_file_bytes(model)
+    lay = planner.Layout("files", "ram", "8bit")
+    p = planner.plan(model, m, planner.Run(batch=1, param_cache_mb=6.5 * slot / 2**20), lay)
+    assert p.host["param cache"] == 6 * slot
+    assert p.traffic["ssd_read"] == 2 * (extent - 6 * slot)
+    assert p.traffic["ssd_write"] == extent
+    roomy = planner.plan(model, m, planner.Run(batch=1), lay)   # the host's room: all of it
+    assert roomy.host["param cache"] >= extent and roomy.traffic["ssd_read"] == 0
+
+
 def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     r = subprocess.run([sys.executable, "-m", "offload_adam.plan", "llama-3-70b", "--batch",
@@ -238,6 +253,7 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     (["llama-3-8b", "--machine", "laptop"], "--machine 'laptop'"),
     (["llama-3-8b", "--ram-gb", "-1"], "must be positive"),
     (["llama-3-8b", "--batch", "0"], "batch must be a positive int"),
+    (["llama-3-8b", "--param-cache-mb", "100"], "holds fewer than the 5 blocks"),
 ])
 def test_bad_input_is_named(argv, message, capsys):
     assert planner.main(argv) == 2
