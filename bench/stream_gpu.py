@@ -99,6 +99,9 @@ def run_mode(cfg, args, prefetch):
                  dict(param_dirs=args.param_dir, param_cache_mb=args.param_cache_mb))
         streamer = offload_adam.stream_params(model, _Block, prefetch=prefetch, **files)
         _progress(mode, "streamer set up", t0)
+    if args.grad_ring_mb:   # (the engine has no option for it: its sizing rule, replaced)
+        from offload_adam.engine import core
+        core.ring_bytes = lambda largest, bucket: int(args.grad_ring_mb * 2**20)
     if prefetch is None and args.resident == "compute":
         opt = NoStep(model)
     else:
@@ -213,6 +216,27 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
     return dict(median=med, rows=rows, peak_gb=torch.cuda.max_memory_allocated() / 1e9)
 
 
+def planned_step(cfg, args, h2d_gbps, disk):
+    """offload_adam.plan's step for the streamed runs' layout: the model as a Llama of the
+    same width and params per block (MLP width 8/3 of it), prefetch the largest asked, the
+    lent GPU machine's defaults but for the host-to-device and disk speeds measured here."""
+    from offload_adam import plan as planner
+    model = planner.ModelShape("gpt", cfg.vocab_size, cfg.width, round(8 * cfg.width / 3),
+                               cfg.layers, cfg.heads, cfg.heads)
+    machine = planner.replace(planner.MACHINES["lent-h100"], pcie_gbps=h2d_gbps)
+    if disk is not None:
+        machine = planner.replace(machine, ssd_read_gbps=disk["read_Bps"] / 1e9,
+                                  ssd_write_gbps=disk["write_Bps"] / 1e9)
+    run = planner.Run(args.batch, args.seq, 1, args.checkpoint,
+                      max(int(k) for k in args.prefetch.split(",")),
+                      param_cache_mb=args.param_cache_mb if args.param_dir else None)
+    state = args.state_dtype if args.state_dtype in planner.STATE_DTYPES else "float32"
+    layout = planner.Layout("files" if args.param_dir else "ram", "ram", state)
+    p = planner.plan(model, machine, run, layout)
+    return dict(layout=f"params {layout.params}, state ram {state}", params=model.params,
+                step_s=p.step_s, bound=p.bound, seconds=p.seconds)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -237,6 +261,9 @@ def main():
                     help="the streamed blocks' host copies in files there (param_dirs=)")
     ap.add_argument("--param-cache-mb", type=float, default=4096.0,
                     help="with --param-dir: param_cache_mb=")
+    ap.add_argument("--grad-ring-mb", type=float, default=0.0,
+                    help="an experiment: the grad ring's size with step_in_backward and the "
+                         "state in RAM (default: the engine's, 4 x bucket_mb)")
     ap.add_argument("--fsdp2", action="store_true",
                     help="also the peer: FSDP2 with CPUOffloadPolicy on a one-GPU mesh")
     ap.add_argument("--tag", default=socket.gethostname())
@@ -298,6 +325,14 @@ def main():
             print(f"{m['mode']}: param files read {med['disk_read_bytes'] / 1e9:.2f} GB, written "
                   f"{med['disk_write_bytes'] / 1e9:.2f} GB an iteration: disk limit "
                   f"{m['disk_s']:.2f} s, iteration {med['iter_s'] / m['disk_s']:.2f} x it")
+    planned = planned_step(cfg, args, h2d, disk)
+    print(f"planner ({planned['layout']}, a Llama of this width and params per block, at the "
+          f"host-to-device and disk speeds measured here): {planned['step_s']:.2f} s, bound by "
+          f"{planned['bound']} ({', '.join(f'{k} {v:.2f}' for k, v in planned['seconds'].items())})")
+    for m in modes:
+        if m["prefetch"] is not None:
+            m["planned_ratio"] = m["median"]["iter_s"] / planned["step_s"]
+            print(f"{m['mode']}: iteration {m['planned_ratio']:.2f} x the planner's step")
     if args.fsdp2:
         peer = modes[-1]["median"]["iter_s"]
         for m in modes[:-1]:
@@ -306,6 +341,7 @@ def main():
     path = Path(args.out) / f"stream_gpu_{args.tag}.json"
     path.write_text(json.dumps(dict(machine=machine_info(), args=vars(args), num_params=cfg.num_params(),
                                     pinned_h2d_gbps=h2d, disk=disk, modes=modes,
+                                    planned=planned,
                                     peer_error=peer_error), indent=1))
     print("wrote", path)
     return 0

@@ -234,6 +234,28 @@ def test_a_param_cache_given_sets_what_the_param_files_read():
     assert roomy.host["param cache"] >= extent and roomy.traffic["ssd_read"] == 0
 
 
+def test_the_gpu_benchmark_plans_its_streamed_runs():
+    """bench/stream_gpu.py compares each streamed run with the planner's step: its GPT as a
+    Llama of the same width and params per block (within 0.5 % of the GPT's count), from
+    param files the disk's bytes at the speeds it measured (the 2026-11-28 H200 run: 17.26 s
+    planned, 17.57 s measured)."""
+    import types
+    from bench.e2e.model import config_for
+    from bench.stream_gpu import planned_step
+    cfg = config_for(32, 4096, 32000, 2048)
+    args = types.SimpleNamespace(batch=4, seq=2048, checkpoint=True, prefetch="1,2",
+                                 param_cache_mb=4096.0, param_dir="/d", state_dtype="8bit")
+    got = planned_step(cfg, args, 54.9, dict(read_Bps=1.52e9, write_Bps=2.30e9))
+    assert abs(got["params"] - cfg.num_params()) < 0.005 * cfg.num_params()
+    assert got["bound"] == "ssd" and got["layout"] == "params files, state ram 8bit"
+    model = planner.ModelShape("gpt", 32000, 4096, 10923, 32, 64, 64)
+    slot, extent = planner.param_slot_bytes(model), planner.param_file_bytes(model)
+    cached = 4096 * 2**20 // slot * slot
+    assert got["step_s"] == pytest.approx(2 * (extent - cached) / 1.52e9 + extent / 2.30e9)
+    args.param_dir = ""   # from host RAM: bound by the CPU step
+    assert planned_step(cfg, args, 54.9, None)["bound"] == "cpu"
+
+
 def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     out = tmp_path / "plan.json"
     r = subprocess.run([sys.executable, "-m", "offload_adam.plan", "llama-3-70b", "--batch",
