@@ -43,8 +43,10 @@ def test_a_copy_record_follows_identity_and_version():
     g.add_(1)
     assert not copy.is_of(g)
     assert copy.unsent == 1
-    copy.sent("transfer")
+    piece = object()
+    copy.sent("transfer", piece)
     assert copy.unsent == 0 and copy.transfers == ["transfer"]
+    assert copy.sent_ids == {id(piece)}   # (a kernel checks its own pieces were sent)
 
 
 @contextlib.contextmanager
