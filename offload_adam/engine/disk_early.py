@@ -12,7 +12,8 @@ backward, on the engine's worker:
                                first; a wrong guess only stalls the pass to step();
                                none after state_resume=True, whose first step checks
                                the params restored before anything writes them)
-    a file bucket completes    (every engine param in it has its grad copied) it is
+    a file bucket completes    (every engine param in it, or its part of a param cut
+                               in pieces, has its grad copied) it is
                                stepped when the pass reaches it: the kernels on the
                                ring buffer (core.step_lent), no param
                                written; then the pass writes it back and reads ahead
