@@ -60,6 +60,19 @@ def min_slots(prefetch: int) -> int:
     return prefetch + 3
 
 
+def cache_slots(cache_bytes: float, slot_bytes: int, prefetch: int) -> int:
+    """The slots of `slot_bytes` a cache of `cache_bytes` holds; a ValueError naming the
+    shortfall when they are fewer than min_slots(prefetch) (the planner asks the same)."""
+    need = min_slots(prefetch)
+    count = int(cache_bytes) // slot_bytes
+    if count < need:
+        raise ValueError(
+            f"param_cache_mb={cache_bytes / 2**20:.0f} holds {count} of the largest block "
+            f"({slot_bytes / 2**20:.1f} MiB); prefetch={prefetch} needs {need} "
+            f"(param_cache_mb >= {need * slot_bytes / 2**20:.0f})")
+    return count
+
+
 class _Slot:
     def __init__(self, buffer: AlignedBuffer):
         self.buffer = buffer
@@ -89,14 +102,10 @@ class ParamFiles:
         dirs = [os.fspath(d) for d in dirs]   # (stream_params refused an empty list)
         self.dirs, self.sizes = dirs, [int(s) for s in sizes]
         self.slot_bytes = round_up(max(self.sizes), ALIGN)
-        need = min_slots(prefetch)
-        count = int(cache_bytes) // self.slot_bytes
-        if count < need:
-            raise ValueError(
-                f"offload_adam.stream_params: param_cache_mb={cache_bytes / 2**20:.0f} holds "
-                f"{count} of the largest block ({self.slot_bytes / 2**20:.1f} MiB); "
-                f"prefetch={prefetch} needs {need} "
-                f"(param_cache_mb >= {need * self.slot_bytes / 2**20:.0f})")
+        try:
+            count = cache_slots(cache_bytes, self.slot_bytes, prefetch)
+        except ValueError as e:
+            raise ValueError(f"offload_adam.stream_params: {e}") from None
         self.device, self.settle = device, settle
         self.rank: Callable[[int], Optional[float]] = lambda i: None
         self.lock = threading.RLock()

@@ -611,7 +611,7 @@ class Plan:
 
 
 def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
-    from .param_files import min_slots
+    from .param_files import cache_slots, min_slots
     shapes = [s for _, s in model.tensors()]
     files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),
@@ -623,7 +623,8 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
         free = machine.host_bytes - machine.host_reserve_bytes - p.host_total
         slots = max(min_slots(run.prefetch), min(int(max(free, 0) // slot), model.layers))
         if run.param_cache_mb is not None:   # as stream_params(param_cache_mb=) sizes it
-            slots = min(int(run.param_cache_mb * 2**20 // slot), model.layers)
+            slots = min(cache_slots(run.param_cache_mb * 2**20, slot, run.prefetch),
+                        model.layers)
         cache = float(slots * slot)
         p.host["param cache"] = cache
     m, micro = machine, run.micro
@@ -819,13 +820,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 machine = replace(machine, **{key: v * GB if key.endswith("bytes") else v})
         run = Run(args.batch, args.seq, args.micro, not args.no_checkpointing, args.prefetch,
                   args.bucket_mb, args.state_budget_mb, param_cache_mb=args.param_cache_mb)
-        if args.param_cache_mb is not None:
-            from .param_files import min_slots
-            slot, need = param_slot_bytes(model), min_slots(args.prefetch)
-            if args.param_cache_mb * 2**20 < need * slot:
-                raise ValueError(f"--param-cache-mb {args.param_cache_mb:g} holds fewer than "
-                                 f"the {need} blocks of {slot / 2**20:.1f} MiB that prefetch "
-                                 f"{args.prefetch} needs (>= {need * slot / 2**20:.0f})")
+        if args.param_cache_mb is not None:   # (refused here, as stream_params would)
+            from .param_files import cache_slots
+            cache_slots(args.param_cache_mb * 2**20, param_slot_bytes(model), args.prefetch)
     except ValueError as e:
         print(f"offload_adam.plan: {e}", file=sys.stderr)
         return 2

@@ -275,7 +275,7 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     (["llama-3-8b", "--machine", "laptop"], "--machine 'laptop'"),
     (["llama-3-8b", "--ram-gb", "-1"], "must be positive"),
     (["llama-3-8b", "--batch", "0"], "batch must be a positive int"),
-    (["llama-3-8b", "--param-cache-mb", "100"], "holds fewer than the 5 blocks"),
+    (["llama-3-8b", "--param-cache-mb", "100"], "holds 0 of the largest block"),
 ])
 def test_bad_input_is_named(argv, message, capsys):
     assert planner.main(argv) == 2

@@ -82,15 +82,9 @@ class FileBucketsInBackward:
         return jobs > 0 and engine is not None and engine.worker_busy()
 
     def _reset_counts(self) -> None:
-        self._arrived: set = set()    # ids of the recs counted in whole
         self._parts_in: set = set()   # (file bucket, id(rec)) counted in
         self._left = {i: len(e) for i, e in enumerate(self.files) if e}
         self._completed: List[int] = []   # file buckets in the order they completed
-
-    def piece_sent(self, rec: ParamRec, piece) -> None:
-        """One piece of rec's grad was sent before the rest of it (a param cut in pieces):
-        a file bucket holding a part of rec all sent now may start (early.py, piece_sent)."""
-        self.arrived(rec, piece)
 
     def _count(self, rec: ParamRec, piece=None):
         """rec's grad copy has started (with `piece`: that piece was sent, the rest may
@@ -104,19 +98,18 @@ class FileBucketsInBackward:
             return None
         complete = []
         with self._lock:
-            if id(rec) in self._arrived:
+            todo = [i for i in mine if (i, id(rec)) not in self._parts_in]
+            if not todo:
                 return None   # accumulated before its bucket started: counted once
-            first = not self._arrived and not self._parts_in
-            for i in mine:
-                if (i, id(rec)) in self._parts_in or piece is not None and any(
-                        id(p) not in rec.copy.sent_ids for p in self._entry_of[i, id(rec)].pieces):
-                    continue
+            first = not self._parts_in
+            for i in todo:
+                if piece is not None and any(id(p) not in rec.copy.sent_ids
+                                             for p in self._entry_of[i, id(rec)].pieces):
+                    continue   # (a part not all sent yet)
                 self._parts_in.add((i, id(rec)))
                 self._left[i] -= 1
                 if not self._left[i]:
                     complete.append(i)
-            if piece is None:
-                self._arrived.add(id(rec))
             self._completed += complete
         return engine, complete, first
 
@@ -176,7 +169,7 @@ class DiskEarly(FileBucketsInBackward):
     # ---- during backward (autograd's thread) ----------------------------------------
 
     def arrived(self, rec: ParamRec, piece=None) -> None:
-        """rec's grad copy has started (or one piece of it: piece_sent): counts it in its
+        """rec's grad copy has started (or one piece of it, early.py: piece_sent): counts it in its
         file buckets, and starts the pass's step of each bucket it completes."""
         counted = self._count(rec, piece)
         if counted is None:

@@ -58,7 +58,7 @@ class DiskLog(FileBucketsInBackward):
     # ---- during backward (autograd's thread) ----------------------------------------
 
     def arrived(self, rec: ParamRec, piece=None) -> None:
-        """rec's grad copy has started (or one piece of it: piece_sent): counts it in its
+        """rec's grad copy has started (or one piece of it, early.py: piece_sent): counts it in its
         file buckets, and logs each bucket it completes on the worker."""
         counted = self._count(rec, piece)
         if counted is None or not counted[1]:

@@ -95,7 +95,7 @@ class EarlyStart:
         synchronously)."""
         if self.files is not None:
             self._hooked[id(rec)] = rec
-            self.files.piece_sent(rec, piece)
+            self.files.arrived(rec, piece)
         elif self._arrived(rec) and id(piece) not in self._counted:
             self._counted.add(id(piece))
             self._piece_in(self._engine(), piece)
