@@ -54,8 +54,18 @@ import offload_adam  # noqa: E402
 from offload_adam.engine.device import HostDevice  # noqa: E402
 from offload_adam.testing import ring_buffers, simulated, state_files  # noqa: E402
 from bench.machine import load_average, machine_info, one_line  # noqa: E402
-from bench.nvme_bench import log  # noqa: E402
+from bench.nvme_bench import disk_limit, log  # noqa: E402
 from bench.nvme_big_run import limit_of, peak_rss, reset_peak, rss_now, save_run  # noqa: E402
+
+
+def probe(args, out, when) -> dict:
+    """The disk's sequential O_DIRECT speeds between iterations: --probe-each-gb per file,
+    one pass each way (smaller and quicker than the probes before and after the run)."""
+    lim = disk_limit(args.dir, int(args.probe_each_gb * 2**30) // (64 << 20) * (64 << 20),
+                     args.io_threads, 16 << 20, passes=1)
+    log(out, f"disk {when}: write {lim['write_Bps'] / 1e9:.3f} GB/s, read "
+             f"{lim['read_Bps'] / 1e9:.3f} GB/s")
+    return lim
 
 
 class Block(torch.nn.Module):
@@ -157,6 +167,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--limit-gb", type=float, default=8.0)
+    ap.add_argument("--probe-each-gb", type=float, default=0.0,
+                    help="also probe the disk between iterations (GiB per file, one pass "
+                         "each way): each iteration against the probes on either side of it")
     ap.add_argument("--malloc", choices=("fixed", "glibc"), default="fixed",
                     help="fixed: glibc's mmap threshold fixed at 4 MiB (see above); glibc: its default")
     ap.add_argument("--tag", default=socket.gethostname())
@@ -211,7 +224,11 @@ def main():
             watch = PeakWatch()
             rss_before = rss_now()
             steps, phases, traffic, step_traffic, rss = [], [], [], [], []
+            probes = []   # --probe-each-gb: before iteration k, probes[k]; after the last
             for k in range(args.steps):
+                if args.probe_each_gb:
+                    watch.phase = f"probe {k + 1}"
+                    probes.append(probe(args, out, f"before iteration {k + 1}"))
                 r0, w0 = io_bytes()
                 t = time.perf_counter()
                 watch.phase = f"forward {k + 1}"
@@ -235,6 +252,8 @@ def main():
                          f"backward {phases[-1][1]:.1f}, step() {phases[-1][2]:.1f}), read "
                          f"{traffic[-1][0] / 1e9:.2f} GB, written {traffic[-1][1] / 1e9:.2f} GB  "
                          f"VmRSS {rss[-1] / 2**30:.2f} GiB  peak {peak_rss() / 2**30:.2f} GiB")
+            if args.probe_each_gb:
+                probes.append(probe(args, out, f"after iteration {args.steps}"))
             files = state_files(opt)
             gen_bytes = files.spec.nbytes
             ring = sum(b.nbytes for b in ring_buffers(opt))
@@ -289,6 +308,21 @@ def main():
                      f"{med_step:.1f} s for {step_read / 1e9:.2f} GB read + {step_write / 1e9:.2f} GB "
                      f"written: limit {step_limit:.1f} s, ratio {med_step / step_limit:.3f}; forward + "
                      f"backward {med_fb:.1f} s (the CPU computes them here: no disk limit covers it)")
+        if probes:   # each iteration against the disk just before and just after it
+            per = []
+            for k in later:
+                around = (probes[k], probes[k + 1])
+                limit_t = sum(traffic[k][0] / p["read_Bps"] + traffic[k][1] / p["write_Bps"]
+                              for p in around) / 2
+                per.append({"iteration": k + 1, "limit_seconds": limit_t,
+                            "ratio": steps[k] / limit_t})
+            ratio = statistics.median(p["ratio"] for p in per)
+            row["ratio_around"] = {"per_iteration": per, "probes": probes, "ratio": ratio,
+                                   "target_met": ratio <= 1.15}
+            log(out, "against the disk probed on either side of each iteration (the mean of the "
+                     "two limits): " + ", ".join(f"iteration {p['iteration']} {p['ratio']:.3f}"
+                                                 for p in per)
+                + f"; median {ratio:.3f} ({'met' if ratio <= 1.15 else 'MISSED'}: <= 1.15)")
         device_peak = (args.prefetch + 2) * block_bytes
         bound = cache + ring + grad_ring + device_peak + 2**30
         log(out, f"peak RSS {row_peak / 2**30:.2f} GiB ({(row_peak - rss_start) / 2**30:.2f} above "

@@ -71,6 +71,7 @@ from .kernel_step import Hyper, KernelArgs
 from .state_store import Lent, Loaded
 from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
+from .nvme.pipeline import AHEAD
 from .nvme.store import STATE_FILES
 from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
 
@@ -226,10 +227,11 @@ class FileStore:
                 ring_size(spec, budget)
             except ValueError as e:
                 raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
+            records = [redo.record_reserve([e.numel * e.dtype.itemsize for e in b])
+                       for b in self.buckets]
             try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
-                self.state = NvmeState.open(list(dirs), spec, compact=compact, log_bytes=[
-                    redo.record_reserve([e.numel * e.dtype.itemsize for e in b])
-                    for b in self.buckets])
+                self.state = NvmeState.open(list(dirs), spec, compact=compact,
+                                            log_bytes=records)
                 break
             except ValueError as e:
                 if "of another model or optimizer" not in str(e):
@@ -241,6 +243,7 @@ class FileStore:
                                  "bucket_mb, which lays out the buckets: "
                                  f"bucket_mb={bucket_mb:g} here; resume with the one they "
                                  "were made with)") from None
+        self._largest_record = max(records, default=0)   # (a compact pass reads them)
         # where each param's state is: (its bucket, its _Param) per part, in order
         self._where: Dict[int, List[Tuple[int, _Param]]] = {}
         for i, b in enumerate(self.buckets):
@@ -262,7 +265,7 @@ class FileStore:
                     "never overwritten unasked")
             self.pipeline = StepPipeline(self.state, budget)
             if self.state.pending:   # compact: a step cut short, finished from its log
-                for i, t in self.pipeline.buckets():
+                for i, t in self.pipeline.buckets(ahead=self.state.record_ahead):
                     self._redo_bucket(i, t)
             self._stepped: set = set()   # ids of the params whose files hold a stepped state
             # The params state_resume=True restored: id -> (entry, how the param was then,
@@ -477,8 +480,15 @@ class FileStore:
         pass   # nothing cached between steps
 
     def host_bytes(self, param_groups=None, state=None) -> int:
-        """The pipeline's ring buffers: the only state in RAM."""
-        return self.pipeline.host_bytes if self.pipeline is not None else 0
+        """The pipeline's ring buffers, the only state in RAM; compact, with the redo
+        records the pass reads (the one stepped and AHEAD read ahead)."""
+        if self.pipeline is None:
+            return 0
+        return self.pipeline.host_bytes + self._records_read
+
+    @property
+    def _records_read(self) -> int:
+        return (AHEAD + 1) * self._largest_record if self.state.compact else 0
 
     @property
     def pinned(self) -> bool:

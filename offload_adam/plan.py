@@ -409,6 +409,7 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     from .engine.grad_ring import ring_bytes
     from .nvme.circular import Circular
     from .nvme.layout import StateSpec, place
+    from .nvme.pipeline import AHEAD
     from .nvme.redo import log_sizes, record_reserve
     from .param_state import adam_bucket
     from .nvme_tier import runs_within
@@ -443,12 +444,15 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     ring = min(budget // max(largest, 1), len(buckets) + 2)
     extents, sizes = place(spec, dirs)
     compact = Circular(spec, [e.file for e in extents], dirs).file_sizes()
-    log = sum(log_sizes([e.file for e in extents], [record_reserve(g) for g in grads],
+    records = [record_reserve(g) for g in grads]
+    log = sum(log_sizes([e.file for e in extents], records,
                         dirs))   # each bucket's redo record's reserve, in whole blocks
     return {"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
             "compact_file_bytes": sum(compact), "redo_log_bytes": log,
             "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,
             "buckets": len(buckets),
+            # the compact pass's redo records in RAM: the one stepped, AHEAD read ahead
+            "records_read_bytes": (AHEAD + 1) * max(records, default=0),
             "grad_ring_bytes": ring_bytes(max(sum(g) for g in grads), int(bucket_mb * _MB))}
 
 
@@ -530,6 +534,8 @@ def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str,
         out["master + moments"] = float(state_arena_bytes(shapes, layout.state_dtype))
     else:
         out["state file ring"] = float(files["ring_bytes"])
+    if layout.state == "compact":
+        out["redo records read"] = float(files["records_read_bytes"])
     return out
 
 

@@ -4,6 +4,7 @@ finished from the log, its footprint, and what is refused. (Killed processes:
 test_nvme_crash.py.)"""
 import os
 import random
+import threading
 
 import pytest
 
@@ -159,14 +160,20 @@ def test_a_step_cut_short_is_finished_from_the_redo_log(kernels, tmp_path, after
         pipe.close()
 
 
+def stepped_and_logged(state, seed):
+    """A new compact state's first values, one step, and the next step's records
+    logged (begun): its pipeline."""
+    pipe = pipeline(state)
+    pipe.load(fill_initial(seed), step=0)
+    compact_step(state, pipe, seed)
+    state.begin(2, {i: grads_record(seed, 1, i, b) for i, b in enumerate(state.spec.buckets)})
+    return pipe
+
+
 def test_a_damaged_redo_record_is_an_error_naming_it(kernels, tmp_path):
     spec = make_spec("fp32", buckets=3, numel=2000)
     with open_compact([tmp_path], spec) as state:
-        pipe = pipeline(state)
-        pipe.load(fill_initial(1), step=0)
-        compact_step(state, pipe, 1)
-        state.begin(2, {i: grads_record(1, 1, i, b) for i, b in enumerate(spec.buckets)})
-        pipe.close()
+        stepped_and_logged(state, 1).close()
     with open(tmp_path / LOG_FILE, "r+b") as f:
         f.seek(100)
         byte = f.read(1)
@@ -175,6 +182,41 @@ def test_a_damaged_redo_record_is_an_error_naming_it(kernels, tmp_path):
     with open_compact([tmp_path], spec) as state:
         with pytest.raises(OSError, match="redo record of bucket 0 .* is damaged"):
             state.record(0)
+        state.record_ahead(0)   # read on an I/O thread: the same error, where it is taken
+        with pytest.raises(OSError, match="redo record of bucket 0 .* is damaged"):
+            state.record(0)
+
+
+def test_the_pass_starts_each_record_ahead_and_takes_only_the_one_asked(kernels, tmp_path):
+    """The pipeline calls `ahead(i)` AHEAD buckets before lending bucket i, once each, in
+    the pass's order; a record read ahead serves only the record it was started for: one
+    read before its step was forgotten (an abandoned pass) and the bucket logged again
+    is read anew, not taken from the stale read."""
+    from offload_adam.nvme.pipeline import AHEAD
+    spec = make_spec("fp32", buckets=6, numel=1500)
+    with open_compact([tmp_path], spec) as state:
+        pipe = stepped_and_logged(state, 2)
+        events = []
+        for i, _ in pipe.buckets(ahead=lambda i: events.append(("ahead", i))):
+            events.append(("lent", i))
+        want = [("ahead", i) for i in range(AHEAD)]   # AHEAD buckets before its lending
+        for k in range(6):
+            want += [("ahead", k + AHEAD)] if k + AHEAD < 6 else []
+            want.append(("lent", k))
+        assert events == want
+        state.forget_log()
+        state.log_record(1, grads_record(2, 1, 1, spec.buckets[1]))
+        state.record_ahead(1)
+        stale = state._ahead[1][1]
+        stale.result()
+        state.forget_log()
+        fresh = grads_record(2, 7, 1, spec.buckets[1])
+        state.log_record(1, fresh)
+        _, got = state.record(1)
+        want = dict(fresh[1])
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        pipe.close()
 
 
 def test_redo_records_go_through_direct_io_and_read_back_bitwise(tmp_path, monkeypatch):
@@ -365,7 +407,12 @@ def test_compact_files_with_the_engine_train_as_ram(kernels, tmp_path, in_backwa
             opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=0.001,
                                      state_dtype="bfloat16", state_dirs=str(tmp_path),
                                      state_footprint="compact", step_in_backward=in_backward)
-            logged = []
+            logged, readers = [], []
+            if in_backward:   # where the pass reads each record logged in backward
+                log = opt._store.state._log
+                read = log.read
+                log.read = lambda *a: (readers.append(threading.current_thread().name),
+                                       read(*a))[1]
             for k in range(4):
                 for model, o in ((ref, ram), (m, opt)):
                     if k == 2:
@@ -381,6 +428,9 @@ def test_compact_files_with_the_engine_train_as_ram(kernels, tmp_path, in_backwa
             assert_same(engine_values(ref), engine_values(m), ram, opt)
             if in_backward:
                 assert min(logged) > 0, logged   # buckets logged in backward, every step
+                # each read ahead of its kernel, on an I/O thread (NvmeState.record_ahead)
+                assert len(readers) >= sum(logged)
+                assert all(r.startswith("offload_adam_io") for r in readers), readers
                 grads = sum(p.numel() * p.element_size() for p in m.parameters())
                 assert ring.nbytes * 2 < grads
             opt.close()

@@ -463,3 +463,28 @@ def test_io_pool_close_never_joins_its_threads(tmp_path):
         assert all(f.done() for f in futures)
     finally:
         os.close(fd)
+
+
+def test_io_pool_call_waits_at_close_and_lets_results_go(tmp_path):
+    """IOPool.call runs a function on an I/O thread (a compact pass's redo record read
+    ahead): close() waits for it, and a result taken is not kept alive by the pool (a
+    done future keeps its result: listed until the pool's next call, every record of a
+    step stayed in RAM, 2.3 GiB more of a 24-block run's peak RSS)."""
+    import gc
+    import weakref
+    from offload_adam.nvme.direct_io import IOPool
+
+    class Record:
+        pass
+    pool = IOPool(threads=2)
+    gate = threading.Event()
+    slow = pool.call(lambda: gate.wait(10) and "waited")
+    first = pool.call(Record)
+    ref = weakref.ref(first.result())
+    del first
+    pool.call(Record).result()   # the next call lets the done ones go
+    gc.collect()
+    assert ref() is None, "a record already taken is still held by the I/O pool"
+    threading.Timer(0.2, gate.set).start()
+    pool.close()
+    assert slow.done() and slow.result() == "waited"

@@ -113,8 +113,11 @@ class DiskLog(FileBucketsInBackward):
             raise self._error
 
     def rest(self):
-        """The pass over every bucket, at step() (the grads of those logged read back)."""
-        return self.pipeline.buckets()
+        """The pass over every bucket, at step() (the grads of those logged read back,
+        each started a few buckets ahead of its kernel: NvmeState.record_ahead)."""
+        logged = self.logged
+        return self.pipeline.buckets(ahead=lambda i: self.state.record_ahead(i)
+                                     if i in logged else None)
 
     def abandon(self) -> None:
         """The step will not run (verify refused it, zero_grad, a load): the records

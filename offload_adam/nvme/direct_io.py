@@ -178,6 +178,15 @@ class IOPool:
     def read(self, fd: int, view: memoryview, offset: int) -> List[Future]:
         return self._submit(_read, fd, view, offset)
 
+    def call(self, fn, *args) -> Future:
+        """fn(*args) on an I/O thread (a read that checks and parses what it read);
+        close() waits for it as for the requests. Those done are let go here: a done
+        future keeps its result (a record's buffer) alive while it is listed."""
+        self._futures = [f for f in self._futures if not f.done()]
+        future = self._pool.submit(fn, *args)
+        self._futures.append(future)
+        return future
+
     def write(self, fd: int, view: memoryview, offset: int) -> List[Future]:
         return self._submit(_write, fd, view, offset)
 

@@ -31,6 +31,11 @@ from .store import NvmeState
 
 StepFn = Callable[[int, Dict[str, torch.Tensor]], None]
 
+# Buckets whose `ahead` (a compact pass's redo records) is started before the loop needs
+# it: enough that the disk reads the next one while a bucket is stepped; each costs host
+# memory the size of its record (a bucket's grads), so not the ring's whole depth.
+AHEAD = 2
+
 
 def ring_size(spec: StateSpec, budget_bytes: int) -> int:
     """The buffers of the ring for `spec` in `budget_bytes`; ValueError below 3. (Asked
@@ -61,7 +66,8 @@ class StepPipeline:
         return sum(b.nbytes for b in self.buffers)
 
     def buckets(self, read: bool = True, step: Optional[int] = None,
-                order: Optional[Sequence[int]] = None
+                order: Optional[Sequence[int]] = None,
+                ahead: Optional[Callable[[int], None]] = None
                 ) -> Iterator[Tuple[int, Dict[str, torch.Tensor]]]:
         """(i, tensors) of every bucket in `order` (default: the files' order; step_in_backward
         passes the order their grads completed in the last backward), read from disk ahead
@@ -72,7 +78,8 @@ class StepPipeline:
         buffers without reading them first (the load path).
 
         The loop's body is the step of one bucket: the kernel, or an engine's bucket job
-        waiting for that bucket's grads first."""
+        waiting for that bucket's grads first. `ahead(i)` is called AHEAD buckets before
+        bucket i is lent (a compact pass starts reading its redo record then)."""
         st, bufs = self.state, self.buffers
         n, ring = len(st.spec.buckets), len(bufs)
         if order is None:
@@ -115,7 +122,11 @@ class StepPipeline:
         try:
             for k in range(min(self.depth, n)):
                 start_read(k)
+            for k in range(min(AHEAD, n) if ahead is not None else 0):
+                ahead(order[k])
             for k in range(n):
+                if ahead is not None and k + AHEAD < n:
+                    ahead(order[k + AHEAD])
                 req = reads.pop(k)
                 if req is not None:
                     st.finish(req)   # (a damaged slot raises here, before it is stepped)

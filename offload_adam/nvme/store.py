@@ -142,6 +142,9 @@ class NvmeState:
             self._new_pass()
             self._log = redo.RedoLog(folders, body["log_sizes"])
             self._logged: Dict[int, List[int]] = {}   # this step's records written so far
+            # records being read ahead of the pass (record_ahead), by bucket: the future
+            # and where it reads, so that it serves only the record it was asked for
+            self._ahead: Dict[int, Tuple[tuple, object]] = {}
 
     # -- opening -------------------------------------------------------------------------
 
@@ -410,6 +413,7 @@ class NvmeState:
         """The records written for a step that will not run (its pass abandoned)."""
         if self._log is not None:
             self._logged = {}
+            self._ahead = {}   # (a read still in flight finishes unused)
             self._log.reset()
 
     def begin(self, step: int, records: Dict[int, "redo.Record"],
@@ -493,18 +497,35 @@ class NvmeState:
         return None if intent is None else intent["step"]
 
     def record(self, i: int) -> Tuple[dict, Dict[str, torch.Tensor]]:
-        """Bucket i's redo record of the step cut short: (meta, {name: tensor})."""
+        """Bucket i's redo record of the step cut short: (meta, {name: tensor}); read
+        by record_ahead(i) before, if it was asked, its error raised here."""
+        where = self._where_logged(i)
+        ahead = self._ahead.pop(i, None)
+        if ahead is not None and ahead[0] == where:
+            return ahead[1].result()
+        return self._log.read(*where)
+
+    def record_ahead(self, i: int) -> None:
+        """Starts reading bucket i's record (and checking its checksum) on an I/O thread,
+        for record(i) to take: the pass reads the grads logged in backward a few buckets
+        ahead, as the state's slots, instead of one at a time between its kernels."""
+        where = self._where_logged(i)
+        if i not in self._ahead:
+            self._ahead[i] = (where, self._io.call(self._log.read, *where))
+
+    def _where_logged(self, i: int) -> tuple:
         if i in self._logged:
             offset, nbytes, crc = self._logged[i]
         else:
             offset, nbytes, crc = self._body["intent"]["log"][str(i)]
-        return self._log.read(self.extents[i].file, offset, nbytes, crc, i)
+        return self.extents[i].file, offset, nbytes, crc, i
 
     def abandon_pass(self) -> None:
         """A pass stopped by an error: its writes not committed are forgotten (their room
         is free again); a compact step left begun is finished by a resume."""
         if self.compact:
             self._sums = {}
+            self._ahead = {}
             self._new_pass()
             if self._body["intent"] is not None or self._body["loading"]:
                 self._unsure = self._unsure or (
