@@ -8,7 +8,9 @@ copies are memcpy, its memory is RAM and counted); the optimizer keeps the fp32 
 in compact state files (state_footprint="compact") and steps each block during backward
 (step_in_backward), the grads through its bounded ring. In one run, on one directory:
 
-  disk limit   O_DIRECT sequential write and read bandwidth before and after (nvme_bench.disk_limit)
+  disk limit   O_DIRECT sequential write and read bandwidth before and after (nvme_bench.disk_limit);
+               with --probe-each-gb also between iterations, each iteration then set against
+               the mean of the limits probed on either side of it (the VM's disk drifts)
   steps        forward + backward + step() per iteration, --steps of them (the first writes the
                state for the first time); per iteration the bytes read and written (/proc/self/io)
   expected     the bytes the design says (the planner's terms, offload_adam/plan.py): the state
