@@ -36,6 +36,21 @@ def test_grad_fingerprint(monkeypatch, dtype, chunk):
     assert torch.equal(fp(wide.t()), fp(wide.t().contiguous()))
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_grad_fingerprint_is_its_formula(monkeypatch, dtype):
+    """The fingerprint is the sum, modulo 2^64, of each element's bit pattern (signed)
+    times the odd weight of its position in its chunk: computed here with Python's
+    integers over a grad of several chunks and a partial last one."""
+    monkeypatch.setattr(engine_grads, "_FINGERPRINT_CHUNK", 64)
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32).tolist()
+    weights = engine_grads._weights(g.device, 64).tolist()
+    assert all(w % 2 for w in weights)
+    want = sum(b * weights[i % 64] for i, b in enumerate(bits)) % 2**64
+    want -= 2**64 if want >= 2**63 else 0
+    assert engine_grads.grad_fingerprint(g).item() == want
+
+
 def test_a_copy_record_follows_identity_and_version():
     g = torch.ones(3)
     copy = engine_grads.GradCopy(g, None, pieces=1)
