@@ -131,14 +131,22 @@ def warn_buffered(folders: List[str]) -> None:
                       RuntimeWarning, stacklevel=4)
 
 
-def _full(op, fd: int, view: memoryview, offset: int) -> None:
-    """pread/pwrite all of `view` at `offset`, continuing after short transfers."""
+def _upto(op, fd: int, view: memoryview, offset: int) -> int:
+    """preadv/pwritev `view` at `offset`, continuing after short transfers, until it is
+    all done or the file ends; the bytes done."""
     done = 0
     while done < len(view):
         n = op(fd, [view[done:]], offset + done)
         if n == 0:
-            raise OSError(errno.EIO, "unexpected end of file")
+            break
         done += n
+    return done
+
+
+def _full(op, fd: int, view: memoryview, offset: int) -> None:
+    """All of `view`, or an error: the file ended first."""
+    if _upto(op, fd, view, offset) < len(view):
+        raise OSError(errno.EIO, "unexpected end of file")
 
 
 def _read(fd, view, offset) -> int:

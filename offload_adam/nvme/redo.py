@@ -192,7 +192,7 @@ class RedoLog:
         lo = offset - offset % ALIGN   # (direct I/O: whole aligned blocks around it)
         buf = AlignedBuffer(offset - lo + nbytes, pin=False)
         try:
-            got = _read_upto(self.fds[f], buf.view, lo) - (offset - lo)
+            got = direct_io._upto(os.preadv, self.fds[f], buf.view, lo) - (offset - lo)
         except OSError as e:
             raise self._error(f, e, "reading") from e
         data = buf.tensor[offset - lo:offset - lo + max(0, min(got, nbytes))]
@@ -220,14 +220,3 @@ class RedoLog:
             out[name] = raw.view(dt).view(shape)
             at += n
         return head["meta"], out
-
-
-def _read_upto(fd: int, view: memoryview, offset: int) -> int:
-    """Reads into `view` from `offset` until it is full or the file ends; the bytes read."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
