@@ -152,6 +152,20 @@ def runs_within(items: Sequence, size: Callable[[list], float], limit: float) ->
     return runs + [run] if run else runs
 
 
+def deal(entries: Sequence, nbytes: Callable[[object], float], limit: float) -> List[list]:
+    """`entries` dealt in order into buckets of at most `limit` bytes of state (one entry
+    at least: a larger one is a bucket of its own); the planner deals its shapes with it."""
+    buckets, bucket, size = [], [], 0
+    for entry in entries:
+        n = nbytes(entry)
+        if bucket and size + n > limit:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(entry)
+        size += n
+    return buckets + [bucket] if bucket else buckets
+
+
 def _lay_out(param_groups, params, recs, limit: float, split: bool):
     """The file buckets (lists of _Param) and their specs: every param of every group, in
     order, dealt into buckets of about `limit` bytes of state (a bucket never spans two
@@ -164,30 +178,24 @@ def _lay_out(param_groups, params, recs, limit: float, split: bool):
         amsgrad = bool(group["amsgrad"])
         names = group.get("param_names")
         keep = {id(p) for p in mine}
-        bucket, size = [], 0
 
         def nbytes(e):
             return _bucket_spec([e], fmt.name, amsgrad).nbytes
 
+        entries = []
         for i, p in enumerate(group["params"]):
             if id(p) not in keep:
                 continue
             name = f"{gi}:{names[i] if names else i}"
             rec = recs.get(id(p))
-            entries = [_Param(gi, i, p, name, rec)]
+            whole = _Param(gi, i, p, name, rec)
             if (split and rec is not None and rec.flat and len(rec.pieces) > 1
-                    and nbytes(entries[0]) > limit):
-                entries = [_Param(gi, i, p, name, rec, run) for run in runs_within(
+                    and nbytes(whole) > limit):
+                entries += [_Param(gi, i, p, name, rec, run) for run in runs_within(
                     rec.pieces, lambda run: nbytes(_Param(gi, i, p, name, rec, run)), limit)]
-            for entry in entries:
-                n = nbytes(entry)
-                if bucket and size + n > limit:
-                    specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
-                    buckets.append(bucket)
-                    bucket, size = [], 0
-                bucket.append(entry)
-                size += n
-        if bucket:
+            else:
+                entries.append(whole)
+        for bucket in deal(entries, nbytes, limit):
             specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
             buckets.append(bucket)
     return buckets, specs

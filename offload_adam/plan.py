@@ -412,32 +412,26 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     from .nvme.pipeline import AHEAD
     from .nvme.redo import log_sizes, record_reserve
     from .param_state import adam_bucket
-    from .nvme_tier import runs_within
+    from .nvme_tier import deal, runs_within
     limit = bucket_mb * _MB
-    buckets, bucket, size, grads = [], [], 0, [[]]
 
     def nbytes(entry):
         return adam_bucket([entry], state_dtype).nbytes
 
+    entries = []
     for i, s in enumerate(shapes):
-        entries = [(f"0:{i}", s)]
+        whole = (f"0:{i}", s)
         pieces = engine_pieces(math.prod(s), bucket_mb)
-        if len(pieces) > 1 and nbytes(entries[0]) > limit:   # in parts (nvme_tier._lay_out)
+        if len(pieces) > 1 and nbytes(whole) > limit:   # in parts (nvme_tier._lay_out)
             starts = [sum(pieces[:k]) for k in range(len(pieces))]
-            entries = [(f"0:{i}#{run[0][0]}", (sum(n for _, n in run),), True)
-                       for run in runs_within(list(zip(starts, pieces)), lambda run: nbytes(
-                           ("x", (sum(n for _, n in run),), True)), limit)]
-        for entry in entries:
-            n = nbytes(entry)
-            if bucket and size + n > limit:
-                buckets.append(adam_bucket(bucket, state_dtype))
-                bucket, size = [], 0
-                grads.append([])
-            bucket.append(entry)
-            size += n
-            grads[-1].append(2 * math.prod(entry[1]))   # its bf16 grad
-    if bucket:
-        buckets.append(adam_bucket(bucket, state_dtype))
+            entries += [(f"0:{i}#{run[0][0]}", (sum(n for _, n in run),), True)
+                        for run in runs_within(list(zip(starts, pieces)), lambda run: nbytes(
+                            ("x", (sum(n for _, n in run),), True)), limit)]
+        else:
+            entries.append(whole)
+    dealt = deal(entries, nbytes, limit)
+    buckets = [adam_bucket(b, state_dtype) for b in dealt]
+    grads = [[2 * math.prod(e[1]) for e in b] for b in dealt]   # their bf16 grads
     spec = StateSpec(tuple(buckets), state_dtype)
     largest = max((b.nbytes for b in spec.buckets), default=0)
     budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
@@ -453,7 +447,8 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
             "buckets": len(buckets),
             # the compact pass's redo records in RAM: the one stepped, AHEAD read ahead
             "records_read_bytes": (AHEAD + 1) * max(records, default=0),
-            "grad_ring_bytes": ring_bytes(max(sum(g) for g in grads), int(bucket_mb * _MB))}
+            "grad_ring_bytes": ring_bytes(max((sum(g) for g in grads), default=0),
+                                         int(bucket_mb * _MB))}
 
 
 def home_bytes(shapes: Sequence[Tuple[int, ...]]) -> int:
