@@ -216,6 +216,13 @@ def test_the_pass_starts_each_record_ahead_and_takes_only_the_one_asked(kernels,
         want = dict(fresh[1])
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want)
+        state.record_ahead(1)   # and a read ahead of a record since logged anew is redone
+        again = grads_record(2, 9, 1, spec.buckets[1])
+        state.log_record(1, again)
+        state.record_ahead(1)
+        assert state._ahead[1][0] == state._where_logged(1)
+        _, got = state.record(1)
+        assert all(torch.equal(got[k], v) for k, v in again[1])
         pipe.close()
 
 

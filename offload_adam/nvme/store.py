@@ -510,7 +510,7 @@ class NvmeState:
         for record(i) to take: the pass reads the grads logged in backward a few buckets
         ahead, as the state's slots, instead of one at a time between its kernels."""
         where = self._where_logged(i)
-        if i not in self._ahead:
+        if self._ahead.get(i, (None,))[0] != where:   # (not started, or for another record)
             self._ahead[i] = (where, self._io.call(self._log.read, *where))
 
     def _where_logged(self, i: int) -> tuple:
