@@ -99,22 +99,22 @@ def run_mode(cfg, args, prefetch):
                  dict(param_dirs=args.param_dir, param_cache_mb=args.param_cache_mb))
         streamer = offload_adam.stream_params(model, _Block, prefetch=prefetch, **files)
         _progress(mode, "streamer set up", t0)
-    if args.grad_ring_mb:   # (the engine has no option for it: its sizing rule, replaced)
-        from offload_adam.engine import core
-        core.ring_bytes = lambda largest, bucket: int(args.grad_ring_mb * 2**20)
     if prefetch is None and args.resident == "compute":
         opt = NoStep(model)
     else:
         opt = offload_adam.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                                  state_dtype=args.state_dtype,
                                  step_in_backward=args.step_in_backward,
-                                 free_grads_after_copy=args.free_grads)
+                                 free_grads_after_copy=args.free_grads,
+                                 grad_ring_mb=(args.grad_ring_mb or None)
+                                 if args.step_in_backward else None)
     _progress(mode, "optimizer built", t0)
     name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
     out = _train(cfg, args, model, opt, streamer, mode, t0)
     out.update(mode=name if prefetch is None else mode, prefetch=prefetch,
                streamed_gb=(streamer.streamed_bytes / 1e9) if streamer else 0.0,
-               largest_block_gb=(streamer.largest_block_bytes / 1e9) if streamer else 0.0)
+               largest_block_gb=(streamer.largest_block_bytes / 1e9) if streamer else 0.0,
+               grad_ring_mb=_ring_mb(opt))
     del model, opt, streamer
     gc.collect()
     torch.cuda.empty_cache()
@@ -172,6 +172,12 @@ def io_bytes():
     return int(d["read_bytes"]), int(d["write_bytes"])
 
 
+def _ring_mb(opt) -> float:
+    """The grad ring's size in MiB (0: none, the grads in a buffer per param)."""
+    ring = getattr(getattr(opt, "_engine", None), "ring", None)
+    return ring.nbytes / 2**20 if ring is not None else 0.0
+
+
 def _train(cfg, args, model, opt, streamer, mode, t0):
     """--warmup + --steps iterations; per iteration: forward and forward + backward (CUDA
     events), opt.step() (wall), the whole (wall, synchronized), the engine's CPU step time
@@ -204,13 +210,15 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
         rows.append(dict(fwd_s=e0.elapsed_time(e1) / 1e3, fwd_bwd_s=e0.elapsed_time(e2) / 1e3,
                          queue_s=t1 - t0, step_s=t2 - t1, iter_s=t3 - t0,
                          cpu_step_s=profile["cpu_step_s"] if profile else 0.0,
+                         ring_wait_s=profile.get("ring_wait_s", 0.0) if profile else 0.0,
                          loss=float(loss.detach()),
                          disk_read_bytes=io1[0] - io0[0], disk_write_bytes=io1[1] - io0[1],
                          h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0))
         r = rows[-1]
         _progress(mode, f"iteration {it}: {r['iter_s']:.3f} s (fwd {r['fwd_s']:.3f}, fwd+bwd "
                   f"{r['fwd_bwd_s']:.3f}, step() {r['step_s']:.3f}, CPU step "
-                  f"{r['cpu_step_s']:.3f})", t0)
+                  f"{r['cpu_step_s']:.3f}, hooks waited for the grad ring "
+                  f"{r['ring_wait_s']:.3f})", t0)
     timed = rows[args.warmup:]
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     return dict(median=med, rows=rows, peak_gb=torch.cuda.max_memory_allocated() / 1e9)
@@ -262,8 +270,8 @@ def main():
     ap.add_argument("--param-cache-mb", type=float, default=4096.0,
                     help="with --param-dir: param_cache_mb=")
     ap.add_argument("--grad-ring-mb", type=float, default=0.0,
-                    help="an experiment: the grad ring's size with step_in_backward and the "
-                         "state in RAM (default: the engine's, 4 x bucket_mb)")
+                    help="grad_ring_mb= (with step_in_backward; default: the engine's rule, "
+                         "with the state in RAM twice the largest block's grads)")
     ap.add_argument("--fsdp2", action="store_true",
                     help="also the peer: FSDP2 with CPUOffloadPolicy on a one-GPU mesh")
     ap.add_argument("--tag", default=socket.gethostname())

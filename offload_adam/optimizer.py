@@ -132,7 +132,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
 
     The options beyond torch's (overlap, bucket_mb, free_grads_after_copy,
     num_threads, max_grad_norm, process_group, verify_grads, step_in_backward,
-    state_dirs, state_budget_mb, state_resume, state_footprint)
+    state_dirs, state_budget_mb, state_resume, state_footprint, grad_ring_mb)
     and the state format (state_dtype, also a param-group key) are documented
     in offload_adam/options.py, and checked there when the optimizer is built.
     """
@@ -144,7 +144,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                  num_threads=None, max_grad_norm=None, step_in_backward=False,
                  verify_grads=True, state_dtype=torch.float32, process_group=None,
                  state_dirs=None, state_budget_mb=None, state_resume=False,
-                 state_footprint="two_generations"):
+                 state_footprint="two_generations", grad_ring_mb=None):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         self._engine = None
         self._store = None
@@ -153,7 +153,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             num_threads=num_threads, max_grad_norm=max_grad_norm, process_group=process_group,
             verify_grads=verify_grads, step_in_backward=step_in_backward,
             state_dirs=state_dirs, state_budget_mb=state_budget_mb,
-            state_resume=state_resume, state_footprint=state_footprint)
+            state_resume=state_resume, state_footprint=state_footprint,
+            grad_ring_mb=grad_ring_mb)
         self._routing = Routing.of(self._options)
         self._marks = MasterMarks()   # when each param last agreed with its master
         self._clip_coef = None
@@ -356,7 +357,7 @@ class AdamW(Adam):
                  free_grads_after_copy=False, num_threads=None, max_grad_norm=None,
                  step_in_backward=False, verify_grads=True, state_dtype=torch.float32,
                  process_group=None, state_dirs=None, state_budget_mb=None,
-                 state_resume=False, state_footprint="two_generations"):
+                 state_resume=False, state_footprint="two_generations", grad_ring_mb=None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
@@ -366,7 +367,8 @@ class AdamW(Adam):
                          step_in_backward=step_in_backward, verify_grads=verify_grads,
                          state_dtype=state_dtype, process_group=process_group,
                          state_dirs=state_dirs, state_budget_mb=state_budget_mb,
-                         state_resume=state_resume, state_footprint=state_footprint)
+                         state_resume=state_resume, state_footprint=state_footprint,
+                         grad_ring_mb=grad_ring_mb)
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -69,7 +69,7 @@ documented here and nowhere else.
     bucket's grads, 4 x bucket_mb at least) instead of a buffer per param
     (the first backward guesses the buckets' order: the params registered last
     first; if wrong, the grads that do not fit wait for step() in buffers of
-    their own). The
+    their own); see grad_ring_mb for its size. The
     directories must exist and be writable; each optimizer needs its own.
     Under several ranks (FSDP2's DTensor params, or process_group=) each rank
     keeps its shards' state in a folder "rank<R>" of each directory (made if
@@ -92,6 +92,15 @@ documented here and nowhere else.
     tensors backed by the files (mmap'd, copy on write; save them before the
     second step after), load_state_dict() writes into the files. Fixed at
     construction (no add_param_group). None = host RAM.
+  grad_ring_mb (None): with step_in_backward, the host memory (pinned) the
+    grads wait in between their copy and their bucket's step (engine/grad_ring.py).
+    None: with the state in RAM, 4 x bucket_mb or twice the grads of the largest
+    streamed block (stream_params), whichever is larger, so that the CPU has a
+    block's grads to step while the next block's backward makes more; with the
+    state in files, twice the grads of the largest state bucket. A size below
+    what the pass needs to make progress (twice the largest state bucket's
+    grads with state_dirs=, else 4 x bucket_mb) is raised to it. Needs
+    step_in_backward.
   state_budget_mb (None): the host memory the NVMe tier may hold: a ring of
     buffers of the largest bucket; the ring needs 3 (one read ahead, one
     stepped, one written back), more read further ahead. None = 4 buckets.
@@ -178,6 +187,7 @@ class Options:
     state_budget_mb: Optional[float] = None
     state_resume: bool = False
     state_footprint: str = "two_generations"
+    grad_ring_mb: Optional[float] = None
 
     def __post_init__(self):
         if self.state_dirs is None and _state_roots and _state_roots[-1] is not None:
@@ -215,6 +225,15 @@ class Options:
                 "max_grad_norm= cannot be used with step_in_backward=True: clipping "
                 "needs the norm of all grads, known only after backward, and the "
                 "step starts during backward")
+        if self.grad_ring_mb is not None:
+            if not self.step_in_backward:
+                raise ValueError("grad_ring_mb= needs step_in_backward=True (the grads wait "
+                                 "in the ring only while the step runs in backward)")
+            if not (isinstance(self.grad_ring_mb, (int, float))
+                    and not isinstance(self.grad_ring_mb, bool) and self.grad_ring_mb > 0):
+                raise ValueError(f"grad_ring_mb must be a positive number of MiB, got "
+                                 f"{self.grad_ring_mb!r}")
+            object.__setattr__(self, "grad_ring_mb", float(self.grad_ring_mb))
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.num_threads is not None and int(self.num_threads) < 1:
@@ -241,6 +260,8 @@ class Options:
                 "process_group": None}
 
     def __setstate__(self, state):
+        for f in dataclasses.fields(self):   # (an option added since it was pickled)
+            object.__setattr__(self, f.name, f.default)
         for name, value in state.items():
             object.__setattr__(self, name, value)
 

@@ -503,9 +503,9 @@ def _gpu(model: ModelShape, run: Run, layout: Layout) -> Dict[str, float]:
 def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str, float]:
     """Host RAM in steady state. With one micro-batch a step (the step in backward) the
     grads wait in a bounded ring (engine/grad_ring.py: with the state in files sized by
-    the file buckets, in RAM 4 engine buckets); otherwise each piece has a grad buffer. A
-    streamed param's update goes to its host copy: only resident params have a staging
-    buffer."""
+    the file buckets, in RAM 4 engine buckets or two streamed blocks' grads); otherwise
+    each piece has a grad buffer. A streamed param's update goes to its host copy: only
+    resident params have a staging buffer."""
     from .engine.grad_ring import ring_bytes
     shapes = [s for _, s in model.tensors()]
     streamed = [s for _, s in model.block_tensors()] * model.layers
@@ -515,8 +515,10 @@ def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str,
     out["staging"] = float(transfer_bytes(staged, run.bucket_mb, grads=False))
     if run.micro == 1:
         bucket = int(run.bucket_mb * _MB)
+        block = (sum(_round(2 * math.prod(s), _LINE) for _, s in model.block_tensors())
+                 if layout.params != "gpu" else 0)   # (grad_ring.block_grad_bytes)
         out["grad ring"] = float(files["grad_ring_bytes"] if layout.in_files
-                                 else ring_bytes(bucket, bucket))
+                                 else ring_bytes(bucket, bucket, block))
     else:
         out["grads"] = float(transfer_bytes(shapes, run.bucket_mb, staged=False))
     if run.micro > 1:

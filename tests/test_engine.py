@@ -1043,7 +1043,9 @@ def test_profile_and_host_bytes(path, early):
     if not engine:
         assert prof is None
         return
-    assert set(prof) == {"d2h_s", "cpu_step_s", "h2d_s", "exposed_s", "timeline"}
+    assert set(prof) == {"d2h_s", "cpu_step_s", "h2d_s", "exposed_s", "ring_waits", "ring_wait_s",
+                         "timeline"}
+    assert prof["ring_waits"] == 0 and prof["ring_wait_s"] == 0.0   # (no ring: not in backward)
     assert {r["phase"] for r in prof["timeline"]} == {"d2h", "cpu_step", "h2d"}
     for r in prof["timeline"]:
         assert r["end_s"] >= r["start_s"] and isinstance(r["bucket"], int)

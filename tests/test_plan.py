@@ -68,9 +68,11 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
     backward; in files, one, stepped in backward; one micro-batch through the grad ring,
     from the first backward on)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    config = llama_config()
-    shape = shape_of(config, tmp_path / "cfg")
     early = state == "ram+early"
+    # (stepped in backward with the state in RAM, the grad ring holds two streamed blocks'
+    # grads where they exceed 4 buckets: wide enough blocks here that they do)
+    config = llama_config(intermediate_size=640 if early else 160)
+    shape = shape_of(config, tmp_path / "cfg")
     state = "ram" if early else state
     run = planner.Run(batch=2, seq=8, micro=2 if state == "ram" and not early else 1,
                       prefetch=1, bucket_mb=0.05)
@@ -107,6 +109,8 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
                 param_files = os.path.getsize(tmp_path / "params" / FILE_NAME)
                 assert param_files == p.disk["param files"]
                 assert len(streamer.files.slots) >= len(streamer.files.sizes)   # all cached
+            if early and streamer is not None:
+                assert opt._engine.ring.nbytes > 4 * int(0.05 * 2**20)
             assert host == p.host_total, (p.host, host)
             # nor does the first step hold more (the pass in its backward guessed the order)
             assert first == host

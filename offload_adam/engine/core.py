@@ -68,7 +68,7 @@ from ..state_format import state_format
 from .device import current_host_stand_in, make_device
 from .host_memory import HostArenas
 from .early import EarlyStart
-from .grad_ring import GradRing, ring_bytes
+from .grad_ring import GradRing, block_grad_bytes, ring_bytes
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .layout import (Bucket, Entry, ParamRec, Piece, allocate_state, allocate_transfers, cut,
                      local, make_buckets, state_roles)
@@ -108,6 +108,9 @@ class OffloadEngine:
         self._num_threads = options.num_threads
         self._last_threads = self._num_threads or self.device.default_num_threads()
         self._available = available_host_bytes
+        # grad_ring_mb=, in bytes (None: the ring's own rule, grad_ring.ring_bytes)
+        self.ring_asked = (int(options.grad_ring_mb * 2**20)
+                           if options.grad_ring_mb is not None else None)
         # state_dirs=: master and moments live in the NVMe tier's files, in RAM only
         # while its pipeline holds their bucket (EngineStep.lent): no host arenas for them.
         self.state_on_disk = options.state_dirs is not None
@@ -136,13 +139,15 @@ class OffloadEngine:
         self._ring_arenas: list = []
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
+        self._ring_seen = (0, 0.0)   # the ring's waits and wait_s at the last step's end
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
         self._taken_over: Optional[str] = None   # why a newer engine took the params (_claim)
         self.early = None
         if options.step_in_backward:
             self.early = EarlyStart(self, owner)
             if not self.state_on_disk:   # before any transfer buffer is laid out
-                self._make_ring(ring_bytes(self.bucket_bytes, self.bucket_bytes),
+                self._make_ring(ring_bytes(self.bucket_bytes, self.bucket_bytes,
+                                           block_grad_bytes(all_params), self.ring_asked),
                                 _worker_busy(weakref.ref(self)))
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
@@ -249,6 +254,7 @@ class OffloadEngine:
 
     def _make_ring(self, nbytes: int, busy: Callable[[], bool]) -> None:
         self.ring = GradRing(self.device, nbytes, busy)
+        self._ring_seen = (0, 0.0)
         self._ring_arenas.append(self.ring.arenas)
         if self._worker is not None:   # a hook waiting for room while the worker was busy
             self._worker.after_job = self.ring.nudge   # looks again once a job is done
@@ -531,6 +537,10 @@ class OffloadEngine:
         self._consumed()
         self.forget_grads()
         self._profile.exposed_s = time.perf_counter() - self._t_enter
+        if self.ring is not None:   # (counted since the last step's end)
+            self._profile.ring_waits = self.ring.waits - self._ring_seen[0]
+            self._profile.ring_wait_s = self.ring.wait_s - self._ring_seen[1]
+            self._ring_seen = (self.ring.waits, self.ring.wait_s)
         self._last_profile, self._profile = self._profile, StepProfile()
 
     @property

@@ -71,7 +71,8 @@ class FileBucketsInBackward:
         self._jobs = 0
         largest = max((sum(p.numel * e.rec.dtype.itemsize for e in entries for p in e.pieces)
                        for entries in files if entries), default=0)
-        engine.use_ring(ring_bytes(largest, engine.bucket_bytes), self.busy_stepping)
+        engine.use_ring(ring_bytes(largest, engine.bucket_bytes, asked=engine.ring_asked),
+                        self.busy_stepping)
 
     def busy_stepping(self) -> bool:
         """Whether a job is queued or running: it frees ring room without waiting for

@@ -26,6 +26,7 @@ backward whose guessed order (early.py, disk_early.py) was wrong.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -35,11 +36,41 @@ from .host_memory import HostArenas
 _LINE = 64
 
 
-def ring_bytes(largest_file_bucket_grads: int, bucket_bytes: int) -> int:
-    """The ring's size: twice the grads of the largest file bucket (one bucket's filling
-    while the one before is stepped), four transfer buckets at least; whole cache lines."""
+def ring_bytes(largest_file_bucket_grads: int, bucket_bytes: int,
+               largest_block_grads: int = 0, asked: Optional[int] = None) -> int:
+    """The ring's size, in whole cache lines: at least what the pass needs to make
+    progress, twice the grads of the largest file bucket (one bucket's filling while the
+    one before is stepped) and four transfer buckets; `asked` (grad_ring_mb=) if larger,
+    else twice the grads of the largest streamed block (`largest_block_grads`, with the
+    state in RAM: see block_grad_bytes)."""
     n = max(2 * largest_file_bucket_grads, 4 * bucket_bytes)
+    n = max(n, 2 * largest_block_grads if asked is None else asked)
     return -(-n // _LINE) * _LINE
+
+
+def block_grad_bytes(params: Sequence[torch.Tensor]) -> int:
+    """The grads of the largest streamed block among `params` (param_stream.py; 0 when none
+    streams), in whole cache lines per param.
+
+    Why the ring holds two of them when the state is in RAM: the hook that finds no room
+    blocks autograd's thread, and with it the launches of the block's backward and the
+    prefetch of the next block's params. Once room frees, the next grads come only after
+    a block's fetch, recompute and backward (~35 ms for a 13B's block on an H200,
+    estimated from its 1.29 s forward + backward over 40 blocks), while a ring of 4
+    buckets holds ~10 ms of the CPU step's work (128 MiB at ~13 GB/s of grads): the CPU
+    idles for the difference at every block (measured on 2026-11-28: a 2.68 s backward
+    around 2.03 s of kernels). With a block's grads waiting while the next block's are made, the CPU
+    always has a block to step. It costs 2 x 2 B per param of one block: 1.3 GB for the
+    13B's 315 M-param block, beside its state's ~6 B per param of every block."""
+    from ..params import home_of
+    blocks: dict = {}
+    for p in params:
+        home = home_of(p)
+        if home is None or not p.requires_grad:
+            continue
+        nbytes = -(-home.like.numel() * home.like.element_size() // _LINE) * _LINE
+        blocks[id(home.block)] = blocks.get(id(home.block), 0) + nbytes
+    return max(blocks.values(), default=0)
 
 
 class Span:
@@ -76,6 +107,7 @@ class GradRing:
         self.overflow_bytes = 0         # held by overflow spans now
         self.overflow_taken = 0         # overflow spans handed out (for tests and profiles)
         self.waits = 0                  # times a hook waited for room
+        self.wait_s = 0.0               # ... and the seconds it waited, summed
 
     def host_bytes(self) -> int:
         return self.arenas.nbytes() + self.overflow_bytes
@@ -88,6 +120,7 @@ class GradRing:
         sizes = [p.numel * itemsize for p in pieces]
         need = -(-sum(sizes) // _LINE) * _LINE
         span = None
+        waited_from = None
         with self._cond:
             for p in pieces:   # copied again (a grad changed after its copy): the old span
                 if p.span is not None:   # has one piece less to wait for
@@ -102,7 +135,11 @@ class GradRing:
                 if not self.busy():
                     break
                 self.waits += 1
+                if waited_from is None:
+                    waited_from = time.perf_counter()
                 self._cond.wait(0.5)   # (woken by done() and by the pass's end)
+            if waited_from is not None:
+                self.wait_s += time.perf_counter() - waited_from
         if span is None:
             span = Span(self, None, need, torch.empty(need, dtype=torch.uint8), len(pieces))
             with self._cond:

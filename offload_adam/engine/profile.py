@@ -3,6 +3,9 @@
 `opt.last_step_profile` is a dict:
     d2h_s, cpu_step_s, h2d_s  seconds summed over buckets
     exposed_s                 how long step() blocked its caller
+    ring_waits, ring_wait_s   with step_in_backward: how many times, and how long in all,
+                              a grad's hook waited for room in the grad ring since the
+                              last step (autograd's thread blocked: no kernel launched)
     timeline                  [{"bucket", "phase": "d2h"|"cpu_step"|"h2d", "start_s", "end_s"}]
                               in time.perf_counter() seconds
 
@@ -26,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 class StepProfile:
     def __init__(self) -> None:
         self.exposed_s = 0.0
+        self.ring_waits, self.ring_wait_s = 0, 0.0
         self._d2h: Dict[int, list] = {}
         self._h2d: Dict[int, list] = {}
         self._cpu: List[Tuple[int, float, float]] = []
@@ -61,6 +65,8 @@ class StepProfile:
                 "cpu_step_s": sum(e - s for _, s, e in self._cpu),
                 "h2d_s": totals["h2d"],
                 "exposed_s": self.exposed_s,
+                "ring_waits": self.ring_waits,
+                "ring_wait_s": self.ring_wait_s,
                 "timeline": timeline,
             }
         return self._dict
