@@ -58,9 +58,10 @@ def block_grad_bytes(params: Sequence[torch.Tensor]) -> int:
     a block's fetch, recompute and backward (~35 ms for a 13B's block on an H200,
     estimated from its 1.29 s forward + backward over 40 blocks), while a ring of 4
     buckets holds ~10 ms of the CPU step's work (128 MiB at ~13 GB/s of grads): the CPU
-    idles for the difference at every block (measured on 2026-11-28: a 2.68 s backward
-    around 2.03 s of kernels). With a block's grads waiting while the next block's are made, the CPU
-    always has a block to step. It costs 2 x 2 B per param of one block: 1.3 GB for the
+    idles for the difference at every block (the reading of a 2.68 s backward around
+    2.03 s of kernels, 2026-11-28; gpu_check.sh's ring_sweep measures it). With a block's
+    grads waiting while the next block's are made, the CPU always has a block to step.
+    It costs 2 x 2 B per param of one block: 1.3 GB for the
     13B's 315 M-param block, beside its state's ~6 B per param of every block."""
     from ..params import home_of
     blocks: dict = {}
