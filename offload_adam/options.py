@@ -198,12 +198,7 @@ class Options:
             if self.state_dirs is None:
                 raise ValueError("state_budget_mb= needs state_dirs= (it bounds the host "
                                  "memory of the NVMe tier)")
-            if not (isinstance(self.state_budget_mb, (int, float))
-                    and not isinstance(self.state_budget_mb, bool)
-                    and self.state_budget_mb > 0):
-                raise ValueError(f"state_budget_mb must be a positive number of MiB, got "
-                                 f"{self.state_budget_mb!r}")
-            object.__setattr__(self, "state_budget_mb", float(self.state_budget_mb))
+            self._positive_mib("state_budget_mb")
         if not isinstance(self.state_resume, bool):
             raise ValueError(f"state_resume must be True or False, got {self.state_resume!r}")
         if self.state_resume and self.state_dirs is None:
@@ -229,11 +224,7 @@ class Options:
             if not self.step_in_backward:
                 raise ValueError("grad_ring_mb= needs step_in_backward=True (the grads wait "
                                  "in the ring only while the step runs in backward)")
-            if not (isinstance(self.grad_ring_mb, (int, float))
-                    and not isinstance(self.grad_ring_mb, bool) and self.grad_ring_mb > 0):
-                raise ValueError(f"grad_ring_mb must be a positive number of MiB, got "
-                                 f"{self.grad_ring_mb!r}")
-            object.__setattr__(self, "grad_ring_mb", float(self.grad_ring_mb))
+            self._positive_mib("grad_ring_mb")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.num_threads is not None and int(self.num_threads) < 1:
@@ -243,6 +234,13 @@ class Options:
         object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
         if self.num_threads is not None:
             object.__setattr__(self, "num_threads", int(self.num_threads))
+
+    def _positive_mib(self, name: str) -> None:
+        """Option `name` is a positive number of MiB (not a bool): kept as a float."""
+        value = getattr(self, name)
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+        object.__setattr__(self, name, float(value))
 
     @property
     def needs_pipeline(self) -> bool:

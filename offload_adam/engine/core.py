@@ -139,7 +139,6 @@ class OffloadEngine:
         self._ring_arenas: list = []
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
-        self._ring_seen = (0, 0.0)   # the ring's waits and wait_s at the last step's end
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
         self._taken_over: Optional[str] = None   # why a newer engine took the params (_claim)
         self.early = None
@@ -254,7 +253,6 @@ class OffloadEngine:
 
     def _make_ring(self, nbytes: int, busy: Callable[[], bool]) -> None:
         self.ring = GradRing(self.device, nbytes, busy)
-        self._ring_seen = (0, 0.0)
         self._ring_arenas.append(self.ring.arenas)
         if self._worker is not None:   # a hook waiting for room while the worker was busy
             self._worker.after_job = self.ring.nudge   # looks again once a job is done
@@ -538,9 +536,7 @@ class OffloadEngine:
         self.forget_grads()
         self._profile.exposed_s = time.perf_counter() - self._t_enter
         if self.ring is not None:   # (counted since the last step's end)
-            self._profile.ring_waits = self.ring.waits - self._ring_seen[0]
-            self._profile.ring_wait_s = self.ring.wait_s - self._ring_seen[1]
-            self._ring_seen = (self.ring.waits, self.ring.wait_s)
+            self._profile.ring_waits, self._profile.ring_wait_s = self.ring.since_mark()
         self._last_profile, self._profile = self._profile, StepProfile()
 
     @property

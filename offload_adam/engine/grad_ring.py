@@ -109,6 +109,7 @@ class GradRing:
         self.overflow_taken = 0         # overflow spans handed out (for tests and profiles)
         self.waits = 0                  # times a hook waited for room
         self.wait_s = 0.0               # ... and the seconds it waited, summed
+        self._marked = (0, 0.0)         # waits and wait_s at the last since_mark()
 
     def host_bytes(self) -> int:
         return self.arenas.nbytes() + self.overflow_bytes
@@ -192,6 +193,13 @@ class GradRing:
         if span.overflow:
             self.overflow_bytes -= span.nbytes
         self._live.pop(id(span), None)
+
+    def since_mark(self) -> tuple:
+        """(waits, seconds waited) since the last call (the step's profile)."""
+        now = (self.waits, self.wait_s)
+        since = (now[0] - self._marked[0], now[1] - self._marked[1])
+        self._marked = now
+        return since
 
     def nudge(self) -> None:
         """A pass job ended: a hook waiting for room looks again at whether to wait."""
