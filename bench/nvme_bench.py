@@ -228,7 +228,7 @@ def bench_format(fmt, args, folder, limit, out):
             stack.callback(shutil.rmtree, state_dir)
             state = stack.enter_context(NvmeState.open([state_dir], spec,
                                                        io_threads=args.io_threads))
-            pipe = StepPipeline(state, args.ring * spec.buckets[0].nbytes, pin=False)
+            pipe = StepPipeline(state, args.ring * spec.buckets[0].nbytes)
             stack.callback(pipe.close)
             rows[mode].update(ring=len(pipe.buffers), depth=pipe.depth,
                               host_buffer_bytes=pipe.host_bytes)

@@ -90,7 +90,7 @@ def run_mode(cfg, args, prefetch):
         model.cpu()
         torch.cuda.empty_cache()
     _cap(args, prefetch is not None)
-    _progress(mode, "model built", t0)
+    setup = {"model": _progress(mode, "model built", t0)}
     if args.checkpoint:
         model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
     streamer = None
@@ -98,7 +98,7 @@ def run_mode(cfg, args, prefetch):
         files = ({} if not args.param_dir else
                  dict(param_dirs=args.param_dir, param_cache_mb=args.param_cache_mb))
         streamer = offload_adam.stream_params(model, _Block, prefetch=prefetch, **files)
-        _progress(mode, "streamer set up", t0)
+        setup["streamer"] = _progress(mode, "streamer set up", t0) - setup["model"]
     if prefetch is None and args.resident == "compute":
         opt = NoStep(model)
     else:
@@ -108,13 +108,13 @@ def run_mode(cfg, args, prefetch):
                                  free_grads_after_copy=args.free_grads,
                                  grad_ring_mb=(args.grad_ring_mb or None)
                                  if args.step_in_backward else None)
-    _progress(mode, "optimizer built", t0)
+    setup["optimizer"] = _progress(mode, "optimizer built", t0) - sum(setup.values())
     name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
     out = _train(cfg, args, model, opt, streamer, mode, t0)
     out.update(mode=name if prefetch is None else mode, prefetch=prefetch,
                streamed_gb=(streamer.streamed_bytes / 1e9) if streamer else 0.0,
                largest_block_gb=(streamer.largest_block_bytes / 1e9) if streamer else 0.0,
-               grad_ring_mb=_ring_mb(opt))
+               grad_ring_mb=_ring_mb(opt), setup_s=setup)
     del model, opt, streamer
     gc.collect()
     torch.cuda.empty_cache()
@@ -160,9 +160,12 @@ def _cap(args, capped):
     torch.cuda.reset_peak_memory_stats()
 
 
-def _progress(mode, what, t0):
-    """A line as each phase ends (a run stopped by a time limit still says how far it got)."""
-    print(f"  [{mode}] {what} at {time.perf_counter() - t0:.1f} s", flush=True)
+def _progress(mode, what, t0) -> float:
+    """A line as each phase ends (a run stopped by a time limit still says how far it got);
+    returns the seconds since t0."""
+    at = time.perf_counter() - t0
+    print(f"  [{mode}] {what} at {at:.1f} s", flush=True)
+    return at
 
 
 def io_bytes():

@@ -271,7 +271,8 @@ class FileStore:
                     "optimizer state_dict, e.g. Trainer's resume_from_checkpoint), remove its "
                     f"files ({', '.join(STATE_FILES)}) or give other directories: a state is "
                     "never overwritten unasked")
-            self.pipeline = StepPipeline(self.state, budget)
+            self.pipeline = StepPipeline(self.state, budget,
+                                         engine.device if engine is not None else None)
             if self.state.pending:   # compact: a step cut short, finished from its log
                 for i, t in self.pipeline.buckets(ahead=self.state.record_ahead):
                     self._redo_bucket(i, t)
@@ -500,7 +501,7 @@ class FileStore:
 
     @property
     def pinned(self) -> bool:
-        return self.pipeline is None or all(b.pinned for b in self.pipeline.buffers)
+        return self.pipeline is None or self.pipeline.pinned
 
     def close(self) -> None:
         if self.pipeline is not None:

@@ -98,3 +98,75 @@ def test_every_view_is_a_whole_number_of_cache_lines_apart():
     assert offsets == [0, 32, 96, 128]  # 33 elements take two lines
     arenas.allocate()
     assert all(arenas.view("x", o, (1,)).data_ptr() % 64 == 0 for o in offsets)
+
+
+def test_only_the_roles_asked_are_pinned():
+    device = PinningDevice()
+    arenas, (a, b, _) = _arenas(device)
+    arenas.allocate(pin=["grad"])
+    assert arenas.pinned and device.pinned == [arenas.view("grad", b, (5,)).data_ptr()]
+    arenas.release()
+    device = PinningDevice()
+    arenas, _ = _arenas(device)
+    arenas.allocate(pin=[])
+    assert arenas.pinned and device.pinned == []   # nothing asked: nothing failed
+
+
+def _pinned_roles(opt, sim):
+    spans = sim.pinned()
+    out = set()
+    for arenas in opt._engine._state_arenas:
+        for role, t in arenas._arenas.items():
+            lo = t.data_ptr()
+            hi = lo + t.numel() * t.element_size()
+            if any(s[1] <= lo and hi <= s[2] for s in spans):
+                out.add(role)
+    return out
+
+
+@pytest.mark.parametrize("where", ["ram", "files", "compact"])
+@pytest.mark.parametrize("early", [False, True], ids=["at-step", "in-backward"])
+@pytest.mark.parametrize("fp32", [False, True], ids=["bf16", "fp32-head"])
+def test_the_state_pins_only_what_a_copy_uses_and_no_copy_is_pageable(sim, early, fp32, where,
+                                                                      tmp_path):
+    """In RAM the state arenas pin an fp32 param's master (its copy to the device reads
+    it, the master rule's copy back writes it) and nothing else; in files the ring
+    buffers are pinned through the engine's device. Every copy the engine makes, through
+    steps, accumulation and a param edited by the user, has pinned host memory on its
+    side (the simulated device counts those that do not)."""
+    import offload_adam
+    from models import OPTS, TinyTransformer, fp32_head, loss_of
+    from offload_adam.testing import ring_buffers
+
+    torch.manual_seed(0)
+    model = TinyTransformer().to(torch.bfloat16)
+    if fp32:
+        fp32_head(model)
+    files = {} if where == "ram" else dict(
+        state_dirs=[str(tmp_path)], state_footprint="compact" if where == "compact" else "two_generations")
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=early, **files, **OPTS)
+    micro = 1 if early else 2   # (accumulation: not with steps in backward)
+    for it in range(3):
+        for m in range(micro):
+            loss_of(model, 10 * it + m).backward()
+        opt.step()
+        opt.zero_grad()
+        if it == 1:   # the master rule: the edited params' masters start again from them
+            with torch.no_grad():
+                model.head.weight.add_(0.25)
+                model.embed.weight.mul_(0.5)
+    counters = sim.sim.counters()
+    assert counters["h2d_bytes"] > 0 and counters["d2h_bytes"] > 0
+    # (compact, at step(): the master rule's reads of the edited params for the redo log
+    # go to a temporary, copied synchronously on a GPU: a rare path, once per edit)
+    edited = sum(p.numel() * p.element_size() for p in (model.head.weight, model.embed.weight))
+    assert counters["pageable_bytes"] == (edited if where == "compact" and not early else 0)
+    assert opt.pinned()
+    if where == "ram":
+        assert _pinned_roles(opt, sim.sim) == ({"master"} if fp32 else set())
+    else:
+        spans = sim.sim.pinned()
+        for b in ring_buffers(opt):
+            lo = b.tensor.data_ptr()
+            assert any(s[1] <= lo and lo + b.nbytes <= s[2] for s in spans)
+    opt.close()   # (unpinned after the copies: the simulated device checks)

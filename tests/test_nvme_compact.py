@@ -31,7 +31,7 @@ def open_compact(folders, spec, **kw):
 
 
 def pipeline(state):
-    return StepPipeline(state, 3 * max(b.nbytes for b in state.spec.buckets), pin=False)
+    return StepPipeline(state, 3 * max(b.nbytes for b in state.spec.buckets))
 
 
 # -- the ring ----------------------------------------------------------------------------

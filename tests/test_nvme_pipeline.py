@@ -11,6 +11,7 @@ import torch
 
 from nvme_adam import adam_fn, fill_initial, host_state, host_step, make_spec, same_bits
 from offload_adam.nvme import NvmeState, StepPipeline, direct_io
+from test_engine_host_memory import PinningDevice
 
 STEPS = 4
 
@@ -190,3 +191,27 @@ def test_an_error_returns_only_after_the_writes_in_flight_landed(kernels, tmp_pa
         host_step(ram, seed=3, step=0)
         pipe.close()
         assert state.step == 1 and same_bits(disk_state(state), ram)
+
+
+def test_the_ring_is_pinned_through_the_engines_device_or_not_at_all(tmp_path):
+    """An engine's device pins every ring buffer (its copies use the lent buckets) and
+    unpins them at close; without one nothing is pinned; a refused pin leaves every
+    buffer pageable, with a warning, and the ring usable."""
+    spec = make_spec("fp32", buckets=3)
+    with NvmeState.open(folders(tmp_path, 1), spec) as state:
+        budget = 3 * max(b.nbytes for b in spec.buckets)
+        device = PinningDevice()
+        pipe = StepPipeline(state, budget, device)
+        assert pipe.pinned and device.pinned == [b.tensor.data_ptr() for b in pipe.buffers]
+        pipe.close()
+        assert sorted(device.unpinned) == sorted(device.pinned)
+        pipe = StepPipeline(state, budget)
+        assert pipe.pinned and not any(b.pinned for b in pipe.buffers)   # none to pin
+        pipe.close()
+        device = PinningDevice(fail_on=2)
+        with pytest.warns(RuntimeWarning, match=r"could not pin .*error 2.*pageable"):
+            pipe = StepPipeline(state, budget, device)
+        assert not pipe.pinned and device.unpinned == device.pinned == device.pinned[:1]
+        pipe.load(fill_initial(seed=1), step=0)
+        pipe.close()
+        assert device.unpinned == device.pinned   # (nothing unpinned twice)

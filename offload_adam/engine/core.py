@@ -1,4 +1,4 @@
-"""The offload engine: fp32 master weights and Adam moments in (pinned) host memory.
+"""The offload engine: fp32 master weights and Adam moments in host memory.
 
 The data path, in the order this file follows it:
 

@@ -21,6 +21,7 @@ step's redo log was begun; an error there leaves the step to finish at a resume.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -54,12 +55,39 @@ def ring_size(spec: StateSpec, budget_bytes: int) -> int:
 class StepPipeline:
     """Steps every bucket of `state` through a ring of buffers of `budget_bytes` at most."""
 
-    def __init__(self, state: NvmeState, budget_bytes: int, pin: bool = True):
+    def __init__(self, state: NvmeState, budget_bytes: int, device=None):
+        """`device`: the engine's (engine/device.py), which pins the buffers: an engine's
+        copies to and from the GPU read and write the lent buckets (an fp32 param's
+        master); None (no engine: the CPU kernels alone use them) pins nothing."""
         ring = ring_size(state.spec, budget_bytes)
         self.state = state
         self.depth = ring - 2
         slot = max((b.nbytes for b in state.spec.buckets), default=0)
-        self.buffers = [AlignedBuffer(slot, pin=pin) for _ in range(ring)]
+        self.buffers = [AlignedBuffer(slot, pin=False) for _ in range(ring)]
+        self._device = device if device is not None and device.pins_memory else None
+        self._pinned: list = []
+        self.pinned = self._pin()
+
+    def _pin(self) -> bool:
+        """Pins the buffers through the device; whether they are (True: none to pin). A
+        refused pin leaves them all pageable, with a warning (as the engine's arenas)."""
+        if self._device is None:
+            return True
+        try:
+            for b in self.buffers:
+                self._device.pin(b.tensor)
+                self._pinned.append(b.tensor)
+            return True
+        except Exception as e:  # noqa: BLE001 -- any failure means "not pinned"
+            self._unpin()
+            warnings.warn(f"offload_adam: could not pin the state files' ring buffers ({e}); "
+                          "using pageable memory, transfers will be slower",
+                          RuntimeWarning, stacklevel=3)
+            return False
+
+    def _unpin(self) -> None:
+        while self._pinned:
+            self._device.unpin(self._pinned.pop())
 
     @property
     def host_bytes(self) -> int:
@@ -160,6 +188,8 @@ class StepPipeline:
         self.step(fill, read=False, step=step)
 
     def close(self) -> None:
+        if self._device is not None:
+            self._unpin()
         for b in self.buffers:
             b.close()
         self.buffers = []

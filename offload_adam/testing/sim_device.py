@@ -241,6 +241,8 @@ class AsyncSimDevice:
         self._freed_tensors: list = []
         self._pinned: list = []              # spans of pinned host buffers
         self._moved = {"d2h": 0, "h2d": 0}   # bytes each direction copied
+        self._pageable = 0   # ... of which the host side was not pinned (a GPU copies those
+        #                      synchronously, through a staging buffer of its own)
         self._held = self._peak = 0          # device bytes materialized, now and at most
         self.violations: List[str] = []
         self._mode = _Watch(self)
@@ -314,11 +316,17 @@ class AsyncSimDevice:
         with _unchecked():
             t.untyped_storage().resize_(0)
 
+    def _is_pinned(self, span) -> bool:
+        return span[1] == span[2] or any(p[1] <= span[1] and span[2] <= p[2]
+                                         for p in self._pinned)
+
     def counters(self) -> dict:
-        """Bytes copied host->device and device->host so far, and the device bytes
-        materialized now and at most (`reset_peak` starts a new peak)."""
+        """Bytes copied host->device and device->host so far (`pageable_bytes`: those
+        whose host memory was not pinned), and the device bytes materialized now and
+        at most (`reset_peak` starts a new peak)."""
         with self.lock:
             return {"h2d_bytes": self._moved["h2d"], "d2h_bytes": self._moved["d2h"],
+                    "pageable_bytes": self._pageable,
                     "materialized_bytes": self._held, "peak_materialized_bytes": self._peak}
 
     def reset_peak(self) -> None:
@@ -469,6 +477,8 @@ class AsyncSimDevice:
         writes, reads = (spans, device) if to_host else (device, spans)
         with self.lock:
             self._moved[kind] += sum(t.numel() * t.element_size() for t in device)
+            self._pageable += sum(t.numel() * t.element_size() for t in host
+                                  if not self._is_pinned(_span(t)))
         return self._queue(kind, writes, reads, after, body).transfer
 
     def _queue(self, kind, dsts, srcs, after: SimEvent, body) -> _Copy:
