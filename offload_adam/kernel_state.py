@@ -35,20 +35,22 @@ class KernelState(NamedTuple):
 
 
 def kernel_state(st: dict, shape, fmt: StateFormat, amsgrad: bool, has_master: bool,
-                 label: str) -> KernelState:
+                 label: str, zeros: bool = True) -> KernelState:
     """The values of state `st` of a param of `shape` in format `fmt`: the state's own
     tensors where they already are in that form (contiguous, on the CPU), else new ones;
     missing moments are zeros. amsgrad adds max_exp_avg_sq. `has_master`: the param has
     a master apart from itself (False: an fp32 param stepped in place); master is None
     when it has none, or when `st` holds none and it starts from the param. `label`
-    names the param in errors ("param ..."). Raises ValueError for a state that does not
-    fit, before anything is stored."""
+    names the param in errors ("param ..."). `zeros=False`: a missing moment is left out
+    of `moments`, for a caller that zeroes its own buffer (the engine's host arenas: no
+    temporary the moment's size, faulted in and copied, at a param's first step). Raises
+    ValueError for a state that does not fit, before anything is stored."""
     fmt.check_amsgrad(amsgrad, label)
     step = st.get("step")
     numel = math.prod(shape)
     moments: Dict[str, torch.Tensor] = {}
     for key in MOMENT_KEYS if amsgrad else MOMENT_KEYS[:2]:
-        moments.update(fmt.convert(st, key, shape, numel, f" of {label}"))
+        moments.update(fmt.convert(st, key, shape, numel, f" of {label}", zeros))
     master = st.get(MASTER_KEY) if has_master else None
     return KernelState(0.0 if step is None else float(step), moments,
                        as_fp32_like(master, shape, MASTER_KEY, label)

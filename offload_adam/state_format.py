@@ -94,13 +94,13 @@ class StateFormat:
         return out
 
     def convert(self, st: dict, key: str, shape, numel: int,
-                where: str = "") -> Dict[str, torch.Tensor]:
+                where: str = "", zeros: bool = True) -> Dict[str, torch.Tensor]:
         """st[key] (and its scale) in this format, from whatever form it holds:
-        the same objects when it already is, else new CPU tensors. `where`
-        names the param in errors."""
+        the same objects when it already is, else new CPU tensors; when st has
+        none, zeros (`zeros=False`: nothing). `where` names the param in errors."""
         value = st.get(key)
         if value is None:
-            return self.zeros(key, numel, shape)
+            return self.zeros(key, numel, shape) if zeros else {}
         value = value.detach()
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"optimizer state {key!r}{where} has shape {tuple(value.shape)}, "

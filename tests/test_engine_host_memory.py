@@ -170,3 +170,37 @@ def test_the_state_pins_only_what_a_copy_uses_and_no_copy_is_pageable(sim, early
             lo = b.tensor.data_ptr()
             assert any(s[1] <= lo and lo + b.nbytes <= s[2] for s in spans)
     opt.close()   # (unpinned after the copies: the simulated device checks)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "8bit"])
+def test_a_fresh_state_is_zeroed_in_its_arenas_without_a_temporary(sim, monkeypatch,
+                                                                   state_dtype):
+    """A param's first step zeroes its moments (and 8-bit scales) where they live: no
+    zero tensor the moment's size is made to be copied (StateFormat.zeros is not called),
+    and arenas holding garbage before start from zero: two steps are bit for bit the
+    in-place stepper's (which makes its zeros)."""
+    import copy
+
+    import offload_adam
+    from models import OPTS, TinyTransformer, assert_same, loss_of, run
+    from offload_adam import state_format
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a zero moment was made to be copied")
+
+    torch.manual_seed(0)
+    model = TinyTransformer().to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    opt = offload_adam.AdamW(model.parameters(), state_dtype=state_dtype, **OPTS)
+    for rec in opt._engine.recs:   # garbage where the state will be: zeroing must clear it
+        for key in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+            if getattr(rec, key, None) is not None:
+                getattr(rec, key).view(torch.uint8).fill_(0x7F)
+    with monkeypatch.context() as m:
+        m.setattr(state_format.StateFormat, "zeros", refused)
+        run(model, opt, 2, loss=loss_of)
+    with sim.outside():
+        ref = offload_adam.AdamW(twin.parameters(), state_dtype=state_dtype, **OPTS)
+        run(twin, ref, 2, loss=loss_of)
+    assert_same((model, opt), (twin, ref))
+    opt.close()

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 from ..kernel_state import kernel_state
 from ..master_rule import MasterMarks, take_from_param
 from ..params import rounds_to
-from ..state_format import MASTER_KEY, MOMENT_KEYS
+from ..state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS
 from .layout import Entry
 
 
@@ -56,13 +56,17 @@ def _bind(device, rec, st: dict) -> bool:
     form (kernel_state.py). True when rec's master must start from the param."""
     if _bound(rec, st):
         return False
-    got = kernel_state(st, rec.shape, rec.fmt, rec.max_exp_avg_sq is not None, True,
-                       rec.label())
-    for key, value in got.moments.items():
-        view = getattr(rec, key)
-        if st.get(key) is not view:
-            view.copy_(value.reshape(view.shape))
-            st[key] = view
+    amsgrad = rec.max_exp_avg_sq is not None
+    got = kernel_state(st, rec.shape, rec.fmt, amsgrad, True, rec.label(), zeros=False)
+    for key in MOMENT_KEYS if amsgrad else MOMENT_KEYS[:2]:
+        for k in (key, SCALE_KEYS[key]) if rec.fmt.blockwise and key in SCALE_KEYS else (key,):
+            view = getattr(rec, k)
+            if k not in got.moments:   # none yet: zeroed where it lives (its first touch)
+                view.zero_()
+                st[k] = view
+            elif st.get(k) is not view:
+                view.copy_(got.moments[k].reshape(view.shape))
+                st[k] = view
     rec.fmt.drop_scales(st)
     if st.get("step") is not rec.step_t:
         for piece in rec.pieces:   # a param cut in pieces counts its step per piece
