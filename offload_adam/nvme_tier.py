@@ -273,6 +273,8 @@ class FileStore:
                     "never overwritten unasked")
             self.pipeline = StepPipeline(self.state, budget,
                                          engine.device if engine is not None else None)
+            if engine is not None:
+                engine.lend_pins(self.pipeline)
             if self.state.pending:   # compact: a step cut short, finished from its log
                 for i, t in self.pipeline.buckets(ahead=self.state.record_ahead):
                     self._redo_bucket(i, t)

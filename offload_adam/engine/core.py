@@ -137,6 +137,7 @@ class OffloadEngine:
         # (grad_ring.py; below, or with the state in files by the files' pass, use_ring)
         self.ring: Optional[GradRing] = None
         self._ring_arenas: list = []
+        self._lent_pins: list = []   # others' buffers pinned through our device (lend_pins)
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
@@ -153,7 +154,8 @@ class OffloadEngine:
         # nothing that keeps the engine alive.
         self._finalizer = weakref.finalize(
             self, _shutdown, self.device, self._worker, self.recs, self.buckets,
-            self._state_arenas, self._transfer_arenas, self._acc_arenas, self._ring_arenas)
+            self._state_arenas, self._transfer_arenas, self._acc_arenas, self._ring_arenas,
+            self._lent_pins)
         for i, (params, ams) in enumerate(zip(managed, amsgrad)):
             self.add_group(i, params, ams, state_dtypes[i] if state_dtypes else "float32",
                            names[i] if names else None)
@@ -297,6 +299,13 @@ class OffloadEngine:
 
     def close(self) -> None:
         self._finalizer()
+
+    def lend_pins(self, holder) -> None:
+        """`holder` (with release()) pinned buffers through this engine's device for its
+        copies (the state files' ring): unpinned with the engine's own memory when the
+        engine goes, once its copies are done (a newer optimizer taking the params over
+        leaves the old one's state readable, pinned no more)."""
+        self._lent_pins.append(holder)
 
     def _let_go(self, taken: Sequence[torch.Tensor]) -> None:
         """A newer engine took `taken` (params of ours) over: this one closes (its
@@ -1219,7 +1228,7 @@ def _worker_busy(engine_ref):
 
 
 def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
-              acc_arenas, ring_arenas) -> None:
+              acc_arenas, ring_arenas, lent_pins) -> None:
     for rec in recs:
         if rec.hook is not None:
             rec.hook.remove()
@@ -1228,8 +1237,9 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
         worker.close()
     # No copy may still read or write the memory about to be unpinned and freed.
     device.wait_host(*_transfers_of(recs, buckets))
-    for a in state_arenas + transfer_arenas + acc_arenas + ring_arenas:
+    for a in state_arenas + transfer_arenas + acc_arenas + ring_arenas + lent_pins:
         a.release()
+    lent_pins.clear()
     # held no more (host_bytes() 0): what optimizer.state still shows stays readable
     state_arenas.clear()
     transfer_arenas.clear()

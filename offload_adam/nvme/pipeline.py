@@ -89,6 +89,13 @@ class StepPipeline:
         while self._pinned:
             self._device.unpin(self._pinned.pop())
 
+    def release(self) -> None:
+        """Unpins the buffers (the engine that copies to and from them went: its copies
+        are done); they stay usable, pageable."""
+        if self._device is not None:
+            self._unpin()
+            self.pinned = False
+
     @property
     def host_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
