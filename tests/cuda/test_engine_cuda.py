@@ -112,6 +112,23 @@ def test_no_optimizer_memory_on_the_gpu():
     assert opt.pinned()
 
 
+def test_only_what_the_copies_use_is_pinned():
+    """The moments and a bf16 param's master are not page-locked (only the CPU kernel
+    reads them); an fp32 param's master is (its copy's source); opt.pinned() holds."""
+    model = make_model(width=512)
+    model[-1].float()   # an fp32 head: both kinds of param
+    model[-1].register_forward_pre_hook(lambda mod, args: (args[0].float(),))
+    opt = offload_adam.AdamW(model.parameters(), bucket_mb=1)
+    loss_of(model, 0).backward()
+    opt.step()
+    torch.cuda.synchronize()
+    for p in model.parameters():
+        st = opt.state[p]
+        assert not st["exp_avg"].is_pinned() and not st["exp_avg_sq"].is_pinned()
+        assert st["master_param"].is_pinned() == (p.dtype is torch.float32), p.dtype
+    assert opt.pinned()
+
+
 def test_free_grads_after_copy_saves_device_memory():
     after_backward = {}
     for free in (False, True):
