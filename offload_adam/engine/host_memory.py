@@ -67,6 +67,28 @@ def check_host_memory(needed: int, available: Optional[int] = None) -> None:
             f"({available} bytes) is available")
 
 
+def pin_all(device, tensors, pinned: list, what: str, stacklevel: int) -> bool:
+    """Pins each of `tensors` through `device`, appending it to `pinned` (what unpin_all
+    lets go); whether all were. A refused pin unpins those pinned before it and warns
+    (`what` names the memory; `stacklevel` as the caller's own warning would have it):
+    the memory stays usable, pageable."""
+    try:
+        for t in tensors:
+            device.pin(t)
+            pinned.append(t)
+        return True
+    except Exception as e:  # noqa: BLE001 -- any failure means "not pinned"
+        unpin_all(device, pinned)
+        warnings.warn(f"offload_adam: could not pin {what} ({e}); using pageable memory, "
+                      "transfers will be slower", RuntimeWarning, stacklevel=stacklevel + 1)
+        return False
+
+
+def unpin_all(device, pinned: list) -> None:
+    while pinned:
+        device.unpin(pinned.pop())
+
+
 class HostArenas:
     """Carves per-param views out of one flat tensor per role.
 
@@ -112,23 +134,12 @@ class HostArenas:
 
     def _pin_all(self, roles) -> bool:
         """Pins `roles`; whether they all were (True when none was asked)."""
-        try:
-            for role, t in self._arenas.items():
-                if t.numel() and role in roles:
-                    self.device.pin(t)
-                    self._pinned.append(t)
-            return True
-        except Exception as e:  # noqa: BLE001 -- any failure means "not pinned"
-            self.release()
-            warnings.warn(
-                f"offload_adam: could not pin {self.nbytes()} bytes of host memory "
-                f"({e}); using pageable memory, transfers will be slower",
-                RuntimeWarning, stacklevel=4)
-            return False
+        return pin_all(self.device, [t for role, t in self._arenas.items()
+                                     if t.numel() and role in roles],
+                       self._pinned, f"{self.nbytes()} bytes of host memory", stacklevel=4)
 
     def release(self) -> None:
-        while self._pinned:
-            self.device.unpin(self._pinned.pop())
+        unpin_all(self.device, self._pinned)
         self.pinned = False
 
     def view(self, role: str, offset: int, shape) -> torch.Tensor:

@@ -21,11 +21,11 @@ step's redo log was begun; an error there leaves the step to finish at a resume.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
+from ..engine.host_memory import pin_all, unpin_all
 from .direct_io import AlignedBuffer
 from .layout import StateSpec
 from .store import NvmeState
@@ -66,34 +66,15 @@ class StepPipeline:
         self.buffers = [AlignedBuffer(slot, pin=False) for _ in range(ring)]
         self._device = device if device is not None and device.pins_memory else None
         self._pinned: list = []
-        self.pinned = self._pin()
-
-    def _pin(self) -> bool:
-        """Pins the buffers through the device; whether they are (True: none to pin). A
-        refused pin leaves them all pageable, with a warning (as the engine's arenas)."""
-        if self._device is None:
-            return True
-        try:
-            for b in self.buffers:
-                self._device.pin(b.tensor)
-                self._pinned.append(b.tensor)
-            return True
-        except Exception as e:  # noqa: BLE001 -- any failure means "not pinned"
-            self._unpin()
-            warnings.warn(f"offload_adam: could not pin the state files' ring buffers ({e}); "
-                          "using pageable memory, transfers will be slower",
-                          RuntimeWarning, stacklevel=3)
-            return False
-
-    def _unpin(self) -> None:
-        while self._pinned:
-            self._device.unpin(self._pinned.pop())
+        self.pinned = self._device is None or pin_all(
+            self._device, [b.tensor for b in self.buffers], self._pinned,
+            "the state files' ring buffers", stacklevel=2)
 
     def release(self) -> None:
         """Unpins the buffers (the engine that copies to and from them went: its copies
         are done); they stay usable, pageable."""
         if self._device is not None:
-            self._unpin()
+            unpin_all(self._device, self._pinned)
             self.pinned = False
 
     @property
@@ -195,8 +176,7 @@ class StepPipeline:
         self.step(fill, read=False, step=step)
 
     def close(self) -> None:
-        if self._device is not None:
-            self._unpin()
+        self.release()
         for b in self.buffers:
             b.close()
         self.buffers = []
