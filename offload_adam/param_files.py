@@ -38,6 +38,7 @@ not pushed out by the reads for those before it.
 from __future__ import annotations
 
 import fcntl
+import math
 import mmap
 import os
 import threading
@@ -66,10 +67,13 @@ def cache_slots(cache_bytes: float, slot_bytes: int, prefetch: int) -> int:
     need = min_slots(prefetch)
     count = int(cache_bytes) // slot_bytes
     if count < need:
+        # (to the KiB, rounded up: a small model's blocks are well under a MiB, and
+        # the bound printed must be one that works when given)
+        mib = lambda n: f"{math.ceil(n / 1024) / 1024:.10g}"
         raise ValueError(
-            f"param_cache_mb={cache_bytes / 2**20:.0f} holds {count} of the largest block "
-            f"({slot_bytes / 2**20:.1f} MiB); prefetch={prefetch} needs {need} "
-            f"(param_cache_mb >= {need * slot_bytes / 2**20:.0f})")
+            f"param_cache_mb={mib(cache_bytes)} holds {count} of the largest block "
+            f"({mib(slot_bytes)} MiB); prefetch={prefetch} needs {need} "
+            f"(param_cache_mb >= {mib(need * slot_bytes)})")
     return count
 
 

@@ -3,6 +3,7 @@ simulated asynchronous device: training is bit for bit the training with the par
 resident, the cache holds what its budget allows and reads what it does not hold, and a
 file changed behind its back is an error, never a wrong value."""
 import os
+import re
 
 import pytest
 import torch
@@ -157,9 +158,14 @@ def test_param_files_errors_name_the_problem(device, tmp_path):
     model = make_llama(layers=2, frozen=())
     with pytest.raises(ValueError, match="param_cache_mb is the param files' cache"):
         offload_adam.stream_params(model, Block, param_cache_mb=10)
-    with pytest.raises(ValueError, match=r"prefetch=2 needs 5 .*param_cache_mb >="):
+    with pytest.raises(ValueError, match=r"prefetch=2 needs 5 .*param_cache_mb >=") as refused:
         offload_adam.stream_params(model, Block, prefetch=2, param_dirs=tmp_path,
                                    param_cache_mb=slots_mb(model, 4))
+    # the bound it names (blocks of ~20 KiB here, so not rounded to whole MiB) is one that works
+    bound = float(re.search(r"param_cache_mb >= ([0-9.e-]+)\)", str(refused.value)).group(1))
+    assert 0 < bound <= slots_mb(model, 5) * 1.001
+    offload_adam.stream_params(model, Block, prefetch=2, param_dirs=tmp_path,
+                               param_cache_mb=bound).close()
     with pytest.raises(ValueError, match="names a directory twice"):
         offload_adam.stream_params(model, Block, param_dirs=[tmp_path, str(tmp_path) + "/"])
     with pytest.raises(ValueError, match="param_cache_mb must be a number > 0"):

@@ -371,6 +371,33 @@ def test_a_block_called_twice_per_forward_is_fetched_for_each_use(device):
     assert_same_training(*runs)
 
 
+@pytest.mark.parametrize("grad_off", ["no_grad", "inference_mode"])
+def test_inference_between_steps_gives_the_resident_outputs_and_changes_no_training(device, grad_off):
+    """eval() under no_grad or inference_mode between steps: the resident model's logits,
+    and training goes on as if it had not run. (inference_mode dispatches `p.data = t`'s
+    metadata check, which the simulated device once took for a read of a copy in flight.)"""
+    off = torch.no_grad if grad_off == "no_grad" else torch.inference_mode
+    tokens = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(4))
+    runs, logits = [], []
+    for streamed in (False, True):
+        model = make_llama(layers=6)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=2)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        out = []
+        for it in range(3):
+            train(model, opt, 1, start=it)
+            model.eval()
+            with off():
+                out.append(model(tokens).float())
+            model.train()
+        runs.append((model, opt))
+        logits.append(out)
+    for a, b in zip(*logits):
+        assert torch.equal(a, b)
+    assert_same_training(*runs)
+
+
 @pytest.mark.parametrize("convert", ["float", "half", "cpu-dtype", "double"])
 def test_a_conversion_of_the_streamed_params_is_refused_and_changes_nothing(device, convert):
     """model.to(dtype) and the like would replace a streamed param's placeholder with a

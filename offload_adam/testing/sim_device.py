@@ -630,6 +630,13 @@ class AsyncSimDevice:
             op.executed.wait()
 
 
+# Ops that look at tensors' metadata only (a GPU runs them on the host, touching no
+# device memory): `p.data = t` asks _has_compatible_shallow_copy_type of the two
+# (dispatched in inference_mode), on a device tensor whose copy may be in flight.
+_NO_DATA = frozenset({torch.ops.aten._has_compatible_shallow_copy_type.default,
+                      torch.ops.aten.is_same_size.default})
+
+
 class _Watch(TorchDispatchMode):
     def __init__(self, device: AsyncSimDevice):
         super().__init__()
@@ -637,7 +644,7 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not getattr(_local, "inside", False):
+        if not getattr(_local, "inside", False) and func not in _NO_DATA:
             reads, writes = [], []
             schema = func._schema.arguments
             for i, arg in enumerate(schema):
