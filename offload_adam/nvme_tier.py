@@ -284,6 +284,12 @@ class FileStore:
             self._resumed: Dict[int, Tuple[_Param, tuple, float]] = {}
             if self.state.step:
                 self._restore_params()   # (a damaged slot raises here)
+            elif resume and not self.state.pending:
+                # Not an error (one script can pass state_resume=True from its first run
+                # on), but said: a mistyped directory would otherwise start afresh unseen.
+                warnings.warn(f"offload_adam: state_resume=True, but state_dirs={list(dirs)} "
+                              "hold no completed step of this state: starting at step 0",
+                              RuntimeWarning)
         except BaseException:
             if self.pipeline is not None:
                 self.pipeline.close()

@@ -110,7 +110,9 @@ documented here and nowhere else.
     params too: each param stepped at least once is set at construction from
     its master in the files (the files hold every param's value, fp32 params
     stepped in place included), so a crash loses nothing even without a model
-    checkpoint; opt.step_count says the step. Nothing loaded after may mix
+    checkpoint; opt.step_count says the step. Directories holding no completed
+    step (a first run) start at step 0 with a RuntimeWarning saying so (a
+    mistyped path must not start afresh unseen). Nothing loaded after may mix
     steps: params changed before the next step must be the files' (or those
     of the step before, which the files keep: a model checkpoint saved before
     a kill between step() and the model's save; the state then goes back to

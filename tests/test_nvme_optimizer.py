@@ -4,6 +4,7 @@ errors of bad input. Small sizes under tmp_path; bucket_mb is tiny so that every
 several buckets and the pipeline reads ahead."""
 import gc
 import os
+import warnings
 
 import pytest
 import torch
@@ -128,6 +129,26 @@ def test_a_directory_with_this_state_resumes_it_when_asked(kernels, tmp_path):
     assert all(torch.equal(bits(r), bits(q)) for r, q in zip(rs, qs))
     train(opt, rs, 2, 2)
     assert_same(ps, rs, whole, opt)
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_state_resume_with_no_state_there_says_it_starts_afresh(kernels, tmp_path, footprint):
+    """state_resume=True over directories without a completed step (a first run, or a
+    mistyped path) starts at step 0, and says so rather than silently."""
+    qs = make_params()
+    with pytest.warns(RuntimeWarning, match=r"state_resume=True, but state_dirs=.* hold no "
+                                            r"completed step of this state: starting at step 0"):
+        opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dirs=tmp_path, state_resume=True,
+                                 state_footprint=footprint, **NVME)
+    assert opt.step_count == 0
+    train(opt, qs, 0, 1)
+    del opt
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a state to resume: no warning
+        opt = offload_adam.AdamW(groups(make_params(seed=3)), lr=0.01, state_dirs=tmp_path,
+                                 state_resume=True, state_footprint=footprint, **NVME)
+    assert opt.step_count == 1
 
 
 def test_a_loaded_state_is_the_files_step_at_once(kernels, tmp_path):
