@@ -174,6 +174,9 @@ def load_model(spec: str) -> ModelShape:
     if os.path.isfile(path):
         with open(path) as f:
             return ModelShape.from_config(json.load(f), spec)
+    if spec.endswith(".json") or os.path.isdir(spec):   # a path, not a hub name
+        raise ValueError(f"model {spec!r}: a directory without a config.json"
+                         if os.path.isdir(spec) else f"model {spec!r}: no such file")
     try:
         from transformers import AutoConfig
     except ImportError:
@@ -810,16 +813,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             raise ValueError(f"--machine {args.machine!r}: one of {', '.join(MACHINES)} or "
                              "'here'")
-        over = {"gpu_bytes": args.gpu_gb, "gpu_tflops": args.gpu_tflops,
-                "pcie_gbps": args.pcie_gbps, "host_bytes": args.ram_gb,
-                "dram_gbps": args.dram_gbps, "ssd_bytes": args.ssd_gb,
-                "ssd_read_gbps": args.ssd_read_gbps, "ssd_write_gbps": args.ssd_write_gbps,
-                "gpu_reserve_bytes": args.gpu_reserve_gb,
-                "host_reserve_bytes": args.host_reserve_gb}
-        for key, v in over.items():
+        over = {"gpu-gb": "gpu_bytes", "gpu-tflops": "gpu_tflops", "pcie-gbps": "pcie_gbps",
+                "ram-gb": "host_bytes", "dram-gbps": "dram_gbps", "ssd-gb": "ssd_bytes",
+                "ssd-read-gbps": "ssd_read_gbps", "ssd-write-gbps": "ssd_write_gbps",
+                "gpu-reserve-gb": "gpu_reserve_bytes", "host-reserve-gb": "host_reserve_bytes"}
+        for flag, key in over.items():
+            v = getattr(args, flag.replace("-", "_"))
             if v is not None:
                 if v < 0 or (v == 0 and not key.endswith("reserve_bytes")):
-                    raise ValueError(f"--{key}: must be positive, got {v}")
+                    raise ValueError(f"--{flag}: must be positive, got {v:g}")
                 machine = replace(machine, **{key: v * GB if key.endswith("bytes") else v})
         run = Run(args.batch, args.seq, args.micro, not args.no_checkpointing, args.prefetch,
                   args.bucket_mb, args.state_budget_mb, param_cache_mb=args.param_cache_mb)

@@ -274,10 +274,12 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["./no-such/config.json"], "not a preset"),
+    (["./no-such/config.json"], "no such file"),
+    ([".", "--batch", "1"], "'.': a directory without a config.json"),
+    (["llama-3-8b", "--host-reserve-gb", "-2"], "--host-reserve-gb: must be positive"),
     (["--layers", "4"], "--hidden, --intermediate, --vocab, --heads missing"),
     (["llama-3-8b", "--machine", "laptop"], "--machine 'laptop'"),
-    (["llama-3-8b", "--ram-gb", "-1"], "must be positive"),
+    (["llama-3-8b", "--ram-gb", "-1"], "--ram-gb: must be positive"),
     (["llama-3-8b", "--batch", "0"], "batch must be a positive int"),
     (["llama-3-8b", "--param-cache-mb", "100"], "holds 0 of the largest block"),
 ])
