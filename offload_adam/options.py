@@ -295,6 +295,9 @@ def _checked_dirs(value) -> Tuple[str, ...]:
             hint = (" (create one per drive before building the optimizer)"
                     if error is FileNotFoundError else "")
             raise ValueError(f"state_dirs: {d!r} {what}{hint}")
-    if len(set(out)) != len(out):
+    # the same directory under two names (a symlink, a bind mount) too: its files would
+    # be opened twice (the directory lock then blamed "another optimizer")
+    same = {(st.st_dev, st.st_ino) for st in map(os.stat, out)}
+    if len(same) != len(out):
         raise ValueError(f"state_dirs names a directory twice: {list(out)}")
     return out

@@ -293,6 +293,7 @@ class ParamStreamer:
         self._graph_task = None          # the backward whose end releases every block
         self._handles: list = []
         self._pinned: list = []
+        self._closed = False
         self._move_resident()
         for block in self.blocks:
             self._take(block)
@@ -373,7 +374,40 @@ class ParamStreamer:
         for name, module in self.model.named_modules():
             if name in under:
                 module._apply = self._guarded_apply(module, name, under[name])
+                module.__dict__["__deepcopy__"] = self._refused_copy(name, under[name])
+                module.__dict__["__reduce_ex__"] = self._refused_copy(name, under[name])
                 self._guarded.append(module)
+                self._handles.append(module._register_load_state_dict_pre_hook(
+                    self._refuse_assign(name), with_module=True))
+
+    def _refused_copy(self, name: str, blocks: List[_Block]):
+        """copy.deepcopy, copy.copy and pickling (torch.save(model)) of a module holding
+        streamed params: the copy would have their NaN placeholders and the original's
+        hooks (it would compute NaN while its state_dict() showed the original's
+        values): refused, naming the way that works."""
+        def refuse(*args, **kwargs):
+            raise RuntimeError(
+                f"offload_adam.stream_params: {name or 'the model'} holds the streamed params "
+                f"of block {blocks[0].name} (between uses NaN placeholders of their shape, "
+                "streamed by hooks of this model): it cannot be copied or pickled. Save or "
+                "copy model.state_dict() (the real values), copy the model before "
+                "stream_params, or close() the streamer first")
+        return refuse
+
+    def _refuse_assign(self, name: str):
+        """load_state_dict(assign=True) would put the loaded tensors in place of the
+        streamed params (then resident, of the dict's dtype, and no longer the ones the
+        streamer and optimizer step): refused before anything is loaded (the hook of the
+        outermost module that holds them runs first)."""
+        def hook(module, state_dict, prefix, local_metadata, *rest):
+            if local_metadata.get("assign_to_params_buffers"):
+                raise RuntimeError(
+                    f"offload_adam.stream_params: load_state_dict(assign=True) into "
+                    f"{name or 'the model'} would replace streamed params by the loaded "
+                    "tensors; nothing was loaded. Load with assign=False (the default): the "
+                    "values are copied into the streamed params' host copies (a model built "
+                    "on the meta device and streamed loads that way too)")
+        return hook
 
     def _guarded_apply(self, module: torch.nn.Module, name: str, blocks: List[_Block]):
         original = type(module)._apply.__get__(module)
@@ -605,12 +639,17 @@ class ParamStreamer:
 
     def close(self) -> None:
         """Stops streaming: every param goes back to the device for good (the optimizer
-        must be built again: it stepped the host copies)."""
+        must be built again: it stepped the host copies). Once: closing again does
+        nothing (the host copies are gone by then: the params have their values)."""
+        if self._closed:
+            return
+        self._closed = True
         for h in self._handles:
             h.remove()
         self._handles = []
         for module in self._guarded:
-            module.__dict__.pop("_apply", None)
+            for attr in ("_apply", "__deepcopy__", "__reduce_ex__"):
+                module.__dict__.pop(attr, None)
         self._guarded = []
         with torch.no_grad():
             for block in self.blocks:
@@ -623,6 +662,7 @@ class ParamStreamer:
                         set_home(p, None)
                 finally:
                     block.unhold(dirty=False)
+                block.homes = []   # (their host memory goes with them)
         for buffer in self._pinned:
             self.device.unpin(buffer)
         self._pinned = []

@@ -266,6 +266,10 @@ def test_state_dirs_and_budget_are_checked_at_construction(tmp_path):
         offload_adam.AdamW(ps, state_dirs=[tmp_path, tmp_path / "file"])
     with pytest.raises(ValueError, match="state_dirs names a directory twice"):
         offload_adam.AdamW(ps, state_dirs=[tmp_path, str(tmp_path)])
+    (tmp_path / "link").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(ValueError, match="state_dirs names a directory twice"):
+        offload_adam.AdamW(ps, state_dirs=[tmp_path, tmp_path / "link"])   # (once: "in use")
+    assert sorted(os.listdir(tmp_path)) == ["file", "link"]   # nothing made
     with pytest.raises(ValueError, match=r"state_resume=True needs state_dirs="):
         offload_adam.AdamW(ps, state_resume=True)
     with pytest.raises(ValueError, match="state_resume must be True or False"):

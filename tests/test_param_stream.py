@@ -344,6 +344,53 @@ def test_close_puts_the_params_back_and_the_old_optimizer_refuses(device):
     llama_loss(model, 5).backward()
     with pytest.raises(RuntimeError, match="no longer streams"):
         opt.step()
+    # Trained on resident, then closed again: nothing changes (the second close once put
+    # the host copies of the first back, undoing the steps since).
+    model.zero_grad()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 2, start=1)
+    trained = values(model)
+    streamer.close()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, trained[name]), name
+    copy.deepcopy(model)   # closed: an ordinary model again
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "deepcopy a block", "copy", "torch.save",
+                                 "load assign=True", "load a block assign=True"])
+def test_a_copy_or_an_assigning_load_is_refused_and_changes_nothing(device, how, tmp_path):
+    """A copy (or pickle) of a module holding streamed params would hold their NaN
+    placeholders and the original's hooks: it computed NaN while its state_dict() showed
+    the original's values. load_state_dict(assign=True) put the loaded tensors in place of
+    the streamed params (resident, the streamer and optimizer stepping the old ones,
+    state_dict() showing the old values). Both are refused; training goes on as resident."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=4)
+        opt = None
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 1)
+        if streamed:
+            other = make_llama(seed=5, layers=4)
+            params = dict(model.named_parameters())
+            act = {"deepcopy": lambda: copy.deepcopy(model),
+                   "deepcopy a block": lambda: copy.deepcopy(model.layers[2]),
+                   "copy": lambda: copy.copy(model),
+                   "torch.save": lambda: torch.save(model, tmp_path / "m.pt"),
+                   "load assign=True": lambda: model.load_state_dict(other.state_dict(),
+                                                                     assign=True),
+                   "load a block assign=True": lambda: model.layers[1].load_state_dict(
+                       other.layers[1].state_dict(), assign=True)}[how]
+            match = "assign=True" if how.startswith("load") else "cannot be copied or pickled"
+            with pytest.raises(RuntimeError, match=match):
+                act()
+            assert dict(model.named_parameters()) == params   # the same Parameters
+            copy.deepcopy(model.embed)   # a module without streamed params copies as ever
+        train(model, opt, 2, start=1)
+        runs.append((model, opt))
+    assert_same_training(*runs)
 
 
 class Twice(TinyLlama):
