@@ -312,6 +312,25 @@ def test_the_state_of_another_model_is_refused(kernels, tmp_path):
         offload_adam.AdamW(ps, state_dirs=tmp_path, bucket_mb=0.05)
 
 
+def test_named_params_identify_the_files_by_name(kernels, tmp_path):
+    """Given named params (torch's named form), the files know each by name: a resume that
+    lists two of one shape in another order is refused (unnamed, the order is all there is)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = offload_adam.AdamW(model.named_parameters(), state_dirs=tmp_path, **NVME)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.close()
+    del opt
+    gc.collect()
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match=r"another model or optimizer: bucket 0: "
+                                         r"0:0.weight.master .* 0:1.weight.master"):
+        offload_adam.AdamW(named[2:] + named[:2], state_dirs=tmp_path, state_resume=True, **NVME)
+    opt = offload_adam.AdamW(named, state_dirs=tmp_path, state_resume=True, **NVME)
+    assert opt.step_count == 1
+
+
 def test_two_optimizers_on_one_directory(kernels, tmp_path):
     first = offload_adam.AdamW(make_params(), state_dirs=tmp_path, **NVME)
     with pytest.raises(RuntimeError, match="is in use by another optimizer"):
