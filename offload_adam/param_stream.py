@@ -45,6 +45,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .engine.device import current_host_stand_in, make_device
+from .engine.host_memory import unpin_all
 from .nvme.layout import ALIGN, round_up
 from .param_files import ParamFiles, min_slots
 from .params import home_of, set_home
@@ -374,8 +375,8 @@ class ParamStreamer:
         for name, module in self.model.named_modules():
             if name in under:
                 module._apply = self._guarded_apply(module, name, under[name])
-                module.__dict__["__deepcopy__"] = self._refused_copy(name, under[name])
-                module.__dict__["__reduce_ex__"] = self._refused_copy(name, under[name])
+                refuse = self._refused_copy(name, under[name])
+                module.__dict__["__deepcopy__"] = module.__dict__["__reduce_ex__"] = refuse
                 self._guarded.append(module)
                 self._handles.append(module._register_load_state_dict_pre_hook(
                     self._refuse_assign(name), with_module=True))
@@ -663,9 +664,7 @@ class ParamStreamer:
                 finally:
                     block.unhold(dirty=False)
                 block.homes = []   # (their host memory goes with them)
-        for buffer in self._pinned:
-            self.device.unpin(buffer)
-        self._pinned = []
+        unpin_all(self.device, self._pinned)
         if self.files is not None:
             self.files.close()
             self.files = None
