@@ -20,6 +20,7 @@ optimizer then keeps master and moments in pinned host memory (the engine).
 
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
@@ -94,15 +95,26 @@ def main(args):
     return same
 
 
+def leave(code):
+    """Ends this rank's process without the interpreter's teardown, where threads of
+    torch.distributed's gloo backend can still abort it (once in CI, 2026-11-28: rank 0
+    exited with SIGABRT, "terminate called without an active exception", after both
+    ranks had finished and printed their results; see pytorch/pytorch#179291). All
+    that this rank wrote (the checkpoint, its output) is complete by then."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def rank_main(rank, world, port, args):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        if not main(args):
-            raise SystemExit(1)
+        ok = main(args)
         dist.barrier()   # both ranks done before either tears down (gloo's exit race)
     finally:
         dist.destroy_process_group()
+    leave(0 if ok else 1)
 
 
 if __name__ == "__main__":
@@ -120,7 +132,7 @@ if __name__ == "__main__":
             dist.barrier()
         finally:
             dist.destroy_process_group()
-        raise SystemExit(0 if ok else 1)
+        leave(0 if ok else 1)
     import socket
 
     with socket.socket() as s:

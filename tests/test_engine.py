@@ -1105,3 +1105,30 @@ def test_bad_engine_options():
         offload_adam.AdamW([p], max_grad_norm=-1.0)
     with pytest.raises(NotImplementedError, match="2-norm"):
         offload_adam.AdamW([p]).clip_grad_norm_(1.0, norm_type=1.0)
+
+
+def test_only_the_masters_that_copies_use_are_pinned(sim):
+    """Page-locked memory is scarce (it cannot be swapped, and pinning is slow): a bf16
+    param's master and every moment only the CPU kernel reads, so only an fp32 param's
+    master (its copies' source and target) is pinned, also in a model mixing both."""
+    model = make_mlp()
+    model[2].float()   # an fp32 head after a bf16 layer
+    model[2].register_forward_pre_hook(lambda mod, args: (args[0].float(),))
+    before = sim.sim.pinned()
+    opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+    run(model, opt, 2, loss=mlp_loss)
+    spans = [s for s in sim.sim.pinned() if s not in before]
+
+    def pinned(t):   # t's bytes lie in a pinned span (spans: storage, first byte, end byte)
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        return any(b == t.untyped_storage().data_ptr() and a <= lo and hi <= e
+                   for b, a, e in spans)
+
+    kinds = set()
+    for p in model.parameters():
+        st = opt.state[p]
+        kinds.add(p.dtype)
+        assert not pinned(st["exp_avg"]) and not pinned(st["exp_avg_sq"])
+        assert pinned(st["master_param"]) == (p.dtype is torch.float32), p.dtype
+    assert kinds == {BF16, torch.float32}

@@ -6,7 +6,6 @@ sizes under tmp_path (tests/nvme_model.py's model)."""
 import gc
 import os
 import re
-import warnings
 
 import pytest
 import torch

@@ -660,7 +660,13 @@ class OffloadEngine:
     def _allocate_state(self, recs, roles) -> None:
         if self.state_on_disk:
             return
-        self._state_arenas.append(allocate_state(recs, self.device, self._available, roles))
+        # One arena set per precision: the fp32 params' masters are pinned (their
+        # copies' source), and the bf16/fp16 params' are not, whatever the mix.
+        for low in (True, False):
+            same = [r for r in recs if r.low_precision == low]
+            if same:
+                self._state_arenas.append(
+                    allocate_state(same, self.device, self._available, roles))
 
     def publish_h2d(self) -> None:
         """Step 5: the user's stream waits for every queued H2D copy."""

@@ -263,7 +263,8 @@ def allocate_state(recs: Sequence[ParamRec], device, available: Optional[int],
                    roles: Sequence[str]) -> HostArenas:
     """Host buffers of `roles` for each rec (whole-param views; recs of one
     state format): the fp32 master, the moments in the format's dtype, 8-bit
-    block scales. Only an fp32 param's master is pinned: it is the source of the
+    block scales. The masters are pinned when the recs are fp32 params (all of
+    one precision: the caller splits them): such a master is the source of the
     param's copy to the device and the target of its copy back (state.py's master
     rule); the rest only the CPU kernel reads (host_memory.py: why that matters)."""
     arenas = HostArenas(device)
@@ -278,8 +279,9 @@ def allocate_state(recs: Sequence[ParamRec], device, available: Optional[int],
                 shape = r.shape
             plan[role] = (arenas.reserve(role, dtype, math.prod(shape)), shape)
         plans.append(plan)
-    arenas.allocate(available, pin=["master"] if any(not r.low_precision for r in recs)
-                    else [])
+    if len({r.low_precision for r in recs}) > 1:
+        raise ValueError("allocate_state: recs of one precision (fp32, or bf16/fp16)")
+    arenas.allocate(available, pin=["master"] if recs and not recs[0].low_precision else [])
     for r, plan in zip(recs, plans):
         for role, (off, shape) in plan.items():
             setattr(r, role, arenas.view(role, off, shape))
