@@ -245,7 +245,7 @@ def planned_step(cfg, args, h2d_gbps, disk):
     layout = planner.Layout("files" if args.param_dir else "ram", "ram", state)
     p = planner.plan(model, machine, run, layout)
     return dict(layout=f"params {layout.params}, state ram {state}", params=model.params,
-                step_s=p.step_s, bound=p.bound, seconds=p.seconds)
+                step_s=p.step_s, bound=p.bound, seconds=p.seconds, expected_s=p.expected_s)
 
 
 def main():
@@ -339,11 +339,14 @@ def main():
     planned = planned_step(cfg, args, h2d, disk)
     print(f"planner ({planned['layout']}, a Llama of this width and params per block, at the "
           f"host-to-device and disk speeds measured here): {planned['step_s']:.2f} s, bound by "
-          f"{planned['bound']} ({', '.join(f'{k} {v:.2f}' for k, v in planned['seconds'].items())})")
+          f"{planned['bound']} ({', '.join(f'{k} {v:.2f}' for k, v in planned['seconds'].items())}); "
+          f"as the code schedules it: {planned['expected_s']:.2f} s")
     for m in modes:
         if m["prefetch"] is not None:
             m["planned_ratio"] = m["median"]["iter_s"] / planned["step_s"]
-            print(f"{m['mode']}: iteration {m['planned_ratio']:.2f} x the planner's step")
+            m["expected_ratio"] = m["median"]["iter_s"] / planned["expected_s"]
+            print(f"{m['mode']}: iteration {m['planned_ratio']:.2f} x the planner's step, "
+                  f"{m['expected_ratio']:.2f} x its estimate of the schedule")
     if args.fsdp2:
         peer = modes[-1]["median"]["iter_s"]
         for m in modes[:-1]:

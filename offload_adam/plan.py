@@ -22,8 +22,9 @@ and resident params (embeddings, final norm, head). For each layout
 
 it counts the bytes on the GPU, in host RAM and on disk, says whether they fit the machine,
 gives the per-step lower bounds (GPU compute at peak, PCIe per direction, the CPU step at the
-DRAM bandwidth, the SSD) with the one that binds, and the largest model of the same width
-(more or fewer blocks) that fits.
+DRAM bandwidth, the SSD) with the one that binds, an estimate of the step as the code
+schedules its phases (`schedule`), and the largest model of the same width (more or fewer
+blocks) that fits.
 
 Host and disk bytes are counted the way the code allocates them (engine/layout.py: grad and
 staging per piece, master and moments per param, each rounded to a cache line; the NVMe
@@ -569,6 +570,7 @@ class Plan:
     disk: Dict[str, float] = field(default_factory=dict)
     seconds: Dict[str, float] = field(default_factory=dict)   # per-step lower bounds
     traffic: Dict[str, float] = field(default_factory=dict)   # bytes per step per link
+    expected_s: float = 0.0   # the step as the code schedules it (`schedule`)
 
     @property
     def gpu_total(self) -> float:
@@ -613,7 +615,7 @@ class Plan:
                 "gpu_total": self.gpu_total, "host_total": self.host_total,
                 "disk_total": self.disk_total, "fits": self.fits, "misfits": self.misfits(),
                 "seconds": self.seconds, "bound": self.bound, "step_s": self.step_s,
-                "traffic_bytes": self.traffic}
+                "expected_s": self.expected_s, "traffic_bytes": self.traffic}
 
 
 def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
@@ -649,7 +651,7 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     # SSD: the state read and written once per step; param files miss the cache in forward
     # and backward, and the new params are written (the step writes each block whole,
     # reading none: param_files.hold_to_write; a block with a frozen param would be read)
-    ssd_read = ssd_write = 0.0
+    ssd_read = ssd_write = forward_read = 0.0
     if layout.in_files:
         ssd_read, ssd_write = state_gen, state_gen
         if layout.state == "compact":
@@ -658,7 +660,8 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
                 ssd_read += files["redo_log_bytes"]
     if layout.params == "files":
         extent = float(param_file_bytes(model))
-        ssd_read += micro * 2 * max(0.0, extent - cache)
+        forward_read = micro * max(0.0, extent - cache)
+        ssd_read += 2 * forward_read
         ssd_write += extent
     # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
     # attention's score and value products, causal (6 s h per token per layer, +2 likewise)
@@ -670,7 +673,43 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
                  "pcie": max(h2d, d2h) / (m.pcie_gbps * GB),
                  "cpu": dram / (m.dram_gbps * GB),
                  "ssd": ssd_read / (m.ssd_read_gbps * GB) + ssd_write / (m.ssd_write_gbps * GB)}
+    p.expected_s = schedule(p, k, streamed, forward_read / (m.ssd_read_gbps * GB))
     return p
+
+
+def schedule(p: Plan, k: int, streamed: int, ssd_forward: float) -> float:
+    """The step as the code runs it, each phase at its slowest link (an estimate: the
+    bounds are what no schedule beats; this is what this one gives).
+
+    - Forward: the GPU's forward share of the flops (2 of the k per param and token), the
+      streamed params' copies in, or the param files' reads (`ssd_forward` seconds),
+      whichever is slowest. The CPU waits: the next forward reads what the step writes,
+      so no step runs in it; so does the state's pass over its files, which starts at
+      backward's first grad (engine/disk_early.py).
+    - Backward: the rest of the flops (recompute and backward), the params fetched again
+      and the grads copied out, or, with one micro-batch, the CPU step, which runs inside
+      backward (step_in_backward) and shares the DRAM with those copies, whose bytes
+      (2 B per grad, 2 B per streamed param) it adds. With several micro-batches the
+      grads accumulate on the host and the CPU step runs after the last one, alone.
+    - step(): the resident params' updates go back to the device.
+    - The SSD's other bytes (the state read and written, the redo log, the param files'
+      reads in backward and writes) fall in backward and step(): that part takes at
+      least their time.
+    On an H200 (2026-11-28: bench/results/NVIDIA_H200/2026-11-28b/NOTES.md) a 12.9 B
+    model streamed from RAM with its state in RAM took 2.98-3.34 s: 1.3-1.4 x this
+    estimate (2.35 s there), 2.0-2.2 x the largest bound (1.51 s, the CPU step)."""
+    m, run, t = p.machine, p.run, p.traffic
+    pcie, dram = m.pcie_gbps * GB, m.dram_gbps * GB
+    micro = run.micro
+    fetch = micro * 2.0 * streamed if p.layout.streamed else 0.0   # one pass of fetches
+    gpu_fwd = p.seconds["gpu"] * 2 / k
+    forward = max(gpu_fwd, fetch / pcie, ssd_forward)
+    backward = max(p.seconds["gpu"] - gpu_fwd, max(fetch, t["d2h"]) / pcie)
+    ssd = p.seconds["ssd"] - ssd_forward
+    tail = (t["h2d"] - 2 * fetch) / pcie
+    if micro == 1:   # in backward, beside the copies
+        return forward + max(backward, (t["dram"] + t["d2h"] + fetch) / dram, ssd) + tail
+    return forward + max(backward + t["dram"] / dram, ssd) + tail
 
 
 def largest_fitting(model: ModelShape, machine: Machine, run: Run,
@@ -716,7 +755,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         "",
         f"{'layout':34s} {'GPU GB':>8s} {'host GB':>8s} {'disk GB':>8s} {'fits':>4s} "
         f"{'GPU s':>7s} {'PCIe s':>7s} {'CPU s':>7s} {'SSD s':>7s} {'bound':>5s} "
-        f"{'largest that fits':>18s}",
+        f"{'est s':>7s} {'largest that fits':>18s}",
     ]
     out = []
     for layout in layouts:
@@ -727,7 +766,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         lines.append(
             f"{name:34s} {_gb(p.gpu_total)} {_gb(p.host_total)} {_gb(p.disk_total)} "
             f"{'yes' if p.fits else 'no':>4s} {s['gpu']:7.2f} {s['pcie']:7.2f} {s['cpu']:7.2f} "
-            f"{s['ssd']:7.2f} {p.bound:>5s} "
+            f"{s['ssd']:7.2f} {p.bound:>5s} {p.expected_s:7.2f} "
             + (f"{big.params / 1e9:11.1f} B ({big.layers})" if big else f"{'none':>18s}"))
         if detail:
             for tier, parts in (("GPU", p.gpu), ("host", p.host), ("disk", p.disk)):
@@ -740,7 +779,8 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
                                                            "params": big.params}
         out.append(d)
     lines += ["", "Bounds are per optimizer step, each at the stated speed; the step is at "
-              "least the largest.",
+              "least the largest. est: the step as the code schedules it (forward with the "
+              "CPU idle, then backward with the CPU step inside, then step()'s copies).",
               "Host and disk bytes are the code's own layouts; GPU activations and times are "
               "estimates (offload_adam/plan.py says how)."]
     return "\n".join(lines), out
