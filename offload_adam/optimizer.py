@@ -218,8 +218,14 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         group = self.param_groups[index]
         try:
             _check_modes(group, f"param group {index}")
+            first: dict = {}
             for i, p in enumerate(group["params"]):
                 _check_param(p, lambda: param_label(group, index, i, p))
+                if id(p) in first:   # torch steps it twice a step (and warns); the engine
+                    raise ValueError(   # and the state files would not: refused, not wrong
+                        f"param {param_label(group, index, i, p)} is the same tensor as param "
+                        f"{first[id(p)]} of its group: list each param once")
+                first[id(p)] = i
             self._check_one_device()
             if self._store is not None:
                 self._store.add_group(index, group)

@@ -482,3 +482,20 @@ def test_grad_scale_attribute_unscales(kernels):
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, ps))
     assert opt.state[ps[0]]["step"].item() == 1
+
+
+def test_a_param_listed_twice_in_a_group_is_refused(kernels):
+    """torch steps such a param twice a step (and warns that it will refuse it); the
+    engine and the state files stepped it once, or wrongly: refused, naming both places,
+    and add_param_group leaves the optimizer as it was."""
+    import warnings
+    w, v = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch's own warning about duplicates
+        with pytest.raises(ValueError, match=r"param group 0, param 2 \(shape \(3,\)\) is the "
+                                             r"same tensor as param 0 of its group"):
+            offload_adam.AdamW([w, v, w])
+        opt = offload_adam.AdamW([v])
+        with pytest.raises(ValueError, match="param group 1, param 1 .* same tensor as param 0"):
+            opt.add_param_group({"params": [w, w]})
+    assert len(opt.param_groups) == 1
