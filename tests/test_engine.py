@@ -1114,17 +1114,9 @@ def test_only_the_masters_that_copies_use_are_pinned(sim):
     model = make_mlp()
     model[2].float()   # an fp32 head after a bf16 layer
     model[2].register_forward_pre_hook(lambda mod, args: (args[0].float(),))
-    before = sim.sim.pinned()
     opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
     run(model, opt, 2, loss=mlp_loss)
-    spans = [s for s in sim.sim.pinned() if s not in before]
-
-    def pinned(t):   # t's bytes lie in a pinned span (spans: storage, first byte, end byte)
-        lo = t.data_ptr()
-        hi = lo + t.numel() * t.element_size()
-        return any(b == t.untyped_storage().data_ptr() and a <= lo and hi <= e
-                   for b, a, e in spans)
-
+    pinned = sim.sim.is_pinned
     kinds = set()
     for p in model.parameters():
         st = opt.state[p]

@@ -408,6 +408,11 @@ class AsyncSimDevice:
     def default_num_threads(self) -> int:
         return torch.get_num_threads()
 
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether every byte `t` can touch lies in a pinned span."""
+        with self.lock:
+            return self._is_pinned(_span(t))
+
     def pinned(self) -> list:
         """The spans (storage, first byte, end byte) pinned now: a test checks
         that an optimizer unpins what it pinned (unpin() checks that no copy
