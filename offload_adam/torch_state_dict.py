@@ -15,7 +15,7 @@ import torch
 from . import distributed
 from .params import param_label
 from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS,
-                           with_code_keys, with_float32_moments)
+                           stored_key, with_code_keys, with_float32_moments)
 
 # The state that bypasses torch's cast when loaded (load_state_dict).
 _HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY, Q8_FORMAT_KEY)
@@ -125,6 +125,7 @@ class TorchStateDict:
                 saved = state_dict["state"].get(saved_id)
                 if not isinstance(saved, dict):
                     continue
+                _check_complete(saved, param_label(group, gi, i, p))
                 for key, value in saved.items():
                     if not isinstance(value, torch.Tensor) or key in SCALE_KEYS.values() or key == Q8_FORMAT_KEY:
                         continue
@@ -137,6 +138,24 @@ class TorchStateDict:
                             f"{param_label(group, gi, i, p)} has shape {tuple(value.shape)}, "
                             f"expected {tuple(expected)}"
                         )
+
+
+_CORE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _check_complete(saved: dict, label: str) -> None:
+    """A state holds all of step, exp_avg and exp_avg_sq, or none of them (a param
+    never stepped). One with some only is a damaged dict: taken as it is, the
+    missing ones would start again from zero and the param be stepped with wrong
+    values, where torch's step raises a KeyError. A missing max_exp_avg_sq is not
+    refused: amsgrad turned on after some steps starts it from zeros."""
+    held = {stored_key(k) for k in saved}
+    present = [k for k in _CORE_KEYS if k in held]
+    if present and len(present) < len(_CORE_KEYS):
+        missing = [k for k in _CORE_KEYS if k not in held]
+        raise ValueError(f"loaded optimizer state for param {label} has "
+                         f"{', '.join(map(repr, present))} but not {', '.join(map(repr, missing))}: "
+                         f"a param's state holds all of {', '.join(map(repr, _CORE_KEYS))} or none")
 
 
 def _per_param(sd: dict, convert) -> dict:

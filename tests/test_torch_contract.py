@@ -213,3 +213,36 @@ def test_step_between_forward_and_backward_is_seen_by_autograd(path, dtype):
     opt.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, "8bit"])
+@pytest.mark.parametrize("dropped", ["step", "exp_avg", "exp_avg_sq"])
+def test_a_state_missing_step_or_a_moment_is_refused_before_any_change(path, state_dtype, dropped):
+    # torch's step raises a KeyError for such a state; taken as it was, the missing
+    # key started again from zero (a fresh step count, a zeroed moment) and the param
+    # was stepped with wrong values, without a word. A state missing all of them (a
+    # param never stepped) and one missing only max_exp_avg_sq (amsgrad turned on
+    # later) load as before.
+    model, other = make_mlp(), make_mlp(seed=1)
+    opt = offload_adam.AdamW(model.parameters(), state_dtype=state_dtype, **OPTS)
+    run(model, opt, 2, loss=mlp_loss)
+    sd = opt.state_dict()
+    if not path.files and state_dtype != "8bit":   # amsgrad on: max_exp_avg_sq from zeros
+        ams = offload_adam.AdamW(make_mlp(seed=2).parameters(), amsgrad=True,
+                                 state_dtype=state_dtype, **OPTS)
+        ams.load_state_dict(copy.deepcopy(sd))
+    held = sd["state"][1]
+    held.pop(next(k for k in (dropped, dropped + "_codes") if k in held))
+    dst = offload_adam.AdamW(other.parameters(), state_dtype=state_dtype, **OPTS)
+    run(other, dst, 1, loss=mlp_loss)
+    before = state_of(dst, other)
+    with pytest.raises(ValueError, match=rf"group 0, param 1 .*not '{dropped}'"):
+        dst.load_state_dict(sd)
+    for now, then in zip(state_of(dst, other), before):
+        assert now.keys() == then.keys() and all(torch.equal(now[k], then[k]) for k in then)
+
+    sd["state"].pop(1)   # no state at all for that param: it starts afresh, as in torch
+    dst.load_state_dict(sd)
+    assert 1 not in dst.state_dict()["state"]
+    run(other, dst, 1, start=2, loss=mlp_loss)
+    assert float(states(dst)[list(other.parameters())[1]]["step"]) == 1.0
