@@ -52,8 +52,11 @@ documented here and nowhere else.
     after such an error the params already stepped in backward stay stepped
     (param, master, moments and step agree) and the others are not, and the
     message says so; with state_dirs= nothing is committed before step(), so
-    then nothing was stepped. The default is False because it is exact in
-    every case.
+    then nothing was stepped. A param streamed by stream_params has its host
+    copy written once its block's backward is done: between backward and
+    step(), model.state_dict() and an inference forward see those params
+    stepped and the resident ones not. The default is False because it is
+    exact in every case.
   state_dirs (None): a directory, or a list of them (one per NVMe drive, the
     state striped over them), where the optimizer state lives in files
     instead of host RAM: every param's fp32 master, the moments in any

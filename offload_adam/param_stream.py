@@ -154,6 +154,18 @@ class _Block:
         self.streamer, self.index, self.name, self.module = streamer, index, name, module
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
+        # where each param is held: (the submodule, its attribute, the param's index),
+        # every place of a param tied inside the block too; checked at each use
+        index = {id(p): k for k, p in enumerate(self.params)}
+        self.holders: List[Tuple[torch.nn.Module, str, int]] = []
+        seen = set()
+        for n, p in module.named_parameters(remove_duplicate=False):
+            path, _, attr = n.rpartition(".")
+            holder = module.get_submodule(path)
+            if id(p) in index and (id(holder), attr) not in seen:
+                seen.add((id(holder), attr))
+                self.holders.append((holder, attr, index[id(p)]))
+        self.loading = 0          # nested load_state_dict hooks running (submodules')
         self.state = "away"
         self.stale = False        # its host copies were written since its last fetch
         self.awaiting = False     # used in backward, not all stepped (param files' cache)
@@ -170,6 +182,21 @@ class _Block:
         self.device_tensors: List[torch.Tensor] = []
         self.placeholders: List[torch.Tensor] = []
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+
+    def check_held(self) -> None:
+        """Each streamed param is still the one its module holds: one replaced after
+        stream_params (`block.up.weight = nn.Parameter(...)`, or a weight tied to another
+        block's) would compute with values the streamer knows nothing of, and the model's
+        state_dict() would show the old host copy."""
+        for module, attr, k in self.holders:
+            if module._parameters.get(attr) is not self.params[k]:
+                name = next((f"{n}.{attr}" if n else attr for n, x in self.module.named_modules()
+                             if x is module), attr)
+                raise RuntimeError(
+                    f"offload_adam.stream_params: param {self.name}.{name} of a streamed block "
+                    "was replaced after stream_params (assigned, or tied to another param); "
+                    "the streamer and the optimizer hold the old one. Replace or tie params "
+                    "before stream_params, or close() the streamer first")
 
     def show(self, tensors: List[torch.Tensor]) -> None:
         """Each param shows its tensor in `tensors` (device copies, host copies or
@@ -352,12 +379,36 @@ class ParamStreamer:
             m.register_forward_pre_hook(lambda mod, args, kwargs, b=block:
                                         self._pre_forward(b, args, kwargs), with_kwargs=True),
             m.register_forward_hook(lambda mod, args, out, b=block: self._post_forward(b, out)),
-            m._register_state_dict_hook(lambda mod, sd, prefix, meta, b=block:
-                                        self._state_dict(b, sd, prefix)),
-            m._register_load_state_dict_pre_hook(
-                lambda sd, prefix, *rest, b=block: self._before_load(b)),
-            m.register_load_state_dict_post_hook(lambda mod, keys, b=block: self._after_load(b)),
         ]
+        # Each module that holds some of the block's params (the block, or a submodule)
+        # shows their host copies in its own state_dict() and loads into them, also when
+        # called on its own (block.up.state_dict()); a submodule called outside the
+        # block's forward and backward would compute with the placeholders: refused.
+        held: Dict[int, Tuple[torch.nn.Module, List[Tuple[str, int]]]] = {}
+        for module, attr, k in block.holders:
+            held.setdefault(id(module), (module, []))[1].append((attr, k))
+        for module, entries in held.values():
+            self._handles += [
+                module._register_state_dict_hook(lambda mod, sd, prefix, meta, b=block, e=entries:
+                                                 self._state_dict(b, sd, prefix, e)),
+                module._register_load_state_dict_pre_hook(
+                    lambda sd, prefix, *rest, b=block: self._before_load(b)),
+                module.register_load_state_dict_post_hook(
+                    lambda mod, keys, b=block: self._after_load(b)),
+            ]
+            if module is not m:
+                self._handles.append(module.register_forward_pre_hook(
+                    lambda mod, args, b=block, sub=module: self._inner_use(b, sub)))
+
+    def _inner_use(self, block: _Block, module: torch.nn.Module) -> None:
+        if block.state != "here":
+            name = next((n for n, x in block.module.named_modules() if x is module), "?")
+            raise RuntimeError(
+                f"offload_adam.stream_params: {block.name}.{name} ({type(module).__name__}) "
+                f"was called outside the forward and backward of its streamed block "
+                f"{block.name}, whose params are on the device only while the block runs. "
+                f"Stream a module that contains every use of it (blocks=), or keep it out "
+                f"of the streamed blocks")
 
     def _guard_conversions(self) -> None:
         """model.to(dtype), .float(), .half(), .cpu() and the like would replace a streamed
@@ -366,16 +417,20 @@ class ParamStreamer:
         ancestor) checks a conversion against them first, and refuses it before anything
         is converted. A conversion that leaves them as they are (model.to(their dtype))
         goes through."""
-        under: dict = {}
+        under: dict = {}   # module name -> [(block, the ids of its params there: None, all)]
         for block in self.blocks:
             parts = block.name.split(".") if block.name else []
             for i in range(len(parts) + 1):
-                under.setdefault(".".join(parts[:i]), []).append(block)
+                under.setdefault(".".join(parts[:i]), []).append((block, None))
+            for sub, module in block.module.named_modules():
+                if sub:   # a submodule: .half() of it would change the params it holds
+                    ids = {id(p) for p in module.parameters()}
+                    under.setdefault(f"{block.name}.{sub}", []).append((block, ids))
         self._guarded = []
         for name, module in self.model.named_modules():
             if name in under:
                 module._apply = self._guarded_apply(module, name, under[name])
-                refuse = self._refused_copy(name, under[name])
+                refuse = self._refused_copy(name, [b for b, _ in under[name]])
                 module.__dict__["__deepcopy__"] = module.__dict__["__reduce_ex__"] = refuse
                 self._guarded.append(module)
                 self._handles.append(module._register_load_state_dict_pre_hook(
@@ -410,13 +465,13 @@ class ParamStreamer:
                     "on the meta device and streamed loads that way too)")
         return hook
 
-    def _guarded_apply(self, module: torch.nn.Module, name: str, blocks: List[_Block]):
+    def _guarded_apply(self, module: torch.nn.Module, name: str, blocks: list):
         original = type(module)._apply.__get__(module)
 
         def _apply(fn, *args, **kwargs):
-            for block in blocks:
+            for block, ids in blocks:
                 for p, placeholder in zip(block.params, block.placeholders):
-                    if fn(placeholder) is not placeholder:
+                    if (ids is None or id(p) in ids) and fn(placeholder) is not placeholder:
                         raise RuntimeError(
                             f"offload_adam.stream_params: converting "
                             f"{name or 'the model'} ({type(module).__name__}: model.to, "
@@ -430,6 +485,7 @@ class ParamStreamer:
     # ---- the hooks ---------------------------------------------------------------------
 
     def _pre_forward(self, block: _Block, args, kwargs):
+        block.check_held()
         if _in_backward():   # the recompute of activation checkpointing
             self._note_backward()   # (reentrant: no forward hook saw this backward coming)
             if block.state != "here" or block.stale:
@@ -552,13 +608,16 @@ class ParamStreamer:
 
     # ---- state dicts ------------------------------------------------------------------
 
-    def _state_dict(self, block: _Block, sd: dict, prefix: str) -> None:
+    def _state_dict(self, block: _Block, sd: dict, prefix: str,
+                    entries: List[Tuple[str, int]]) -> None:
         """The host copies stand for the params (keep_vars=True: as Parameters around
-        them, not the model's own, whose data is the placeholder between uses)."""
+        them, not the model's own, whose data is the placeholder between uses).
+        `entries`: (attribute, index in the block) of the params the module holds."""
+        block.check_held()
         homes = (block.homes if self.files is None
                  else block.views(self.files.mapped(block.index)))
-        for name, home in zip(block.names, homes):
-            key = prefix + name
+        for attr, k in entries:
+            key, home = prefix + attr, homes[k]
             if key in sd:
                 was = sd[key]
                 sd[key] = (torch.nn.Parameter(home, requires_grad=was.requires_grad)
@@ -566,13 +625,25 @@ class ParamStreamer:
 
     def _before_load(self, block: _Block) -> None:
         """load_state_dict copies into the host copies (the params show them meanwhile;
-        with param files the block stays in its cache slot until loaded)."""
-        self._release(block)
-        block.settle()
-        block.hold()
+        with param files the block stays in its cache slot until loaded). The hooks of
+        the block's submodules nest inside the block's: the outermost one acts."""
+        block.loading += 1
+        if block.loading > 1:
+            return
+        try:
+            block.check_held()
+            self._release(block)
+            block.settle()
+            block.hold()
+        except BaseException:
+            block.loading = 0
+            raise
         block.show(block.host_views())
 
     def _after_load(self, block: _Block) -> None:
+        block.loading -= 1
+        if block.loading > 0:
+            return
         block.show(block.placeholders)
         block.unhold(dirty=True)
 
@@ -798,6 +869,18 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
             continue
         if match(name, m):
             found.append((name, m))
+    if isinstance(spec, str) or not (isinstance(spec, (type, tuple)) or callable(spec)):
+        names = {spec} if isinstance(spec, str) else set(spec)
+        unknown = sorted(names - {name for name, _ in model.named_modules()})
+        if unknown:
+            raise ValueError(f"offload_adam.stream_params: blocks names modules the model "
+                             f"does not have: {unknown}")
+    for name, m in found:
+        if type(m).forward is torch.nn.Module.forward:
+            raise ValueError(
+                f"offload_adam.stream_params: block {name} ({type(m).__name__}) is never called "
+                "itself (it has no forward: a container), so its params would never be "
+                "fetched: name the modules that compute, e.g. its children")
     owner: Dict[int, str] = {}
     out = []
     for name, m in found:

@@ -445,7 +445,7 @@ def test_inference_between_steps_gives_the_resident_outputs_and_changes_no_train
     assert_same_training(*runs)
 
 
-@pytest.mark.parametrize("convert", ["float", "half", "cpu-dtype", "double"])
+@pytest.mark.parametrize("convert", ["float", "half", "cpu-dtype", "double", "inner"])
 def test_a_conversion_of_the_streamed_params_is_refused_and_changes_nothing(device, convert):
     """model.to(dtype) and the like would replace a streamed param's placeholder with a
     tensor of NaNs: refused with a clear error before any param changed; a .to() that
@@ -457,7 +457,8 @@ def test_a_conversion_of_the_streamed_params_is_refused_and_changes_nothing(devi
                                            r"params of block layers\.\d"):
         {"float": lambda: model.float(), "half": lambda: model.layers.half(),
          "cpu-dtype": lambda: model.to("cpu", torch.float32),
-         "double": lambda: model.layers[1].double()}[convert]()
+         "double": lambda: model.layers[1].double(),
+         "inner": lambda: model.layers[1].up.half()}[convert]()   # a submodule of a block
     after = values(model)
     assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
     model.to(BF16)   # nothing of the streamed params changes: allowed
@@ -603,3 +604,83 @@ def test_a_fetch_during_another_threads_settle_keeps_its_copies():
     assert waited == ["old"] and block.copies == ["new"]
     block.settle()
     assert waited == ["old", "new"] and block.copies == []
+
+
+def test_a_streamed_param_replaced_or_tied_after_streaming_is_refused(device):
+    """The streamer and the optimizer hold the params streamed at setup: one replaced
+    afterwards (assigned, or tied to another block's) would compute with values they know
+    nothing of, and the model's state_dict() would show the old host copy: the next use,
+    state_dict() and load_state_dict() refuse it, naming the param."""
+    for how in ("replaced", "tied"):
+        model = make_llama(layers=3, frozen=())
+        offload_adam.stream_params(model, Block)
+        if how == "replaced":
+            model.layers[2].up.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=BF16))
+        else:
+            model.layers[2].up.weight = model.layers[0].up.weight
+        with pytest.raises(RuntimeError, match=r"param layers\.2\.up\.weight of a streamed "
+                                               r"block was replaced after stream_params"):
+            llama_loss(model, 0)
+        with pytest.raises(RuntimeError, match=r"layers\.2\.up\.weight .*was replaced"):
+            model.state_dict()
+        with pytest.raises(RuntimeError, match=r"layers\.2\.up\.weight .*was replaced"):
+            model.layers[2].load_state_dict(make_llama(layers=3, frozen=()).layers[2].state_dict())
+
+
+def test_a_blocks_submodule_used_outside_the_block_is_refused(device):
+    """A submodule of a streamed block has its params on the device only while the block
+    runs: called from elsewhere (the model's forward reusing it, or directly) it would
+    compute with the NaN placeholders; refused, naming it, with grads on or off."""
+    class Reuse(TinyLlama):
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(self.layers[0].mlp_norm(x))   # block 0's norm reused at the end
+
+    torch.manual_seed(0)
+    model = Reuse(layers=2).to(BF16)
+    offload_adam.stream_params(model, Block)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(
+                RuntimeError, match=r"layers\.0\.mlp_norm \(RMSNorm\) was called outside the "
+                                    r"forward and backward of its streamed block layers\.0"):
+            llama_loss(model, 0)
+    with pytest.raises(RuntimeError, match=r"layers\.1\.up \(Linear\) was called outside"):
+        model.layers[1].up(torch.ones(2, 32, dtype=BF16))
+    model.forward = TinyLlama.forward.__get__(model)   # the block's own use works as before
+    assert torch.isfinite(llama_loss(model, 0))
+
+
+def test_a_container_or_an_unknown_name_as_block_is_refused(device):
+    """A ModuleList is never called itself: its hooks would never fetch, and every use
+    of its params would read NaN. A name that matches nothing is a typo."""
+    model = make_llama(layers=3, frozen=())
+    with pytest.raises(ValueError, match=r"block layers \(ModuleList\) is never called itself"):
+        offload_adam.stream_params(model, ["layers"])
+    with pytest.raises(ValueError, match=r"does not have: \['layer\.2'\]"):
+        offload_adam.stream_params(model, ["layers.0", "layers.1", "layer.2"])
+    with pytest.raises(ValueError, match=r"does not have: \['layer'\]"):
+        offload_adam.stream_params(model, "layer")
+    offload_adam.stream_params(model, ["layers.0", "layers.1", "layers.2"])   # unchanged
+
+
+def test_a_submodules_state_dict_and_params_tied_inside_a_block_show_the_host_copies(device):
+    """state_dict()/load_state_dict() of a submodule inside a block (block.up) go through
+    the host copies as the model's and the block's do; so does a param tied inside a
+    block, under each of its names."""
+    model = make_llama(layers=2, frozen=())
+    model.layers[1].k.weight = model.layers[1].q.weight   # tied inside one block
+    plain = copy.deepcopy(model)
+    offload_adam.stream_params(model, Block)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+    for k, v in plain.layers[0].up.state_dict().items():
+        assert torch.equal(model.layers[0].up.state_dict()[k], v), k
+    other = make_llama(seed=1, layers=2, frozen=())
+    model.layers[0].up.load_state_dict(other.layers[0].up.state_dict())
+    model.layers[0].load_state_dict(model.layers[0].state_dict())   # nested hooks: once
+    plain.layers[0].up.load_state_dict(other.layers[0].up.state_dict())
+    assert torch.equal(model.state_dict()["layers.0.up.weight"], other.layers[0].up.weight)
+    assert torch.isnan(model.layers[0].up.weight).all()   # streamed again
+    torch.testing.assert_close(llama_loss(model, 3), llama_loss(plain, 3), rtol=0, atol=0)
