@@ -14,8 +14,10 @@ version), torch (version, build, C++ ABI and install location: the build files
 name its headers and libraries by path) and Python (version, ABI, headers). So
 any change builds into a fresh folder and nothing stale is ever linked or
 imported, and two environments with the same torch version (two venvs) keep a
-build each instead of rebuilding on every switch. Whenever ninja has anything
-to compile or link, one line on stderr says so first.
+build each instead of rebuilding on every switch. A finished build is stamped and
+then imported directly (its name already says what it was built from; ninja would
+go by file times). Whenever ninja has anything to compile or link, one line on
+stderr says so first.
 
 Failures surface here, from load_kernels(), as RuntimeError with what to do,
 never later as a missing attribute.
@@ -57,9 +59,12 @@ def load_kernels() -> ModuleType:
             module = _import_ahead_of_time() or _jit_build()
             # Applied here rather than at import, so a bad value raises
             # ValueError/RuntimeError naming it, not ImportError.
-            isa = os.environ.get("OFFLOAD_ADAM_ISA")
+            isa = os.environ.get("OFFLOAD_ADAM_ISA", "").strip().lower()
             if isa:
-                module.set_isa(isa)
+                try:
+                    module.set_isa(isa)
+                except RuntimeError as e:   # (a variant this CPU or build lacks)
+                    raise RuntimeError(f"{e} (asked for by OFFLOAD_ADAM_ISA={isa!r})") from None
             _module = module
         return _module
 
@@ -89,12 +94,27 @@ def _jit_build() -> ModuleType:
     from torch.utils import cpp_extension
 
     csrc = _sources.find_csrc(Path(__file__).parent)
-    ninja = _find_ninja()
     cxx = shlex.split(os.environ.get("CXX", "c++"))
     table = _sources.KernelTable.read(csrc)
-    name = f"offload_adam_C_{_build_hash(csrc, table, cxx, _built_against(cxx))}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_dir = Path(root) / name
+    against = _built_against(cxx)
+    name = f"offload_adam_C_{_build_hash(csrc, table, cxx, against)}"
+    # What a finished build's stamp says: the same key without the compiler, so that
+    # a machine without one (a compute node sharing the cache of a login node) loads
+    # the build made where there was one.
+    key = _build_hash(csrc, table, cxx, {k: v for k, v in against.items() if k != "compiler"})
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    build_dir = root / name
+    # A finished build of these very inputs (all in its name, the sources' contents
+    # included) is imported as it is: asking ninja would compare file times, and a
+    # reinstall that rewrote the same sources would rebuild for a minute.
+    finished = _finished(build_dir, name, key)
+    if finished is None and (not cxx or shutil.which(cxx[0]) is None):
+        finished = next(filter(None, (_finished(d, d.name, key)
+                                      for d in sorted(root.glob("offload_adam_C_*")))), None)
+    if finished is not None:
+        return _import_built(finished)
+    _require_compiler(cxx)
+    ninja = _find_ninja()
     obj_dir = build_dir / "kernels"
     obj_dir.mkdir(parents=True, exist_ok=True)
 
@@ -105,18 +125,18 @@ def _jit_build() -> ModuleType:
         # forever. Holding our lock, which dies with its process, no other build
         # of this folder is running: any such file is stale.
         (build_dir / "lock").unlink(missing_ok=True)
+        (build_dir / _STAMP).unlink(missing_ok=True)   # written again once built
         objects = [obj_dir / (Path(src).stem + ".o") for src in table.sources]
         _write_kernel_build_file(cxx, csrc, table, obj_dir)
         built = any(build_dir.glob(name + ".*"))
         if not (built and _up_to_date(ninja, obj_dir) and _up_to_date(ninja, build_dir)):
-            _require_compiler(cxx)
             seconds = max(10, _EXPECTED_COMPILE_CPU_SECONDS // max(1, os.cpu_count() or 1))
             what = "first use" if not built else "out of date"
             print(f"offload_adam: compiling CPU kernels ({what}, ~{seconds} s) into {build_dir}",
                   file=sys.stderr, flush=True)
         _compile_kernel_objects(ninja, obj_dir)
         # A failed compile raises RuntimeError from torch, carrying the compiler output.
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(csrc / _sources.BINDING_SOURCE)],
             extra_cflags=_sources.BINDING_FLAGS,
@@ -125,6 +145,36 @@ def _jit_build() -> ModuleType:
             build_directory=str(build_dir),
             verbose=False,
         )
+        stamp = build_dir / (_STAMP + ".tmp")
+        stamp.write_text(key)
+        stamp.replace(build_dir / _STAMP)   # (atomic: a reader sees all of it or none)
+        return module
+
+
+_STAMP = "offload_adam.finished"   # in a build folder: its module is built; holds `key`
+
+
+def _finished(build_dir: Path, name: str, key: str) -> Path | None:
+    """The module of a finished build in `build_dir` (named `name`) whose stamp says
+    `key`, or None."""
+    try:
+        if (build_dir / _STAMP).read_text() != key:
+            return None
+    except OSError:
+        return None
+    module = build_dir / f"{name}.so"
+    return module if module.is_file() else None
+
+
+def _import_built(path: Path) -> ModuleType:
+    """Imports the extension module at `path` (named as its file: its init function's
+    name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _built_against(cxx: list[str]) -> dict:

@@ -67,6 +67,7 @@ LOAD_REPORTING_RUNTIME_ERROR = """
 """
 
 TABLE = _sources.KernelTable.read(CSRC)
+STAMP = "offload_adam.finished"   # a finished build's mark (_build.py)
 
 
 def test_sources_table_matches_csrc():
@@ -140,10 +141,12 @@ def test_second_load_is_cached_and_silent(built_module_path):
 
 
 def test_missing_object_rebuilds_and_prints_one_line(built_module_path, tmp_path):
-    # A copy of the cache with one kernel object gone: only that file recompiles.
+    # A copy of the cache as a build stopped midway leaves it (no stamp, one kernel
+    # object gone): only that file recompiles.
     build_dir = tmp_path / built_module_path.parent.name
     shutil.copytree(built_module_path.parent, build_dir)
     (build_dir / "kernels" / "thread_pool.o").unlink()
+    (build_dir / STAMP).unlink()
     rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert rc == 0, err
     assert COMPILE_LINE.findall(err) == [str(build_dir)], err
@@ -160,12 +163,49 @@ def test_any_rebuild_prints_the_line(built_module_path, tmp_path):
     module = build_dir / built_module_path.name
     built = module.stat().st_mtime
     os.utime(build_dir / "binding.o", (built + 1, built + 1))   # (copytree kept the times)
+    (build_dir / STAMP).unlink()   # (a finished build is not asked to ninja: below)
     rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert rc == 0, err
     assert COMPILE_LINE.findall(err) == [str(build_dir)], err
     assert module.stat().st_mtime > built + 1    # it did relink
     rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert rc == 0 and err == "", err
+
+
+def test_sources_rewritten_unchanged_reuse_the_finished_build(built_module_path, tmp_path):
+    # A reinstall (pip writes every file anew) or a checkout that leaves a source as it
+    # was gives it a new time, not new contents: the finished build, named after
+    # the contents, is imported without a compile (ninja would compare times and rebuild).
+    build_dir = tmp_path / built_module_path.parent.name
+    shutil.copytree(built_module_path.parent, build_dir)
+    sources = sorted(p for p in CSRC.iterdir() if p.is_file())
+    times = [(p, p.stat()) for p in sources]
+    try:
+        for p in sources:
+            os.utime(p)   # now: newer than every object of the build
+        rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    finally:
+        for p, st in times:
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert rc == 0 and err == "", err
+    assert Path(out.splitlines()[0]) == build_dir / built_module_path.name
+
+
+def test_a_finished_build_loads_where_there_is_no_compiler(built_module_path, tmp_path):
+    # A machine without a compiler (a compute node) sharing the cache of one that had
+    # it loads that build; with nothing built, the error says what to install, and
+    # leaves no empty build folder behind.
+    cache = tmp_path / "cache"
+    shutil.copytree(built_module_path.parent, cache / built_module_path.parent.name)
+    bare = {"TORCH_EXTENSIONS_DIR": str(cache), "PATH": str(tmp_path / "empty")}
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH, env=bare)
+    assert rc == 0 and err == "", err
+    assert Path(out.splitlines()[0]) == cache / built_module_path.parent.name / built_module_path.name
+    empty = tmp_path / "nothing"
+    rc, out, err = run_child(LOAD_REPORTING_RUNTIME_ERROR, env={**bare, "TORCH_EXTENSIONS_DIR": str(empty)})
+    assert rc == 0, err
+    assert "RuntimeError:" in out and "compiler 'c++' was not found" in out, out
+    assert not empty.exists() or not list(empty.iterdir())
 
 
 def test_two_environments_with_the_same_torch_keep_a_build_each(built_module_path, tmp_path):
@@ -250,6 +290,16 @@ def test_env_isa_selects_the_variant(built_module_path):
     rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"OFFLOAD_ADAM_ISA": "scalar"})
     assert rc == 0, err
     assert out.splitlines()[1] == "scalar"
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH, env={"OFFLOAD_ADAM_ISA": " Scalar\n"})
+    assert rc == 0 and out.splitlines()[1] == "scalar", err   # as a shell may leave it
+
+
+def test_env_isa_this_cpu_lacks_names_the_variable(built_module_path):
+    import platform
+    lacking = "avx512" if platform.machine() in ("aarch64", "arm64") else "neon"
+    rc, out, err = run_child(LOAD_REPORTING_RUNTIME_ERROR, env={"OFFLOAD_ADAM_ISA": lacking})
+    assert rc == 0, err
+    assert "RuntimeError:" in out and f"OFFLOAD_ADAM_ISA='{lacking}'" in out, out
 
 
 def test_load_kernels_is_cached_in_process():
