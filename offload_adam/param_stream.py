@@ -135,6 +135,12 @@ class Home:
         return [(start + a * size, end if b >= n else start + b * size)
                 for a, b in (ranges if ranges is not None else [(0, n)]) if a < b]
 
+    def bumped(self) -> None:
+        """The optimizer bumped the param's version counter (its step wrote the host
+        copy): not a write through the placeholder (_Block.check_unwritten)."""
+        if self.block.versions is not None:
+            self.block.versions[self.k] += 1
+
     def mark(self) -> tuple:
         """What master_rule.mark reads of the host copy: in RAM, its version counter and
         address (a write through it bumps the first); in files, no view lives on (they
@@ -166,6 +172,7 @@ class _Block:
                 seen.add((id(holder), attr))
                 self.holders.append((holder, attr, index[id(p)]))
         self.loading = 0          # nested load_state_dict hooks running (submodules')
+        self.versions: Optional[List[int]] = None   # the params' counters while away
         self.state = "away"
         self.stale = False        # its host copies were written since its last fetch
         self.awaiting = False     # used in backward, not all stepped (param files' cache)
@@ -203,6 +210,34 @@ class _Block:
         placeholders)."""
         for p, t in zip(self.params, tensors):
             p.data = t
+        self.versions = ([p._version for p in self.params] if tensors is self.placeholders
+                         else None)
+
+    def check_unwritten(self) -> None:
+        """No param was written in place while it showed its placeholder: such a write
+        (p.zero_(), nn.init on it, torch's own optimizer stepping it) lands in the
+        placeholder's one element, not in the host copy, and would be lost without a
+        word. torch bumps a param's version counter at each in-place write; the
+        optimizer's own bumps are counted (Home.bumped). Raised once: the placeholder
+        is NaN again after."""
+        if self.versions is None:
+            return
+        written = [name for name, p, v in zip(self.names, self.params, self.versions)
+                   if p._version != v]
+        if not written:
+            return
+        self.versions = [p._version for p in self.params]
+        with torch.no_grad():
+            for t in self.placeholders:
+                t.fill_(math.nan if t.is_floating_point() else 0)
+        raise RuntimeError(
+            f"offload_adam.stream_params: param {self.name}.{written[0]}"
+            f"{f' (and {len(written) - 1} more)' if len(written) > 1 else ''} of a streamed "
+            "block was written in place between its uses (p.zero_(), p.copy_(), nn.init on "
+            "it, another optimizer's step): between uses a streamed param shows a "
+            "placeholder, so the write did not reach its values and was dropped. Load "
+            "values with model.load_state_dict(...), write them before stream_params, and "
+            "step streamed params with offload_adam's optimizer")
 
     def settle(self) -> None:
         """Waits for the last fetch's copies; copies set meanwhile (another thread's
@@ -369,6 +404,7 @@ class ParamStreamer:
                     p.data = block.placeholders[-1]
                     p.grad = None
                     set_home(p, Home(block, k, like))
+            block.versions = [p._version for p in block.params]
         finally:
             if self.files is not None:
                 self.files.unhold(block.index, dirty=True)
@@ -581,6 +617,7 @@ class ParamStreamer:
             self._release(block)
         if block.state != "away":
             return
+        block.check_unwritten()
         block.settle()   # (its last copies read the same host memory: done long ago)
         for t in block.device_tensors:
             self.device.materialize(t)
@@ -614,6 +651,7 @@ class ParamStreamer:
         them, not the model's own, whose data is the placeholder between uses).
         `entries`: (attribute, index in the block) of the params the module holds."""
         block.check_held()
+        block.check_unwritten()
         homes = (block.homes if self.files is None
                  else block.views(self.files.mapped(block.index)))
         for attr, k in entries:
@@ -632,6 +670,7 @@ class ParamStreamer:
             return
         try:
             block.check_held()
+            block.check_unwritten()
             self._release(block)
             block.settle()
             block.hold()

@@ -684,3 +684,30 @@ def test_a_submodules_state_dict_and_params_tied_inside_a_block_show_the_host_co
     assert torch.equal(model.state_dict()["layers.0.up.weight"], other.layers[0].up.weight)
     assert torch.isnan(model.layers[0].up.weight).all()   # streamed again
     torch.testing.assert_close(llama_loss(model, 3), llama_loss(plain, 3), rtol=0, atol=0)
+
+
+def test_an_in_place_write_to_a_streamed_param_between_uses_is_refused(device):
+    """Between uses a streamed param shows a one-element placeholder: p.zero_() or
+    nn.init on it writes there, not into its values, and was dropped without a word. Its
+    next use (or state_dict, load_state_dict) raises instead, once; the optimizer's own
+    steps are no such write, nor is loading a state dict."""
+    model = make_llama(layers=3, frozen=())
+    plain = copy.deepcopy(model)
+    offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    ref = offload_adam.AdamW(plain.parameters(), **OPTS)
+    train(model, opt, 2)
+    train(plain, ref, 2)
+    model.load_state_dict(model.state_dict())   # a load is a write the streamer makes
+    for how, write in [("forward", lambda: llama_loss(model, 5)),
+                       ("state_dict", lambda: model.state_dict()),
+                       ("load", lambda: model.layers[1].load_state_dict(plain.layers[1].state_dict()))]:
+        with torch.no_grad():
+            torch.nn.init.zeros_(model.layers[1].up.weight)
+        with pytest.raises(RuntimeError, match=r"param layers\.1\.up\.weight of a streamed "
+                                               r"block was written in place between its uses"):
+            write()
+        assert torch.isnan(model.layers[1].up.weight).all(), how   # the placeholder again
+    train(model, opt, 1, start=2)   # raised once: training goes on from the host copies
+    train(plain, ref, 1, start=2)
+    assert_same_training((model, opt), (plain, ref))

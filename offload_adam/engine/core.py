@@ -63,7 +63,7 @@ from ..kernel_step import Hyper, KernelArgs
 from ..master_rule import MasterMarks
 from ..param_state import ROLES, ParamState
 from ..options import Options
-from ..params import check_dense, one_device
+from ..params import check_dense, home_of, one_device
 from ..state_format import state_format
 from .device import current_host_stand_in, make_device
 from .host_memory import HostArenas
@@ -537,6 +537,9 @@ class OffloadEngine:
             self.early.new_iteration()
         for rec in stepped:
             increment_version(rec.param)
+            home = home_of(rec.param)
+            if home is not None:   # a streamed param: the streamer counts writes to it
+                home.bumped()
         self.marks.agree(rec.param for rec in stepped)   # the params are the masters'
 
     def _end_step(self) -> None:
