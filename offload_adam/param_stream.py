@@ -21,7 +21,8 @@ The data path of one block (a module whose params stream), in the order of its u
 
 Between uses a streamed param holds no device memory: its storage is resized to 0 and the
 param shows a placeholder of its shape that reads as NaN (one element, expanded): a stray
-read is loud, a write raises, and shapes and counts stay right. The storage object stays
+read is loud, a write that torch lets through (fill_, zero_: the placeholder's one element)
+is refused at the block's next use (_Block.check_unwritten), and shapes and counts stay right. The storage object stays
 the same, so the views of the param that autograd saved in forward (a Linear's
 weight.t()) see the values again once backward fetched them. `model.state_dict()` shows
 the host copies; `load_state_dict` writes them.
