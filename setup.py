@@ -51,6 +51,16 @@ def aot_extension():
                 ext.extra_objects = [str(o) for o in objects]
             super().build_extensions()
 
+        def run(self):
+            super().run()
+            # What the binary was built from, beside it (where it was put, in the
+            # source tree too for an in-place or editable build): the loader does not
+            # use it for sources that changed since (an editable install's edits).
+            for ext in self.extensions:
+                built = Path(self.get_ext_fullpath(ext.name))
+                (built.parent / SOURCES["AOT_DIGEST_FILE"]).write_text(
+                    SOURCES["sources_digest"](ROOT / CSRC))
+
         def _compile_kernels(self, out_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
             cxx = shlex.split(os.environ.get("CXX", "c++"))

@@ -72,6 +72,8 @@ def load_kernels() -> ModuleType:
 def _import_ahead_of_time() -> ModuleType | None:
     import torch  # noqa: F401  (loads libtorch before the extension needs its symbols)
 
+    if _stale_ahead_of_time():
+        return None
     try:
         return importlib.import_module("offload_adam._C")
     except ModuleNotFoundError as e:
@@ -87,6 +89,38 @@ def _import_ahead_of_time() -> ModuleType | None:
             stacklevel=3,
         )
         return None
+
+
+def _stale_ahead_of_time() -> bool:
+    """Whether an ahead-of-time build is there but was built from other sources than
+    the ones beside the package now (an editable install whose C++ was edited since):
+    then it is not used, with a warning, and the kernels are built just in time. A
+    build without its digest (made before it was written) is used as it is."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("offload_adam._C")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.origin:
+        return False
+    digest = Path(spec.origin).with_name(_sources.AOT_DIGEST_FILE)
+    try:
+        built_from = digest.read_text().strip()
+        csrc = _sources.find_csrc(Path(__file__).parent)
+    except (OSError, RuntimeError):
+        return False
+    if built_from == _sources.sources_digest(csrc):
+        return False
+    warnings.warn(
+        f"offload_adam: the prebuilt extension {spec.origin} was built from other C++ sources "
+        f"than those in {csrc} now (edited since?); building the kernels just in time "
+        "instead (build it again with OFFLOAD_ADAM_BUILD_EXT=1 pip install "
+        "--no-build-isolation -e ., or delete it)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return True
 
 
 def _jit_build() -> ModuleType:

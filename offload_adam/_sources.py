@@ -15,6 +15,7 @@ on one machine runs correctly on any other machine of its architecture.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 from pathlib import Path
 
@@ -109,3 +110,17 @@ def hashed_files(csrc: str | Path, table: KernelTable | None = None) -> list[Pat
     files |= {csrc / BINDING_SOURCE, csrc / TABLE_FILE}
     files |= set(csrc.glob("*.h"))
     return sorted(files)
+
+
+# Beside an ahead-of-time build (offload_adam/_C...so): the digest of the sources it
+# was built from, so that a checkout whose sources changed since is not served a
+# stale binary (_build._import_ahead_of_time).
+AOT_DIGEST_FILE = "_C.sources"
+
+
+def sources_digest(csrc: str | Path) -> str:
+    """A digest of the contents of every file hashed_files names."""
+    h = hashlib.sha256()
+    for path in hashed_files(csrc):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()

@@ -306,3 +306,37 @@ def test_load_kernels_is_cached_in_process():
     from offload_adam._build import load_kernels
 
     assert load_kernels() is load_kernels()
+
+
+def test_a_prebuilt_extension_from_other_sources_is_not_used(tmp_path):
+    # An ahead-of-time build in an editable install stays beside the sources; once they
+    # are edited it is stale: the loader warns and builds just in time instead of
+    # running the old binary without a word. Here a stand-in _C (a Python module) and
+    # the digest that setup.py writes beside a real one.
+    pkg = tmp_path / "tree" / "offload_adam"
+    pkg.mkdir(parents=True)
+    for name in ("_build.py", "_sources.py"):
+        shutil.copy(REPO / "offload_adam" / name, pkg / name)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_C.py").write_text("PREBUILT = True\n")
+    shutil.copytree(CSRC, pkg.parent / "csrc")
+    digest = pkg / _sources.AOT_DIGEST_FILE
+    code = """
+        import sys, warnings
+        del sys.modules["offload_adam._C"]   # (run_child's prelude hides it)
+        from offload_adam._build import _import_ahead_of_time
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = _import_ahead_of_time()
+        print(getattr(module, "PREBUILT", None))
+        print(" | ".join(str(w.message) for w in caught))
+    """
+    for written, used in ((None, True), (_sources.sources_digest(pkg.parent / "csrc"), True),
+                          ("0" * 64, False)):
+        if written is not None:
+            digest.write_text(written)
+        rc, out, err = run_child(code, cwd=pkg.parent)
+        assert rc == 0, err
+        prebuilt, warned = out.splitlines()[0], "\n".join(out.splitlines()[1:])
+        assert prebuilt == ("True" if used else "None"), (written, out)
+        assert ("was built from other C++ sources" in warned) != used, warned
