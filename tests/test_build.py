@@ -258,15 +258,22 @@ def test_missing_compiler_is_a_clear_error(tmp_path):
     assert "RuntimeError:" in out and "apt-get install g++" in out and "/nonexistent/bin/g++" in out, out
 
 
-def test_compile_error_raises_runtime_error_with_compiler_output(tmp_path):
-    # A private copy of the loader and sources with one broken kernel file; the
-    # failure comes from the kernel objects, before the slow torch binding.
+def private_loader(tmp_path):
+    """A private copy of the loader (an offload_adam package of its own) and of the
+    sources beside it, under tmp_path/tree: returns the package folder."""
     pkg = tmp_path / "tree" / "offload_adam"
     pkg.mkdir(parents=True)
     for name in ("_build.py", "_sources.py"):
         shutil.copy(REPO / "offload_adam" / name, pkg / name)
     (pkg / "__init__.py").write_text("")
     shutil.copytree(CSRC, pkg.parent / "csrc")
+    return pkg
+
+
+def test_compile_error_raises_runtime_error_with_compiler_output(tmp_path):
+    # A private copy of the loader and sources with one broken kernel file; the
+    # failure comes from the kernel objects, before the slow torch binding.
+    pkg = private_loader(tmp_path)
     (pkg.parent / "csrc" / "thread_pool.cpp").write_text("this is not C++;\n")
     rc, out, err = run_child(LOAD_REPORTING_RUNTIME_ERROR, env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "MAX_JOBS": "1"}, cwd=pkg.parent)
     assert rc == 0, err
@@ -313,13 +320,8 @@ def test_a_prebuilt_extension_from_other_sources_is_not_used(tmp_path):
     # are edited it is stale: the loader warns and builds just in time instead of
     # running the old binary without a word. Here a stand-in _C (a Python module) and
     # the digest that setup.py writes beside a real one.
-    pkg = tmp_path / "tree" / "offload_adam"
-    pkg.mkdir(parents=True)
-    for name in ("_build.py", "_sources.py"):
-        shutil.copy(REPO / "offload_adam" / name, pkg / name)
-    (pkg / "__init__.py").write_text("")
+    pkg = private_loader(tmp_path)
     (pkg / "_C.py").write_text("PREBUILT = True\n")
-    shutil.copytree(CSRC, pkg.parent / "csrc")
     digest = pkg / _sources.AOT_DIGEST_FILE
     code = """
         import sys, warnings
