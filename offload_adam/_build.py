@@ -130,12 +130,11 @@ def _jit_build() -> ModuleType:
     csrc = _sources.find_csrc(Path(__file__).parent)
     cxx = shlex.split(os.environ.get("CXX", "c++"))
     table = _sources.KernelTable.read(csrc)
-    against = _built_against(cxx)
-    name = f"offload_adam_C_{_build_hash(csrc, table, cxx, against)}"
-    # What a finished build's stamp says: the same key without the compiler, so that
-    # a machine without one (a compute node sharing the cache of a login node) loads
-    # the build made where there was one.
-    key = _build_hash(csrc, table, cxx, {k: v for k, v in against.items() if k != "compiler"})
+    # What a finished build's stamp says (`key`): the folder's hash without the
+    # compiler, so that a machine without one (a compute node sharing the cache of a
+    # login node) loads the build made where there was one.
+    folder, key = _build_hashes(csrc, table, cxx, _built_against(cxx))
+    name = f"offload_adam_C_{folder}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     build_dir = root / name
     # A finished build of these very inputs (all in its name, the sources' contents
@@ -239,18 +238,22 @@ def _compiler_version(cxx: list[str]) -> str:
     return _text(out).splitlines()[0] if out else ""
 
 
-def _build_hash(csrc: Path, table: _sources.KernelTable, cxx: list[str], built_against: dict) -> str:
+def _build_hashes(csrc: Path, table: _sources.KernelTable, cxx: list[str],
+                  built_against: dict) -> tuple[str, str]:
+    """The build folder's hash, and the same without the compiler (a finished build's
+    stamp), from one read of the sources."""
     h = hashlib.sha256()
     # The location is part of the key too: the build files name the sources by
     # path, and a cache shared by two checkouts would rebuild silently on each switch.
     h.update(str(csrc).encode() + b"\0")
-    for path in _sources.hashed_files(csrc, table):
-        h.update(path.name.encode() + b"\0")
-        h.update(path.read_bytes() if path.is_file() else b"<missing>")
-        h.update(b"\0")
+    _sources.hash_sources(h, csrc, table)
     flags = {src: table.flags(src) for src in table.sources}
-    h.update(repr((flags, _sources.BINDING_FLAGS, cxx, sorted(built_against.items()))).encode())
-    return h.hexdigest()[:8]
+    hashes = []
+    for against in (built_against, {k: v for k, v in built_against.items() if k != "compiler"}):
+        each = h.copy()
+        each.update(repr((flags, _sources.BINDING_FLAGS, cxx, sorted(against.items()))).encode())
+        hashes.append(each.hexdigest()[:8])
+    return hashes[0], hashes[1]
 
 
 def _find_ninja() -> str:

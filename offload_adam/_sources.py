@@ -118,9 +118,16 @@ def hashed_files(csrc: str | Path, table: KernelTable | None = None) -> list[Pat
 AOT_DIGEST_FILE = "_C.sources"
 
 
+def hash_sources(h, csrc: str | Path, table: KernelTable | None = None) -> None:
+    """Feeds hash `h` the name and contents of every file hashed_files names."""
+    for path in hashed_files(csrc, table):
+        h.update(path.name.encode() + b"\0")
+        h.update(path.read_bytes() if path.is_file() else b"<missing>")
+        h.update(b"\0")
+
+
 def sources_digest(csrc: str | Path) -> str:
     """A digest of the contents of every file hashed_files names."""
     h = hashlib.sha256()
-    for path in hashed_files(csrc):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    hash_sources(h, csrc)
     return h.hexdigest()

@@ -161,17 +161,18 @@ class _Block:
         self.streamer, self.index, self.name, self.module = streamer, index, name, module
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
-        # where each param is held: (the submodule, its attribute, the param's index),
-        # every place of a param tied inside the block too; checked at each use
+        # where each param is held: (the submodule, its path in the block, its
+        # attribute, the param's index), every place of a param tied inside the block
+        # too; checked at each use
         index = {id(p): k for k, p in enumerate(self.params)}
-        self.holders: List[Tuple[torch.nn.Module, str, int]] = []
+        self.holders: List[Tuple[torch.nn.Module, str, str, int]] = []
         seen = set()
         for n, p in module.named_parameters(remove_duplicate=False):
             path, _, attr = n.rpartition(".")
             holder = module.get_submodule(path)
             if id(p) in index and (id(holder), attr) not in seen:
                 seen.add((id(holder), attr))
-                self.holders.append((holder, attr, index[id(p)]))
+                self.holders.append((holder, path, attr, index[id(p)]))
         self.loading = 0          # nested load_state_dict hooks running (submodules')
         self.versions: Optional[List[int]] = None   # the params' counters while away
         self.state = "away"
@@ -196,10 +197,9 @@ class _Block:
         stream_params (`block.up.weight = nn.Parameter(...)`, or a weight tied to another
         block's) would compute with values the streamer knows nothing of, and the model's
         state_dict() would show the old host copy."""
-        for module, attr, k in self.holders:
+        for module, path, attr, k in self.holders:
             if module._parameters.get(attr) is not self.params[k]:
-                name = next((f"{n}.{attr}" if n else attr for n, x in self.module.named_modules()
-                             if x is module), attr)
+                name = f"{path}.{attr}" if path else attr
                 raise RuntimeError(
                     f"offload_adam.stream_params: param {self.name}.{name} of a streamed block "
                     "was replaced after stream_params (assigned, or tied to another param); "
@@ -324,6 +324,7 @@ class ParamStreamer:
             raise ValueError(f"offload_adam.stream_params: prefetch must be an int >= 0, "
                              f"got {prefetch!r}")
         param_dirs = _check_files(param_dirs, param_cache_mb)
+        blocks = _names_of(blocks) or blocks   # (an iterator of names: read once)
         self.model, self.prefetch = model, prefetch
         self.device, self.torch_device = _device_of(model, device)
         found = _find_blocks(model, blocks)
@@ -402,10 +403,9 @@ class ParamStreamer:
                     block.device_tensors.append(real)
                     block.placeholders.append(_nan(p, self.torch_device, full=False))
                     like = torch.empty(p.shape, dtype=p.dtype, device="meta")
-                    p.data = block.placeholders[-1]
                     p.grad = None
                     set_home(p, Home(block, k, like))
-            block.versions = [p._version for p in block.params]
+            block.show(block.placeholders)
         finally:
             if self.files is not None:
                 self.files.unhold(block.index, dirty=True)
@@ -421,10 +421,10 @@ class ParamStreamer:
         # shows their host copies in its own state_dict() and loads into them, also when
         # called on its own (block.up.state_dict()); a submodule called outside the
         # block's forward and backward would compute with the placeholders: refused.
-        held: Dict[int, Tuple[torch.nn.Module, List[Tuple[str, int]]]] = {}
-        for module, attr, k in block.holders:
-            held.setdefault(id(module), (module, []))[1].append((attr, k))
-        for module, entries in held.values():
+        held: Dict[int, Tuple[torch.nn.Module, str, List[Tuple[str, int]]]] = {}
+        for module, path, attr, k in block.holders:
+            held.setdefault(id(module), (module, path, []))[2].append((attr, k))
+        for module, path, entries in held.values():
             self._handles += [
                 module._register_state_dict_hook(lambda mod, sd, prefix, meta, b=block, e=entries:
                                                  self._state_dict(b, sd, prefix, e)),
@@ -435,13 +435,12 @@ class ParamStreamer:
             ]
             if module is not m:
                 self._handles.append(module.register_forward_pre_hook(
-                    lambda mod, args, b=block, sub=module: self._inner_use(b, sub)))
+                    lambda mod, args, b=block, path=path: self._inner_use(b, mod, path)))
 
-    def _inner_use(self, block: _Block, module: torch.nn.Module) -> None:
+    def _inner_use(self, block: _Block, module: torch.nn.Module, path: str) -> None:
         if block.state != "here":
-            name = next((n for n, x in block.module.named_modules() if x is module), "?")
             raise RuntimeError(
-                f"offload_adam.stream_params: {block.name}.{name} ({type(module).__name__}) "
+                f"offload_adam.stream_params: {block.name}.{path} ({type(module).__name__}) "
                 f"was called outside the forward and backward of its streamed block "
                 f"{block.name}, whose params are on the device only while the block runs. "
                 f"Stream a module that contains every use of it (blocks=), or keep it out "
@@ -909,9 +908,9 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
             continue
         if match(name, m):
             found.append((name, m))
-    if isinstance(spec, str) or not (isinstance(spec, (type, tuple)) or callable(spec)):
-        names = {spec} if isinstance(spec, str) else set(spec)
-        unknown = sorted(names - {name for name, _ in model.named_modules()})
+    names = _names_of(spec)
+    if names is not None:
+        unknown = sorted(names - {name for name, _ in model.named_modules()}, key=str)
         if unknown:
             raise ValueError(f"offload_adam.stream_params: blocks names modules the model "
                              f"does not have: {unknown}")
@@ -944,16 +943,23 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
     return out
 
 
-def _matcher(spec: BlockSpec) -> Callable[[str, torch.nn.Module], bool]:
+def _names_of(spec: BlockSpec) -> Optional[frozenset]:
+    """The module names a block spec lists; None for a class, classes or a predicate."""
     if isinstance(spec, type) or (isinstance(spec, tuple) and spec
                                   and all(isinstance(c, type) for c in spec)):
-        return lambda name, m: isinstance(m, spec)
+        return None
     if callable(spec):
+        return None
+    return frozenset([spec] if isinstance(spec, str) else spec)
+
+
+def _matcher(spec: BlockSpec) -> Callable[[str, torch.nn.Module], bool]:
+    names = _names_of(spec)
+    if names is not None:
+        return lambda name, m: name in names
+    if callable(spec) and not isinstance(spec, type):
         return spec
-    if isinstance(spec, str):
-        spec = [spec]
-    names = set(spec)
-    return lambda name, m: name in names
+    return lambda name, m: isinstance(m, spec)
 
 
 def _advance(order: List[Tuple[int, str]], cursor: Optional[int], key) -> Optional[int]:

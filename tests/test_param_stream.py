@@ -662,6 +662,8 @@ def test_a_container_or_an_unknown_name_as_block_is_refused(device):
         offload_adam.stream_params(model, ["layers.0", "layers.1", "layer.2"])
     with pytest.raises(ValueError, match=r"does not have: \['layer'\]"):
         offload_adam.stream_params(model, "layer")
+    with pytest.raises(ValueError, match=r"does not have: \['layr\.1'\]"):
+        offload_adam.stream_params(model, ("layers.0", "layr.1"))
     offload_adam.stream_params(model, ["layers.0", "layers.1", "layers.2"])   # unchanged
 
 
