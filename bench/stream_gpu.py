@@ -107,7 +107,8 @@ def run_mode(cfg, args, prefetch):
                                  step_in_backward=args.step_in_backward,
                                  free_grads_after_copy=args.free_grads,
                                  grad_ring_mb=(args.grad_ring_mb or None)
-                                 if args.step_in_backward else None)
+                                 if args.step_in_backward else None,
+                                 defer_blocks=args.defer_blocks if prefetch is not None else 0)
     setup["optimizer"] = _progress(mode, "optimizer built", t0) - sum(setup.values())
     name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
     out = _train(cfg, args, model, opt, streamer, mode, t0)
@@ -275,6 +276,9 @@ def main():
     ap.add_argument("--grad-ring-mb", type=float, default=0.0,
                     help="grad_ring_mb= (with step_in_backward; default: the engine's rule, "
                          "with the state in RAM twice the largest block's grads)")
+    ap.add_argument("--defer-blocks", type=int, default=0,
+                    help="defer_blocks= for the streamed runs (with --step-in-backward): the "
+                         "last blocks' CPU steps overlap the next forward")
     ap.add_argument("--fsdp2", action="store_true",
                     help="also the peer: FSDP2 with CPUOffloadPolicy on a one-GPU mesh")
     ap.add_argument("--tag", default=socket.gethostname())
@@ -290,7 +294,7 @@ def main():
     print(f"model: {cfg.num_params() / 1e9:.2f}B params ({cfg}), batch {args.batch} x {args.seq}, "
           f"checkpointing {args.checkpoint}, cap {args.cap_gb or 'none'} GB (streamed runs), "
           f"state_dtype {args.state_dtype}, step_in_backward {args.step_in_backward}, "
-          f"free_grads_after_copy {args.free_grads}")
+          f"free_grads_after_copy {args.free_grads}, defer_blocks {args.defer_blocks}")
     h2d = pinned_h2d_gbps()
     print(f"pinned host-to-device: {h2d:.1f} GB/s")
     disk = None

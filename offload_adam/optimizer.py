@@ -132,7 +132,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
 
     The options beyond torch's (overlap, bucket_mb, free_grads_after_copy,
     num_threads, max_grad_norm, process_group, verify_grads, step_in_backward,
-    state_dirs, state_budget_mb, state_resume, state_footprint, grad_ring_mb)
+    state_dirs, state_budget_mb, state_resume, state_footprint, grad_ring_mb,
+    defer_blocks)
     and the state format (state_dtype, also a param-group key) are documented
     in offload_adam/options.py, and checked there when the optimizer is built.
     """
@@ -144,7 +145,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                  num_threads=None, max_grad_norm=None, step_in_backward=False,
                  verify_grads=True, state_dtype=torch.float32, process_group=None,
                  state_dirs=None, state_budget_mb=None, state_resume=False,
-                 state_footprint="two_generations", grad_ring_mb=None):
+                 state_footprint="two_generations", grad_ring_mb=None, defer_blocks=0):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         self._engine = None
         self._store = None
@@ -154,7 +155,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             verify_grads=verify_grads, step_in_backward=step_in_backward,
             state_dirs=state_dirs, state_budget_mb=state_budget_mb,
             state_resume=state_resume, state_footprint=state_footprint,
-            grad_ring_mb=grad_ring_mb)
+            grad_ring_mb=grad_ring_mb, defer_blocks=defer_blocks)
         self._routing = Routing.of(self._options)
         self._marks = MasterMarks()   # when each param last agreed with its master
         self._clip_coef = None
@@ -213,6 +214,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._open_store(resume=True)   # its own files: it continues from them
 
     def add_param_group(self, param_group):
+        self._settle_tail()   # (the engine's buckets may be laid out again)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
@@ -309,6 +311,32 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
+    # torch's `state`, behind a property: with defer_blocks= a step may still be writing
+    # some params' state when step() returned, so a read of it waits for that first
+    # (torch's state_dict() and load_state_dict() read it here too).
+    @property
+    def state(self):
+        self._settle_tail()
+        return self.raw_state()
+
+    def _settle_tail(self) -> None:
+        """Waits for the steps defer_blocks= left running (raises what one raised)."""
+        engine = self.__dict__.get("_engine")
+        if engine is not None and engine.tail_pending:
+            engine.settle_tail()
+
+    @state.setter
+    def state(self, value):
+        self.__dict__["_state"] = value
+
+    def raw_state(self):
+        """optimizer.state without waiting for deferred steps (the engine's own reads,
+        made when none can be running)."""
+        d = self.__dict__
+        if "state" in d:   # torch's __setstate__ (load_state_dict, unpickling) set it
+            d["_state"] = d.pop("state")
+        return d["_state"]
+
     @property
     def step_count(self) -> int:
         """The completed steps of the optimizer's state: with state_dirs=, the files' last
@@ -363,7 +391,8 @@ class AdamW(Adam):
                  free_grads_after_copy=False, num_threads=None, max_grad_norm=None,
                  step_in_backward=False, verify_grads=True, state_dtype=torch.float32,
                  process_group=None, state_dirs=None, state_budget_mb=None,
-                 state_resume=False, state_footprint="two_generations", grad_ring_mb=None):
+                 state_resume=False, state_footprint="two_generations", grad_ring_mb=None,
+                 defer_blocks=0):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,
@@ -374,7 +403,7 @@ class AdamW(Adam):
                          state_dtype=state_dtype, process_group=process_group,
                          state_dirs=state_dirs, state_budget_mb=state_budget_mb,
                          state_resume=state_resume, state_footprint=state_footprint,
-                         grad_ring_mb=grad_ring_mb)
+                         grad_ring_mb=grad_ring_mb, defer_blocks=defer_blocks)
 
     def __setstate__(self, state):
         super().__setstate__(state)

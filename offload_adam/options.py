@@ -104,6 +104,22 @@ documented here and nowhere else.
     what the pass needs to make progress (twice the largest state bucket's
     grads with state_dirs=, else 4 x bucket_mb) is raised to it. Needs
     step_in_backward.
+  defer_blocks (0): with step_in_backward=True, the state in RAM and params
+    streamed by stream_params: the CPU step of the first defer_blocks streamed
+    blocks whose grads reach the host in backward (the model's last blocks) is
+    left to run after step() returns, overlapping the next forward, instead of
+    holding the CPU while the first blocks' steps (queued last) wait behind it:
+    step() returns once the other blocks and the resident params are stepped,
+    and each deferred block's next fetch waits for its own step, as does
+    everything else that reads the state or those params (opt.state,
+    state_dict() and load_state_dict() of the optimizer and of the model, the
+    next backward and step(), close()); zero_grad() does not wait (the steps
+    read the grads' host copies). The deferred blocks' grads wait
+    in the grad ring, which grows by their bytes (grad_ring_mb= None: 2 +
+    defer_blocks of the largest block's grads). Bitwise the same training as
+    0. An error in a deferred step is raised by the next call that waits for
+    it (the forward that fetches its block). Needs step_in_backward=True and
+    the state in RAM (with state_dirs= a step commits its files at step()).
   state_budget_mb (None): the host memory the NVMe tier may hold: a ring of
     buffers of the largest bucket; the ring needs 3 (one read ahead, one
     stepped, one written back), more read further ahead. None = 4 buckets.
@@ -193,6 +209,7 @@ class Options:
     state_resume: bool = False
     state_footprint: str = "two_generations"
     grad_ring_mb: Optional[float] = None
+    defer_blocks: int = 0
 
     def __post_init__(self):
         if self.state_dirs is None and _state_roots and _state_roots[-1] is not None:
@@ -230,6 +247,16 @@ class Options:
                 raise ValueError("grad_ring_mb= needs step_in_backward=True (the grads wait "
                                  "in the ring only while the step runs in backward)")
             self._positive_mib("grad_ring_mb")
+        if isinstance(self.defer_blocks, bool) or not isinstance(self.defer_blocks, int) \
+                or self.defer_blocks < 0:
+            raise ValueError(f"defer_blocks must be a whole number of blocks >= 0, got "
+                             f"{self.defer_blocks!r}")
+        if self.defer_blocks and not self.step_in_backward:
+            raise ValueError("defer_blocks= needs step_in_backward=True (only a step that "
+                             "started in backward can be left running after step())")
+        if self.defer_blocks and self.state_dirs is not None:
+            raise ValueError("defer_blocks= cannot be used with state_dirs=: a step "
+                             "commits the state files at step(), every block stepped")
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.num_threads is not None and int(self.num_threads) < 1:

@@ -185,12 +185,24 @@ class _Block:
         self.trained = False      # the CPU step wrote it once
         self.step_started = False
         self.copies: list = []    # its last fetch's H2D copies, until the host waited for them
+        self.deferred: list = []  # waits for CPU steps still writing its host copies
         self._copies_lock = threading.Lock()   # (settled on the worker, set on the model's)
         self.homes: List[torch.Tensor] = []   # the host copies in RAM (none with files)
         self.offsets: List[int] = []          # each param's bytes in the block's host copy
         self.device_tensors: List[torch.Tensor] = []
         self.placeholders: List[torch.Tensor] = []
         self.nbytes = sum(p.numel() * p.element_size() for p in self.params)
+
+    def defer(self, wait: Callable[[], None]) -> None:
+        """The optimizer left a step that writes this block's host copies running
+        (defer_blocks=): `wait()` returns once it is done; called before they are read."""
+        self.deferred.append(wait)
+
+    def wait_steps(self) -> None:
+        """Waits for the deferred steps writing the host copies (raises what one
+        raised)."""
+        while self.deferred:
+            self.deferred.pop(0)()
 
     def check_held(self) -> None:
         """Each streamed param is still the one its module holds: one replaced after
@@ -617,6 +629,7 @@ class ParamStreamer:
             self._release(block)
         if block.state != "away":
             return
+        block.wait_steps()   # a step deferred past step() still writing its host copies
         block.check_unwritten()
         block.settle()   # (its last copies read the same host memory: done long ago)
         for t in block.device_tensors:
@@ -651,6 +664,7 @@ class ParamStreamer:
         them, not the model's own, whose data is the placeholder between uses).
         `entries`: (attribute, index in the block) of the params the module holds."""
         block.check_held()
+        block.wait_steps()
         block.check_unwritten()
         homes = (block.homes if self.files is None
                  else block.views(self.files.mapped(block.index)))
@@ -670,6 +684,7 @@ class ParamStreamer:
             return
         try:
             block.check_held()
+            block.wait_steps()
             block.check_unwritten()
             self._release(block)
             block.settle()
@@ -765,6 +780,7 @@ class ParamStreamer:
         with torch.no_grad():
             for block in self.blocks:
                 self._release(block)
+                block.wait_steps()
                 block.settle()
                 block.hold()
                 try:

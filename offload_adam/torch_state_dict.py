@@ -83,6 +83,7 @@ class TorchStateDict:
         when the model is loaded too, in whichever order the two were (with
         step_in_backward, before the param's step starts in backward).
         """
+        self._settle_tail()   # no step deferred past step() may write the state replaced
         seen = {}
 
         def capture(optimizer, sd):

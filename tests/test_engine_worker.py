@@ -29,6 +29,30 @@ def test_worker_runs_jobs_in_order_and_reraises_the_first_error():
         w.submit(lambda: None)
 
 
+def test_wait_for_returns_once_that_job_ran_and_reraises_an_earlier_error():
+    """wait_for(n) (defer_blocks=: a block's fetch waits for its own deferred step) returns
+    once job n ran, not the ones after it; a failed job before it is raised there, and a
+    job skipped after that failure counts as done (no hang)."""
+    w = Worker()
+    gate = threading.Event()
+    ran = []
+    first = w.submit(lambda: ran.append(1))
+    w.submit(lambda: gate.wait(5) and ran.append(2))
+    w.wait_for(first)
+    assert ran == [1] and w.busy()
+    gate.set()
+    w.drain()
+
+    def boom():
+        raise ValueError("deferred job failed")
+    w.submit(boom)
+    skipped = w.submit(lambda: ran.append(3))
+    with pytest.raises(ValueError, match="deferred job failed"):
+        w.wait_for(skipped)
+    assert ran == [1, 2]
+    w.close()
+
+
 @pytest.mark.usefixtures("sigint_raises")
 def test_worker_drain_survives_keyboard_interrupt():
     w = Worker()

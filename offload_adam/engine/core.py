@@ -50,6 +50,7 @@ the only cross-param reduction is the clipping norm (`grad_sq_sums`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -143,11 +144,16 @@ class OffloadEngine:
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
         self._taken_over: Optional[str] = None   # why a newer engine took the params (_claim)
         self.early = None
+        # defer_blocks=: the deferred steps left running when step() returned (the last
+        # one's worker job number), and the pieces they read
+        self._tail = 0
+        self._tail_pieces: List[Piece] = []
         if options.step_in_backward:
-            self.early = EarlyStart(self, owner)
+            self.early = EarlyStart(self, owner, options.defer_blocks)
             if not self.state_on_disk:   # before any transfer buffer is laid out
                 self._make_ring(ring_bytes(self.bucket_bytes, self.bucket_bytes,
-                                           block_grad_bytes(all_params), self.ring_asked),
+                                           block_grad_bytes(all_params), self.ring_asked,
+                                           options.defer_blocks),
                                 _worker_busy(weakref.ref(self)))
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
@@ -264,11 +270,13 @@ class OffloadEngine:
         no grad copy is kept, the next step copies the grads it needs again."""
         if self.ring is None:
             return
-        self.ring.reset([p for rec in self.recs for p in rec.pieces])
+        keep = {id(p) for p in self._tail_pieces}   # (their jobs hold their copies)
+        self.ring.reset([p for rec in self.recs for p in rec.pieces], self._tail_pieces)
         for rec in self.recs:
             rec.copy = None
             for p in rec.pieces:
-                p.grad = None
+                if id(p) not in keep:
+                    p.grad = None
 
     def forget_read(self, stepped: set) -> None:
         """After early steps that did not end in a step() (EarlyStart.commit): the grads
@@ -298,6 +306,8 @@ class OffloadEngine:
                    + self._ring_arenas)
 
     def close(self) -> None:
+        if self._finalizer.alive:
+            self.settle_tail()   # (a deferred step still writes host memory)
         self._finalizer()
 
     def lend_pins(self, holder) -> None:
@@ -338,6 +348,8 @@ class OffloadEngine:
     # ---- 1. backward: each grad streams to the host as it is produced ------------
 
     def _on_grad(self, rec: ParamRec) -> None:
+        if self._tail:   # the last step's deferred steps read the grads' places in the ring
+            self.settle_tail()
         self._take_deferred()   # autograd is past the hooks of the params before this one
         grad = rec.param.grad
         if grad is None:
@@ -519,6 +531,7 @@ class OffloadEngine:
         fence."""
         self._t_enter = time.perf_counter()
         self.check_open()
+        self.settle_tail()
         if self.early is not None:
             self.early.verify(param_groups, state, grad_scale)   # raises on a change
         self._end_backward()  # what a backward that raised left unflushed
@@ -686,16 +699,54 @@ class OffloadEngine:
         state bound and masters followed, then `begin(recs)` (early start records what
         the step reads and returns the hyperparameters), then the kernel on the worker,
         and `done()` after it."""
-        recs = list({id(p.rec): p.rec for p in pieces}.values())
-        self.bind_state(recs, param_groups, state)
-        follow_masters(self.device, [Entry.whole(r) for r in recs],
-                       self.marks)   # before the kernel reads them
-        job = self._bucket_job(bucket, pieces, begin(recs), threads=self.hook_threads())
+        job = self.prepare_early(bucket, pieces, param_groups, state, begin)
 
         def kernel_only():
             job.kernel()
             done()
         self.run(kernel_only)
+
+    def prepare_early(self, bucket: Bucket, pieces: List[Piece], param_groups, state,
+                      begin: Callable[[List[ParamRec]], Hyper]) -> "BucketJob":
+        """start_early's job, not run: its kernel() steps `pieces` from the grad copies
+        they have now (kept by the job: a deferred step runs after step() forgot them)."""
+        recs = list({id(p.rec): p.rec for p in pieces}.values())
+        self.bind_state(recs, param_groups, state)
+        follow_masters(self.device, [Entry.whole(r) for r in recs],
+                       self.marks)   # before the kernel reads them
+        job = self._bucket_job(bucket, pieces, begin(recs), threads=self.hook_threads())
+        job.copies = {id(r): r.copy for r in recs}
+        return job
+
+    def run_tail(self, jobs: Sequence["BucketJob"]) -> None:
+        """defer_blocks=: the deferred steps' kernels on the worker, after everything
+        step() queued; each streamed block they write waits for its own before its
+        host copies are read (param_stream: `_Block.defer`), everything else for all
+        of them (settle_tail)."""
+        for job in jobs:
+            number = self._worker.submit(job.kernel)
+            self._tail = number
+            self._tail_pieces.extend(job.pieces)
+            wait = functools.partial(self._worker.wait_for, number)
+            for home in _homes(job.pieces):
+                home.block.defer(wait)
+
+    def settle_tail(self) -> None:
+        """Waits for the deferred steps (run_tail) still running; raises what one
+        raised. A no-op without, and on the worker itself (a job must not wait for
+        itself)."""
+        if not self._tail or self._worker.on_worker():
+            return
+        number, self._tail = self._tail, 0
+        try:
+            self._worker.wait_for(number)
+        finally:
+            self._tail_pieces = []
+
+    @property
+    def tail_pending(self) -> bool:
+        """Whether deferred steps may still run (defer_blocks=)."""
+        return bool(self._tail)
 
     def step_lent_early(self, entries: Sequence[Entry], views: Dict[str, torch.Tensor],
                         hyper_of: Callable[[int], Hyper], keep: Dict[int, torch.Tensor],
@@ -754,6 +805,7 @@ class OffloadEngine:
         grad (inf/NaN propagate), from the host copies: no second transfer and
         no GPU work. A DTensor's: of its local shard."""
         self.check_open()
+        self.settle_tail()
         self.drain()
         self._want_norms = self.overlap  # from now on, computed while streaming
         with torch.no_grad():
@@ -796,6 +848,7 @@ class OffloadEngine:
         """Called by the optimizer's zero_grad: grads freed by us are gone too."""
         if not self.check_open(closed_ok=True):
             return
+        # (deferred steps, defer_blocks=, read host copies of the grads: not waited for)
         if self.early is not None:
             self.early.on_zero_grad()
         if self._worker is not None:
@@ -922,6 +975,8 @@ class EngineStep:
                 for job, continues in jobs:
                     engine.run(job, continues)
                 engine.drain(finish=not deferring)  # all, or fewer after a second ^C
+            if engine.early is not None:   # defer_blocks=: left running, after the rest
+                engine.run_tail(engine.early.take_held())
 
     def lent(self, entries: Sequence[Entry], views: Dict[str, torch.Tensor]) -> None:
         """Steps the recs of one lent bucket that take part in this step; the masters
@@ -1070,6 +1125,7 @@ class BucketJob:
         self.engine, self.bucket, self.pieces = engine, bucket, pieces
         self.hyper, self.grad_scale, self.threads = hyper, grad_scale, threads
         self.fence, self.check = fence, check
+        self.copies: Optional[Dict[int, GradCopy]] = None   # id(rec) -> the copy read, if kept
 
     def __call__(self) -> None:
         self.kernel()
@@ -1079,8 +1135,9 @@ class BucketJob:
         engine, bucket, pieces, hyper = self.engine, self.bucket, self.pieces, self.hyper
         dev = engine.device
         engine._redo(self.check)
-        copies = {id(p.rec): p.rec.copy for p in pieces}.values()
-        if any(id(p) not in p.rec.copy.sent_ids for p in pieces):
+        kept = self.copies or {id(p.rec): p.rec.copy for p in pieces}
+        copies = kept.values()
+        if any(id(p) not in kept[id(p.rec)].sent_ids for p in pieces):
             # a pack not flushed: a bug, never a wrong step (the other pieces of a param
             # may still be on their way: early.py, piece_sent)
             raise RuntimeError("offload_adam: internal error: a bucket's step started "

@@ -52,7 +52,7 @@ from .grads import start_check
 
 
 class EarlyStart:
-    def __init__(self, engine, owner):
+    def __init__(self, engine, owner, defer_blocks: int = 0):
         if owner is None:
             raise ValueError("step_in_backward=True needs the owning optimizer "
                              "(owner=weakref.ref(optimizer))")
@@ -68,6 +68,13 @@ class EarlyStart:
         self._counted: set = set()               # ids of the pieces counted in one by one
         self._hyper: Dict[int, Hyper] = {}       # group index -> what its steps used
         self.files = None   # the files' pass (disk_early.py) when the state is in files
+        # defer_blocks=: the jobs of the buckets of the first streamed blocks to arrive,
+        # held until step() has stepped the rest (see `_hold`)
+        self.defer_blocks = defer_blocks
+        self._held: list = []                    # BucketJobs held, in arrival order
+        self._held_ids: set = set()              # ids of their pieces
+        self._held_blocks: set = set()           # ids of the blocks they step
+        self._holding = True                     # False once a block beyond them came
 
     def use_files(self, files) -> None:
         """The state is in files: `files` (a DiskEarly) steps it in backward."""
@@ -170,15 +177,48 @@ class EarlyStart:
         def begin(recs):
             self.begin(recs)
             return self._hyper[bucket.group]
+        # (the optimizer's raw state: its `state` waits for deferred steps, none by now)
+        raw = getattr(owner, "raw_state", None)
+        groups, state = owner.param_groups, raw() if raw is not None else owner.state
+        if self._hold(pieces):
+            job = engine.prepare_early(bucket, pieces, groups, state, begin)
+            self._held.append(job)
+            self._held_ids.update(map(id, pieces))
+            return
         # step() or commit() writes the params back
-        engine.start_early(bucket, pieces, owner.param_groups, owner.state, begin,
+        engine.start_early(bucket, pieces, groups, state, begin,
                            lambda: self._stepped.update(map(id, pieces)))
+
+    def _hold(self, pieces) -> bool:
+        """Whether this bucket's step is deferred past step() (defer_blocks=): its
+        params all streamed, of the first defer_blocks blocks whose grads came in this
+        backward. Backward makes the last blocks' grads first, and the worker steps in
+        arrival order, so without this the first blocks, which the next forward needs
+        first, are stepped last, after backward, while the GPU waits; deferred, the
+        last blocks are stepped during the next forward's first blocks instead."""
+        if not self.defer_blocks or not self._holding or self.files is not None:
+            return False
+        if any(p.rec.home is None for p in pieces):
+            return False   # a resident param among them: step() writes it
+        blocks = {id(p.rec.home.block) for p in pieces}
+        if len(self._held_blocks | blocks) > self.defer_blocks:
+            self._holding = False   # only the first ones: the rest in arrival order
+            return False
+        self._held_blocks |= blocks
+        return True
+
+    def take_held(self) -> list:
+        """step() has stepped everything else: the deferred jobs, the block the next
+        forward uses first first (arrival order reversed), to run after it returns."""
+        held, self._held = self._held[::-1], []
+        return held
 
     # ---- at step() ----------------------------------------------------------------------
 
     def stepped(self) -> set:
-        """Ids of the pieces stepped during backward (step() writes their params)."""
-        return self._stepped
+        """Ids of the pieces stepped during backward (step() writes their params), or
+        deferred past step() (their step started: step() must not step them again)."""
+        return self._stepped | self._held_ids
 
     def verify(self, param_groups, state, grad_scale: float) -> None:
         """Waits for the early steps; raises if anything they used changed."""
@@ -304,3 +344,5 @@ class EarlyStart:
         self.error = None
         self._hooked, self._started, self._stepped, self._hyper = {}, {}, set(), {}
         self._counted = set()
+        # (a failed step drops the held jobs unrun: those params are not stepped)
+        self._held, self._held_ids, self._held_blocks, self._holding = [], set(), set(), True

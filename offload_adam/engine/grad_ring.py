@@ -37,14 +37,16 @@ _LINE = 64
 
 
 def ring_bytes(largest_file_bucket_grads: int, bucket_bytes: int,
-               largest_block_grads: int = 0, asked: Optional[int] = None) -> int:
+               largest_block_grads: int = 0, asked: Optional[int] = None,
+               deferred: int = 0) -> int:
     """The ring's size, in whole cache lines: at least what the pass needs to make
     progress, twice the grads of the largest file bucket (one bucket's filling while the
     one before is stepped) and four transfer buckets; `asked` (grad_ring_mb=) if larger,
     else twice the grads of the largest streamed block (`largest_block_grads`, with the
-    state in RAM: see block_grad_bytes)."""
+    state in RAM: see block_grad_bytes), and one more per block whose step is deferred
+    past step() (`deferred`, defer_blocks=: their grads wait here until then)."""
     n = max(2 * largest_file_bucket_grads, 4 * bucket_bytes)
-    n = max(n, 2 * largest_block_grads if asked is None else asked)
+    n = max(n, (2 + deferred) * largest_block_grads if asked is None else asked)
     return -(-n // _LINE) * _LINE
 
 
@@ -208,21 +210,27 @@ class GradRing:
 
     # ---- between iterations -------------------------------------------------------------------
 
-    def reset(self, pieces: Sequence) -> None:
-        """Every span free (a step ended, or a pass was abandoned): the copies still
+    def reset(self, pieces: Sequence, keep: Sequence = ()) -> None:
+        """Every span free (a step ended, or a pass was abandoned) but those of the
+        pieces in `keep` (deferred steps, not run yet, read them later): the copies still
         landing in them waited for first; `pieces` forget theirs."""
-        with self._cond:
-            spans = dict(self._live)
-        for p in pieces:
+        kept = {}
+        for p in keep:   # (a deferred step may free its span meanwhile: read once)
             span = p.span
             if span is not None:
+                kept[id(span)] = span
+        with self._cond:
+            spans = {k: s for k, s in self._live.items() if k not in kept}
+        for p in pieces:
+            span = p.span
+            if span is not None and id(span) not in kept:
                 spans[id(span)] = span
                 p.span = None
         self.device.wait_host(*[s.transfer for s in spans.values() if s.transfer is not None])
         with self._cond:
-            self._live.clear()
+            self._live = {k: s for k, s in self._live.items() if k in kept}
             self._cursor = 0
-            self.overflow_bytes = 0
+            self.overflow_bytes = sum(s.nbytes for s in self._live.values() if s.overflow)
             self._cond.notify_all()
 
     def release(self) -> None:

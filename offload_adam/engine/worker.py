@@ -33,6 +33,8 @@ class Worker:
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._pending = 0
+        self._submitted = 0   # jobs submitted, and jobs done (run, failed or skipped):
+        self._finished = 0    # FIFO, so job n is done once _finished >= n (wait_for)
         self._idle = threading.Condition(self._lock)
         self.cancelled = False
         self._closed = False
@@ -43,24 +45,28 @@ class Worker:
                                         args=(self._jobs, self, context))
         self._thread.start()
 
-    def submit(self, job: Callable[[], None], continues: bool = False) -> None:
-        """Queues `job`. continues=True: it finishes what the job before it
-        started (the rest of a param cut in pieces), so a cancellation lets it
-        run when that one ran: a param is stepped whole or not at all."""
+    def submit(self, job: Callable[[], None], continues: bool = False) -> int:
+        """Queues `job`; returns its number (for wait_for). continues=True: it finishes
+        what the job before it started (the rest of a param cut in pieces), so a
+        cancellation lets it run when that one ran: a param is stepped whole or not at
+        all."""
         with self._lock:
             if self._closed:  # no thread would ever run it: drain() would wait forever
                 raise RuntimeError("offload_adam: this optimizer's engine was closed; "
                                    "build a new optimizer")
             self._pending += 1
+            self._submitted += 1
+            number = self._submitted
         self._jobs.put((job, continues))
+        return number
 
     def _done(self, error: Optional[BaseException]) -> None:
         with self._lock:
             if error is not None and self._error is None:
                 self._error = error
             self._pending -= 1
-            if self._pending == 0:
-                self._idle.notify_all()
+            self._finished += 1
+            self._idle.notify_all()   # (drain waits for none pending, wait_for for one)
 
     def on_worker(self) -> bool:
         """Whether the caller runs on the worker's thread (inside a job)."""
@@ -99,6 +105,15 @@ class Worker:
                 finally:
                     self.cancelled = False
             raise
+        self.raise_pending()
+
+    def wait_for(self, number: int) -> None:
+        """Waits until job `number` (submit's) and those before it are done, then
+        re-raises a job's error. Wakes up regularly, as drain(), for KeyboardInterrupt;
+        a closed worker runs nothing more: then it does not wait."""
+        with self._lock:
+            while self._finished < number and not self._closed:
+                self._idle.wait(0.1)
         self.raise_pending()
 
     def _wait(self) -> None:

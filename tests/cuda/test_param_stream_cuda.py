@@ -66,9 +66,13 @@ def test_streamed_training_is_the_resident_training_on_cuda(checkpointed, prefet
         assert torch.equal(resident[k], streamed[k]), k
 
 
-def test_streamed_training_stepped_in_backward_on_cuda():
+@pytest.mark.parametrize("defer", [0, 3], ids=["at-step", "defer-3"])
+def test_streamed_training_stepped_in_backward_on_cuda(defer):
+    """Stepped in backward; with defer_blocks=3 the last blocks' steps run on after
+    step() returns, into the next forward (their fetch waits for them)."""
     _, _, _, resident = run(False, step_in_backward=True)
-    _, _, _, streamed = run(True, step_in_backward=True)
+    _, _, _, streamed = run(True, step_in_backward=True, defer_blocks=defer,
+                            bucket_mb=0.008 if defer else OPTS["bucket_mb"])
     for k in resident:
         assert torch.equal(resident[k], streamed[k]), k
 

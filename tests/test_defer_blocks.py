@@ -1,0 +1,202 @@
+"""defer_blocks=: with step_in_backward and streamed params, the CPU steps of the first
+blocks whose grads come in backward (the model's last blocks) are left running when
+step() returns, and overlap the next forward. On the simulated asynchronous device, with
+those steps made to start late: the training is bit for bit the one without deferral,
+every reader waits for them, and without the streamer's wait the next forward reads the
+blocks' old values."""
+import copy
+import time
+
+import pytest
+import torch
+
+import offload_adam
+from offload_adam.engine.core import OffloadEngine
+from offload_adam.param_stream import _Block
+from offload_adam.testing import AsyncSimDevice, simulated
+from test_param_stream import OPTS, Block, assert_same_training, llama_loss, make_llama
+import test_param_stream
+
+device = test_param_stream.device   # the fixture: the simulated devices, checked at the end
+
+KW = dict(OPTS, step_in_backward=True, bucket_mb=0.008)   # ~3 buckets a block
+
+
+class _Late:
+    """A deferred step that starts 20 ms late (or fails): whatever reads its block
+    without waiting for it reads the values of the step before."""
+
+    def __init__(self, job, fail=False):
+        self.job, self.pieces, self.fail = job, job.pieces, fail
+
+    def kernel(self):
+        time.sleep(0.02)
+        if self.fail:
+            raise RuntimeError("a deferred step failed (test)")
+        self.job.kernel()
+
+
+@pytest.fixture
+def late(monkeypatch):
+    """Deferred steps start late; `late.blocks[i]`: the block indices deferred at step i;
+    `late.fail`: the next deferred step raises."""
+    real = OffloadEngine.run_tail
+
+    class Log:
+        blocks: list = []
+        fail = False
+
+    def run_tail(self, jobs):
+        Log.blocks.append(sorted({p.rec.home.block.index for j in jobs for p in j.pieces}))
+        wrapped = [_Late(j, fail=Log.fail and k == 0) for k, j in enumerate(jobs)]
+        Log.fail = False
+        real(self, wrapped)
+    monkeypatch.setattr(OffloadEngine, "run_tail", run_tail)
+    Log.blocks = []
+    return Log
+
+
+def _run(defer, steps=4, streamed=True, layers=16, read=True, **kw):
+    """Trains `steps` steps (one micro-batch each, as step_in_backward asks); after each
+    step(), before anything waited, reads a deferred block's moments through opt.state
+    and the model's values through its state_dict (both must wait). Returns the model,
+    the optimizer, the reads, and whether deferred steps were pending each time."""
+    model = make_llama(layers=layers, **kw)
+    if streamed:
+        offload_adam.stream_params(model, Block, prefetch=2)
+    opt = offload_adam.AdamW(model.parameters(), **KW, defer_blocks=defer)
+    last = model.layers[-1].up.weight
+    reads, pending = [], []
+    for it in range(steps):
+        llama_loss(model, it).backward()
+        opt.step()
+        pending.append(opt._engine.tail_pending)
+        if read:
+            reads.append((opt.state[last]["exp_avg"].clone(),
+                          {k: v.clone() for k, v in model.state_dict().items()}))
+        opt.zero_grad()
+    return model, opt, reads, pending
+
+
+def _same_reads(a, b):
+    for (m1, v1), (m2, v2) in zip(a, b):
+        assert torch.equal(m1, m2)
+        assert v1.keys() == v2.keys()
+        for k in v1:
+            assert torch.equal(v1[k], v2[k]), k
+
+
+@pytest.mark.parametrize("defer", [1, 3])
+def test_deferred_blocks_train_bitwise_as_without(device, late, defer):
+    """16 blocks (one frozen), tied embeddings: deferring the last 1 or 3 blocks' steps
+    past step() trains bit for bit as no deferral and as the resident params, and
+    opt.state and model.state_dict() read right after step() are the stepped values."""
+    resident = _run(0, streamed=False)
+    plain = _run(0)
+    deferred = _run(defer)
+    assert not any(plain[3]) and not any(resident[3])
+    assert all(deferred[3][1:])   # left running from the second step on (at least)
+    trainable = [i for i in range(16) if i != 3]
+    # the last blocks (the first grads), as far as whole buckets go: a bucket that holds
+    # a resident param, or reaches into one block more, is stepped by step()
+    assert late.blocks[-1] and set(late.blocks[-1]) <= set(trainable[-defer:])
+    assert all(set(b) <= set(trainable[-defer:]) for b in late.blocks)
+    _same_reads(plain[2], deferred[2])
+    _same_reads(resident[2], deferred[2])
+    assert_same_training(plain[:2], deferred[:2])
+    assert_same_training(resident[:2], deferred[:2])
+
+
+def test_the_ring_holds_the_deferred_blocks_grads(device):
+    """The grads of the deferred blocks wait in the grad ring: it grows by one block's
+    grads per deferred block (grad_ring_mb= None)."""
+    sizes = {}
+    for defer in (0, 2):
+        model = make_llama(layers=4, frozen=())
+        offload_adam.stream_params(model, Block)
+        opt = offload_adam.AdamW(model.parameters(), **KW, defer_blocks=defer)
+        block = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+        sizes[defer] = opt._engine.ring.nbytes
+    assert sizes[0] >= 2 * block
+    assert sizes[2] >= 4 * block and sizes[2] > sizes[0]
+
+
+def test_an_error_in_a_deferred_step_is_raised_by_the_next_use(device, late):
+    """A deferred step that raised is not lost: the next call that waits for it (here
+    zero_grad() or the forward that fetches its block) raises it."""
+    model = make_llama(layers=4, frozen=())
+    offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), **KW, defer_blocks=1)
+    for it in range(2):
+        late.fail = it == 1
+        llama_loss(model, it).backward()
+        opt.step()
+    with pytest.raises(RuntimeError, match="a deferred step failed"):
+        opt.zero_grad()
+        llama_loss(model, 5).backward()
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(defer_blocks=2, step_in_backward=False), "needs step_in_backward=True"),
+    (dict(defer_blocks=-1), "whole number of blocks"),
+    (dict(defer_blocks=1.5), "whole number of blocks"),
+    (dict(defer_blocks=True), "whole number of blocks"),
+])
+def test_bad_defer_blocks_is_refused(options, match):
+    p = torch.nn.Parameter(torch.zeros(4))
+    kw = {"step_in_backward": True, **options}
+    with pytest.raises(ValueError, match=match):
+        offload_adam.AdamW([p], **kw)
+
+
+def test_defer_blocks_with_state_files_is_refused(tmp_path):
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="cannot be used with state_dirs="):
+        offload_adam.AdamW([p], step_in_backward=True, defer_blocks=1, state_dirs=str(tmp_path))
+
+
+def test_without_the_fetchs_wait_the_next_forward_reads_old_values(kernels, late, monkeypatch):
+    """Mutation test: without the wait of a block's fetch for its deferred step, the
+    next forward reads the step before's values (the simulated device reports it, or the
+    training differs)."""
+    plain = None
+    sim = AsyncSimDevice(seed=0, latency="latest")
+    try:
+        with simulated(sim), sim.watch():
+            plain = _run(0, steps=3, layers=4, frozen=(), read=False)
+            monkeypatch.setattr(_Block, "wait_steps", lambda self: None)
+            deferred = _run(2, steps=3, layers=4, frozen=(), read=False)
+        try:
+            sim.check()
+            violations = False
+        except AssertionError:
+            violations = True
+    finally:
+        sim.close()
+    differ = any(not torch.equal(a, b) for a, b in
+                 zip(plain[0].state_dict().values(), deferred[0].state_dict().values()))
+    assert violations or differ
+
+
+def test_checkpoints_saved_and_loaded_while_deferred_steps_run(device, late):
+    """The optimizer's and the model's state dicts saved right after step() (deferred
+    steps running), and loaded right after another step(), give the run without deferral,
+    bit for bit: both wait for the deferred steps first."""
+    runs = []
+    for defer in (0, 2):
+        model = make_llama(layers=6)
+        offload_adam.stream_params(model, Block)
+        opt = offload_adam.AdamW(model.parameters(), **KW, defer_blocks=defer)
+        for it in range(5):
+            llama_loss(model, it).backward()
+            opt.step()
+            if it == 1:
+                saved = (copy.deepcopy(opt.state_dict()),
+                         {k: v.clone() for k, v in model.state_dict().items()})
+            if it == 2:
+                assert opt._engine.tail_pending == bool(defer)
+                opt.load_state_dict(saved[0])
+                model.load_state_dict(saved[1])
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same_training(*runs)
