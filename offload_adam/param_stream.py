@@ -14,7 +14,8 @@ The data path of one block (a module whose params stream), in the order of its u
                        backward is next: fetch it again) and the inputs (it is done)
     backward           fetched when the grads of its outputs arrive (before its recompute
                        under activation checkpointing too), given back once the grads of
-                       its inputs are computed, or at the end of backward
+                       its inputs are computed, or at the end of backward (of one
+                       that raised: at the next forward)
     step()             the CPU step writes the new values into the host copy: the engine
                        reads and writes a streamed param's `Home`, never its device copy,
                        so nothing goes back to the device at step()
@@ -539,6 +540,8 @@ class ParamStreamer:
             if block.state != "here" or block.stale:
                 self._use(block, "b")
         else:
+            if self._graph_task is not None:   # the last backward raised: its end never ran
+                self._end_of_backward(completed=False)
             self._use(block, "f")
         if not torch.is_grad_enabled():
             return None
@@ -576,10 +579,16 @@ class ParamStreamer:
             self._graph_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _end_of_backward(self) -> None:
+    def _end_of_backward(self, completed: bool = True) -> None:
+        """`completed=False`: at the next forward after a backward that raised (in a hook,
+        a custom Function's backward). Autograd runs the callbacks queued on a backward
+        only when it completes, and an _AfterBackward only once grads reach it: the blocks
+        that backward fetched (the one in use, those ahead) stayed on the device."""
         self._graph_task = None
         for block in self.blocks:
             self._release(block)
+        if self._order is None and not completed:
+            self._recording = []   # the first micro-batch stopped part way: recorded again
         if self._order is None and self._recording:
             self._order = self._recording
             for q, (i, _) in enumerate(self._order):

@@ -713,3 +713,59 @@ def test_an_in_place_write_to_a_streamed_param_between_uses_is_refused(device):
     train(model, opt, 1, start=2)   # raised once: training goes on from the host copies
     train(plain, ref, 1, start=2)
     assert_same_training((model, opt), (plain, ref))
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """The identity, whose backward raises."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("raised in backward")
+
+
+@pytest.mark.parametrize("when", ["first backward", "later backward"])
+def test_a_backward_that_raised_leaves_no_block_on_the_device(device, when):
+    """A backward that raises part way (a custom Function's backward inside block 4) runs
+    none of autograd's end-of-backward callbacks: the blocks it had fetched (block 4, those
+    ahead of it) stayed on the device into the next micro-batch, beyond (k + 2) x the
+    largest block. They are given back at the next forward; each micro-batch then moves the
+    streamed bytes twice, and training is the resident training with the same failed
+    backward, bit for bit. Raised in the first backward too, while the order is recorded."""
+    prefetch, failing = 2, []
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=6)
+        if streamed:
+            streamer = offload_adam.stream_params(model, Block, prefetch=prefetch)
+        model.layers[4].mlp_norm.register_forward_hook(
+            lambda m, args, out: _RaiseInBackward.apply(out) if failing else out)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        if when == "later backward":
+            train(model, opt, 1)
+        failing.append(True)
+        with pytest.raises(ValueError, match="raised in backward"):
+            llama_loss(model, 7).backward()
+        failing.clear()
+        opt.zero_grad()
+        if streamed:
+            assert device.counters()["materialized_bytes"] > 0   # (what this test is about)
+            device.reset_peak()
+            before = device.counters()["h2d_bytes"]
+        train(model, opt, 1, micro=2, start=1)
+        if streamed:
+            after = device.counters()
+            assert after["materialized_bytes"] == 0
+            assert after["peak_materialized_bytes"] <= (prefetch + 2) * streamer.largest_block_bytes
+            resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                           if not n.startswith("layers."))
+            assert after["h2d_bytes"] - before == 2 * 2 * streamer.streamed_bytes + resident
+            # the order prefetch follows is a whole micro-batch's, not the one that raised
+            forward, backward = [(i, "f") for i in range(6)], [(i, "b") for i in range(6)]
+            assert streamer._order == forward + backward[::-1]
+        train(model, opt, 2, micro=2, start=2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
