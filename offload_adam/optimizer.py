@@ -100,9 +100,14 @@ def _check_modes(group_or_defaults, where):
 def _check_param(p, label):
     """Raises for a param no path can step. `label()` names it."""
     if p.is_complex() or p.dtype not in SUPPORTED_DTYPES:
+        # (torch's optimizers take an integer param and never step it: it has no grad)
+        untrainable = not (p.is_floating_point() or p.is_complex())
         raise TypeError(
             f"offload_adam supports float32, bfloat16 and float16 params; "
-            f"param {label()} has dtype {p.dtype}")
+            f"param {label()} has dtype {p.dtype}"
+            + ("; it can have no grad, so there is nothing to step: pass the params that "
+               "train, e.g. [p for p in model.parameters() if p.requires_grad]"
+               if untrainable else ""))
     if p.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
             f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}")

@@ -32,7 +32,8 @@ The order of uses (block, forward or backward) is recorded over the first micro-
 the end of its backward) and the prefetch follows it; a use off the recorded order is
 fetched on demand, never wrong. Device memory for params is at most (k + 2) x the largest
 block beyond the resident params (those outside the blocks: embeddings, norms, a tied
-head): the block in use, k ahead, and one given back whose compute may still be queued.
+head; and a block's params of an integer or bool dtype, which can have no grad): the block
+in use, k ahead, and one given back whose compute may still be queued.
 """
 
 from __future__ import annotations
@@ -381,8 +382,9 @@ class ParamStreamer:
     # ---- setup --------------------------------------------------------------------
 
     def _move_resident(self) -> None:
-        """What does not stream goes to the device: the params outside the blocks, every
-        buffer (a block's included: they are small)."""
+        """What does not stream goes to the device: the params outside the blocks and a
+        block's integer ones (_find_blocks), every buffer (a block's included: they are
+        small)."""
         streamed = {id(p) for b in self.blocks for p in b.params}
         with torch.no_grad():
             for p in self.model.parameters():
@@ -925,7 +927,8 @@ def _device_of(model, device):
 
 def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
     """[(name, module, [(param name in the module, param)])] of the outermost matching
-    modules; a ValueError for a param shared by two blocks or with the rest."""
+    modules, their params that stream; a ValueError for a param shared by two blocks or
+    with the rest."""
     match = _matcher(spec)
     found: List[Tuple[str, torch.nn.Module]] = []
     for name, m in model.named_modules():
@@ -948,7 +951,11 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
     owner: Dict[int, str] = {}
     out = []
     for name, m in found:
-        params = list(m.named_parameters(remove_duplicate=True))
+        # A param that can take no grad (an integer or bool dtype: an index table) has no
+        # state to step, and its placeholder would read as zeros, not NaN (a read between
+        # uses wrong without a word): it stays resident.
+        params = [(n, p) for n, p in m.named_parameters(remove_duplicate=True)
+                  if p.is_floating_point() or p.is_complex()]
         for pname, p in params:
             if id(p) in owner and owner[id(p)] != name:
                 raise ValueError(f"offload_adam.stream_params: param {name}.{pname} is "

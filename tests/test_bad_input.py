@@ -63,8 +63,10 @@ def test_unsupported_dtype_at_construction(dtype):
     bad = torch.zeros(2, 2, dtype=dtype)
     with pytest.raises(TypeError, match=rf"group 0, param 1 \(shape \(2, 2\)\).*{dtype}"):
         offload_adam.AdamW([good, bad])
-    with pytest.raises(TypeError, match=rf"'layer.w'.*{dtype}"):
+    with pytest.raises(TypeError, match=rf"'layer.w'.*{dtype}") as raised:
         offload_adam.AdamW([("x", good), ("layer.w", bad)])
+    # an integer param can take no grad: the message says to leave it out
+    assert ("pass the params that train" in str(raised.value)) == (dtype is torch.int32)
     opt = offload_adam.AdamW([good])
     with pytest.raises(TypeError, match=str(dtype)):
         opt.add_param_group({"params": [bad]})

@@ -48,10 +48,10 @@ class Block(torch.nn.Module):
 class TinyLlama(torch.nn.Module):
     """Embedding tied with the head, `layers` blocks, a final norm."""
 
-    def __init__(self, vocab=61, dim=32, hidden=64, layers=16, checkpointed=False):
+    def __init__(self, vocab=61, dim=32, hidden=64, layers=16, checkpointed=False, block=Block):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, dim)
-        self.layers = torch.nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(block(dim, hidden) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.head = torch.nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight
@@ -766,6 +766,50 @@ def test_a_backward_that_raised_leaves_no_block_on_the_device(device, when):
             # the order prefetch follows is a whole micro-batch's, not the one that raised
             forward, backward = [(i, "f") for i in range(6)], [(i, "b") for i in range(6)]
             assert streamer._order == forward + backward[::-1]
+        train(model, opt, 2, micro=2, start=2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
+class PermutedBlock(Block):
+    """A block whose output's features are permuted by an index table held as a param
+    (an integer param: it can take no grad)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__(dim, hidden)
+        self.perm = torch.nn.Parameter(torch.randperm(dim), requires_grad=False)
+
+    def forward(self, x):
+        return super().forward(x)[..., self.perm]
+
+
+def test_an_integer_param_of_a_block_stays_resident(device):
+    """An integer param in a streamed block has no grad and no state: it stays resident
+    (streamed, it read as zeros between uses, and a read of it outside the block's forward
+    was wrong without a word). Reading it, the model's state_dict, load_state_dict, to()
+    and training are as without streaming, bit for bit."""
+    runs = []
+    for streamed in (False, True):
+        torch.manual_seed(0)
+        model = TinyLlama(layers=4, block=PermutedBlock).to(BF16)
+        perm = model.layers[1].perm.clone()
+        if streamed:
+            streamer = offload_adam.stream_params(model, PermutedBlock, prefetch=1)
+            assert torch.isnan(model.layers[1].up.weight).all()   # the rest of it streams
+            assert streamer.streamed_bytes == sum(p.numel() * p.element_size() for n, p in
+                                                  model.named_parameters()
+                                                  if n.startswith("layers.") and "perm" not in n)
+        assert torch.equal(model.layers[1].perm, perm)
+        opt = offload_adam.AdamW([p for p in model.parameters() if p.requires_grad], **OPTS)
+        train(model, opt, 2, micro=2)
+        assert torch.equal(model.layers[1].perm, perm)
+        assert torch.equal(model.state_dict()["layers.1.perm"], perm)
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        sd["layers.1.perm"] = perm.flip(0)
+        model.load_state_dict(sd)
+        assert torch.equal(model.layers[1].perm, perm.flip(0))
+        model.to(BF16)
+        assert model.layers[1].perm.dtype is torch.int64
         train(model, opt, 2, micro=2, start=2)
         runs.append((model, opt))
     assert_same_training(*runs)
