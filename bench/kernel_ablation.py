@@ -33,7 +33,7 @@ VARIANTS = {
         (MATH, "if constexpr (LP == 1) x.template store_bf16<NT>(",
          "if constexpr (LP == 1) x.template store_bf16_truncated<NT>(")],
     "no grad_scale multiply": [
-        (MATH, "V g = load_grad<V, G>(c.grad, i) * V::set1(s.grad_scale);", "V g = load_grad<V, G>(c.grad, i);")],
+        (MATH, "  return g * V::set1(s.grad_scale);\n}", "  return g;\n}")],
     "sqrt and division replaced by multiplies": [
         (AVX512, "return {_mm512_div_ps(a.v, b.v)};", "return {_mm512_mul_ps(a.v, b.v)};"),
         (AVX512, "return {_mm512_sqrt_ps(a.v)};", "return {_mm512_mul_ps(a.v, a.v)};"),

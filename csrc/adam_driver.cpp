@@ -107,6 +107,7 @@ void adam_step(const Bucket& b, const AdamHyper& h, int num_threads) {
   s.decay_factor = h.decoupled ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
   s.l2_decay = static_cast<float>(h.weight_decay);
   s.grad_scale = static_cast<float>(h.maximize ? -h.grad_scale : h.grad_scale);
+  s.grad_mul = static_cast<float>(h.grad_mul);
 
   const std::vector<Chunk> chunks = make_chunks(b, [&](const AdamTensor& t, Chunk& c) {
     const double t_step = static_cast<double>(t.step);

@@ -92,6 +92,9 @@ struct AdamHyper {
   bool maximize = false;
   double grad_scale = 1.0; // multiplier applied to every grad element before the math:
                            // 1/GradScaler scale, a clipping coefficient, or their product
+  double grad_mul = 1.0;   // applied before grad_scale, the product rounded to the grad's
+                           // dtype: a multiplication torch made in that dtype on the device
+                           // (its clip of a grad freed after its copy), redone here
 };
 
 // Runs one Adam/AdamW step over the bucket with `num_threads` threads (the caller

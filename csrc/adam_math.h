@@ -6,7 +6,12 @@
 // multiply-adds are written out where they are wanted).
 //
 // Per element, with t the step count after this update:
-//   g  = grad * grad_scale                     (grad_scale = ±1/loss-scale * clip)
+//   g  = round_G(grad * grad_mul) * grad_scale (grad_scale = ±1/loss-scale * clip)
+//        grad_mul: a factor the grad was multiplied by in its own dtype, after it
+//        was copied to the host (torch's clip of a grad that free_grads_after_copy
+//        freed): the product rounded to the grad's dtype (nearest even, as torch's
+//        bf16/fp16 multiply rounds it on the device), so the step reads the grad
+//        torch's clip would have left; 1 (skipped) otherwise. fp32 grads: no rounding.
 //   L2 (Adam):    g = g + wd * p
 //   decoupled:    p = p * (1 - lr * wd)
 //   m  = beta1 * m + (1 - beta1) * g
@@ -103,6 +108,25 @@ template <class V, int LP, bool NT>
 OA_INLINE void store_lp(void* lp, int64_t i, V x) {
   if constexpr (LP == 1) x.template store_bf16<NT>(static_cast<uint16_t*>(lp) + i);
   else if constexpr (LP == 2) x.template store_f16<NT>(static_cast<uint16_t*>(lp) + i);
+}
+
+// The grad as the step reads it (the formula's first line): grad_mul's product
+// rounded to the grad's dtype by the param copy's own conversions (through a
+// vector's worth of stack, which stays in L1), then grad_scale in fp32. grad_mul
+// is 1 but in steps of clipped freed grads; the branch marked so keeps the usual
+// step's cost (kernel_cost, in L2: within 2.5% of none; unmarked, q8 paid 4-5%).
+template <class V, int G>
+OA_INLINE V scaled_grad(const void* grad, int64_t i, const StepScalars& s) {
+  V g = load_grad<V, G>(grad, i);
+  if (__builtin_expect(s.grad_mul != 1.0f, 0)) {
+    g = g * V::set1(s.grad_mul);
+    if constexpr (G != 0) {
+      alignas(64) uint16_t lp[V::width];
+      store_lp<V, G, false>(lp, 0, g);
+      g = load_grad<V, G>(lp, 0);
+    }
+  }
+  return g * V::set1(s.grad_scale);
 }
 
 // The low-precision copy is write-only: when its vector stores are aligned,
@@ -317,7 +341,7 @@ template <> struct MomentsFor<StateDType::q8> { using type = Q8Moments; };
 template <class V, int G, bool AMSGRAD, bool L2, class M>
 OA_INLINE void adam_moments(const Chunk& c, const StepScalars& s, const M& mom, Decays d, SegmentState<V>& st,
                             int64_t i, V& m_out, V& root_out, V& p_out) {
-  V g = load_grad<V, G>(c.grad, i) * V::set1(s.grad_scale);
+  V g = scaled_grad<V, G>(c.grad, i, s);
   V p = V::load(c.param + i);
   if constexpr (L2) g = V::fma(V::set1(s.l2_decay), p, g);
   else p = p * V::set1(s.decay_factor);

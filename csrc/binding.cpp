@@ -194,7 +194,7 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                const TensorList& steps, double lr, double beta1, double beta2, double eps, double weight_decay,
                bool decoupled, bool maximize, double grad_scale, int64_t num_threads,
                const TensorList& exp_avg_scales, const TensorList& exp_avg_sq_scales,
-               const std::vector<int64_t>& first_indices) {
+               const std::vector<int64_t>& first_indices, double grad_mul) {
   BucketView v = make_bucket(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lp_params, exp_avg_scales,
                              exp_avg_sq_scales, first_indices);
   check_same_length(params.size(), steps, "steps", false);
@@ -220,6 +220,7 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
   h.amsgrad = !max_exp_avg_sqs.empty();
   h.maximize = maximize;
   h.grad_scale = grad_scale;
+  h.grad_mul = grad_mul;
   const int threads = check_threads(num_threads);
   {
     py::gil_scoped_release no_gil;
@@ -324,7 +325,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lp_params"), py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"),
         py::arg("num_threads"), py::arg("exp_avg_scales") = TensorList{}, py::arg("exp_avg_sq_scales") = TensorList{},
-        py::arg("first_indices") = std::vector<int64_t>{});
+        py::arg("first_indices") = std::vector<int64_t>{}, py::arg("grad_mul") = 1.0);
   m.def("stream_limit", &stream_limit, "The loads and stores of adam_step without its arithmetic",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("lp_params"),
         py::arg("num_threads"), py::arg("exp_avg_scales") = TensorList{},

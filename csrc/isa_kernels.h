@@ -39,6 +39,7 @@ struct StepScalars {
   float decay_factor;  // AdamW: 1 - lr*wd; Adam or wd == 0: exactly 1
   float l2_decay;      // Adam's L2 weight decay (used only by the L2 instantiations)
   float grad_scale;    // includes the sign flip for maximize
+  float grad_mul;      // rounded to the grad's dtype before grad_scale (adam_math.h)
 };
 
 using AdamChunkFn = void (*)(const Chunk&, const StepScalars&);

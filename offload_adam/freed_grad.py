@@ -10,7 +10,9 @@ memory. It answers, from the grad's host copy, what clipping and GradScaler
 ask of a grad:
   * its 2-norm (torch.linalg.vector_norm, what clip_grad_norm_ computes per grad);
   * multiplication by a scalar in place (clip_grad_norm_'s coefficient), which
-    the optimizer applies inside its next step's kernel;
+    the optimizer applies inside its next step's kernel, each product rounded
+    to the grad's dtype as torch's multiplication would have rounded it on the
+    device (the norm is the one bound: options.py, free_grads_after_copy);
   * GradScaler's inf check (unscaling by 1, what GradScaler.step does before it
     hands the optimizer its scale), so that a step with inf/NaN grads is
     skipped and the scale lowered, as without the option;

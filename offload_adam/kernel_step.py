@@ -56,14 +56,17 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               steps: Sequence[torch.Tensor], hyper: Hyper, grad_scale: float,
               num_threads: int, exp_avg_scales: Sequence[torch.Tensor] = (),
               exp_avg_sq_scales: Sequence[torch.Tensor] = (),
-              first_indices: Sequence[int] = ()) -> None:
+              first_indices: Sequence[int] = (), grad_mul: float = 1.0) -> None:
     """One fused Adam/AdamW step of a list of tensors (csrc/binding.cpp).
 
     params: fp32 tensors updated in place (a param, or the master of a bf16/fp16
     one); lp_params: where the kernel writes those masters rounded to bf16/fp16
     ([] for fp32 params); max_exp_avg_sqs: [] unless hyper.amsgrad; steps: torch's
     0-dim float32 step counts, incremented by the call; grad_scale multiplies
-    every grad (1/loss scale times a clipping coefficient). The moments' dtype is
+    every grad (1/loss scale times a clipping coefficient); grad_mul multiplies
+    it first, the product rounded to the grad's dtype as torch rounds a bf16/fp16
+    multiplication (a factor torch's clip applied to a grad freed after its copy
+    to the host: csrc/adam_math.h). The moments' dtype is
     their format (state_format.py): 8-bit ones come with their block scales;
     first_indices: where each tensor starts in its param (a piece of a param cut
     in ranges), so that stochastic rounding draws the same bits however a param
@@ -74,7 +77,7 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
         hyper.decoupled_weight_decay, hyper.maximize, float(grad_scale), int(num_threads),
         exp_avg_scales=list(exp_avg_scales), exp_avg_sq_scales=list(exp_avg_sq_scales),
-        first_indices=[int(i) for i in first_indices])
+        first_indices=[int(i) for i in first_indices], grad_mul=float(grad_mul))
 
 
 class KernelArgs:
@@ -126,14 +129,14 @@ class KernelArgs:
 
     def run(self, grads: Sequence[torch.Tensor], hyper: Hyper, grad_scale: float,
             num_threads: int, work: Optional[Sequence[torch.Tensor]] = None,
-            lp_params: Optional[Sequence[torch.Tensor]] = None) -> None:
+            lp_params: Optional[Sequence[torch.Tensor]] = None, grad_mul: float = 1.0) -> None:
         """adam_step over the tensors added, with `grads` in their order; `work` and
         `lp_params` replace the lists added (stepping some through copies)."""
         adam_step(self.work if work is None else work, grads, self.exp_avgs, self.exp_avg_sqs,
                   self.max_exp_avg_sqs, self.lp_params if lp_params is None else lp_params,
                   self.steps, hyper, grad_scale, num_threads, self.exp_avg_scales,
                   self.exp_avg_sq_scales,
-                  self.first_indices if any(self.first_indices) else ())
+                  self.first_indices if any(self.first_indices) else (), grad_mul)
 
 
 def grad_sq_sums(grads: Sequence[torch.Tensor], num_threads: int) -> List[float]:

@@ -595,7 +595,8 @@ class FileStore:
         meta = {"hypers": {str(g): dataclasses.asdict(Hyper.of(param_groups[g]))
                            for g in groups},
                 "scale": grad_scale,
-                "engine_scale": run.grad_scale if run is not None else grad_scale}
+                "engine_scale": run.grad_scale if run is not None else grad_scale,
+                "engine_grad_mul": run.grad_mul if run is not None else 1.0}
         self.state.begin(self.state.step + 1, records, meta)
 
     def _record(self, i: int, run) -> redo.Record:
@@ -648,19 +649,22 @@ class FileStore:
                 else pieces[0][1].reshape(-1)
             return flat.view(like.shape)
 
-        calls: Dict[Tuple[torch.dtype, float], Tuple[KernelArgs, list]] = {}
+        # (a log written before engine_grad_mul had the freed grads' factor in engine_scale)
+        engine_scales = (step_meta["engine_scale"], step_meta.get("engine_grad_mul", 1.0))
+        calls: Dict[Tuple[torch.dtype, float, float], Tuple[KernelArgs, list]] = {}
         for e in self.buckets[i]:
             st = ParamState.in_bucket(t, e.name)
             if ("p", e.name) in parts:
                 _follow_param(st, whole("p", e.name, st.master))
             if ("g", e.name) in parts:
                 g = whole("g", e.name, st.master)
-                scale = step_meta["scale" if e.name in meta["in_place"] else "engine_scale"]
-                args, grads = calls.setdefault((g.dtype, scale), (KernelArgs(), []))
+                scale, mul = ((step_meta["scale"], 1.0) if e.name in meta["in_place"]
+                              else engine_scales)
+                args, grads = calls.setdefault((g.dtype, scale, mul), (KernelArgs(), []))
                 args.add(st, None, e.start)   # (a part's rounding: its elements' indices)
                 grads.append(g)
-        for (_, scale), (args, grads) in calls.items():
-            args.run(grads, hyper, scale, max(1, torch.get_num_threads()))
+        for (_, scale, mul), (args, grads) in calls.items():
+            args.run(grads, hyper, scale, max(1, torch.get_num_threads()), grad_mul=mul)
 
     def _abandon_early(self, reason: str) -> None:
         """A pass started in backward is stopped before the files or the ring change

@@ -13,6 +13,25 @@ documented here and nowhere else.
     the host (sent, then added to the host copy: bit for bit the sum on the
     device); everything else is refused with an error: reading its values,
     editing it. Needs overlap=True.
+    torch.nn.utils.clip_grad_norm_ of freed grads steps as torch's clip of the
+    grads kept, bit for bit, whenever the two agree on the norms, and always
+    when neither total norm exceeds max_norm (the coefficient is then 1): the
+    coefficient is applied inside the kernel, each product rounded to the
+    grad's dtype as torch's multiplication of the grad rounds it. The norms
+    can differ: a freed grad's norm is its host copy's sum of squares in
+    double, rounded once to the grad's dtype; torch's is a sum in fp32 on the
+    device, in an order of the device's that the host cannot repeat, and
+    carries that sum's rounding error (on the CPU: up to 1.4e-5 relative for
+    1M random fp32 elements, 7.5e-4 for 16M). So fp32 norms usually differ, by
+    that error; bf16/fp16 ones only where that error crosses a rounding
+    boundary of the dtype, rarely while it stays far below the dtype's unit
+    in the last place (2^-8 to 2^-7 relative in bf16; on the CPU, 1 in 60
+    random bf16 grads of 1M elements). The total norm and the clip
+    coefficient then differ by about as much, and every clipped grad with the
+    coefficient. Two multiplications before step() (a second clip) are
+    applied as one, by their product rounded once (torch rounds each), and a
+    norm asked after a clip is the earlier norm times the coefficient
+    (torch's: of the rounded clipped grads).
   num_threads (None): kernel threads, for every param; None =
     torch.get_num_threads(), minus one for CUDA params (the thread driving the
     GPU keeps a core).

@@ -3,6 +3,8 @@ crash test's optimizer worker, tests/nvme_crash_worker.py): CPU params of fp32 a
 two param groups, grads that are a function of (param, step, micro-batch) so that a run
 resumed in another process continues exactly as an uninterrupted one, and the bitwise
 comparison of params and optimizer state."""
+import contextlib
+
 import torch
 
 SHAPES = ((40, 33), (700,), (5, 7, 3), (300,))
@@ -67,9 +69,11 @@ def assert_stepped_from(after, before, other):
         assert (a.float() - b.float()).abs().max() < 0.05 < (b.float() - o.float()).abs().max()
 
 
-def cut_short(opt, ps, step, call=3):
-    """Trains step `step` with the kernel's `call`-th call raising KeyboardInterrupt (as a
-    Ctrl-C would, mid-step): with compact state files the step is cut after its redo log."""
+@contextlib.contextmanager
+def kernel_interrupted(call=3):
+    """The kernel's `call`-th call in the block raises KeyboardInterrupt (as a Ctrl-C
+    would, mid-step), which must end the block: with compact state files the step is cut
+    after its redo log."""
     import pytest
     from offload_adam import kernel_step
     real, calls = kernel_step.adam_step, []
@@ -82,7 +86,13 @@ def cut_short(opt, ps, step, call=3):
     kernel_step.adam_step = failing
     try:
         with pytest.raises(KeyboardInterrupt):
-            train(opt, ps, step, 1)
+            yield
     finally:
         kernel_step.adam_step = real
     assert len(calls) == call
+
+
+def cut_short(opt, ps, step, call=3):
+    """Trains step `step`, cut short by kernel_interrupted(call)."""
+    with kernel_interrupted(call):
+        train(opt, ps, step, 1)

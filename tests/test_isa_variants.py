@@ -122,3 +122,38 @@ def test_set_isa_in_process(kernels):
     finally:
         kernels.set_isa(active)
     assert kernels.isa() == active
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_grad_mul_rounds_as_torch_multiplies_on_every_variant(kernels, dtype):
+    """adam_step's grad_mul (the factor torch's clip multiplied a freed grad by,
+    free_grads_after_copy) steps the grad torch's multiplication in the grad's
+    dtype leaves (the fp32 product rounded to nearest even), then grad_scale in
+    fp32: bit for bit, on every variant, in the vector body and the scalar tail.
+    1.5 makes half the 16-bit products ties; 0.3 rounds them every way."""
+    from offload_adam.kernel_step import Hyper, adam_step
+    gen = torch.Generator().manual_seed(5)
+    n = 1013   # not a multiple of any vector width: a tail
+    grad = (torch.randn(n, generator=gen) * 3).to(dtype)
+    init = torch.randn(n, generator=gen)
+    hyper = Hyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                  decoupled_weight_decay=True, maximize=False, amsgrad=False)
+
+    def step(g, grad_mul):
+        state = [init.clone(), torch.zeros(n), torch.zeros(n)]
+        adam_step([state[0]], [g], [state[1]], [state[2]], [], [], [torch.tensor(0.0)],
+                  hyper, 0.7, 2, grad_mul=grad_mul)
+        return torch.stack(state).view(torch.int32)
+
+    active = kernels.isa()
+    try:
+        for isa in kernels.supported_isas():
+            kernels.set_isa(isa)
+            for factor in (1.5, 0.3):
+                coef = torch.tensor(factor, dtype=dtype)   # clip_grad_norm_'s, as the grads'
+                ours = step(grad, float(coef))
+                assert torch.equal(ours, step(grad * coef, 1.0)), (isa, factor)
+                if dtype != torch.float32:   # (the rounding shows)
+                    assert not torch.equal(ours, step(grad.float(), float(coef)))
+    finally:
+        kernels.set_isa(active)

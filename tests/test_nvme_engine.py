@@ -14,7 +14,7 @@ import offload_adam
 from offload_adam.testing import ring_buffers, state_files
 from conftest import sim_path
 from models import decay_groups, fp32_head, loss_of, make_pair
-from nvme_model import assert_same, assert_stepped_from
+from nvme_model import assert_same, assert_stepped_from, kernel_interrupted
 
 FORMATS = ["float32", "bfloat16", "8bit"]
 SIMS = ["sim-seed0", "sim-seed1", "sim-latest"]
@@ -182,3 +182,24 @@ def test_freed_grads_on_cpu_params_and_torch_clipping(kernels, tmp_path):
     train(b, disk, 0, 3, clip="torch")
     assert disk.last_step_profile is not None   # the engine stepped them, on the host
     assert_same(params_of(a), params_of(b), ram, disk)
+
+
+def test_a_step_of_freed_grads_clipped_by_torch_cut_short_is_redone_bitwise(kernels, tmp_path):
+    """Compact files: a step of freed grads clipped by torch.nn.utils.clip_grad_norm_, cut
+    short after its redo log, is finished from the log when the files are opened again. The
+    log holds the host copies as they came (unclipped) and the coefficient beside them, so
+    the redone kernels round the clipped grads as the step's own would have: bitwise the run
+    in RAM."""
+    a, b, c = model(), model(), model()
+    kw = dict(free_grads_after_copy=True, **OPTS)
+    ram = offload_adam.AdamW(groups(a), **kw)
+    train(a, ram, 0, 3, clip="torch")
+    disk = offload_adam.AdamW(groups(b), state_dirs=tmp_path, state_footprint="compact", **kw)
+    train(b, disk, 0, 2, clip="torch")
+    with kernel_interrupted(3):
+        train(b, disk, 2, 1, clip="torch")
+    disk.close()
+    resumed = offload_adam.AdamW(groups(c), state_dirs=tmp_path, state_footprint="compact",
+                                 state_resume=True, **kw)
+    assert resumed.step_count == 3
+    assert_same(params_of(a), params_of(c), ram, resumed)

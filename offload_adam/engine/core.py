@@ -582,7 +582,7 @@ class OffloadEngine:
         for the worker), and the recs taking part."""
         checks: Dict[int, object] = {}
         ready = self._ready_grads(checks)
-        grad_scale *= _factor_of(ready)
+        grad_mul = _factor_of(ready)
         early = self.early.stepped() if self.early is not None else set()
         self.bind_state(ready, param_groups, state)
         take = {id(r) for r in ready}
@@ -611,15 +611,16 @@ class OffloadEngine:
                 if b.group not in hypers:
                     hypers[b.group] = Hyper.of(group)
                 job = self._bucket_job(b, todo, hypers[b.group], grad_scale, threads, fence,
-                                      checks.get(b.index))
+                                      checks.get(b.index), grad_mul)
                 jobs.append((job, todo[0].start > 0))
         return jobs, ready
 
     def _bucket_job(self, bucket: Bucket, pieces: List[Piece], hyper: Optional[Hyper] = None,
                    grad_scale: float = 1.0, threads: Optional[int] = None, fence=None,
-                   check=None) -> "BucketJob":
+                   check=None, grad_mul: float = 1.0) -> "BucketJob":
         """The job that steps `pieces` of `bucket` (step 4, below)."""
-        return BucketJob(self, bucket, pieces, hyper, grad_scale, threads, fence, check)
+        return BucketJob(self, bucket, pieces, hyper, grad_scale, threads, fence, check,
+                         grad_mul)
 
     def _stepped_jobs(self, stepped: set, fence) -> List["BucketJob"]:
         """The jobs that write back the pieces (ids in `stepped`) whose kernel
@@ -952,6 +953,7 @@ class EngineStep:
         self.fence = engine._begin_step(param_groups, {} if state is None else state,
                                         grad_scale)
         self.grad_scale = grad_scale
+        self.grad_mul = 1.0   # the freed grads' factor (_factor_of), lent path: set below
         self.stepped: List[ParamRec] = []
         self._stepped_ids: set = set()   # (a param in parts is lent once per part)
         self._hypers: Dict[int, Hyper] = {}
@@ -961,7 +963,7 @@ class EngineStep:
         if state is None:
             with torch.no_grad():
                 ready = engine._ready_grads()   # fingerprint checks done (and acted on) here
-            self.grad_scale *= _factor_of(ready)
+            self.grad_mul = _factor_of(ready)
             self.ready = {id(r): r for r in ready}
             self.threads = engine.threads()
 
@@ -992,7 +994,7 @@ class EngineStep:
             self._parts.update((id(e.rec), e.rec) for e in idle if e.part)
         if todo:
             step_lent(self.engine, todo, views, self._hyper, self.grad_scale, self.threads,
-                      self.fence)
+                      self.fence, grad_mul=self.grad_mul)
             self._add_stepped(e.rec for e in todo)
 
     def host_grads(self, rec: ParamRec, pieces=None) -> List[Tuple[int, torch.Tensor]]:
@@ -1043,7 +1045,7 @@ class EngineStep:
 def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, torch.Tensor],
               hyper_of: Callable[[int], Hyper], grad_scale: float, threads: int, fence=None,
               write: bool = True, keep: Optional[Dict[int, torch.Tensor]] = None,
-              after=None) -> None:
+              after=None, grad_mul: float = 1.0) -> None:
     """One lent bucket's recs (each with a grad copy on its way): their state views
     pointed at the lent tensors, their masters following their params (master_rule.py),
     the bucket jobs' kernels grouped by transfer bucket, each param's "<name>.step" set
@@ -1077,7 +1079,7 @@ def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, tor
         for index, pieces in sorted(by_bucket.items()):
             bucket = engine.buckets[index]
             job = engine._bucket_job(bucket, pieces, hyper_of(bucket.group), grad_scale,
-                                     threads, fence)
+                                     threads, fence, grad_mul=grad_mul)
             job.kernel()
             if write:
                 before = len(bucket.h2d)
@@ -1121,9 +1123,10 @@ class BucketJob:
 
     def __init__(self, engine: OffloadEngine, bucket: Bucket, pieces: List[Piece],
                  hyper: Optional[Hyper] = None, grad_scale: float = 1.0,
-                 threads: Optional[int] = None, fence=None, check=None):
+                 threads: Optional[int] = None, fence=None, check=None, grad_mul: float = 1.0):
         self.engine, self.bucket, self.pieces = engine, bucket, pieces
         self.hyper, self.grad_scale, self.threads = hyper, grad_scale, threads
+        self.grad_mul = grad_mul   # freed grads' factor, rounded in their dtype (_factor_of)
         self.fence, self.check = fence, check
         self.copies: Optional[Dict[int, GradCopy]] = None   # id(rec) -> the copy read, if kept
 
@@ -1157,7 +1160,8 @@ class BucketJob:
                 args.add(p.param_state(), p.staging if bucket.low_precision else None,
                          p.start)
             t0 = time.perf_counter()
-            args.run([p.grad for p in pieces], hyper, self.grad_scale, self.threads)
+            args.run([p.grad for p in pieces], hyper, self.grad_scale, self.threads,
+                     grad_mul=self.grad_mul)
             if not bucket.low_precision:
                 # An fp32 update that goes back from staging (packed, or with the
                 # state in files: layout.allocate_transfers) is the master.
@@ -1226,8 +1230,10 @@ class _FreedHost:
 
 def _factor_of(ready: Sequence[ParamRec]) -> float:
     """The factor freed grads were multiplied by since backward (clipping by
-    torch.nn.utils.clip_grad_norm_: one for all), folded into the step's
-    grad scale."""
+    torch.nn.utils.clip_grad_norm_: one for all): the kernel's grad_mul, which
+    rounds each product to the grad's dtype as torch's multiplication of the
+    grad on the device would have (so that the step equals the one of the grads
+    kept, bit for bit), before the grad scale multiplies it in fp32."""
     factors = {r.copy.factor for r in ready if r.freed}
     if not factors or factors == {1.0}:
         return 1.0

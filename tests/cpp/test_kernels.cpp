@@ -300,6 +300,7 @@ struct Config {
   bool maximize = false;
   double weight_decay = 0.01;
   double grad_scale = 1.0;
+  double grad_mul = 1.0;  // a factor torch applied in the grad's dtype (its clip of a freed grad)
 };
 
 const char* state_name(oa::StateDType d) {
@@ -389,6 +390,7 @@ oa::AdamHyper hyper_of(const Config& c) {
   h.amsgrad = c.amsgrad;
   h.maximize = c.maximize;
   h.grad_scale = c.grad_scale;
+  h.grad_mul = c.grad_mul;
   return h;
 }
 
@@ -456,7 +458,10 @@ void ref_step(Ref& r, const State& s, const std::vector<float>& grad, int64_t st
   const double v_rel = bf16 ? 0x1p-7 : q8 ? 0x1p-3 : 0.0;
   const double step_size = lr / (1 - std::pow(b1, step)), c2 = 1.0 / std::sqrt(1 - std::pow(b2, step));
   for (size_t i = 0; i < r.p.size(); ++i) {
-    double g = grad[i] * c.grad_scale * (c.maximize ? -1.0 : 1.0);
+    // grad_mul: the fp32 product rounded to the grad's dtype, as torch's multiplication
+    const float mul = grad[i] * static_cast<float>(c.grad_mul);
+    const float clipped = c.grad == oa::DType::f32 ? mul : from_16(to_16(mul, c.grad), c.grad);
+    double g = clipped * c.grad_scale * (c.maximize ? -1.0 : 1.0);
     double eg = 0.0;  // error of g (L2 decay reads the param)
     const double decay = c.decoupled ? 1.0 - lr * c.weight_decay : 1.0;
     if (c.decoupled) {
@@ -587,6 +592,15 @@ std::vector<Config> step_configs() {
     adam_l2.maximize = true;
     adam_l2.grad_scale = 1.0 / 1024;
     configs.push_back(adam_l2);
+    for (oa::DType g : {oa::DType::f32, oa::DType::bf16, oa::DType::f16}) {
+      Config clipped;  // a freed grad torch's clip multiplied, then a loss scale
+      clipped.state = st;
+      clipped.grad = g;
+      clipped.lp = g == oa::DType::f16 ? 2 : 1;
+      clipped.grad_mul = 0.3;
+      clipped.grad_scale = 0.7;
+      configs.push_back(clipped);
+    }
     Config no_decay;
     no_decay.state = st;
     no_decay.weight_decay = 0.0;
