@@ -76,9 +76,9 @@ stage cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/cuda
 # issue 27's acceptance: a ~13B GPT (40 x 5120) at batch 4 x 2048 streamed under a 24 GB cap
 stage stream_13b "${STREAM_13B_SECONDS:-200}" "$PY" bench/stream_gpu.py --layers 40 --width 5120 $STREAM --prefetch 2 \
   --steps 3 --warmup 1 --out "$R" --tag "${name}_13b_cap24"
-# the same with the last 7 blocks' CPU steps overlapping the next forward (defer_blocks=7)
+# the same with the last 8 blocks' CPU steps overlapping the next forward (defer_blocks=8)
 stage stream_13b_defer "${STREAM_13B_SECONDS:-200}" "$PY" bench/stream_gpu.py --layers 40 --width 5120 $STREAM \
-  --prefetch 2 --defer-blocks 7 --steps 3 --warmup 1 --out "$R" --tag "${name}_13b_cap24_defer7"
+  --prefetch 2 --defer-blocks 8 --steps 3 --warmup 1 --out "$R" --tag "${name}_13b_cap24_defer8"
 # the ~0.9B GPT resident, streamed and FSDP2's CPUOffloadPolicy recipe, each stepped in backward
 stage stream_bench 120 "$PY" bench/stream_gpu.py --step-in-backward --free-grads --fsdp2 --steps 3 \
   --out "$R" --tag "$name"
