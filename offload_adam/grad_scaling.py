@@ -11,7 +11,8 @@ multiplies it by one factor, folded into its single pass:
     (engine) and of the in-place params' grads, never by a pass over the grads
     on the device.
 The optimizer class (optimizer.py) mixes this in; it provides `_engine` (the
-offload engine, the stepper that streams grads), `_store` (state_store.py: the
+offload engine, the stepper that streams grads), `_join_trained()` (brings into it
+the params that have a grad and are not in it yet), `_store` (state_store.py: the
 in-place params' grads), `_options`, `_params()` and `_inplace_threads()`.
 """
 
@@ -34,6 +35,7 @@ class GradScaling:
         params' by the kernel, each of the local shard of a DTensor, summed over
         the ranks that hold the other shards (distributed.py). Double
         accumulation; inf/NaN propagate."""
+        self._join_trained()   # (a param unfrozen since the last step: its grad counts)
         sums = self._engine.grad_sq_sums() if self._engine is not None else []
         pairs = self._store.grads(self.param_groups)
         by_dtype = {}   # one kernel call per grad dtype (fp32 and bf16 params in one group)

@@ -237,12 +237,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             if self._store is not None:
                 self._store.add_group(index, group)
             if getattr(self, "_engine_started", False):
-                managed = [p for p in group["params"] if self._in_engine(p)]
-                if managed and self._engine is None:
-                    self._start_engine()
-                elif managed:
-                    self._engine.add_group(index, managed, bool(group["amsgrad"]),
-                                           group["state_dtype"], self._engine_names(index))
+                self._add_to_engine(index, self._engine_params(group["params"]))
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was
             raise
@@ -262,21 +257,68 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
     def _in_engine(self, p):
         return self._routing.in_engine(p)
 
+    def _engine_params(self, params):
+        """Of `params`, those the engine takes now: routed to it and trained (requires_grad,
+        or a grad). As torch's optimizers make no state for a param until it has a grad, a
+        frozen param (a LoRA model's base weights) holds no host memory until it has one
+        (_join_trained); the state files (state_dirs=) are laid out at construction for
+        every param."""
+        return [p for p in params if self._in_engine(p)
+                and (self._routing.files or p.requires_grad or p.grad is not None)]
+
     def _start_engine(self):
         self._engine_started = True
-        managed = [[p for p in g["params"] if self._in_engine(p)] for g in self.param_groups]
+        managed = [self._engine_params(g["params"]) for g in self.param_groups]
         if any(managed):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
                 state_dtypes=[g["state_dtype"] for g in self.param_groups],
                 options=self._options, owner=weakref.ref(self), routing=self._routing,
                 marks=self._marks,
-                names=[self._engine_names(gi) for gi in range(len(self.param_groups))])
+                names=[self._engine_names(gi, ps) for gi, ps in enumerate(managed)])
+        if getattr(self, "_store", None) is not None:   # (a store that steps it, below)
+            self._store.engine = self._engine
 
-    def _engine_names(self, gi: int):
-        """How errors name group gi's engine params: as the in-place path names them."""
+    def _add_to_engine(self, gi: int, params) -> None:
+        """Group gi's `params` join the engine (started now if there is none)."""
+        if not params:
+            return
+        if self._engine is None:
+            self._start_engine()
+            return
         g = self.param_groups[gi]
-        return [param_label(g, gi, i, p) for i, p in enumerate(g["params"]) if self._in_engine(p)]
+        self._engine.add_group(gi, params, bool(g["amsgrad"]), g["state_dtype"],
+                               self._engine_names(gi, params))
+
+    def _to_join(self):
+        """[(group index, params)]: the params routed to the engine that have a grad and
+        are not in it yet (frozen when they were added, unfrozen since)."""
+        if self._routing.files:   # (there the engine took every param at construction)
+            return []
+        has = self._engine.has if self._engine is not None else (lambda p: False)
+        found = [(gi, [p for p in g["params"]
+                       if p.grad is not None and self._in_engine(p) and not has(p)])
+                 for gi, g in enumerate(self.param_groups)]
+        return [(gi, ps) for gi, ps in found if ps]
+
+    def _join_trained(self) -> None:
+        """Before a step or a norm reads the grads: with no engine yet, one is started for
+        the params that now have a grad. An engine takes them itself (_join_to_engine,
+        called back from its step and its norms once what it ran in backward is done:
+        its buffers are laid out again)."""
+        if self._engine is None and self._to_join():
+            self._start_engine()
+
+    def _join_to_engine(self) -> None:
+        """The engine's call back (see _join_trained)."""
+        for gi, params in self._to_join():
+            self._add_to_engine(gi, params)
+
+    def _engine_names(self, gi: int, params):
+        """How errors name group gi's `params`: as the in-place path names them."""
+        g = self.param_groups[gi]
+        taken = {id(p) for p in params}
+        return [param_label(g, gi, i, p) for i, p in enumerate(g["params"]) if id(p) in taken]
 
     def _open_store(self, resume: bool = False):
         """The store the routing names (state_store.py); `resume` as state_resume=True
@@ -372,6 +414,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._join_trained()   # (a param unfrozen since its optimizer was built)
         scale = self._step_scale()   # grad_scaling.py
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped
             return loss

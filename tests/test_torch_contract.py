@@ -45,6 +45,116 @@ def test_frozen_low_precision_params_are_accepted_and_skipped(path):
         assert all(hooked(p) for p in model.parameters())   # the unfrozen ones too
 
 
+def _freeze_first_layer(model):
+    frozen = [model[0].weight, model[0].bias]
+    for p in frozen:
+        p.requires_grad_(False)
+    return frozen
+
+
+FROZEN_MODES = {"default": {}, "free_grads": {"free_grads_after_copy": True},
+                "early": {"step_in_backward": True}, "no_overlap": {"overlap": False}}
+
+
+@pytest.mark.parametrize("mode", FROZEN_MODES)
+def test_frozen_params_hold_no_host_memory_until_they_have_a_grad(path, mode):
+    # torch makes no state for a param until its first step with a grad: a LoRA model's
+    # AdamW(model.parameters()) costs nothing for its frozen base weights. Neither does
+    # the engine: it lays out host buffers for the params that train (with the state
+    # in RAM; state_dirs= lays its files out for every param at construction), and a
+    # param unfrozen later joins it at the next step, its buffers laid out then, its
+    # grad counted by clip_grad_norm_ before that step.
+    opts = {**OPTS, **FROZEN_MODES[mode]}
+    model, twin = make_mlp(), make_mlp()
+    frozen = _freeze_first_layer(model)
+    _freeze_first_layer(twin)
+    opt = offload_adam.AdamW(model.parameters(), **opts)
+    trainable = offload_adam.AdamW([p for p in twin.parameters() if p.requires_grad], **opts)
+    if not path.files:
+        assert opt.host_bytes() == trainable.host_bytes()
+    run(model, opt, 2, loss=mlp_loss)
+    run(twin, trainable, 2, loss=mlp_loss)
+    if not path.files:
+        assert opt.host_bytes() == trainable.host_bytes()
+    assert all(not states(opt).get(p) for p in frozen)
+    del trainable
+    with path.outside():   # the reference: in place, every param from the start
+        ref_model = make_mlp()
+        _freeze_first_layer(ref_model)
+        ref = offload_adam.AdamW(ref_model.parameters(), **OPTS)
+        run(ref_model, ref, 2, loss=mlp_loss)
+    for p in frozen + [ref_model[0].weight, ref_model[0].bias]:
+        p.requires_grad_(True)
+    clip = not opts.get("step_in_backward")   # (clipping there is refused, grad_scaling.py)
+    for it in (2, 3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            mlp_loss(m, it).backward()
+            if clip:
+                norm = o.clip_grad_norm_(0.5)
+            o.step()
+            o.zero_grad()
+    assert_same((model, opt), (ref_model, ref))
+    assert [float(states(opt)[p]["step"]) for p in model.parameters()] == [2.0, 2.0, 4.0, 4.0]
+    if not path.files:
+        assert opt.host_bytes() > 0 and (not path.engine or opt._engine.has(frozen[0]))
+    if clip:
+        assert torch.isfinite(norm)
+
+
+def test_state_loaded_for_a_frozen_param_is_where_it_goes_on_when_unfrozen(path):
+    # A checkpoint holds the state of a param that is frozen in the run that loads it
+    # (its second phase freezes it, say): the state waits in optimizer.state, as with
+    # torch, and is the one the param goes on from once it is unfrozen.
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    run(model, opt, 2, loss=mlp_loss)
+    saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+
+    def resumed(frozen_for):
+        m = make_mlp(seed=1)
+        m.load_state_dict(weights)
+        frozen = _freeze_first_layer(m)
+        o = offload_adam.AdamW(m.parameters(), **OPTS)
+        o.load_state_dict(saved)
+        run(m, o, frozen_for, start=2, loss=mlp_loss)
+        for p in frozen:
+            p.requires_grad_(True)
+        run(m, o, 2, start=2 + frozen_for, loss=mlp_loss)
+        return m, o
+
+    ours = resumed(1)
+    with path.outside():
+        reference = resumed(1)
+    assert_same(ours, reference)
+    assert [float(states(ours[1])[p]["step"]) for p in ours[0].parameters()] == [4.0, 4.0,
+                                                                                 5.0, 5.0]
+
+
+def test_a_group_added_to_an_optimizer_without_engine_params_is_stepped(kernels):
+    # An optimizer of fp32 CPU params (stepped in place: no engine) given a group of bf16
+    # params that an option sends through the engine (free_grads_after_copy): the engine
+    # started then is the one the step runs (it was once left out: the group never moved).
+    def train(sends):
+        torch.manual_seed(0)
+        a = torch.nn.Parameter(torch.randn(8))
+        b = torch.nn.Parameter(torch.randn(8).to(BF16))
+        opt = offload_adam.AdamW([a], lr=0.1, free_grads_after_copy=sends)
+        opt.add_param_group({"params": [b], "lr": 0.05})
+        b0 = b.detach().clone()
+        for it in range(3):
+            x = torch.randn(8, generator=torch.Generator().manual_seed(it))
+            ((a * x).sum() + (b.float() * x).pow(2).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        assert not torch.equal(b, b0)
+        return a, b, opt
+
+    a, b, opt = train(True)
+    assert opt._engine is not None and opt._engine.has(b)
+    ra, rb, _ = train(False)
+    assert torch.equal(a, ra) and torch.equal(b, rb)
+
+
 @pytest.mark.parametrize("cast", ["float", "half", "bfloat16"])
 def test_cast_after_building_is_followed_or_refused_before_any_change(path, cast):
     # model.float()/.half()/.to(bf16) after building the optimizer: in place, the

@@ -116,6 +116,10 @@ class OffloadEngine:
         # while its pipeline holds their bucket (EngineStep.lent): no host arenas for them.
         self.state_on_disk = options.state_dirs is not None
         self.recs: List[ParamRec] = []
+        # the optimizer (a weakref; None for a bare engine): its _join_to_engine() adds the
+        # params that got a grad since they were added frozen (optimizer._join_trained)
+        self._owner = owner
+        self._ids: set = set()                    # id() of each rec's param (has)
         self.buckets: List[Bucket] = []           # replaced in place (the finalizer holds it)
         self._state_arenas: list = []
         self._transfer_arenas: list = []
@@ -206,8 +210,22 @@ class OffloadEngine:
         known = [p.rec for b in self.buckets for p in b.pieces]
         order = list(dict.fromkeys(known)) + sorted(new, key=lambda r: -r.position)
         self.recs.extend(new)
+        self._ids.update(id(rec.param) for rec in new)
         self._rebucket(order)
         _claim(self, new)   # last: a group that fails to be added takes nothing over
+
+    def _join(self) -> None:
+        """The owner's params that got a grad since they were added frozen join the
+        engine (after the early steps and the copies of backward are done: add_group lays
+        the buffers out again)."""
+        owner = self._owner() if self._owner is not None else None
+        join = getattr(owner, "_join_to_engine", None)   # (a test's bare owner has none)
+        if join is not None:
+            join()
+
+    def has(self, p: torch.Tensor) -> bool:
+        """Whether p is one of the engine's params."""
+        return id(p) in self._ids
 
     def _hook_grad(self, rec: ParamRec) -> None:
         """Copies rec's grad as backward produces it (overlap=True). A frozen
@@ -535,6 +553,7 @@ class OffloadEngine:
         if self.early is not None:
             self.early.verify(param_groups, state, grad_scale)   # raises on a change
         self._end_backward()  # what a backward that raised left unflushed
+        self._join()
         for rec in self.recs:
             rec.live(check_only=True)   # raises for a param cast or replaced, before anything changes
             self._hook_grad(rec)
@@ -811,6 +830,7 @@ class OffloadEngine:
         self._want_norms = self.overlap  # from now on, computed while streaming
         with torch.no_grad():
             self._end_backward()
+            self._join()
             ready = self._ready_grads()
             threads = self.threads()
             for rec in ready:
