@@ -11,7 +11,9 @@ The data path of one block (a module whose params stream), in the order of its u
     forward pre-hook   the copy is published to the compute stream; the next k uses of
                        the recorded order are fetched
     forward hook       the storage is given back; hooks on the outputs (the block's
-                       backward is next: fetch it again) and the inputs (it is done)
+                       backward is next: fetch it again) and the inputs (it is done);
+                       after a forward that raised (an out-of-memory error a retry
+                       catches), every block on the device goes back at once
     backward           fetched when the grads of its outputs arrive (before its recompute
                        under activation checkpointing too), given back once the grads of
                        its inputs are computed, or at the end of backward (of one
@@ -178,6 +180,7 @@ class _Block:
         self.loading = 0          # nested load_state_dict hooks running (submodules')
         self.versions: Optional[List[int]] = None   # the params' counters while away
         self.state = "away"
+        self.forwarding = False   # in its forward (not a recompute): _post_forward not run yet
         self.stale = False        # its host copies were written since its last fetch
         self.awaiting = False     # used in backward, not all stepped (param files' cache)
         self.unstepped = 0        # ... its trainable elements the step has not written yet
@@ -431,6 +434,8 @@ class ParamStreamer:
             m.register_forward_pre_hook(lambda mod, args, kwargs, b=block:
                                         self._pre_forward(b, args, kwargs), with_kwargs=True),
             m.register_forward_hook(lambda mod, args, out, b=block: self._post_forward(b, out)),
+            m.register_forward_hook(lambda mod, args, out, b=block: self._forward_ended(b),
+                                    always_call=True),
         ]
         # Each module that holds some of the block's params (the block, or a submodule)
         # shows their host copies in its own state_dict() and loads into them, also when
@@ -544,6 +549,7 @@ class ParamStreamer:
         else:
             if self._graph_task is not None:   # the last backward raised: its end never ran
                 self._end_of_backward(completed=False)
+            block.forwarding = True
             self._use(block, "f")
         if not torch.is_grad_enabled():
             return None
@@ -562,6 +568,7 @@ class ParamStreamer:
     def _post_forward(self, block: _Block, output) -> None:
         if _in_backward():
             return   # a recompute: its backward comes next and releases it
+        block.forwarding = False
         if torch.is_grad_enabled():
             outs = [t for t in tree_flatten(output)[0]
                     if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -569,6 +576,20 @@ class ParamStreamer:
                 torch.autograd.graph.register_multi_grad_hook(
                     outs, lambda grads, b=block: self._pre_backward(b), mode="any")
         self._release(block)
+
+    def _forward_ended(self, block: _Block) -> None:
+        """Called after the block's forward even when it raised (always_call): then
+        _post_forward did not run, and the block and those fetched ahead for it would
+        stay on the device until their next use, in the way of a retry (an out-of-memory
+        error caught and the batch halved): all go back now. A first micro-batch that
+        raised is recorded again from the next forward on, as after a backward that did."""
+        if not block.forwarding:
+            return
+        block.forwarding = False
+        for b in self.blocks:
+            self._release(b)
+        if self._order is None:
+            self._recording = []
 
     def _pre_backward(self, block: _Block) -> None:
         self._note_backward()

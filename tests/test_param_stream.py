@@ -753,20 +753,63 @@ def test_a_backward_that_raised_leaves_no_block_on_the_device(device, when):
         opt.zero_grad()
         if streamed:
             assert device.counters()["materialized_bytes"] > 0   # (what this test is about)
-            device.reset_peak()
-            before = device.counters()["h2d_bytes"]
-        train(model, opt, 1, micro=2, start=1)
+        _train_on_after_a_raise(device, model, opt, streamer if streamed else None, prefetch)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
+def _train_on_after_a_raise(device, model, opt, streamer, prefetch):
+    """Three steps of two micro-batches after a forward or backward of make_llama(layers=6)
+    that raised; `streamer` (None: resident), then: the first step's micro-batches move
+    the streamed bytes twice each, within (k + 2) x the largest block on the device, and
+    leave none there; the order prefetch follows is a whole micro-batch's."""
+    if streamer is not None:
+        device.reset_peak()
+        before = device.counters()["h2d_bytes"]
+    train(model, opt, 1, micro=2, start=1)
+    if streamer is not None:
+        after = device.counters()
+        assert after["materialized_bytes"] == 0
+        assert after["peak_materialized_bytes"] <= (prefetch + 2) * streamer.largest_block_bytes
+        resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if not n.startswith("layers."))
+        assert after["h2d_bytes"] - before == 2 * 2 * streamer.streamed_bytes + resident
+        forward, backward = [(i, "f") for i in range(6)], [(i, "b") for i in range(6)]
+        assert streamer._order == forward + backward[::-1]
+    train(model, opt, 2, micro=2, start=2)
+
+
+@pytest.mark.parametrize("when", ["first forward", "later forward"])
+def test_a_forward_that_raised_leaves_no_block_on_the_device(device, when):
+    """A forward that raises in block 3 (an out-of-memory error, caught to retry with a
+    smaller batch) ran no forward hook of the block: it and the blocks fetched ahead of it
+    stayed on the device until their next use, in the way of the retry. They go back as
+    it raises; the retry moves the streamed bytes twice per micro-batch within (k + 2) x
+    the largest block, the order prefetch follows is a whole micro-batch's, and training
+    is the resident one's, bit for bit."""
+    prefetch, failing = 2, []
+    runs = []
+
+    def boom(m, args, out):
+        if failing:
+            raise torch.OutOfMemoryError("raised in forward")
+        return out
+
+    for streamed in (False, True):
+        model = make_llama(layers=6)
         if streamed:
-            after = device.counters()
-            assert after["materialized_bytes"] == 0
-            assert after["peak_materialized_bytes"] <= (prefetch + 2) * streamer.largest_block_bytes
-            resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                           if not n.startswith("layers."))
-            assert after["h2d_bytes"] - before == 2 * 2 * streamer.streamed_bytes + resident
-            # the order prefetch follows is a whole micro-batch's, not the one that raised
-            forward, backward = [(i, "f") for i in range(6)], [(i, "b") for i in range(6)]
-            assert streamer._order == forward + backward[::-1]
-        train(model, opt, 2, micro=2, start=2)
+            streamer = offload_adam.stream_params(model, Block, prefetch=prefetch)
+        model.layers[3].mlp_norm.register_forward_hook(boom)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        if when == "later forward":
+            train(model, opt, 1)
+        failing.append(True)
+        with pytest.raises(torch.OutOfMemoryError, match="raised in forward"):
+            llama_loss(model, 7)
+        failing.clear()
+        if streamed:
+            assert device.counters()["materialized_bytes"] == 0
+        _train_on_after_a_raise(device, model, opt, streamer if streamed else None, prefetch)
         runs.append((model, opt))
     assert_same_training(*runs)
 
