@@ -23,6 +23,7 @@ from typing import Optional
 
 from . import distributed
 from .kernel_step import clip_coefficient, grad_sq_sums
+from .params import check_grad_dtypes
 
 
 class GradScaling:
@@ -35,6 +36,7 @@ class GradScaling:
         params' by the kernel, each of the local shard of a DTensor, summed over
         the ranks that hold the other shards (distributed.py). Double
         accumulation; inf/NaN propagate."""
+        check_grad_dtypes(self.param_groups)
         self._join_trained()   # (a param unfrozen since the last step: its grad counts)
         sums = self._engine.grad_sq_sums() if self._engine is not None else []
         pairs = self._store.grads(self.param_groups)

@@ -49,7 +49,7 @@ from .engine import OffloadEngine
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
 from .master_rule import MasterMarks
-from .params import SUPPORTED_DTYPES, one_device, param_label
+from .params import SUPPORTED_DTYPES, check_grad_dtypes, one_device, param_label
 from .options import Options
 from .routing import Routing
 from .state_store import open_store
@@ -97,16 +97,25 @@ def _check_modes(group_or_defaults, where):
     fmt.check_amsgrad(group_or_defaults.get("amsgrad", False), where)
 
 
-def _check_param(p, label):
-    """Raises for a param no path can step. `label()` names it."""
+def _untrainable(p) -> bool:
+    """An integer or bool param: it can take no grad (a quantized model's packed weights,
+    an index table); accepted and never stepped, as torch's optimizers do."""
+    return not (p.is_floating_point() or p.is_complex())
+
+
+def _check_param(p, label, files: bool = False):
+    """Raises for a param no path can step. `label()` names it; `files`: the state
+    lives in files (state_dirs=), laid out at construction for every param."""
+    if _untrainable(p) and not files:
+        return
     if p.is_complex() or p.dtype not in SUPPORTED_DTYPES:
-        # (torch's optimizers take an integer param and never step it: it has no grad)
-        untrainable = not (p.is_floating_point() or p.is_complex())
+        untrainable = _untrainable(p)
         raise TypeError(
             f"offload_adam supports float32, bfloat16 and float16 params; "
             f"param {label()} has dtype {p.dtype}"
-            + ("; it can have no grad, so there is nothing to step: pass the params that "
-               "train, e.g. [p for p in model.parameters() if p.requires_grad]"
+            + ("; it can have no grad, and the state files (state_dirs=) are laid out for "
+               "every param: pass the params that train, e.g. "
+               "[p for p in model.parameters() if p.requires_grad]"
                if untrainable else ""))
     if p.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
@@ -227,7 +236,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             _check_modes(group, f"param group {index}")
             first: dict = {}
             for i, p in enumerate(group["params"]):
-                _check_param(p, lambda: param_label(group, index, i, p))
+                _check_param(p, lambda: param_label(group, index, i, p),
+                             files=self._routing.files)
                 if id(p) in first:   # torch steps it twice a step (and warns); the engine
                     raise ValueError(   # and the state files would not: refused, not wrong
                         f"param {param_label(group, index, i, p)} is the same tensor as param "
@@ -263,7 +273,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         frozen param (a LoRA model's base weights) holds no host memory until it has one
         (_join_trained); the state files (state_dirs=) are laid out at construction for
         every param."""
-        return [p for p in params if self._in_engine(p)
+        return [p for p in params if self._in_engine(p) and not _untrainable(p)
                 and (self._routing.files or p.requires_grad or p.grad is not None)]
 
     def _start_engine(self):
@@ -296,8 +306,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         if self._routing.files:   # (there the engine took every param at construction)
             return []
         has = self._engine.has if self._engine is not None else (lambda p: False)
-        found = [(gi, [p for p in g["params"]
-                       if p.grad is not None and self._in_engine(p) and not has(p)])
+        found = [(gi, [p for p in g["params"] if p.grad is not None and self._in_engine(p)
+                       and not has(p) and not _untrainable(p)])   # (step() refuses those)
                  for gi, g in enumerate(self.param_groups)]
         return [(gi, ps) for gi, ps in found if ps]
 
@@ -414,6 +424,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_grad_dtypes(self.param_groups)
         self._join_trained()   # (a param unfrozen since its optimizer was built)
         scale = self._step_scale()   # grad_scaling.py
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped

@@ -23,6 +23,19 @@ def param_label(group: dict, group_index: int, index: int, p: torch.Tensor) -> s
     return f"{where} (shape {tuple(p.shape)})"
 
 
+def check_grad_dtypes(param_groups) -> None:
+    """A TypeError naming the first param with a grad whose dtype no kernel steps (an
+    integer param given a grad by hand, a param cast to float64 after construction),
+    before anything is stepped (torch's optimizers fail on an integer one part way)."""
+    for gi, g in enumerate(param_groups):
+        for i, p in enumerate(g["params"]):
+            if p.grad is not None and p.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(
+                    f"offload_adam steps float32, bfloat16 and float16 params; param "
+                    f"{param_label(g, gi, i, p)} is {p.dtype} and has a grad "
+                    f"({p.grad.dtype}): set its grad to None, or leave it out of the optimizer")
+
+
 def one_device(params) -> torch.device:
     """The one device all `params` live on; a ValueError for a mix (one optimizer,
     and one engine, per device)."""

@@ -155,6 +155,58 @@ def test_a_group_added_to_an_optimizer_without_engine_params_is_stepped(kernels)
     assert torch.equal(a, ra) and torch.equal(b, rb)
 
 
+class _Packed(torch.nn.Module):
+    """make_mlp's model beside integer params, as a quantized model holds its packed
+    weights (uint8) and an index table (int64): params that can take no grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = make_mlp()
+        self.packed = torch.nn.Parameter(torch.randint(0, 255, (4, 8), dtype=torch.uint8),
+                                         requires_grad=False)
+        self.index = torch.nn.Parameter(torch.arange(4), requires_grad=False)
+
+    def forward(self, x):
+        return self.mlp(x)[:, self.index]
+
+
+def test_integer_params_are_accepted_and_never_stepped(path):
+    # AdamW(model.parameters()) of a model with integer params (bitsandbytes' packed
+    # weights, an index table): torch takes them and never steps them (they have no
+    # grad), and so does offload_adam, whose training is bit for bit the one of the float
+    # params alone; a grad set on one by hand is refused at step() and clip_grad_norm_()
+    # with its name, nothing stepped (torch's step fails part way). The state files
+    # (state_dirs=) are laid out for every param: there an integer one is refused.
+    model = _Packed()
+    loss = lambda m, seed: mlp_loss(m.mlp, seed) + m(torch.ones(2, 8).to(BF16)).float().sum()
+    if path.files:
+        with pytest.raises(TypeError, match=r"param 0 \(shape \(4, 8\)\) has dtype torch.uint8"
+                                            r".*state files .*pass the params that train"):
+            offload_adam.AdamW(model.parameters(), **OPTS)
+        return
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    with path.outside():
+        twin = _Packed()
+        ref = offload_adam.AdamW(twin.mlp.parameters(), **OPTS)
+    packed = model.packed.clone()
+    run(model, opt, 2, loss=loss)
+    run(twin, ref, 2, loss=loss)
+    assert_same((model.mlp, opt), (twin.mlp, ref))
+    assert torch.equal(model.packed, packed) and not states(opt).get(model.packed)
+    assert len(opt.state_dict()["param_groups"][0]["params"]) == 6
+    loss(model, 5).backward()
+    model.index.grad = torch.zeros_like(model.index)
+    params = [p.clone() for p in model.parameters()]
+    for use in (opt.step, lambda: opt.clip_grad_norm_(1.0)):
+        with pytest.raises(TypeError, match=r"group 0, param 1 \(shape \(4,\)\) is torch.int64 "
+                                            r"and has a grad \(torch.int64\)"):
+            use()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    model.index.grad = None
+    opt.step()
+    assert not torch.equal(model.mlp[0].weight, params[2])
+
+
 @pytest.mark.parametrize("cast", ["float", "half", "bfloat16"])
 def test_cast_after_building_is_followed_or_refused_before_any_change(path, cast):
     # model.float()/.half()/.to(bf16) after building the optimizer: in place, the
