@@ -207,6 +207,24 @@ def test_integer_params_are_accepted_and_never_stepped(path):
     assert not torch.equal(model.mlp[0].weight, params[2])
 
 
+@pytest.mark.parametrize("mode", ["default", "free_grads", "early"])
+def test_a_compiled_model_trains_as_the_eager_one(path, mode):
+    # torch.compile(model): autograd still accumulates the grads into .grad and runs the
+    # post-accumulate hooks the engine copies them from, so the training is the eager
+    # model's, bit for bit (aot_eager: the same graphs, no code generated).
+    opts = {**OPTS, **FROZEN_MODES[mode]}
+    runs = []
+    for compiled in (False, True):
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), **opts)
+        f = torch.compile(model, backend="aot_eager") if compiled else model
+        run(f, opt, 3, loss=lambda m, seed: m(torch.randn(
+            5, 8, generator=torch.Generator().manual_seed(seed)).to(BF16)).float().pow(2).sum())
+        runs.append((model, opt))
+    assert_same(*runs)
+    assert [float(states(runs[1][1])[p]["step"]) for p in runs[1][0].parameters()] == [3.0] * 4
+
+
 @pytest.mark.parametrize("cast", ["float", "half", "bfloat16"])
 def test_cast_after_building_is_followed_or_refused_before_any_change(path, cast):
     # model.float()/.half()/.to(bf16) after building the optimizer: in place, the
