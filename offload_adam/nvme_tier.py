@@ -226,8 +226,19 @@ class FileStore:
         files_name = "+".join(sorted({f.files_name for f in self._formats}))
         self.pipeline = None
         self.compact = compact
-        for split in (True, False):   # files made before parts: resumed as they are
-            self.buckets, specs = _lay_out(param_groups, params, recs, bucket_mb * _MB, split)
+        # The files hold the params that train (requires_grad, or a grad: a frozen one
+        # would cost its state's bytes on disk and in every step's pass, as torch's
+        # optimizers make no state for it); files made before that (every float param),
+        # or before parts, are resumed as they are.
+        trained = [[p for p in ps if p.is_floating_point() and (p.requires_grad
+                                                               or p.grad is not None)]
+                   for ps in params]
+        floats = [[p for p in ps if p.is_floating_point()] for ps in params]
+        layouts = [(mine, split) for mine in ([trained] if trained == floats else
+                                              [trained, floats])
+                   for split in (True, False)]
+        for attempt, (mine, split) in enumerate(layouts):
+            self.buckets, specs = _lay_out(param_groups, mine, recs, bucket_mb * _MB, split)
             spec = StateSpec(tuple(specs), files_name, extra={"amsgrad": self._amsgrad})
             largest = max((b.nbytes for b in spec.buckets), default=0)
             budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
@@ -244,7 +255,7 @@ class FileStore:
             except ValueError as e:
                 if "of another model or optimizer" not in str(e):
                     raise
-                if split and any(e.part for b in self.buckets for e in b):
+                if attempt + 1 < len(layouts):
                     continue
                 raise ValueError(f"{e}. (What identifies them: the params' names, shapes "
                                  "and order in the groups, state_dtype, amsgrad, and "
@@ -482,9 +493,25 @@ class FileStore:
                 if id(e.param) in self._stepped:
                     state.setdefault(e.param, {})
 
+    def _check_in_files(self, param_groups) -> None:
+        """A RuntimeError naming the first param with a grad that the files hold no state
+        for (frozen when the optimizer was built, unfrozen since), before anything moves."""
+        for gi, g in enumerate(param_groups):
+            for i, p in enumerate(g["params"]):
+                if p.grad is not None and id(p) not in self._where:
+                    raise RuntimeError(
+                        f"offload_adam: param {param_label(g, gi, i, p)} has a grad, but it "
+                        "was frozen (requires_grad=False) when the optimizer was built with "
+                        "state_dirs=, whose files hold the state of the params that trained "
+                        "then, and none for it; nothing was stepped. Build the optimizer after "
+                        "unfreezing it (with new state_dirs, or state_resume=False over "
+                        "removed files)")
+
     def grads(self, param_groups=None) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """(param, grad) of every param stepped in place here that has one (clipping's
         norm; the engine's params count theirs from their host copies)."""
+        if param_groups is not None:
+            self._check_in_files(param_groups)
         return [(e.param, local(e.param.grad)) for b in self.buckets for e in b
                 if e.rec is None and e.param.grad is not None]
 
@@ -530,6 +557,7 @@ class FileStore:
                                "too); build a new one, with state_resume=True to continue "
                                "from them")
         self._check_resumed(stepping=True)
+        self._check_in_files(param_groups)
         with_grads = [e for b in self.buckets for e in b
                       if e.rec is None and e.param.grad is not None]
         for e in with_grads:   # before any bucket is stepped
@@ -757,6 +785,19 @@ class FileStore:
         return ParamState(parts[0].step, *[join(f.name, [getattr(st, f.name) for st in parts])
                                            for f in dataclasses.fields(ParamState)
                                            if f.name != "step"])
+
+    def check_load(self, pairs) -> None:
+        """Before anything is loaded: a ValueError for a saved state (stepped) of a param
+        the files hold none for (frozen when the optimizer was built). `pairs`: (its saved
+        state or None, param, its label) each."""
+        for saved, p, label in pairs:
+            if (id(p) not in self._where and isinstance(saved, dict)
+                    and float(stored_state(saved).get("step") or 0) > 0):
+                raise ValueError(
+                    f"offload_adam: the state dict holds a state for param {label()}, which "
+                    "was frozen (requires_grad=False) when the optimizer was built with "
+                    "state_dirs=: its files hold no state for it, and nothing was loaded. "
+                    "Unfreeze it before building the optimizer")
 
     def load(self, loaded: Sequence[Loaded], saved_state: dict, state) -> None:
         """Writes a loaded state dict into the files, bucket by bucket: for each param its

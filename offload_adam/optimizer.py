@@ -103,20 +103,14 @@ def _untrainable(p) -> bool:
     return not (p.is_floating_point() or p.is_complex())
 
 
-def _check_param(p, label, files: bool = False):
-    """Raises for a param no path can step. `label()` names it; `files`: the state
-    lives in files (state_dirs=), laid out at construction for every param."""
-    if _untrainable(p) and not files:
+def _check_param(p, label):
+    """Raises for a param no path can step. `label()` names it."""
+    if _untrainable(p):
         return
     if p.is_complex() or p.dtype not in SUPPORTED_DTYPES:
-        untrainable = _untrainable(p)
         raise TypeError(
             f"offload_adam supports float32, bfloat16 and float16 params; "
-            f"param {label()} has dtype {p.dtype}"
-            + ("; it can have no grad, and the state files (state_dirs=) are laid out for "
-               "every param: pass the params that train, e.g. "
-               "[p for p in model.parameters() if p.requires_grad]"
-               if untrainable else ""))
+            f"param {label()} has dtype {p.dtype}")
     if p.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
             f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}")
@@ -236,8 +230,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             _check_modes(group, f"param group {index}")
             first: dict = {}
             for i, p in enumerate(group["params"]):
-                _check_param(p, lambda: param_label(group, index, i, p),
-                             files=self._routing.files)
+                _check_param(p, lambda: param_label(group, index, i, p))
                 if id(p) in first:   # torch steps it twice a step (and warns); the engine
                     raise ValueError(   # and the state files would not: refused, not wrong
                         f"param {param_label(group, index, i, p)} is the same tensor as param "
@@ -271,8 +264,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         """Of `params`, those the engine takes now: routed to it and trained (requires_grad,
         or a grad). As torch's optimizers make no state for a param until it has a grad, a
         frozen param (a LoRA model's base weights) holds no host memory until it has one
-        (_join_trained); the state files (state_dirs=) are laid out at construction for
-        every param."""
+        (_join_trained). With state_dirs= the engine takes every float param at
+        construction (its transfer buffers only: the files hold the state of the params
+        that train then, and those of files made before, nvme_tier.FileStore)."""
         return [p for p in params if self._in_engine(p) and not _untrainable(p)
                 and (self._routing.files or p.requires_grad or p.grad is not None)]
 
@@ -303,7 +297,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
     def _to_join(self):
         """[(group index, params)]: the params routed to the engine that have a grad and
         are not in it yet (frozen when they were added, unfrozen since)."""
-        if self._routing.files:   # (there the engine took every param at construction)
+        if self._routing.files:   # (there the engine took every float param at construction,
+            # and the files refuse a grad of one they hold no state for)
             return []
         has = self._engine.has if self._engine is not None else (lambda p: False)
         found = [(gi, [p for p in g["params"] if p.grad is not None and self._in_engine(p)

@@ -80,7 +80,9 @@ documented here and nowhere else.
     state striped over them), where the optimizer state lives in files
     instead of host RAM: every param's fp32 master, the moments in any
     state_dtype, their scales and step counts (the NVMe tier, nvme/ and
-    nvme_tier.py). Each step streams it through host RAM bucket by bucket
+    nvme_tier.py), for each param that trains when the optimizer is built (a
+    frozen one has none, and its grad later is refused: build the optimizer
+    after unfreezing). Each step streams it through host RAM bucket by bucket
     (bucket_mb; an engine param whose state is larger is cut into parts of its
     pieces, so that no buffer or spare extent is sized by the largest param),
     reading ahead and writing back while the kernel runs, and

@@ -18,7 +18,7 @@
 
 Both answer the optimizer and its mixins (optimizer.py, torch_state_dict.py,
 grad_scaling.py) through the same methods: `pass_`, `grads` (clipping's norm of the
-in-place params), `add_state` / `load` (the state dict), `add_group`, `reset`,
+in-place params), `add_state` / `check_load` / `load` (the state dict), `add_group`, `reset`,
 `step_count`, `host_bytes`, `pinned`, `close`, `interrupt_note` (the engine, a stepper, answers for its
 own memory). Nothing outside the stores asks which one it is. `open_store` builds the
 one the routing names.
@@ -85,6 +85,9 @@ class RamStore:
 
     def add_group(self, index: int, group: dict) -> None:
         pass   # the in-place plans are per group: made at its first step
+
+    def check_load(self, pairs) -> None:
+        pass   # optimizer.state takes any param's state (nvme_tier.FileStore.check_load)
 
     def reset(self) -> None:
         """The state was replaced (load_state_dict): the kernel calls are built again."""

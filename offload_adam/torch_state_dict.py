@@ -88,6 +88,13 @@ class TorchStateDict:
 
         def capture(optimizer, sd):
             self._check_loaded_shapes(sd)
+            self._store.check_load(
+                [(sd["state"].get(saved_id), p,
+                  lambda g=group, gi=gi, i=i, p=p: param_label(g, gi, i, p))
+                 for gi, (saved_group, group) in enumerate(zip(sd["param_groups"],
+                                                               self.param_groups))
+                 for i, (saved_id, p) in enumerate(zip(saved_group["params"],
+                                                       group["params"]))])
             seen["state_dict"] = sd
             state = {k: ({key: v for key, v in st.items() if key not in _HEAVY}
                          if isinstance(st, dict) else st)

@@ -422,3 +422,51 @@ def test_dcp_get_state_dict_does_not_step_the_files(kernels, tmp_path):
     after = opt.state_dict()["state"]
     assert all(torch.equal(after[i][k], v) for i in before for k, v in before[i].items())
     assert len(osd["state"]) == 4
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_the_files_hold_the_params_that_train_and_older_files_of_every_param_resume(
+        kernels, tmp_path, footprint):
+    """A param frozen when the optimizer is built has no state in the files (it would cost
+    its state's bytes on disk and in every step's pass; torch makes none for it). Files made
+    before that held every param: those resume as they are (made here with every param
+    training, resumed with one frozen), and train on bitwise as in RAM."""
+    def steps(opt, ps, first, count):
+        for k in range(first, first + count):
+            for p in ps:
+                p.grad = grad(p, k, 0) if p.requires_grad else None
+            opt.step()
+
+    def state_bytes(opt):
+        return sum(t.nbytes for b in state_files(opt).spec.buckets for t in b.tensors)
+
+    opts = dict(lr=0.01, state_footprint=footprint, **NVME)
+    ps = make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01)
+    steps(ram, ps, 0, 2)
+    ps[0].requires_grad_(False)
+    steps(ram, ps, 2, 2)
+
+    every, fresh_dir = tmp_path / "every", tmp_path / "fresh"
+    every.mkdir()
+    fresh_dir.mkdir()
+    qs = make_params()
+    opt = offload_adam.AdamW(groups(qs), state_dirs=every, **opts)
+    steps(opt, qs, 0, 2)
+    spec = state_files(opt).spec
+    del opt
+    gc.collect()
+    rs = make_params(seed=7)
+    rs[0].requires_grad_(False)
+    opt = offload_adam.AdamW(groups(rs), state_dirs=every, state_resume=True, **opts)
+    assert state_files(opt).spec == spec   # every param's, as made
+    steps(opt, rs, 2, 2)
+    assert all(torch.equal(bits(p), bits(r)) for p, r in zip(ps, rs))
+    assert opt.step_count == 4
+
+    fresh = make_params()
+    fresh[0].requires_grad_(False)
+    smaller = offload_adam.AdamW(groups(fresh), state_dirs=fresh_dir, **opts)
+    # (its master and two fp32 moments; fp32 params stepped in place keep no master)
+    assert state_bytes(smaller) <= state_bytes(opt) - ps[0].numel() * 8
+    steps(smaller, fresh, 0, 1)

@@ -2,11 +2,13 @@
 optimizer does, or is a clear error. Every test runs in place and on the
 simulated device (the engine's path, as for CUDA params)."""
 import copy
+import os
 
 import pytest
 import torch
 
 import offload_adam
+from offload_adam.testing import in_files
 from engine_watch import hooked
 from models import (BF16, assert_param_is_master_rounded, assert_same, make_mlp, mlp_loss, run,
                     state_of, states)
@@ -37,12 +39,37 @@ def test_frozen_low_precision_params_are_accepted_and_skipped(path):
 
     for p in frozen:   # unfrozen: from now on stepped like the rest
         p.requires_grad_(True)
+    if path.files:   # (the files hold the params that trained when they were laid out)
+        _refused_as_not_in_files(model, opt)
+        return
     run(model, opt, 2, start=3, loss=mlp_loss)
     assert all(not torch.equal(p, b) for p, b in zip(frozen, before))
     assert [float(states(opt)[p]["step"]) for p in model.parameters()] == [2.0, 2.0, 5.0, 5.0]
     assert_param_is_master_rounded(opt, model)
     if path.engine:
         assert all(hooked(p) for p in model.parameters())   # the unfrozen ones too
+
+
+def _refused_as_not_in_files(model, opt, clip=True):
+    """A step of `model` (make_mlp's, its first layer frozen when `opt` was built with
+    state_dirs=, unfrozen since) is refused with the param's name, nothing moved; so is
+    clip_grad_norm_ (`clip`: not refused for its own reason, as with step_in_backward)."""
+    mlp_loss(model, 9).backward()
+    params, state = [p.clone() for p in model.parameters()], state_of(opt, model)
+    for use in (opt.step, lambda: opt.clip_grad_norm_(1.0))[:2 if clip else 1]:
+        with pytest.raises(RuntimeError, match=r"param group 0, param 0 \(shape \(16, 8\)\) "
+                                               r"has a grad, but it was frozen"):
+            use()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    for now, then in zip(state_of(opt, model), state):
+        assert (now is None) == (then is None)
+        assert all(torch.equal(now[k], then[k]) for k in then or {})
+
+
+def _file_bytes(opt):
+    from offload_adam.testing import state_files
+    return sum(os.path.getsize(os.path.join(d, f)) for d in state_files(opt).folders
+               for f in os.listdir(d))
 
 
 def _freeze_first_layer(model):
@@ -72,12 +99,19 @@ def test_frozen_params_hold_no_host_memory_until_they_have_a_grad(path, mode):
     trainable = offload_adam.AdamW([p for p in twin.parameters() if p.requires_grad], **opts)
     if not path.files:
         assert opt.host_bytes() == trainable.host_bytes()
+    else:   # the files too hold the trainable params only
+        assert _file_bytes(opt) == _file_bytes(trainable)
     run(model, opt, 2, loss=mlp_loss)
     run(twin, trainable, 2, loss=mlp_loss)
     if not path.files:
         assert opt.host_bytes() == trainable.host_bytes()
     assert all(not states(opt).get(p) for p in frozen)
     del trainable
+    if path.files:
+        for p in frozen:
+            p.requires_grad_(True)
+        _refused_as_not_in_files(model, opt, clip=not opts.get("step_in_backward"))
+        return
     with path.outside():   # the reference: in place, every param from the start
         ref_model = make_mlp()
         _freeze_first_layer(ref_model)
@@ -115,6 +149,12 @@ def test_state_loaded_for_a_frozen_param_is_where_it_goes_on_when_unfrozen(path)
         m.load_state_dict(weights)
         frozen = _freeze_first_layer(m)
         o = offload_adam.AdamW(m.parameters(), **OPTS)
+        if in_files(o):   # no state for it in the files: refused, nothing loaded
+            with pytest.raises(ValueError, match=r"a state for param group 0, param 0 \(shape "
+                                                 r"\(16, 8\)\), which was frozen"):
+                o.load_state_dict(saved)
+            assert not states(o)
+            return None
         o.load_state_dict(saved)
         run(m, o, frozen_for, start=2, loss=mlp_loss)
         for p in frozen:
@@ -123,6 +163,8 @@ def test_state_loaded_for_a_frozen_param_is_where_it_goes_on_when_unfrozen(path)
         return m, o
 
     ours = resumed(1)
+    if ours is None:
+        return
     with path.outside():
         reference = resumed(1)
     assert_same(ours, reference)
@@ -175,15 +217,10 @@ def test_integer_params_are_accepted_and_never_stepped(path):
     # weights, an index table): torch takes them and never steps them (they have no
     # grad), and so does offload_adam, whose training is bit for bit the one of the float
     # params alone; a grad set on one by hand is refused at step() and clip_grad_norm_()
-    # with its name, nothing stepped (torch's step fails part way). The state files
-    # (state_dirs=) are laid out for every param: there an integer one is refused.
+    # with its name, nothing stepped (torch's step fails part way). (The state files,
+    # state_dirs=, hold the params that train.)
     model = _Packed()
     loss = lambda m, seed: mlp_loss(m.mlp, seed) + m(torch.ones(2, 8).to(BF16)).float().sum()
-    if path.files:
-        with pytest.raises(TypeError, match=r"param 0 \(shape \(4, 8\)\) has dtype torch.uint8"
-                                            r".*state files .*pass the params that train"):
-            offload_adam.AdamW(model.parameters(), **OPTS)
-        return
     opt = offload_adam.AdamW(model.parameters(), **OPTS)
     with path.outside():
         twin = _Packed()
