@@ -234,11 +234,17 @@ class FileStore:
                                                                or p.grad is not None)]
                    for ps in params]
         floats = [[p for p in ps if p.is_floating_point()] for ps in params]
-        layouts = [(mine, split) for mine in ([trained] if trained == floats else
-                                              [trained, floats])
-                   for split in (True, False)]
-        for attempt, (mine, split) in enumerate(layouts):
-            self.buckets, specs = _lay_out(param_groups, mine, recs, bucket_mb * _MB, split)
+        # The layouts tried in turn, (buckets, specs) each: the one without parts only
+        # where it differs (no file is touched before NvmeState.open).
+        layouts = []
+        same = sum(map(len, trained)) == sum(map(len, floats))   # (trained: a subsequence)
+        for mine in ([trained] if same else [trained, floats]):
+            split = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True)
+            layouts.append(split)
+            if any(e.part for b in split[0] for e in b):
+                layouts.append(_lay_out(param_groups, mine, recs, bucket_mb * _MB, False))
+        for attempt, (buckets, specs) in enumerate(layouts):
+            self.buckets = buckets
             spec = StateSpec(tuple(specs), files_name, extra={"amsgrad": self._amsgrad})
             largest = max((b.nbytes for b in spec.buckets), default=0)
             budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
