@@ -217,7 +217,7 @@ class FileStore:
     def __init__(self, param_groups, params: List[List[torch.Tensor]], dirs, bucket_mb: float,
                  budget_mb: Optional[float], resume: bool = False, engine=None,
                  process_group=None, marks: Optional[MasterMarks] = None, state=None,
-                 compact: bool = False):
+                 compact: bool = False, enroll=None):
         recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
         self.engine = engine
         self.marks = marks if marks is not None else MasterMarks()
@@ -235,15 +235,25 @@ class FileStore:
                    for ps in params]
         floats = [[p for p in ps if p.is_floating_point()] for ps in params]
         # The layouts tried in turn, (buckets, specs) each: the one without parts only
-        # where it differs (no file is touched before NvmeState.open).
-        layouts = []
-        same = sum(map(len, trained)) == sum(map(len, floats))   # (trained: a subsequence)
-        for mine in ([trained] if same else [trained, floats]):
-            split = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True)
-            layouts.append(split)
-            if any(e.part for b in split[0] for e in b):
-                layouts.append(_lay_out(param_groups, mine, recs, bucket_mb * _MB, False))
-        for attempt, (buckets, specs) in enumerate(layouts):
+        # where it differs (no file is touched before NvmeState.open). The engine took
+        # the params that train (optimizer._engine_params): before the files of every
+        # float param are laid out over its records, it takes the frozen ones too
+        # (`enroll`), as it did when those files were made.
+        def layouts():
+            nonlocal engine, recs
+            same = sum(map(len, trained)) == sum(map(len, floats))   # (a subsequence)
+            for mine in ([trained] if same else [trained, floats]):
+                if mine is floats and enroll is not None:
+                    engine = self.engine = enroll(floats)
+                    recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
+                split = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True)
+                yield split
+                if any(e.part for b in split[0] for e in b):
+                    yield _lay_out(param_groups, mine, recs, bucket_mb * _MB, False)
+
+        tries = layouts()
+        buckets, specs = next(tries)
+        while True:
             self.buckets = buckets
             spec = StateSpec(tuple(specs), files_name, extra={"amsgrad": self._amsgrad})
             largest = max((b.nbytes for b in spec.buckets), default=0)
@@ -261,7 +271,9 @@ class FileStore:
             except ValueError as e:
                 if "of another model or optimizer" not in str(e):
                     raise
-                if attempt + 1 < len(layouts):
+                following = next(tries, None)
+                if following is not None:
+                    buckets, specs = following
                     continue
                 raise ValueError(f"{e}. (What identifies them: the params' names, shapes "
                                  "and order in the groups, state_dtype, amsgrad, and "

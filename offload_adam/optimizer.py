@@ -264,15 +264,17 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         """Of `params`, those the engine takes now: routed to it and trained (requires_grad,
         or a grad). As torch's optimizers make no state for a param until it has a grad, a
         frozen param (a LoRA model's base weights) holds no host memory until it has one
-        (_join_trained). With state_dirs= the engine takes every float param at
-        construction (its transfer buffers only: the files hold the state of the params
-        that train then, and those of files made before, nvme_tier.FileStore)."""
+        (_join_trained). With state_dirs= too: the files hold the params that train when
+        the optimizer is built, except files made before that, of every float param,
+        whose frozen params the store has the engine take then (_enroll)."""
         return [p for p in params if self._in_engine(p) and not _untrainable(p)
-                and (self._routing.files or p.requires_grad or p.grad is not None)]
+                and (p.requires_grad or p.grad is not None)]
 
-    def _start_engine(self):
+    def _start_engine(self, managed=None):
+        """The engine of `managed` (a list of params per group; default: _engine_params)."""
         self._engine_started = True
-        managed = [self._engine_params(g["params"]) for g in self.param_groups]
+        if managed is None:
+            managed = [self._engine_params(g["params"]) for g in self.param_groups]
         if any(managed):
             self._engine = OffloadEngine(
                 managed, [bool(g["amsgrad"]) for g in self.param_groups],
@@ -294,11 +296,25 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         self._engine.add_group(gi, params, bool(g["amsgrad"]), g["state_dtype"],
                                self._engine_names(gi, params))
 
+    def _enroll(self, params):
+        """The store's call at construction (nvme_tier.FileStore, resuming files of every
+        float param): group gi's `params[gi]` that the engine steps join it now, before the
+        files' buckets are laid out over its records. Returns the engine (None: none)."""
+        has = self._engine.has if self._engine is not None else (lambda p: False)
+        more = [[p for p in ps if self._in_engine(p) and not _untrainable(p) and not has(p)]
+                for ps in params]
+        if self._engine is None:
+            if any(more):
+                self._start_engine(more)
+            return self._engine
+        for gi, ps in enumerate(more):
+            self._add_to_engine(gi, ps)
+        return self._engine
+
     def _to_join(self):
         """[(group index, params)]: the params routed to the engine that have a grad and
         are not in it yet (frozen when they were added, unfrozen since)."""
-        if self._routing.files:   # (there the engine took every float param at construction,
-            # and the files refuse a grad of one they hold no state for)
+        if self._routing.files:   # (the files refuse a grad of one they hold no state for)
             return []
         has = self._engine.has if self._engine is not None else (lambda p: False)
         found = [(gi, [p for p in g["params"] if p.grad is not None and self._in_engine(p)
@@ -329,7 +345,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         """The store the routing names (state_store.py); `resume` as state_resume=True
         (an unpickled copy reopens its files)."""
         self._store = open_store(self._routing, self.param_groups, self.state, self._marks,
-                                 self._engine, self._options, resume)
+                                 self._engine, self._options, resume, enroll=self._enroll)
         weakref.finalize(self, self._store.close)
 
     # ---- offload engine: profile, memory ---------------------------------------

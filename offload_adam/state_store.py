@@ -147,10 +147,11 @@ class RamStore:
 
 
 def open_store(routing: Routing, param_groups, state, marks: MasterMarks, engine, options,
-               resume: bool = False):
+               resume: bool = False, enroll=None):
     """The store `routing` names for the optimizer's groups and `state` (options.py's
     `options`; `resume`: as state_resume=True, for an unpickled copy that reopens its
-    files)."""
+    files; `enroll`: the optimizer's call that has the engine take more params, see
+    FileStore)."""
     if routing.store == "ram":
         return RamStore(routing, marks, engine)
     from .nvme_tier import FileStore
@@ -160,4 +161,5 @@ def open_store(routing: Routing, param_groups, state, marks: MasterMarks, engine
                      options.bucket_mb, options.state_budget_mb,
                      options.state_resume or resume, engine=engine,
                      process_group=options.process_group, marks=marks, state=state,
-                     compact=getattr(options, "state_footprint", "") == "compact")
+                     compact=getattr(options, "state_footprint", "") == "compact",
+                     enroll=enroll)

@@ -2,13 +2,15 @@
 optimizer does, or is a clear error. Every test runs in place and on the
 simulated device (the engine's path, as for CUDA params)."""
 import copy
+import gc
 import os
 
 import pytest
 import torch
 
 import offload_adam
-from offload_adam.testing import in_files
+from offload_adam.testing import in_files, state_files
+from conftest import FILES_PATHS, sim_path
 from engine_watch import hooked
 from models import (BF16, assert_param_is_master_rounded, assert_same, make_mlp, mlp_loss, run,
                     state_of, states)
@@ -67,7 +69,6 @@ def _refused_as_not_in_files(model, opt, clip=True):
 
 
 def _file_bytes(opt):
-    from offload_adam.testing import state_files
     return sum(os.path.getsize(os.path.join(d, f)) for d in state_files(opt).folders
                for f in os.listdir(d))
 
@@ -90,21 +91,20 @@ def test_frozen_params_hold_no_host_memory_until_they_have_a_grad(path, mode):
     # the engine: it lays out host buffers for the params that train (with the state
     # in RAM; state_dirs= lays its files out for every param at construction), and a
     # param unfrozen later joins it at the next step, its buffers laid out then, its
-    # grad counted by clip_grad_norm_ before that step.
+    # grad counted by clip_grad_norm_ before that step. With state_dirs= the files hold
+    # the trainable params only, and the engine's buffers are theirs alone too.
     opts = {**OPTS, **FROZEN_MODES[mode]}
     model, twin = make_mlp(), make_mlp()
     frozen = _freeze_first_layer(model)
     _freeze_first_layer(twin)
     opt = offload_adam.AdamW(model.parameters(), **opts)
     trainable = offload_adam.AdamW([p for p in twin.parameters() if p.requires_grad], **opts)
-    if not path.files:
-        assert opt.host_bytes() == trainable.host_bytes()
-    else:   # the files too hold the trainable params only
+    assert opt.host_bytes() == trainable.host_bytes()
+    if path.files:
         assert _file_bytes(opt) == _file_bytes(trainable)
     run(model, opt, 2, loss=mlp_loss)
     run(twin, trainable, 2, loss=mlp_loss)
-    if not path.files:
-        assert opt.host_bytes() == trainable.host_bytes()
+    assert opt.host_bytes() == trainable.host_bytes()
     assert all(not states(opt).get(p) for p in frozen)
     del trainable
     if path.files:
@@ -133,6 +133,44 @@ def test_frozen_params_hold_no_host_memory_until_they_have_a_grad(path, mode):
         assert opt.host_bytes() > 0 and (not path.engine or opt._engine.has(frozen[0]))
     if clip:
         assert torch.isfinite(norm)
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+@pytest.mark.parametrize("mode", ["default", "early"])
+@pytest.mark.parametrize("where", FILES_PATHS)
+def test_files_of_every_param_resume_with_a_param_frozen_since(where, mode, footprint,
+                                                                kernels, tmp_path):
+    # Files made before the files held only the params that train held every float param
+    # (made here with every param training). Resumed with a layer frozen since, they are
+    # laid out as made: the engine, which takes the params that train, takes the frozen
+    # ones too before the buckets are laid out over its records (a param larger than a
+    # bucket is in parts there, as its engine pieces), and training goes on bitwise as
+    # in RAM with the layer frozen from step 2 on.
+    opts = {**OPTS, **FROZEN_MODES[mode], "state_footprint": footprint}
+    with sim_path(where) as path:
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), state_dirs=tmp_path, **opts)
+        run(model, opt, 2, loss=mlp_loss)
+        spec = state_files(opt).spec
+        opt.close()
+        del opt
+        gc.collect()
+        resumed = make_mlp(seed=1)
+        _freeze_first_layer(resumed)
+        opt = offload_adam.AdamW(resumed.parameters(), state_dirs=tmp_path,
+                                 state_resume=True, **opts)
+        assert state_files(opt).spec == spec
+        if path.engine:   # (the frozen layer's transfer buffers, as when the files were made)
+            assert all(opt._engine.has(p) for p in resumed.parameters())
+        run(resumed, opt, 2, start=2, loss=mlp_loss)
+        with path.outside():
+            ref_model = make_mlp()
+            ref = offload_adam.AdamW(ref_model.parameters(), **OPTS)
+            run(ref_model, ref, 2, loss=mlp_loss)
+            _freeze_first_layer(ref_model)
+            run(ref_model, ref, 2, start=2, loss=mlp_loss)
+        assert_same((resumed, opt), (ref_model, ref))
+        opt.close()
 
 
 def test_state_loaded_for_a_frozen_param_is_where_it_goes_on_when_unfrozen(path):
