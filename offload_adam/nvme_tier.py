@@ -291,10 +291,11 @@ class FileStore:
                        if compact and distributed.sharded(flat, process_group) else None)
         try:
             self._agree_on_step(params, process_group)
-            if self.state.step and not resume:
+            if (self.state.step or self.state.pending) and not resume:
+                cut = " and a step cut short" if self.state.pending else ""
                 raise ValueError(
                     f"state_dirs={list(dirs)} already hold this optimizer's state at step "
-                    f"{self.state.step} (an earlier run, or one that crashed). To continue "
+                    f"{self.state.step}{cut} (an earlier run, or one that crashed). To continue "
                     "from it, pass state_resume=True (the params are then set from it too). "
                     "To start afresh, or from a checkpoint of your own (a model and an "
                     "optimizer state_dict, e.g. Trainer's resume_from_checkpoint), remove its "
@@ -584,9 +585,12 @@ class FileStore:
         run = self.engine.stepping(param_groups, grad_scale) if self.engine else None
         early = self._early if self._early is not None and self._early.started else None
         stepped_early = list(early.stepped) if early is not None else []
-        completed = False
+        completed = lent = False
         try:
             stepping = early is not None or with_grads or (run is not None and run.ready)
+            if stepping:   # (refused before the redo log: nothing of the step is written)
+                for gi in range(len(param_groups)):
+                    self._check_format(gi, param_groups)
             if self.compact:   # before any bucket moves: the redo log, on every rank
                 if stepping:
                     self._log_step(param_groups, grad_scale, run, early)
@@ -596,8 +600,6 @@ class FileStore:
                 with contextlib.closing(passes):   # an error: the I/O in flight waited for
                     # every group, the buckets stepped in backward too (the pass does
                     # not hand those on): an error here commits nothing
-                    for gi in range(len(param_groups)):
-                        self._check_format(gi, param_groups)
                     for i, t in passes:
                         bucket = self.buckets[i]
                         if early is not None and i in getattr(early, "logged", ()):
@@ -605,6 +607,7 @@ class FileStore:
                         calls, follow = self._lend_in_place(
                             [e for e in bucket if e.rec is None], t)
                         engine = [e.entry() for e in bucket if e.rec is not None]
+                        lent = lent or bool(calls) or bool(engine and run is not None)
                         yield Lent(Hyper.of(param_groups[bucket[0].group]) if calls else None,
                                    calls, (lambda engine=engine, t=t: run.lent(engine, t))
                                    if run is not None and engine else None)
@@ -619,6 +622,11 @@ class FileStore:
             completed = True
         finally:
             try:
+                if not completed and early is None:   # (the pass in backward: its own)
+                    if lent:   # params moved: the files hold the step before
+                        self.state.params_ahead()
+                    elif self.compact:   # a step begun whose pass never ran is dropped
+                        self.state.abandon_pass(lent=False)
                 if run is not None:
                     run.end(completed)
             finally:
@@ -854,6 +862,10 @@ class FileStore:
         # no step counts 0, as kernel_state reads it)
         step = max((int(float(saved_of(e).get("step") or 0)) for b in self.buckets for e in b),
                    default=0)
+        if self.compact:   # its load cannot go back once a bucket is written: a saved state
+            # refused (a param's, converted one at a time) is refused before that
+            for e in {id(e.param): e for b in self.buckets for e in b}.values():
+                self._converted(e, self._local_saved(e, saved_of(e)))
         self.pipeline.load(fill, step=step)
         self._stepped = stepped
         self._mark(state)

@@ -380,8 +380,66 @@ def test_a_full_disk_mid_step_raises_and_keeps_the_last_completed_state(kernels,
     assert all(torch.equal(bits(after[i][k]), bits(v))
                for i in before for k, v in before[i].items())
     monkeypatch.undo()
-    train(opt, ps, 3, 1)   # the disk has room again: the optimizer goes on
+    # the buckets stepped before the error moved their params (an fp32 param stepped in
+    # place is its own master): no step runs on them, a resume sets them from the files
+    moved = [p.detach().clone() for p in ps]
+    with pytest.raises(RuntimeError, match=r"failed after it had stepped some params, which are "
+                                           r"now ahead of the files \(they hold step 2\)\. "
+                                           r"Build the optimizer again with state_resume=True"):
+        train(opt, ps, 3, 1)
+    assert all(torch.equal(bits(p), bits(q)) for p, q in zip(ps, moved))
+    opt.close()
+    del opt
+    gc.collect()
+    qs = make_params(seed=5)
+    opt = offload_adam.AdamW(groups(qs), state_dtype="bfloat16", state_dirs=tmp_path,
+                             state_resume=True, **NVME)
+    train(opt, qs, 3, 1)   # the disk has room again: the optimizer goes on from step 2
     assert opt.step_count == 3
+    rs = make_params()
+    ram = offload_adam.AdamW(groups(rs), state_dtype="bfloat16")
+    for k in (0, 1, 3):   # (the step that failed never happened)
+        train(ram, rs, k, 1)
+    assert all(torch.equal(bits(r), bits(q)) for r, q in zip(rs, qs))
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_a_step_or_a_load_refused_before_it_starts_leaves_the_files_to_go_on(kernels, tmp_path,
+                                                                            footprint):
+    """A step refused by a check (state_dtype or amsgrad changed) and a load_state_dict of a
+    state refused (8-bit codes of an unknown format) write nothing that lasts: a compact
+    step's redo log (written first) is not left named by an intent, which a resume would
+    finish as a step that never ran; a compact load is not left marked as cut short (the
+    files then refused). Training goes on bitwise as if neither was tried, and a resume
+    finds the step that completed."""
+    opts = dict(lr=0.01, state_dtype="8bit", state_dirs=tmp_path, state_footprint=footprint,
+                **NVME)
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="8bit")
+    opt = offload_adam.AdamW(groups(qs), **opts)
+    train(ram, ps, 0, 2)
+    train(opt, qs, 0, 2)
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="state_dtype and amsgrad cannot change"):
+        train(opt, qs, 2, 1)
+    assert state_files(opt).intent_step is None   # (no step named for a resume to finish)
+    opt.param_groups[0]["amsgrad"] = False
+    saved = opt.state_dict()
+    saved = {"param_groups": saved["param_groups"],
+             "state": {k: dict(st) for k, st in saved["state"].items()}}
+    saved["state"][max(saved["state"])]["q8_format"] = torch.tensor(99)
+    with pytest.raises(ValueError, match="format 99"):
+        opt.load_state_dict(saved)
+    train(ram, ps, 2, 1)
+    train(opt, qs, 2, 1)
+    assert_same(ps, qs, ram, opt)
+    opt.close()
+    del opt
+    gc.collect()
+    rs = make_params(seed=9)
+    opt = offload_adam.AdamW(groups(rs), state_resume=True, **opts)
+    assert opt.step_count == 3
+    assert all(torch.equal(bits(p), bits(r)) for p, r in zip(ps, rs))
 
 
 def test_grad_scaler_protocol_and_a_skipped_step(kernels, tmp_path):

@@ -143,6 +143,48 @@ def test_a_refused_open_that_created_the_files_can_remove_them(tmp_path):
     NvmeState.open([tmp_path], spec).close(discard=True)   # not one it created: kept
     assert "offload_adam_state.manifest" in os.listdir(tmp_path)
 
+def test_a_compact_state_cut_short_in_its_first_pass_is_made_anew(tmp_path):
+    """A new compact state's first pass writes its buckets in place (nothing was committed:
+    nothing to keep). Cut short after two buckets were written (an error here, a kill
+    alike: the manifest still says nothing was committed), it is made anew at the next
+    open, all zero at step 0, not reopened with those buckets stepped under step 0."""
+    spec = make_spec("fp32", buckets=4, numel=3000)
+    state = NvmeState.open([tmp_path], spec, compact=True, log_bytes=[70000] * 4)
+    pipe = StepPipeline(state, ring_of(spec))
+    step = adam_fn(1, 0)
+    with pytest.raises(KeyboardInterrupt):
+        for k, (i, t) in enumerate(pipe.buckets()):
+            if k == 2:   # (buckets 0 and 1 written: a write starts when the next is asked)
+                raise KeyboardInterrupt
+            step(i, t)
+    pipe.close()
+    state.close()
+    with NvmeState.open([tmp_path], spec, compact=True, log_bytes=[70000] * 4) as state:
+        assert state.step == 0 and not state.pending
+        assert all(not t.any() for i in range(4) for t in state.views(i).values())
+
+
+def test_a_state_cut_short_between_its_manifest_and_spec_is_made_anew(tmp_path, monkeypatch):
+    """Creating writes the manifest (nothing committed) before the spec: cut short between
+    the two (a kill, or here an error), the directory holds a state never committed that
+    is made anew (the spec first, it would be refused as a spec without a manifest)."""
+    spec = make_spec("fp32", buckets=2, numel=3000)
+    real, calls = manifest.commit, []
+
+    def commit(folder, body, name=manifest.MANIFEST):
+        calls.append(name)
+        if len(calls) == 2:   # the first of the two is down, the second is not
+            raise OSError(errno.EIO, "cut short")
+        return real(folder, body, name)
+
+    monkeypatch.setattr(manifest, "commit", commit)
+    with pytest.raises(OSError, match="cut short"):
+        NvmeState.open([tmp_path], spec)
+    monkeypatch.undo()
+    with NvmeState.open([tmp_path], spec) as state:
+        assert state.step == 0 and state.spec == spec
+
+
 def test_two_openers_of_one_directory(tmp_path):
     spec = make_spec("fp32", buckets=1, numel=1000)
     with NvmeState.open([tmp_path], spec):

@@ -15,7 +15,8 @@ manifest commits the step (store.py). An error anywhere (I/O, the kernel) waits 
 requests in flight and raises with nothing committed: the files still hold the last
 completed step. A compact state (store.py) instead writes each bucket where its ring has
 room and commits a few buckets at a time when it has none (`commit_some`), after the
-step's redo log was begun; an error there leaves the step to finish at a resume. `buckets()` is the pipeline as a loop (the caller's body steps bucket i);
+step's redo log was begun; an error there leaves the step to finish at a resume, once
+a bucket was lent to be stepped (before, nothing of it ran: its intent is dropped). `buckets()` is the pipeline as a loop (the caller's body steps bucket i);
 `step(fn)` the same with a function.
 """
 
@@ -134,7 +135,7 @@ class StepPipeline:
 
         if st.compact and not read:
             st.begin_load()
-        completed = False
+        completed = lent = False
         try:
             for k in range(min(self.depth, n)):
                 start_read(k)
@@ -146,6 +147,7 @@ class StepPipeline:
                 req = reads.pop(k)
                 if req is not None:
                     st.finish(req)   # (a damaged slot raises here, before it is stepped)
+                lent = read   # (a load moves no param)
                 yield order[k], st.tensors(order[k], bufs[k % ring])
                 write(k)
                 j = k + self.depth
@@ -163,7 +165,7 @@ class StepPipeline:
             for req in list(reads.values()) + list(writes.values()):
                 st.wait(req)
             if not completed:
-                st.abandon_pass()
+                st.abandon_pass(lent)
 
     def step(self, fn: StepFn, read: bool = True, step: Optional[int] = None) -> None:
         """fn(i, tensors) for every bucket i (see `buckets`)."""

@@ -16,7 +16,8 @@ manifest, the state's manifest in another directory than the first, a data file 
 state, one too short or with a damaged header, are refused with what was found and what to
 give instead. The only state opened over is one that was created and never committed (no
 pass, no load: nothing of value), which a construction refused later, or a crash while
-creating, can leave.
+creating, can leave; a compact one is made anew then (its first pass writes in place, so
+one cut short leaves buckets stepped under a manifest that says nothing was).
 
 Checksums: every bucket slot has one (layout.slot_checksum: the CRC32 of the CRC32Cs of its
 requests of `sum_bytes`, the manifest's "sum_algo"), computed by the I/O threads as they
@@ -130,7 +131,11 @@ class NvmeState:
         self.extents, self.file_sizes = place(spec, len(folders))
         self._body, self._fds, self._locks, self._io = body, fds, locks, io
         self._created = created    # by this open: removed again by close(discard=True)
-        self._unsure: Optional[str] = None   # why the manifest on disk may not be _body
+        # why no pass may run on (the manifest on disk may not be _body, or the params
+        # are ahead of the files), and what to do then (None: resume from the files)
+        self._unsure: Optional[str] = None
+        self._hint: Optional[str] = None
+        self._moved_on: Optional[str] = None   # why no pass may run: params moved (two slots)
         self._sums: Dict[int, int] = {}      # checksums of the slots written, to commit
         self.compact = body.get("layout") == "compact"
         self._log: Optional[redo.RedoLog] = None
@@ -172,8 +177,11 @@ class NvmeState:
         try:
             body = _upgraded(manifest.read(folders[0]), folders[0])
             buffered: List[str] = []
+            # A state never committed is opened over only in the two-slot layout, whose
+            # first pass writes the other slots: a compact one's first pass writes in
+            # place, so a crash in it leaves buckets stepped under a manifest of step 0.
             created = body is None or not _reusable(folders, body, spec) or (
-                not body["written"] and (body.get("layout") == "compact") != compact)
+                not body["written"] and (compact or body.get("layout") == "compact"))
             if body is None:
                 _check_nothing_there(folders)
             if created:
@@ -258,7 +266,7 @@ class NvmeState:
 
     def read(self, i: int, buf: AlignedBuffer) -> Request:
         """Starts reading bucket i's committed copy into `buf`."""
-        self._check_sure()
+        self._check_stepping()
         e = self.extents[i]
         slot = 0 if self.compact else self.slots[i]
         return Request("reading", i, slot,
@@ -268,7 +276,7 @@ class NvmeState:
         """Starts writing `buf` as bucket i's next copy: into its other slot, or (compact)
         where the ring has room; None when that room is held by writes not committed yet
         (commit_some them, then ask again)."""
-        self._check_sure()
+        self._check_stepping()
         e = self.extents[i]
         if not self.compact:
             slot = 1 - self.slots[i]
@@ -406,7 +414,7 @@ class NvmeState:
     def log_record(self, i: int, record: "redo.Record") -> None:
         """Compact: writes bucket i's redo record of the coming step now (step_in_backward:
         as its grads complete), durable at `begin`; `record(i)` reads it back."""
-        self._check_sure()
+        self._check_stepping()
         self._logged[i] = self._log.append(self.extents[i].file, record)
 
     def forget_log(self) -> None:
@@ -423,7 +431,7 @@ class NvmeState:
         naming them, with `meta` (what every record is stepped with); until then nothing
         of the step is written. A new state (nothing committed) needs no intent (a crash
         makes it anew), but a record logged stays readable for the pass."""
-        self._check_sure()
+        self._check_stepping()
         if not self._body["written"]:
             return
         if sorted(set(records) | set(self._logged)) != list(range(len(self.spec.buckets))):
@@ -469,7 +477,7 @@ class NvmeState:
     def begin_load(self) -> None:
         """Compact: a whole new state is written next (load_state_dict), with no way back:
         marked so, a load cut short is refused at open (not taken for a step)."""
-        self._check_sure()
+        self._check_stepping()
         if self._body["written"] and not self._body["loading"]:
             body = dict(self._body)
             body.update(loading=True, intent=None, done=[])
@@ -520,17 +528,52 @@ class NvmeState:
             offset, nbytes, crc = self._body["intent"]["log"][str(i)]
         return self.extents[i].file, offset, nbytes, crc, i
 
-    def abandon_pass(self) -> None:
+    def abandon_pass(self, lent: bool = True) -> None:
         """A pass stopped by an error: its writes not committed are forgotten (their room
-        is free again); a compact step left begun is finished by a resume."""
+        is free again). Compact: a step begun is finished by a resume once it `lent` a
+        bucket to be stepped (params moved) or committed one; one that did neither is
+        dropped (nothing of it ran: the files hold the step before, the next step logs
+        again). A load cut short is said to be one."""
+        self._sums = {}
         if self.compact:
-            self._sums = {}
             self._ahead = {}
             self._new_pass()
-            if self._body["intent"] is not None or self._body["loading"]:
+            if self._body["loading"]:
+                self._unsure = self._unsure or (
+                    "a load_state_dict into the compact state files was cut short by an "
+                    "error: they hold part of the loaded state and part of the one before")
+                self._hint = ("The state dict you loaded is unchanged: remove these files, "
+                              "build the optimizer without state_resume and load it again")
+            elif self._body["intent"] is not None and (lent or self.moved):
                 self._unsure = self._unsure or (
                     "a step of the compact state files was cut short by an error after its "
                     "redo log was written")
+            elif self._body["intent"] is not None and not self._unsure:
+                try:
+                    self.drop_intent()
+                except OSError:
+                    return   # (_store said so: _unsure, as a resume finishes it)
+                self.forget_log()
+
+    def params_ahead(self) -> None:
+        """Two slots: a pass that had stepped some params failed (its caller says so: the
+        params it stepped moved, the files did not). No step may run on them: a resume
+        sets them from the files, or (no step completed) they are the user's to set."""
+        if self.compact or self._moved_on:
+            return
+        self._moved_on = (
+            "offload_adam: a step of the state files failed after it had stepped some params, "
+            f"which are now ahead of the files (they hold step {self.step}). " + (
+                f"Build the optimizer again with state_resume=True to continue from step "
+                f"{self.step}: it sets the params from the files" if self.step else
+                "No step was completed: set the params again (load the model) and build "
+                "the optimizer anew over these directories"))
+
+    def _check_stepping(self) -> None:
+        """Before a pass reads or writes a bucket (its state dict's views may be read)."""
+        self._check_sure()
+        if self._moved_on:
+            raise RuntimeError(self._moved_on)
 
     def rollback(self) -> None:
         """Makes the previous generation current again (step `previous`), after checking
@@ -558,6 +601,8 @@ class NvmeState:
 
     def _check_sure(self) -> None:
         if self._unsure:
+            if self._hint:
+                raise RuntimeError(f"offload_adam: {self._unsure}. {self._hint}")
             raise RuntimeError(f"offload_adam: {self._unsure}, so which step the files hold "
                                "is not known here. Build the optimizer again with "
                                "state_resume=True to continue from the step on disk")
@@ -836,8 +881,10 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout):
             raise NvmeError(errno.ENOSPC, f"offload_adam: the optimizer state needs "
                             f"{size_text(size + log)} in {folder!r} ({len(spec.buckets)} "
                             f"buckets, {what}), only {size_text(free)} is free", folder)
-    manifest.commit(folders[0], spec.to_json(), manifest.SPEC)
+    # the manifest (nothing committed) first: a crash before the spec is down leaves a
+    # state never committed that does not fit its spec, made anew at the next open
     manifest.commit(folders[0], body)
+    manifest.commit(folders[0], spec.to_json(), manifest.SPEC)
     fds = _open_all(folders, body, buffered, create=True)
     if compact:
         try:
