@@ -47,7 +47,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .nvme.direct_io import AlignedBuffer, IOPool, NvmeError, open_direct, wait, warn_buffered
+from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, crc32, open_direct, wait,
+                             warn_buffered)
 from .nvme.layout import ALIGN, round_up
 
 __all__ = ["ParamFiles", "FILE_NAME", "min_slots"]
@@ -154,10 +155,23 @@ class ParamFiles:
         self._finalizer = weakref.finalize(self, _close_fds, list(self.fds + self._locks))
         self.pool = IOPool(threads)
         self.slots: List[_Slot] = []
-        for _ in range(count):
-            buf = AlignedBuffer(self.slot_bytes, pin=False)
-            device.pin(buf.tensor)
-            self.slots.append(_Slot(buf))
+        try:
+            for _ in range(count):
+                buf = AlignedBuffer(self.slot_bytes, pin=False)
+                try:
+                    device.pin(buf.tensor)
+                except BaseException:
+                    buf.close()
+                    raise
+                self.slots.append(_Slot(buf))
+        except BaseException:   # (a pin refused): nothing stays pinned, made or locked
+            for slot in self.slots:
+                device.unpin(slot.buffer.tensor)
+                slot.buffer.close()
+            self.slots = []
+            self.pool.close()
+            self._close_files(remove=True)
+            raise
         self.slot_of: Dict[int, _Slot] = {}
         self.sums: Dict[int, List[int]] = {}   # block -> its requests' CRC32Cs, as written
 
@@ -274,11 +288,25 @@ class ParamFiles:
 
     def mapped(self, i: int) -> torch.Tensor:
         """Block i's bytes as in its file after a flush, mapped copy-on-write (writes to it
-        stay in it): what model.state_dict() shows without reading a model into RAM."""
+        stay in it): what model.state_dict() shows without reading a model into RAM. Its
+        bytes are checked against the block's sums as written (a read through the page
+        cache, which then serves the mapping): a changed file is an error, not a value."""
         self.flush(i)
         fd, offset, size = self._extent(i)
-        m = mmap.mmap(fd, size, offset=offset, access=mmap.ACCESS_COPY)
-        return torch.frombuffer(m, dtype=torch.uint8)[:self.sizes[i]]
+        # (mmap's offset: a multiple of the allocation granularity, 64 KiB on some arm64
+        # kernels, where the extents are on 4 KiB)
+        page = offset - offset % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(fd, size + offset - page, offset=page, access=mmap.ACCESS_COPY)
+        data = torch.frombuffer(m, dtype=torch.uint8)[offset - page:offset - page + size]
+        if i in self.sums:
+            step = self.pool.request_bytes
+            view = memoryview(data.numpy())
+            got = [crc32(view[a:a + step]) for a in range(0, size, step)]
+            if got != self.sums[i]:
+                raise NvmeError(None, f"offload_adam: block {i}'s params in {self._path(i)} "
+                                f"(bytes {offset}..) fail their checksum: the file was "
+                                "changed or damaged since it was written")
+        return data[:self.sizes[i]]
 
     # ---- inside (the lock held) --------------------------------------------------------
 

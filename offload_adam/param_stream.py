@@ -120,7 +120,11 @@ class Home:
         self.block.stale = True
         self.block.settle()
         claimed = self.block.hold(self._bytes(ranges))
-        self.block.streamer._read_ahead_for_step()
+        try:
+            self.block.streamer._read_ahead_for_step()
+        except BaseException:   # (a read ahead's error, a write back's): the hold ends,
+            self.block.unhold(dirty=False, unwritten=claimed)   # its bytes the file's again
+            raise
         return claimed
 
     def after_write(self, stepped: int = 0, unwritten: Sequence[Tuple[int, int]] = ()) -> None:
@@ -801,6 +805,33 @@ class ParamStreamer:
         nothing (the host copies are gone by then: the params have their values)."""
         if self._closed:
             return
+        # Every block that can be is given back, then the first error raised: a block
+        # whose host copy cannot be read (a damaged param file) leaves the others' params
+        # on the device and the streaming (hooks, files) as it was for that one, and a
+        # close() again tries the blocks left.
+        errors = []
+        with torch.no_grad():
+            for block in self.blocks:
+                if getattr(block, "given_back", False):
+                    continue
+                try:
+                    self._release(block)
+                    block.wait_steps()
+                    block.settle()
+                    block.hold()
+                    try:
+                        for p, home in zip(block.params, block.host_views()):
+                            p.data = home.to(self.torch_device, copy=True)
+                            set_home(p, None)
+                    finally:
+                        block.unhold(dirty=False)
+                except Exception as e:
+                    errors.append(e)
+                    continue
+                block.homes = []   # (their host memory goes with them)
+                block.given_back = True
+        if errors:
+            raise errors[0]
         self._closed = True
         for h in self._handles:
             h.remove()
@@ -809,19 +840,6 @@ class ParamStreamer:
             for attr in ("_apply", "__deepcopy__", "__reduce_ex__"):
                 module.__dict__.pop(attr, None)
         self._guarded = []
-        with torch.no_grad():
-            for block in self.blocks:
-                self._release(block)
-                block.wait_steps()
-                block.settle()
-                block.hold()
-                try:
-                    for p, home in zip(block.params, block.host_views()):
-                        p.data = home.to(self.torch_device, copy=True)
-                        set_home(p, None)
-                finally:
-                    block.unhold(dirty=False)
-                block.homes = []   # (their host memory goes with them)
         unpin_all(self.device, self._pinned)
         if self.files is not None:
             self.files.close()

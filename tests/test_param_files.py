@@ -50,6 +50,24 @@ def test_params_in_files_train_as_resident(device, tmp_path, prefetch, slots,
         assert streamer.files.read_bytes > 0 and streamer.files.written_bytes > 0
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["at-step", "in-backward"])
+def test_a_bucket_of_more_blocks_than_the_cache_has_slots(device, tmp_path, early):
+    """With the default bucket_mb (32) one bucket holds the params of all 6 blocks, and
+    the cache has the fewest slots (4): the step holds one block at a time (the kernel
+    runs per block), bit for bit the resident training."""
+    opts = {**{k: v for k, v in OPTS.items() if k != "bucket_mb"}, "step_in_backward": early}
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=6, frozen=())
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path,
+                                       param_cache_mb=slots_mb(model, 4))
+        opt = offload_adam.AdamW(model.parameters(), **opts)
+        train(model, opt, 2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
 def _streamer(model):
     from offload_adam.params import home_of
     return home_of(model.layers[0].q.weight).block.streamer
@@ -183,23 +201,71 @@ def test_param_files_errors_name_the_problem(device, tmp_path):
         offload_adam.stream_params(model, Block, param_dirs=tmp_path / "p")
 
 
+def _damage_a_block_not_cached(streamer, folder) -> int:
+    """Flips a byte of a block the cache does not hold, in its file in `folder` (after
+    every block went back to its file); returns the block."""
+    streamer.files.flush()
+    victim = next(i for i in range(len(streamer.files.sizes))
+                  if i not in streamer.files.slot_of)
+    _, offset = streamer.files.where[victim]
+    with open(folder / FILE_NAME, "r+b") as f:
+        f.seek(offset + 100)
+        byte = f.read(1)
+        f.seek(offset + 100)
+        f.write(bytes([byte[0] ^ 1]))
+    return victim
+
+
 def test_a_param_file_changed_behind_its_back_is_an_error(device, tmp_path):
     """A block's bytes in its file are checked when read back: a flipped byte is an error
     naming the block and the file, never a wrong param."""
     model = make_llama(layers=6, frozen=())
     streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path,
                                           param_cache_mb=slots_mb(model, 4))
-    streamer.files.flush()
-    cached = set(streamer.files.slot_of)
-    victim = next(i for i in range(6) if i not in cached)
-    _, offset = streamer.files.where[victim]
-    with open(tmp_path / FILE_NAME, "r+b") as f:
-        f.seek(offset + 100)
-        byte = f.read(1)
-        f.seek(offset + 100)
-        f.write(bytes([byte[0] ^ 1]))
+    victim = _damage_a_block_not_cached(streamer, tmp_path)
+    with pytest.raises(OSError, match=f"block {victim}'s params in .* fail their checksum"):
+        model.state_dict()   # (mapped from the file, never read into the cache)
     with pytest.raises(OSError, match=f"block {victim}'s params in .* fail their checksum"):
         llama_loss(model, 0)
+
+
+def test_a_close_that_cannot_read_a_block_gives_the_others_back(device, tmp_path):
+    """close() gives every block it can read back to its params, then raises the error of
+    the one it cannot (a damaged param file): that one stays streamed (its forward raises
+    the same error, never NaN placeholders) and a close() again raises again."""
+    model, ref = make_llama(layers=6, frozen=()), make_llama(layers=6, frozen=())
+    streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path,
+                                          param_cache_mb=slots_mb(model, 4))
+    victim = _damage_a_block_not_cached(streamer, tmp_path)
+    for _ in range(2):
+        with pytest.raises(OSError, match=f"block {victim}'s params in .* fail their checksum"):
+            streamer.close()
+    for k, (layer, twin) in enumerate(zip(model.layers, ref.layers)):
+        if k != victim:
+            assert all(torch.equal(p, q) for p, q in zip(layer.parameters(), twin.parameters()))
+    with pytest.raises(OSError, match=f"block {victim}'s params in .* fail their checksum"):
+        llama_loss(model, 0)
+
+
+def test_a_read_ahead_that_fails_in_the_step_lets_its_block_go(device, tmp_path, monkeypatch):
+    """The CPU step holds a block to write it, then reads ahead for the next ones; a read
+    ahead that raises (a write back of another block failed) ends the hold: the slot can
+    be given away again (and the bytes it took to write, not read first, are read from
+    the file when the block is read: param_files.unhold's `unwritten`)."""
+    model = make_llama(layers=6, frozen=())
+    streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path,
+                                          param_cache_mb=slots_mb(model, 4))
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 1)
+    llama_loss(model, 7).backward()
+
+    def fails():
+        raise OSError(28, "injected: a write back failed")
+    monkeypatch.setattr(streamer, "_read_ahead_for_step", fails)
+    with pytest.raises(OSError, match="injected"):
+        opt.step()
+    monkeypatch.undo()
+    assert all(slot.holds == 0 for slot in streamer.files.slots)
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["at-step", "in-backward"])
@@ -282,6 +348,31 @@ class _Recorder:
 
     def unpin(self, t):
         pass
+
+
+def test_param_files_whose_slots_cannot_be_pinned_leave_nothing_behind(tmp_path):
+    """A pin refused while the cache's slots are made (cudaHostRegister past the locked
+    memory limit): the error, and no slot left pinned, no file left on disk or locked (a
+    second streamer can use the directory)."""
+    class Refusing:
+        pinned = 0
+
+        def pin(self, t):
+            if self.pinned == 3:
+                raise RuntimeError("cudaHostRegister failed with error 2")
+            self.pinned += 1
+            return True
+
+        def unpin(self, t):
+            self.pinned -= 1
+
+    device = Refusing()
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        ParamFiles([tmp_path], [5000] * 6, 5 * 8192, prefetch=0, device=device,
+                   settle=lambda i: None)
+    assert device.pinned == 0 and not (tmp_path / FILE_NAME).exists()
+    ParamFiles([tmp_path], [5000] * 6, 5 * 8192, prefetch=0, device=_Recorder(),
+               settle=lambda i: None).close()
 
 
 def test_a_slot_is_reused_only_after_its_block_settled_and_went_back(tmp_path):

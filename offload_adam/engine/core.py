@@ -1168,26 +1168,34 @@ class BucketJob:
         dev.wait_host(*{id(t): t for c in copies for t in list(c.transfers)}.values())
         dev.wait_host(*bucket.h2d)                     # its buffers are free again
         bucket.h2d = []
-        with contextlib.ExitStack() as writes:
-            for home in _homes(pieces):   # a streamed param's update goes to its host
-                # copy: no fetch may still read it (in files: held in the cache, and not
-                # read first: the kernel writes these elements and reads none of them)
-                mine = [p for p in pieces if p.rec.home is home]
-                writes.enter_context(home.writing([(p.start, p.stop) for p in mine],
-                                                  stepped=sum(p.numel for p in mine)))
-            args = KernelArgs()
-            for p in pieces:
-                args.add(p.param_state(), p.staging if bucket.low_precision else None,
-                         p.start)
-            t0 = time.perf_counter()
-            args.run([p.grad for p in pieces], hyper, self.grad_scale, self.threads,
-                     grad_mul=self.grad_mul)
-            if not bucket.low_precision:
-                # An fp32 update that goes back from staging (packed, or with the
-                # state in files: layout.allocate_transfers) is the master.
-                for p in pieces:
-                    if p.staging is not None:
-                        p.staging.copy_(p.state("master"))
+        # The kernel runs once per streamed block of the bucket (and once for the resident
+        # pieces), elementwise as one run would: a block stays held in the param files'
+        # cache while its pieces step, and a bucket may span more blocks than it has slots.
+        by_block: Dict[int, List[Piece]] = {}
+        for p in pieces:
+            by_block.setdefault(id(p.rec.home.block) if p.rec.home is not None else 0,
+                                []).append(p)
+        t0 = time.perf_counter()
+        for group in by_block.values():
+            with contextlib.ExitStack() as writes:
+                for home in _homes(group):   # a streamed param's update goes to its host
+                    # copy: no fetch may still read it (in files: held in the cache, and not
+                    # read first: the kernel writes these elements and reads none of them)
+                    mine = [p for p in group if p.rec.home is home]
+                    writes.enter_context(home.writing([(p.start, p.stop) for p in mine],
+                                                      stepped=sum(p.numel for p in mine)))
+                args = KernelArgs()
+                for p in group:
+                    args.add(p.param_state(), p.staging if bucket.low_precision else None,
+                             p.start)
+                args.run([p.grad for p in group], hyper, self.grad_scale, self.threads,
+                         grad_mul=self.grad_mul)
+                if not bucket.low_precision:
+                    # An fp32 update that goes back from staging (packed, or with the
+                    # state in files: layout.allocate_transfers) is the master.
+                    for p in group:
+                        if p.staging is not None:
+                            p.staging.copy_(p.state("master"))
         if engine.ring is not None:   # their grads are read: their spans may be reused
             for p in pieces:
                 engine.ring.done(p)
