@@ -29,13 +29,14 @@ from .state_format import MASTER_KEY, StateFormat, state_format
 class _Plan:
     """A group's calls for one pattern of which params have grads."""
 
-    __slots__ = ("group", "key", "route", "calls", "ptrs")
+    __slots__ = ("group", "key", "route", "calls", "ptrs", "states")
     NO_GRAD = -1    # route of a param that had no grad when the plan was built
     ELSEWHERE = -2  # route of a param stepped by the engine
 
-    def __init__(self, group, key, route, calls, ptrs):
+    def __init__(self, group, key, route, calls, ptrs, states):
         self.group, self.key, self.route, self.calls = group, key, route, calls
         self.ptrs = ptrs   # per param, the address of the data its call steps (or None)
+        self.states = states   # per param, _identity of the state its call steps (or None)
 
 
 class InPlace:
@@ -51,10 +52,10 @@ class InPlace:
         grads (the calls of params with a grad), once every master follows its param
         (master_rule.py): the RAM store's bucket of the group (state_store.py)."""
         plan = self._plans.get(id(group))
-        grads = self._gather(index, group, plan) if plan is not None else None
-        if grads is None:  # no plan yet, or the grads no longer fit it
+        grads = self._gather(index, group, plan, state) if plan is not None else None
+        if grads is None:  # no plan yet, or the grads or states no longer fit it
             plan = self._build(index, group, state)
-            grads = self._gather(index, group, plan)
+            grads = self._gather(index, group, plan, state)
         self._follow(group, plan, state)
         return [(call, g) for call, g in zip(plan.calls, grads) if g]
 
@@ -78,9 +79,10 @@ class InPlace:
         return [(p, local(p.grad)) for g in param_groups for p in g["params"]
                 if p.grad is not None and self._is_mine(p)]
 
-    def _gather(self, index, group, plan) -> Optional[List[List[torch.Tensor]]]:
+    def _gather(self, index, group, plan, state) -> Optional[List[List[torch.Tensor]]]:
         """Per call, the grads to pass, or None when the plan no longer fits
-        (a param gained or lost its grad, changed dtype, or has new data: p.data = ...)."""
+        (a param gained or lost its grad, changed dtype, or has new data: p.data = ...;
+        or its state was replaced or cleared: opt.state.clear(), a moment set anew)."""
         if plan.group is not group or plan.key != self._key(group):
             return None
         grads: List[List[torch.Tensor]] = [[] for _ in plan.calls]
@@ -97,6 +99,9 @@ class InPlace:
             plain = type(p) in PLAIN   # (per param per step: the common case kept short)
             if (p if plain else local(p)).data_ptr() != plan.ptrs[i]:
                 return None
+            st = state.get(p)
+            if st is None or _identity(st) != plan.states[i]:
+                return None
             if g.layout is not torch.strided:   # (the label only for the error)
                 check_dense(g, f"param {param_label(group, index, i, p)}")
             grads[c].append((g if g.is_contiguous() else g.contiguous()) if plain
@@ -112,11 +117,12 @@ class InPlace:
     def _build(self, index, group, state) -> _Plan:
         calls: List[CpuCall] = []
         by_dtype: Dict[torch.dtype, int] = {}
-        route, ptrs = [], []
+        route, ptrs, states = [], [], []
         amsgrad = bool(group["amsgrad"])
         fmt = state_format(group.get("state_dtype", "float32"))
         for i, p in enumerate(group["params"]):
             ptrs.append(None)
+            states.append(None)
             if not self._is_mine(p):
                 route.append(_Plan.ELSEWHERE)
                 continue
@@ -131,10 +137,17 @@ class InPlace:
                 calls.append(CpuCall(p.dtype, followed=p.dtype is not torch.float32))
             route.append(c)
             ptrs[-1] = t.data_ptr()
+            states[-1] = _identity(st)
             calls[c].add(p, ParamState.in_dict(st))
-        plan = _Plan(group, self._key(group), route, calls, ptrs)
+        plan = _Plan(group, self._key(group), route, calls, ptrs, states)
         self._plans[id(group)] = plan
         return plan
+
+
+def _identity(st: dict) -> tuple:
+    """Which state a plan steps: its dict and the tensors in it (the kernels update them
+    in place; a dict cleared or replaced, or a tensor set anew, is another state)."""
+    return id(st), tuple(id(v) for v in st.values())
 
 
 def ready_state(st: dict, p: torch.Tensor, amsgrad: bool, fmt: StateFormat, label: str) -> dict:

@@ -1,6 +1,7 @@
 """Contract holes found with real training code: each behaves as torch's
 optimizer does, or is a clear error. Every test runs in place and on the
 simulated device (the engine's path, as for CUDA params)."""
+import collections
 import copy
 import gc
 import os
@@ -171,6 +172,39 @@ def test_files_of_every_param_resume_with_a_param_frozen_since(where, mode, foot
             run(ref_model, ref, 2, start=2, loss=mlp_loss)
         assert_same((resumed, opt), (ref_model, ref))
         opt.close()
+
+
+@pytest.mark.parametrize("how", ["clear", "replace", "moment"])
+@pytest.mark.parametrize("where", ["in-place", "sim-latest"])
+def test_a_state_cleared_or_set_anew_between_steps_is_the_one_stepped(where, how, kernels):
+    # torch steps what optimizer.state holds at the step: a state cleared (or the whole
+    # state replaced) starts again as at the params' first step (a reset of the moments),
+    # a moment set anew is the one the step goes on from. (With state_dirs= the state is
+    # in the files, not in optimizer.state.) The reference: a new optimizer given that
+    # state by load_state_dict.
+    with sim_path(where):
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        run(model, opt, 2, loss=mlp_loss)
+        saved = copy.deepcopy(opt.state_dict())
+        if how == "clear":
+            opt.state.clear()
+            saved["state"] = {}
+        elif how == "replace":
+            opt.state = collections.defaultdict(dict)
+            saved["state"] = {}
+        else:
+            for p in model.parameters():
+                opt.state[p]["exp_avg"] = torch.zeros_like(opt.state[p]["exp_avg"])
+            for st in saved["state"].values():
+                st["exp_avg"] = torch.zeros_like(st["exp_avg"])
+        ref_model = make_mlp(seed=3)
+        ref_model.load_state_dict(model.state_dict())
+        ref = offload_adam.AdamW(ref_model.parameters(), **OPTS)
+        ref.load_state_dict(saved)
+        run(model, opt, 2, start=2, loss=mlp_loss)
+        run(ref_model, ref, 2, start=2, loss=mlp_loss)
+        assert_same((model, opt), (ref_model, ref))
 
 
 def test_state_loaded_for_a_frozen_param_is_where_it_goes_on_when_unfrozen(path):
