@@ -453,7 +453,7 @@ class ParamStreamer:
                 module._register_state_dict_hook(lambda mod, sd, prefix, meta, b=block, e=entries:
                                                  self._state_dict(b, sd, prefix, e)),
                 module._register_load_state_dict_pre_hook(
-                    lambda sd, prefix, *rest, b=block: self._before_load(b)),
+                    lambda sd, prefix, meta, *rest, b=block: self._before_load(b, meta)),
                 module.register_load_state_dict_post_hook(
                     lambda mod, keys, b=block: self._after_load(b)),
             ]
@@ -711,10 +711,14 @@ class ParamStreamer:
                 sd[key] = (torch.nn.Parameter(home, requires_grad=was.requires_grad)
                            if isinstance(was, torch.nn.Parameter) else home)
 
-    def _before_load(self, block: _Block) -> None:
+    def _before_load(self, block: _Block, meta: Optional[dict] = None) -> None:
         """load_state_dict copies into the host copies (the params show them meanwhile;
         with param files the block stays in its cache slot until loaded). The hooks of
-        the block's submodules nest inside the block's: the outermost one acts."""
+        the block's submodules nest inside the block's: the outermost one acts. A load
+        with assign=True is refused here, before anything changes (this hook may run
+        before the module's own refusal, _refuse_assign)."""
+        if meta and meta.get("assign_to_params_buffers"):
+            self._refuse_assign(block.name)(block.module, None, "", meta)
         block.loading += 1
         if block.loading > 1:
             return

@@ -357,7 +357,8 @@ def test_close_puts_the_params_back_and_the_old_optimizer_refuses(device):
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "deepcopy a block", "copy", "torch.save",
-                                 "load assign=True", "load a block assign=True"])
+                                 "load assign=True", "load a block assign=True",
+                                 "load a submodule assign=True"])
 def test_a_copy_or_an_assigning_load_is_refused_and_changes_nothing(device, how, tmp_path):
     """A copy (or pickle) of a module holding streamed params would hold their NaN
     placeholders and the original's hooks: it computed NaN while its state_dict() showed
@@ -382,11 +383,17 @@ def test_a_copy_or_an_assigning_load_is_refused_and_changes_nothing(device, how,
                    "load assign=True": lambda: model.load_state_dict(other.state_dict(),
                                                                      assign=True),
                    "load a block assign=True": lambda: model.layers[1].load_state_dict(
-                       other.layers[1].state_dict(), assign=True)}[how]
+                       other.layers[1].state_dict(), assign=True),
+                   "load a submodule assign=True": lambda: model.layers[1].up.load_state_dict(
+                       other.layers[1].up.state_dict(), assign=True)}[how]
             match = "assign=True" if how.startswith("load") else "cannot be copied or pickled"
             with pytest.raises(RuntimeError, match=match):
                 act()
             assert dict(model.named_parameters()) == params   # the same Parameters
+            # (a refused load leaves no block loading: a load after a forward works)
+            with torch.no_grad():
+                llama_loss(model, 0)
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
             copy.deepcopy(model.embed)   # a module without streamed params copies as ever
         train(model, opt, 2, start=1)
         runs.append((model, opt))
