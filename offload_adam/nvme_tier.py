@@ -607,10 +607,11 @@ class FileStore:
                         calls, follow = self._lend_in_place(
                             [e for e in bucket if e.rec is None], t)
                         engine = [e.entry() for e in bucket if e.rec is not None]
-                        lent = lent or bool(calls) or bool(engine and run is not None)
+                        steps = bool(calls) or bool(engine and run is not None)
                         yield Lent(Hyper.of(param_groups[bucket[0].group]) if calls else None,
                                    calls, (lambda engine=engine, t=t: run.lent(engine, t))
                                    if run is not None and engine else None)
+                        lent = lent or steps   # (stepped: its params moved)
                         for p, master in follow:   # an fp32 param is its own master
                             master.copy_(p)
                 if stepped_early:   # committed: now their params
