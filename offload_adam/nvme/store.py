@@ -131,8 +131,8 @@ class NvmeState:
         self.extents, self.file_sizes = place(spec, len(folders))
         self._body, self._fds, self._locks, self._io = body, fds, locks, io
         self._created = created    # by this open: removed again by close(discard=True)
-        # why no pass may run on (the manifest on disk may not be _body, or the params
-        # are ahead of the files), and what to do then (None: resume from the files)
+        # why nothing may read or write the files (the manifest on disk may not be _body,
+        # a compact step or load cut short), and what to do then (None: resume from them)
         self._unsure: Optional[str] = None
         self._hint: Optional[str] = None
         self._moved_on: Optional[str] = None   # why no pass may run: params moved (two slots)
