@@ -223,6 +223,14 @@ class FileStore:
         self.marks = marks if marks is not None else MasterMarks()
         self._formats = [state_format(g["state_dtype"]) for g in param_groups]
         self._amsgrad = [bool(g["amsgrad"]) for g in param_groups]
+        # The groups as the user may edit them since (delete, reorder, pop: each step
+        # follows them, `_follow`): the optimizer's list, each group number's dict when last
+        # seen, the ids of the params here in no group now, and what that was read from.
+        self._param_groups = param_groups
+        self._by_group: List[dict] = list(param_groups)
+        self._absent: set = set()
+        self._groups_key = None
+        self._built_with = {id(p) for ps in params for p in ps}   # (a param put in since)
         files_name = "+".join(sorted({f.files_name for f in self._formats}))
         self.pipeline = None
         self.compact = compact
@@ -517,6 +525,13 @@ class FileStore:
         for (frozen when the optimizer was built, unfrozen since), before anything moves."""
         for gi, g in enumerate(param_groups):
             for i, p in enumerate(g["params"]):
+                if p.grad is not None and id(p) not in self._built_with:
+                    raise RuntimeError(
+                        f"offload_adam: param {param_label(g, gi, i, p)} was put into "
+                        f"param_groups[{gi}]['params'] after the optimizer was built with "
+                        "state_dirs=, whose files hold the state of the params it was built "
+                        "with; nothing was stepped. Build a new optimizer over the params "
+                        "(add_param_group cannot be used with state_dirs= either)")
                 if p.grad is not None and id(p) not in self._where:
                     raise RuntimeError(
                         f"offload_adam: param {param_label(g, gi, i, p)} has a grad, but it "
@@ -531,8 +546,42 @@ class FileStore:
         norm; the engine's params count theirs from their host copies)."""
         if param_groups is not None:
             self._check_in_files(param_groups)
+            self._follow(param_groups)
         return [(e.param, local(e.param.grad)) for b in self.buckets for e in b
-                if e.rec is None and e.param.grad is not None]
+                if e.rec is None and e.param.grad is not None and id(e.param) not in self._absent]
+
+    def _follow(self, param_groups) -> List[dict]:
+        """`param_groups` (as they are now: the user may delete params from them, reorder
+        or pop them, as torch.optim allows) by the index each param's group had when the
+        files were laid out (_Param.group): the group its params are in now (the one last
+        seen if none is); the params here in no group now (`_absent`) are not stepped,
+        their state stays as it was. A group whose params are now in two groups cannot be
+        followed (its buckets step with one group's hyperparameters): a RuntimeError."""
+        self._param_groups = param_groups   # (torch's load_state_dict puts a new list)
+        key = tuple((id(g), id(g["params"]), tuple(map(id, g["params"]))) for g in param_groups)
+        if key == self._groups_key:
+            return self._by_group
+        by_group, now, present = list(self._by_group), {}, set()
+        for gi, g in enumerate(param_groups):
+            for p in g["params"]:
+                where = self._where.get(id(p))
+                if where is None:
+                    continue
+                present.add(id(p))
+                e = where[0][1]
+                first = now.setdefault(e.group, (g, gi))
+                if first[0] is not g:
+                    raise RuntimeError(
+                        f"offload_adam: param {param_label(g, gi, g['params'].index(p), p)} "
+                        f"is now in param group {gi}, but params that were in its group when "
+                        f"the optimizer was built are in param group {first[1]}: the state "
+                        "files step a group's params with one group's hyperparameters. Move "
+                        "params between groups by building a new optimizer")
+        for group, (g, _) in now.items():
+            by_group[group] = g
+        self._by_group, self._groups_key = by_group, key
+        self._absent = set(self._where) - present
+        return by_group
 
     def add_group(self, index: int, group: dict) -> None:
         raise NotImplementedError(
@@ -577,12 +626,14 @@ class FileStore:
                                "from them")
         self._check_resumed(stepping=True)
         self._check_in_files(param_groups)
-        with_grads = [e for b in self.buckets for e in b
-                      if e.rec is None and e.param.grad is not None]
+        # (the engine follows the groups itself: given them as they are)
+        groups_now, param_groups = param_groups, self._follow(param_groups)
+        with_grads = [e for b in self.buckets for e in b if e.rec is None
+                      and e.param.grad is not None and id(e.param) not in self._absent]
         for e in with_grads:   # before any bucket is stepped
             _check_grad(e, param_groups[e.group])
         # (step_in_backward: verify() here may abandon the pass, then raises)
-        run = self.engine.stepping(param_groups, grad_scale) if self.engine else None
+        run = self.engine.stepping(groups_now, grad_scale) if self.engine else None
         early = self._early if self._early is not None and self._early.started else None
         stepped_early = list(early.stepped) if early is not None else []
         completed = lent = False
@@ -664,7 +715,7 @@ class FileStore:
         tensors, in_place = [], []
         for e in bucket:
             ready = e.rec is not None and run is not None and id(e.rec) in run.ready
-            if e.rec is None and e.param.grad is not None:
+            if e.rec is None and e.param.grad is not None and id(e.param) not in self._absent:
                 tensors.append((f"g|{e.name}|0", contiguous_grad(e.param)))
                 in_place.append(e.name)
             elif ready:
@@ -750,7 +801,7 @@ class FileStore:
             if not self.marks.current(e.param):
                 _follow_param(st, p)
                 self.marks.agree([e.param])
-            if e.param.grad is None:   # not stepped
+            if e.param.grad is None or id(e.param) in self._absent:   # not stepped
                 continue
             if not e.has_master:
                 follow.append((p, st.master))
@@ -766,6 +817,9 @@ class FileStore:
         the ids sd gives them, in the keys and order of the state in RAM."""
         self._check_resumed(stepping=False)
         state = dict(sd["state"])
+        # each param's id in sd: torch's, by its place in param_groups as they are now
+        saved_ids = {id(p): i for saved, g in zip(sd["param_groups"], self._param_groups)
+                     for i, p in zip(saved["params"], g["params"])}
         parts: Dict[int, List[ParamState]] = {}   # a param in parts: those seen so far
         for i, bucket in enumerate(self.buckets):
             views = self.state.views(i)
@@ -788,7 +842,9 @@ class FileStore:
                         st[scale] = getattr(rec, scale)
                 if e.has_master:   # (not an fp32 param stepped in place, as in RAM)
                     st[MASTER_KEY] = rec.master
-                state[sd["param_groups"][e.group]["params"][e.index]] = st
+                saved_id = saved_ids.get(id(e.param))
+                if saved_id is not None:   # (None: taken out of param_groups since)
+                    state[saved_id] = st
         return {**sd, "state": state}
 
     def _joined(self, param, parts: List[ParamState]) -> ParamState:

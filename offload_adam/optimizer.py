@@ -43,6 +43,7 @@ import weakref
 
 import torch
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .cpu_step import step_on_cpu
 from .engine import OffloadEngine
@@ -157,6 +158,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         self._engine = None
         self._store = None
+        self._forget_groups()
         self._options = Options(
             overlap=overlap, bucket_mb=bucket_mb, free_grads_after_copy=free_grads_after_copy,
             num_threads=num_threads, max_grad_norm=max_grad_norm, process_group=process_group,
@@ -197,6 +199,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_store", None)    # (files and a lock): opened again when unpickled
         state.pop("_routing", None)   # decided again when unpickled
         state.pop("_marks", None)     # every master checked at the first step
+        state.pop("_group_of", None)  # (weak keys) made again from the groups
         return state
 
     def __setstate__(self, state):
@@ -214,6 +217,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         if not hasattr(self, "_engine"):  # unpickling (load_state_dict keeps its engine)
             self._engine = None
             self._store = None
+            self._forget_groups()
+            for group in self.param_groups:
+                self._number_group(group)
             self._options = options
             self._routing = Routing.of(options)
             self._marks = MasterMarks()
@@ -221,11 +227,30 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._start_engine()
             self._open_store(resume=True)   # its own files: it continues from them
 
+    def _forget_groups(self) -> None:
+        """The engine and the files know each param's group by the number it was added
+        under (a group's index when it was added: the user may reorder, pop or edit
+        param_groups since, and each step follows them, engine/core.py follow_groups)."""
+        self._group_of = WeakIdKeyDictionary()   # param -> the number of its group
+        self._groups_made = 0
+
+    def _number_group(self, group: dict) -> int:
+        """Numbers a group just added; its params, unless the engine holds them already
+        (added before, taken out of param_groups since), are known by that number."""
+        number, self._groups_made = self._groups_made, self._groups_made + 1
+        has = self._engine.has if self._engine is not None else (lambda p: False)
+        for p in group["params"]:
+            if not has(p):
+                self._group_of[p] = number
+        return number
+
     def add_param_group(self, param_group):
         self._settle_tail()   # (the engine's buckets may be laid out again)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
+        made, known = self._groups_made, {p: self._group_of.get(p) for p in group["params"]}
+        number = self._number_group(group)
         try:
             _check_modes(group, f"param group {index}")
             first: dict = {}
@@ -240,9 +265,15 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             if self._store is not None:
                 self._store.add_group(index, group)
             if getattr(self, "_engine_started", False):
-                self._add_to_engine(index, self._engine_params(group["params"]))
+                self._add_to_engine(number, index, self._engine_params(group["params"]))
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was
+            self._groups_made = made
+            for p, was in known.items():
+                if was is None:
+                    self._group_of.pop(p, None)
+                else:
+                    self._group_of[p] = was
             raise
 
     def _check_one_device(self):
@@ -276,24 +307,50 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         if managed is None:
             managed = [self._engine_params(g["params"]) for g in self.param_groups]
         if any(managed):
+            # by the number each param's group was added under (_number_group)
+            by_number = [([], False, "float32", []) for _ in range(self._groups_made)]
+            for gi, (g, ps) in enumerate(zip(self.param_groups, managed)):
+                for p in ps:
+                    number = self._known_group(p, gi)
+                    params, _, _, names = by_number[number]
+                    by_number[number] = (params, bool(g["amsgrad"]), g["state_dtype"], names)
+                    params.append(p)
+                    names.extend(self._engine_names(gi, [p]))
+            params, amsgrad, formats, names = (list(x) for x in zip(*by_number))
             self._engine = OffloadEngine(
-                managed, [bool(g["amsgrad"]) for g in self.param_groups],
-                state_dtypes=[g["state_dtype"] for g in self.param_groups],
+                params, amsgrad, state_dtypes=formats,
                 options=self._options, owner=weakref.ref(self), routing=self._routing,
-                marks=self._marks,
-                names=[self._engine_names(gi, ps) for gi, ps in enumerate(managed)])
+                marks=self._marks, names=names)
         if getattr(self, "_store", None) is not None:   # (a store that steps it, below)
             self._store.engine = self._engine
 
-    def _add_to_engine(self, gi: int, params) -> None:
-        """Group gi's `params` join the engine (started now if there is none)."""
+    def _known_group(self, p, gi: int) -> int:
+        """The number p's group was added under (_number_group); a RuntimeError for a
+        param put into param_groups[gi] directly, which the engine and the files cannot
+        take: they lay out their memory for the params added through the optimizer."""
+        number = self._group_of.get(p)
+        if number is None:
+            g = self.param_groups[gi]
+            i = next(i for i, q in enumerate(g["params"]) if q is p)
+            raise RuntimeError(
+                f"offload_adam: param {param_label(g, gi, i, p)} was put into "
+                f"param_groups[{gi}]['params'] directly, not through add_param_group: "
+                "the offload engine cannot step it (nothing was stepped). Add new params "
+                "with optimizer.add_param_group({'params': [...]})")
+        return number
+
+    def _add_to_engine(self, number: int, gi: int, params) -> None:
+        """`params` of group gi (now), added under `number` (_number_group), join the
+        engine (started now if there is none); those it holds already stay as they are."""
+        if self._engine is not None:
+            params = [p for p in params if not self._engine.has(p)]
         if not params:
             return
         if self._engine is None:
             self._start_engine()
             return
         g = self.param_groups[gi]
-        self._engine.add_group(gi, params, bool(g["amsgrad"]), g["state_dtype"],
+        self._engine.add_group(number, params, bool(g["amsgrad"]), g["state_dtype"],
                                self._engine_names(gi, params))
 
     def _enroll(self, params):
@@ -308,19 +365,24 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                 self._start_engine(more)
             return self._engine
         for gi, ps in enumerate(more):
-            self._add_to_engine(gi, ps)
+            self._add_to_engine(gi, gi, ps)   # (at construction: numbered as they are)
         return self._engine
 
     def _to_join(self):
-        """[(group index, params)]: the params routed to the engine that have a grad and
-        are not in it yet (frozen when they were added, unfrozen since)."""
+        """[(number, group index, params)]: the params routed to the engine that have a
+        grad and are not in it yet (frozen when they were added, unfrozen since), by the
+        number their group was added under; a RuntimeError for one put into param_groups
+        directly (_known_group)."""
         if self._routing.files:   # (the files refuse a grad of one they hold no state for)
             return []
         has = self._engine.has if self._engine is not None else (lambda p: False)
-        found = [(gi, [p for p in g["params"] if p.grad is not None and self._in_engine(p)
-                       and not has(p) and not _untrainable(p)])   # (step() refuses those)
-                 for gi, g in enumerate(self.param_groups)]
-        return [(gi, ps) for gi, ps in found if ps]
+        found: dict = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if (p.grad is not None and self._in_engine(p) and not has(p)
+                        and not _untrainable(p)):   # (step() refuses those)
+                    found.setdefault((self._known_group(p, gi), gi), []).append(p)
+        return [(number, gi, ps) for (number, gi), ps in found.items()]
 
     def _join_trained(self) -> None:
         """Before a step or a norm reads the grads: with no engine yet, one is started for
@@ -332,8 +394,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
 
     def _join_to_engine(self) -> None:
         """The engine's call back (see _join_trained)."""
-        for gi, params in self._to_join():
-            self._add_to_engine(gi, params)
+        for number, gi, params in self._to_join():
+            self._add_to_engine(number, gi, params)
 
     def _engine_names(self, gi: int, params):
         """How errors name group gi's `params`: as the in-place path names them."""

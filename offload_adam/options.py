@@ -197,6 +197,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import numbers
 import os
 import tempfile
 from typing import Any, Iterator, Optional, Tuple
@@ -211,6 +213,15 @@ _NEEDS_OVERLAP = {
 
 
 FOOTPRINTS = ("two_generations", "compact")   # state_footprint's values
+_BOOLS = ("overlap", "free_grads_after_copy", "verify_grads", "step_in_backward")
+
+
+def _is_bool(value) -> bool:
+    """True or False: a Python bool or a numpy one (not a string, whose "no" is true, nor
+    a number)."""
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy"
+                                       and kind.__name__ in ("bool_", "bool"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +244,15 @@ class Options:
     defer_blocks: int = 0
 
     def __post_init__(self):
+        for name in _BOOLS:   # before any is read as true or false
+            value = getattr(self, name)
+            if not _is_bool(value):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+            object.__setattr__(self, name, bool(value))
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, numbers.Real) \
+                or not (math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
+            raise ValueError(f"bucket_mb must be a positive, finite number of MiB, got "
+                             f"{self.bucket_mb!r}")
         if self.state_dirs is None and _state_roots and _state_roots[-1] is not None:
             object.__setattr__(self, "state_dirs", tempfile.mkdtemp(dir=_state_roots[-1]))
         if self.state_dirs is not None:
@@ -278,12 +298,8 @@ class Options:
         if self.defer_blocks and self.state_dirs is not None:
             raise ValueError("defer_blocks= cannot be used with state_dirs=: a step "
                              "commits the state files at step(), every block stepped")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.num_threads is not None and int(self.num_threads) < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        for name in ("overlap", "free_grads_after_copy", "verify_grads", "step_in_backward"):
-            object.__setattr__(self, name, bool(getattr(self, name)))
         object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
         if self.num_threads is not None:
             object.__setattr__(self, "num_threads", int(self.num_threads))
@@ -291,7 +307,8 @@ class Options:
     def _positive_mib(self, name: str) -> None:
         """Option `name` is a positive number of MiB (not a bool): kept as a float."""
         value = getattr(self, name)
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+                and math.isfinite(value)):
             raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
         object.__setattr__(self, name, float(value))
 

@@ -15,7 +15,7 @@ import torch
 from . import distributed
 from .params import param_label
 from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS,
-                           stored_key, with_code_keys, with_float32_moments)
+                           state_format, stored_key, with_code_keys, with_float32_moments)
 
 # The state that bypasses torch's cast when loaded (load_state_dict).
 _HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY, Q8_FORMAT_KEY)
@@ -86,8 +86,9 @@ class TorchStateDict:
         self._settle_tail()   # no step deferred past step() may write the state replaced
         seen = {}
 
-        def capture(optimizer, sd):
+        def capture(optimizer, sd):   # what can be refused, before anything changes
             self._check_loaded_shapes(sd)
+            self._check_loaded_modes(sd)
             self._store.check_load(
                 [(sd["state"].get(saved_id), p,
                   lambda g=group, gi=gi, i=i, p=p: param_label(g, gi, i, p))
@@ -103,17 +104,26 @@ class TorchStateDict:
 
         handle = self.register_load_state_dict_pre_hook(capture)
         formats = [g["state_dtype"] for g in self.param_groups]
+        # torch's load puts a new state and new groups in place (the old ones untouched):
+        # an error after it puts these back (with state_dirs= the files are written
+        # bucket by bucket: their check_load refuses first)
+        old_groups, old_state = self.param_groups, self.raw_state()
         try:
             super().load_state_dict(state_dict)
         finally:
             handle.remove()
-        # The state format is this optimizer's (how much memory it may use), not
-        # the checkpoint's: the loaded moments are converted to it.
-        for group, fmt in zip(self.param_groups, formats):
-            group["state_dtype"] = fmt
-        self._store.reset()
-        loaded = list(self._loaded_params(seen["state_dict"]))
-        self._store.load(loaded, seen["state_dict"]["state"], self.state)
+        try:
+            # The state format is this optimizer's (how much memory it may use), not
+            # the checkpoint's: the loaded moments are converted to it.
+            for group, fmt in zip(self.param_groups, formats):
+                group["state_dtype"] = fmt
+            self._store.reset()
+            loaded = list(self._loaded_params(seen["state_dict"]))
+            self._store.load(loaded, seen["state_dict"]["state"], self.state)
+        except BaseException:
+            self.param_groups, self.state = old_groups, old_state
+            self._store.reset()
+            raise
         # every master loaded (or not: made from the param) is checked at its next step
         self._marks.forget(p for _, p, _ in loaded)
 
@@ -122,6 +132,14 @@ class TorchStateDict:
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             for saved_id, p in zip(saved_group["params"], group["params"]):
                 yield saved_id, p, group
+
+    def _check_loaded_modes(self, state_dict):
+        """Rejects groups whose loaded amsgrad this optimizer's state format cannot keep
+        (the loaded moments are converted to its format, kept by the groups)."""
+        for gi, (saved_group, group) in enumerate(zip(state_dict["param_groups"],
+                                                      self.param_groups)):
+            state_format(group["state_dtype"]).check_amsgrad(
+                bool(saved_group.get("amsgrad", False)), f"loaded param group {gi}")
 
     def _check_loaded_shapes(self, state_dict):
         """Rejects state whose tensors do not fit their params (torch does not check)."""

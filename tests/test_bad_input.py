@@ -84,3 +84,78 @@ def test_bad_params_argument_like_torch():
         offload_adam.AdamW(torch.zeros(3, requires_grad=True))
     with pytest.raises(ValueError, match="empty parameter list"):
         offload_adam.AdamW([])
+
+
+@pytest.mark.parametrize("option", ["overlap", "free_grads_after_copy", "verify_grads",
+                                    "step_in_backward"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_bool_options_refuse_what_is_not_a_bool(option, value):
+    # "no" would be taken as True: a TypeError naming the option and the value
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(TypeError, match=f"{option} must be True or False, got {value!r}"):
+        offload_adam.AdamW([p], **{option: value})
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0, -1.0, True])
+def test_bucket_mb_must_be_positive_and_finite(value):
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match="bucket_mb must be a positive, finite number"):
+        offload_adam.AdamW([p], bucket_mb=value)
+
+
+def test_a_refused_load_state_dict_changes_nothing(path):
+    # amsgrad=True cannot be kept by an 8-bit optimizer: refused before any of the
+    # state or the groups is replaced, and training goes on as if never tried
+    def train(opt, ps, steps, start=0):
+        for s in range(start, start + steps):
+            g = torch.Generator().manual_seed(s)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            opt.step()
+
+    def make():
+        ps = [torch.randn(64, 8, generator=torch.Generator().manual_seed(i)).to(
+            torch.bfloat16).requires_grad_() for i in range(2)]
+        return ps, offload_adam.AdamW(ps, lr=0.1, state_dtype="8bit", bucket_mb=0.001)
+
+    with path.outside():
+        src_ps = [torch.randn(64, 8).requires_grad_() for _ in range(2)]
+        src = offload_adam.AdamW(src_ps, amsgrad=True)
+        train(src, src_ps, 1)
+        saved = src.state_dict()
+    ps, opt = make()
+    twin_ps, twin = make()
+    train(opt, ps, 2)
+    train(twin, twin_ps, 2)
+    before = opt.state_dict()
+    before = {**before, "state": {k: {key: v.clone() for key, v in st.items()}
+                                  for k, st in before["state"].items()}}
+    with pytest.raises(ValueError, match=r"amsgrad=True cannot be used with "
+                                         r"state_dtype=\"8bit\" \(loaded param group 0\)"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert after["state"].keys() == before["state"].keys()
+    for k, st in before["state"].items():
+        assert after["state"][k].keys() == st.keys()
+        assert all(torch.equal(after["state"][k][key], v) for key, v in st.items())
+    train(opt, ps, 2, start=2)
+    train(twin, twin_ps, 2, start=2)
+    assert all(torch.equal(p, q) for p, q in zip(ps, twin_ps))
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_backward_into_a_freed_grad_after_close_says_the_optimizer_was_closed(sim, early):
+    # free_grads_after_copy: a grad freed before close() has its host copy no more; the
+    # next backward accumulating into it says so (zero_grad() first: it trains no more,
+    # but backward works)
+    m = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    opt = offload_adam.AdamW(m.parameters(), free_grads_after_copy=True, step_in_backward=early)
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    m(x).sum().backward()
+    opt.close()
+    with pytest.raises(RuntimeError, match=r"was closed \(close\(\)\).*zero_grad\(\)"):
+        m(x).sum().backward()
+    opt.zero_grad()
+    m(x).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())

@@ -120,6 +120,14 @@ class OffloadEngine:
         # params that got a grad since they were added frozen (optimizer._join_trained)
         self._owner = owner
         self._ids: set = set()                    # id() of each rec's param (has)
+        # the owner's param_groups as they are now (follow_groups): the group dict each
+        # rec's group index stands for, the recs whose param is in no group, and what the
+        # reading was made of (its groups' and their lists' identities and lengths)
+        self._rec_of: Dict[int, ParamRec] = {}   # id(param) -> its rec
+        self._by_group: List[Optional[dict]] = []
+        self._absent: set = set()                # ids of the recs in no group now
+        self._groups_key = None
+        self._groups_task = None                 # the backward that last read them
         self.buckets: List[Bucket] = []           # replaced in place (the finalizer holds it)
         self._state_arenas: list = []
         self._transfer_arenas: list = []
@@ -153,7 +161,8 @@ class OffloadEngine:
         self._tail = 0
         self._tail_pieces: List[Piece] = []
         if options.step_in_backward:
-            self.early = EarlyStart(self, owner, options.defer_blocks)
+            self.early = EarlyStart(self, _early_owner(weakref.ref(self), owner),
+                                    options.defer_blocks)
             if not self.state_on_disk:   # before any transfer buffer is laid out
                 self._make_ring(ring_bytes(self.bucket_bytes, self.bucket_bytes,
                                            block_grad_bytes(all_params), self.ring_asked,
@@ -211,6 +220,8 @@ class OffloadEngine:
         order = list(dict.fromkeys(known)) + sorted(new, key=lambda r: -r.position)
         self.recs.extend(new)
         self._ids.update(id(rec.param) for rec in new)
+        self._rec_of.update((id(rec.param), rec) for rec in new)
+        self._groups_key = None   # (read the groups again)
         self._rebucket(order)
         _claim(self, new)   # last: a group that fails to be added takes nothing over
 
@@ -226,6 +237,64 @@ class OffloadEngine:
     def has(self, p: torch.Tensor) -> bool:
         """Whether p is one of the engine's params."""
         return id(p) in self._ids
+
+    # ---- the owner's param_groups, as the user may have edited them ----------------------
+
+    def follow_groups(self, param_groups: List[dict], again: bool = False) -> List[Optional[dict]]:
+        """`param_groups` (the owner's, as they are now: a user may delete, reorder or
+        pop them, as torch.optim allows) indexed the way the engine's recs and buckets
+        are, by the group index each rec was added under (rec.group): for each, the group
+        its params are in now (None: no group holds any). A rec whose param is in no
+        group is not stepped (its state stays as it was) and its grad not copied. Read
+        again when the groups' or their lists' identities or lengths changed, or `again`.
+        A group index whose params are now split over two groups cannot be followed (its
+        buckets step with one group's hyperparameters): a RuntimeError naming a param."""
+        key = (tuple((id(g), id(g["params"]), len(g["params"])) for g in param_groups),
+               len(self.recs))
+        if key == self._groups_key and not again:
+            return self._by_group
+        by_group = list(self._by_group) + [None] * (
+            1 + max((r.group for r in self.recs), default=-1) - len(self._by_group))
+        now: Dict[int, Tuple[dict, int]] = {}   # rec group -> (the group now, its index)
+        present = set()
+        for gi, g in enumerate(param_groups):
+            for p in g["params"]:
+                rec = self._rec_of.get(id(p))
+                if rec is None:
+                    continue
+                present.add(id(rec))
+                first = now.setdefault(rec.group, (g, gi))
+                if first[0] is not g:
+                    raise RuntimeError(
+                        f"offload_adam: {rec.label()} is now in param group {gi}, but "
+                        f"other params added with it are in param group {first[1]}: the "
+                        "offloaded params of a group step together, with one group's "
+                        "hyperparameters. Move params between groups by building a new "
+                        "optimizer (or add new params with add_param_group)")
+        for group, (g, _) in now.items():
+            by_group[group] = g
+        self._by_group, self._groups_key = by_group, key
+        self._absent = {id(r) for r in self.recs if id(r) not in present}
+        return by_group
+
+    def _follow_owner(self, again: bool = False) -> None:
+        """follow_groups over the owner's param_groups (a bare engine: its steps'). In
+        backward (a hook), read again at its first grad."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and hasattr(owner, "param_groups"):
+            self.follow_groups(owner.param_groups, again)
+
+    def _in_no_group(self, rec: ParamRec) -> bool:
+        """At a grad's hook: rec's param was taken out of the owner's param_groups (its
+        grad is then neither copied nor stepped). The groups are read once per backward."""
+        task = torch._C._current_graph_task_id()
+        if task != self._groups_task:
+            self._groups_task = task
+            try:
+                self._follow_owner(again=True)
+            except RuntimeError:
+                pass   # (groups that cannot be followed: step() raises)
+        return id(rec) in self._absent
 
     def _hook_grad(self, rec: ParamRec) -> None:
         """Copies rec's grad as backward produces it (overlap=True). A frozen
@@ -372,6 +441,8 @@ class OffloadEngine:
         grad = rec.param.grad
         if grad is None:
             return  # an earlier hook took it (optimizer-in-backward patterns)
+        if self._in_no_group(rec):
+            return  # taken out of param_groups: not stepped, its grad left as it is
         if self.early is not None:
             self.early.before_copy(rec)
         if rec.freed and rec.accumulated:   # added to the freed grad's host copy
@@ -546,19 +617,21 @@ class OffloadEngine:
     def _begin_step(self, param_groups: List[dict], state, grad_scale: float = 1.0):
         """What every step starts with: refuse a closed engine or a changed param,
         end what a backward that raised left, learn the bucket order; returns the
-        fence."""
+        fence and `param_groups` indexed by rec.group (follow_groups)."""
         self._t_enter = time.perf_counter()
         self.check_open()
         self.settle_tail()
+        by_group = self.follow_groups(param_groups, again=True)
         if self.early is not None:
-            self.early.verify(param_groups, state, grad_scale)   # raises on a change
+            self.early.verify(by_group, state, grad_scale)   # raises on a change
         self._end_backward()  # what a backward that raised left unflushed
         self._join()
+        by_group = self.follow_groups(param_groups)   # (with the params that joined)
         for rec in self.recs:
             rec.live(check_only=True)   # raises for a param cast or replaced, before anything changes
             self._hook_grad(rec)
         self._learn_bucket_order()
-        return self.device.fence()
+        return self.device.fence(), by_group
 
     def _publish_step(self, stepped: Sequence[ParamRec]) -> None:
         """What every step ends with, also after an error: the user's stream
@@ -659,6 +732,8 @@ class OffloadEngine:
         self._flush_adds()
         ready, stale, reused = [], [], []
         for rec in self.recs:
+            if id(rec) in self._absent:
+                continue   # in no param group now: not stepped
             grad = rec.param.grad
             if grad is None or is_freed(grad):
                 if rec.freed and grad is not None:
@@ -831,6 +906,7 @@ class OffloadEngine:
         with torch.no_grad():
             self._end_backward()
             self._join()
+            self._follow_owner(again=True)   # (a param in no group counts no more)
             ready = self._ready_grads()
             threads = self.threads()
             for rec in ready:
@@ -888,6 +964,12 @@ class OffloadEngine:
         copy there, so the device keeps no grad between micro-batches. The add rounds
         as the device's would (bf16 + bf16 computed in fp32, rounded to nearest even),
         so the sum is bit for bit the one accumulated on the device."""
+        if not self.check_open(closed_ok=True):
+            raise RuntimeError(
+                f"offload_adam: backward accumulated a grad into the grad of {rec.label()}, "
+                "which this optimizer freed after copying it (free_grads_after_copy=True), "
+                "but the optimizer was closed (close()): the host copy that held it is gone. "
+                "Call zero_grad() before a backward after close(), or build a new optimizer")
         if self.early is not None:
             self.early.fail("a grad was accumulated (another micro-batch) into a freed "
                             "grad whose step already ran in backward")
@@ -969,9 +1051,10 @@ class EngineStep:
 
     def __init__(self, engine: OffloadEngine, param_groups: List[dict], grad_scale: float,
                  state=None):
-        self.engine, self.param_groups, self.state = engine, param_groups, state
-        self.fence = engine._begin_step(param_groups, {} if state is None else state,
-                                        grad_scale)
+        self.engine, self.state = engine, state
+        # (param_groups indexed by rec.group: as the user may have edited them since)
+        self.fence, self.param_groups = engine._begin_step(
+            param_groups, {} if state is None else state, grad_scale)
         self.grad_scale = grad_scale
         self.grad_mul = 1.0   # the freed grads' factor (_factor_of), lent path: set below
         self.stepped: List[ParamRec] = []
@@ -1293,6 +1376,37 @@ def _claim(engine: OffloadEngine, recs: Sequence[ParamRec]) -> None:
         _owners[rec.param] = weakref.ref(engine)
     for old, params in taken.values():
         old._let_go(params)
+
+
+class _EarlyOwner:
+    """The optimizer as early.py sees it: its param_groups indexed by rec.group
+    (OffloadEngine.follow_groups), its state."""
+
+    def __init__(self, engine: OffloadEngine, owner):
+        self._engine, self._owner = engine, owner
+
+    @property
+    def param_groups(self) -> List[Optional[dict]]:
+        return self._engine.follow_groups(self._owner.param_groups)
+
+    def raw_state(self):
+        raw = getattr(self._owner, "raw_state", None)
+        return raw() if raw is not None else self._owner.state
+
+    @property
+    def state(self):
+        return self._owner.state
+
+
+def _early_owner(engine_ref, owner_ref):
+    """A weakref-like call for early.py: its _EarlyOwner, None once either is gone."""
+    if owner_ref is None:
+        return None
+
+    def get():
+        engine, owner = engine_ref(), owner_ref()
+        return None if engine is None or owner is None else _EarlyOwner(engine, owner)
+    return get
 
 
 def _hook(engine_ref, rec):

@@ -1,0 +1,125 @@
+"""Direct edits of optimizer.param_groups after construction, as torch.optim allows
+them: each step follows param_groups as they are then (a param taken out is not
+stepped and keeps its state; a group's hyperparameters are those of the group its
+params are in now), on every path (in place, the engine's, the state in files), or,
+where the offloaded state cannot follow (a param put into a group's list directly), a
+clear error naming the param."""
+import pytest
+import torch
+
+import offload_adam
+
+N = 4
+
+
+def _params():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(4, 3, generator=g) for _ in range(N)]
+
+
+def _grads(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(4, 3, generator=g) for _ in range(N)]
+
+
+def _groups(ps):
+    return [{"params": ps[:2], "lr": 0.1},
+            {"params": ps[2:], "lr": 0.01, "weight_decay": 0.5, "betas": (0.8, 0.9)}]
+
+
+def _train(make, edit, steps=3, backward=False):
+    """`steps` steps over _groups, `edit(opt, params)` before the second; grads set by
+    hand, or (`backward`) made by a backward, as the engine's hooks see them."""
+    ps = [p.clone().requires_grad_() for p in _params()]
+    opt = make(_groups(ps))
+    for s in range(steps):
+        if s == 1:
+            edit(opt, ps)
+        if backward:
+            sum((p * g).sum() for p, g in zip(ps, _grads(s))).backward()
+        else:
+            for p, g in zip(ps, _grads(s)):
+                p.grad = g.clone()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in ps], opt
+
+
+def _delete(opt, ps):
+    del opt.param_groups[0]["params"][1]
+
+
+def _reverse(opt, ps):
+    opt.param_groups.reverse()
+
+
+def _pop(opt, ps):
+    opt.param_groups.pop()
+
+
+def _pop_then_add(opt, ps):   # a new group under the index the popped one had
+    opt.param_groups.pop()
+    opt.add_param_group({"params": [ps[3]], "lr": 0.05})
+
+
+def _replace_dict(opt, ps):   # a group dict of its own, same params
+    opt.param_groups[1] = {**opt.param_groups[1], "lr": 0.2}
+
+
+EDITS = {"delete": _delete, "reverse": _reverse, "pop": _pop,
+         "pop_then_add": _pop_then_add, "replace_dict": _replace_dict}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_each_step_follows_the_param_groups_as_edited(path, edit):
+    # torch.optim.AdamW steps what param_groups hold at each step, with each group's
+    # hyperparameters; so does offload_adam, whichever path steps the params.
+    if path.files and edit == "pop_then_add":
+        pytest.skip("add_param_group cannot be used with state_dirs=")
+    ref, _ = _train(torch.optim.AdamW, EDITS[edit])
+    with path.outside():   # our in-place path: the bitwise reference
+        ours, _ = _train(offload_adam.AdamW, EDITS[edit])
+    out, opt = _train(lambda g: offload_adam.AdamW(g, bucket_mb=0.0001), EDITS[edit])
+    for a, b, c in zip(out, ours, ref):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    if edit == "delete":   # the param taken out kept its state of step 1
+        before, _ = _train(offload_adam.AdamW, _delete, steps=1)
+        assert torch.equal(out[1], before[1])
+
+
+@pytest.mark.parametrize("edit", ["delete", "reverse"])
+def test_step_in_backward_follows_the_param_groups_as_edited(sim, edit):
+    # the engine's hooks copy (and step, in backward) only the params in a group now
+    ref, _ = _train(torch.optim.AdamW, EDITS[edit], backward=True)
+    out, _ = _train(lambda g: offload_adam.AdamW(g, bucket_mb=0.0001, step_in_backward=True),
+                    EDITS[edit], backward=True)
+    for a, c in zip(out, ref):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_a_param_put_into_a_group_directly_is_refused_by_name(path):
+    # The engine and the files lay out their memory for the params added through the
+    # optimizer: one appended to a group's list is an error naming it, nothing stepped
+    # (in place, in RAM, it is stepped as torch does).
+    new = torch.randn(5, 2, requires_grad=True)
+
+    def append(opt, ps):
+        opt.param_groups[1]["params"].append(new)
+        new.grad = torch.ones_like(new)
+
+    if not path.engine and not path.files:
+        _, opt = _train(offload_adam.AdamW, append, steps=2)
+        assert float(opt.state[new]["step"]) == 1
+        return
+    ps = [p.clone().requires_grad_() for p in _params()]
+    opt = offload_adam.AdamW(_groups(ps), bucket_mb=0.0001)
+    for p, g in zip(ps, _grads(0)):
+        p.grad = g.clone()
+    opt.step()
+    before = [p.detach().clone() for p in ps]
+    append(opt, ps)
+    with pytest.raises(RuntimeError, match=r"param group 1, param 2 \(shape \(5, 2\)\) was put "
+                                           r"into param_groups\[1\]\['params'\].*add_param_group"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
