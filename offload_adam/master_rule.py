@@ -27,9 +27,8 @@ param in host memory a CRC32C of its bytes: a write through `p.data` (`p.data.cl
 only the bytes show it. (The CPU's CRC instruction, ~11 GB/s a core: a bf16 param's 2
 bytes are read twice per step, when it agrees and when asked, against the ~28 B/param the
 step moves; measured +0.4 ns/param on a 2-core VM whose step is 0.65 ns/param. Fused
-into the kernel, the first read would go. A param on the device is not checksummed:
-reading it back per step would cost PCIe bytes; its `.data` edits stay unseen, README's
-known gap.) The
+into the kernel, the first read would go. A param on the device is not read back, which
+would cost PCIe bytes: the device sums its bits, engine/param_check.py, `hidden_edit`.) The
 optimizer records a param's mark each time the param and its master agree: after it
 wrote the param, or made the master follow it (`MasterMarks.agree`);
 a mark that differs now costs one comparison of the master with the param (the param
@@ -40,7 +39,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Iterable, Tuple
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -106,6 +105,9 @@ class MasterMarks:
 
     def __init__(self) -> None:
         self._marks: Dict[int, Mark] = {}
+        # Edits that no mark shows, of params on a device (engine/param_check.py,
+        # set by the engine there): p -> whether p was edited since it last agreed.
+        self.hidden_edit: Optional[Callable[[torch.Tensor], bool]] = None
 
     def agree(self, params: Iterable[torch.Tensor]) -> None:
         """These params and their masters agree now (the optimizer has just written the
@@ -120,7 +122,8 @@ class MasterMarks:
 
     def current(self, p: torch.Tensor) -> bool:
         """Whether p is as the optimizer left it, with its master."""
-        return self._marks.get(id(p)) == mark(p)
+        return self._marks.get(id(p)) == mark(p) and not (
+            self.hidden_edit is not None and self.hidden_edit(p))
 
 
 def take_from_param(step: float, current: bool, stale: Callable[[], bool]) -> bool:

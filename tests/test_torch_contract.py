@@ -450,22 +450,25 @@ def _edited_and_reloaded(dtype, edit, opts=OPTS):
     return model, opt, twin, reloaded
 
 
-@pytest.mark.parametrize("engine", [False, True], ids=["in-place", "step_in_backward"])
-@pytest.mark.parametrize("where", ["in-place", "in-place+files"])
+@pytest.mark.parametrize("early", [False, True], ids=["at-step", "step_in_backward"])
+@pytest.mark.parametrize("where", ["in-place", "in-place+files", "sim-seed1", "sim-latest",
+                                   "sim-latest+files"])
 @pytest.mark.parametrize("edit", ["clamp", "copy", "normal"])
-def test_an_edit_through_p_data_is_stepped_from(where, engine, edit, kernels, tmp_path):
+def test_an_edit_through_p_data_is_stepped_from(where, early, edit, kernels, tmp_path):
     # p.data.clamp_() (WGAN's clip), p.data.copy_(ema), p.data.normal_(): `.data` is a
     # tensor with a version counter of its own, so the param's stays as the optimizer
-    # left it; the bytes' checksum in the param's mark (master_rule.py) shows the edit,
-    # and the next step goes on from it. Bitwise an optimizer whose masters were dropped
-    # at the edit; params in host memory, stepped in place or by the engine
-    # (step_in_backward). (Params on a device: README's known gap.)
+    # left it. In host memory the bytes' checksum in the param's mark (master_rule.py)
+    # shows the edit; on the (simulated) device, the sums of the params' bits compared
+    # on the device (engine/param_check.py). The next step goes on from the edit:
+    # bitwise an optimizer whose masters were dropped at the edit; the CPU params
+    # stepped in place or by the engine (step_in_backward), the device's at step() or
+    # in backward.
     def gen(p):   # (the same values for the twin's param)
         return torch.Generator().manual_seed(p.numel())
     edits = {"clamp": lambda p: p.data.clamp_(-0.05, 0.05),
              "copy": lambda p: p.data.copy_(torch.randn(p.shape, generator=gen(p)) * 0.1),
              "normal": lambda p: p.data.normal_(0, 0.1, generator=gen(p))}
-    opts = {**OPTS, "step_in_backward": engine}
+    opts = {**OPTS, "step_in_backward": early}
     with sim_path(where, tmp_path):
         for dtype in (BF16, torch.float16):
             model, opt, twin, ref = _edited_and_reloaded(dtype, edits[edit], opts)

@@ -66,11 +66,12 @@ from ..param_state import ROLES, ParamState
 from ..options import Options
 from ..params import check_dense, home_of, one_device
 from ..state_format import state_format
-from .device import current_host_stand_in, make_device
+from .device import HostDevice, current_host_stand_in, make_device
 from .host_memory import HostArenas
 from .early import EarlyStart
 from .grad_ring import GradRing, block_grad_bytes, ring_bytes
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
+from .param_check import ParamCheck
 from .layout import (Bucket, Entry, ParamRec, Piece, allocate_state, allocate_transfers, cut,
                      local, make_buckets, state_roles)
 from .profile import StepProfile
@@ -106,6 +107,10 @@ class OffloadEngine:
         self.free_grads_after_copy = options.free_grads_after_copy
         self.verify_grads = options.verify_grads
         self.marks = marks if marks is not None else MasterMarks()
+        # edits of device params through p.data, which no mark shows (param_check.py)
+        self.param_check = None if isinstance(self.device, HostDevice) else ParamCheck(self.device)
+        if self.param_check is not None:
+            self.marks.hidden_edit = self.param_check.edited
         self._num_threads = options.num_threads
         self._last_threads = self._num_threads or self.device.default_num_threads()
         self._available = available_host_bytes
@@ -445,6 +450,7 @@ class OffloadEngine:
             return  # taken out of param_groups: not stepped, its grad left as it is
         if self.early is not None:
             self.early.before_copy(rec)
+            self._start_param_check()   # (buckets step in this backward)
         if rec.freed and rec.accumulated:   # added to the freed grad's host copy
             rec.accumulated = False
             return
@@ -622,6 +628,7 @@ class OffloadEngine:
         self.check_open()
         self.settle_tail()
         by_group = self.follow_groups(param_groups, again=True)
+        self._start_param_check()
         if self.early is not None:
             self.early.verify(by_group, state, grad_scale)   # raises on a change
         self._end_backward()  # what a backward that raised left unflushed
@@ -646,6 +653,14 @@ class OffloadEngine:
             if home is not None:   # a streamed param: the streamer counts writes to it
                 home.bumped()
         self.marks.agree(rec.param for rec in stepped)   # the params are the masters'
+        if self.param_check is not None:   # (on the user's stream, after the copies)
+            self.param_check.expect([rec.param for rec in stepped if rec.home is None])
+
+    def _start_param_check(self) -> None:
+        """Queues the comparison of the device params' bits with the last step's
+        (param_check.py) before the masters are next looked at; once per step."""
+        if self.param_check is not None:
+            self.param_check.start([rec.param for rec in self.recs if rec.home is None])
 
     def _end_step(self) -> None:
         """After a step that completed: the consumed grad copies let go, the profile."""
