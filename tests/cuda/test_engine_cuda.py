@@ -92,6 +92,38 @@ def test_hidden_grad_edits_are_seen():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_param_data_edits_are_followed(in_backward):
+    """p.data.clamp_() between steps (WGAN's clip: no version bump of p): the sums of
+    the params' bits, compared on the device (engine/param_check.py), show it and the
+    next step goes on from the clamped values, as a run whose masters were dropped at
+    the clamp (loaded from a state dict without them) does."""
+    runs = []
+    for drop in (False, True):
+        model = make_model()
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-3, bucket_mb=0.05,
+                                 step_in_backward=in_backward)
+        train(model, opt, 2)
+        for p in model.parameters():
+            p.data.clamp_(-0.02, 0.02)
+        if drop:
+            sd = opt.state_dict()
+            for st in sd["state"].values():
+                st.pop("master_param", None)
+            opt.close()
+            opt = offload_adam.AdamW(model.parameters(), lr=1e-3, bucket_mb=0.05,
+                                     step_in_backward=in_backward)
+            opt.load_state_dict(sd)
+        clamped = [p.detach().clone() for p in model.parameters()]
+        train(model, opt, 2)
+        for p, c in zip(model.parameters(), clamped):
+            assert (p.float() - c.float()).abs().max() < 0.01   # on from the clamp
+        runs.append(model)
+        opt.close()
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        assert torch.equal(p, q)
+
+
 def test_no_optimizer_memory_on_the_gpu():
     model = make_model(width=2048)
     opt = offload_adam.AdamW(model.parameters(), bucket_mb=1)
