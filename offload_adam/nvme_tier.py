@@ -218,7 +218,7 @@ class FileStore:
                  budget_mb: Optional[float], resume: bool = False, engine=None,
                  process_group=None, marks: Optional[MasterMarks] = None, state=None,
                  compact: bool = False, enroll=None):
-        recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
+        recs = _recs_by_param(engine)
         self.engine = engine
         self.marks = marks if marks is not None else MasterMarks()
         self._formats = [state_format(g["state_dtype"]) for g in param_groups]
@@ -253,7 +253,7 @@ class FileStore:
             for mine in ([trained] if same else [trained, floats]):
                 if mine is floats and enroll is not None:
                     engine = self.engine = enroll(floats)
-                    recs = {id(r.param): r for r in engine.recs} if engine is not None else {}
+                    recs = _recs_by_param(engine)
                 split = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True)
                 yield split
                 if any(e.part for b in split[0] for e in b):
@@ -1018,3 +1018,8 @@ def _check_grad(e: _Param, group: dict) -> None:
     if g.dtype is not p.dtype or tuple(g.shape) != tuple(p.shape):
         raise RuntimeError(f"param {param_label(group, e.group, e.index, p)}: its grad is "
                            f"{g.dtype} {tuple(g.shape)}, the param {p.dtype}")
+
+
+def _recs_by_param(engine) -> dict:
+    """id(param) -> the engine's record of it (none without an engine)."""
+    return {id(r.param): r for r in engine.recs} if engine is not None else {}
