@@ -10,8 +10,9 @@ The data path of one block (a module whose params stream), in the order of its u
     the param's device storage
     forward pre-hook   the copy is published to the compute stream; the next k uses of
                        the recorded order are fetched
-    forward hook       the storage is given back; hooks on the outputs (the block's
-                       backward is next: fetch it again) and the inputs (it is done);
+    forward hook       the storage is given back; grad hooks on the outputs (the block's
+                       backward is next: fetch it again) and the inputs (it is done: hooks,
+                       not a node in the graph, which would change the grads' sums);
                        after a forward that raised (an out-of-memory error a retry
                        catches), every block on the device goes back at once
     backward           fetched when the grads of its outputs arrive (before its recompute
@@ -20,18 +21,28 @@ The data path of one block (a module whose params stream), in the order of its u
                        that raised: at the next forward)
     step()             the CPU step writes the new values into the host copy: the engine
                        reads and writes a streamed param's `Home`, never its device copy,
-                       so nothing goes back to the device at step()
+                       so nothing goes back to the device at step(); a fetch, state_dict()
+                       and a load wait for a write in progress (step_in_backward: on the
+                       engine's worker, maybe while an inference forward runs)
+
+A backward with create_graph=True through a streamed block is refused (the graph of the
+grads would read the params after the block gave them back).
 
 Between uses a streamed param holds no device memory: its storage is resized to 0 and the
 param shows a placeholder of its shape that reads as NaN (one element, expanded): a stray
 read is loud, a write that torch lets through (fill_, zero_: the placeholder's one element)
-is refused at the block's next use (_Block.check_unwritten), and shapes and counts stay right. The storage object stays
+is refused at the block's next use (_Block.check_unwritten), and shapes and counts stay right.
+So is `p.data = t`. An in-place write through `p.data` (p.data.normal_(): a tensor of its
+own version counter) is refused at state_dict(), load_state_dict() and close() only (seen
+in the placeholder's element, which costs a device sync to read); p.data.zero_() of a complex
+param (its placeholder is 0) and a write while the block is on the device, not at all. The storage object stays
 the same, so the views of the param that autograd saved in forward (a Linear's
 weight.t()) see the values again once backward fetched them. `model.state_dict()` shows
 the host copies; `load_state_dict` writes them.
 
 The order of uses (block, forward or backward) is recorded over the first micro-batch (to
-the end of its backward) and the prefetch follows it; a use off the recorded order is
+the end of its backward; each forward of the model starts it anew, so inference passes
+before it are not part of it) and the prefetch follows it; a use off the recorded order is
 fetched on demand, never wrong. Device memory for params is at most (k + 2) x the largest
 block beyond the resident params (those outside the blocks: embeddings, norms, a tied
 head; and a block's params of an integer or bool dtype, which can have no grad): the block
@@ -41,13 +52,15 @@ in use, k ahead, and one given back whose compute may still be queued.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import math
 import os
 import threading
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from .engine.device import current_host_stand_in, make_device
 from .engine.host_memory import unpin_all
@@ -116,14 +129,26 @@ class Home:
         `ranges`: the flat elements [a, b) of the param that the caller writes (None: all),
         reading nothing of it: with param files a block not in the cache is not read for
         them (param_files.hold_to_write). Returns what after_write takes back if the
-        write failed."""
-        self.block.stale = True
-        self.block.settle()
-        claimed = self.block.hold(self._bytes(ranges))
+        write failed. Until after_write, the block's readers (a fetch, state_dict, a
+        load) wait (_Block.writing_done): the CPU step of step_in_backward writes on the
+        engine's worker while the model's thread may read (an inference forward, a
+        state dict taken between backward and step())."""
+        block = self.block
+        block.start_write()
         try:
-            self.block.streamer._read_ahead_for_step()
+            block.stale = True
+            block.settle()
+            claimed = block.hold(self._bytes(ranges))
+        except BaseException:
+            block.end_write()
+            raise
+        try:
+            block.streamer._read_ahead_for_step()
         except BaseException:   # (a read ahead's error, a write back's): the hold ends,
-            self.block.unhold(dirty=False, unwritten=claimed)   # its bytes the file's again
+            try:   # its bytes the file's again
+                block.unhold(dirty=False, unwritten=claimed)
+            finally:
+                block.end_write()
             raise
         return claimed
 
@@ -132,7 +157,10 @@ class Home:
         to its file before its slot is reused. `stepped`: the elements the CPU step wrote
         (the cache keeps a block until its step wrote all of it); `unwritten`: what
         before_write returned, when the write failed (those bytes are the file's again)."""
-        self.block.unhold(dirty=True, stepped=stepped, unwritten=unwritten)
+        try:
+            self.block.unhold(dirty=True, stepped=stepped, unwritten=unwritten)
+        finally:
+            self.block.end_write()
 
     def _bytes(self, ranges: Optional[Sequence[Tuple[int, int]]]) -> List[Tuple[int, int]]:
         """The bytes of the block's host copy that elements `ranges` of this param are; a
@@ -185,6 +213,8 @@ class _Block:
         self.versions: Optional[List[int]] = None   # the params' counters while away
         self.state = "away"
         self.forwarding = False   # in its forward (not a recompute): _post_forward not run yet
+        self.inputs_need_grad = False   # ... a grad flows back through its inputs
+        self.ticket: list = [None]   # ... the backward use its inputs' grads end
         self.stale = False        # its host copies were written since its last fetch
         self.awaiting = False     # used in backward, not all stepped (param files' cache)
         self.unstepped = 0        # ... its trainable elements the step has not written yet
@@ -196,6 +226,10 @@ class _Block:
         self.copies: list = []    # its last fetch's H2D copies, until the host waited for them
         self.deferred: list = []  # waits for CPU steps still writing its host copies
         self._copies_lock = threading.Lock()   # (settled on the worker, set on the model's)
+        self.writers = 0          # writes of its host copies in progress (Home.before_write)
+        self.written = threading.Condition()   # ... notified as each ends; held by a fetch
+        # from its wait for them until its copies are set, so that a write starting
+        # meanwhile waits for those copies (settle) instead of changing their source
         self.homes: List[torch.Tensor] = []   # the host copies in RAM (none with files)
         self.offsets: List[int] = []          # each param's bytes in the block's host copy
         self.device_tensors: List[torch.Tensor] = []
@@ -212,6 +246,23 @@ class _Block:
         raised)."""
         while self.deferred:
             self.deferred.pop(0)()
+
+    def start_write(self) -> None:
+        with self.written:
+            self.writers += 1
+
+    def end_write(self) -> None:
+        with self.written:
+            self.writers -= 1
+            self.written.notify_all()
+
+    def writing_done(self) -> None:
+        """Waits until no write of the host copies is in progress (a CPU step on the
+        engine's worker, step_in_backward): a read meanwhile would see some params old,
+        one half written. The caller holds `written` when it must keep new writes from
+        starting until it is done (a fetch: until its copies are set)."""
+        with self.written:
+            self.written.wait_for(lambda: self.writers == 0)
 
     def check_held(self) -> None:
         """Each streamed param is still the one its module holds: one replaced after
@@ -235,31 +286,54 @@ class _Block:
         self.versions = ([p._version for p in self.params] if tensors is self.placeholders
                          else None)
 
-    def check_unwritten(self) -> None:
-        """No param was written in place while it showed its placeholder: such a write
-        (p.zero_(), nn.init on it, torch's own optimizer stepping it) lands in the
-        placeholder's one element, not in the host copy, and would be lost without a
-        word. torch bumps a param's version counter at each in-place write; the
-        optimizer's own bumps are counted (Home.bumped). Raised once: the placeholder
-        is NaN again after."""
+    def check_unwritten(self, values: bool = False) -> None:
+        """No param was written while it showed its placeholder: such a write lands in
+        the placeholder, not in the host copy, and would be lost without a word. Seen:
+        p.data = t (the param no longer shows its placeholder); an in-place write
+        through the param (p.zero_(), nn.init on it, torch's own optimizer stepping it:
+        torch bumps the param's version counter; the optimizer's own bumps are counted,
+        Home.bumped); and with `values` (state_dict, load_state_dict, close: reading it
+        syncs the device, too dear at each fetch) one through p.data (p.data.zero_(),
+        p.data.normal_(): a tensor of its own version counter), which left the
+        placeholder's one element other than NaN (0 for a complex param, whose zero_()
+        is not seen). Raised once: the param shows its placeholder, NaN again, after."""
         if self.versions is None:
             return
-        written = [name for name, p, v in zip(self.names, self.params, self.versions)
-                   if p._version != v]
-        if not written:
+        assigned = [k for k, (p, t) in enumerate(zip(self.params, self.placeholders))
+                    if p.data_ptr() != t.data_ptr() or p.shape != t.shape
+                    or p.dtype != t.dtype or p.device != t.device]
+        written = [k for k, (p, v) in enumerate(zip(self.params, self.versions))
+                   if p._version != v and k not in assigned]
+        floats = [k for k, t in enumerate(self.placeholders) if t.is_floating_point()]
+        if values and not written and floats:
+            with torch.no_grad():   # (one read of the device for the block)
+                firsts = torch.cat([self.placeholders[k].as_strided((1,), (1,)).float()
+                                    for k in floats])
+                kept = torch.isnan(firsts).tolist()
+            written = [k for k, nan in zip(floats, kept) if not nan and k not in assigned]
+        if not assigned and not written:
             return
-        self.versions = [p._version for p in self.params]
         with torch.no_grad():
             for t in self.placeholders:
                 t.fill_(math.nan if t.is_floating_point() else 0)
+        self.show(self.placeholders)
+        names = [self.names[k] for k in (assigned or written)]
+        which = (f"param {self.name}.{names[0]}"
+                 f"{f' (and {len(names) - 1} more)' if len(names) > 1 else ''} of a streamed block")
+        if assigned:
+            raise RuntimeError(
+                f"offload_adam.stream_params: {which} was assigned (p.data = t) between its "
+                "uses: a streamed param's values are its host copy, which the assignment did "
+                "not reach; it was dropped (the param shows its placeholder again). Load "
+                "values with model.load_state_dict(...) (or a submodule's), or assign them "
+                "before stream_params")
         raise RuntimeError(
-            f"offload_adam.stream_params: param {self.name}.{written[0]}"
-            f"{f' (and {len(written) - 1} more)' if len(written) > 1 else ''} of a streamed "
-            "block was written in place between its uses (p.zero_(), p.copy_(), nn.init on "
-            "it, another optimizer's step): between uses a streamed param shows a "
-            "placeholder, so the write did not reach its values and was dropped. Load "
-            "values with model.load_state_dict(...), write them before stream_params, and "
-            "step streamed params with offload_adam's optimizer")
+            f"offload_adam.stream_params: {which} was written in place between its uses "
+            "(p.zero_(), p.data.normal_(), p.copy_(), nn.init on it, another optimizer's "
+            "step): between uses a streamed param shows a placeholder, so the write did "
+            "not reach its values and was dropped. Load values with "
+            "model.load_state_dict(...), write them before stream_params, and step "
+            "streamed params with offload_adam's optimizer")
 
     def settle(self) -> None:
         """Waits for the last fetch's copies; copies set meanwhile (another thread's
@@ -316,21 +390,6 @@ class _Block:
             self.streamer.files.unhold(self.index, dirty, unwritten)
 
 
-class _AfterBackward(torch.autograd.Function):
-    """The identity on a block's inputs; its backward runs once the grads of all of
-    them are computed, that is, once the block's backward is done."""
-
-    @staticmethod
-    def forward(ctx, done, *xs):
-        ctx.done = done
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.done()
-        return (None,) + grads
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -374,7 +433,10 @@ class ParamStreamer:
         self._order: Optional[List[Tuple[int, str]]] = None   # recorded uses
         self._uses: Dict[int, List[int]] = {}   # each block's positions in _order
         self._gap: List[int] = []   # at each position of _order: the uses until its block's next
-        self._recording: List[Tuple[int, str]] = []
+        self._recording: List[Tuple[int, str]] = []   # ... until a backward completes
+        # (a model's forward starts it anew: _new_pass; a run of uses without one, blocks
+        # called on their own, starts anew past this many)
+        self._record_cap = 64 * len(self.blocks) + 1024
         self._cursor: Optional[int] = 0
         self._graph_task = None          # the backward whose end releases every block
         self._handles: list = []
@@ -384,6 +446,7 @@ class ParamStreamer:
         for block in self.blocks:
             self._take(block)
             self._hook(block)
+        self._handles.append(model.register_forward_pre_hook(lambda mod, args: self._new_pass()))
         self._guard_conversions()
 
     # ---- setup --------------------------------------------------------------------
@@ -544,6 +607,14 @@ class ParamStreamer:
 
     # ---- the hooks ---------------------------------------------------------------------
 
+    def _new_pass(self) -> None:
+        """A forward of the model: until a backward completes, the order is recorded
+        anew from here, so that it is the last pass's before that backward (a training
+        micro-batch's), not that of the inference passes before it (their recording
+        kept, it grew with each, and prefetch fetched ahead what the pass did not use)."""
+        if self._order is None and not _in_backward():
+            self._recording = []
+
     def _pre_forward(self, block: _Block, args, kwargs):
         block.check_held()
         if _in_backward():   # the recompute of activation checkpointing
@@ -556,29 +627,47 @@ class ParamStreamer:
             block.forwarding = True
             self._use(block, "f")
         if not torch.is_grad_enabled():
-            return None
-        # Released once the grads reach the inputs: after the block's backward, and (a
-        # reentrant checkpoint's recompute, whose graph is backpropagated on its own)
-        # after the recomputed block's.
-        flat, spec = tree_flatten((args, kwargs))
-        wrap = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not wrap:
-            return None   # nothing flows back through its inputs: end of backward releases it
-        outs = _AfterBackward.apply(lambda: self._release(block), *[flat[i] for i in wrap])
-        for i, x in zip(wrap, outs):
-            flat[i] = x
-        return tree_unflatten(flat, spec)
+            return
+        # Released once the grads of the inputs are computed: after the block's backward,
+        # and (a reentrant checkpoint's recompute, whose graph is backpropagated on its
+        # own) after the recomputed block's. A hook on the inputs, not a node between
+        # them and the block: a node would change the order autograd sums the grads of an
+        # input used outside the block too (a residual), and the grads in the last bits.
+        # Hooks on one tensor run in the order they were registered: on the output of a
+        # block's first use that is the input of its second (a block called twice), the
+        # first use's fetch for backward runs before the second use's release, which
+        # then leaves the block on the device (`ticket`: the backward use it ends).
+        inputs, _ = _grad_tensors((args, kwargs))
+        block.inputs_need_grad = bool(inputs)
+        block.ticket = ticket = [None]   # (set by _post_forward's hook: _pre_backward)
+        if inputs:   # (none: nothing flows back through them, end of backward releases it)
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, lambda grads, b=block, t=ticket: self._backward_done(b, t), mode="all")
+
+    def _backward_done(self, block: _Block, ticket: list) -> None:
+        if ticket[0] is None or ticket[0] == block.backward_use:
+            self._release(block)
 
     def _post_forward(self, block: _Block, output) -> None:
         if _in_backward():
             return   # a recompute: its backward comes next and releases it
-        block.forwarding = False
         if torch.is_grad_enabled():
-            outs = [t for t in tree_flatten(output)[0]
-                    if isinstance(t, torch.Tensor) and t.requires_grad]
+            outs, opaque = _grad_tensors(output)
+            if not outs and opaque and (block.inputs_need_grad
+                                        or any(p.requires_grad for p in block.params)):
+                # (raised before it is done forwarding: _forward_ended gives every block back)
+                raise RuntimeError(
+                    f"offload_adam.stream_params: block {block.name} "
+                    f"({type(block.module).__name__}) returned a "
+                    f"{type(opaque[0]).__name__}, in which the streamer finds no tensor: its "
+                    "backward would run without its params fetched. Return tensors (in "
+                    "tuples, lists, dicts or dataclasses), or register the type with "
+                    "torch.utils._pytree (register_pytree_node)")
             if outs:
                 torch.autograd.graph.register_multi_grad_hook(
-                    outs, lambda grads, b=block: self._pre_backward(b), mode="any")
+                    outs, lambda grads, b=block, t=block.ticket: self._pre_backward(b, t),
+                    mode="any")
+        block.forwarding = False
         self._release(block)
 
     def _forward_ended(self, block: _Block) -> None:
@@ -595,9 +684,17 @@ class ParamStreamer:
         if self._order is None:
             self._recording = []
 
-    def _pre_backward(self, block: _Block) -> None:
+    def _pre_backward(self, block: _Block, ticket: list) -> None:
+        if torch.is_grad_enabled():   # (autograd's grad mode in backward: create_graph)
+            raise RuntimeError(
+                f"offload_adam.stream_params: a backward with create_graph=True reached "
+                f"streamed block {block.name}: the graph of the grads it would build reads "
+                "the block's params after the block gave them back, and nothing fetches "
+                "them for its backward (a double backward, a gradient penalty). Keep the "
+                "modules such a backward goes through out of the streamed blocks")
         self._note_backward()
         self._use(block, "b")
+        ticket[0] = block.backward_use
 
     def _note_backward(self) -> None:
         """The end of the backward running now releases every block (once per backward)."""
@@ -633,6 +730,8 @@ class ParamStreamer:
         key = (block.index, phase)
         ahead: Sequence[Tuple[int, str]] = ()
         if self._order is None:
+            if len(self._recording) >= self._record_cap:
+                self._recording = []
             self._recording.append(key)
         else:
             self._cursor = _advance(self._order, self._cursor, key)
@@ -674,8 +773,11 @@ class ParamStreamer:
         # (with param files: from its cache slot, not reused before the copy ran: settle)
         block.hold()
         try:
-            block.set_copies([self.device.h2d(list(block.device_tensors),
-                                              block.host_views(), fence)])
+            with block.written:   # no write in progress, none starting before the copies
+                block.writing_done()   # are set (it then waits for them: before_write)
+                block.stale = False   # (these copies take every write done)
+                block.set_copies([self.device.h2d(list(block.device_tensors),
+                                                  block.host_views(), fence)])
         finally:
             block.unhold(dirty=False)
         block.show(block.device_tensors)
@@ -701,7 +803,8 @@ class ParamStreamer:
         `entries`: (attribute, index in the block) of the params the module holds."""
         block.check_held()
         block.wait_steps()
-        block.check_unwritten()
+        block.writing_done()   # (views of the host copies: see the README on step_in_backward)
+        block.check_unwritten(values=True)
         homes = (block.homes if self.files is None
                  else block.views(self.files.mapped(block.index)))
         for attr, k in entries:
@@ -725,7 +828,8 @@ class ParamStreamer:
         try:
             block.check_held()
             block.wait_steps()
-            block.check_unwritten()
+            block.writing_done()
+            block.check_unwritten(values=True)
             self._release(block)
             block.settle()
             block.hold()
@@ -819,8 +923,10 @@ class ParamStreamer:
                 if getattr(block, "given_back", False):
                     continue
                 try:
+                    block.check_unwritten(values=True)
                     self._release(block)
                     block.wait_steps()
+                    block.writing_done()
                     block.settle()
                     block.hold()
                     try:
@@ -1035,6 +1141,33 @@ def _matcher(spec: BlockSpec) -> Callable[[str, torch.nn.Module], bool]:
     if callable(spec) and not isinstance(spec, type):
         return spec
     return lambda name, m: isinstance(m, spec)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype,
+          torch.device, torch.Size, torch.layout, torch.memory_format)
+
+
+def _grad_tensors(tree) -> Tuple[List[torch.Tensor], list]:
+    """The tensors that require grad in a block's inputs or output: in what pytree
+    flattens (tuples, lists, dicts, registered types) and in the fields of a dataclass it
+    leaves whole; and the leaves it cannot look into (other objects, which may hold
+    tensors), for an error."""
+    found: List[torch.Tensor] = []
+    opaque: list = []
+    seen: set = set()
+    todo = [tree]
+    while todo:
+        for leaf in tree_flatten(todo.pop())[0]:
+            if isinstance(leaf, torch.Tensor):
+                if leaf.requires_grad:
+                    found.append(leaf)
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+                if id(leaf) not in seen:
+                    seen.add(id(leaf))
+                    todo.append([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+            elif not isinstance(leaf, _PLAIN):
+                opaque.append(leaf)
+    return found, opaque
 
 
 def _advance(order: List[Tuple[int, str]], cursor: Optional[int], key) -> Optional[int]:

@@ -401,24 +401,36 @@ def test_a_copy_or_an_assigning_load_is_refused_and_changes_nothing(device, how,
 
 
 class Twice(TinyLlama):
-    """Block 2 runs twice in each forward (weights shared across depth)."""
+    """Block 2 runs twice in each forward (weights shared across depth); `Outside`: each
+    block's input is used outside it too (a residual around the block)."""
+    twice, outside = (2,), 0.0
 
     def forward(self, tokens):
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i == 2:
+            x = layer(x) + x * self.outside if self.outside else layer(x)
+            if i in self.twice:
                 x = layer(x)
         return self.head(self.norm(x))
+
+
+class Outside(Twice):
+    twice, outside = (), 0.5
+
+
+def _model(cls, layers, streamed):
+    """cls's bf16 model of `layers` blocks (seed 0), its blocks streamed or not."""
+    torch.manual_seed(0)
+    model = cls(layers=layers).to(BF16)
+    if streamed:
+        offload_adam.stream_params(model, Block, prefetch=1)
+    return model
 
 
 def test_a_block_called_twice_per_forward_is_fetched_for_each_use(device):
     runs = []
     for streamed in (False, True):
-        torch.manual_seed(0)
-        model = Twice(layers=5).to(BF16)
-        if streamed:
-            offload_adam.stream_params(model, Block, prefetch=1)
+        model = _model(Twice, 5, streamed)
         opt = offload_adam.AdamW(model.parameters(), **OPTS)
         train(model, opt, 3, micro=2)
         runs.append((model, opt))
@@ -695,18 +707,25 @@ def test_a_submodules_state_dict_and_params_tied_inside_a_block_show_the_host_co
     torch.testing.assert_close(llama_loss(model, 3), llama_loss(plain, 3), rtol=0, atol=0)
 
 
-def test_an_in_place_write_to_a_streamed_param_between_uses_is_refused(device):
-    """Between uses a streamed param shows a one-element placeholder: p.zero_() or
-    nn.init on it writes there, not into its values, and was dropped without a word. Its
-    next use (or state_dict, load_state_dict) raises instead, once; the optimizer's own
-    steps are no such write, nor is loading a state dict."""
+def _trained_twins(steps):
+    """A 3-block Llama streamed and its unstreamed twin, each with its optimizer,
+    trained `steps` steps: (model, plain, opt, ref)."""
     model = make_llama(layers=3, frozen=())
     plain = copy.deepcopy(model)
     offload_adam.stream_params(model, Block)
     opt = offload_adam.AdamW(model.parameters(), **OPTS)
     ref = offload_adam.AdamW(plain.parameters(), **OPTS)
-    train(model, opt, 2)
-    train(plain, ref, 2)
+    train(model, opt, steps)
+    train(plain, ref, steps)
+    return model, plain, opt, ref
+
+
+def test_an_in_place_write_to_a_streamed_param_between_uses_is_refused(device):
+    """Between uses a streamed param shows a one-element placeholder: p.zero_() or
+    nn.init on it writes there, not into its values, and was dropped without a word. Its
+    next use (or state_dict, load_state_dict) raises instead, once; the optimizer's own
+    steps are no such write, nor is loading a state dict."""
+    model, plain, opt, ref = _trained_twins(2)
     model.load_state_dict(model.state_dict())   # a load is a write the streamer makes
     for how, write in [("forward", lambda: llama_loss(model, 5)),
                        ("state_dict", lambda: model.state_dict()),
@@ -863,3 +882,196 @@ def test_an_integer_param_of_a_block_stays_resident(device):
         train(model, opt, 2, micro=2, start=2)
         runs.append((model, opt))
     assert_same_training(*runs)
+
+
+@pytest.mark.parametrize("hold", ["writing", "queued"])
+@pytest.mark.parametrize("read", ["forward", "state_dict"])
+def test_reads_between_backward_and_step_wait_for_a_step_writing_the_block(device, monkeypatch,
+                                                                          read, hold):
+    """step_in_backward: block 0's CPU step (on the engine's worker) is writing its host
+    copies ("writing"), or the second of the two steps that write them (its params are
+    in two buckets) is queued ("queued"), when an inference forward, or
+    model.state_dict(), reads them after backward. The reads once went on meanwhile and
+    saw the block half stepped; they wait for the steps now (Home.before_write's count,
+    the engine's `defer` of each queued step): the forward computes with the stepped
+    block (as once the steps are all done), the state dict shows its stepped values, and
+    training goes on as the run without these reads."""
+    import threading
+    import time
+
+    from offload_adam.engine.core import BucketJob
+    from offload_adam.param_stream import Home
+    tokens = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(4))
+    armed, started, reading = [], threading.Event(), threading.Event()
+
+    def held():   # the worker held until the read (which, without its wait, is done by then)
+        armed.clear()
+        started.set()
+        reading.wait(5)
+        time.sleep(0.1)
+
+    before_write = Home.before_write
+
+    def held_write(self, ranges=None):   # block 0's last write (its attn_norm's: that
+        claimed = before_write(self, ranges)   # one's job is the last of the two)
+        if armed and hold == "writing" and self.block.index == 0 and self.k == 0:
+            held()
+        return claimed
+
+    kernel, jobs = BucketJob.kernel, []
+
+    def held_kernel(self):   # the second job writing block 0, before it writes
+        if armed and hold == "queued" and any(
+                p.rec.home is not None and p.rec.home.block.index == 0 for p in self.pieces):
+            jobs.append(self)
+            if len(jobs) == 2:
+                held()
+        kernel(self)
+
+    monkeypatch.setattr(Home, "before_write", held_write)
+    monkeypatch.setattr(BucketJob, "kernel", held_kernel)
+    runs = []
+    for read in (None, read):
+        model = make_llama(layers=4)
+        offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **OPTS)
+        train(model, opt, 2)   # from the second step on, stepped in backward
+        if read is not None:
+            started.clear()
+            reading.clear()
+            jobs.clear()
+            armed.append(True)
+        llama_loss(model, 50).backward()
+        if read is not None:
+            assert started.wait(5)
+            reading.set()
+            if read == "forward":
+                with torch.no_grad():
+                    seen = model(tokens)
+                opt._engine.drain()   # every step of the pass done
+                with torch.no_grad():
+                    assert torch.equal(seen, model(tokens))   # the stepped block 0 in both
+            else:
+                seen = values(model)
+        opt.step()
+        opt.zero_grad()
+        if read == "state_dict":
+            now = values(model)
+            for k in now:
+                if k.startswith("layers.0."):
+                    assert torch.equal(seen[k], now[k]), k   # the stepped values
+        train(model, opt, 1, start=3)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
+def test_grads_are_the_unstreamed_ones_when_a_blocks_input_is_used_outside_it(device):
+    """How the streamer learns that a block's backward is done must not change autograd's
+    graph: a node on the block's inputs (once an identity Function) summed the block's
+    grads of its input before the grad from outside it, and the grads differed from the
+    unstreamed model's in the last bits."""
+    grads = []
+    for streamed in (False, True):
+        model = _model(Outside, 4, streamed)
+        llama_loss(model, 1).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+def test_a_dataclass_output_streams_and_a_double_backward_is_refused(device):
+    """A block that returns a dataclass (not registered with pytree): its tensors are
+    found, and its backward fetches its params (it once ran on the placeholders and
+    crashed in a setStorage error). A backward with create_graph=True would make a graph
+    of the grads that reads the params after their blocks gave them back: refused,
+    naming the block."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        hidden: torch.Tensor
+        note: str = "x"
+
+    class DataclassBlock(Block):
+        def forward(self, x):
+            return Out(super().forward(x))
+
+    class Model(TinyLlama):
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x).hidden
+            return self.head(self.norm(x))
+
+    runs = []
+    for streamed in (False, True):
+        torch.manual_seed(0)
+        model = Model(layers=3, block=DataclassBlock).to(BF16)
+        if streamed:
+            offload_adam.stream_params(model, DataclassBlock, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+    model = make_llama(layers=3, frozen=())
+    offload_adam.stream_params(model, Block, prefetch=1)
+    loss = llama_loss(model, 1)
+    with pytest.raises(RuntimeError, match=r"stream_params: a backward with create_graph=True "
+                                           r"reached streamed block layers\.2"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 1)   # training goes on
+
+
+def test_the_recorded_order_is_a_training_micro_batchs_and_bounded(device):
+    """The order of uses is recorded until a backward completes: inference forwards
+    before it (no_grad, or a forward with grads and no backward) once grew the recording
+    without bound and went into the order prefetch follows, fetching blocks ahead that
+    the pass did not use next (more than (k + 2) x the largest block on the device). Each
+    forward of the model starts the recording anew."""
+    prefetch = 1
+    model = make_llama(layers=4, frozen=())
+    streamer = offload_adam.stream_params(model, Block, prefetch=prefetch)
+    tokens = torch.randint(0, 61, (1, 3), generator=torch.Generator().manual_seed(4))
+    for i in range(12):
+        with torch.set_grad_enabled(i % 3 == 0):
+            model(tokens)
+        assert len(streamer._recording) <= 2 * len(streamer.blocks), i
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 1)   # the order is learned
+    forward, backward = [(i, "f") for i in range(4)], [(i, "b") for i in range(4)]
+    assert streamer._order == forward + backward[::-1]
+    device.reset_peak()
+    train(model, opt, 1, start=1)
+    assert device.counters()["peak_materialized_bytes"] <= (prefetch + 2) * streamer.largest_block_bytes
+
+
+@pytest.mark.parametrize("how", ["assigned", "in place"])
+def test_a_write_through_data_to_a_streamed_param_is_refused(device, how):
+    """p.data = t replaces the placeholder a streamed param shows between uses, and
+    p.data.zero_() writes into it without bumping the param's version counter: both were
+    dropped without a word. p.data = t is refused at the block's next use, state_dict()
+    or load_state_dict(); an in-place write through p.data at state_dict(),
+    load_state_dict() or close() (its next use cannot see it without a device sync).
+    Raised once; training goes on from the host copies."""
+    model, plain, opt, ref = _trained_twins(1)
+    w = model.layers[1].up.weight
+    sd = {k: v.clone() for k, v in model.layers[1].state_dict().items()}
+    writes = [("state_dict", lambda: model.state_dict()),
+              ("load", lambda: model.layers[1].load_state_dict(sd))]
+    if how == "assigned":
+        writes.append(("forward", lambda: llama_loss(model, 5)))
+    for name, use in writes:
+        if how == "assigned":
+            w.data = torch.zeros(w.shape, dtype=w.dtype)
+            match = r"param layers\.1\.up\.weight of a streamed block was assigned \(p\.data = t\)"
+        else:
+            w.data.zero_()
+            match = r"param layers\.1\.up\.weight of a streamed block was written in place"
+        with pytest.raises(RuntimeError, match=match):
+            use()
+        assert torch.isnan(w).all() and w.untyped_storage().nbytes() <= 2, name
+    train(model, opt, 1, start=1)
+    train(plain, ref, 1, start=1)
+    assert_same_training((model, opt), (plain, ref))

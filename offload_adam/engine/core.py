@@ -814,7 +814,16 @@ class OffloadEngine:
         def kernel_only():
             job.kernel()
             done()
-        self.run(kernel_only)
+        number = self.run(kernel_only)
+        if number is not None:
+            # A streamed block's host copies are read (an inference forward, a state
+            # dict between backward and step()) only once every queued step writing
+            # them ran: a block in two buckets is written by two jobs, and a reader
+            # between them would see it half stepped (param_stream: `_Block.defer`). An
+            # error is left for step() to raise, where the step's failure is handled.
+            wait = functools.partial(self._worker.wait_for, number, raises=False)
+            for home in _homes(job.pieces):
+                home.block.defer(wait)
 
     def prepare_early(self, bucket: Bucket, pieces: List[Piece], param_groups, state,
                       begin: Callable[[List[ParamRec]], Hyper]) -> "BucketJob":
@@ -898,12 +907,13 @@ class OffloadEngine:
         w = self._worker
         return w is not None and not w.on_worker() and w.busy()
 
-    def run(self, job, continues: bool = False) -> None:
-        """Runs `job` on the worker thread (inline without overlap)."""
+    def run(self, job, continues: bool = False) -> Optional[int]:
+        """Runs `job` on the worker thread (inline without overlap); returns its number
+        there (None: it ran)."""
         if self._worker is not None:
-            self._worker.submit(job, continues)
-        else:
-            job()
+            return self._worker.submit(job, continues)
+        job()
+        return None
 
     def profile(self) -> Optional[dict]:
         return self._last_profile.as_dict() if self._last_profile else None

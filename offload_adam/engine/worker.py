@@ -107,14 +107,16 @@ class Worker:
             raise
         self.raise_pending()
 
-    def wait_for(self, number: int) -> None:
+    def wait_for(self, number: int, raises: bool = True) -> None:
         """Waits until job `number` (submit's) and those before it are done, then
-        re-raises a job's error. Wakes up regularly, as drain(), for KeyboardInterrupt;
-        a closed worker runs nothing more: then it does not wait."""
+        re-raises a job's error (`raises`; else it is left for whoever drains). Wakes up
+        regularly, as drain(), for KeyboardInterrupt; a closed worker runs nothing more:
+        then it does not wait."""
         with self._lock:
             while self._finished < number and not self._closed:
                 self._idle.wait(0.1)
-        self.raise_pending()
+        if raises:
+            self.raise_pending()
 
     def _wait(self) -> None:
         with self._lock:
