@@ -43,6 +43,13 @@ def bits_sum(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_floating_point and t.element_size() in (2, 4, 8):
         bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
         t = (t if t.is_contiguous() else t.contiguous()).view(bits)
+        if (t.device.type == "cpu" and t.element_size() < 8 and t.numel() * t.element_size() % 8 == 0
+                and t.storage_offset() * t.element_size() % 8 == 0):
+            # On the CPU (the simulated device's stand-in), torch widens int16 at ~0.6 GB/s
+            # and sums 8-byte words at ~8: the words' sum modulo 2^64 (lanes weighted by
+            # powers of 2^16) moves with an edit but by a 2^-16-ish chance, the same
+            # check as far as the ordering the simulated device verifies goes.
+            t = t.reshape(-1).view(torch.int64)
     return t.sum(dtype=torch.int64)
 
 
