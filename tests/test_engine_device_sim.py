@@ -175,8 +175,11 @@ def test_the_intact_engine_passes(dev, kernels):
 
 
 def test_without_waiting_for_the_grads_the_kernel_reads_poison(dev, kernels, monkeypatch):
-    # (without verify_grads: waiting for a fingerprint check also waits, through
-    # the compute stream, for the copies of the backward published before it)
+    # (without verify_grads, nor the check of the params' bits (engine/param_check.py):
+    # waiting for either's result also waits, through the compute stream, for the copies
+    # of the backward published before it)
+    from offload_adam.engine.param_check import ParamCheck
+    monkeypatch.setattr(ParamCheck, "start", lambda self, params: None)
     _skip_waits(dev, monkeypatch, "d2h", "worker")
     params = _train(dev, verify_grads=False)
     assert any(p.isnan().any() for p in params)
@@ -193,6 +196,10 @@ def test_without_publishing_the_steps_copies_the_next_forward_races_them(dev, ke
 
 def test_without_the_fence_the_h2d_races_backward(dev, kernels, monkeypatch):
     monkeypatch.setattr(dev, "fence", lambda: SimEvent([], -1))
+    # (nor the check of the params' bits, whose result, waited for by the host, covers
+    # the compute work queued before step() as the fence does)
+    from offload_adam.engine.param_check import ParamCheck
+    monkeypatch.setattr(ParamCheck, "start", lambda self, params: None)
     # Backward reads a param after its grad's hook: a branch built before the
     # model's forward (so run last in backward) uses it detached. Every other
     # read of a param comes before its own grad is final, and the bucket job's

@@ -17,6 +17,11 @@ read back over PCIe for that. Instead the device sums its own bits:
             that copy; a param whose sum moved is "changed", and its master follows it
             by the one rule (kept while the param is its rounding)
 
+Waiting for that copy waits for the compute queued before the check (as a host wait on
+an event does): at step() the first bucket's kernel waits for the end of backward on
+the device, which its grads' copies mostly do anyway; in backward, for the work before
+the first grad hook only.
+
 The sum is of the bits as integers (int16 for bf16/fp16, int32 for fp32), in int64:
 one reduction reading 2 B per bf16 param, twice a step (~9 ms a step for a 7B model
 at an H100's 3 TB/s; an estimate, not measured). It moves with any edit that changes
