@@ -60,7 +60,7 @@ import torch
 
 from . import distributed
 from .distributed import is_dtensor, local, local_value
-from .params import check_dense, param_label, param_values, rounds_to, write_values
+from .params import check_dense, groups_now, param_label, param_values, rounds_to, write_values
 from .engine.disk_early import DiskEarly
 from .engine.disk_log import DiskLog
 from .engine.layout import Entry, state_slice
@@ -561,22 +561,19 @@ class FileStore:
         key = tuple((id(g), id(g["params"]), tuple(map(id, g["params"]))) for g in param_groups)
         if key == self._groups_key:
             return self._by_group
-        by_group, now, present = list(self._by_group), {}, set()
-        for gi, g in enumerate(param_groups):
-            for p in g["params"]:
-                where = self._where.get(id(p))
-                if where is None:
-                    continue
-                present.add(id(p))
-                e = where[0][1]
-                first = now.setdefault(e.group, (g, gi))
-                if first[0] is not g:
-                    raise RuntimeError(
-                        f"offload_adam: param {param_label(g, gi, g['params'].index(p), p)} "
-                        f"is now in param group {gi}, but params that were in its group when "
-                        f"the optimizer was built are in param group {first[1]}: the state "
-                        "files step a group's params with one group's hyperparameters. Move "
-                        "params between groups by building a new optimizer")
+        def group_of(p):
+            where = self._where.get(id(p))
+            return where[0][1].group if where is not None else None
+
+        def split(p, gi, other):
+            g = param_groups[gi]
+            return (f"offload_adam: param {param_label(g, gi, g['params'].index(p), p)} "
+                    f"is now in param group {gi}, but params that were in its group when "
+                    f"the optimizer was built are in param group {other}: the state "
+                    "files step a group's params with one group's hyperparameters. Move "
+                    "params between groups by building a new optimizer")
+        by_group = list(self._by_group)
+        now, present = groups_now(param_groups, group_of, split)
         for group, (g, _) in now.items():
             by_group[group] = g
         self._by_group, self._groups_key = by_group, key

@@ -113,3 +113,25 @@ def write_values(p: torch.Tensor, values: torch.Tensor, start: Optional[int] = N
             t = t.view(-1)[start:start + values.numel()]
             values = values.reshape(-1)
         t.copy_(values.to(t.dtype))
+
+
+def groups_now(param_groups, group_of, split_error) -> tuple:
+    """Where a store's params are in `param_groups` as the user may have edited them
+    (deleted, reordered, popped: torch.optim steps whatever they hold now), for a store
+    that steps each group it was given with one group's hyperparameters: (group number
+    the store knows -> (the group dict holding its params now, that group's index), the
+    ids of the params found). `group_of(p)`: p's group number in the store (None: not
+    the store's). Params of one number now in two groups cannot be followed: the
+    RuntimeError of `split_error(p, index now, the other group's index)`."""
+    now: dict = {}
+    present = set()
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            number = group_of(p)
+            if number is None:
+                continue
+            present.add(id(p))
+            first = now.setdefault(number, (g, gi))
+            if first[0] is not g:
+                raise RuntimeError(split_error(p, gi, first[1]))
+    return now, present

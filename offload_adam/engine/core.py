@@ -64,7 +64,7 @@ from ..kernel_step import Hyper, KernelArgs
 from ..master_rule import MasterMarks
 from ..param_state import ROLES, ParamState
 from ..options import Options
-from ..params import check_dense, home_of, one_device
+from ..params import check_dense, groups_now, home_of, one_device
 from ..state_format import state_format
 from .device import HostDevice, current_host_stand_in, make_device
 from .host_memory import HostArenas
@@ -260,26 +260,21 @@ class OffloadEngine:
             return self._by_group
         by_group = list(self._by_group) + [None] * (
             1 + max((r.group for r in self.recs), default=-1) - len(self._by_group))
-        now: Dict[int, Tuple[dict, int]] = {}   # rec group -> (the group now, its index)
-        present = set()
-        for gi, g in enumerate(param_groups):
-            for p in g["params"]:
-                rec = self._rec_of.get(id(p))
-                if rec is None:
-                    continue
-                present.add(id(rec))
-                first = now.setdefault(rec.group, (g, gi))
-                if first[0] is not g:
-                    raise RuntimeError(
-                        f"offload_adam: {rec.label()} is now in param group {gi}, but "
-                        f"other params added with it are in param group {first[1]}: the "
-                        "offloaded params of a group step together, with one group's "
-                        "hyperparameters. Move params between groups by building a new "
-                        "optimizer (or add new params with add_param_group)")
+        def group_of(p):
+            rec = self._rec_of.get(id(p))
+            return rec.group if rec is not None else None
+
+        def split(p, gi, other):
+            return (f"offload_adam: {self._rec_of[id(p)].label()} is now in param group {gi}, "
+                    f"but other params added with it are in param group {other}: the "
+                    "offloaded params of a group step together, with one group's "
+                    "hyperparameters. Move params between groups by building a new "
+                    "optimizer (or add new params with add_param_group)")
+        now, present = groups_now(param_groups, group_of, split)
         for group, (g, _) in now.items():
             by_group[group] = g
         self._by_group, self._groups_key = by_group, key
-        self._absent = {id(r) for r in self.recs if id(r) not in present}
+        self._absent = {id(r) for r in self.recs if id(r.param) not in present}
         return by_group
 
     def _follow_owner(self, again: bool = False) -> None:
