@@ -74,7 +74,9 @@ documented here and nowhere else.
     then nothing was stepped. A param streamed by stream_params has its host
     copy written once its block's backward is done: between backward and
     step(), model.state_dict() and an inference forward see those params
-    stepped and the resident ones not. The default is False because it is
+    stepped and the resident ones not (a block stepped in part, the rest of
+    it waiting for step(), is refused with RuntimeError: it would be seen
+    half stepped). The default is False because it is
     exact in every case.
   state_dirs (None): a directory, or a list of them (one per NVMe drive, the
     state striped over them), where the optimizer state lives in files

@@ -57,6 +57,7 @@ import enum
 import math
 import os
 import threading
+import weakref
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -225,6 +226,9 @@ class _Block:
         self.step_started = False
         self.copies: list = []    # its last fetch's H2D copies, until the host waited for them
         self.deferred: list = []  # waits for CPU steps still writing its host copies
+        # the optimizers that step it in backward (step_in_backward), asked before a read
+        # whether their steps left it half written (`wait_steps`); dropped with them
+        self.step_checks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._copies_lock = threading.Lock()   # (settled on the worker, set on the model's)
         self.writers = 0          # writes of its host copies in progress (Home.before_write)
         self.written = threading.Condition()   # ... notified as each ends; held by a fetch
@@ -243,9 +247,13 @@ class _Block:
 
     def wait_steps(self) -> None:
         """Waits for the deferred steps writing the host copies (raises what one
-        raised)."""
+        raised); then each optimizer stepping it in backward raises if the steps it ran
+        left some of its params new and others waiting for step() (a reader would see
+        the block half stepped: step_in_backward)."""
         while self.deferred:
             self.deferred.pop(0)()
+        for early in list(self.step_checks.keys()):
+            early.check_block(self)
 
     def start_write(self) -> None:
         with self.written:

@@ -884,18 +884,21 @@ def test_an_integer_param_of_a_block_stays_resident(device):
     assert_same_training(*runs)
 
 
+@pytest.mark.parametrize("store", ["ram", "files"])
 @pytest.mark.parametrize("hold", ["writing", "queued"])
 @pytest.mark.parametrize("read", ["forward", "state_dict"])
 def test_reads_between_backward_and_step_wait_for_a_step_writing_the_block(device, monkeypatch,
-                                                                          read, hold):
+                                                                          tmp_path, read, hold,
+                                                                          store):
     """step_in_backward: block 0's CPU step (on the engine's worker) is writing its host
     copies ("writing"), or the second of the two steps that write them (its params are
     in two buckets) is queued ("queued"), when an inference forward, or
     model.state_dict(), reads them after backward. The reads once went on meanwhile and
     saw the block half stepped; they wait for the steps now (Home.before_write's count,
-    the engine's `defer` of each queued step): the forward computes with the stepped
-    block (as once the steps are all done), the state dict shows its stepped values, and
-    training goes on as the run without these reads."""
+    the engine's `defer` of each queued step: with the state in files, of each queued
+    job of the files' pass): the forward computes with the stepped block (as once the
+    steps are all done), the state dict shows its stepped values, and training goes on
+    as the run without these reads."""
     import threading
     import time
 
@@ -934,7 +937,11 @@ def test_reads_between_backward_and_step_wait_for_a_step_writing_the_block(devic
     for read in (None, read):
         model = make_llama(layers=4)
         offload_adam.stream_params(model, Block, prefetch=1)
-        opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **OPTS)
+        kw = {}
+        if store == "files":
+            (tmp_path / f"s{read}").mkdir()
+            kw["state_dirs"] = str(tmp_path / f"s{read}")
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **OPTS, **kw)
         train(model, opt, 2)   # from the second step on, stepped in backward
         if read is not None:
             started.clear()
@@ -963,6 +970,56 @@ def test_reads_between_backward_and_step_wait_for_a_step_writing_the_block(devic
         train(model, opt, 1, start=3)
         runs.append((model, opt))
     assert_same_training(*runs)
+
+
+@pytest.mark.parametrize("store", ["ram", "files"])
+def test_a_block_left_half_stepped_until_step_is_not_read(device, tmp_path, store):
+    """step_in_backward: a param that gets no grad in a backward holds its bucket (in
+    RAM, in the first backward, which expects every param's; in files, every backward)
+    and, in files, the pass behind it, for step(); a block with params stepped in
+    backward and others waiting there would be seen half stepped between backward and
+    step(): an inference forward or model.state_dict() then raises, naming it, and
+    step() trains on as the run without the read."""
+    tokens = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for read in (None, "forward", "state_dict"):
+        model = make_llama(layers=6)
+        streamer = offload_adam.stream_params(model, Block, prefetch=1)
+        kw = {}
+        if store == "files":
+            (tmp_path / f"s{read}").mkdir()
+            kw["state_dirs"] = str(tmp_path / f"s{read}")
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **OPTS, **kw)
+        if store == "files":
+            train(model, opt, 1)   # (the files' pass steps in backward from the second on)
+        model.layers[2].up.weight.requires_grad_(False)   # no grad in this backward
+        before = [[h.clone() for h in b.homes] for b in streamer.blocks]
+        llama_loss(model, 50).backward()
+        opt._engine.drain()   # every step started in backward done
+        # which blocks the steps left half: some params with a grad stepped, some not
+        half = []
+        for b, olds in zip(streamer.blocks, before):
+            moved = {not torch.equal(h, o)
+                     for p, h, o in zip(b.params, b.homes, olds) if p.grad is not None}
+            if moved == {True, False}:
+                half.append(b.name)
+        assert half, "the layout left no block half stepped: the test tests nothing"
+        if read == "forward":
+            with pytest.raises(RuntimeError, match="half stepped") as e, torch.no_grad():
+                model(tokens)
+            assert any(repr(n) in str(e.value) for n in half)
+        elif read == "state_dict":
+            with pytest.raises(RuntimeError, match="half stepped") as e:
+                model.state_dict()
+            assert any(repr(n) in str(e.value) for n in half)
+        opt.step()
+        opt.zero_grad()
+        model.layers[2].up.weight.requires_grad_(True)
+        values(model)   # read after step(): whole again
+        train(model, opt, 1, start=3)
+        runs.append((model, opt))
+    assert_same_training(runs[0], runs[1])
+    assert_same_training(runs[0], runs[2])
 
 
 def test_grads_are_the_unstreamed_ones_when_a_blocks_input_is_used_outside_it(device):

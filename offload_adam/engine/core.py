@@ -809,16 +809,23 @@ class OffloadEngine:
         def kernel_only():
             job.kernel()
             done()
-        number = self.run(kernel_only)
+        self.defer_reads(self.run(kernel_only), [h.block for h in _homes(job.pieces)])
+
+    def recs_of(self, params) -> List[ParamRec]:
+        """The engine's records of those of `params` it steps."""
+        return [r for r in map(self._rec_of.get, map(id, params)) if r is not None]
+
+    def defer_reads(self, number: Optional[int], blocks) -> None:
+        """A streamed block's host copies are read (an inference forward, a state dict
+        between backward and step()) only once worker job `number` (run's; None: it ran)
+        and those before it, which write them, are done: a block in two buckets is
+        written by two jobs, and a reader between them would see it half stepped
+        (param_stream: `_Block.defer`). An error is left for step() to raise, where the
+        step's failure is handled."""
         if number is not None:
-            # A streamed block's host copies are read (an inference forward, a state
-            # dict between backward and step()) only once every queued step writing
-            # them ran: a block in two buckets is written by two jobs, and a reader
-            # between them would see it half stepped (param_stream: `_Block.defer`). An
-            # error is left for step() to raise, where the step's failure is handled.
             wait = functools.partial(self._worker.wait_for, number, raises=False)
-            for home in _homes(job.pieces):
-                home.block.defer(wait)
+            for block in {id(b): b for b in blocks}.values():
+                block.defer(wait)
 
     def prepare_early(self, bucket: Bucket, pieces: List[Piece], param_groups, state,
                       begin: Callable[[List[ParamRec]], Hyper]) -> "BucketJob":

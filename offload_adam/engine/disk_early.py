@@ -190,7 +190,12 @@ class DiskEarly(FileBucketsInBackward):
             self._kicked = True
             with self._lock:
                 self._jobs += 1
-            engine.run(self._advance)
+            blocks = [e.rec.home.block for i in complete for e in self.files[i]
+                      if e.rec.home is not None]
+            self._early.watch(blocks)
+            # (this job steps the buckets complete, unless the pass stops before them
+            # at one that is not: check_block then refuses a reader of a block left half)
+            engine.defer_reads(engine.run(self._advance), blocks)
 
     # ---- on the worker -----------------------------------------------------------------
 
@@ -221,6 +226,23 @@ class DiskEarly(FileBucketsInBackward):
             with self._lock:
                 self._jobs -= 1
             engine.ring.nudge()
+
+    def half_written(self, block) -> bool:
+        """Whether the pass stepped some of streamed `block`'s params (written their
+        host copies) and left others whose grads came (EarlyStart.check_block)."""
+        stepped = set(self._stepped_files)
+        if not stepped:
+            return False
+        done = left = False
+        for i, entries in enumerate(self.files):
+            for e in entries or ():
+                if e.rec.home is None or e.rec.home.block is not block:
+                    continue
+                if i in stepped:
+                    done = True
+                elif (i, id(e.rec)) in self._parts_in:
+                    left = True
+        return done and left
 
     # ---- at step() -----------------------------------------------------------------------
 

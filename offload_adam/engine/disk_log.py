@@ -73,6 +73,10 @@ class DiskLog(FileBucketsInBackward):
                 self._kicked = True
             engine.run(self._log_ready)
 
+    def half_written(self, block) -> bool:
+        """Nothing is stepped in backward here: no block is ever half written."""
+        return False
+
     # ---- on the worker -----------------------------------------------------------------
 
     def _log_ready(self) -> None:

@@ -186,8 +186,49 @@ class EarlyStart:
             self._held_ids.update(map(id, pieces))
             return
         # step() or commit() writes the params back
+        self.watch(p.rec.home.block for p in pieces if p.rec.home is not None)
         engine.start_early(bucket, pieces, groups, state, begin,
                            lambda: self._stepped.update(map(id, pieces)))
+
+    # ---- a streamed block read between backward and step() ------------------------------
+
+    def watch(self, blocks) -> None:
+        """Streamed `blocks` (param_stream._Block) are written by steps of this
+        iteration: their readers ask check_block first."""
+        for block in blocks:
+            block.step_checks[self] = None
+
+    def check_block(self, block) -> None:
+        """Called before `block`'s host copies are read, once the steps queued on it
+        ran (param_stream: _Block.wait_steps): raises if this iteration's steps wrote
+        some of its params and left others, whose grads came, for step() (a bucket
+        waiting for a param's grad that did not come, a step deferred past step(), the
+        files' pass stopped at a bucket not complete): what the reader would see would
+        be neither the block before the step nor after it."""
+        half = (self.files.half_written(block) if self.files is not None
+                else self._half_written(block))
+        if half:
+            raise RuntimeError(
+                f"offload_adam: the streamed block {block.name!r} is read between "
+                "backward and step() while its CPU step (step_in_backward=True) has "
+                "written some of its params and not yet others (they wait for step()): "
+                "it would be seen half stepped. Call step() before reading it (an "
+                "inference forward, model.state_dict(), load_state_dict).")
+
+    def _half_written(self, block) -> bool:
+        if not self._stepped:
+            return False
+        engine = self._engine()
+        if engine is None:
+            return False
+        done = left = False
+        for rec in engine.recs_of(block.params):
+            for piece in rec.pieces:
+                if id(piece) in self._stepped:
+                    done = True
+                elif id(rec) in self._hooked:
+                    left = True
+        return done and left
 
     def _hold(self, pieces) -> bool:
         """Whether this bucket's step is deferred past step() (defer_blocks=): its
