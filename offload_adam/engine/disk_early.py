@@ -231,16 +231,15 @@ class DiskEarly(FileBucketsInBackward):
         """Whether the pass stepped some of streamed `block`'s params (written their
         host copies) and left others whose grads came (EarlyStart.check_block)."""
         stepped = set(self._stepped_files)
-        if not stepped:
+        engine = self._engine()
+        if not stepped or engine is None:
             return False
         done = left = False
-        for i, entries in enumerate(self.files):
-            for e in entries or ():
-                if e.rec.home is None or e.rec.home.block is not block:
-                    continue
+        for rec in engine.recs_of(block.params):
+            for i in self._files_of.get(id(rec), ()):
                 if i in stepped:
                     done = True
-                elif (i, id(e.rec)) in self._parts_in:
+                elif (i, id(rec)) in self._parts_in:
                     left = True
         return done and left
 
