@@ -196,7 +196,8 @@ class EarlyStart:
         """Streamed `blocks` (param_stream._Block) are written by steps of this
         iteration: their readers ask check_block first."""
         for block in blocks:
-            block.step_checks[self] = None
+            if self not in block.step_checks:   # (once: a reader may be iterating them)
+                block.step_checks[self] = None
 
     def check_block(self, block) -> None:
         """Called before `block`'s host copies are read, once the steps queued on it
