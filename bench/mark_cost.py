@@ -10,8 +10,9 @@ not checksummed (its row is the control).
 Contenders, each `--params` params of `--numel` elements, the same grads, timed in one
 process, in a shuffled order per pass, median over passes of the median step:
 
-  bf16 crc       the library as it is (CRC32C of 2 MiB pieces over a thread pool)
-  bf16 crc-1t    the same CRC on the calling thread only (is the pool worth keeping?)
+  bf16 crc       the library as it is (CRC32C on the calling thread)
+  bf16 crc-pool  the CRC of 2 MiB pieces over a pool of Python threads (as until
+                 2026-12-02: slower on 2 cores; does it pay on many?)
   bf16 none      the checksum replaced by a constant (what the step costs without it)
   fp32           no checksum to take (control: should not move)
 
@@ -29,6 +30,7 @@ import socket
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -39,19 +41,24 @@ from offload_adam import master_rule  # noqa: E402
 from bench.machine import load_average, machine_info, one_line  # noqa: E402
 
 
-def one_thread_sum(t: torch.Tensor):
-    """bytes_sum without the pool: each piece's CRC on the calling thread."""
+PIECE = 1 << 21
+_pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)))
+
+
+def pooled_sum(t: torch.Tensor):
+    """The CRC32C of each 2 MiB piece of t over a pool of Python threads (the GIL is
+    released in the CRC): what bytes_sum did until 2026-12-02, kept here to ask a
+    many-core host whether splitting pays there."""
     from offload_adam.nvme.direct_io import crc32
     if t.device.type != "cpu" or t.numel() == 0:
         return -1
     data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    piece = master_rule._SUM_PIECE
-    if len(data) <= piece:
+    if len(data) <= PIECE:
         return crc32(data)
-    return tuple(crc32(data[i:i + piece]) for i in range(0, len(data), piece))
+    return tuple(_pool.map(crc32, [data[i:i + PIECE] for i in range(0, len(data), PIECE)]))
 
 
-SUMS = {"crc": master_rule.bytes_sum, "crc-1t": one_thread_sum, "none": lambda t: 0}
+SUMS = {"crc": master_rule.bytes_sum, "crc-pool": pooled_sum, "none": lambda t: 0}
 
 
 class Contender:

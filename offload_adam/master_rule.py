@@ -37,8 +37,6 @@ read from the device for the engine's CUDA params), only then.
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -65,10 +63,10 @@ def mark(p: torch.Tensor) -> Mark:
 
 
 def bytes_sum(t: torch.Tensor):
-    """A checksum of tensor t's bytes in host memory: the CRC32C of each piece of
-    _SUM_PIECE bytes (a large tensor's pieces on all cores: the kernel releases the GIL);
-    -1 on a device (not read back), and under test support's simulated device, whose
-    host tensors stand in for a device's."""
+    """A checksum of tensor t's bytes in host memory: their CRC32C, on the calling
+    thread (~12-17 GB/s; a pool of Python threads over pieces of it was slower on
+    2-core VMs, bench/mark_cost.py); -1 on a device (not read back), and under test
+    support's simulated device, whose host tensors stand in for a device's."""
     from .engine.device import current_host_stand_in   # (the engine imports this module)
     if t.device.type != "cpu" or t.numel() == 0 or current_host_stand_in() is not None:
         return -1
@@ -76,23 +74,7 @@ def bytes_sum(t: torch.Tensor):
     if not t.is_contiguous():   # (p.data = a transposed view: rare, copied)
         t = t.contiguous()
     from .nvme.direct_io import crc32
-    data = t.reshape(-1).view(torch.uint8).numpy()
-    if len(data) <= _SUM_PIECE:
-        return crc32(data)
-    return tuple(_pool().map(crc32, [data[i:i + _SUM_PIECE]
-                                     for i in range(0, len(data), _SUM_PIECE)]))
-
-
-_SUM_PIECE = 1 << 21
-_sum_pool = None
-
-
-def _pool():
-    global _sum_pool
-    if _sum_pool is None:
-        _sum_pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)),
-                                       thread_name_prefix="offload_adam-sum")
-    return _sum_pool
+    return crc32(t.reshape(-1).view(torch.uint8).numpy())
 
 
 # Tensors that are their own local data (not a DTensor): a fast path where a step asks
