@@ -47,6 +47,7 @@ every byte of it, the model's blocks having no frozen params).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -419,8 +420,12 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     from .nvme_tier import deal, runs_within
     limit = bucket_mb * _MB
 
-    def nbytes(entry):
-        return adam_bucket([entry], state_dtype).nbytes
+    @functools.lru_cache(maxsize=None)
+    def one(shape, part):
+        return adam_bucket([("x", shape, part)], state_dtype).nbytes
+
+    def nbytes(entry):   # a param's state bytes: its shape's (a model repeats few shapes)
+        return one(tuple(entry[1]), bool(entry[2]) if len(entry) > 2 else False)
 
     entries = []
     for i, s in enumerate(shapes):

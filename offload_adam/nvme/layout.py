@@ -24,6 +24,7 @@ state is refused with the first difference named (`differences`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -66,7 +67,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def to_json(self) -> list:
         out = [self.name, str(self.dtype).replace("torch.", ""), list(self.shape)]
@@ -90,7 +91,7 @@ class BucketSpec:
             at = round_up(at + t.nbytes, TENSOR_ALIGN)
         return out
 
-    @property
+    @functools.cached_property   # (frozen: computed once; the planner asks it millions of times)
     def nbytes(self) -> int:
         """The extent of one slot: the tensors, padded, rounded up to ALIGN."""
         last = self.tensors[-1]
