@@ -69,7 +69,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -165,6 +165,19 @@ class _Copy:
     host_synced: bool = False      # the host waited for it (directly or not)
     published_to: set = field(default_factory=set)  # compute streams that wait for it
     transfer: Optional[Transfer] = None
+    _by_storage: dict = field(default_factory=dict)   # touches()'s index of each side list
+
+    def touches(self, side: list, span) -> bool:
+        """Whether a span of `side` (host_side, device_side or device_writes: lists
+        replaced, never edited) overlaps `span`. Every aten op asks it of every copy in
+        flight, so it looks up `span`'s storage rather than scanning a pack's spans."""
+        hit = self._by_storage.get(id(side))
+        if hit is None or hit[0] is not side:
+            index: dict = {}
+            for s in side:
+                index.setdefault(s[0], []).append(s)
+            hit = self._by_storage[id(side)] = (side, index)   # (holding side: its id stays)
+        return any(_overlaps(span, s) for s in hit[1].get(span[0], ()))
 
     def name(self) -> str:
         return f"{_WHAT[self.kind]} copy #{self.seq} ({sum(t.numel() for t in self.dsts)} elements)"
@@ -240,6 +253,7 @@ class AsyncSimDevice:
         self._freed: list = []               # spans of unpinned host buffers
         self._freed_tensors: list = []
         self._pinned: list = []              # spans of pinned host buffers
+        self._pin_index: Optional[dict] = None   # them by storage (_pinned_in)
         self._moved = {"d2h": 0, "h2d": 0}   # bytes each direction copied
         self._pageable = 0   # ... of which the host side was not pinned (a GPU copies those
         #                      synchronously, through a staging buffer of its own)
@@ -253,6 +267,7 @@ class AsyncSimDevice:
     def pin(self, t: torch.Tensor) -> bool:
         with self.lock:
             self._pinned.append(_span(t))
+            self._pin_index = None
         return True
 
     def unpin(self, t: torch.Tensor) -> None:
@@ -265,6 +280,7 @@ class AsyncSimDevice:
                 self._violation(f"a host buffer was unpinned/freed while {op.name()} "
                                 "still used it (wait for the copies first)")
             self._pinned = [s for s in self._pinned if not _overlaps(s, span)]
+            self._pin_index = None
             # Kept alive: its address must not be reused while it counts as freed.
             self._freed.append(span)
             self._freed_tensors.append(t)
@@ -316,9 +332,18 @@ class AsyncSimDevice:
         with _unchecked():
             t.untyped_storage().resize_(0)
 
+    def _pinned_in(self, span) -> list:
+        """The pinned spans of `span`'s storage (every aten op asks: a dict by storage,
+        not a scan of every pinned buffer)."""
+        if self._pin_index is None:
+            self._pin_index = {}
+            for p in self._pinned:
+                self._pin_index.setdefault(p[0], []).append(p)
+        return self._pin_index.get(span[0], ())
+
     def _is_pinned(self, span) -> bool:
         return span[1] == span[2] or any(p[1] <= span[1] and span[2] <= p[2]
-                                         for p in self._pinned)
+                                         for p in self._pinned_in(span))
 
     def counters(self) -> dict:
         """Bytes copied host->device and device->host so far (`pageable_bytes`: those
@@ -579,13 +604,32 @@ class AsyncSimDevice:
     def _before(self, op: _Copy) -> List[_Copy]:
         """`op`, the earlier copies of its stream (FIFO) and what it waited for,
         transitively."""
+        fifo: Dict[int, List[_Copy]] = {}   # each stream's copies, by seq
+        for y in self._copies:
+            fifo.setdefault(id(y.stream), []).append(y)
+        for line in fifo.values():
+            line.sort(key=lambda y: y.seq)
+        queued: Dict[int, int] = {}   # how many of a stream's first copies are in todo
         todo, seen = [op], {}
         while todo:
             x = todo.pop()
-            if id(x) not in seen:
-                seen[id(x)] = x
-                todo.extend(x.after)
-                todo.extend(y for y in self._copies if y.stream is x.stream and y.seq < x.seq)
+            if id(x) in seen:
+                continue
+            seen[id(x)] = x
+            # A copy executed and waited for by the host is done with, and so is all
+            # before it (it ran after them, and the host wait marked them): nothing to
+            # force, mark or publish there, and no need to walk its long `after` lists.
+            todo.extend(y for y in x.after if id(y) not in seen and not (
+                y.host_synced and y.executed.is_set()))
+            # the copies of x's stream before it: a prefix of its line, each queued once
+            # (was a scan of every copy per x: quadratic, most of a long test's time)
+            line, k = fifo.get(id(x.stream), ()), queued.get(id(x.stream), 0)
+            n = k
+            while n < len(line) and line[n].seq < x.seq:
+                n += 1
+            if n > k:
+                todo.extend(line[k:n])
+                queued[id(x.stream)] = n
         return list(seen.values())
 
     def _on_output(self, spans) -> None:
@@ -602,15 +646,16 @@ class AsyncSimDevice:
         with self.lock:
             self._epoch += 1
             accesses = [(s, False) for s in reads] + [(s, True) for s in writes]
+            flight = None   # (nothing lands while this holds the lock: one list for all)
             for span, is_write in accesses:
-                host = any(_overlaps(span, p) for p in self._pinned) or any(
-                    _overlaps(span, h) for op in self._copies for h in op.host_side)
-                for op in self._in_flight():
-                    sides = op.host_side if host else op.device_side
-                    if not any(_overlaps(span, s) for s in sides):
+                host = any(_overlaps(span, p) for p in self._pinned_in(span)) or any(
+                    op.touches(op.host_side, span) for op in self._copies)
+                if flight is None:
+                    flight = self._in_flight()
+                for op in flight:
+                    if not op.touches(op.host_side if host else op.device_side, span):
                         continue
-                    op_writes = op.writes_host if host else any(
-                        _overlaps(span, w) for w in op.device_writes)
+                    op_writes = op.writes_host if host else op.touches(op.device_writes, span)
                     if not (is_write or op_writes):
                         continue  # two reads never conflict
                     if host:
