@@ -9,6 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import offload_adam
+from conftest import SIMS
 from offload_adam.testing import AsyncSimDevice, SimEvent, simulated
 
 BF16 = torch.bfloat16
@@ -106,10 +107,10 @@ def assert_same_training(a, b):
             assert torch.equal(torch.as_tensor(s1[i][key]), torch.as_tensor(s2[i][key])), (i, key)
 
 
-@pytest.fixture(params=["sim-seed0", "sim-seed1", "sim-latest"])
+@pytest.fixture(params=SIMS)
 def device(request, kernels):
     latest = request.param == "sim-latest"
-    sim = AsyncSimDevice(seed=0 if latest else int(request.param[-1]),
+    sim = AsyncSimDevice(seed=0 if latest else int(request.param[len("sim-seed"):]),
                          latency="latest" if latest else "random")
     try:
         with simulated(sim), sim.watch():
