@@ -9,7 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import offload_adam
-from conftest import SIMS
+from conftest import SIMS, sim_path
 from offload_adam.testing import AsyncSimDevice, SimEvent, simulated
 
 BF16 = torch.bfloat16
@@ -109,15 +109,8 @@ def assert_same_training(a, b):
 
 @pytest.fixture(params=SIMS)
 def device(request, kernels):
-    latest = request.param == "sim-latest"
-    sim = AsyncSimDevice(seed=0 if latest else int(request.param[len("sim-seed"):]),
-                         latency="latest" if latest else "random")
-    try:
-        with simulated(sim), sim.watch():
-            yield sim
-        sim.check()
-    finally:
-        sim.close()
+    with sim_path(request.param) as where:   # built, watched and checked as conftest's
+        yield where.sim
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])

@@ -111,6 +111,15 @@ def _overlaps(a, b) -> bool:
     return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
+def _by_storage(spans) -> dict:
+    """`spans` by their storage: only spans of one storage can overlap, and every aten op
+    asks about every pinned buffer and every copy in flight."""
+    index: dict = {}
+    for s in spans:
+        index.setdefault(s[0], []).append(s)
+    return index
+
+
 def _checksum(ts: Sequence[torch.Tensor]) -> List[bytes]:
     with _unchecked():
         return [t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
@@ -165,18 +174,15 @@ class _Copy:
     host_synced: bool = False      # the host waited for it (directly or not)
     published_to: set = field(default_factory=set)  # compute streams that wait for it
     transfer: Optional[Transfer] = None
-    _by_storage: dict = field(default_factory=dict)   # touches()'s index of each side list
+    _indexed: dict = field(default_factory=dict)   # touches()'s index of each side list
 
     def touches(self, side: list, span) -> bool:
         """Whether a span of `side` (host_side, device_side or device_writes: lists
         replaced, never edited) overlaps `span`. Every aten op asks it of every copy in
         flight, so it looks up `span`'s storage rather than scanning a pack's spans."""
-        hit = self._by_storage.get(id(side))
-        if hit is None or hit[0] is not side:
-            index: dict = {}
-            for s in side:
-                index.setdefault(s[0], []).append(s)
-            hit = self._by_storage[id(side)] = (side, index)   # (holding side: its id stays)
+        hit = self._indexed.get(id(side))
+        if hit is None or hit[0] is not side:   # (holding side keeps its id unique)
+            hit = self._indexed[id(side)] = (side, _by_storage(side))
         return any(_overlaps(span, s) for s in hit[1].get(span[0], ()))
 
     def name(self) -> str:
@@ -333,12 +339,9 @@ class AsyncSimDevice:
             t.untyped_storage().resize_(0)
 
     def _pinned_in(self, span) -> list:
-        """The pinned spans of `span`'s storage (every aten op asks: a dict by storage,
-        not a scan of every pinned buffer)."""
+        """The pinned spans of `span`'s storage."""
         if self._pin_index is None:
-            self._pin_index = {}
-            for p in self._pinned:
-                self._pin_index.setdefault(p[0], []).append(p)
+            self._pin_index = _by_storage(self._pinned)
         return self._pin_index.get(span[0], ())
 
     def _is_pinned(self, span) -> bool:
