@@ -31,7 +31,11 @@ restored params must be theirs (`_refuse_a_mix`).
 
 optimizer.state holds an empty entry for each of these params that has a state (`mark`);
 state_dict() shows their state as file views (`add_state`) and load_state_dict() writes
-into the files bucket by bucket (`load`).
+into the files bucket by bucket (`load`). What the user does to those entries is what
+torch's optimizers would make of it (`edited`): an entry removed (`opt.state.clear()`,
+`del opt.state[p]`, a new `opt.state`) is a param without state, a tensor set in one
+(`opt.state[p]["exp_avg"] = t`) is that param's state; state_dict() shows them, and the
+next step() loads them into the files first (the optimizer: a load of its own state_dict).
 
 state_footprint="compact" (nvme/store.py: one copy, a redo log): each step first writes
 every bucket's redo record (`_log_step`: its grads as the kernel reads them, the values of
@@ -73,7 +77,8 @@ from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .nvme.pipeline import AHEAD
 from .nvme.store import STATE_FILES
-from .state_format import MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_state
+from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_key,
+                           stored_state)
 
 _MB = 2 ** 20
 
@@ -337,11 +342,12 @@ class FileStore:
         files = [[e.entry() for e in b] if all(e.rec is not None for e in b) else None
                  for b in self.buckets]
         if engine is not None and engine.early is not None and compact:
-            self._early = DiskLog(engine, engine.early, self.pipeline, files)
+            self._early = DiskLog(engine, engine.early, self.pipeline, files,
+                                  self._edited_now)
             engine.early.use_files(self._early)
         elif engine is not None and engine.early is not None:
             self._early = DiskEarly(engine, engine.early, self.pipeline, files,
-                                    guess=not self._resumed)
+                                    self._edited_now, guess=not self._resumed)
             engine.early.use_files(self._early)
         if state is not None:
             self._mark(state)
@@ -518,7 +524,47 @@ class FileStore:
         for bucket in self.buckets:
             for e in bucket:
                 if id(e.param) in self._stepped:
-                    state.setdefault(e.param, {})
+                    state.setdefault(e.param, InFiles(e.name))
+
+    def edited(self, state) -> List[str]:
+        """The params (labels) whose entry in optimizer.state `state` the user removed
+        or set a value in since the files' state was last shown there (`_mark`); the
+        optimizer loads them into the files before its next step (see the module doc)."""
+        out = []
+        for pid, where in self._where.items():
+            if pid in self._absent:
+                continue
+            e = where[0][1]
+            entry = state.get(e.param)   # (a defaultdict's get makes no entry)
+            if pid in self._stepped:   # removed, replaced, cleared, or given a value
+                if (entry is None or type(entry) is not InFiles or entry.cleared
+                        or len(entry)):
+                    out.append(e.name)
+            elif entry:   # a state given to a param without one
+                out.append(e.name)
+        return out
+
+    def take_edits(self, state) -> bool:
+        """Whether optimizer.state was edited (`edited`): then the caller loads its own
+        state_dict(), which shows the edits, before the step. A files' pass that started in
+        backward is stopped first (the step() that finds the edit raises, naming it: its
+        grads were stepped from the state before; a backward's first grad asks too, so
+        this is only an edit between backward and step())."""
+        edited = self.edited(state)
+        if edited:
+            self._abandon_early(f"the optimizer state of {edited[0]} in optimizer.state was "
+                                "changed after its step started during backward (the change "
+                                "is in the files now: the next step uses it)")
+        return bool(edited)
+
+    def _edited_now(self) -> bool:
+        """Whether the optimizer's state was edited (`edited`), asked at a backward's first
+        grad: such a backward leaves the files' work to step(), which loads the edits
+        first (engine/disk_early.py)."""
+        early = self.engine.early if self.engine is not None else None
+        owner = early.owner() if early is not None else None
+        raw = getattr(owner, "raw_state", None)
+        return raw is not None and bool(self.edited(raw()))
 
     def _check_in_files(self, param_groups) -> None:
         """A RuntimeError naming the first param with a grad that the files hold no state
@@ -840,8 +886,19 @@ class FileStore:
                 if e.has_master:   # (not an fp32 param stepped in place, as in RAM)
                     st[MASTER_KEY] = rec.master
                 saved_id = saved_ids.get(id(e.param))
-                if saved_id is not None:   # (None: taken out of param_groups since)
-                    state[saved_id] = st
+                if saved_id is None:   # taken out of param_groups since
+                    continue
+                entry = sd["state"].get(saved_id)
+                if id(e.param) in self._stepped and not (type(entry) is InFiles
+                                                         and not entry.cleared):
+                    # its entry removed, replaced or cleared: that is its state now, as
+                    # in torch's optimizers (none, or what the user put there)
+                    if entry:
+                        state[saved_id] = dict(entry)
+                    else:
+                        state.pop(saved_id, None)
+                    continue
+                state[saved_id] = _with_edits(st, entry or {})
         return {**sd, "state": state}
 
     def _joined(self, param, parts: List[ParamState]) -> ParamState:
@@ -989,6 +1046,42 @@ class FileStore:
             st.master.copy_(e.of(got.master))
         else:
             st.master.copy_(e.of(param_values(e.param)).to("cpu", torch.float32))
+
+
+class InFiles(dict):
+    """optimizer.state's entry for a param whose state is in the files (FileStore._mark):
+    empty, as the state is not in RAM; reading a key says where the state is, and a
+    clear() is seen (FileStore.edited) as torch's optimizers would see it: no state."""
+
+    def __init__(self, label: str):
+        super().__init__()
+        self.label, self.cleared = label, False
+
+    def __missing__(self, key):
+        raise KeyError(f"{key!r}: offload_adam keeps the optimizer state of param "
+                       f"{self.label} in its state_dirs= files, not in optimizer.state: "
+                       "read it from optimizer.state_dict()['state']. A value set here "
+                       "(optimizer.state[p][key] = tensor), or the entry removed, is loaded "
+                       "into the files at the next step()")
+
+    def clear(self) -> None:
+        self.cleared = True
+        super().clear()
+
+
+def _with_edits(st: dict, entry: dict) -> dict:
+    """A param's state from the files, with what the user set in its optimizer.state
+    entry over it: a moment set as values (not 8-bit codes) leaves its file scales out."""
+    if not entry:
+        return st
+    out = dict(st)
+    for key, value in entry.items():
+        key = stored_key(key)
+        if key in SCALE_KEYS and not (isinstance(value, torch.Tensor)
+                                      and value.dtype is torch.uint8):
+            out.pop(SCALE_KEYS[key], None)
+        out[key] = value
+    return out
 
 
 def _part_of(e: _Param, key: str, value: torch.Tensor) -> torch.Tensor:

@@ -503,6 +503,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped
             return loss
         num_threads = self._inplace_threads()
+        if self._store.take_edits(self.raw_state()):   # (state_dirs=: opt.state.clear()...)
+            self.load_state_dict(self.state_dict())   # its state dict shows the edits
         # Ctrl-C: the whole step, then KeyboardInterrupt (a second one: see the store)
         with interrupts_deferred(self._store.interrupt_note):
             store_pass = self._store.pass_(self.param_groups, self.state, scale)

@@ -18,7 +18,8 @@
 
 Both answer the optimizer and its mixins (optimizer.py, torch_state_dict.py,
 grad_scaling.py) through the same methods: `pass_`, `grads` (clipping's norm of the
-in-place params), `add_state` / `check_load` / `load` (the state dict), `add_group`, `reset`,
+in-place params), `add_state` / `check_load` / `load` (the state dict), `take_edits`
+(optimizer.state edited where it does not hold the state), `add_group`, `reset`,
 `step_count`, `host_bytes`, `pinned`, `close`, `interrupt_note` (the engine, a stepper, answers for its
 own memory). Nothing outside the stores asks which one it is. `open_store` builds the
 one the routing names.
@@ -82,6 +83,9 @@ class RamStore:
 
     def add_state(self, sd: dict) -> dict:
         return sd   # optimizer.state holds it all
+
+    def take_edits(self, state) -> bool:
+        return False   # optimizer.state is the state: an edit is seen where it is made
 
     def add_group(self, index: int, group: dict) -> None:
         pass   # the in-place plans are per group: made at its first step

@@ -198,3 +198,23 @@ def kernels_that(monkeypatch, before_step):
             return getattr(real, name)
 
     monkeypatch.setattr(kernel_step, "kernels", Wrapped)
+
+
+def train_with_edit(make, edit, params, grads, groups, steps=3, edit_at=1, backward=False):
+    """`steps` steps of optimizer `make(groups(ps))` over copies `ps` of `params`, with
+    `edit(opt, ps)` before step `edit_at`; each step's grads `grads(step)` set by hand,
+    or (`backward`) made by a backward, as the engine's hooks see them. Returns the
+    params after, and the optimizer."""
+    ps = [p.clone().requires_grad_() for p in params]
+    opt = make(groups(ps))
+    for s in range(steps):
+        if s == edit_at:
+            edit(opt, ps)
+        if backward:
+            sum((p * g).sum() for p, g in zip(ps, grads(s))).backward()
+        else:
+            for p, g in zip(ps, grads(s)):
+                p.grad = g.clone()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in ps], opt

@@ -9,6 +9,8 @@ import torch
 
 import offload_adam
 
+from models import train_with_edit
+
 N = 4
 
 
@@ -28,21 +30,8 @@ def _groups(ps):
 
 
 def _train(make, edit, steps=3, backward=False):
-    """`steps` steps over _groups, `edit(opt, params)` before the second; grads set by
-    hand, or (`backward`) made by a backward, as the engine's hooks see them."""
-    ps = [p.clone().requires_grad_() for p in _params()]
-    opt = make(_groups(ps))
-    for s in range(steps):
-        if s == 1:
-            edit(opt, ps)
-        if backward:
-            sum((p * g).sum() for p, g in zip(ps, _grads(s))).backward()
-        else:
-            for p, g in zip(ps, _grads(s)):
-                p.grad = g.clone()
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in ps], opt
+    """`steps` steps over _groups, `edit(opt, params)` before the second."""
+    return train_with_edit(make, edit, _params(), _grads, _groups, steps, 1, backward)
 
 
 def _delete(opt, ps):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,13 +54,18 @@ class FileBucketsInBackward:
     """What the files' work in backward shares (DiskEarly here, disk_log.DiskLog): the
     file buckets of engine params, their grads in a bounded ring (grad_ring.py) until a
     job on the worker is done with them, and a bucket's start once its grads are all
-    copied."""
+    copied. `edited()`: whether the user edited optimizer.state since the last step
+    (nvme_tier.FileStore.edited), asked at a backward's first grad: that backward does
+    none of the files' work (step() loads the edits into the files first, then steps
+    every bucket: its grads overflow the ring meanwhile, as after state_resume=True)."""
 
-    def __init__(self, engine, early, pipeline, files: FileBuckets):
+    def __init__(self, engine, early, pipeline, files: FileBuckets,
+                 edited: Callable[[], bool] = lambda: False):
         self._engine = weakref.ref(engine)
         self._early = early
         self.pipeline = pipeline
         self.files = files
+        self._edited = edited
         self._files_of: Dict[int, List[int]] = {}   # id(rec) -> its file buckets
         self._entry_of: Dict[Tuple[int, int], Entry] = {}   # (file bucket, id(rec)) -> entry
         for i, entries in enumerate(files):
@@ -83,6 +88,7 @@ class FileBucketsInBackward:
         return jobs > 0 and engine is not None and engine.worker_busy()
 
     def _reset_counts(self) -> None:
+        self._skipped = False   # this backward leaves the files' work to step() (edited)
         self._parts_in: set = set()   # (file bucket, id(rec)) counted in
         self._left = {i: len(e) for i, e in enumerate(self.files) if e}
         self._completed: List[int] = []   # file buckets in the order they completed
@@ -103,6 +109,8 @@ class FileBucketsInBackward:
             if not todo:
                 return None   # accumulated before its bucket started: counted once
             first = not self._parts_in
+            if first:
+                self._skipped = self._edited()
             for i in todo:
                 if piece is not None and any(id(p) not in rec.copy.sent_ids
                                              for p in self._entry_of[i, id(rec)].pieces):
@@ -127,13 +135,14 @@ class FileBucketsInBackward:
 class DiskEarly(FileBucketsInBackward):
     """The files' pass of one step, started during backward (see above)."""
 
-    def __init__(self, engine, early, pipeline, files: FileBuckets, guess: bool = True):
+    def __init__(self, engine, early, pipeline, files: FileBuckets,
+                 edited: Callable[[], bool] = lambda: False, guess: bool = True):
         # learned from the last backwards; until then a guess: the last buckets first
         # (none after state_resume=True: its first step checks the params first)
         self.order: Optional[List[int]] = list(reversed(range(len(files)))) if guess else None
         self._before: Optional[set] = None       # the buckets completed in the last one
         self.unrestored = 0   # streamed params the last abandoned pass could not put back
-        super().__init__(engine, early, pipeline, files)
+        super().__init__(engine, early, pipeline, files, edited)
         self._reset()
 
     def _reset(self) -> None:
@@ -176,8 +185,8 @@ class DiskEarly(FileBucketsInBackward):
         if counted is None:
             return
         engine, complete, first = counted
-        if self.order is None:
-            return   # no order to step in: all at step()
+        if self.order is None or self._skipped:
+            return   # no order to step in, or the state edited: all at step()
         for i in complete:
             if not self._begin_bucket(engine, i):
                 return   # the optimizer is gone

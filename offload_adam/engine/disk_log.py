@@ -22,7 +22,7 @@ param). The pass itself runs at step(), not in backward: where the disk bounds t
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .disk_early import FileBuckets, FileBucketsInBackward
 from .layout import ParamRec
@@ -32,11 +32,12 @@ class DiskLog(FileBucketsInBackward):
     """The grads of one step logged during backward (see above); `pipeline`: a
     nvme.StepPipeline over a compact state."""
 
-    def __init__(self, engine, early, pipeline, files: FileBuckets):
+    def __init__(self, engine, early, pipeline, files: FileBuckets,
+                 edited: Callable[[], bool] = lambda: False):
         self.state = pipeline.state
         self.unrestored = 0   # (nothing is stepped in backward: nothing to put back)
         self.stepped: List[ParamRec] = []
-        super().__init__(engine, early, pipeline, files)
+        super().__init__(engine, early, pipeline, files, edited)
         self._reset()
 
     def _reset(self) -> None:
@@ -61,8 +62,8 @@ class DiskLog(FileBucketsInBackward):
         """rec's grad copy has started (or one piece of it, early.py: piece_sent): counts it in its
         file buckets, and logs each bucket it completes on the worker."""
         counted = self._count(rec, piece)
-        if counted is None or not counted[1]:
-            return
+        if counted is None or not counted[1] or self._skipped:
+            return   # (edited: every record written at step())
         engine, complete, _ = counted
         for i in complete:
             if not self._begin_bucket(engine, i):

@@ -163,6 +163,10 @@ class EarlyStart:
         if self._started and self.error is None:
             self.error = reason
 
+    def owner(self):
+        """The optimizer, None once it is gone."""
+        return self._owner()
+
     def hyper(self, group: int) -> Hyper:
         """The hyperparameters group's early steps use (`begin` read them)."""
         return self._hyper[group]
