@@ -21,7 +21,9 @@ ask of a grad:
     (the engine's accumulation ring), so the device holds no grad between
     micro-batches;
 and refuses everything else (reading values, GradScaler.unscale_) with an
-error that says why and what to do.
+error that says why and what to do. After step() the host copy is let go, and
+until zero_grad() the FreedGrad answers nothing (`Stepped`): a second step(),
+or a backward adding to it, raises where torch would use the stepped grad again.
 
 A DTensor param's FreedGrad is a DTensor of the param's layout around one, so
 that the clipping norm's reduction (distributed.py) still sees the layout.
@@ -133,6 +135,54 @@ def freed_grad(param: torch.Tensor, local_grad: torch.Tensor, label: str,
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(placeholder, param.device_mesh, param.placements,
                               run_check=False, shape=param.shape, stride=param.stride())
+
+
+class Stepped:
+    """The host copy of a freed grad once a completed step() consumed it (the engine lets
+    it go): the FreedGrad left in p.grad until zero_grad() answers nothing. torch keeps a
+    stepped grad until zero_grad(), so a second step() steps it again and the next
+    backward adds to it; here both would go on silently from no grad, so both raise."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def refuse(self, what: str):
+        raise RuntimeError(
+            f"offload_adam: the grad of {self.label} was freed in backward "
+            "(free_grads_after_copy=True) and its host copy let go after the last step() "
+            f"stepped it, so {what}. Call zero_grad() (the optimizer's or the model's) "
+            "after step(), before the next backward or step()")
+
+    def sq_sum(self) -> float:
+        self.refuse("its norm is gone")
+
+    def scale(self, factor: float) -> None:
+        self.refuse("it cannot be scaled")
+
+    def accumulate(self, new: torch.Tensor) -> None:
+        self.refuse("this backward cannot add its grad to it (torch would)")
+
+
+def stepped_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The FreedGrad `grad` (a DTensor's too) as one a completed step consumed."""
+    local = grad._local_tensor if is_dtensor(grad) else grad
+    if not is_dtensor(grad):
+        return FreedGrad(local, local.label, Stepped(local.label))
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(FreedGrad(local, local.label, Stepped(local.label)),
+                              grad.device_mesh, grad.placements, run_check=False,
+                              shape=grad.shape, stride=grad.stride())
+
+
+def check_not_stepped(param_groups) -> None:
+    """step() refuses a param whose grad the last step() consumed (Stepped)."""
+    for g in param_groups:
+        for p in g["params"]:
+            grad = p.grad
+            if grad is not None and is_freed(grad):
+                local = grad._local_tensor if is_dtensor(grad) else grad
+                if isinstance(local.host, Stepped):
+                    local.host.refuse("step() cannot step it again")
 
 
 def is_freed(grad) -> bool:

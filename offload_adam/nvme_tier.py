@@ -58,6 +58,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
+import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -247,6 +248,12 @@ class FileStore:
                                                                or p.grad is not None)]
                    for ps in params]
         floats = [[p for p in ps if p.is_floating_point()] for ps in params]
+        if not any(trained):
+            raise ValueError(
+                "offload_adam: state_dirs= given, but none of the optimizer's params trains "
+                "(requires_grad=False, or not a float): the files would hold no state, and "
+                "a param unfrozen later cannot join them. Build the optimizer after "
+                "unfreezing the params that train (or adding them: LoRA adapters)")
         # The layouts tried in turn, (buckets, specs) each: the one without parts only
         # where it differs (no file is touched before NvmeState.open). The engine took
         # the params that train (optimizer._engine_params): before the files of every
@@ -299,6 +306,9 @@ class FileStore:
         for i, b in enumerate(self.buckets):
             for e in b:
                 self._where.setdefault(id(e.param), []).append((i, e))
+        # each param's (local) shape, as its files were laid out for it
+        self._shapes = {pid: tuple(local(where[0][1].param).shape)
+                        for pid, where in self._where.items()}
         flat = [p for group in params for p in group]
         self._ranks = ((flat, process_group)   # compact under several ranks: who steps
                        if compact and distributed.sharded(flat, process_group) else None)
@@ -338,16 +348,22 @@ class FileStore:
                 self.pipeline.close()
             self.state.close(discard=True)
             raise
+        # the tensors the last state_dict() mapped from the files, while alive (weakly),
+        # and the files' step then (`_warn_held`)
+        self._handed: Optional[Tuple[int, weakref.WeakSet]] = None
         self._early = None   # step_in_backward: the pass that starts in backward
         files = [[e.entry() for e in b] if all(e.rec is not None for e in b) else None
                  for b in self.buckets]
+        # (asked through a weak reference: the engine holds the pass, and must not hold
+        # this store, which holds the engine: a dropped optimizer is freed at once)
+        me = weakref.ref(self)
+        edited = lambda: me() is not None and me()._edited_now()   # noqa: E731
         if engine is not None and engine.early is not None and compact:
-            self._early = DiskLog(engine, engine.early, self.pipeline, files,
-                                  self._edited_now)
+            self._early = DiskLog(engine, engine.early, self.pipeline, files, edited)
             engine.early.use_files(self._early)
         elif engine is not None and engine.early is not None:
-            self._early = DiskEarly(engine, engine.early, self.pipeline, files,
-                                    self._edited_now, guess=not self._resumed)
+            self._early = DiskEarly(engine, engine.early, self.pipeline, files, edited,
+                                    guess=not self._resumed)
             engine.early.use_files(self._early)
         if state is not None:
             self._mark(state)
@@ -567,10 +583,19 @@ class FileStore:
         return raw is not None and bool(self.edited(raw()))
 
     def _check_in_files(self, param_groups) -> None:
-        """A RuntimeError naming the first param with a grad that the files hold no state
-        for (frozen when the optimizer was built, unfrozen since), before anything moves."""
+        """A RuntimeError naming the first param whose shape is not the one its files were
+        laid out for, or with a grad that the files hold no state for (frozen when the
+        optimizer was built, unfrozen since), before anything moves."""
         for gi, g in enumerate(param_groups):
             for i, p in enumerate(g["params"]):
+                laid = self._shapes.get(id(p))
+                if laid is not None and tuple(local(p).shape) != laid:
+                    raise RuntimeError(
+                        f"offload_adam: param {param_label(g, gi, i, p)} has shape "
+                        f"{tuple(local(p).shape)}; its state files were laid out for "
+                        f"{laid} when the optimizer was built (p.data set to another "
+                        "shape?); nothing was stepped. With state_dirs=, build the "
+                        "optimizer after reshaping the model")
                 if p.grad is not None and id(p) not in self._built_with:
                     raise RuntimeError(
                         f"offload_adam: param {param_label(g, gi, i, p)} was put into "
@@ -667,14 +692,19 @@ class FileStore:
             raise RuntimeError("offload_adam: this optimizer was closed (its state files "
                                "too); build a new one, with state_resume=True to continue "
                                "from them")
-        self._check_resumed(stepping=True)
-        self._check_in_files(param_groups)
-        # (the engine follows the groups itself: given them as they are)
-        groups_now, param_groups = param_groups, self._follow(param_groups)
-        with_grads = [e for b in self.buckets for e in b if e.rec is None
-                      and e.param.grad is not None and id(e.param) not in self._absent]
-        for e in with_grads:   # before any bucket is stepped
-            _check_grad(e, param_groups[e.group])
+        try:   # what the files refuse, before any bucket is stepped
+            self._check_resumed(stepping=True)
+            self._check_in_files(param_groups)
+            # (the engine follows the groups itself: given them as they are)
+            groups_now, param_groups = param_groups, self._follow(param_groups)
+            with_grads = [e for b in self.buckets for e in b if e.rec is None
+                          and e.param.grad is not None and id(e.param) not in self._absent]
+            for e in with_grads:
+                _check_grad(e, param_groups[e.group])
+        except BaseException:   # a pass started in backward ends with the refused step
+            if self._early is not None and self._early.busy:   # (nothing stepped: the
+                self.engine.early.commit()   # next zero_grad() and backward start afresh)
+            raise
         # (step_in_backward: verify() here may abandon the pass, then raises)
         run = self.engine.stepping(groups_now, grad_scale) if self.engine else None
         early = self._early if self._early is not None and self._early.started else None
@@ -685,6 +715,7 @@ class FileStore:
             if stepping:   # (refused before the redo log: nothing of the step is written)
                 for gi in range(len(param_groups)):
                     self._check_format(gi, param_groups)
+                self._warn_held()
             if self.compact:   # before any bucket moves: the redo log, on every rank
                 if stepping:
                     self._log_step(param_groups, grad_scale, run, early)
@@ -823,6 +854,28 @@ class FileStore:
             self.engine.early.interrupted(reason)
             self._early.abandon()
 
+    def _warn_held(self) -> None:
+        """A RuntimeWarning when this step rewrites the place in the files of tensors that
+        the last state_dict() mapped and someone still holds (a checkpoint saved in the
+        background, a state dict kept to save later): they would show other bytes. Two
+        generations: the step writes the slot of the step before last; compact: the
+        step moves the buckets within their ring."""
+        if self._handed is None:
+            return
+        step, held = self._handed
+        if not len(held):
+            self._handed = None
+        elif self.compact or self.state.step > step:
+            self._handed = None   # (once per state_dict())
+            when = ("before the next step()" if self.compact
+                    else "before the second step() after")
+            warnings.warn(
+                f"offload_adam: {len(held)} tensors of a state_dict() taken at step {step} are "
+                "still held, and this step rewrites their place in the state files (they are "
+                f"mapped from them, not copied): save or copy what state_dict() gives {when} "
+                "(state_footprint=" f"{'compact' if self.compact else 'two_generations'}), "
+                "and drop it after", RuntimeWarning, stacklevel=5)
+
     def _check_format(self, gi: int, param_groups) -> None:
         group = param_groups[gi]
         fmt, amsgrad = self._formats[gi], self._amsgrad[gi]
@@ -864,6 +917,7 @@ class FileStore:
         saved_ids = {id(p): i for saved, g in zip(sd["param_groups"], self._param_groups)
                      for i, p in zip(saved["params"], g["params"])}
         parts: Dict[int, List[ParamState]] = {}   # a param in parts: those seen so far
+        held: weakref.WeakSet = weakref.WeakSet()
         for i, bucket in enumerate(self.buckets):
             views = self.state.views(i)
             for e in bucket:
@@ -899,6 +953,8 @@ class FileStore:
                         state.pop(saved_id, None)
                     continue
                 state[saved_id] = _with_edits(st, entry or {})
+                held.update(v for v in st.values() if isinstance(v, torch.Tensor))
+        self._handed = (self.state.step, held)
         return {**sd, "state": state}
 
     def _joined(self, param, parts: List[ParamState]) -> ParamState:

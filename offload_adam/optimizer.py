@@ -50,6 +50,7 @@ from .engine import OffloadEngine
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
 from .master_rule import MasterMarks
+from .freed_grad import check_not_stepped
 from .params import SUPPORTED_DTYPES, check_grad_dtypes, one_device, param_label
 from .options import Options
 from .routing import Routing
@@ -200,6 +201,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_routing", None)   # decided again when unpickled
         state.pop("_marks", None)     # every master checked at the first step
         state.pop("_group_of", None)  # (weak keys) made again from the groups
+        state.pop("_closed", None)    # an unpickled one is open
         return state
 
     def __setstate__(self, state):
@@ -427,6 +429,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         thread and hooks, unpins its host memory (the state stays readable), and closes
         the NVMe tier's ring, files and directory lock. A step after close() raises;
         the files stay, for state_resume=True."""
+        self.__dict__["_closed"] = True
         if self._engine is not None:
             self._engine.close()
         self._store.close()
@@ -493,11 +496,16 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             closure (Callable, optional): A closure that reevaluates the model
                 and returns the loss.
         """
+        if self.__dict__.get("_closed"):
+            raise RuntimeError("offload_adam: this optimizer was closed (close()): build a "
+                               "new one to step (with state_dirs=, state_resume=True "
+                               "continues from its files)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         check_grad_dtypes(self.param_groups)
+        check_not_stepped(self.param_groups)   # (free_grads_after_copy: consumed)
         self._join_trained()   # (a param unfrozen since its optimizer was built)
         scale = self._step_scale()   # grad_scaling.py
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped

@@ -12,7 +12,9 @@ documented here and nowhere else.
     check from the host copy; another micro-batch's grad accumulates into it on
     the host (sent, then added to the host copy: bit for bit the sum on the
     device); everything else is refused with an error: reading its values,
-    editing it. Needs overlap=True.
+    editing it. After step() its host copy is let go: until zero_grad() (the
+    optimizer's or the model's) a second step() or a backward adding to it
+    raises (torch would step it again, or add to it). Needs overlap=True.
     torch.nn.utils.clip_grad_norm_ of freed grads steps as torch's clip of the
     grads kept, bit for bit, whenever the two agree on the norms, and always
     when neither total norm exceeds max_norm (the coefficient is then 1): the
@@ -116,7 +118,9 @@ documented here and nowhere else.
     checked whenever it is read (each step, state_dict(), a resume): damaged
     bytes are an error naming the bucket and the file. state_dict() returns
     tensors backed by the files (mmap'd, copy on write; save them before the
-    second step after), load_state_dict() writes into the files. Fixed at
+    second step after, with state_footprint="compact" before the next: a warning
+    says when a step rewrites the place of some still alive), load_state_dict()
+    writes into the files. Fixed at
     construction (no add_param_group). None = host RAM.
   grad_ring_mb (None): with step_in_backward, the host memory (pinned) the
     grads wait in between their copy and their bucket's step (engine/grad_ring.py).

@@ -25,15 +25,32 @@ def param_label(group: dict, group_index: int, index: int, p: torch.Tensor) -> s
 
 def check_grad_dtypes(param_groups) -> None:
     """A TypeError naming the first param with a grad whose dtype no kernel steps (an
-    integer param given a grad by hand, a param cast to float64 after construction),
-    before anything is stepped (torch's optimizers fail on an integer one part way)."""
+    integer param given a grad by hand, a param cast to float64 after construction), or
+    whose grad's dtype is not the param's (torch 2.13's `p.grad_dtype` allows an fp32
+    grad for a bf16 param: the kernels read a grad of the param's dtype); a RuntimeError
+    for a grad whose shape is not the param's (`p.data = ...` of another shape after
+    the grad was made); before anything is stepped (torch's optimizers fail on an
+    integer one part way)."""
     for gi, g in enumerate(param_groups):
         for i, p in enumerate(g["params"]):
-            if p.grad is not None and p.dtype not in SUPPORTED_DTYPES:
+            grad = p.grad
+            if grad is None:
+                continue
+            if p.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(
                     f"offload_adam steps float32, bfloat16 and float16 params; param "
                     f"{param_label(g, gi, i, p)} is {p.dtype} and has a grad "
-                    f"({p.grad.dtype}): set its grad to None, or leave it out of the optimizer")
+                    f"({grad.dtype}): set its grad to None, or leave it out of the optimizer")
+            if grad.dtype is not p.dtype:
+                raise TypeError(
+                    f"offload_adam: param {param_label(g, gi, i, p)} is {p.dtype} and its "
+                    f"grad {grad.dtype}; the kernels step a grad of the param's dtype (set "
+                    "p.grad_dtype = None, or cast the grad)")
+            if grad.shape != p.shape:
+                raise RuntimeError(
+                    f"offload_adam: param {param_label(g, gi, i, p)} has shape "
+                    f"{tuple(p.shape)} and its grad {tuple(grad.shape)} (p.data set to "
+                    "another shape after the grad was made?): set its grad to None")
 
 
 def one_device(params) -> torch.device:

@@ -43,7 +43,9 @@ class TorchStateDict:
         memory-mapped from its files (copy on write) instead of read into RAM:
         torch.save streams them. They hold this step's values through the next
         step(); the one after rewrites their place in the files, so save (or
-        copy) them before that."""
+        copy) them before that (with state_footprint="compact", whose step moves
+        the buckets in place, before the next step(); a step that rewrites the
+        place of some still alive warns)."""
         sd = self._store.add_state(super().state_dict())
         params = self._params()
         dtensor_ids = {i for g, group in zip(sd["param_groups"], self.param_groups)

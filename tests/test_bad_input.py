@@ -159,3 +159,57 @@ def test_backward_into_a_freed_grad_after_close_says_the_optimizer_was_closed(si
     opt.zero_grad()
     m(x).sum().backward()
     assert all(p.grad is not None for p in m.parameters())
+
+
+def test_a_grad_of_another_dtype_names_the_param_and_both_dtypes(path):
+    # torch 2.13's p.grad_dtype lets a bf16 param hold an fp32 grad: no kernel steps that
+    p = torch.nn.Parameter(torch.randn(8).bfloat16())
+    q = torch.nn.Parameter(torch.randn(8).bfloat16())
+    opt = offload_adam.AdamW([{"params": [q]}, {"params": [p]}])
+    before = p.detach().clone()
+    p.grad_dtype = torch.float32
+    p.grad = torch.randn(8)
+    with pytest.raises(TypeError, match=r"group 1, param 0 \(shape \(8,\)\) is "
+                                        r"torch.bfloat16 and its grad torch.float32"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+def test_a_grad_left_at_the_old_shape_names_the_param(path):
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(16))
+    opt = offload_adam.AdamW([p, q])
+    q.grad = torch.randn(16)
+    q.data = torch.randn(32)
+    with pytest.raises(RuntimeError, match=r"param 1 \(shape \(32,\)\) has shape \(32,\) "
+                                           r"and its grad \(16,\)"):
+        opt.step()
+
+
+def test_a_param_reshaped_after_its_files_were_laid_out_is_refused_by_name(tmp_path, kernels):
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    opt = offload_adam.AdamW([p], state_dirs=[tmp_path])
+    p.grad = torch.randn(6, 4)
+    opt.step()
+    p.data, p.grad = torch.randn(4, 6), torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match=r"param 0 \(shape \(4, 6\)\).*laid out for "
+                                           r"\(6, 4\).*nothing was stepped"):
+        opt.step()
+
+
+def test_state_dirs_over_params_none_of_which_trains_says_so(tmp_path, kernels):
+    m = torch.nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match="none of the optimizer's params trains"):
+        offload_adam.AdamW(m.parameters(), state_dirs=[tmp_path])
+    assert not any(tmp_path.iterdir())   # no file made
+
+
+def test_a_step_after_close_raises_on_every_path(path):
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = offload_adam.AdamW([p])
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.close()
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match="this optimizer was closed"):
+        opt.step()
+    assert torch.equal(p.detach(), before)

@@ -1058,7 +1058,10 @@ def test_profile_and_host_bytes(path, early):
     assert {r["phase"] for r in prof["timeline"]} == {"d2h", "cpu_step", "h2d"}
     for r in prof["timeline"]:
         assert r["end_s"] >= r["start_s"] and isinstance(r["bucket"], int)
-    assert prof["exposed_s"] >= prof["cpu_step_s"] > 0
+    assert prof["cpu_step_s"] > 0 and prof["exposed_s"] > 0
+    if not early:
+        # every bucket stepped inside step(); in backward, some may step before it
+        assert prof["exposed_s"] >= prof["cpu_step_s"]
 
 
 def test_num_threads_reaches_every_kernel_call(path, monkeypatch):

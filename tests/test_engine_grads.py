@@ -142,6 +142,37 @@ def test_unscale_after_freed_grads_is_an_error(path):
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
+@pytest.mark.parametrize("misuse", ["step_again", "backward_again"])
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_a_stepped_freed_grad_is_refused_until_zero_grad(path, misuse, zero):
+    """torch keeps a stepped grad until zero_grad(): a second step() steps it again and
+    the next backward adds to it. A freed grad's host copy is let go after its step, so
+    both raise, naming the param, with nothing stepped (before, both went on silently
+    from no grad); after zero_grad(), the optimizer's or the model's, training goes on
+    bitwise as without the option."""
+    a, b = make_mlp(), make_mlp()
+    ref = offload_adam.AdamW(a.parameters(), **MLP_OPTS)
+    opt = offload_adam.AdamW(b.parameters(), free_grads_after_copy=True, **MLP_OPTS)
+    for m, o in ((a, ref), (b, opt)):
+        mlp_loss(m, 0).backward()
+        o.step()
+    before = [p.detach().clone() for p in b.parameters()]
+    with pytest.raises(RuntimeError, match=r"grad of param group 0, param \d+ \(shape .* "
+                                           r"let go after the last step\(\) stepped it"):
+        if misuse == "step_again":
+            opt.step()
+        else:
+            mlp_loss(b, 1).backward()
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before))
+    ref.zero_grad()
+    (opt if zero == "optimizer" else b).zero_grad()
+    for m, o in ((a, ref), (b, opt)):
+        mlp_loss(m, 1).backward()
+        o.step()
+        o.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
 def _unverified_scaler_run(device, overlap):
     """GradScaler with unscale_ without fingerprints: only invalidate_copies
     makes step() copy the unscaled grads again."""

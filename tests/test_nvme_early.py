@@ -262,3 +262,29 @@ def test_an_error_leaves_nothing_stepped_and_training_goes_on(kernels, tmp_path,
             disk.param_groups[0]["lr"] = OPTS["lr"]
         goes_on_as_if_never_ran(a, b, ram, disk, snap, monkeypatch, range(3, 6))
     assert disk.step_count == 5
+
+
+def test_a_step_the_files_refuse_ends_the_pass_begun_in_backward(kernels, tmp_path,
+                                                                monkeypatch):
+    """A param frozen when the optimizer was built and unfrozen since has a grad: step()
+    refuses it by name, after the pass in backward began, with nothing stepped; that ends
+    the pass (zero_grad() raises no second error), and once the param is frozen again
+    training goes on bitwise as if that iteration never ran."""
+    a, b = model(), model()
+    frozen = [params_of(m)[0] for m in (a, b)]
+    for p in frozen:
+        p.requires_grad_(False)
+    with sim_path("sim-seed1"):
+        ram, disk = in_ram_and_on_disk(a, b, tmp_path)
+        train_both(a, b, ram, disk, range(2))
+        snap = snapshot(b, disk)
+        calls = KernelCalls(monkeypatch)
+        frozen[1].requires_grad_(True)
+        backward(b, 2)
+        settle(disk)
+        assert calls.off_main > 0   # (the pass had begun)
+        with pytest.raises(RuntimeError, match=r"param 0 .* has a grad, but it was frozen"):
+            disk.step()
+        disk.zero_grad()
+        frozen[1].requires_grad_(False)
+        goes_on_as_if_never_ran(a, b, ram, disk, snap, monkeypatch, range(3, 5))

@@ -3,6 +3,7 @@ the optimizer with its state in host RAM, checkpoints across the two tiers both 
 errors of bad input. Small sizes under tmp_path; bucket_mb is tiny so that every run has
 several buckets and the pipeline reads ahead."""
 import gc
+import io
 import os
 import warnings
 
@@ -528,3 +529,40 @@ def test_the_files_hold_the_params_that_train_and_older_files_of_every_param_res
     # (its master and two fp32 moments; fp32 params stepped in place keep no master)
     assert state_bytes(smaller) <= state_bytes(opt) - ps[0].numel() * 8
     steps(smaller, fresh, 0, 1)
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_a_step_that_rewrites_a_held_state_dict_warns(kernels, tmp_path, footprint):
+    """state_dict()'s tensors are mapped from the files: two generations keep them through
+    the next step, compact's buckets move at the next one. The step that rewrites their
+    place while some are still held warns; one after they were dropped does not."""
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(3)]
+    opt = offload_adam.AdamW(params, state_dirs=[tmp_path], state_footprint=footprint,
+                             bucket_mb=0.02)
+
+    def step(quiet=True):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with warnings.catch_warnings():
+            if quiet:
+                warnings.simplefilter("error")
+            opt.step()
+
+    def saved(sd):
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)["state"]
+
+    step()
+    sd = opt.state_dict()
+    then = saved(sd)
+    if footprint == "two_generations":
+        step()   # quiet: the held tensors keep their values through it
+        now = saved(sd)
+        assert all(torch.equal(then[i][k], now[i][k]) for i in then for k in then[i])
+    with pytest.warns(RuntimeWarning, match=r"tensors of a state_dict\(\) taken at step \d+ "
+                                            r"are still held"):
+        step(quiet=False)
+    saved(opt.state_dict())   # taken, saved and dropped at once: no warning after
+    step()
+    step()

@@ -59,7 +59,7 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..freed_grad import freed_grad, is_freed
+from ..freed_grad import freed_grad, is_freed, stepped_grad
 from ..kernel_step import Hyper, KernelArgs
 from ..master_rule import MasterMarks
 from ..param_state import ROLES, ParamState
@@ -892,11 +892,11 @@ class OffloadEngine:
 
     def _consumed(self) -> None:
         for rec in self.recs:
-            if rec.freed:   # consumed: a second step() without backward skips it
-                rec.freed = False
+            if rec.freed:   # consumed: until zero_grad(), its grad refuses to be used
+                rec.freed = False   # (freed_grad.Stepped)
                 rec.copy = None
                 if is_freed(rec.param.grad):
-                    rec.param.grad = None
+                    rec.param.grad = stepped_grad(rec.param.grad)
 
     def drain(self, finish: bool = False) -> None:
         """Waits for the jobs queued on the worker (raises what one raised)."""

@@ -631,7 +631,8 @@ class NvmeState:
         storage, so torch.save writes just its bytes, paged in as it goes. The slot is
         checked against its checksum first (a read of the extent, which the page cache
         then serves to the mappings). They keep these values through the next step; the
-        step after it rewrites their slot: save them before then. `previous`: the other
+        step after it rewrites their slot: save them before then (compact: its one copy
+        moves at the next step, which may write over them). `previous`: the other
         slot, the bucket at step `previous` (while it is whole)."""
         self._check_sure()
         if self.compact and previous:
