@@ -74,6 +74,12 @@ def _round(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def _positive(v) -> bool:
+    """A finite number above 0 (nan and inf are not sizes or speeds)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v > 0)
+
+
 # ---- the model ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -139,23 +145,53 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "config") -> "ModelShape":
-        """From a Hugging Face config (its dict): Llama, Mistral, Qwen2 and the like."""
+        """From a Hugging Face config (its dict): Llama, Mistral, Qwen2 and the like. A
+        multimodal config's `text_config` is its decoder's. Anything else is refused by
+        name: a mixture of experts (its blocks are not this shape), a field of the wrong
+        type (a count given as a string or a float is not guessed at)."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"model config {name!r}: a JSON object expected, got "
+                             f"{type(cfg).__name__}")
+        if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
+            cfg = cfg["text_config"]
         need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads")
         missing = [k for k in need if k not in cfg]
         if missing:
             raise ValueError(f"model config {name!r} lacks {', '.join(missing)}: the planner "
                              "knows Llama-shaped decoders (give the shape as flags instead)")
-        heads = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        if head_dim * heads != cfg["hidden_size"]:
+        for key in _MOE_KEYS:
+            experts = cfg.get(key)
+            if experts not in (None, 0, 1, False):
+                raise ValueError(f"model config {name!r}: {key}={experts!r}, a mixture of "
+                                 "experts; the planner knows dense Llama-shaped decoders only")
+
+        def count(key, default=None):
+            v = cfg.get(key)
+            if v is None and default is not None:
+                return default
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"model config {name!r}: {key} must be a positive int, got "
+                                 f"{v!r}")
+            return v
+
+        hidden, heads = count("hidden_size"), count("num_attention_heads")
+        head_dim = count("head_dim", hidden // heads)
+        if head_dim * heads != hidden:
             raise ValueError(f"model config {name!r}: head_dim {head_dim} x {heads} heads is "
-                             f"not hidden_size {cfg['hidden_size']}; not a shape the planner "
-                             "knows")
-        return cls(name, int(cfg["vocab_size"]), int(cfg["hidden_size"]),
-                   int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]), heads,
-                   int(cfg.get("num_key_value_heads") or heads),
-                   bool(cfg.get("tie_word_embeddings", False)))
+                             f"not hidden_size {hidden}; not a shape the planner knows")
+        tied = cfg.get("tie_word_embeddings")
+        if tied is not None and not isinstance(tied, bool):
+            raise ValueError(f"model config {name!r}: tie_word_embeddings must be true or "
+                             f"false, got {tied!r}")
+        return cls(name, count("vocab_size"), hidden, count("intermediate_size"),
+                   count("num_hidden_layers"), heads, count("num_key_value_heads", heads),
+                   bool(tied))
+
+
+# A config's count of experts per block (Mixtral, Qwen-MoE, DeepSeek, the
+# switch-style ones): more than one is a mixture of experts.
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 # Published shapes (the models' config.json).
@@ -175,7 +211,11 @@ def load_model(spec: str) -> ModelShape:
     path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
     if os.path.isfile(path):
         with open(path) as f:
-            return ModelShape.from_config(json.load(f), spec)
+            try:
+                cfg = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"model {spec!r}: {path} is not JSON ({e})") from None
+        return ModelShape.from_config(cfg, spec)
     if spec.endswith(".json") or os.path.isdir(spec):   # a path, not a hub name
         raise ValueError(f"model {spec!r}: a directory without a config.json"
                          if os.path.isdir(spec) else f"model {spec!r}: no such file")
@@ -212,6 +252,7 @@ class Machine:
     gpu_reserve_bytes: float = 1.5 * GB
     host_reserve_bytes: float = 8 * GB
     measured: Tuple[str, ...] = ()
+    assumed: Tuple[str, ...] = ()   # ('here') fields neither measured nor given: the base's
 
 
 # The issue's reference desktop: a 24 GB GPU (an RTX 4090: 165 dense bf16 TFLOPS with fp32
@@ -331,6 +372,10 @@ class Run:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "prefetch" else 1):
                 raise ValueError(f"{key} must be a positive int, got {v!r}")
+        for key in ("bucket_mb", "state_budget_mb", "logit_bytes", "param_cache_mb"):
+            v = getattr(self, key)
+            if v is not None and not _positive(v):
+                raise ValueError(f"{key} must be a positive number, got {v!r}")
 
     @property
     def tokens(self) -> int:
@@ -576,6 +621,7 @@ class Plan:
     seconds: Dict[str, float] = field(default_factory=dict)   # per-step lower bounds
     traffic: Dict[str, float] = field(default_factory=dict)   # bytes per step per link
     expected_s: float = 0.0   # the step as the code schedules it (`schedule`)
+    refused: List[str] = field(default_factory=list)   # what the code would refuse to build
 
     @property
     def gpu_total(self) -> float:
@@ -599,7 +645,7 @@ class Plan:
                                           ("SSD", self.disk_total, m.ssd_bytes, 0.0)):
             if used > have - reserve:
                 out.append(f"{what} {used / GB:.1f} GB > {(have - reserve) / GB:.1f} GB")
-        return out
+        return out + self.refused
 
     @property
     def fits(self) -> bool:
@@ -629,6 +675,10 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),
              _host(model, run, layout, files), _disk(model, layout, files))
+    if layout.in_files and files["ring"] < 3:   # (nvme/pipeline.py ring_size refuses it)
+        p.refused.append(f"state_budget_mb {run.state_budget_mb:g} holds {files['ring']} of "
+                         f"the largest state bucket ({files['largest_bucket_bytes'] / _MB:.1f} "
+                         "MiB); the files' pipeline needs 3")
     n, streamed = model.params, model.layers * model.block_params
     cache = 0.0
     if layout.params == "files":   # what the host has left caches the param files, in blocks
@@ -717,16 +767,22 @@ def schedule(p: Plan, k: int, streamed: int, ssd_forward: float) -> float:
     return forward + max(backward + t["dram"] / dram, ssd) + tail
 
 
+# The most blocks largest_fitting tries (a plan's cost grows with the blocks; the deepest
+# published decoders have ~130): past it a width is reported as fitting at least this many.
+MAX_BLOCKS = 1024
+
+
 def largest_fitting(model: ModelShape, machine: Machine, run: Run,
                     layout: Layout) -> Optional[ModelShape]:
-    """The model of the same width with the most blocks that fits (None: not even one).
-    Bytes grow with the blocks in every tier, so a bisection finds it."""
+    """The model of the same width with the most blocks that fits (None: not even one;
+    MAX_BLOCKS blocks: at least that many). Bytes grow with the blocks in every tier, so a
+    bisection finds it."""
     if not plan(model.with_layers(1), machine, run, layout).fits:
         return None
     lo, hi = 1, 2
     while plan(model.with_layers(hi), machine, run, layout).fits:
-        lo, hi = hi, hi * 2
-        if hi > 1 << 16:
+        lo, hi = hi, min(hi * 2, MAX_BLOCKS)
+        if lo == MAX_BLOCKS:
             return model.with_layers(lo)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -756,7 +812,8 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         f"GB/s, SSD {m.ssd_bytes / GB:.0f} GB at {m.ssd_read_gbps:.3g}/{m.ssd_write_gbps:.3g} GB/s "
         f"read/write; reserved: GPU {m.gpu_reserve_bytes / GB:.1f} GB, host "
         f"{m.host_reserve_bytes / GB:.1f} GB"
-        + (f" (measured here: {', '.join(m.measured)})" if m.measured else ""),
+        + (f" (measured here: {', '.join(m.measured)})" if m.measured else "")
+        + (f" (not measured, the preset's: {', '.join(m.assumed)})" if m.assumed else ""),
         "",
         f"{'layout':34s} {'GPU GB':>8s} {'host GB':>8s} {'disk GB':>8s} {'fits':>4s} "
         f"{'GPU s':>7s} {'PCIe s':>7s} {'CPU s':>7s} {'SSD s':>7s} {'bound':>5s} "
@@ -772,7 +829,8 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
             f"{name:34s} {_gb(p.gpu_total)} {_gb(p.host_total)} {_gb(p.disk_total)} "
             f"{'yes' if p.fits else 'no':>4s} {s['gpu']:7.2f} {s['pcie']:7.2f} {s['cpu']:7.2f} "
             f"{s['ssd']:7.2f} {p.bound:>5s} {p.expected_s:7.2f} "
-            + (f"{big.params / 1e9:11.1f} B ({big.layers})" if big else f"{'none':>18s}"))
+            + (f"{'>=' if big.layers == MAX_BLOCKS else '':>2s}{big.params / 1e9:9.1f} B "
+               f"({big.layers})" if big else f"{'none':>18s}"))
         if detail:
             for tier, parts in (("GPU", p.gpu), ("host", p.host), ("disk", p.disk)):
                 for what, b in parts.items():
@@ -780,8 +838,9 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
             if not p.fits:
                 lines.append(f"    does not fit: {'; '.join(p.misfits())}")
         d = p.as_dict()
-        d["largest_fitting"] = None if big is None else {"layers": big.layers,
-                                                           "params": big.params}
+        d["largest_fitting"] = None if big is None else {
+            "layers": big.layers, "params": big.params,
+            "at_least": big.layers == MAX_BLOCKS}   # (the search stops there)
         out.append(d)
     lines += ["", "Bounds are per optimizer step, each at the stated speed; the step is at "
               "least the largest. est: the step as the code schedules it (forward with the "
@@ -804,11 +863,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--machine", default="desktop-24gb",
                     help=f"{', '.join(MACHINES)}, or 'here' (the desktop's speeds, this "
                          "machine's RAM, free disk and GPU memory)")
-    ap.add_argument("--state-dir", default=".", help="where the files would go (with 'here')")
+    ap.add_argument("--state-dir", help="where the files would go (with 'here'; default .)")
     ap.add_argument("--measure", action="store_true",
                     help="with --machine here: probe DRAM, disk (in --state-dir) and PCIe "
                          "speeds too (a few seconds; --probe-gb each)")
-    ap.add_argument("--probe-gb", type=float, default=1.0)
+    ap.add_argument("--probe-gb", type=float, help="with --measure: each probe's size "
+                    "(default 1)")
     for flag, unit in (("gpu-gb", "GB"), ("gpu-tflops", "TFLOPS"), ("pcie-gbps", "GB/s"),
                        ("ram-gb", "GB"), ("dram-gbps", "GB/s"), ("ssd-gb", "GB"),
                        ("ssd-read-gbps", "GB/s"), ("ssd-write-gbps", "GB/s"),
@@ -831,60 +891,107 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    shape = {k: getattr(args, k.replace("-", "_")) for k in
-             ("layers", "hidden", "intermediate", "vocab", "heads", "kv-heads")}
-    try:
-        if args.model is not None:
-            model = load_model(args.model)
-            if args.layers is not None:
-                model = model.with_layers(args.layers)
-        else:
-            missing = [f"--{k}" for k, v in shape.items() if v is None and k != "kv-heads"]
-            if missing:
-                raise ValueError("give a model (a preset, a config.json or a config name) or "
-                                 f"its shape: {', '.join(missing)} missing")
-            model = ModelShape("custom", shape["vocab"], shape["hidden"], shape["intermediate"],
-                               shape["layers"], shape["heads"],
-                               shape["kv-heads"] or shape["heads"], args.tied)
-        if args.measure and args.machine != "here":
-            raise ValueError("--measure probes this machine: give --machine here")
-        if args.machine == "here":
-            machine = machine_here(MACHINES["desktop-24gb"], args.state_dir, args.measure,
-                                   int(args.probe_gb * GB))
-        elif args.machine in MACHINES:
-            machine = MACHINES[args.machine]
-        else:
+# The flags that override a machine's fields, and the fields --machine here measures.
+_MACHINE_FLAGS = {"gpu-gb": "gpu_bytes", "gpu-tflops": "gpu_tflops", "pcie-gbps": "pcie_gbps",
+                  "ram-gb": "host_bytes", "dram-gbps": "dram_gbps", "ssd-gb": "ssd_bytes",
+                  "ssd-read-gbps": "ssd_read_gbps", "ssd-write-gbps": "ssd_write_gbps",
+                  "gpu-reserve-gb": "gpu_reserve_bytes", "host-reserve-gb": "host_reserve_bytes"}
+_SHAPE_FLAGS = {"layers": "layers", "hidden": "hidden", "intermediate": "intermediate",
+                "vocab": "vocab", "heads": "heads", "kv-heads": "kv_heads"}
+
+
+def _model(args) -> ModelShape:
+    """The model given, with every shape flag applied over it (a preset's or a config's
+    heads, say, replaced; ModelShape checks the result)."""
+    shape = {k: getattr(args, k.replace("-", "_")) for k in _SHAPE_FLAGS}
+    if args.model is None:
+        missing = [f"--{k}" for k, v in shape.items() if v is None and k != "kv-heads"]
+        if missing:
+            raise ValueError("give a model (a preset, a config.json or a config name) or "
+                             f"its shape: {', '.join(missing)} missing")
+        return ModelShape("custom", shape["vocab"], shape["hidden"], shape["intermediate"],
+                          shape["layers"], shape["heads"], shape["kv-heads"] or shape["heads"],
+                          args.tied)
+    model = load_model(args.model)
+    given = {_SHAPE_FLAGS[k]: v for k, v in shape.items() if v is not None}
+    if args.tied:
+        given["tied"] = True
+    return replace(model, **given) if given else model
+
+
+def _machine(args) -> Machine:
+    here = args.machine == "here"
+    if not here:
+        for flag, value in (("--measure", args.measure or None),
+                            ("--state-dir", args.state_dir), ("--probe-gb", args.probe_gb)):
+            if value is not None:
+                raise ValueError(f"{flag} is about this machine: give --machine here")
+        if args.machine not in MACHINES:
             raise ValueError(f"--machine {args.machine!r}: one of {', '.join(MACHINES)} or "
                              "'here'")
-        over = {"gpu-gb": "gpu_bytes", "gpu-tflops": "gpu_tflops", "pcie-gbps": "pcie_gbps",
-                "ram-gb": "host_bytes", "dram-gbps": "dram_gbps", "ssd-gb": "ssd_bytes",
-                "ssd-read-gbps": "ssd_read_gbps", "ssd-write-gbps": "ssd_write_gbps",
-                "gpu-reserve-gb": "gpu_reserve_bytes", "host-reserve-gb": "host_reserve_bytes"}
-        for flag, key in over.items():
-            v = getattr(args, flag.replace("-", "_"))
-            if v is not None:
-                if v < 0 or (v == 0 and not key.endswith("reserve_bytes")):
-                    raise ValueError(f"--{flag}: must be positive, got {v:g}")
-                machine = replace(machine, **{key: v * GB if key.endswith("bytes") else v})
+        machine = MACHINES[args.machine]
+    else:
+        state_dir = args.state_dir or "."
+        if not os.path.isdir(state_dir):
+            raise ValueError(f"--state-dir {state_dir!r}: no such directory")
+        if args.probe_gb is not None and not args.measure:
+            raise ValueError("--probe-gb sizes --measure's probes: give --measure")
+        probe_gb = 1.0 if args.probe_gb is None else args.probe_gb
+        if not _positive(probe_gb) or probe_gb * GB < 16 * _MB:
+            raise ValueError(f"--probe-gb: at least 0.017 (16 MiB), got {probe_gb:g}")
+        try:
+            machine = machine_here(MACHINES["desktop-24gb"], state_dir, args.measure,
+                                   int(probe_gb * GB))
+        except OSError as e:   # (the disk's probe: a read-only or full directory)
+            raise ValueError(f"--measure: the probe in {state_dir!r} failed: {e}") from None
+    for flag, key in _MACHINE_FLAGS.items():
+        v = getattr(args, flag.replace("-", "_"))
+        if v is not None:
+            reserve = key.endswith("reserve_bytes")
+            if not (_positive(v) or (reserve and v == 0)):
+                want = "finite number >= 0" if reserve else "positive number"
+                raise ValueError(f"--{flag}: must be a {want}, got {v:g}")
+            machine = replace(machine, **{key: v * GB if key.endswith("bytes") else v})
+    if here:   # what is still the preset's, by the flag that gives it
+        given = set(machine.measured) | {k for f, k in _MACHINE_FLAGS.items()
+                                         if getattr(args, f.replace("-", "_")) is not None}
+        machine = replace(machine, assumed=tuple(
+            f"--{f}" for f, k in _MACHINE_FLAGS.items()
+            if k not in given and not k.endswith("reserve_bytes")))
+        if "gpu_bytes" not in given:
+            print("offload_adam.plan: no CUDA GPU here: the GPU planned for is "
+                  f"desktop-24gb's {machine.gpu_bytes / GB:.0f} GB (give --gpu-gb)",
+                  file=sys.stderr)
+    return machine
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    out = None
+    try:
+        model = _model(args)
+        machine = _machine(args)
         run = Run(args.batch, args.seq, args.micro, not args.no_checkpointing, args.prefetch,
                   args.bucket_mb, args.state_budget_mb, param_cache_mb=args.param_cache_mb)
         if args.param_cache_mb is not None:   # (refused here, as stream_params would)
             from .param_files import cache_slots
             cache_slots(args.param_cache_mb * 2**20, param_slot_bytes(model), args.prefetch)
+        if args.json:   # opened first: a path that cannot be written is said before the work
+            try:
+                out = open(args.json, "w")
+            except OSError as e:
+                raise ValueError(f"--json {args.json!r}: {e.strerror}") from None
     except ValueError as e:
         print(f"offload_adam.plan: {e}", file=sys.stderr)
         return 2
     layouts = all_layouts(args.state_dtype or STATE_DTYPES)
     text, plans = report(model, machine, run, layouts, args.detail)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": asdict(machine), "run": asdict(run), "plans": plans}, f,
+    if out is not None:
+        with out:
+            json.dump({"machine": asdict(machine), "run": asdict(run), "plans": plans}, out,
                       indent=1)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -311,16 +311,133 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["./no-such/config.json"], "no such file"),
     ([".", "--batch", "1"], "'.': a directory without a config.json"),
-    (["llama-3-8b", "--host-reserve-gb", "-2"], "--host-reserve-gb: must be positive"),
+    (["llama-3-8b", "--host-reserve-gb", "-2"],
+     "--host-reserve-gb: must be a finite number >= 0, got -2"),
     (["--layers", "4"], "--hidden, --intermediate, --vocab, --heads missing"),
     (["llama-3-8b", "--machine", "laptop"], "--machine 'laptop'"),
-    (["llama-3-8b", "--ram-gb", "-1"], "--ram-gb: must be positive"),
+    (["llama-3-8b", "--ram-gb", "-1"], "--ram-gb: must be a positive number, got -1"),
     (["llama-3-8b", "--batch", "0"], "batch must be a positive int"),
     (["llama-3-8b", "--param-cache-mb", "100"], "holds 0 of the largest block"),
+    (["llama-3-8b", "--gpu-gb", "nan"], "--gpu-gb: must be a positive number, got nan"),
+    (["llama-3-8b", "--ram-gb", "inf"], "--ram-gb: must be a positive number, got inf"),
+    (["llama-3-8b", "--bucket-mb", "0"], "bucket_mb must be a positive number"),
+    (["llama-3-8b", "--bucket-mb", "-5"], "bucket_mb must be a positive number"),
+    (["llama-3-8b", "--state-budget-mb", "nan"], "state_budget_mb must be a positive number"),
+    (["llama-3-8b", "--json", "./no-such/plan.json"], "--json './no-such/plan.json'"),
+    (["llama-3-8b", "--state-dir", "."], "--state-dir is about this machine"),
+    (["llama-3-8b", "--machine", "here", "--state-dir", "./no-such"],
+     "--state-dir './no-such': no such directory"),
+    (["llama-3-8b", "--machine", "here", "--measure", "--probe-gb", "0"], "--probe-gb: at least"),
+    (["llama-3-8b", "--machine", "here", "--measure", "--probe-gb", "-1"], "--probe-gb: at least"),
+    (["llama-3-8b", "--machine", "here", "--probe-gb", "1"], "give --measure"),
+    (["llama-3-8b", "--heads", "7"], "must be a multiple of heads (7)"),
 ])
-def test_bad_input_is_named(argv, message, capsys):
+def test_bad_input_is_named(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert planner.main(argv) == 2
     assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []   # (no plan written, no probe left)
+
+
+def test_shape_flags_apply_over_a_preset_or_a_config(tmp_path):
+    """Every shape flag given with a model replaces that model's field (before, only
+    --layers did and the rest were dropped without a word)."""
+    out = tmp_path / "plan.json"
+    assert planner.main(["llama-3-8b", "--hidden", "2048", "--heads", "16", "--kv-heads", "4",
+                         "--vocab", "1000", "--intermediate", "4096", "--layers", "2", "--tied",
+                         "--state-dtype", "8bit", "--json", str(out)]) == 0
+    model = json.loads(out.read_text())["plans"][0]["model"]
+    assert model == dict(name="llama-3-8b", vocab=1000, hidden=2048, intermediate=4096,
+                         layers=2, heads=16, kv_heads=4, tied=True)
+
+
+def test_here_says_what_it_did_not_measure(tmp_path, capsys):
+    """--machine here keeps the desktop preset's figures for what it did not measure or
+    was not given, and says which; a GPU it cannot see is said on stderr."""
+    out = tmp_path / "plan.json"
+    assert planner.main(["llama-3-8b", "--machine", "here", "--state-dir", str(tmp_path),
+                         "--pcie-gbps", "30", "--state-dtype", "8bit", "--json", str(out)]) == 0
+    got = capsys.readouterr()
+    machine = json.loads(out.read_text())["machine"]
+    assumed = set(machine["assumed"])
+    assert "--pcie-gbps" not in assumed and "--ram-gb" not in assumed
+    assert {"--gpu-tflops", "--dram-gbps", "--ssd-read-gbps"} <= assumed
+    assert "not measured, the preset's: " in got.out
+    if torch.cuda.is_available():
+        assert "--gpu-gb" not in assumed
+    else:
+        assert "--gpu-gb" in assumed and "no CUDA GPU here" in got.err
+    assert planner.main(["llama-3-8b", "--state-dtype", "8bit"]) == 0   # (a preset: no note)
+    assert "not measured" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cfg,message", [
+    (dict(num_local_experts=8), "num_local_experts=8, a mixture of experts"),
+    (dict(num_experts=60), "num_experts=60, a mixture of experts"),
+    (dict(n_routed_experts=64), "n_routed_experts=64, a mixture of experts"),
+    (dict(hidden_size="4096"), "hidden_size must be a positive int, got '4096'"),
+    (dict(num_attention_heads=0), "num_attention_heads must be a positive int, got 0"),
+    (dict(num_attention_heads=None), "num_attention_heads must be a positive int, got None"),
+    (dict(intermediate_size=14336.0), "intermediate_size must be a positive int, got 14336.0"),
+    (dict(num_hidden_layers=True), "num_hidden_layers must be a positive int, got True"),
+    (dict(num_key_value_heads=2.5), "num_key_value_heads must be a positive int, got 2.5"),
+    (dict(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
+])
+def test_a_config_the_planner_cannot_read_is_refused_by_field(tmp_path, cfg, message):
+    base = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+    (tmp_path / "config.json").write_text(json.dumps({**base, **cfg}))
+    with pytest.raises(ValueError, match=message):
+        planner.load_model(str(tmp_path))
+
+
+def test_a_multimodal_config_plans_its_text_decoder(tmp_path):
+    """A local LLaVA-style config.json holds the decoder in text_config (as the hub path
+    already unwrapped); a config that is not JSON is named."""
+    text = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                num_hidden_layers=32, num_attention_heads=32, tie_word_embeddings=None)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava",
+                                                      "text_config": text}))
+    assert planner.load_model(str(tmp_path)) == planner.ModelShape(
+        str(tmp_path), 32000, 4096, 11008, 32, 32, 32, False)
+    (tmp_path / "config.json").write_text('{"vocab_size": ')
+    with pytest.raises(ValueError, match="is not JSON"):
+        planner.load_model(str(tmp_path))
+
+
+def test_a_state_budget_below_three_buckets_does_not_fit():
+    """state_budget_mb under 3 of the largest state bucket is refused by the code
+    (nvme/pipeline.py ring_size), so the plan says it does not fit, for the state in files
+    only."""
+    m = planner.replace(planner.MACHINES["desktop-24gb"], gpu_bytes=1e12)
+    run = planner.Run(batch=1, state_budget_mb=64)
+    for state in ("files", "compact", "ram"):
+        p = planner.plan(planner.PRESETS["llama-3-8b"], m, run,
+                         planner.Layout("ram", state, "8bit"))
+        refused = [s for s in p.misfits() if "state_budget_mb 64" in s]
+        assert (p.fits, len(refused)) == ((True, 0) if state == "ram" else (False, 1)), p.misfits()
+    files = planner.state_files([(4096, 4096)], "8bit", 32.0, 64)
+    budget = planner.Run(batch=1, state_budget_mb=3 * files["largest_bucket_bytes"] / 2**20)
+    assert planner.plan(planner.PRESETS["llama-3-8b"], m, budget,
+                        planner.Layout("ram", "files", "8bit")).refused == []
+
+
+def test_a_tiny_width_stops_the_search_at_max_blocks():
+    """largest_fitting stops at MAX_BLOCKS (each plan's cost grows with the blocks: a tiny
+    width used to take minutes), and the report says 'at least'."""
+    tiny = planner.ModelShape("tiny", 100, 64, 128, 1, 1, 1)
+    m, run = planner.MACHINES["desktop-24gb"], planner.Run()
+    lay = planner.Layout("files", "compact", "8bit")
+    assert planner.largest_fitting(tiny, m, run, lay).layers == planner.MAX_BLOCKS
+    text, plans = planner.report(tiny, m, run, [lay])
+    assert plans[0]["largest_fitting"]["at_least"] is True
+    assert f">=      0.0 B ({planner.MAX_BLOCKS})" in text
+    # below the cap the edge is exact (the bisection) and not 'at least'
+    small = planner.replace(m, ssd_bytes=planner.plan(tiny.with_layers(300), m, run,
+                                                      lay).disk_total)
+    big = planner.largest_fitting(tiny, small, run, lay)
+    assert big.layers == 300
+    assert planner.report(tiny, small, run, [lay])[1][0]["largest_fitting"]["at_least"] is False
 
 
 def test_here_measures_this_machine(tmp_path):
