@@ -174,8 +174,11 @@ def stepped_grad(grad: torch.Tensor) -> torch.Tensor:
                               shape=grad.shape, stride=grad.stride())
 
 
-def check_not_stepped(param_groups) -> None:
-    """step() refuses a param whose grad the last step() consumed (Stepped)."""
+def check_freed_grads(param_groups, engine) -> None:
+    """step() refuses a param whose grad the last step() consumed (Stepped), and one
+    whose grad another optimizer freed (its host copy is that optimizer's: read as no
+    grad, the param would silently not be stepped). `engine`: this optimizer's (None:
+    it has none, the grads it steps are on the device)."""
     for g in param_groups:
         for p in g["params"]:
             grad = p.grad
@@ -183,6 +186,14 @@ def check_not_stepped(param_groups) -> None:
                 local = grad._local_tensor if is_dtensor(grad) else grad
                 if isinstance(local.host, Stepped):
                     local.host.refuse("step() cannot step it again")
+                mine = getattr(local.host, "engine_ref", lambda: None)()
+                if engine is None or mine is not engine:
+                    raise RuntimeError(
+                        f"offload_adam: the grad of {local.label} was freed in backward by "
+                        "another optimizer (free_grads_after_copy=True): its values were in "
+                        "that optimizer's host copy, which this one cannot read (and which "
+                        "that one let go when this one took its params over). Call "
+                        "zero_grad() and run the backward again; nothing was stepped")
 
 
 def is_freed(grad) -> bool:

@@ -50,7 +50,7 @@ from .engine import OffloadEngine
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
 from .master_rule import MasterMarks
-from .freed_grad import check_not_stepped
+from .freed_grad import check_freed_grads
 from .params import SUPPORTED_DTYPES, check_grad_dtypes, one_device, param_label
 from .options import Options
 from .routing import Routing
@@ -147,6 +147,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
     and the state format (state_dtype, also a param-group key) are documented
     in offload_adam/options.py, and checked there when the optimizer is built.
     """
+
+    # (param_stream.py refuses any other optimizer's step of a streamed param)
+    steps_streamed_params = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
@@ -505,7 +508,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         check_grad_dtypes(self.param_groups)
-        check_not_stepped(self.param_groups)   # (free_grads_after_copy: consumed)
+        if self._engine is not None:
+            self._engine.check_open()   # (taken over: said first, the grads are the new one's)
+        check_freed_grads(self.param_groups, self._engine)   # (free_grads_after_copy=)
         self._join_trained()   # (a param unfrozen since its optimizer was built)
         scale = self._step_scale()   # grad_scaling.py
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped

@@ -62,11 +62,19 @@ def min_slots(prefetch: int) -> int:
     return prefetch + 3
 
 
-def cache_slots(cache_bytes: float, slot_bytes: int, prefetch: int) -> int:
-    """The slots of `slot_bytes` a cache of `cache_bytes` holds; a ValueError naming the
-    shortfall when they are fewer than min_slots(prefetch) (the planner asks the same)."""
-    need = min_slots(prefetch)
+def cache_slots(cache_bytes: float, slot_bytes: int, prefetch: int,
+                blocks: Optional[int] = None) -> int:
+    """The slots of `slot_bytes` a cache of `cache_bytes` holds, `blocks` at most (one
+    each is all a cache can use); a ValueError naming the shortfall when they are fewer
+    than min_slots(prefetch), or than `blocks` when there are fewer (the planner asks the
+    same)."""
+    if not math.isfinite(cache_bytes) or cache_bytes <= 0:
+        raise ValueError(f"param_cache_mb must be a finite number > 0, got "
+                         f"{cache_bytes / 2**20:g}")
+    need = min_slots(prefetch) if blocks is None else min(min_slots(prefetch), blocks)
     count = int(cache_bytes) // slot_bytes
+    if blocks is not None:
+        count = min(count, blocks)
     if count < need:
         # (to the KiB, rounded up: a small model's blocks are well under a MiB, and
         # the bound printed must be one that works when given)
@@ -108,7 +116,7 @@ class ParamFiles:
         self.dirs, self.sizes = dirs, [int(s) for s in sizes]
         self.slot_bytes = round_up(max(self.sizes), ALIGN)
         try:
-            count = cache_slots(cache_bytes, self.slot_bytes, prefetch)
+            count = cache_slots(cache_bytes, self.slot_bytes, prefetch, len(self.sizes))
         except ValueError as e:
             raise ValueError(f"offload_adam.stream_params: {e}") from None
         self.device, self.settle = device, settle
@@ -157,7 +165,15 @@ class ParamFiles:
         self.slots: List[_Slot] = []
         try:
             for _ in range(count):
-                buf = AlignedBuffer(self.slot_bytes, pin=False)
+                try:
+                    buf = AlignedBuffer(self.slot_bytes, pin=False)
+                except (OSError, MemoryError) as e:
+                    raise MemoryError(
+                        f"offload_adam.stream_params: the param files' cache of {count} "
+                        f"blocks of {self.slot_bytes / 2**20:.1f} MiB "
+                        f"({count * self.slot_bytes / 2**30:.2f} GiB) could not be "
+                        f"allocated ({e}): give a smaller param_cache_mb; nothing was "
+                        "streamed") from None
                 try:
                     device.pin(buf.tensor)
                 except BaseException:

@@ -61,7 +61,7 @@ import weakref
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .engine.device import current_host_stand_in, make_device
 from .engine.host_memory import unpin_all
@@ -419,6 +419,18 @@ class ParamStreamer:
         if not found:
             raise ValueError("offload_adam.stream_params: no module of the model matches "
                              f"blocks={blocks!r}")
+        _check_meta_buffers(model)
+        # The files first (their sizes are the shapes', a meta model's too): refused, they
+        # leave the model as it was, meta params included
+        self.files: Optional[ParamFiles] = None
+        if param_dirs is not None:
+            sizes = [_offsets([p for _, p in ps])[1] for _, _, ps in found]
+            largest = max(round_up(size, ALIGN) for size in sizes)
+            cache = (param_cache_mb * 2**20 if param_cache_mb is not None
+                     else (min_slots(prefetch) + 2) * largest)
+            self.files = ParamFiles(param_dirs, sizes, cache, prefetch, self.device,
+                                    settle=lambda i: self.blocks[i].settle())
+            self.files.rank = self._rank
         if any(p.is_meta for p in model.parameters()):
             _replace_meta(model, {id(p) for _, _, ps in found for _, p in ps}, self.torch_device)
             found = _find_blocks(model, blocks)
@@ -426,15 +438,6 @@ class ParamStreamer:
                        for i, (name, m, params) in enumerate(found)]
         for block in self.blocks:
             block.offsets, block.size = _offsets(block.params)
-        self.files: Optional[ParamFiles] = None
-        if param_dirs is not None:
-            largest = max(round_up(b.size, ALIGN) for b in self.blocks)
-            cache = (param_cache_mb * 2**20 if param_cache_mb is not None
-                     else (min_slots(prefetch) + 2) * largest)
-            self.files = ParamFiles(param_dirs, [b.size for b in self.blocks], cache,
-                                    prefetch, self.device,
-                                    settle=lambda i: self.blocks[i].settle())
-            self.files.rank = self._rank
         self.fetched_bytes = 0
         self._backward_uses = 0
         self._step_writes = 0
@@ -456,6 +459,7 @@ class ParamStreamer:
             self._hook(block)
         self._handles.append(model.register_forward_pre_hook(lambda mod, args: self._new_pass()))
         self._guard_conversions()
+        _watch_other_optimizers(self)
 
     # ---- setup --------------------------------------------------------------------
 
@@ -506,8 +510,11 @@ class ParamStreamer:
     def _hook(self, block: _Block) -> None:
         m = block.module
         self._handles += [
+            # (prepended: a pre-hook the user registered before, weight_norm's say, reads
+            # the params fetched, not their placeholders)
             m.register_forward_pre_hook(lambda mod, args, kwargs, b=block:
-                                        self._pre_forward(b, args, kwargs), with_kwargs=True),
+                                        self._pre_forward(b, args, kwargs), with_kwargs=True,
+                                        prepend=True),
             m.register_forward_hook(lambda mod, args, out, b=block: self._post_forward(b, out)),
             m.register_forward_hook(lambda mod, args, out, b=block: self._forward_ended(b),
                                     always_call=True),
@@ -656,9 +663,14 @@ class ParamStreamer:
         if ticket[0] is None or ticket[0] == block.backward_use:
             self._release(block)
 
-    def _post_forward(self, block: _Block, output) -> None:
+    def _post_forward(self, block: _Block, output):
+        """Releases the block's params; returns the output to use instead (None: the
+        block's own), with a copy of any tensor in it that is a view of one of them."""
         if _in_backward():
-            return   # a recompute: its backward comes next and releases it
+            return None   # a recompute: its backward comes next and releases it
+        unaliased = self._unaliased(block, output)
+        if unaliased is not None:
+            output = unaliased
         if torch.is_grad_enabled():
             outs, opaque = _grad_tensors(output)
             if not outs and opaque and (block.inputs_need_grad
@@ -677,6 +689,46 @@ class ParamStreamer:
                     mode="any")
         block.forwarding = False
         self._release(block)
+        return unaliased
+
+    def _unaliased(self, block: _Block, output):
+        """The output with a copy of each tensor that views a param of the block (learned
+        queries returned expanded, a weight returned for a tied head), or None when none
+        does. The params' device memory goes back when the forward ends, and such a view
+        would read freed memory; its copy is what it read at the time (and its grad flows
+        to the param through the copy)."""
+        mine = {(t.device, t.untyped_storage().data_ptr()) for t in block.device_tensors
+                if t.untyped_storage().nbytes()}
+
+        def views_mine(x) -> bool:
+            if not (isinstance(x, torch.Tensor) and x.layout == torch.strided
+                    and x.device.type != "meta"):
+                return False
+            try:
+                return (x.device, x.untyped_storage().data_ptr()) in mine
+            except (RuntimeError, NotImplementedError):   # (a subclass without storage)
+                return False
+
+        leaves, spec = tree_flatten(output)
+        hit = [views_mine(x) for x in leaves]
+        inner, seen = [x for x in leaves if _is_dataclass(x)], set()
+        while inner:   # (a dataclass pytree keeps whole: its fields cannot be replaced)
+            d = inner.pop()
+            if id(d) in seen:
+                continue
+            seen.add(id(d))
+            fields = tree_flatten([getattr(d, f.name) for f in dataclasses.fields(d)])[0]
+            inner += [x for x in fields if _is_dataclass(x)]
+            if any(views_mine(x) for x in fields):
+                raise RuntimeError(
+                    f"offload_adam.stream_params: block {block.name} "
+                    f"({type(block.module).__name__}) returned a view of one of its params "
+                    "inside an object the streamer cannot rebuild; the params' device "
+                    "memory is given back after the forward. Return a copy (.clone()), or "
+                    "return tensors in tuples, lists, dicts or registered pytree types")
+        if not any(hit):
+            return None
+        return tree_unflatten([x.clone() if h else x for x, h in zip(leaves, hit)], spec)
 
     def _forward_ended(self, block: _Block) -> None:
         """Called after the block's forward even when it raised (always_call): then
@@ -816,7 +868,7 @@ class ParamStreamer:
         homes = (block.homes if self.files is None
                  else block.views(self.files.mapped(block.index)))
         for attr, k in entries:
-            key, home = prefix + attr, homes[k]
+            key, home = prefix + attr, _own_storage(homes[k])
             if key in sd:
                 was = sd[key]
                 sd[key] = (torch.nn.Parameter(home, requires_grad=was.requires_grad)
@@ -921,6 +973,15 @@ class ParamStreamer:
         nothing (the host copies are gone by then: the params have their values)."""
         if self._closed:
             return
+        # An optimizer that stepped some params in backward steps the rest at step(),
+        # which needs the streaming: closed now, the model would stay half stepped.
+        for block in self.blocks:
+            if any(early.pending() for early in list(block.step_checks.keys())):
+                raise RuntimeError(
+                    f"offload_adam.stream_params: close() between backward and step(): "
+                    f"an optimizer stepping in backward (step_in_backward=True) has "
+                    f"stepped block {block.name} and steps the other params at step(). "
+                    "Call step() first; nothing was closed")
         # Every block that can be is given back, then the first error raised: a block
         # whose host copy cannot be read (a damaged param file) leaves the others' params
         # on the device and the streaming (hooks, files) as it was for that one, and a
@@ -959,6 +1020,7 @@ class ParamStreamer:
                 module.__dict__.pop(attr, None)
         self._guarded = []
         unpin_all(self.device, self._pinned)
+        _LIVE.discard(self)
         if self.files is not None:
             self.files.close()
             self.files = None
@@ -1022,14 +1084,15 @@ def _check_files(param_dirs, param_cache_mb):
     for d in param_dirs:
         if not isinstance(d, (str, bytes)) and not hasattr(d, "__fspath__"):
             raise TypeError(f"offload_adam.stream_params: param_dirs holds {d!r}, not a path")
-    if len({os.path.realpath(os.fspath(d)) for d in param_dirs}) != len(param_dirs):
+    if len({os.path.realpath(os.fsdecode(d)) for d in param_dirs}) != len(param_dirs):
         raise ValueError(f"offload_adam.stream_params: param_dirs names a directory twice: "
                          f"{param_dirs}")
     if param_cache_mb is not None and (isinstance(param_cache_mb, bool) or not isinstance(
-            param_cache_mb, (int, float)) or not param_cache_mb > 0):
-        raise ValueError(f"offload_adam.stream_params: param_cache_mb must be a number > 0, "
-                         f"got {param_cache_mb!r}")
-    return [os.fspath(d) for d in param_dirs]
+            param_cache_mb, (int, float)) or not 0 < param_cache_mb < math.inf):
+        raise ValueError(f"offload_adam.stream_params: param_cache_mb must be a finite "
+                         f"number > 0, got {param_cache_mb!r}")
+    # absolute: close() removes these files, also after the process changed directory
+    return [os.path.abspath(os.fsdecode(d)) for d in param_dirs]
 
 
 def _nan(t: torch.Tensor, device: torch.device, full: bool = True) -> torch.Tensor:
@@ -1044,6 +1107,72 @@ def _nan(t: torch.Tensor, device: torch.device, full: bool = True) -> torch.Tens
 def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """t on `device`; a meta tensor (a model built without memory) becomes NaNs there."""
     return _nan(t, device) if t.is_meta else t.to(device)
+
+
+# The streamers not closed: while there is one, every torch optimizer's step() is checked
+# first (a global step pre-hook, registered once) for streamed params it would step.
+_LIVE: "weakref.WeakSet[ParamStreamer]" = weakref.WeakSet()
+_other_step_hook = None
+
+
+def _watch_other_optimizers(streamer: ParamStreamer) -> None:
+    global _other_step_hook
+    _LIVE.add(streamer)
+    if _other_step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _other_step_hook = register_optimizer_step_pre_hook(_refuse_other_step)
+
+
+def _refuse_other_step(optimizer, args, kwargs) -> None:
+    """Another optimizer (torch's AdamW, the one transformers' Trainer builds by default)
+    would step a streamed param's placeholder, one element expanded to the param's shape:
+    torch's fused kernels write it whole, past its one element (a crash, or memory
+    overwritten), the others raise torch's internal-overlap error that does not say why.
+    Refused before anything is written. offload_adam's optimizers step the host copies."""
+    if not _LIVE or getattr(optimizer, "steps_streamed_params", False):
+        return
+    for gi, g in enumerate(optimizer.param_groups):
+        for i, p in enumerate(g["params"]):
+            if home_of(p) is not None:
+                raise RuntimeError(
+                    f"offload_adam.stream_params: {type(optimizer).__name__} cannot step "
+                    f"param {i} of param group {gi} (shape {tuple(p.shape)}): it streams "
+                    "(stream_params), its values are in host memory and the param holds "
+                    "a placeholder between uses. Step it with offload_adam.AdamW (with "
+                    "transformers' Trainer: optimizers=(offload_adam.AdamW(model."
+                    "parameters(), ...), None)), or streamer.close() first; nothing was "
+                    "stepped")
+
+
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """`view` (a param's host copy: a contiguous run of its block's buffer) as a tensor
+    over a storage of its own, the same memory (no copy): the block's params, views of one
+    storage, were taken for tied weights by savers that keep one tensor per storage
+    (safetensors, accelerate's save_state: all but one param of each block were left
+    out). The new storage holds the buffer alive, through the memoryview it reads."""
+    nbytes = view.numel() * view.element_size()
+    if nbytes == 0:
+        return view
+    whole = torch.empty(0, dtype=torch.uint8).set_(view.untyped_storage())
+    start = view.storage_offset() * view.element_size()
+    run = memoryview(whole.numpy())[start:start + nbytes]
+    return torch.frombuffer(run, dtype=torch.uint8).view(view.dtype).view(view.shape)
+
+
+def _check_meta_buffers(model: torch.nn.Module) -> None:
+    """A ValueError naming the meta buffers no state dict can fill (non-persistent: a
+    rotary embedding's inv_freq): the NaN they would become would compute silently wrong
+    results (a meta model's persistent buffers are loaded with its params)."""
+    lost = [f"{name}.{key}" if name else key for name, m in model.named_modules()
+            for key, b in m._buffers.items()
+            if b is not None and b.is_meta and key in m._non_persistent_buffers_set]
+    if lost:
+        raise ValueError(
+            f"offload_adam.stream_params: the model's buffers {', '.join(lost)} are on the "
+            "meta device and not in its state_dict (non-persistent): no load can give them "
+            "values, and they would compute with NaN. Build the model with "
+            "accelerate.init_empty_weights() (params on meta, buffers real), or give them "
+            "values before stream_params; nothing was streamed")
 
 
 def _replace_meta(model: torch.nn.Module, streamed: set, device: torch.device) -> None:
@@ -1134,12 +1263,26 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
 
 def _names_of(spec: BlockSpec) -> Optional[frozenset]:
     """The module names a block spec lists; None for a class, classes or a predicate."""
+    if isinstance(spec, torch.nn.Module):   # (callable: it would be taken for a predicate)
+        raise TypeError(f"offload_adam.stream_params: blocks= got a module "
+                        f"({type(spec).__name__}), not a spec: give its class, its name in "
+                        "the model (named_modules()) or a predicate (name, module) -> bool")
     if isinstance(spec, type) or (isinstance(spec, tuple) and spec
                                   and all(isinstance(c, type) for c in spec)):
         return None
     if callable(spec):
         return None
-    return frozenset([spec] if isinstance(spec, str) else spec)
+    if isinstance(spec, str):
+        return frozenset([spec])
+    try:
+        names = list(spec)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"offload_adam.stream_params: blocks= must be a module class, a "
+                        "tuple of classes, a module name or names, or a predicate "
+                        f"(name, module) -> bool; got {spec!r}")
+    return frozenset(names)
 
 
 def _matcher(spec: BlockSpec) -> Callable[[str, torch.nn.Module], bool]:
@@ -1169,13 +1312,17 @@ def _grad_tensors(tree) -> Tuple[List[torch.Tensor], list]:
             if isinstance(leaf, torch.Tensor):
                 if leaf.requires_grad:
                     found.append(leaf)
-            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            elif _is_dataclass(leaf):
                 if id(leaf) not in seen:
                     seen.add(id(leaf))
                     todo.append([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
             elif not isinstance(leaf, _PLAIN):
                 opaque.append(leaf)
     return found, opaque
+
+
+def _is_dataclass(x) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
 def _advance(order: List[Tuple[int, str]], cursor: Optional[int], key) -> Optional[int]:

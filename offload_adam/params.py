@@ -42,10 +42,15 @@ def check_grad_dtypes(param_groups) -> None:
                     f"{param_label(g, gi, i, p)} is {p.dtype} and has a grad "
                     f"({grad.dtype}): set its grad to None, or leave it out of the optimizer")
             if grad.dtype is not p.dtype:
+                # (torch 2.13's p.grad_dtype, the param's by default, allows grads of
+                # another dtype when set to one, or to None: any)
+                allowed = getattr(p, "grad_dtype", p.dtype)
+                hint = ("cast the grad to it" if allowed is p.dtype else
+                        f"p.grad_dtype is {allowed}: set it back to {p.dtype}, or cast the grad")
                 raise TypeError(
                     f"offload_adam: param {param_label(g, gi, i, p)} is {p.dtype} and its "
-                    f"grad {grad.dtype}; the kernels step a grad of the param's dtype (set "
-                    "p.grad_dtype = None, or cast the grad)")
+                    f"grad {grad.dtype}; the kernels step a grad of the param's dtype "
+                    f"({hint})")
             if grad.shape != p.shape:
                 raise RuntimeError(
                     f"offload_adam: param {param_label(g, gi, i, p)} has shape "

@@ -684,10 +684,10 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     if layout.params == "files":   # what the host has left caches the param files, in blocks
         slot = param_slot_bytes(model)
         free = machine.host_bytes - machine.host_reserve_bytes - p.host_total
-        slots = max(min_slots(run.prefetch), min(int(max(free, 0) // slot), model.layers))
+        slots = max(min(min_slots(run.prefetch), model.layers),
+                    min(int(max(free, 0) // slot), model.layers))
         if run.param_cache_mb is not None:   # as stream_params(param_cache_mb=) sizes it
-            slots = min(cache_slots(run.param_cache_mb * 2**20, slot, run.prefetch),
-                        model.layers)
+            slots = cache_slots(run.param_cache_mb * 2**20, slot, run.prefetch, model.layers)
         cache = float(slots * slot)
         p.host["param cache"] = cache
     m, micro = machine, run.micro
@@ -975,7 +975,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   args.bucket_mb, args.state_budget_mb, param_cache_mb=args.param_cache_mb)
         if args.param_cache_mb is not None:   # (refused here, as stream_params would)
             from .param_files import cache_slots
-            cache_slots(args.param_cache_mb * 2**20, param_slot_bytes(model), args.prefetch)
+            cache_slots(args.param_cache_mb * 2**20, param_slot_bytes(model), args.prefetch,
+                        model.layers)
         if args.json:   # opened first: a path that cannot be written is said before the work
             try:
                 out = open(args.json, "w")

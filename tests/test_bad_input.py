@@ -170,7 +170,13 @@ def test_a_grad_of_another_dtype_names_the_param_and_both_dtypes(path):
     p.grad_dtype = torch.float32
     p.grad = torch.randn(8)
     with pytest.raises(TypeError, match=r"group 1, param 0 \(shape \(8,\)\) is "
-                                        r"torch.bfloat16 and its grad torch.float32"):
+                                        r"torch.bfloat16 and its grad torch.float32; .* "
+                                        r"\(p.grad_dtype is torch.float32: set it back"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    p.grad_dtype = None   # (any dtype)
+    p.grad = torch.randn(8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"its grad torch.float64; .* \(p.grad_dtype is None"):
         opt.step()
     assert torch.equal(p.detach(), before)
 

@@ -173,6 +173,31 @@ def test_a_stepped_freed_grad_is_refused_until_zero_grad(path, misuse, zero):
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
+def test_a_grad_freed_by_another_optimizer_is_refused(path):
+    """An optimizer built between backward and step() over params whose grads another
+    freed (one dropped for another: the documented way to undo stream_params): those
+    grads are in the first's host copies, not readable by the second, whose step() once
+    read them as no grad and stepped nothing, silently. Refused, naming the param; after
+    zero_grad() and a backward again, the second steps as torch's would."""
+    a, b = make_mlp(), make_mlp()
+    ref = offload_adam.AdamW(a.parameters(), **MLP_OPTS)
+    first = offload_adam.AdamW(b.parameters(), free_grads_after_copy=True, **MLP_OPTS)
+    mlp_loss(a, 0).backward()
+    mlp_loss(b, 0).backward()
+    second = offload_adam.AdamW(b.parameters(), **MLP_OPTS)   # (after: it copied nothing)
+    del first   # (kept until its backward freed the grads)
+    before = [p.detach().clone() for p in b.parameters()]
+    with pytest.raises(RuntimeError, match=r"grad of param group 0, param \d+ \(shape .* freed "
+                                           r"in backward by another optimizer"):
+        second.step()
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before))
+    second.zero_grad()
+    mlp_loss(b, 0).backward()
+    for o in (ref, second):
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
 def _unverified_scaler_run(device, overlap):
     """GradScaler with unscale_ without fingerprints: only invalidate_copies
     makes step() copy the unscaled grads again."""

@@ -2,6 +2,7 @@
 simulated asynchronous device: training is bit for bit the training with the params
 resident, the cache holds what its budget allows and reads what it does not hold, and a
 file changed behind its back is an error, never a wrong value."""
+import math
 import os
 import re
 
@@ -40,7 +41,7 @@ def test_params_in_files_train_as_resident(device, tmp_path, prefetch, slots,
             s = offload_adam.stream_params(model, Block, prefetch=prefetch,
                                            param_dirs=[tmp_path / "a", tmp_path / "b"],
                                            param_cache_mb=slots_mb(model, slots))
-            assert len(s.files.slots) == slots
+            assert len(s.files.slots) == min(slots, 16)   # (at most a slot per block)
         opt = offload_adam.AdamW(model.parameters(), **OPTS)
         train(model, opt, 5, micro=micro)
         runs.append((model, opt))
@@ -176,18 +177,20 @@ def test_param_files_errors_name_the_problem(device, tmp_path):
     model = make_llama(layers=2, frozen=())
     with pytest.raises(ValueError, match="param_cache_mb is the param files' cache"):
         offload_adam.stream_params(model, Block, param_cache_mb=10)
+    six = make_llama(layers=6, frozen=())
     with pytest.raises(ValueError, match=r"prefetch=2 needs 5 .*param_cache_mb >=") as refused:
-        offload_adam.stream_params(model, Block, prefetch=2, param_dirs=tmp_path,
-                                   param_cache_mb=slots_mb(model, 4))
+        offload_adam.stream_params(six, Block, prefetch=2, param_dirs=tmp_path,
+                                   param_cache_mb=slots_mb(six, 4))
     # the bound it names (blocks of ~20 KiB here, so not rounded to whole MiB) is one that works
     bound = float(re.search(r"param_cache_mb >= ([0-9.e-]+)\)", str(refused.value)).group(1))
-    assert 0 < bound <= slots_mb(model, 5) * 1.001
-    offload_adam.stream_params(model, Block, prefetch=2, param_dirs=tmp_path,
+    assert 0 < bound <= slots_mb(six, 5) * 1.001
+    offload_adam.stream_params(six, Block, prefetch=2, param_dirs=tmp_path,
                                param_cache_mb=bound).close()
     with pytest.raises(ValueError, match="names a directory twice"):
         offload_adam.stream_params(model, Block, param_dirs=[tmp_path, str(tmp_path) + "/"])
-    with pytest.raises(ValueError, match="param_cache_mb must be a number > 0"):
-        offload_adam.stream_params(model, Block, param_dirs=tmp_path, param_cache_mb=-1)
+    for bad in (-1, math.inf, math.nan):
+        with pytest.raises(ValueError, match="param_cache_mb must be a finite number > 0"):
+            offload_adam.stream_params(model, Block, param_dirs=tmp_path, param_cache_mb=bad)
     with pytest.raises(TypeError, match="not a path"):
         offload_adam.stream_params(model, Block, param_dirs=[tmp_path, 3])
     blocker = tmp_path / "file"
@@ -195,6 +198,12 @@ def test_param_files_errors_name_the_problem(device, tmp_path):
     with pytest.raises(OSError, match="cannot make the param files"):
         offload_adam.stream_params(model, Block, param_dirs=blocker / "sub")
     assert all(torch.isfinite(p).all() for p in model.parameters())   # nothing streamed
+    with torch.device("meta"):   # refused: a meta model stays meta (it got NaN params)
+        meta = make_llama(layers=6, frozen=())
+    with pytest.raises(ValueError, match="holds 4 of the largest block"):
+        offload_adam.stream_params(meta, Block, param_dirs=tmp_path / "m",
+                                   param_cache_mb=slots_mb(six, 4))
+    assert all(p.is_meta for p in meta.parameters())
     first = make_llama(layers=2, frozen=())
     offload_adam.stream_params(first, Block, param_dirs=tmp_path / "p")
     with pytest.raises(ValueError, match="in use by another streamer"):
@@ -528,3 +537,43 @@ def test_a_disk_error_on_the_param_files_loses_no_step(device, tmp_path, monkeyp
     train(model, opt, 2, start=step)
     train(ref, ref_opt, 2, start=step)
     assert_same_training((model, opt), (ref, ref_opt))
+
+
+def test_the_cache_holds_one_slot_per_block_at_most(device, tmp_path):
+    """A cache larger than the blocks (or a prefetch deeper than them) gets one slot per
+    block: a 3-block model once got 1024 slots for param_cache_mb=4, and ran out of memory
+    maps at 400. With every block in its slot, training is the resident one."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=3, frozen=())
+        if streamed:
+            streamer = offload_adam.stream_params(model, Block, prefetch=10**6,
+                                                  param_dirs=tmp_path, param_cache_mb=400)
+            assert len(streamer.files.slots) == 3
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
+def test_param_dirs_are_kept_absolute_and_may_be_bytes(device, tmp_path, monkeypatch):
+    """A relative param_dirs names the directory it named when streaming began: close()
+    once removed the file of that name under the process's new working directory (another
+    run's) and left its own. A bytes path is a path."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b" / "scratch").mkdir(parents=True)
+    other = tmp_path / "b" / "scratch" / FILE_NAME
+    other.write_bytes(b"another run's")
+    monkeypatch.chdir(tmp_path / "a")
+    model = make_llama(layers=2, frozen=())
+    streamer = offload_adam.stream_params(model, Block, param_dirs="scratch")
+    mine = tmp_path / "a" / "scratch" / FILE_NAME
+    assert mine.exists()
+    monkeypatch.chdir(tmp_path / "b")
+    train(model, offload_adam.AdamW(model.parameters(), **OPTS), 1)
+    streamer.close()
+    assert not mine.exists() and other.read_bytes() == b"another run's"
+    model = make_llama(layers=2, frozen=())
+    streamer = offload_adam.stream_params(model, Block, param_dirs=os.fsencode(tmp_path / "c"))
+    assert (tmp_path / "c" / FILE_NAME).exists()
+    streamer.close()

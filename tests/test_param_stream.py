@@ -677,6 +677,11 @@ def test_a_container_or_an_unknown_name_as_block_is_refused(device):
         offload_adam.stream_params(model, "layer")
     with pytest.raises(ValueError, match=r"does not have: \['layr\.1'\]"):
         offload_adam.stream_params(model, ("layers.0", "layr.1"))
+    for spec, what in ((None, "must be a module class"), (42, "must be a module class"),
+                       ([Block, "layers.0"], "must be a module class"),
+                       (model.layers[0], r"got a module \(Block\), not a spec")):
+        with pytest.raises(TypeError, match=what):   # (a module is callable: not a predicate)
+            offload_adam.stream_params(model, spec)
     offload_adam.stream_params(model, ["layers.0", "layers.1", "layers.2"])   # unchanged
 
 
@@ -1127,3 +1132,199 @@ def test_a_write_through_data_to_a_streamed_param_is_refused(device, how):
     train(model, opt, 1, start=1)
     train(plain, ref, 1, start=1)
     assert_same_training((model, opt), (plain, ref))
+
+
+class Latents(torch.nn.Module):
+    """Learned queries returned expanded (Perceiver, Q-Former): a view of its own param."""
+
+    def __init__(self, n=7, dim=32):
+        super().__init__()
+        self.latents = torch.nn.Parameter(torch.randn(n, dim))
+
+    def forward(self, x):
+        return self.latents.expand(x.shape[0], -1, -1)
+
+
+class WithLatents(TinyLlama):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.queries = Latents()
+
+    def forward(self, tokens):
+        return super().forward(tokens) + self.head(self.queries(tokens)).mean()
+
+
+def test_a_block_output_that_views_its_param_is_a_copy(device):
+    """A block whose output is a view of one of its params: the params' device memory goes
+    back after the forward, and the view read freed memory (a segfault on the simulated
+    device). The output is a copy of what it viewed, and training is the resident one; a
+    view inside a dataclass the streamer cannot rebuild is refused, naming the block."""
+    import dataclasses
+    runs = []
+    for streamed in (False, True):
+        torch.manual_seed(0)
+        model = WithLatents(layers=2).to(BF16)
+        if streamed:
+            offload_adam.stream_params(model, (Latents, Block), prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 3)
+        with torch.no_grad():   # (and without grad: the same release)
+            out = model.queries(torch.zeros(2, 3))
+        runs.append((model, opt))
+        assert torch.equal(out[1], values(model)["queries.latents"])
+    assert_same_training(*runs)
+
+    @dataclasses.dataclass
+    class Out:
+        hidden: torch.Tensor
+
+    class Wrapped(Latents):
+        def forward(self, x):
+            return Out(super().forward(x))
+
+    model = torch.nn.Sequential(Wrapped()).to(BF16)
+    offload_adam.stream_params(model, Wrapped)
+    with pytest.raises(RuntimeError, match=r"block 0 \(Wrapped\) returned a view of one of its "
+                                           "params inside an object"):
+        model(torch.zeros(2, 3))
+
+
+def test_a_forward_pre_hook_registered_before_streaming_sees_the_params(device):
+    """The streamer's fetch runs before every other forward pre-hook of the block: one the
+    user registered before streaming (weight_norm's, say) read the NaN placeholders."""
+    seen = {}
+    for streamed in (False, True):
+        model = make_llama(layers=2, frozen=())
+        norms = seen[streamed] = []
+        model.layers[1].register_forward_pre_hook(
+            lambda mod, args: norms.append(mod.q.weight.float().norm().item()))
+        if streamed:
+            offload_adam.stream_params(model, Block)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 2)
+    assert seen[True] == seen[False] and all(math.isfinite(n) for n in seen[True])
+
+
+@pytest.mark.parametrize("files", [False, True], ids=["ram", "files"])
+def test_close_between_a_backward_that_stepped_and_step_is_refused(device, tmp_path, files):
+    """step_in_backward: the blocks were stepped in backward, the resident params wait for
+    step(). close() then would leave the model half stepped for good (the old optimizer
+    cannot step a closed streamer's params): refused, and step() trains on."""
+    runs = []
+    for close_early in (False, True):
+        model = make_llama(layers=4, frozen=())
+        streamer = offload_adam.stream_params(model, Block, prefetch=1)
+        (tmp_path / f"s{close_early}").mkdir()
+        kw = dict(state_dirs=str(tmp_path / f"s{close_early}")) if files else {}
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **OPTS, **kw)
+        train(model, opt, 2)   # (the files' pass steps in backward from the second on)
+        llama_loss(model, 7).backward()
+        opt._engine.drain()
+        if close_early:
+            with pytest.raises(RuntimeError, match="close\\(\\) between backward and step\\(\\)"):
+                streamer.close()
+        opt.step()
+        opt.zero_grad()
+        streamer.close()
+        runs.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert runs[0].keys() == runs[1].keys()
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+class GatedBlock(Block):
+    """A learnable scalar gate on the block's update (a 0-dim param)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__(dim, hidden)
+        self.alpha = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return x + self.alpha * (super().forward(x) - x)
+
+
+def test_a_scalar_param_streams(device):
+    """A 0-dim param in a block streams and trains as resident (the simulated device's
+    checksum once could not view one as bytes)."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=2, frozen=(), block=GatedBlock)
+        if streamed:
+            offload_adam.stream_params(model, GatedBlock)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+    assert not torch.equal(runs[1][0].layers[0].alpha.new_tensor(0.5),
+                           values(runs[1][0])["layers.0.alpha"])   # (it trained)
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "single"])
+def test_another_optimizers_step_of_a_streamed_param_is_refused(device, kind):
+    """torch's AdamW (transformers' Trainer builds one by default) would step the
+    placeholders, one element expanded: its fused kernel wrote past that element (a
+    segfault on the simulated device), the others raised torch's internal-overlap error.
+    Refused before anything is written, naming the param; offload_adam's step goes on."""
+    model, plain, opt, ref = _trained_twins(1)
+    other = torch.optim.AdamW(model.parameters(), lr=1e-3, **{
+        "fused": dict(fused=True), "foreach": dict(foreach=True),
+        "single": dict(foreach=False)}[kind])
+    llama_loss(model, 3).backward()
+    before = values(model)
+    with pytest.raises(RuntimeError, match=r"stream_params: AdamW cannot step param \d+ of "
+                                           r"param group 0 \(shape .*\): it streams"):
+        other.step()
+    assert all(torch.equal(v, before[k]) for k, v in values(model).items())
+    model.zero_grad()
+    train(model, opt, 1, start=1)
+    train(plain, ref, 1, start=1)
+    assert_same_training((model, opt), (plain, ref))
+
+
+def test_a_streamed_models_state_dict_has_a_storage_per_param(device, tmp_path):
+    """Each streamed param's tensor in state_dict() has a storage of its own (the block's
+    params were views of one buffer, taken for tied weights by savers that keep one
+    tensor per storage: safetensors' save_model refused, accelerate's save_state kept one
+    param a block). Same memory, no copy: it reads the host copy as it is."""
+    model, _, opt, _ = _trained_twins(1)
+    sd = model.state_dict()
+    storages = [sd[f"layers.1.{n}"].untyped_storage().data_ptr() for n, _ in
+                model.layers[1].named_parameters()]
+    assert len(set(storages)) == len(storages)
+    kept = {k: v.clone() for k, v in sd.items()}
+    train(model, opt, 1, start=1)   # (as torch's, they alias the params: stepped with them)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
+    assert not torch.equal(sd["layers.1.up.weight"], kept["layers.1.up.weight"])
+    sd = model.state_dict()
+    safetensors = pytest.importorskip("safetensors.torch", reason="safetensors (installed "
+                                      "with transformers by the README's test command)")
+    safetensors.save_model(model, str(tmp_path / "m.safetensors"))
+    fresh = make_llama(seed=9, layers=3, frozen=())
+    missing, unexpected = safetensors.load_model(fresh, str(tmp_path / "m.safetensors"))
+    assert (missing, unexpected) == (set(), [])
+    assert all(torch.equal(v, sd[k]) for k, v in fresh.state_dict().items())
+
+
+class Rotary(torch.nn.Module):
+    """A rotary table as transformers keeps it: a non-persistent buffer."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim),
+                             persistent=False)
+
+
+def test_a_meta_buffer_no_state_dict_fills_is_refused(device):
+    """A model built on meta has NaN for what a state dict does not hold: a rotary
+    embedding's non-persistent inv_freq computed silently wrong results after the load
+    said every key matched. Refused, naming it, with nothing changed; a model whose
+    buffers are real (accelerate's init_empty_weights) streams."""
+    with torch.device("meta"):
+        model = make_llama(layers=2, frozen=())
+        model.rotary = Rotary()
+    with pytest.raises(ValueError, match=r"buffers rotary\.inv_freq are on the meta device "
+                                         r"and not in its state_dict"):
+        offload_adam.stream_params(model, Block)
+    assert all(p.is_meta for p in model.parameters())
+    model.rotary = Rotary()   # (real, as init_empty_weights leaves buffers)
+    offload_adam.stream_params(model, Block)
+    assert torch.isfinite(model.rotary.inv_freq).all()

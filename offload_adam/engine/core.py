@@ -748,7 +748,7 @@ class OffloadEngine:
             if grad is None or is_freed(grad):
                 if rec.freed and grad is not None:
                     ready.append(rec)  # copied, then freed in backward: consume the copy
-                else:
+                else:   # (another engine's: the optimizer refused it, check_freed_grads)
                     rec.freed = False  # none, or the user dropped the one we freed
                 continue
             rec.freed = False          # the user gave it a new grad since we freed one

@@ -167,6 +167,11 @@ class EarlyStart:
         """The optimizer, None once it is gone."""
         return self._owner()
 
+    def pending(self) -> bool:
+        """Whether steps of this iteration started in backward and step() has not
+        finished them (it steps the rest)."""
+        return bool(self._started)
+
     def hyper(self, group: int) -> Hyper:
         """The hyperparameters group's early steps use (`begin` read them)."""
         return self._hyper[group]

@@ -122,7 +122,7 @@ def _by_storage(spans) -> dict:
 
 def _checksum(ts: Sequence[torch.Tensor]) -> List[bytes]:
     with _unchecked():
-        return [t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        return [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                 if t.numel() else b"" for t in ts]
 
 
