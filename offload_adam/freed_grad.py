@@ -163,17 +163,6 @@ class Stepped:
         self.refuse("this backward cannot add its grad to it (torch would)")
 
 
-def stepped_grad(grad: torch.Tensor) -> torch.Tensor:
-    """The FreedGrad `grad` (a DTensor's too) as one a completed step consumed."""
-    local = grad._local_tensor if is_dtensor(grad) else grad
-    if not is_dtensor(grad):
-        return FreedGrad(local, local.label, Stepped(local.label))
-    from torch.distributed.tensor import DTensor
-    return DTensor.from_local(FreedGrad(local, local.label, Stepped(local.label)),
-                              grad.device_mesh, grad.placements, run_check=False,
-                              shape=grad.shape, stride=grad.stride())
-
-
 def check_freed_grads(param_groups, engine) -> None:
     """step() refuses a param whose grad the last step() consumed (Stepped), and one
     whose grad another optimizer freed (its host copy is that optimizer's: read as no

@@ -211,6 +211,13 @@ from typing import Any, Iterator, Optional, Tuple
 
 from .nvme.store import folder_problem
 
+
+def positive_number(value) -> bool:
+    """A finite int or float above 0, not a bool (nan and inf are no sizes or speeds):
+    the options' MiB, stream_params' param_cache_mb, the planner's figures."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
 # The options that copy grads during backward, and why each needs overlap=True.
 _NEEDS_OVERLAP = {
     "step_in_backward": "the step starts from the grads copied during backward",
@@ -313,8 +320,7 @@ class Options:
     def _positive_mib(self, name: str) -> None:
         """Option `name` is a positive number of MiB (not a bool): kept as a float."""
         value = getattr(self, name)
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-                and math.isfinite(value)):
+        if not positive_number(value):
             raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
         object.__setattr__(self, name, float(value))
 

@@ -68,9 +68,6 @@ def cache_slots(cache_bytes: float, slot_bytes: int, prefetch: int,
     each is all a cache can use); a ValueError naming the shortfall when they are fewer
     than min_slots(prefetch), or than `blocks` when there are fewer (the planner asks the
     same)."""
-    if not math.isfinite(cache_bytes) or cache_bytes <= 0:
-        raise ValueError(f"param_cache_mb must be a finite number > 0, got "
-                         f"{cache_bytes / 2**20:g}")
     need = min_slots(prefetch) if blocks is None else min(min_slots(prefetch), blocks)
     count = int(cache_bytes) // slot_bytes
     if blocks is not None:

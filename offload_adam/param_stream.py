@@ -66,6 +66,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .engine.device import current_host_stand_in, make_device
 from .engine.host_memory import unpin_all
 from .nvme.layout import ALIGN, round_up
+from .options import positive_number
 from .param_files import ParamFiles, min_slots
 from .params import home_of, set_home
 
@@ -711,21 +712,14 @@ class ParamStreamer:
 
         leaves, spec = tree_flatten(output)
         hit = [views_mine(x) for x in leaves]
-        inner, seen = [x for x in leaves if _is_dataclass(x)], set()
-        while inner:   # (a dataclass pytree keeps whole: its fields cannot be replaced)
-            d = inner.pop()
-            if id(d) in seen:
-                continue
-            seen.add(id(d))
-            fields = tree_flatten([getattr(d, f.name) for f in dataclasses.fields(d)])[0]
-            inner += [x for x in fields if _is_dataclass(x)]
-            if any(views_mine(x) for x in fields):
-                raise RuntimeError(
-                    f"offload_adam.stream_params: block {block.name} "
-                    f"({type(block.module).__name__}) returned a view of one of its params "
-                    "inside an object the streamer cannot rebuild; the params' device "
-                    "memory is given back after the forward. Return a copy (.clone()), or "
-                    "return tensors in tuples, lists, dicts or registered pytree types")
+        # (in a dataclass pytree keeps whole, a tensor cannot be replaced)
+        if any(views_mine(x) for x in _leaves([x for x in leaves if _is_dataclass(x)])):
+            raise RuntimeError(
+                f"offload_adam.stream_params: block {block.name} "
+                f"({type(block.module).__name__}) returned a view of one of its params "
+                "inside an object the streamer cannot rebuild; the params' device "
+                "memory is given back after the forward. Return a copy (.clone()), or "
+                "return tensors in tuples, lists, dicts or registered pytree types")
         if not any(hit):
             return None
         return tree_unflatten([x.clone() if h else x for x, h in zip(leaves, hit)], spec)
@@ -1087,8 +1081,7 @@ def _check_files(param_dirs, param_cache_mb):
     if len({os.path.realpath(os.fsdecode(d)) for d in param_dirs}) != len(param_dirs):
         raise ValueError(f"offload_adam.stream_params: param_dirs names a directory twice: "
                          f"{param_dirs}")
-    if param_cache_mb is not None and (isinstance(param_cache_mb, bool) or not isinstance(
-            param_cache_mb, (int, float)) or not 0 < param_cache_mb < math.inf):
+    if param_cache_mb is not None and not positive_number(param_cache_mb):
         raise ValueError(f"offload_adam.stream_params: param_cache_mb must be a finite "
                          f"number > 0, got {param_cache_mb!r}")
     # absolute: close() removes these files, also after the process changed directory
@@ -1305,20 +1298,27 @@ def _grad_tensors(tree) -> Tuple[List[torch.Tensor], list]:
     tensors), for an error."""
     found: List[torch.Tensor] = []
     opaque: list = []
+    for leaf in _leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad:
+                found.append(leaf)
+        elif not isinstance(leaf, _PLAIN):
+            opaque.append(leaf)
+    return found, opaque
+
+
+def _leaves(tree) -> Iterator:
+    """The leaves pytree flattens `tree` to, and those in the fields of the dataclasses
+    it leaves whole (each dataclass once), instead of them."""
     seen: set = set()
     todo = [tree]
     while todo:
         for leaf in tree_flatten(todo.pop())[0]:
-            if isinstance(leaf, torch.Tensor):
-                if leaf.requires_grad:
-                    found.append(leaf)
-            elif _is_dataclass(leaf):
-                if id(leaf) not in seen:
-                    seen.add(id(leaf))
-                    todo.append([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
-            elif not isinstance(leaf, _PLAIN):
-                opaque.append(leaf)
-    return found, opaque
+            if not _is_dataclass(leaf):
+                yield leaf
+            elif id(leaf) not in seen:
+                seen.add(id(leaf))
+                todo.append([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
 
 
 def _is_dataclass(x) -> bool:

@@ -56,6 +56,8 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .options import positive_number as _positive
+
 
 GB = 1e9
 _LINE = 64        # engine/host_memory.py: every per-param host buffer starts on a cache line
@@ -72,12 +74,6 @@ STATE_DTYPES = ("float32", "bfloat16", "8bit")
 
 def _round(n: int, to: int) -> int:
     return -(-n // to) * to
-
-
-def _positive(v) -> bool:
-    """A finite number above 0 (nan and inf are not sizes or speeds)."""
-    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            and v > 0)
 
 
 # ---- the model ---------------------------------------------------------------------------
@@ -459,7 +455,7 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     from .engine.grad_ring import ring_bytes
     from .nvme.circular import Circular
     from .nvme.layout import StateSpec, place
-    from .nvme.pipeline import AHEAD
+    from .nvme.pipeline import AHEAD, ring_size
     from .nvme.redo import log_sizes, record_reserve
     from .param_state import adam_bucket
     from .nvme_tier import deal, runs_within
@@ -489,7 +485,10 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     spec = StateSpec(tuple(buckets), state_dtype)
     largest = max((b.nbytes for b in spec.buckets), default=0)
     budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
-    ring = min(budget // max(largest, 1), len(buckets) + 2)
+    try:   # (the code's rule: it refuses a ring under 3 buckets)
+        ring, refused = ring_size(spec, budget), None
+    except ValueError as e:
+        ring, refused = budget // max(largest, 1), str(e)
     extents, sizes = place(spec, dirs)
     compact = Circular(spec, [e.file for e in extents], dirs).file_sizes()
     records = [record_reserve(g) for g in grads]
@@ -498,6 +497,7 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     return {"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
             "compact_file_bytes": sum(compact), "redo_log_bytes": log,
             "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,
+            "ring_refused": refused,   # why the code would refuse this budget (None: it takes it)
             "buckets": len(buckets),
             # the compact pass's redo records in RAM: the one stepped, AHEAD read ahead
             "records_read_bytes": (AHEAD + 1) * max(records, default=0),
@@ -675,10 +675,8 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),
              _host(model, run, layout, files), _disk(model, layout, files))
-    if layout.in_files and files["ring"] < 3:   # (nvme/pipeline.py ring_size refuses it)
-        p.refused.append(f"state_budget_mb {run.state_budget_mb:g} holds {files['ring']} of "
-                         f"the largest state bucket ({files['largest_bucket_bytes'] / _MB:.1f} "
-                         "MiB); the files' pipeline needs 3")
+    if layout.in_files and files["ring_refused"]:
+        p.refused.append(f"state_budget_mb {run.state_budget_mb:g}: {files['ring_refused']}")
     n, streamed = model.params, model.layers * model.block_params
     cache = 0.0
     if layout.params == "files":   # what the host has left caches the param files, in blocks

@@ -59,7 +59,7 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..freed_grad import freed_grad, is_freed, stepped_grad
+from ..freed_grad import Stepped, freed_grad, is_freed
 from ..kernel_step import Hyper, KernelArgs
 from ..master_rule import MasterMarks
 from ..param_state import ROLES, ParamState
@@ -896,7 +896,8 @@ class OffloadEngine:
                 rec.freed = False   # (freed_grad.Stepped)
                 rec.copy = None
                 if is_freed(rec.param.grad):
-                    rec.param.grad = stepped_grad(rec.param.grad)
+                    rec.param.grad = freed_grad(rec.param, local(rec.param.grad),
+                                                rec.label(), Stepped(rec.label()))
 
     def drain(self, finish: bool = False) -> None:
         """Waits for the jobs queued on the worker (raises what one raised)."""
