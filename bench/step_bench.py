@@ -476,7 +476,7 @@ def print_table(machine, cases):
           f"load average {machine['loadavg_start']} at start, {machine['loadavg_end']} at end")
     ds = machine["deepspeed"]
     print("deepspeed: " + (f"{ds['version']} available" if ds["available"]
-                           else f"not installed/unavailable: {ds['reason']}"))
+                           else f"unavailable: {ds['reason']}"))
     for case, res in cases.items():
         print(f"\n[{case}] {res['byte_counting']}; limit/t = streaming limit time / time, "
               f"t/ours = time / {res['best_ours']} time")
@@ -557,7 +557,7 @@ def main():
                 contenders.append(deepspeed_contender(DeepSpeedCPUAdam, case))
             else:
                 unavailable.append(("DeepSpeedCPUAdam", "deepspeed",
-                                    f"deepspeed not installed/unavailable: {ds_info['reason']}"))
+                                    ds_info['reason']))
         if ARGS.only:
             contenders = [c for c in contenders if re.search(ARGS.only, c[0])]
             unavailable = [u for u in unavailable if re.search(ARGS.only, u[0])]

@@ -149,7 +149,15 @@ def _jit_build() -> ModuleType:
     _require_compiler(cxx)
     ninja = _find_ninja()
     obj_dir = build_dir / "kernels"
-    obj_dir.mkdir(parents=True, exist_ok=True)
+    try:   # (and the lock file: a read-only cache fails at its open)
+        obj_dir.mkdir(parents=True, exist_ok=True)
+        open(build_dir / "offload_adam.lock", "a").close()
+    except OSError as e:
+        raise RuntimeError(
+            f"offload_adam: cannot write the kernels' build folder {build_dir} "
+            f"({e.strerror or e}): they compile there on first use. Set "
+            "TORCH_EXTENSIONS_DIR to a writable folder, or build them ahead of time "
+            "(OFFLOAD_ADAM_BUILD_EXT=1 pip install --no-build-isolation .)") from e
 
     # One process builds, the others wait and then find everything cached.
     with _FileLock(build_dir / "offload_adam.lock"):

@@ -43,6 +43,7 @@ _UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 _NORM = torch.ops.aten.linalg_vector_norm.default
 _MUL_ = (torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar)
 _ADD_ = torch.ops.aten.add_.Tensor
+_ZERO_ = torch.ops.aten.zero_.default
 _ALIASES = (torch.ops.aten.view.default, torch.ops.aten.alias.default,
             torch.ops.aten.detach.default)   # DTensor.from_local and to_local make these
 
@@ -90,6 +91,13 @@ class FreedGrad(torch.Tensor):
         if func in _ALIASES and (len(args) < 2 or tuple(args[1]) == tuple(args[0].shape)):
             return FreedGrad(args[0], args[0].label, args[0].host)   # the same grad
         freed = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, FreedGrad))
+        if func is _ZERO_:
+            raise RuntimeError(
+                f"offload_adam: the grad of {freed.label} was sent to the host and freed in "
+                "backward (free_grads_after_copy=True): it has no memory to zero in place "
+                "(model.zero_grad(set_to_none=False), p.grad.zero_()). Call the optimizer's "
+                "zero_grad(set_to_none=False), which leaves zero grads as torch does, or "
+                "zero_grad() with set_to_none=True (the default)")
         raise RuntimeError(
             f"offload_adam: the grad of {freed.label} was sent to the host and freed in "
             f"backward (free_grads_after_copy=True), so {func} cannot use it: only its "
@@ -150,8 +158,9 @@ class Stepped:
         raise RuntimeError(
             f"offload_adam: the grad of {self.label} was freed in backward "
             "(free_grads_after_copy=True) and its host copy let go after the last step() "
-            f"stepped it, so {what}. Call zero_grad() (the optimizer's or the model's) "
-            "after step(), before the next backward or step()")
+            f"stepped it, so {what}. Call zero_grad() after step(), before the next "
+            "backward or step(): the optimizer's, or the model's with set_to_none=True "
+            "(the default)")
 
     def sq_sum(self) -> float:
         self.refuse("its norm is gone")

@@ -19,17 +19,63 @@ in-place params' grads), `_options`, `_params()` and `_inplace_threads()`.
 from __future__ import annotations
 
 import math
-from typing import Optional
+import weakref
+from typing import List, Optional, Tuple
 
 from . import distributed
 from .kernel_step import clip_coefficient, grad_sq_sums
-from .params import check_grad_dtypes
+from .params import check_grad_dtypes, param_label
 
 
 class GradScaling:
     """clip_grad_norm_, and the factor step() gives the kernels."""
 
     _clip_coef: Optional[float] = None   # set by clip_grad_norm_, used by the next step
+    # The grads that coefficient is of: (param, its grad, the grad's version) weakly, for
+    # every param of the groups; None: taken as they are now (an unpickled optimizer).
+    _clip_grads: Optional[List[Tuple[weakref.ref, Optional[weakref.ref], int]]] = None
+
+    def _mark_clipped(self, coef: float) -> None:
+        """torch's clip scales the grads in place; here the coefficient waits for the
+        step, and holds for the grads as they are now (no strong reference to them: a
+        grad dropped is freed)."""
+        self._clip_coef = coef
+        self._clip_grads = [(weakref.ref(p), None if p.grad is None else weakref.ref(p.grad),
+                             -1 if p.grad is None else p.grad._version)
+                            for group in self.param_groups for p in group["params"]]
+
+    def _pending_clip(self) -> Optional[float]:
+        """The coefficient of the opt.clip_grad_norm_ calls since the last step, while
+        the grads are the ones it was taken of. torch's clip scaled the grads it saw in
+        place; a grad written since (added to by a backward, which torch would add
+        unscaled to the clipped values; zeroed and made again; replaced; set) is not
+        the coefficient times what p.grad holds: a RuntimeError naming the param (which
+        of these it was cannot be told apart). No grad left: the clip went with them."""
+        if self._clip_coef is None:
+            return None
+        if self._clip_grads is None:
+            self._mark_clipped(self._clip_coef)
+        by_param = {id(ref()): (grad, version) for ref, grad, version in self._clip_grads
+                    if ref() is not None}
+        changed = None
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                grad, version = by_param.get(id(p), (None, -1))
+                old = None if grad is None else grad()
+                if p.grad is old and (old is None or old._version == version):
+                    continue
+                changed = changed or param_label(group, gi, i, p)
+        if changed is None:
+            return self._clip_coef
+        if all(p.grad is None for group in self.param_groups for p in group["params"]):
+            self._clip_coef = self._clip_grads = None
+            return None
+        raise RuntimeError(
+            f"offload_adam: the grad of {changed} changed after opt.clip_grad_norm_ (added "
+            "to by a backward, zeroed, replaced or set): the clip is applied at step() to "
+            "the grads as they are then, which is not what torch.nn.utils.clip_grad_norm_ "
+            "made of the grads it saw. Call opt.clip_grad_norm_ after the last backward of "
+            "the step, or opt.zero_grad() to drop it")
 
     def _total_norm(self):
         """2-norm of all grads: the engine's from its host copies, the in-place
@@ -64,14 +110,18 @@ class GradScaling:
             self._engine.early.fail(
                 "opt.clip_grad_norm_ was called: clipping scales every grad by a "
                 "coefficient known only after the whole backward")
-        norm = self._total_norm()
+        # (a clip since the last step: torch's second clip sees the grads scaled by the
+        # first, and scales them again)
+        pending = self._pending_clip()
+        norm = self._total_norm() * (1.0 if pending is None else pending)
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(
                 "The total norm of order 2.0 for gradients from `parameters` is "
                 "non-finite, so it cannot be clipped. To disable this error and scale "
                 "the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`")
-        self._clip_coef = clip_coefficient(norm, max_norm)
+        self._mark_clipped(clip_coefficient(norm, max_norm) * (1.0 if pending is None
+                                                              else pending))
         return distributed.norm_tensor(norm, self._params())
 
     def _step_scale(self) -> Optional[float]:
@@ -86,7 +136,7 @@ class GradScaling:
                 "GradScaler.step was used: the loss scale and found_inf are known "
                 "only at step(), and a skipped step cannot be undone")
         if found_inf is not None and float(found_inf) != 0.0:
-            self._clip_coef = None
+            self._clip_coef = self._clip_grads = None
             return None
         grad_scale = getattr(self, "grad_scale", None)
         inv_scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
@@ -100,11 +150,11 @@ class GradScaling:
                     "GradScaler.unscale_(opt), which changes grads invisibly to it; "
                     "use max_grad_norm= or torch.nn.utils.clip_grad_norm_ with GradScaler")
 
-        scale = inv_scale
+        clip = self._pending_clip()
+        scale = inv_scale * (1.0 if clip is None else clip)
         if self.max_grad_norm is not None:
-            # The norm of the unscaled grads (GradScaler may not have unscaled).
-            scale *= clip_coefficient(self._total_norm() * inv_scale, self.max_grad_norm)
-        elif self._clip_coef is not None:
-            scale *= self._clip_coef
-        self._clip_coef = None
+            # The norm of the unscaled grads (GradScaler may not have unscaled), as
+            # opt.clip_grad_norm_ left them.
+            scale *= clip_coefficient(self._total_norm() * scale, self.max_grad_norm)
+        self._clip_coef = self._clip_grads = None
         return scale

@@ -51,7 +51,8 @@ from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
 from .master_rule import MasterMarks
 from .freed_grad import check_freed_grads
-from .params import SUPPORTED_DTYPES, check_grad_dtypes, one_device, param_label
+from .params import (SUPPORTED_DTYPES, check_grad_dtypes, check_no_overlap, one_device,
+                     param_label)
 from .options import Options
 from .routing import Routing
 from .state_store import open_store
@@ -205,7 +206,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_marks", None)     # every master checked at the first step
         state.pop("_group_of", None)  # (weak keys) made again from the groups
         state.pop("_closed", None)    # an unpickled one is open
-        return state
+        state.pop("_clip_grads", None)   # (weak references) a clip pending holds for the
+        return state                     # grads as unpickled
 
     def __setstate__(self, state):
         options = state.pop("_options", None) or Options()
@@ -228,7 +230,6 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._options = options
             self._routing = Routing.of(options)
             self._marks = MasterMarks()
-            self._clip_coef = None
             self._start_engine()
             self._open_store(resume=True)   # its own files: it continues from them
 
@@ -266,6 +267,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                         f"param {param_label(group, index, i, p)} is the same tensor as param "
                         f"{first[id(p)]} of its group: list each param once")
                 first[id(p)] = i
+            check_no_overlap(self.param_groups, index)
             self._check_one_device()
             if self._store is not None:
                 self._store.add_group(index, group)
@@ -282,8 +284,11 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             raise
 
     def _check_one_device(self):
-        """All params on the CPU, or all on one CUDA device (one engine each)."""
-        one_device([p for g in self.param_groups for p in g["params"]])
+        """All params on the CPU, or all on one CUDA device (one engine each); none is
+        allowed (empty groups, as torch's)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if params:
+            one_device(params)
 
     max_grad_norm = _option("max_grad_norm")
     process_group = _option("process_group")
@@ -484,9 +489,10 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
 
     def zero_grad(self, set_to_none=True):
         if self._engine is not None:
-            self._engine.drop_freed_grads()
+            self._engine.drop_freed_grads(zeros=not set_to_none)
+            self._engine.after_raised_backward()   # (its copies read what is zeroed)
         super().zero_grad(set_to_none)
-        self._clip_coef = None
+        self._clip_coef = self._clip_grads = None
         if self._engine is not None:
             self._engine.zero_grad()
 

@@ -229,6 +229,11 @@ FOOTPRINTS = ("two_generations", "compact")   # state_footprint's values
 _BOOLS = ("overlap", "free_grads_after_copy", "verify_grads", "step_in_backward")
 
 
+def _is_process_group(value) -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and isinstance(value, dist.ProcessGroup)
+
+
 def _is_bool(value) -> bool:
     """True or False: a Python bool or a numpy one (not a string, whose "no" is true, nor
     a number)."""
@@ -286,8 +291,16 @@ class Options:
             if self.state_dirs is None:
                 raise ValueError(f"state_footprint={self.state_footprint!r} needs state_dirs= "
                                  "(it is how the state files are laid out)")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"Invalid max_grad_norm: {self.max_grad_norm}")
+        if self.max_grad_norm is not None:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm,
+                                                                      numbers.Real):
+                raise TypeError(f"max_grad_norm must be a number > 0 or None, got "
+                                f"{self.max_grad_norm!r}")
+            if not self.max_grad_norm > 0:
+                raise ValueError(f"Invalid max_grad_norm: {self.max_grad_norm}")
+        if self.process_group is not None and not _is_process_group(self.process_group):
+            raise TypeError(f"process_group must be a torch.distributed process group "
+                            f"(e.g. dist.new_group(...)) or None, got {self.process_group!r}")
         for name, why in _NEEDS_OVERLAP.items():
             if getattr(self, name) and not self.overlap:
                 raise ValueError(f"{name}=True needs overlap=True ({why})")
@@ -311,8 +324,13 @@ class Options:
         if self.defer_blocks and self.state_dirs is not None:
             raise ValueError("defer_blocks= cannot be used with state_dirs=: a step "
                              "commits the state files at step(), every block stepped")
-        if self.num_threads is not None and int(self.num_threads) < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.num_threads is not None:
+            if isinstance(self.num_threads, bool) or not isinstance(self.num_threads,
+                                                                    numbers.Integral):
+                raise TypeError(f"num_threads must be a whole number >= 1 or None, got "
+                                f"{self.num_threads!r}")
+            if self.num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
         if self.num_threads is not None:
             object.__setattr__(self, "num_threads", int(self.num_threads))

@@ -449,6 +449,9 @@ class ParamStreamer:
         # (a model's forward starts it anew: _new_pass; a run of uses without one, blocks
         # called on their own, starts anew past this many)
         self._record_cap = 64 * len(self.blocks) + 1024
+        # the fetch hooks of this forward's blocks (on their outputs): [block, outputs,
+        # ticket, handle], registered again after the next block's release (_fetch_after)
+        self._fetch_hooks: list = []
         self._cursor: Optional[int] = 0
         self._graph_task = None          # the backward whose end releases every block
         self._handles: list = []
@@ -628,6 +631,8 @@ class ParamStreamer:
         anew from here, so that it is the last pass's before that backward (a training
         micro-batch's), not that of the inference passes before it (their recording
         kept, it grew with each, and prefetch fetched ahead what the pass did not use)."""
+        if not _in_backward():
+            self._fetch_hooks = []
         if self._order is None and not _in_backward():
             self._recording = []
 
@@ -659,6 +664,27 @@ class ParamStreamer:
         if inputs:   # (none: nothing flows back through them, end of backward releases it)
             torch.autograd.graph.register_multi_grad_hook(
                 inputs, lambda grads, b=block, t=ticket: self._backward_done(b, t), mode="all")
+            self._fetch_after(block, inputs)
+
+    def _fetch_after(self, block: _Block, inputs: List[torch.Tensor]) -> None:
+        """The fetch for backward of the blocks whose output is an input of `block` (the
+        block before) registered again, after `block`'s release: on one tensor the hooks
+        run in the order registered, and the block before's, registered first, fetched
+        it and `prefetch` ahead while this one was still on the device: a block more than
+        the k + 1 the prefetch needs. (Not for the block itself, called twice: its first
+        use's fetch then keeps it on the device for its second, `ticket`.)"""
+        mine = {id(t) for t in inputs}
+        for entry in self._fetch_hooks:
+            other, refs, ticket, handle = entry
+            outs = [r() for r in refs]
+            if other is not block and all(t is not None for t in outs) \
+                    and any(id(t) in mine for t in outs):
+                handle.remove()
+                entry[3] = self._fetch_hook(other, outs, ticket)
+
+    def _fetch_hook(self, block: _Block, outs: List[torch.Tensor], ticket: list):
+        return torch.autograd.graph.register_multi_grad_hook(
+            outs, lambda grads, b=block, t=ticket: self._pre_backward(b, t), mode="any")
 
     def _backward_done(self, block: _Block, ticket: list) -> None:
         if ticket[0] is None or ticket[0] == block.backward_use:
@@ -684,10 +710,11 @@ class ParamStreamer:
                     "backward would run without its params fetched. Return tensors (in "
                     "tuples, lists, dicts or dataclasses), or register the type with "
                     "torch.utils._pytree (register_pytree_node)")
-            if outs:
-                torch.autograd.graph.register_multi_grad_hook(
-                    outs, lambda grads, b=block, t=block.ticket: self._pre_backward(b, t),
-                    mode="any")
+            if outs:   # (this forward's, for _fetch_after, the outputs held weakly: a
+                # forward or the end of a backward starts them anew)
+                self._fetch_hooks.append([block, [weakref.ref(t) for t in outs],
+                                          block.ticket,
+                                          self._fetch_hook(block, outs, block.ticket)])
         block.forwarding = False
         self._release(block)
         return unaliased
@@ -763,6 +790,7 @@ class ParamStreamer:
         only when it completes, and an _AfterBackward only once grads reach it: the blocks
         that backward fetched (the one in use, those ahead) stayed on the device."""
         self._graph_task = None
+        self._fetch_hooks = []
         for block in self.blocks:
             self._release(block)
         if self._order is None and not completed:
@@ -948,12 +976,15 @@ class ParamStreamer:
     def _rank(self, index: int) -> Optional[float]:
         """How soon block `index` is used next (param files' cache): the uses until its
         next one in the recorded order; before any, a block the CPU step is still to write
-        (used in backward: the step comes before the next forward; _step_key says when);
+        (used in backward: the step comes before the next forward; _step_key says when;
+        one it started writing before those it did not);
         None before the order is recorded. (A block the step writes whole is not read for
         it, but it needs a slot then all the same: it keeps its own meanwhile.)"""
         block = self.blocks[index]
-        if block.awaiting:
-            return float(_step_key(block) - 2**40)
+        if block.awaiting:   # a block the step started writing nearest of all: given
+            # away half written, its file's bytes would be read to complete it, written,
+            # and its slot taken again for the rest (a block spans buckets)
+            return float(_step_key(block) - (2**41 if block.step_started else 2**40))
         order = self._order
         if order is None:
             return None

@@ -19,7 +19,9 @@ SUPPORTED_DTYPES = (torch.float32,) + LOW_PRECISION
 def param_label(group: dict, group_index: int, index: int, p: torch.Tensor) -> str:
     """How error messages name a param: its name when the group has names."""
     names = group.get("param_names")
-    where = repr(names[index]) if names else f"group {group_index}, param {index}"
+    # (a param appended by hand to a named group has no name: its place then)
+    where = (repr(names[index]) if names and index < len(names)
+             else f"group {group_index}, param {index}")
     return f"{where} (shape {tuple(p.shape)})"
 
 
@@ -69,6 +71,76 @@ def one_device(params) -> torch.device:
             "optimizer steps params of one device (use one optimizer per device)")
     (device,) = devices
     return device
+
+
+def _memory(p: torch.Tensor) -> Optional[tuple]:
+    """(the storage's device and address, p's first byte, its end byte in it), or None
+    for a param that holds no memory of its own to share (meta, empty, a DTensor, whose
+    shards are their own, a sparse one)."""
+    if (type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__   # (a DTensor)
+            or p.numel() == 0):
+        return None
+    try:
+        storage = p.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if p.device.type == "meta":
+        return None
+    size = p.element_size()
+    first = p.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))
+    return (p.device, storage.data_ptr()), first * size, (last + 1) * size
+
+
+def _share_bytes(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> bool:
+    """Whether views a and b of one storage, both inside its bytes [lo, hi), write a
+    byte in common (strided views may interleave without one)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True   # (their spans overlap: the caller knows)
+    mask = torch.zeros(hi - lo, dtype=torch.uint8)
+
+    def elements(t: torch.Tensor) -> torch.Tensor:
+        size = t.element_size()
+        return mask.as_strided(tuple(t.shape) + (size,),
+                               tuple(s * size for s in t.stride()) + (1,),
+                               t.storage_offset() * size - lo)
+    elements(a).fill_(1)
+    return bool(elements(b).any())
+
+
+def check_no_overlap(param_groups, index: int) -> None:
+    """A ValueError naming two params of which one is in group `index` that share
+    memory (views of one tensor that overlap): torch's optimizers step them one after
+    the other, each step seeing the other's update; here each has a master and moments
+    of its own, and the last one written would win silently. Views that do not overlap
+    (a flat buffer's params) are fine."""
+    mine = {}
+    for i, p in enumerate(param_groups[index]["params"]):
+        span = _memory(p)
+        if span is not None:
+            mine.setdefault(span[0], []).append((index, i, p) + span[1:])
+    if not mine:
+        return
+    seen = {}
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            span = _memory(p) if gi != index else None
+            if span is not None and span[0] in mine:
+                seen.setdefault(span[0], []).append((gi, i, p) + span[1:])
+    for key, views in mine.items():
+        views = sorted(seen.get(key, []) + views, key=lambda v: v[3])
+        for k, (gi, i, p, lo, hi) in enumerate(views):
+            for gj, j, q, lo2, hi2 in views[k + 1:]:
+                if lo2 >= hi:
+                    break
+                if q is p or not _share_bytes(p, q, min(lo, lo2), max(hi, hi2)):
+                    continue
+                raise ValueError(
+                    f"offload_adam: params {param_label(param_groups[gi], gi, i, p)} and "
+                    f"{param_label(param_groups[gj], gj, j, q)} share memory (overlapping "
+                    "views of one tensor): each would be stepped from a master of its own "
+                    "and one update lost where they overlap. Give the optimizer the tensor "
+                    "they view, or views that do not overlap")
 
 
 def rounds_to(master: torch.Tensor, t: torch.Tensor) -> bool:

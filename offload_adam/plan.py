@@ -2,7 +2,8 @@
 
     python -m offload_adam.plan llama-3-70b                       # the 24 GB desktop
     python -m offload_adam.plan path/to/config.json --machine here --batch 8
-    python -m offload_adam.plan --layers 32 --hidden 4096 --intermediate 14336 --vocab 128256
+    python -m offload_adam.plan --layers 32 --hidden 4096 --intermediate 14336 --vocab 128256 \
+        --heads 32 --kv-heads 8
 
 A model is a Llama-shaped decoder (a preset, a Hugging Face config.json or, with transformers
 installed, a config name; or its shape given as flags): streamed blocks (the decoder layers)
@@ -78,6 +79,9 @@ def _round(n: int, to: int) -> int:
 
 # ---- the model ---------------------------------------------------------------------------
 
+MAX_LAYERS = 4096   # the planner plans models of up to this many blocks (ModelShape)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A Llama-shaped decoder: `layers` blocks (attention with `kv_heads` key/value heads,
@@ -100,6 +104,9 @@ class ModelShape:
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"model {self.name!r}: hidden ({self.hidden}) must be a multiple "
                              f"of heads ({self.heads}), and heads of kv_heads ({self.kv_heads})")
+        if self.layers > MAX_LAYERS:   # (each layout walks every tensor: minutes, not a plan)
+            raise ValueError(f"model {self.name!r}: {self.layers} layers; the planner plans "
+                             f"models of up to {MAX_LAYERS} (the largest trained have ~130)")
 
     @property
     def kv_dim(self) -> int:
@@ -206,10 +213,10 @@ def load_model(spec: str) -> ModelShape:
         return PRESETS[spec]
     path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
     if os.path.isfile(path):
-        with open(path) as f:
+        with open(path, "rb") as f:
             try:
                 cfg = json.load(f)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"model {spec!r}: {path} is not JSON ({e})") from None
         return ModelShape.from_config(cfg, spec)
     if spec.endswith(".json") or os.path.isdir(spec):   # a path, not a hub name
@@ -362,12 +369,14 @@ class Run:
     state_budget_mb: Optional[float] = None   # the NVMe tier's ring (default 4 buckets)
     logit_bytes: float = 6.0       # per logit held at once: bf16 logits + the fp32 loss input
     param_cache_mb: Optional[float] = None   # stream_params' (None: what the host has left)
+    state_dirs: int = 1            # the directories (drives) the state files are striped over
 
     def __post_init__(self):
-        for key in ("batch", "seq", "micro", "prefetch"):
+        for key in ("batch", "seq", "micro", "prefetch", "state_dirs"):
             v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "prefetch" else 1):
-                raise ValueError(f"{key} must be a positive int, got {v!r}")
+            least = 0 if key == "prefetch" else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                raise ValueError(f"{key} must be a whole number >= {least}, got {v!r}")
         for key in ("bucket_mb", "state_budget_mb", "logit_bytes", "param_cache_mb"):
             v = getattr(self, key)
             if v is not None and not _positive(v):
@@ -672,7 +681,8 @@ class Plan:
 def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     from .param_files import cache_slots, min_slots
     shapes = [s for _, s in model.tensors()]
-    files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb)
+    files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb,
+                        run.state_dirs)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),
              _host(model, run, layout, files), _disk(model, layout, files))
     if layout.in_files and files["ring_refused"]:
@@ -702,8 +712,14 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     if layout.in_files:
         dram += 2 * state_gen
     # SSD: the state read and written once per step; param files miss the cache in forward
-    # and backward, and the new params are written (the step writes each block whole,
-    # reading none: param_files.hold_to_write; a block with a frozen param would be read)
+    # and backward (each micro-batch), and a block the step wrote is written to its file
+    # when the cache gives it away (the step writes each block whole, reading none:
+    # param_files.hold_to_write; a block with a frozen param would be read): the blocks
+    # that circulate through the cache, 2 x the misses of a pass, all at most (the blocks
+    # at the turn of forward and backward stay; micro-batches after the first give away
+    # blocks read, already written). A pass at step() (compact files, micro-batches)
+    # writes one more: forward's first read ahead writes back the block in use, which the
+    # pass left in the cache with its new values, before it takes a slot
     ssd_read = ssd_write = forward_read = 0.0
     if layout.in_files:
         ssd_read, ssd_write = state_gen, state_gen
@@ -715,7 +731,10 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
         extent = float(param_file_bytes(model))
         forward_read = micro * max(0.0, extent - cache)
         ssd_read += 2 * forward_read
-        ssd_write += extent
+        at_step = layout.state == "compact" or micro > 1
+        misses = max(0.0, extent - cache)
+        ssd_write += min(extent, 2 * misses + (param_slot_bytes(model) if at_step and misses
+                                               else 0.0))
     # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
     # attention's score and value products, causal (6 s h per token per layer, +2 likewise)
     k = 8 if run.checkpointing else 6
@@ -879,6 +898,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefetch", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--state-budget-mb", type=float)
+    ap.add_argument("--state-dirs", type=int, default=1,
+                    help="the directories (drives) state_dirs= stripes the state over "
+                         "(the compact layout keeps 4 spare buckets in each)")
     ap.add_argument("--param-cache-mb", type=float,
                     help="the param files' cache (stream_params' param_cache_mb; default: "
                          "what host RAM has left)")
@@ -970,7 +992,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model = _model(args)
         machine = _machine(args)
         run = Run(args.batch, args.seq, args.micro, not args.no_checkpointing, args.prefetch,
-                  args.bucket_mb, args.state_budget_mb, param_cache_mb=args.param_cache_mb)
+                  args.bucket_mb, args.state_budget_mb, param_cache_mb=args.param_cache_mb,
+                  state_dirs=args.state_dirs)
         if args.param_cache_mb is not None:   # (refused here, as stream_params would)
             from .param_files import cache_slots
             cache_slots(args.param_cache_mb * 2**20, param_slot_bytes(model), args.prefetch,

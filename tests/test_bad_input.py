@@ -219,3 +219,52 @@ def test_a_step_after_close_raises_on_every_path(path):
     with pytest.raises(RuntimeError, match="this optimizer was closed"):
         opt.step()
     assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"num_threads": 1.5}, TypeError), ({"num_threads": True}, TypeError),
+    ({"num_threads": "2"}, TypeError), ({"num_threads": 0}, ValueError),
+    ({"max_grad_norm": "1"}, TypeError), ({"max_grad_norm": True}, TypeError),
+    ({"max_grad_norm": 0.0}, ValueError), ({"process_group": 3}, TypeError),
+    ({"process_group": "world"}, TypeError)], ids=repr)
+def test_options_of_the_wrong_type_or_value_are_named(kwargs, error):
+    """Not turned into something else (1.5 threads into 1, True into 1) nor left to fail
+    at the first step (a process group that is an int)."""
+    (name,) = kwargs
+    with pytest.raises(error, match=name):
+        offload_adam.AdamW([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+def test_params_that_share_memory_are_refused_by_name(kernels):
+    """torch steps overlapping views one after the other; with a master each, one update
+    would be lost where they overlap: refused, in the constructor and add_param_group
+    (which then leaves the optimizer as it was). Views that do not overlap are fine,
+    interleaved ones too."""
+    base = torch.zeros(16)
+    with pytest.raises(ValueError, match=r"param 0 \(shape \(6,\)\) and .*param 1 "
+                                         r"\(shape \(6,\)\) share memory"):
+        offload_adam.AdamW([base[:6].requires_grad_(), base[4:10].requires_grad_()])
+    m = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="share memory"):   # rows 0, 2 and column 0
+        offload_adam.AdamW([{"params": [m[0::2].requires_grad_()]},
+                            {"params": [m[:, 0].requires_grad_()]}])
+    opt = offload_adam.AdamW([base[:8].requires_grad_()])
+    with pytest.raises(ValueError, match=r"group 0, param 0 .* and group 1, param 0"):
+        opt.add_param_group({"params": [base[7:9].requires_grad_()]})
+    assert len(opt.param_groups) == 1
+    ps = [base[0::2].requires_grad_(), base[1::2].requires_grad_()]   # interleaved
+    opt = offload_adam.AdamW(ps, lr=0.1)
+    for p, g in zip(ps, (1.0, -1.0)):
+        p.grad = torch.full_like(p, g)
+    opt.step()
+    assert base[0::2].eq(-0.1).all() and base[1::2].eq(0.1).all()
+
+
+def test_groups_without_params_are_allowed_like_torch(kernels):
+    opt = offload_adam.AdamW([{"params": []}])
+    opt.step()
+    p = torch.zeros(3, requires_grad=True)
+    opt.add_param_group({"params": [p], "lr": 0.5})
+    p.grad = torch.ones(3)
+    opt.step()
+    assert p.eq(-0.5).all()

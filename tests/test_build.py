@@ -342,3 +342,13 @@ def test_a_prebuilt_extension_from_other_sources_is_not_used(tmp_path):
         prebuilt, warned = out.splitlines()[0], "\n".join(out.splitlines()[1:])
         assert prebuilt == ("True" if used else "None"), (written, out)
         assert ("was built from other C++ sources" in warned) != used, warned
+
+
+def test_a_cache_folder_that_cannot_be_written_is_named(tmp_path):
+    # (a file where a folder should be: refused even to root, unlike permissions)
+    (tmp_path / "afile").write_text("")
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH,
+                             env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "afile" / "sub")})
+    assert rc != 0
+    assert "RuntimeError: offload_adam: cannot write the kernels' build folder" in err, err
+    assert "TORCH_EXTENSIONS_DIR" in err, err

@@ -25,7 +25,7 @@ from offload_adam.testing import settle
 from bare_engine import BareEngine
 from conftest import PATHS
 from engine_watch import Born, buckets_of, hooked
-from models import (BF16, MLP_OPTS, OPTS, Boom, assert_param_is_master_rounded, assert_same,
+from models import (BF16, MLP_OPTS, OPTS, Boom, Sometimes, assert_param_is_master_rounded, assert_same,
                     copy_grads, early_steps, halve_grad, kernels_that, loss_of, make_mlp, make_pair, mlp_loss,
                     run, state_of, states, steps_of, train_shadow)
 
@@ -162,6 +162,14 @@ def test_grad_accumulation_over_micro_batches(path, overlap):
             torch.testing.assert_close(held[p]["master_param"], q, rtol=1e-5, atol=1e-6)
 
 
+def ref_from_masters(opt, model, ref):
+    """The fp32 reference restarted from opt's masters (each step compared, not drifts)."""
+    with torch.no_grad():
+        held = states(opt)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.copy_(held[p]["master_param"] if held.get(p) else p.float())
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_clip_grad_norm_inside_the_kernel_matches_torch(path, overlap):
     model, _ = make_pair()
@@ -182,15 +190,74 @@ def test_clip_grad_norm_inside_the_kernel_matches_torch(path, overlap):
         torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
         opt.step(), opt2.step(), ropt.step()
         opt.zero_grad(), opt2.zero_grad(), ropt.zero_grad()
-        with torch.no_grad():
-            held = states(opt)
-            for p, q in zip(model.parameters(), ref.parameters()):
-                q.copy_(held[p]["master_param"] if held.get(p) else p.float())
+        ref_from_masters(opt, model, ref)
     held, held2 = states(opt), states(opt2)
     for p, p2 in zip(model.parameters(), model2.parameters()):
         if held.get(p):
             torch.testing.assert_close(held[p]["master_param"],
                                        held2[p2]["master_param"], rtol=1e-5, atol=1e-7)
+
+
+def test_clip_grad_norm_twice_compounds_as_torch(path):
+    """torch's second clip sees the grads the first one scaled: the step uses both
+    coefficients, and the second call returns the clipped norm."""
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    _, ref = make_pair()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    for it in range(2):
+        loss_of(model, it).backward()
+        copy_grads(model, ref)
+        norms = [opt.clip_grad_norm_(0.05), opt.clip_grad_norm_(0.01)]
+        rnorms = [torch.nn.utils.clip_grad_norm_(ref.parameters(), m) for m in (0.05, 0.01)]
+        for n, r in zip(norms, rnorms):
+            torch.testing.assert_close(n.float(), r, rtol=1e-5, atol=0)
+        assert float(norms[1]) < 0.051   # the first clip's norm, not the grads' own
+        opt.step(), ropt.step()
+        opt.zero_grad(), ropt.zero_grad()
+        ref_from_masters(opt, model, ref)
+    held, rheld = states(opt), states(ropt)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q in rheld:
+            torch.testing.assert_close(held[p]["exp_avg"].float(), rheld[q]["exp_avg"],
+                                       rtol=1e-4, atol=1e-9)
+
+
+def test_clip_grad_norm_of_grads_changed_since_is_refused(path):
+    """A clip applies to the grads it saw: grads added to (a backward after the clip),
+    or zeroed and made again (model.zero_grad()), are refused at step() by name, with
+    nothing stepped; opt.zero_grad() drops the clip; grads all gone take it with them."""
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    twin, _ = make_pair()
+    topt = offload_adam.AdamW(twin.parameters(), **OPTS)
+    for m in (model, twin):
+        loss_of(m, 0).backward()
+    opt.clip_grad_norm_(1e-3)
+    loss_of(model, 1).backward()   # accumulates onto what torch would have clipped
+    with pytest.raises(RuntimeError, match=r"changed after opt.clip_grad_norm_"):
+        opt.step()
+    opt.zero_grad()
+    model.zero_grad()
+    opt.clip_grad_norm_(1e-3)
+    model.zero_grad()   # (the model's: the optimizer does not see it)
+    loss_of(model, 0).backward()
+    with pytest.raises(RuntimeError, match=r"changed after opt.clip_grad_norm_"):
+        opt.step()
+    opt.zero_grad()   # drops it: the step is the unclipped one
+    loss_of(model, 0).backward()
+    opt.step(), topt.step()
+    for m, o in ((model, opt), (twin, topt)):
+        o.clip_grad_norm_(1e-3)
+        m.zero_grad()   # every grad gone: the clip with them
+        o.step()
+        loss_of(m, 1).backward()
+        o.step()
+    held, theld = states(opt), states(topt)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        if held.get(p):
+            assert torch.equal(held[p]["master_param"], theld[q]["master_param"])
 
 
 def test_state_dict_resume_is_bitwise(path):
@@ -713,6 +780,92 @@ def test_backward_that_raises_halfway(path):
         run(model, opt, 2, loss=mlp_loss)
         results.append((model, opt))
     assert_same(*results)
+
+
+@pytest.mark.parametrize("then", ["backward", "zero_grad_keep"])
+def test_grads_of_a_backward_that_raised_are_written_after_their_copies(path, then):
+    """The copies a raised backward started are published by no end of backward: the
+    next write of those grads (the next backward adding into them, zero_grad with
+    set_to_none=False zeroing them) is ordered after them (the simulated device reports
+    a write racing a copy), and the training is the one in place, bit for bit."""
+    def train():
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), **MLP_OPTS)
+        run(model, opt, 1, loss=mlp_loss)
+        h = FailHalfway.apply(model[1](model[0](torch.randn(5, 8).to(BF16))))
+        with pytest.raises(Boom):
+            model[2](h).float().sum().backward()
+        if then == "zero_grad_keep":
+            opt.zero_grad(set_to_none=False)
+        mlp_loss(model, 3).backward()
+        opt.step()
+        opt.zero_grad()
+        run(model, opt, 1, start=4, loss=mlp_loss)
+        return model, opt
+
+    ours = train()
+    with path.outside():
+        ref = train()
+    assert_same(ours, ref)
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_zero_grad_keeping_grads_leaves_zeros_where_grads_were_freed(path, early):
+    """free_grads_after_copy with zero_grad(set_to_none=False): zero grads, as torch
+    leaves, so that a param without a grad in the next backward is stepped with zeros
+    (weight decay, momentum) as without the option: bit for bit. The model's
+    zero_grad(set_to_none=False) cannot zero a freed grad in place: refused by name."""
+    runs = []
+    for free in (False, True):
+        torch.manual_seed(0)
+        model = Sometimes().to(BF16)
+        opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=free,
+                                 step_in_backward=early, **OPTS)
+        for it in range(4):
+            model.odd = it == 1   # `sometimes` gets a grad in step 2 only
+            loss_of(model, it).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        runs.append((model, opt))
+        assert all(p.grad is not None and not is_freed(p.grad) and not p.grad.any()
+                   for p in model.sometimes.parameters())
+    assert float(states(runs[1][1])[runs[1][0].sometimes.weight]["step"]) == 3
+    assert_same(*runs)
+    model, opt = runs[1]
+    loss_of(model, 5).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"no memory to zero in place.*optimizer's "
+                                           r"zero_grad\(set_to_none=False\)"):
+        model.zero_grad(set_to_none=False)
+    model.zero_grad()
+
+
+class WithEmpty(torch.nn.Module):
+    """A weight and an empty param (a rank-0 adapter): every empty storage is at address
+    0, which the simulated device once took for one memory shared by them all."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 37).to(BF16))
+        self.e = torch.nn.Parameter(torch.zeros(0, 3).to(BF16))
+        self.embed = torch.nn.Embedding(37, 8).to(BF16)
+
+    def forward(self, tokens):
+        return self.embed(tokens) @ self.w + self.e.sum()
+
+
+def test_an_empty_param_beside_others_in_backward(path):
+    def train():
+        torch.manual_seed(0)
+        model = WithEmpty()
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **OPTS)
+        run(model, opt, 3)
+        return model, opt
+
+    ours = train()
+    with path.outside():
+        ref = train()
+    assert_same(ours, ref)
 
 
 def _add_group(opt, group, adds, refused):

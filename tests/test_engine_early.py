@@ -80,6 +80,35 @@ def test_free_grads_after_copy_too(path):
     assert_same(*runs)
 
 
+def test_grads_in_one_flat_buffer(path):
+    """Grads that are views of one buffer (DDP's gradient_as_bucket_view, a grad arena;
+    zero_grad(set_to_none=False) keeps them) share one version counter, which each
+    sibling's accumulation bumps: not an edit while the values are as copied. Bit for
+    bit the default; a grad of the buffer edited after its copy is still refused."""
+    runs = []
+    for early in (False, True):
+        model, opt = make(early)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=BF16)
+        at = 0
+        for p in params:
+            p.grad = flat[at:at + p.numel()].view_as(p)
+            at += p.numel()
+        for it in range(4):
+            opt.zero_grad(set_to_none=False)
+            backward(model, it)
+            opt.step()
+        runs.append((model, opt))
+    assert_same(*runs)
+    model, opt = runs[1]
+    opt.zero_grad(set_to_none=False)
+    backward(model, 5)
+    with torch.no_grad():
+        model.head.weight.grad.mul_(0.5)
+    with pytest.raises(RuntimeError, match="changed after it was copied"):
+        opt.step()
+
+
 def test_bad_options():
     p = torch.nn.Parameter(torch.zeros(2, dtype=BF16))
     with pytest.raises(ValueError, match="step_in_backward=True needs overlap=True"):

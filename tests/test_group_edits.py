@@ -112,3 +112,21 @@ def test_a_param_put_into_a_group_directly_is_refused_by_name(path):
                                            r"into param_groups\[1\]\['params'\].*add_param_group"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(ps, before))
+
+
+def test_a_param_put_into_a_named_group_is_named_by_its_place(path):
+    """A group of named params (model.named_parameters()) has no name for a param
+    appended to its list by hand: it is named by group and index (it was an IndexError
+    from the label), stepped in place as torch does, refused by the engine and files."""
+    a, b, new = (torch.randn(4, requires_grad=True) for _ in range(3))
+    opt = offload_adam.AdamW([("a", a), ("b", b)], lr=0.1)
+    opt.param_groups[0]["params"].append(new)
+    for p in (a, b, new):
+        p.grad = torch.ones_like(p)
+    if not path.engine and not path.files:
+        before = new.detach().clone()
+        opt.step()
+        torch.testing.assert_close(new.detach(), before - 0.1 * (1 + 0.01 * before))
+        return
+    with pytest.raises(RuntimeError, match=r"param group 0, param 2 \(shape \(4,\)\)"):
+        opt.step()

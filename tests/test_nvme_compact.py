@@ -187,6 +187,28 @@ def test_a_damaged_redo_record_is_an_error_naming_it(kernels, tmp_path):
             state.record(0)
 
 
+def test_a_damaged_bucket_is_named_where_it_lies(kernels, tmp_path):
+    """The error names the bytes that failed their checksum where the ring put them
+    (not where the two-slot layout would have): one flipped there is inside them."""
+    import re
+    from nvme_adam import flip_byte
+    spec = make_spec("fp32", buckets=5, numel=3000)
+    with open_compact([tmp_path], spec) as state:
+        pipe = pipeline(state)
+        pipe.load(fill_initial(5), step=0)
+        for _ in range(3):   # (the buckets move round the ring)
+            compact_step(state, pipe, 5)
+        pipe.close()
+        at, size = state._at(3), spec.buckets[3].nbytes
+    flip_byte(tmp_path / DATA_FILE, at + 777)
+    with open_compact([tmp_path], spec) as state:
+        state.views(2)
+        with pytest.raises(OSError, match="bucket 3 .* is damaged") as err:
+            state.views(3)
+    start, n = map(int, re.search(r"(\d+) bytes at offset (\d+)", str(err.value)).groups()[::-1])
+    assert start <= at + 777 < start + n and n == size
+
+
 def test_the_pass_starts_each_record_ahead_and_takes_only_the_one_asked(kernels, tmp_path):
     """The pipeline calls `ahead(i)` AHEAD buckets before lending bucket i, once each, in
     the pass's order; a record read ahead serves only the record it was started for: one
@@ -461,6 +483,40 @@ def test_an_error_inside_a_compact_step_is_finished_by_a_resume(kernels, tmp_pat
         train(opt, qs, 4, 1)
     opt.close()
     resumed_as(tmp_path, "8bit", ps, ram, step=4)
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["plain", "step_in_backward"])
+def test_each_step_writes_the_redo_log_once(kernels, tmp_path, monkeypatch, in_backward):
+    """The records go to disk once a step. With step_in_backward the pass reads each
+    record back at step(), which once wrote the log's whole tail again a read (up to a
+    CHUNK): 9x the log's bytes a step on a small model."""
+    from offload_adam.nvme import redo
+    written = []
+    real = redo.RedoLog._write
+
+    def counted(self, f):
+        written.append(-(-self._filled[f] // 4096) * 4096)
+        return real(self, f)
+    monkeypatch.setattr(redo.RedoLog, "_write", counted)
+    sim = AsyncSimDevice(seed=2)
+    try:
+        with simulated(sim), sim.watch():
+            m = small_layers(streamed=False, blocks=False)
+            opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=0.001,
+                                     state_dtype="bfloat16", state_dirs=str(tmp_path),
+                                     state_footprint="compact", step_in_backward=in_backward)
+            for k in range(3):
+                written.clear()
+                engine_loss(m, k).backward()
+                opt.step()
+                opt.zero_grad()
+            grads = sum(p.numel() * p.element_size() for p in m.parameters())
+            log = os.path.getsize(tmp_path / LOG_FILE)   # (reserved for the records)
+            assert grads <= sum(written) <= log, (sum(written), grads, log)
+            opt.close()
+        sim.check()
+    finally:
+        sim.close()
 
 
 def test_what_compact_refuses(kernels, tmp_path):

@@ -302,6 +302,31 @@ def test_each_pass_reads_only_the_blocks_the_cache_lacks(device, tmp_path, in_ba
         assert (r1 - r0, r2 - r1, r3 - r2) == (3 * files.slot_bytes, 3 * files.slot_bytes, 0), it
 
 
+@pytest.mark.parametrize("state", ["two_generations", "compact"])
+def test_a_block_the_step_started_writing_is_not_given_away(device, tmp_path, state):
+    """The step at step() over state files, each block's params in two buckets (a bucket
+    1.5 blocks), prefetch 2: a block half written ranks before the blocks the step has
+    not reached. Given away (it ranked after them, its step key being this step's), it
+    was read back to be completed, written, and taken again for its other half: 4 of
+    the 8 blocks read once more a step, and written twice. The step reads none."""
+    model = make_llama(layers=8, frozen=())
+    s = offload_adam.stream_params(model, Block, prefetch=2, param_dirs=tmp_path / "p",
+                                   param_cache_mb=slots_mb(model, 5))
+    (tmp_path / "s").mkdir()
+    opt = offload_adam.AdamW(model.parameters(), state_dirs=str(tmp_path / "s"),
+                             state_footprint=state, state_dtype="8bit",
+                             **{**OPTS, "bucket_mb": 1.5 * block_bytes(model) / 2**20})
+    train(model, opt, 2)
+    files = s.files
+    for it in range(2, 4):
+        llama_loss(model, it).backward()
+        r0, w0 = files.read_bytes, files.written_bytes
+        opt.step()
+        opt.zero_grad()
+        assert files.read_bytes == r0, it
+        assert files.written_bytes - w0 <= 3 * files.slot_bytes, it   # (5 stay cached)
+
+
 @pytest.mark.parametrize("in_backward", [False, True], ids=["at-step", "in-backward"])
 def test_a_block_the_step_writes_in_part_is_read_first(device, tmp_path, in_backward):
     """A block with a frozen param: the step writes the rest of it, so the cache reads the

@@ -131,7 +131,10 @@ def test_streamed_training_is_the_resident_training(device, checkpointed, prefet
 
 def test_device_holds_what_the_streamer_promises(device):
     """Per micro-batch: params go host->device twice (forward, backward), nothing of
-    them at step(); the device's param memory peaks at (k + 2) x the largest block."""
+    them at step(); the device's param memory peaks at (k + 1) x the largest block: the
+    one in use and k ahead (the bound, k + 2, allows for one given back whose copy is
+    still queued; in backward a block's release once came after the fetch of the block
+    before it, which also fetched k ahead: a block more)."""
     model = make_llama(layers=8, frozen=())
     prefetch = 2
     streamer = offload_adam.stream_params(model, Block, prefetch=prefetch)
@@ -150,7 +153,7 @@ def test_device_holds_what_the_streamer_promises(device):
     resident_h2d = sum(p.numel() * p.element_size() for p in resident)
     assert after_step["h2d_bytes"] - after_backward["h2d_bytes"] == resident_h2d
     assert after_step["materialized_bytes"] == 0
-    assert 0 < after_backward["peak_materialized_bytes"] <= (prefetch + 2) * streamer.largest_block_bytes
+    assert 0 < after_backward["peak_materialized_bytes"] <= (prefetch + 1) * streamer.largest_block_bytes
 
 
 def test_a_streamed_param_between_uses_holds_no_device_memory_and_reads_as_nan(device):
@@ -326,6 +329,29 @@ def test_each_ordering_of_the_streamer_is_needed(kernels, drop):
         sim.close()
 
 
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_a_closed_streamer_is_named_by_the_files_pass_in_backward_too(device, tmp_path,
+                                                                      footprint):
+    """With the state in files and step_in_backward, the pass that starts in backward
+    steps the closed streamer's params too: refused by name there as at step() (it
+    was an IndexError from the worker), the files left at the last step."""
+    model = make_llama(layers=2, frozen=())
+    streamer = offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True,
+                             state_dirs=[str(tmp_path)], state_footprint=footprint, **OPTS)
+    train(model, opt, 2)
+    streamer.close()
+    llama_loss(model, 5).backward()
+    with pytest.raises(RuntimeError, match="no longer streams"):
+        opt.step()
+    opt.close()
+    again = offload_adam.AdamW(make_llama(layers=2, frozen=()).parameters(),
+                               state_dirs=[str(tmp_path)], state_footprint=footprint,
+                               state_resume=True, **OPTS)
+    assert again.step_count == 2
+    again.close()
+
+
 def test_close_puts_the_params_back_and_the_old_optimizer_refuses(device):
     model = make_llama(layers=2, frozen=())
     streamer = offload_adam.stream_params(model, Block)
@@ -429,6 +455,29 @@ def test_a_block_called_twice_per_forward_is_fetched_for_each_use(device):
         train(model, opt, 3, micro=2)
         runs.append((model, opt))
     assert_same_training(*runs)
+
+
+class TwiceCheckpointed(TinyLlama):
+    """Block 1 runs twice in each forward, each time under reentrant checkpointing: its
+    recompute in backward fetches it again after the first use's grads came."""
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            for _ in range(2 if i == 1 else 1):
+                x = checkpoint(layer, x, use_reentrant=True) if i == 1 else layer(x)
+        return self.head(self.norm(x))
+
+
+def test_a_block_fetched_again_in_backward_after_its_early_step_is_named(device):
+    """step_in_backward: a block whose grads come in parts (run twice per forward, each
+    recomputed in backward) cannot be stepped in backward; the refusal says so, not that
+    the block was read between backward and step()."""
+    model = _model(TwiceCheckpointed, 4, streamed=True)
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **OPTS)
+    with pytest.raises(RuntimeError, match=r"block 'layers.1' is fetched again in this "
+                                           r"backward .* step_in_backward=False"):
+        train(model, opt, 3)
 
 
 @pytest.mark.parametrize("grad_off", ["no_grad", "inference_mode"])

@@ -58,7 +58,7 @@ def micro_batch(model, seed, config):
 
 @pytest.mark.parametrize("state_dtype", planner.STATE_DTYPES)
 @pytest.mark.parametrize("params", ["gpu", "ram", "files"])
-@pytest.mark.parametrize("state", ["ram", "ram+early", "files", "compact"])
+@pytest.mark.parametrize("state", ["ram", "ram+early", "files", "compact", "compact+2dirs"])
 def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dtype, params,
                                                     state):
     """host_bytes() (+ the streamer's host copies, or its param files' cache) and the
@@ -69,16 +69,20 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
     from the first backward on)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     early = state == "ram+early"
+    dirs = 2 if state == "compact+2dirs" else 1   # (4 spare buckets in each)
+    state = state.removesuffix("+2dirs")
     # (stepped in backward with the state in RAM, the grad ring holds two streamed blocks'
     # grads where they exceed 4 buckets: wide enough blocks here that they do)
     config = llama_config(intermediate_size=640 if early else 160)
     shape = shape_of(config, tmp_path / "cfg")
     state = "ram" if early else state
     run = planner.Run(batch=2, seq=8, micro=2 if state == "ram" and not early else 1,
-                      prefetch=1, bucket_mb=0.05)
+                      prefetch=1, bucket_mb=0.05, state_dirs=dirs)
     layout = planner.Layout(params, state, state_dtype)
     p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run, layout)
-    (tmp_path / "state").mkdir()
+    folders = [tmp_path / "state"] + [tmp_path / f"state{k}" for k in range(1, dirs)]
+    for f in folders:
+        f.mkdir()
     sim = AsyncSimDevice(seed=0)
     try:
         with simulated(sim), sim.watch():
@@ -91,7 +95,7 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
                         if params != "gpu" else None)
             kw = {"ram": dict(step_in_backward=early),
                   "files": dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True),
-                  "compact": dict(state_dirs=[str(tmp_path / "state")], step_in_backward=True,
+                  "compact": dict(state_dirs=list(map(str, folders)), step_in_backward=True,
                                   state_footprint="compact")}[state]
             opt = offload_adam.AdamW(model.parameters(), lr=1e-3, state_dtype=state_dtype,
                                      bucket_mb=0.05, free_grads_after_copy=True, **kw)
@@ -125,8 +129,8 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
         data = os.path.getsize(tmp_path / "state" / "offload_adam_state.bin")
         assert data == disk_total == p.disk["state (2 generations)"]
     elif state == "compact":
-        data = os.path.getsize(tmp_path / "state" / "offload_adam_state.bin")
-        log = os.path.getsize(tmp_path / "state" / "offload_adam_state.redo")
+        data = sum(os.path.getsize(f / "offload_adam_state.bin") for f in folders)
+        log = sum(os.path.getsize(f / "offload_adam_state.redo") for f in folders)
         assert data == p.disk["state (1 copy + 4 spare buckets)"]
         assert log == p.disk["grad redo log"]   # (its records fit the reserve)
         assert disk_total == data + log
@@ -236,6 +240,48 @@ def test_a_param_cache_given_sets_what_the_param_files_read():
     assert p.traffic["ssd_write"] == extent
     roomy = planner.plan(model, m, planner.Run(batch=1), lay)   # the host's room: all of it
     assert roomy.host["param cache"] >= extent and roomy.traffic["ssd_read"] == 0
+    assert roomy.traffic["ssd_write"] == 0   # (no block given away: none written back)
+
+
+@pytest.mark.parametrize("cached", [5, 7])
+@pytest.mark.parametrize("micro", [1, 2])
+def test_the_param_files_bytes_a_step_are_the_planned_ones(kernels, tmp_path, cached, micro):
+    """8 blocks, `cached` of them in the cache, the state in RAM stepped in backward: the
+    param files' bytes read in a step are the misses of forward and backward of each
+    micro-batch, and those written the blocks the cache gave away with their new values
+    (2 x a pass's misses: the blocks at the turn of forward and backward stay; one more
+    with the pass at step(), micro-batches), as planned; the planner once counted every
+    block written each step."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    config = llama_config(num_hidden_layers=8)
+    shape = shape_of(config, tmp_path / "cfg")
+    run = planner.Run(batch=2, seq=8, micro=micro, prefetch=1, bucket_mb=0.05,
+                      param_cache_mb=(cached + 0.5) * planner.param_slot_bytes(shape) / 2**20)
+    p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run,
+                     planner.Layout("files", "ram", "bfloat16"))
+    sim = AsyncSimDevice(seed=0)
+    try:
+        with simulated(sim), sim.watch():
+            model = build(config)
+            streamer = offload_adam.stream_params(
+                model, LlamaDecoderLayer, prefetch=1, param_dirs=tmp_path / "params",
+                param_cache_mb=run.param_cache_mb)
+            opt = offload_adam.AdamW(model.parameters(), lr=1e-3, state_dtype="bfloat16",
+                                     bucket_mb=0.05, step_in_backward=micro == 1)
+            files = streamer.files
+            assert len(files.slots) == cached
+            for step in range(4):   # the first learns the order; the last is counted
+                r, w = files.read_bytes, files.written_bytes
+                for m in range(micro):
+                    micro_batch(model, 10 * step + m, config)
+                opt.step()
+                opt.zero_grad()
+            assert files.read_bytes - r == p.traffic["ssd_read"]
+            assert files.written_bytes - w == p.traffic["ssd_write"]
+            opt.close()
+        sim.check()
+    finally:
+        sim.close()
 
 
 def test_the_gpu_benchmark_plans_its_streamed_runs():
@@ -316,7 +362,10 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     (["--layers", "4"], "--hidden, --intermediate, --vocab, --heads missing"),
     (["llama-3-8b", "--machine", "laptop"], "--machine 'laptop'"),
     (["llama-3-8b", "--ram-gb", "-1"], "--ram-gb: must be a positive number, got -1"),
-    (["llama-3-8b", "--batch", "0"], "batch must be a positive int"),
+    (["llama-3-8b", "--batch", "0"], "batch must be a whole number >= 1"),
+    (["llama-3-8b", "--prefetch", "-1"], "prefetch must be a whole number >= 0"),
+    (["llama-3-8b", "--layers", "100000"], "100000 layers; the planner plans models of up to 4096"),
+    (["llama-3-8b", "--state-dirs", "0"], "state_dirs must be a whole number >= 1"),
     (["llama-3-8b", "--param-cache-mb", "100"], "holds 0 of the largest block"),
     (["llama-3-8b", "--gpu-gb", "nan"], "--gpu-gb: must be a positive number, got nan"),
     (["llama-3-8b", "--ram-gb", "inf"], "--ram-gb: must be a positive number, got inf"),

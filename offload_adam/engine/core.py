@@ -304,6 +304,7 @@ class OffloadEngine:
         if self.overlap and rec.hook is None and rec.param.requires_grad:
             rec.hook = rec.param.register_post_accumulate_grad_hook(
                 _hook(weakref.ref(self), rec))
+            rec.pre_hook = rec.param.register_hook(_before_grad(weakref.ref(self)))
 
     def _rebucket(self, order: List[ParamRec]) -> None:
         """Buckets in `order` (the order grads arrive), with transfer buffers
@@ -577,6 +578,16 @@ class OffloadEngine:
         """Backward's end (autograd's callback, after every hook ran)."""
         self._take_deferred()
         self._end_backward()
+
+    def after_raised_backward(self) -> None:
+        """Before a grad is written (autograd adding into p.grad, zero_grad in place): the
+        copies a backward that raised started (its end, which publishes them, never came)
+        are published first, so that the write is ordered after their reads. Nothing to
+        do after a backward that ended, or inside the one that started them."""
+        task = self._backward_task
+        if task is not None and task != torch._C._current_graph_task_id():
+            with torch.no_grad():
+                self._end_backward()
 
     def _end_backward(self) -> None:
         # Also called outside a backward's end (step() after a backward that raised,
@@ -961,13 +972,17 @@ class OffloadEngine:
         """Whether a grad changed without a version bump is noticed."""
         return self.verify_grads
 
-    def drop_freed_grads(self) -> None:
-        """p.grad = None where it holds a FreedGrad (before zero_grad, which
-        would zero it in place)."""
+    def drop_freed_grads(self, zeros: bool = False) -> None:
+        """p.grad = None where it holds a FreedGrad (before zero_grad, which would zero
+        it in place); `zeros` (zero_grad(set_to_none=False)): a zero grad instead, as
+        torch leaves: a param without a grad in the next backward is stepped with it
+        (its moments decay), and one with a grad frees it again once copied."""
         self.check_open(closed_ok=True)
         for rec in self.recs:
-            if is_freed(rec.param.grad):
-                rec.param.grad = None
+            grad = rec.param.grad
+            if is_freed(grad):
+                rec.param.grad = (torch.zeros_like(rec.param, dtype=grad.dtype)
+                                  if zeros else None)
 
     def zero_grad(self) -> None:
         """Called by the optimizer's zero_grad: grads freed by us are gone too."""
@@ -1190,6 +1205,8 @@ def step_lent(engine: OffloadEngine, todo: Sequence[Entry], views: Dict[str, tor
     master's rounding (changed since), for an abandoned pass to restore (disk_early.py);
     None for those in their first step (a copy of every param at the first step would
     cost the host memory the ring saves)."""
+    for rec, _, _ in todo:   # (a streamer closed, a param cast: named before any change)
+        rec.live(check_only=True)
     with torch.no_grad():
         _lend(todo, views)
         if keep is not None:
@@ -1445,6 +1462,15 @@ def _hook(engine_ref, rec):
     return hook
 
 
+def _before_grad(engine_ref):
+    """A param's tensor hook: runs before autograd adds the grad into p.grad."""
+    def hook(grad):
+        engine = engine_ref()
+        if engine is not None:
+            engine.after_raised_backward()
+    return hook
+
+
 def _hooked_after(rec: ParamRec) -> bool:
     """Whether rec's param has a post-accumulate-grad hook registered after the
     engine's (torch runs them in registration order)."""
@@ -1474,7 +1500,8 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
     for rec in recs:
         if rec.hook is not None:
             rec.hook.remove()
-            rec.hook = None
+            rec.pre_hook.remove()
+            rec.hook = rec.pre_hook = None
     if worker is not None:
         worker.close()
     # No copy may still read or write the memory about to be unpinned and freed.

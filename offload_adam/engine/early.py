@@ -45,6 +45,8 @@ from __future__ import annotations
 import weakref
 from typing import Dict, Optional
 
+import torch
+
 from ..freed_grad import is_freed
 from ..kernel_step import Hyper
 from ..state_format import MASTER_KEY
@@ -217,6 +219,14 @@ class EarlyStart:
         be neither the block before the step nor after it."""
         half = (self.files.half_written(block) if self.files is not None
                 else self._half_written(block))
+        if half and torch._C._current_graph_task_id() != -1:   # fetched in backward
+            raise RuntimeError(
+                f"offload_adam: the streamed block {block.name!r} is fetched again in this "
+                "backward after its CPU step (step_in_backward=True) wrote some of its "
+                "params: its grads come in parts (a block run more than once per forward, "
+                "or recomputed twice by nested activation checkpointing), which a step "
+                "started in backward cannot wait for. Use step_in_backward=False for this "
+                "model")
         if half:
             raise RuntimeError(
                 f"offload_adam: the streamed block {block.name!r} is read between "
@@ -293,9 +303,16 @@ class EarlyStart:
         if grad_scale != 1.0:
             return (f"step() scales the grads by {grad_scale!r} (a clipping "
                     "coefficient or 1/loss scale), but they were stepped unscaled")
-        same = [r for r in early if r.copy is self._started[id(r)] and r.copy.is_of(r.param.grad)]
-        check = start_check(engine.device, same)   # one wait for all
-        same = set(map(id, same))
+        # The grad copied, still p.grad: unchanged when its version is, and its values
+        # (fingerprint) are. A version bumped alone is not an edit when the values are
+        # as copied: grads that are views of one flat buffer (DDP's
+        # gradient_as_bucket_view, a grad arena) share one counter, which each
+        # sibling's accumulation bumps. Without a fingerprint the version decides.
+        kept = [r for r in early if r.copy is self._started[id(r)] and r.param.grad is not None
+                and r.copy.grad() is r.param.grad]
+        check = start_check(engine.device, kept)   # one wait for all
+        same = {id(r) for r in kept
+                if r.copy.is_of(r.param.grad) or r.copy.fingerprint is not None}
         edited = {id(r) for r, _, _ in check.changed()} if check is not None else set()
         for rec in early:
             grad = rec.param.grad

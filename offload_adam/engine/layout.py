@@ -71,6 +71,7 @@ class ParamRec:
         self.freed = False                  # free_grads_after_copy dropped p.grad
         self.accumulated = False            # ... and a micro-batch was added to its copy
         self.hook = None
+        self.pre_hook = None                # (before autograd adds into p.grad: core.py)
         self.name: Optional[str] = None       # params.param_label's, when the optimizer gives it
 
     def label(self) -> str:

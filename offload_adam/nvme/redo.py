@@ -86,6 +86,8 @@ class RedoLog:
         self._bufs: List[Optional[AlignedBuffer]] = [None] * len(folders)
         self._base = [0] * len(folders)
         self._filled = [0] * len(folders)
+        self._written = [0] * len(folders)   # the log's bytes on disk (from its start)
+        self._synced = [0] * len(folders)    # ... and made durable
         self._lock = threading.Lock()
         try:
             for path, size in zip(self.paths, sizes):
@@ -115,6 +117,8 @@ class RedoLog:
         with self._lock:
             self._base = [0] * len(self.fds)
             self._filled = [0] * len(self.fds)
+            self._written = [0] * len(self.fds)
+            self._synced = [0] * len(self.fds)
 
     def append(self, f: int, record: Record) -> List[int]:
         """Adds `record` after the step's records so far in file f's log: on disk once
@@ -164,17 +168,20 @@ class RedoLog:
             direct_io._full(os.pwritev, self.fds[f], view[:padded], self._base[f])
         except OSError as e:
             raise self._error(f, e, "writing") from e
+        self._written[f] = self._base[f] + n
 
     def sync(self) -> None:
         """The records appended so far are on disk and durable."""
         with self._lock:
             for f, fd in enumerate(self.fds):
-                if self._base[f] or self._filled[f]:
+                if self._base[f] + self._filled[f] > self._written[f]:
                     self._write(f)
+                if self._written[f] > self._synced[f]:
                     try:
                         os.fdatasync(fd)
                     except OSError as e:
                         raise self._error(f, e, "flushing") from e
+                    self._synced[f] = self._written[f]
 
     def _error(self, f: int, e: OSError, what: str) -> NvmeError:
         hint = " (the disk is full)" if e.errno == errno.ENOSPC else ""
@@ -186,8 +193,8 @@ class RedoLog:
              ) -> Tuple[dict, Dict[str, torch.Tensor]]:
         """Record of `bucket` at `offset` in file f's log, checked against `crc`:
         (meta, {name: tensor}; the tensors share one buffer)."""
-        with self._lock:   # (one appended since the last sync: on disk first)
-            if self._filled[f] and offset + nbytes > self._base[f]:
+        with self._lock:   # (one appended since the last write: on disk first, once)
+            if offset + nbytes > self._written[f]:
                 self._write(f)
         lo = offset - offset % ALIGN   # (direct I/O: whole aligned blocks around it)
         buf = AlignedBuffer(offset - lo + nbytes, pin=False)

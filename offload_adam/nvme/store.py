@@ -320,7 +320,7 @@ class NvmeState:
             raise NvmeError(errno.EIO, f"offload_adam: bucket {i} of the optimizer state in "
                             f"{path} is damaged: its bytes (slot {slot}, "
                             f"{self.extents[i].nbytes} bytes at offset "
-                            f"{self.extents[i].at(slot)}) do not match the checksum committed "
+                            f"{self._at(i, slot)}) do not match the checksum committed "
                             f"with them ({SUM_ALGO} {got:#010x}, {want:#010x} expected). The file "
                             "was changed outside offload_adam, or the disk returned wrong "
                             "data; the state cannot be trusted", path)

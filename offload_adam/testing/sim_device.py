@@ -731,8 +731,9 @@ class _Watch(TorchDispatchMode):
 def _holds_data(t: torch.Tensor) -> bool:
     """A CPU tensor with memory of its own to watch: not a wrapper subclass (a
     FreedGrad, a collective's result; a DTensor is watched through its local
-    tensor)."""
-    return (t.device.type == "cpu" and t.layout is torch.strided
+    tensor), nor an empty one (no bytes; every empty storage is at address 0, where
+    one would be taken for all the others)."""
+    return (t.device.type == "cpu" and t.layout is torch.strided and t.numel() > 0
             and type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
 
 
