@@ -48,6 +48,7 @@ every byte of it, the model's blocks having no frozen params).
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import json
 import math
@@ -222,6 +223,12 @@ def load_model(spec: str) -> ModelShape:
     if spec.endswith(".json") or os.path.isdir(spec):   # a path, not a hub name
         raise ValueError(f"model {spec!r}: a directory without a config.json"
                          if os.path.isdir(spec) else f"model {spec!r}: no such file")
+    near = difflib.get_close_matches(spec.lower(), PRESETS, n=1, cutoff=0.75)
+    if near and "/" not in spec:   # (a preset mistyped: the hub's Llama configs are org/name,
+        # and asking it offline retries for half a minute)
+        raise ValueError(f"model {spec!r}: not a preset; did you mean {near[0]!r}? "
+                         f"(presets: {', '.join(PRESETS)}; or a config.json, or a Hugging "
+                         "Face config name such as meta-llama/Llama-3.1-8B)")
     try:
         from transformers import AutoConfig
     except ImportError:
