@@ -843,7 +843,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         f"{'GPU s':>7s} {'PCIe s':>7s} {'CPU s':>7s} {'SSD s':>7s} {'bound':>5s} "
         f"{'est s':>7s} {'largest that fits':>18s}",
     ]
-    out = []
+    out, why = [], []
     for layout in layouts:
         p = plan(model, machine, run, layout)
         big = largest_fitting(model, machine, run, layout)
@@ -861,11 +861,15 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
                     lines.append(f"    {tier:5s} {what:42s} {b / GB:10.3f} GB")
             if not p.fits:
                 lines.append(f"    does not fit: {'; '.join(p.misfits())}")
+        elif not p.fits:   # (said below the table: what a "no" is short of)
+            why.append(f"  {name}: {'; '.join(p.misfits())}")
         d = p.as_dict()
         d["largest_fitting"] = None if big is None else {
             "layers": big.layers, "params": big.params,
             "at_least": big.layers == MAX_BLOCKS}   # (the search stops there)
         out.append(d)
+    if why:
+        lines += ["", "Does not fit:"] + why
     lines += ["", "Bounds are per optimizer step, each at the stated speed; the step is at "
               "least the largest. est: the step as the code schedules it (forward with the "
               "CPU idle, then backward with the CPU step inside, then step()'s copies).",

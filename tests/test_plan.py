@@ -348,6 +348,8 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "llama-3-70b: 70.55 B params" in r.stdout
+    # a "no" in the table says what it is short of, below it (without --detail too)
+    assert "Does not fit:\n  params gpu, state ram float32: GPU " in r.stdout
     got = json.loads(out.read_text())
     assert len(got["plans"]) == 27
     assert {p["bound"] for p in got["plans"]} <= {"gpu", "pcie", "cpu", "ssd"}
