@@ -44,15 +44,18 @@ class GradScaling:
                              -1 if p.grad is None else p.grad._version)
                             for group in self.param_groups for p in group["params"]]
 
-    def _pending_clip(self) -> Optional[float]:
-        """The coefficient of the opt.clip_grad_norm_ calls since the last step, while
-        the grads are the ones it was taken of. torch's clip scaled the grads it saw in
+    def _drop_clip(self) -> None:
+        self._clip_coef = self._clip_grads = None
+
+    def _pending_clip(self) -> float:
+        """The coefficient of the opt.clip_grad_norm_ calls since the last step (1.0:
+        none), while the grads are the ones it was taken of. torch's clip scaled the grads it saw in
         place; a grad written since (added to by a backward, which torch would add
         unscaled to the clipped values; zeroed and made again; replaced; set) is not
         the coefficient times what p.grad holds: a RuntimeError naming the param (which
         of these it was cannot be told apart). No grad left: the clip went with them."""
         if self._clip_coef is None:
-            return None
+            return 1.0
         if self._clip_grads is None:
             self._mark_clipped(self._clip_coef)
         by_param = {id(ref()): (grad, version) for ref, grad, version in self._clip_grads
@@ -68,8 +71,8 @@ class GradScaling:
         if changed is None:
             return self._clip_coef
         if all(p.grad is None for group in self.param_groups for p in group["params"]):
-            self._clip_coef = self._clip_grads = None
-            return None
+            self._drop_clip()
+            return 1.0
         raise RuntimeError(
             f"offload_adam: the grad of {changed} changed after opt.clip_grad_norm_ (added "
             "to by a backward, zeroed, replaced or set): the clip is applied at step() to "
@@ -113,15 +116,14 @@ class GradScaling:
         # (a clip since the last step: torch's second clip sees the grads scaled by the
         # first, and scales them again)
         pending = self._pending_clip()
-        norm = self._total_norm() * (1.0 if pending is None else pending)
+        norm = self._total_norm() * pending
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(
                 "The total norm of order 2.0 for gradients from `parameters` is "
                 "non-finite, so it cannot be clipped. To disable this error and scale "
                 "the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`")
-        self._mark_clipped(clip_coefficient(norm, max_norm) * (1.0 if pending is None
-                                                              else pending))
+        self._mark_clipped(clip_coefficient(norm, max_norm) * pending)
         return distributed.norm_tensor(norm, self._params())
 
     def _step_scale(self) -> Optional[float]:
@@ -136,7 +138,7 @@ class GradScaling:
                 "GradScaler.step was used: the loss scale and found_inf are known "
                 "only at step(), and a skipped step cannot be undone")
         if found_inf is not None and float(found_inf) != 0.0:
-            self._clip_coef = self._clip_grads = None
+            self._drop_clip()
             return None
         grad_scale = getattr(self, "grad_scale", None)
         inv_scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
@@ -150,11 +152,10 @@ class GradScaling:
                     "GradScaler.unscale_(opt), which changes grads invisibly to it; "
                     "use max_grad_norm= or torch.nn.utils.clip_grad_norm_ with GradScaler")
 
-        clip = self._pending_clip()
-        scale = inv_scale * (1.0 if clip is None else clip)
+        scale = inv_scale * self._pending_clip()
         if self.max_grad_norm is not None:
             # The norm of the unscaled grads (GradScaler may not have unscaled), as
             # opt.clip_grad_norm_ left them.
             scale *= clip_coefficient(self._total_norm() * scale, self.max_grad_norm)
-        self._clip_coef = self._clip_grads = None
+        self._drop_clip()
         return scale

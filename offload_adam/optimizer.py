@@ -492,7 +492,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._engine.drop_freed_grads(zeros=not set_to_none)
             self._engine.after_raised_backward()   # (its copies read what is zeroed)
         super().zero_grad(set_to_none)
-        self._clip_coef = self._clip_grads = None
+        self._drop_clip()
         if self._engine is not None:
             self._engine.zero_grad()
 

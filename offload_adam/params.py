@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -86,10 +86,15 @@ def _memory(p: torch.Tensor) -> Optional[tuple]:
         return None
     if p.device.type == "meta":
         return None
-    size = p.element_size()
-    first = p.storage_offset()
-    last = first + sum((n - 1) * s for n, s in zip(p.shape, p.stride()))
-    return (p.device, storage.data_ptr()), first * size, (last + 1) * size
+    return ((p.device, storage.data_ptr()),) + byte_span(p)
+
+
+def byte_span(t: torch.Tensor) -> Tuple[int, int]:
+    """The bytes of its storage a non-empty tensor's elements lie in: [first, end)."""
+    size = t.element_size()
+    first = t.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return first * size, (last + 1) * size
 
 
 def _share_bytes(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> bool:

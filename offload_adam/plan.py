@@ -736,12 +736,11 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
                 ssd_read += files["redo_log_bytes"]
     if layout.params == "files":
         extent = float(param_file_bytes(model))
-        forward_read = micro * max(0.0, extent - cache)
+        misses = max(0.0, extent - cache)   # a pass's reads
+        forward_read = micro * misses
         ssd_read += 2 * forward_read
         at_step = layout.state == "compact" or micro > 1
-        misses = max(0.0, extent - cache)
-        ssd_write += min(extent, 2 * misses + (param_slot_bytes(model) if at_step and misses
-                                               else 0.0))
+        ssd_write += min(extent, 2 * misses + (slot if at_step and misses else 0.0))
     # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
     # attention's score and value products, causal (6 s h per token per layer, +2 likewise)
     k = 8 if run.checkpointing else 6

@@ -14,6 +14,7 @@ import offload_adam
 from offload_adam import plan as planner
 from offload_adam.param_files import FILE_NAME
 from offload_adam.testing import AsyncSimDevice, simulated
+from conftest import sim_path
 
 transformers = pytest.importorskip(
     "transformers", reason="the planner's byte counts are checked on transformers' Llama "
@@ -259,29 +260,24 @@ def test_the_param_files_bytes_a_step_are_the_planned_ones(kernels, tmp_path, ca
                       param_cache_mb=(cached + 0.5) * planner.param_slot_bytes(shape) / 2**20)
     p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run,
                      planner.Layout("files", "ram", "bfloat16"))
-    sim = AsyncSimDevice(seed=0)
-    try:
-        with simulated(sim), sim.watch():
-            model = build(config)
-            streamer = offload_adam.stream_params(
-                model, LlamaDecoderLayer, prefetch=1, param_dirs=tmp_path / "params",
-                param_cache_mb=run.param_cache_mb)
-            opt = offload_adam.AdamW(model.parameters(), lr=1e-3, state_dtype="bfloat16",
-                                     bucket_mb=0.05, step_in_backward=micro == 1)
-            files = streamer.files
-            assert len(files.slots) == cached
-            for step in range(4):   # the first learns the order; the last is counted
-                r, w = files.read_bytes, files.written_bytes
-                for m in range(micro):
-                    micro_batch(model, 10 * step + m, config)
-                opt.step()
-                opt.zero_grad()
-            assert files.read_bytes - r == p.traffic["ssd_read"]
-            assert files.written_bytes - w == p.traffic["ssd_write"]
-            opt.close()
-        sim.check()
-    finally:
-        sim.close()
+    with sim_path("sim-seed0"):   # (checked for ordering violations at its end)
+        model = build(config)
+        streamer = offload_adam.stream_params(
+            model, LlamaDecoderLayer, prefetch=1, param_dirs=tmp_path / "params",
+            param_cache_mb=run.param_cache_mb)
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-3, state_dtype="bfloat16",
+                                 bucket_mb=0.05, step_in_backward=micro == 1)
+        files = streamer.files
+        assert len(files.slots) == cached
+        for step in range(4):   # the first learns the order; the last is counted
+            r, w = files.read_bytes, files.written_bytes
+            for m in range(micro):
+                micro_batch(model, 10 * step + m, config)
+            opt.step()
+            opt.zero_grad()
+        assert files.read_bytes - r == p.traffic["ssd_read"]
+        assert files.written_bytes - w == p.traffic["ssd_write"]
+        opt.close()
 
 
 def test_the_gpu_benchmark_plans_its_streamed_runs():

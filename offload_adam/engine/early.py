@@ -219,7 +219,9 @@ class EarlyStart:
         be neither the block before the step nor after it."""
         half = (self.files.half_written(block) if self.files is not None
                 else self._half_written(block))
-        if half and torch._C._current_graph_task_id() != -1:   # fetched in backward
+        if not half:
+            return
+        if torch._C._current_graph_task_id() != -1:   # fetched in backward
             raise RuntimeError(
                 f"offload_adam: the streamed block {block.name!r} is fetched again in this "
                 "backward after its CPU step (step_in_backward=True) wrote some of its "
@@ -227,13 +229,12 @@ class EarlyStart:
                 "or recomputed twice by nested activation checkpointing), which a step "
                 "started in backward cannot wait for. Use step_in_backward=False for this "
                 "model")
-        if half:
-            raise RuntimeError(
-                f"offload_adam: the streamed block {block.name!r} is read between "
-                "backward and step() while its CPU step (step_in_backward=True) has "
-                "written some of its params and not yet others (they wait for step()): "
-                "it would be seen half stepped. Call step() before reading it (an "
-                "inference forward, model.state_dict(), load_state_dict).")
+        raise RuntimeError(
+            f"offload_adam: the streamed block {block.name!r} is read between "
+            "backward and step() while its CPU step (step_in_backward=True) has "
+            "written some of its params and not yet others (they wait for step()): "
+            "it would be seen half stepped. Call step() before reading it (an "
+            "inference forward, model.state_dict(), load_state_dict).")
 
     def _half_written(self, block) -> bool:
         if not self._stepped:

@@ -78,6 +78,7 @@ from torch.utils._pytree import tree_flatten
 from ..distributed import local
 from ..engine.device import Transfer, as_list, storage_bytes
 from ..engine.packed_copy import plan_copy, run_plan
+from ..params import byte_span
 
 _local = threading.local()  # .inside: the device's own ops (not checked)
 
@@ -95,16 +96,10 @@ def _unchecked():
 def _span(t: torch.Tensor):
     """(storage address, first byte, end byte) of the bytes `t` can touch."""
     base = t.untyped_storage().data_ptr()
-    size = t.element_size()
-    lo = hi = t.storage_offset()
-    for n, s in zip(t.shape, t.stride()):
-        if n == 0:
-            return base, 0, 0
-        if s > 0:
-            hi += (n - 1) * s
-        else:
-            lo += (n - 1) * s
-    return base, base + lo * size, base + (hi + 1) * size
+    if t.numel() == 0:
+        return base, 0, 0
+    first, end = byte_span(t)   # (torch's strides are never negative)
+    return base, base + first, base + end
 
 
 def _overlaps(a, b) -> bool:
