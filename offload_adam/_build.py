@@ -149,18 +149,8 @@ def _jit_build() -> ModuleType:
     _require_compiler(cxx)
     ninja = _find_ninja()
     obj_dir = build_dir / "kernels"
-    try:   # (and the lock file: a read-only cache fails at its open)
-        obj_dir.mkdir(parents=True, exist_ok=True)
-        open(build_dir / "offload_adam.lock", "a").close()
-    except OSError as e:
-        raise RuntimeError(
-            f"offload_adam: cannot write the kernels' build folder {build_dir} "
-            f"({e.strerror or e}): they compile there on first use. Set "
-            "TORCH_EXTENSIONS_DIR to a writable folder, or build them ahead of time "
-            "(OFFLOAD_ADAM_BUILD_EXT=1 pip install --no-build-isolation .)") from e
-
     # One process builds, the others wait and then find everything cached.
-    with _FileLock(build_dir / "offload_adam.lock"):
+    with _FileLock(build_dir / "offload_adam.lock", obj_dir):
         # torch's own build lock is a plain file that a build killed midway (Ctrl-C
         # during the first compile) leaves behind, and torch then waits on it
         # forever. Holding our lock, which dies with its process, no other build
@@ -352,19 +342,36 @@ def _text(output: bytes) -> str:
 
 
 class _FileLock:
-    """An exclusive lock on a file, held across processes (no-op where fcntl is missing)."""
+    """An exclusive lock on a file, held across processes (no-op where fcntl is missing).
+    Its folder and `make` are created first: a folder that cannot be written is a
+    RuntimeError naming it (a read-only cache fails at the lock's open). A wait on
+    another process's build says so on stderr: a first compile takes a minute, and a
+    second process would otherwise sit silent for it."""
 
-    def __init__(self, path: Path):
-        self._path = path
+    def __init__(self, path: Path, make: Path):
+        self._path, self._make = path, make
         self._file = None
 
     def __enter__(self):
-        self._file = open(self._path, "a+")
+        try:
+            self._make.mkdir(parents=True, exist_ok=True)
+            self._file = open(self._path, "a+")
+        except OSError as e:
+            raise RuntimeError(
+                f"offload_adam: cannot write the kernels' build folder {self._path.parent} "
+                f"({e.strerror or e}): they compile there on first use. Set "
+                "TORCH_EXTENSIONS_DIR to a writable folder, or build them ahead of time "
+                "(OFFLOAD_ADAM_BUILD_EXT=1 pip install --no-build-isolation .)") from e
         try:
             import fcntl
         except ImportError:  # Windows: concurrent first builds are left to torch's own lock
             return self
-        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"offload_adam: waiting for another process's build of the kernels in "
+                  f"{self._path.parent}", file=sys.stderr, flush=True)
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc):

@@ -10,6 +10,7 @@ copies it and deletes one object file.
 import json
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -352,3 +353,28 @@ def test_a_cache_folder_that_cannot_be_written_is_named(tmp_path):
     assert rc != 0
     assert "RuntimeError: offload_adam: cannot write the kernels' build folder" in err, err
     assert "TORCH_EXTENSIONS_DIR" in err, err
+
+
+def test_a_build_waiting_on_another_says_so(built_module_path, tmp_path):
+    # Another process holds the build folder's lock (its first compile takes a minute):
+    # the second says on stderr that it waits, then finds the build and loads it.
+    import fcntl
+    build_dir = tmp_path / built_module_path.parent.name
+    shutil.copytree(built_module_path.parent, build_dir)
+    (build_dir / STAMP).unlink()   # (a finished build is imported without the lock)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=str(REPO))
+    env.pop("OFFLOAD_ADAM_ISA", None)
+    with open(build_dir / "offload_adam.lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        child = subprocess.Popen([sys.executable, "-c", NO_AOT + textwrap.dedent(LOAD_AND_PRINT_PATH)],
+                                 env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        # (until the child writes a line, or a minute: a child waiting in silence fails)
+        ready, _, _ = select.select([child.stderr], [], [], 60)
+        line = child.stderr.readline() if ready else ""
+        assert line.startswith("offload_adam: waiting for another process's build of the "
+                               f"kernels in {build_dir}"), line
+        assert child.poll() is None   # still waiting while the lock is held
+    out, err = child.communicate(timeout=900)
+    assert child.returncode == 0, err
+    assert Path(out.splitlines()[0]).parent == build_dir
