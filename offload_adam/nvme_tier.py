@@ -36,6 +36,8 @@ torch's optimizers would make of it (`edited`): an entry removed (`opt.state.cle
 `del opt.state[p]`, a new `opt.state`) is a param without state, a tensor set in one
 (`opt.state[p]["exp_avg"] = t`) is that param's state; state_dict() shows them, and the
 next step() loads them into the files first (the optimizer: a load of its own state_dict).
+A key of the user's own (not one of the state's: a library's count) is no edit: it stays
+in the entry, in RAM, as torch's optimizers keep it, and state dicts carry it.
 
 state_footprint="compact" (nvme/store.py: one copy, a redo log): each step first writes
 every bucket's redo record (`_log_step`: its grads as the kernel reads them, the values of
@@ -78,8 +80,8 @@ from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .nvme.pipeline import AHEAD
 from .nvme.store import STATE_FILES
-from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, state_format, stored_key,
-                           stored_state)
+from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS,
+                           state_format, stored_key, stored_state)
 
 _MB = 2 ** 20
 
@@ -539,8 +541,12 @@ class FileStore:
         which would move the moments in the files)."""
         for bucket in self.buckets:
             for e in bucket:
-                if id(e.param) in self._stepped:
-                    state.setdefault(e.param, InFiles(e.name))
+                if id(e.param) not in self._stepped:
+                    continue
+                entry = state.get(e.param)
+                if entry is None or (type(entry) is not InFiles and not _owns(entry)):
+                    # (a plain entry of the user's own keys only: they stay, in RAM)
+                    state[e.param] = InFiles(e.name, entry or {})
 
     def edited(self, state) -> List[str]:
         """The params (labels) whose entry in optimizer.state `state` the user removed
@@ -552,11 +558,13 @@ class FileStore:
                 continue
             e = where[0][1]
             entry = state.get(e.param)   # (a defaultdict's get makes no entry)
+            # (a key of the user's own, not the state's, is no edit: it stays in RAM, as
+            # torch's optimizers keep it, and state_dict() shows it)
             if pid in self._stepped:   # removed, replaced, cleared, or given a value
                 if (entry is None or type(entry) is not InFiles or entry.cleared
-                        or len(entry)):
+                        or _owns(entry)):
                     out.append(e.name)
-            elif entry:   # a state given to a param without one
+            elif entry and _owns(entry):   # a state given to a param without one
                 out.append(e.name)
         return out
 
@@ -998,8 +1006,14 @@ class FileStore:
         `loaded`: (its key in `saved_state`, param, group) each; optimizer `state` keeps
         an empty entry per param stepped (`_mark`)."""
         saved_ids = {id(p): saved_id for saved_id, p, _ in loaded}
+        # the loaded entries' keys of the user's own (torch loaded them into `state`): they
+        # stay in RAM, beside the state in the files, as torch's optimizers keep them
+        extras = {}
         for _, p, _ in loaded:
-            state.pop(p, None)
+            entry = state.pop(p, None)
+            own = {k: v for k, v in (entry or {}).items() if not _owns({k: v})}
+            if own:
+                extras[p] = own
 
         def saved_of(e: _Param) -> dict:
             return saved_state.get(saved_ids.get(id(e.param))) or {}
@@ -1035,6 +1049,8 @@ class FileStore:
                 self._converted(e, self._local_saved(e, saved_of(e)))
         self.pipeline.load(fill, step=step)
         self._stepped = stepped
+        for p, own in extras.items():   # (_mark takes them into a stepped param's entry)
+            state[p] = own
         self._mark(state)
         # every master loaded (or made from its param) is checked at its next step
         self.marks.forget(e.param for b in self.buckets for e in b)
@@ -1109,8 +1125,8 @@ class InFiles(dict):
     empty, as the state is not in RAM; reading a key says where the state is, and a
     clear() is seen (FileStore.edited) as torch's optimizers would see it: no state."""
 
-    def __init__(self, label: str):
-        super().__init__()
+    def __init__(self, label: str, extras: Optional[dict] = None):
+        super().__init__(extras or {})   # the user's own keys (not the state's): in RAM
         self.label, self.cleared = label, False
 
     def __missing__(self, key):
@@ -1123,6 +1139,17 @@ class InFiles(dict):
     def clear(self) -> None:
         self.cleared = True
         super().clear()
+
+
+# The keys of a param's state (what the files hold; a state dict's names for them too)
+_STATE_KEYS = frozenset(("step", MASTER_KEY, Q8_FORMAT_KEY) + MOMENT_KEYS
+                        + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()))
+
+
+def _owns(entry: dict) -> bool:
+    """Whether an optimizer.state entry sets any of the state's keys (not only keys of
+    the user's own, which stay in RAM beside the files)."""
+    return any(key in _STATE_KEYS for key in entry)
 
 
 def _with_edits(st: dict, entry: dict) -> dict:

@@ -10,6 +10,9 @@ this in; it provides `_params()`, `_marks` (master_rule.py) and `_store`
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import torch
 
 from . import distributed
@@ -46,7 +49,20 @@ class TorchStateDict:
         copy) them before that (with state_footprint="compact", whose step moves
         the buckets in place, before the next step(); a step that rewrites the
         place of some still alive warns)."""
-        sd = self._store.add_state(super().state_dict())
+        # The user's post hooks see (and may change) the dict as returned: after the
+        # state from the files and the conversions below, not before (torch's run last)
+        with _post_hooks_held(self, "_optimizer_state_dict_post_hooks") as hooks:
+            sd = self._store.add_state(super().state_dict())
+        sd = self._converted(sd, fp32_moments)
+        for hook in hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def _converted(self, sd: dict, fp32_moments: bool) -> dict:
+        """The state as state_dict() gives it: DTensor params' as DTensors, the
+        moments as fp32 (fp32_moments) or 8-bit codes under their keys."""
         params = self._params()
         dtensor_ids = {i for g, group in zip(sd["param_groups"], self.param_groups)
                        for i, p in zip(g["params"], group["params"]) if distributed.is_dtensor(p)}
@@ -110,10 +126,12 @@ class TorchStateDict:
         # an error after it puts these back (with state_dirs= the files are written
         # bucket by bucket: their check_load refuses first)
         old_groups, old_state = self.param_groups, self.raw_state()
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            handle.remove()
+        # (the user's post hooks run once the state is back: below)
+        with _post_hooks_held(self, "_optimizer_load_state_dict_post_hooks") as hooks:
+            try:
+                super().load_state_dict(state_dict)
+            finally:
+                handle.remove()
         try:
             # The state format is this optimizer's (how much memory it may use), not
             # the checkpoint's: the loaded moments are converted to it.
@@ -128,6 +146,8 @@ class TorchStateDict:
             raise
         # every master loaded (or not: made from the param) is checked at its next step
         self._marks.forget(p for _, p, _ in loaded)
+        for hook in hooks.values():   # as torch's: they see (and may edit) the state loaded
+            hook(self)
 
     def _loaded_params(self, state_dict):
         """(saved id, param, its group): torch's own matching, in group order."""
@@ -155,7 +175,9 @@ class TorchStateDict:
                     continue
                 _check_complete(saved, param_label(group, gi, i, p))
                 for key, value in saved.items():
-                    if not isinstance(value, torch.Tensor) or key in SCALE_KEYS.values() or key == Q8_FORMAT_KEY:
+                    # (only the keys it steps with: an entry of the user's own, a count
+                    # of shape (), is kept as torch keeps it)
+                    if not isinstance(value, torch.Tensor) or key not in _SHAPED:
                         continue
                     expected = () if key == "step" else p.shape
                     if key == "step" and value.numel() == 1:
@@ -169,6 +191,21 @@ class TorchStateDict:
 
 
 _CORE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+# The loaded keys of the param's shape ("step": one element)
+_SHAPED = MOMENT_KEYS + tuple(CODE_KEYS.values()) + (MASTER_KEY, "step")
+
+
+@contextlib.contextmanager
+def _post_hooks_held(optimizer, attr: str):
+    """torch's post hooks of `attr` kept from running inside torch's method (yielded, for
+    the caller to run on what it returns); the same dict put back after, so that the
+    handles registered on it still remove them."""
+    hooks = getattr(optimizer, attr)
+    setattr(optimizer, attr, collections.OrderedDict())
+    try:
+        yield hooks
+    finally:
+        setattr(optimizer, attr, hooks)
 
 
 def _check_complete(saved: dict, label: str) -> None:

@@ -164,10 +164,10 @@ def _snapshot(opt, model):
     return {p: held[p]["master_param"].clone() for p in model.parameters() if held.get(p)}
 
 
-def _in_second_backward():
+def _in_second_backward(**kw):
     """A step_in_backward run one step in, with the second backward done (its
     early steps queued); returns the masters from before it too."""
-    model, opt = make(True)
+    model, opt = make(True, **kw)
     backward(model, 0)
     opt.step()
     opt.zero_grad()
@@ -238,6 +238,23 @@ def test_a_change_after_backward_is_an_error(path, change):
         assert early_steps(opt, model, steps)
         opt.step()
         opt.zero_grad()
+
+
+@pytest.mark.parametrize("drop", ["p.grad = None", "model.zero_grad()"])
+def test_a_freed_grad_dropped_after_backward_is_an_error(path, drop):
+    """With free_grads_after_copy the grads are FreedGrads after backward: one set to
+    None (by hand or by the model's zero_grad) is a grad dropped, as without the option
+    (torch would not step its param; its step ran in backward), not a freed one."""
+    model, opt, before = _in_second_backward(free_grads_after_copy=True)
+    if drop == "p.grad = None":
+        model.head.weight.grad = None
+    else:
+        model.zero_grad()
+    with pytest.raises(RuntimeError, match="step_in_backward=True forbids") as err:
+        opt.step()
+    assert re.search("was dropped after it was copied", str(err.value)), err.value
+    after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
+    _check_left_state(opt, model, before, after, str(err.value), path.files)
 
 
 def test_clip_grad_norm_and_grad_scaler_are_errors(path):

@@ -222,3 +222,49 @@ def test_entries_that_are_not_a_params_state_pass_through_as_in_torch(kernels, s
     run(ours, ps, 1, 2)
     if state_dtype is torch.float32 or not fp32_moments:   # (else 8-bit codes re-encoded)
         assert all(torch.equal(p, r) for p, r in zip(ps, rs))
+
+
+def test_post_hooks_see_the_dict_returned_and_the_state_loaded(path):
+    """As torch's: a state_dict post hook gets the dict state_dict() returns (its state
+    from the files, 8-bit codes under their keys) and what it returns is returned; a
+    load_state_dict post hook runs once the state is loaded, and what it sets in
+    optimizer.state is the state (in files: loaded at the next step)."""
+    ps = make_params()
+    opt = offload_adam.AdamW(ps, lr=0.01, bucket_mb=0.0001)
+    run(opt, ps, 0, 1)
+    seen = {}
+
+    def given(o, sd):
+        seen["keys"] = sorted(sd["state"][0])
+        sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].to(torch.float16)
+
+    handle = opt.register_state_dict_post_hook(given)
+    sd = opt.state_dict()
+    assert seen["keys"] == sorted(["exp_avg", "exp_avg_sq", "step"] + (
+        ["master_param"] if path.sim else []))
+    assert sorted(sd["state"][0]) == sorted(seen["keys"])
+    assert sd["state"][0]["exp_avg"].dtype == torch.float16
+    handle.remove()
+    sd = opt.state_dict()
+
+    def loaded(o):
+        seen["loaded"] = sorted(o.state[ps[0]])
+        o.state[ps[0]]["exp_avg"] = torch.zeros_like(ps[0])
+
+    opt.register_load_state_dict_post_hook(loaded)
+    opt.load_state_dict(sd)
+    # (in files the entries are empty: the state is read from state_dict())
+    assert seen["loaded"] == ([] if path.files else sorted(seen["keys"]))
+    assert torch.count_nonzero(opt.state_dict()["state"][0]["exp_avg"]) == 0
+    assert torch.count_nonzero(opt.state_dict()["state"][1]["exp_avg"]) > 0
+    run(opt, ps, 1, 1)
+
+
+def test_a_users_key_of_another_shape_loads(kernels):
+    # (only the state's own keys are checked against the param's shape)
+    ps = make_params()
+    opt = offload_adam.AdamW(ps, lr=0.01)
+    run(opt, ps, 0, 1)
+    opt.state[ps[0]]["clip_count"] = torch.tensor(3.0)
+    opt.load_state_dict(roundtrip(opt.state_dict()))
+    assert float(opt.state[ps[0]]["clip_count"]) == 3.0

@@ -5,6 +5,7 @@ set in an entry is that part of the param's state. Every path follows them as to
 optimizers do, the state in files too (whose entries in optimizer.state are empty: the
 edits are loaded into the files at the next step), and state_dict() shows them."""
 import collections
+import io
 
 import pytest
 import torch
@@ -169,3 +170,32 @@ def test_an_edit_between_backward_and_step_in_backward_is_refused_then_used(
         sim.close()
     for a, b in zip(out, ours):
         assert torch.equal(a, b)
+
+
+def _own_key(opt, ps):
+    opt.state[ps[1]]["clip_count"] = torch.tensor(3.0)   # a library's count, say
+
+
+def test_a_key_of_the_users_own_stays_and_changes_nothing(path):
+    """torch's optimizers keep an entry of the user's own in a param's state through
+    steps and a state_dict() / load_state_dict round trip (a shape-() tensor too); so
+    does every path, the state in files too (the entry stays in RAM beside the files),
+    and the training is as without it."""
+    with path.outside():
+        ref, _ = _train(lambda g: offload_adam.AdamW(g, lr=0.01), lambda o, p: None, steps=5)
+    out, opt = _train(lambda g: offload_adam.AdamW(g, lr=0.01, bucket_mb=0.0001), _own_key)
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    assert float(opt.state[ps[1]]["clip_count"]) == 3.0   # after two steps
+    sd = opt.state_dict()
+    assert float(sd["state"][1]["clip_count"]) == 3.0 and "exp_avg" in sd["state"][1]
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    opt.load_state_dict(torch.load(buf, weights_only=True))
+    assert float(opt.state[ps[1]]["clip_count"]) == 3.0
+    for p, g in zip(ps, _grads(4)):
+        p.grad = g.clone()
+    opt.step()
+    assert float(opt.state_dict()["state"][1]["clip_count"]) == 3.0
+    for a, b in zip(ps, ref):
+        assert torch.equal(a.detach(), b)

@@ -318,7 +318,7 @@ class EarlyStart:
         for rec in early:
             grad = rec.param.grad
             if grad is None or is_freed(grad):   # freed by us: its scale() guards edits
-                if not rec.freed:
+                if grad is None or not rec.freed:   # (None: the one we freed dropped)
                     return f"the grad of {rec.label()} was dropped after it was copied"
             elif id(rec) not in same or id(rec) in edited:
                 return (f"the grad of {rec.label()} changed after it was copied during "
