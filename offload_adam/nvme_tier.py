@@ -298,10 +298,14 @@ class FileStore:
                     buckets, specs = following
                     continue
                 raise ValueError(f"{e}. (What identifies them: the params' names, shapes "
-                                 "and order in the groups, state_dtype, amsgrad, and "
-                                 "bucket_mb, which lays out the buckets: "
-                                 f"bucket_mb={bucket_mb:g} here; resume with the one they "
-                                 "were made with)") from None
+                                 "and order in the groups, state_dtype, amsgrad, which "
+                                 "params trained (a param frozen when they were made has "
+                                 "no state there), and bucket_mb, which lays out the "
+                                 f"buckets: bucket_mb={bucket_mb:g} here; resume with the "
+                                 "one they were made with. A param larger than bucket_mb is "
+                                 "kept in parts when the GPU's engine steps it and whole "
+                                 "when the CPU does: resume on the same kind of device)"
+                                 ) from None
         self._largest_record = max(records, default=0)   # (a compact pass reads them)
         # where each param's state is: (its bucket, its _Param) per part, in order
         self._where: Dict[int, List[Tuple[int, _Param]]] = {}
@@ -455,6 +459,12 @@ class FileStore:
         self._stepped, self._resumed = set(), {}
         # every slot checked before any param is set: a damaged one changes nothing
         every = [self.state.views(i) for i in range(len(self.buckets))]
+        # masters a load_state_dict made from the params of the time (no step since):
+        # the step's params if the model was loaded before the optimizer, not if after.
+        # Set from them all the same, but a model loaded now is taken, not refused
+        # (_check_resumed), each master following its param at the next step (master_rule:
+        # never agreed), and it is said
+        unknown = set(self.state.from_params)
         with torch.no_grad():
             for bucket, views in zip(self.buckets, every):
                 for e in bucket:
@@ -463,8 +473,20 @@ class FileStore:
                     if step > 0:
                         write_values(e.param, st.master, e.start if e.part else None)
                         self._stepped.add(id(e.param))
-                        self._resumed[id(e.param)] = (e, mark(e.param), step)
+                        if e.name not in unknown:
+                            self._resumed[id(e.param)] = (e, mark(e.param), step)
         self.marks.agree(e.param for e, _, _ in self._resumed.values())
+        if unknown:
+            names = sorted(unknown)
+            warnings.warn(
+                f"offload_adam: state_resume=True: the state files hold a state loaded with "
+                f"load_state_dict at step {self.state.step} and no step since, whose dict "
+                f"held no master for {len(names)} params (first: {names[0]}; torch's state "
+                "dicts hold none): the files took them from the params as they were at that "
+                "load, and the params were set to them. If that run loaded the model's weights "
+                "after the optimizer's state dict, load them again now: each master follows "
+                "its param at the next step",
+                RuntimeWarning, stacklevel=4)
 
     def _check_resumed(self, stepping: bool) -> None:
         """Before the first step after state_resume=True (and the state dict's views): the
@@ -682,6 +704,12 @@ class FileStore:
     def pinned(self) -> bool:
         return self.pipeline is None or self.pipeline.pinned
 
+    def _check_open(self) -> None:
+        if self.pipeline is None:
+            raise RuntimeError("offload_adam: this optimizer was closed (its state files "
+                               "too); build a new one, with state_resume=True to continue "
+                               "from them")
+
     def close(self) -> None:
         if self.pipeline is not None:
             self._abandon_early("the optimizer was closed")
@@ -696,10 +724,7 @@ class FileStore:
         pipeline's order, its in-place params to the CPU stepper and its engine params
         to the engine (EngineStep.lent); written back and committed once, when the
         pass ends; an error (or the pass closed early) commits nothing."""
-        if self.pipeline is None:
-            raise RuntimeError("offload_adam: this optimizer was closed (its state files "
-                               "too); build a new one, with state_resume=True to continue "
-                               "from them")
+        self._check_open()
         try:   # what the files refuse, before any bucket is stepped
             self._check_resumed(stepping=True)
             self._check_in_files(param_groups)
@@ -990,7 +1015,8 @@ class FileStore:
     def check_load(self, pairs) -> None:
         """Before anything is loaded: a ValueError for a saved state (stepped) of a param
         the files hold none for (frozen when the optimizer was built). `pairs`: (its saved
-        state or None, param, its label) each."""
+        state or None, param, its label) each. A closed optimizer's: refused first."""
+        self._check_open()
         for saved, p, label in pairs:
             if (id(p) not in self._where and isinstance(saved, dict)
                     and float(stored_state(saved).get("step") or 0) > 0):
@@ -1047,6 +1073,13 @@ class FileStore:
             # refused (a param's, converted one at a time) is refused before that
             for e in {id(e.param): e for b in self.buckets for e in b}.values():
                 self._converted(e, self._local_saved(e, saved_of(e)))
+        # the masters made from the params as they are now (the dict held none): a model
+        # loaded after this would not be them, and a resume before the next step must
+        # not set the params from them (_restore_params)
+        self.state.from_params_next = sorted(
+            {e.name for b in self.buckets for e in b
+             if float(saved_of(e).get("step") or 0) > 0
+             and stored_state(saved_of(e)).get(MASTER_KEY) is None})
         self.pipeline.load(fill, step=step)
         self._stepped = stepped
         for p, own in extras.items():   # (_mark takes them into a stepped param's entry)

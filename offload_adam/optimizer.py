@@ -39,6 +39,7 @@ protocol (grad_scaling.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 
 import torch
@@ -418,7 +419,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         (an unpickled copy reopens its files)."""
         self._store = open_store(self._routing, self.param_groups, self.state, self._marks,
                                  self._engine, self._options, resume, enroll=self._enroll)
-        weakref.finalize(self, self._store.close)
+        weakref.finalize(self, _close_in, os.getpid(), self._store.close)
 
     # ---- offload engine: profile, memory ---------------------------------------
     @property
@@ -563,3 +564,22 @@ class AdamW(Adam):
         # As torch's AdamW: whatever was loaded, AdamW decouples weight decay.
         for group in self.param_groups:
             group["decoupled_weight_decay"] = True
+
+
+def _close_in(pid: int, close) -> None:
+    """The store's close() when the optimizer goes, in the process that built it only: a
+    forked child (its exit, its garbage) inherits the files and their locks, which are
+    the parent's to let go of (an flock's unlock through the child's copy of the
+    descriptor would unlock the parent's)."""
+    if os.getpid() != pid:
+        return
+    try:
+        close()
+    except RuntimeError:
+        # At the interpreter's exit (a script ending between backward and step()), the
+        # I/O threads take no more work ("cannot schedule new futures after shutdown"):
+        # the files stay at their last completed step, as after a kill, which they are
+        # made for; no traceback for it at exit
+        import concurrent.futures.thread as pools
+        if not getattr(pools, "_shutdown", False):
+            raise

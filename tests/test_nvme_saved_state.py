@@ -293,3 +293,153 @@ def test_messages_that_name_what_to_do(kernels, tmp_path):
         f.write(b"garbage")
     with pytest.raises(ValueError, match="its header is not an offload_adam state file's"):
         build(make_params(), d, state_resume=True)
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+@pytest.mark.parametrize("order", ["optimizer first", "model first"])
+def test_a_load_then_a_kill_before_the_next_step_resumes_with_the_models_weights(
+        kernels, tmp_path, footprint, order):
+    """A checkpoint loaded into new directories, the optimizer's state dict in torch's form
+    (no masters: the files take the params as they are at the load) and the model's
+    weights, in either order, then the process dies before a step. The resume sets the
+    params from the files, and says that their masters were the params at the load: loaded
+    after the optimizer, the model's weights were not in them, and loading them again now is
+    taken (not refused as another step's), each master following its param. Either way
+    the run goes on bitwise as from the checkpoint loaded in RAM."""
+    ps = make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01)
+    train(ram, ps, 0, 3)
+    weights = [p.detach().clone() for p in ps]
+    ckpt = ram.state_dict(fp32_moments=True)
+    for st in ckpt["state"].values():
+        st.pop("master_param", None)   # (as torch's AdamW saves it)
+    ckpt = {**ckpt, "state": {k: {n: v.clone() for n, v in st.items()}
+                              for k, st in ckpt["state"].items()}}
+    # the reference: the same checkpoint loaded in RAM (a bf16 param's master starts
+    # again from it: the dict has none)
+    ps = [w.clone().requires_grad_() for w in weights]
+    ram = offload_adam.AdamW(groups(ps), lr=0.01)
+    ram.load_state_dict(ckpt)
+    train(ram, ps, 3, 3)
+    dirs = [str(tmp_path / "a")]
+    os.makedirs(dirs[0])
+    qs = make_params(seed=7)
+    opt = offload_adam.AdamW(groups(qs), lr=0.01, state_dirs=dirs, state_footprint=footprint,
+                             **NVME)
+
+    def load_model(params):
+        with torch.no_grad():
+            for q, w in zip(params, weights):
+                q.copy_(w)
+
+    if order == "model first":
+        load_model(qs)
+    opt.load_state_dict(ckpt)
+    if order == "optimizer first":
+        load_model(qs)
+    opt.close()   # (killed here: no step since the load)
+    rs = make_params(seed=7)
+    with pytest.warns(RuntimeWarning, match=r"load_state_dict at step 3 and no step since.*"
+                                            r"load them again now"):
+        again = offload_adam.AdamW(groups(rs), lr=0.01, state_dirs=dirs, state_resume=True,
+                                   state_footprint=footprint, **NVME)
+    assert again.step_count == 3
+    # the params as they were at the load: the weights when the model came first
+    assert all(torch.equal(bits(r), bits(w)) for r, w in zip(rs, weights)) == (
+        order == "model first")
+    load_model(rs)   # as the warning says (a no-op when the model came first)
+    train(again, rs, 3, 3)
+    for p, r in zip(ps, rs):
+        assert torch.equal(bits(p), bits(r))
+
+
+FORKED = r"""
+import gc, os, sys, warnings, torch, offload_adam
+warnings.simplefilter("ignore", DeprecationWarning)   # (fork with threads: the point here)
+p = torch.nn.Parameter(torch.randn(64))
+opt = offload_adam.AdamW([p], state_dirs=[sys.argv[1]])
+p.grad = torch.randn(64)
+opt.step()
+pid = os.fork()
+if pid == 0:
+    code = 0
+    if sys.argv[2] == "step":
+        try:
+            p.grad = torch.randn(64)
+            opt.step()
+            code = 3
+        except RuntimeError as e:
+            code = 0 if "child it forked" in str(e) else 4
+    del opt
+    gc.collect()   # (the optimizer's finalizer runs in the child, as at its exit)
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+try:
+    offload_adam.AdamW([torch.nn.Parameter(torch.randn(64))], state_dirs=[sys.argv[1]])
+    print("second optimizer built")
+except RuntimeError as e:
+    print("refused:", "in use by another optimizer" in str(e))
+p.grad = torch.randn(64)
+opt.step()   # the parent's goes on
+print("parent stepped", opt.step_count)
+"""
+
+
+@pytest.mark.parametrize("child", ["exits", "step"])
+def test_a_forked_child_neither_unlocks_the_parents_files_nor_hangs(tmp_path, kernels, child):
+    """A child forked from a process with a state in files inherits its descriptors: its
+    exit must not unlock the parent's directory (an flock unlock through the child's copy
+    unlocks the parent's: a second optimizer could then write the same files), and a step
+    in it is an error that says why (the I/O threads are the parent's), not a hang."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path), child],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "refused: True" in out.stdout and "parent stepped 2" in out.stdout, out.stdout
+
+
+def test_load_state_dict_into_a_closed_optimizer_says_it_was_closed(tmp_path, kernels):
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = offload_adam.AdamW([p], state_dirs=[tmp_path])
+    p.grad = torch.randn(8)
+    opt.step()
+    sd = opt.state_dict()
+    opt.close()
+    with pytest.raises(RuntimeError, match="this optimizer was closed"):
+        opt.load_state_dict(sd)
+
+
+EXIT_AFTER_BACKWARD = r"""
+import sys, torch, offload_adam
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)]).to(torch.bfloat16)
+opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.002, step_in_backward=True,
+                         state_dirs=[sys.argv[1]], state_footprint=sys.argv[2])
+for s in range(3):
+    model(torch.randn(4, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+    if s < 2:
+        opt.step()
+        opt.zero_grad()
+print("exiting at step", opt.step_count)
+"""
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_a_script_ending_between_backward_and_step_exits_quietly(tmp_path, kernels, footprint):
+    """The optimizer let go at the interpreter's exit with the files' pass of a backward
+    under way: no traceback (the I/O threads take no more work then), and the files are
+    at the last completed step."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", EXIT_AFTER_BACKWARD, str(tmp_path), footprint],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "exiting at step 2" in out.stdout, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    p = [torch.nn.Linear(32, 32).to(torch.bfloat16) for _ in range(4)]
+    again = offload_adam.AdamW(torch.nn.Sequential(*p).parameters(), bucket_mb=0.002,
+                               state_dirs=[tmp_path], state_resume=True,
+                               state_footprint=footprint)
+    assert again.step_count == 2
+    again.close()

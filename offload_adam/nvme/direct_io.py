@@ -173,8 +173,19 @@ class IOPool:
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=_IO_THREAD)
         self.request_bytes = request_bytes
         self._futures: List[Future] = []   # the requests close() waits for
+        self._pid = os.getpid()
+
+    def _check_process(self) -> None:
+        """A forked child has none of the pool's threads: a request would wait forever."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"offload_adam: these files' I/O threads are process {self._pid}'s, and this "
+                f"is a child it forked (pid {os.getpid()}), which has none of them: a file "
+                "read or write here would never end. Build the optimizer (or streamer) in "
+                "the process that uses it; the parent's goes on as it was")
 
     def _submit(self, fn, fd: int, view: memoryview, offset: int) -> List[Future]:
+        self._check_process()
         step = self.request_bytes
         futures = [self._pool.submit(fn, fd, view[i:i + step], offset + i)
                    for i in range(0, len(view), step)]
@@ -190,6 +201,7 @@ class IOPool:
         """fn(*args) on an I/O thread (a read that checks and parses what it read);
         close() waits for it as for the requests. Those done are let go here: a done
         future keeps its result (a record's buffer) alive while it is listed."""
+        self._check_process()
         self._futures = [f for f in self._futures if not f.done()]
         future = self._pool.submit(fn, *args)
         self._futures.append(future)
@@ -203,7 +215,8 @@ class IOPool:
         the threads end on their own. No join: close() may run in a finalizer that the
         garbage collector calls inside threading's own locked code (a thread starting
         up), where joining a thread deadlocks on that lock (seen: a test run hung)."""
-        if not threading.current_thread().name.startswith(_IO_THREAD):   # (not its own)
+        if (not threading.current_thread().name.startswith(_IO_THREAD)   # (not its own)
+                and os.getpid() == self._pid):   # (a forked child's would never end)
             futures_wait(self._futures)
         self._futures = []
         self._pool.shutdown(wait=False)

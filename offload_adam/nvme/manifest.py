@@ -93,6 +93,7 @@ class DirLocks:
 
     def __init__(self, folders: List[str]):
         self._fds: List[int] = []
+        self._pid = os.getpid()
         try:
             for folder in folders:
                 self._lock(folder)
@@ -119,7 +120,10 @@ class DirLocks:
         self._fds.append(fd)
 
     def release(self) -> None:
+        """Unlocks and closes. In a forked child, only closes: its descriptors share the
+        parent's open files, and an unlock through one unlocks the parent's."""
         while self._fds:
             fd = self._fds.pop()
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            if os.getpid() == self._pid:
+                fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)

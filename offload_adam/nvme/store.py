@@ -137,6 +137,10 @@ class NvmeState:
         self._hint: Optional[str] = None
         self._moved_on: Optional[str] = None   # why no pass may run: params moved (two slots)
         self._sums: Dict[int, int] = {}      # checksums of the slots written, to commit
+        # the params whose masters the next commit holds as made from the params (a load
+        # of a state dict without them): recorded in it, so that a resume does not take
+        # them for the step's params (`from_params`)
+        self.from_params_next: List[str] = []
         self.compact = body.get("layout") == "compact"
         self._log: Optional[redo.RedoLog] = None
         if self.compact:
@@ -238,6 +242,14 @@ class NvmeState:
     @property
     def slots(self) -> List[int]:
         return list(self._body["slots"])
+
+    @property
+    def from_params(self) -> List[str]:
+        """The params whose masters the last commit holds as the params were then, not
+        as a step or a state dict made them: a load_state_dict of a dict without them
+        (torch's, or an fp32 param's), not stepped since. The params a resume would set
+        from them are what the model was at that load, not the step's."""
+        return list(self._body.get("from_params") or [])
 
     @property
     def previous(self) -> Optional[int]:
@@ -366,8 +378,10 @@ class NvmeState:
             if step is None:
                 step = (body["intent"]["step"] if body["intent"] is not None
                         else self.step + 1)
-            body.update(written=True, step=int(step), intent=None, done=[], loading=False)
+            body.update(written=True, step=int(step), intent=None, done=[], loading=False,
+                        from_params=self.from_params_next)
             self._store(body, "committing the step")
+            self.from_params_next = []
             self._live = {}
             self.forget_log()
             return
@@ -383,8 +397,9 @@ class NvmeState:
                  and all(s[1 - c] is not None for s, c in zip(sums, slots)))
         body.update(slots=slots, sums=sums, written=True,
                     step=self.step + 1 if step is None else int(step),
-                    previous=self.step if whole else None)
+                    previous=self.step if whole else None, from_params=self.from_params_next)
         self._store(body, "committing the step")
+        self.from_params_next = []
 
     # -- compact: the redo log, committing as the pass goes -------------------------------
 
