@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .engine.host_memory import unpin_all
 from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, crc32, open_direct, wait,
                              warn_buffered)
 from .nvme.layout import ALIGN, round_up
@@ -185,6 +186,10 @@ class ParamFiles:
             self.pool.close()
             self._close_files(remove=True)
             raise
+        # a streamer dropped without close() unpins the slots when collected (the list
+        # holds their memory until then)
+        self._unpin = weakref.finalize(self, unpin_all, device,
+                                       [slot.buffer.tensor for slot in self.slots])
         self.slot_of: Dict[int, _Slot] = {}
         self.sums: Dict[int, List[int]] = {}   # block -> its requests' CRC32Cs, as written
 
@@ -481,7 +486,8 @@ class ParamFiles:
                     wait(fs)
                 if slot.block is not None:
                     self.settle(slot.block)
-                self.device.unpin(slot.buffer.tensor)
+            self._unpin()
+            for slot in self.slots:
                 slot.buffer.close()
             self.slots, self.slot_of = [], {}
             self.pool.close()

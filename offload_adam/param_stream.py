@@ -177,17 +177,26 @@ class Home:
     def bumped(self) -> None:
         """The optimizer bumped the param's version counter (its step wrote the host
         copy): not a write through the placeholder (_Block.check_unwritten)."""
-        if self.block.versions is not None:
-            self.block.versions[self.k] += 1
+        for versions in (self.block.versions, self.block.used_versions):
+            if versions is not None:
+                versions[self.k] += 1
 
     def mark(self) -> tuple:
         """What master_rule.mark reads of the host copy: in RAM, its version counter and
-        address (a write through it bumps the first); in files, no view lives on (they
-        are written through the param, whose counter counts, or by the engine)."""
-        if self.block.streamer.files is not None:
-            return 0, id(self.block)
+        address (a write through it bumps the first), and what state_dict() handed out
+        over it (`model.state_dict()[k].copy_(v)` bumps only that tensor's counter: the
+        times handed out, so that one edited and dropped since is seen too, and the
+        counters of those alive; a mark that differs costs one comparison of the master
+        with the values, master_rule.py); in files, no view lives on (state_dict() maps
+        the file copy-on-write; the params are written through the param, whose counter
+        counts, or by the engine)."""
+        block = self.block
+        if block.streamer.files is not None:
+            return 0, id(block)
         t = self.tensor
-        return t._version, t.data_ptr()
+        shown = list(block.shown[self.k])
+        return (t._version, t.data_ptr(), block.times_shown[self.k], len(shown),
+                sum(v._version for v in shown))
 
 
 class _Block:
@@ -213,6 +222,7 @@ class _Block:
                 self.holders.append((holder, path, attr, index[id(p)]))
         self.loading = 0          # nested load_state_dict hooks running (submodules')
         self.versions: Optional[List[int]] = None   # the params' counters while away
+        self.used_versions: Optional[List[int]] = None   # ... while on the device
         self.state = "away"
         self.forwarding = False   # in its forward (not a recompute): _post_forward not run yet
         self.inputs_need_grad = False   # ... a grad flows back through its inputs
@@ -236,6 +246,13 @@ class _Block:
         # from its wait for them until its copies are set, so that a write starting
         # meanwhile waits for those copies (settle) instead of changing their source
         self.homes: List[torch.Tensor] = []   # the host copies in RAM (none with files)
+        self.home_of: List[Home] = []         # each param's Home (params.home_of)
+        self.last_hooks: List[int] = []       # its module's forward hooks that release it
+        # what state_dict() handed out over each host copy in RAM (tensors of storages of
+        # their own: their version counters are not the host copy's), and how many times:
+        # an edit through one is seen by Home.mark
+        self.shown: List[weakref.WeakSet] = [weakref.WeakSet() for _ in self.params]
+        self.times_shown = [0] * len(self.params)
         self.offsets: List[int] = []          # each param's bytes in the block's host copy
         self.device_tensors: List[torch.Tensor] = []
         self.placeholders: List[torch.Tensor] = []
@@ -246,15 +263,20 @@ class _Block:
         (defer_blocks=): `wait()` returns once it is done; called before they are read."""
         self.deferred.append(wait)
 
-    def wait_steps(self) -> None:
+    def wait_steps(self, ahead: bool = False) -> bool:
         """Waits for the deferred steps writing the host copies (raises what one
         raised); then each optimizer stepping it in backward raises if the steps it ran
         left some of its params new and others waiting for step() (a reader would see
-        the block half stepped: step_in_backward)."""
+        the block half stepped: step_in_backward). `ahead` (a fetch ahead of its use,
+        which may never come: the blocks run in another order than recorded) returns
+        False instead of raising."""
         while self.deferred:
             self.deferred.pop(0)()
         for early in list(self.step_checks.keys()):
+            if ahead and early.half_stepped(self):
+                return False
             early.check_block(self)
+        return True
 
     def start_write(self) -> None:
         with self.written:
@@ -294,6 +316,18 @@ class _Block:
             p.data = t
         self.versions = ([p._version for p in self.params] if tensors is self.placeholders
                          else None)
+        self.used_versions = ([p._version for p in self.params]
+                              if tensors is self.device_tensors else None)
+
+    def written_in_use(self) -> List[str]:
+        """The params written in place while they showed their device copies (an
+        nn.Embedding(max_norm=...) renormalising its rows in its forward, a write under
+        no_grad in a forward): the device copy goes back after the use, and the write
+        with it; the optimizer's own bumps are counted (Home.bumped)."""
+        if self.used_versions is None:
+            return []
+        return [n for n, p, v in zip(self.names, self.params, self.used_versions)
+                if p._version != v]
 
     def check_unwritten(self, values: bool = False) -> None:
         """No param was written while it showed its placeholder: such a write lands in
@@ -455,7 +489,9 @@ class ParamStreamer:
         self._cursor: Optional[int] = 0
         self._graph_task = None          # the backward whose end releases every block
         self._handles: list = []
-        self._pinned: list = []
+        self._pinned: list = []   # the host copies' buffers, pinned
+        # unpinned by close(), or when a streamer dropped without it is collected
+        self._unpin = weakref.finalize(self, unpin_all, self.device, self._pinned)
         self._closed = False
         self._move_resident()
         for block in self.blocks:
@@ -505,7 +541,8 @@ class ParamStreamer:
                     block.placeholders.append(_nan(p, self.torch_device, full=False))
                     like = torch.empty(p.shape, dtype=p.dtype, device="meta")
                     p.grad = None
-                    set_home(p, Home(block, k, like))
+                    block.home_of.append(Home(block, k, like))   # (params.py holds it weakly)
+                    set_home(p, block.home_of[-1])
             block.show(block.placeholders)
         finally:
             if self.files is not None:
@@ -523,6 +560,7 @@ class ParamStreamer:
             m.register_forward_hook(lambda mod, args, out, b=block: self._forward_ended(b),
                                     always_call=True),
         ]
+        block.last_hooks = [h.id for h in self._handles[-2:]]
         # Each module that holds some of the block's params (the block, or a submodule)
         # shows their host copies in its own state_dict() and loads into them, also when
         # called on its own (block.up.state_dict()); a submodule called outside the
@@ -542,6 +580,18 @@ class ParamStreamer:
             if module is not m:
                 self._handles.append(module.register_forward_pre_hook(
                     lambda mod, args, b=block, path=path: self._inner_use(b, mod, path)))
+
+    @staticmethod
+    def _hooks_last(block: _Block) -> None:
+        """The block's release (and its always-called end) run after every other forward
+        hook of its module, those registered after stream_params too (a hook logging a
+        weight's norm would read the placeholder's NaN): moved to the end when another
+        came after them."""
+        hooks = block.module._forward_hooks
+        if list(hooks)[-2:] != block.last_hooks:
+            for hook_id in block.last_hooks:
+                if hook_id in hooks:
+                    hooks.move_to_end(hook_id)
 
     def _inner_use(self, block: _Block, module: torch.nn.Module, path: str) -> None:
         if block.state != "here":
@@ -638,6 +688,7 @@ class ParamStreamer:
 
     def _pre_forward(self, block: _Block, args, kwargs):
         block.check_held()
+        self._hooks_last(block)
         if _in_backward():   # the recompute of activation checkpointing
             self._note_backward()   # (reentrant: no forward hook saw this backward coming)
             if block.state != "here" or block.stale:
@@ -663,7 +714,7 @@ class ParamStreamer:
         block.ticket = ticket = [None]   # (set by _post_forward's hook: _pre_backward)
         if inputs:   # (none: nothing flows back through them, end of backward releases it)
             torch.autograd.graph.register_multi_grad_hook(
-                inputs, lambda grads, b=block, t=ticket: self._backward_done(b, t), mode="all")
+                inputs, _weakly(self, "_backward_done", block, ticket), mode="all")
             self._fetch_after(block, inputs)
 
     def _fetch_after(self, block: _Block, inputs: List[torch.Tensor]) -> None:
@@ -684,11 +735,13 @@ class ParamStreamer:
 
     def _fetch_hook(self, block: _Block, outs: List[torch.Tensor], ticket: list):
         return torch.autograd.graph.register_multi_grad_hook(
-            outs, lambda grads, b=block, t=ticket: self._pre_backward(b, t), mode="any")
+            outs, _weakly(self, "_pre_backward", block, ticket), mode="any")
 
     def _backward_done(self, block: _Block, ticket: list) -> None:
         if ticket[0] is None or ticket[0] == block.backward_use:
+            written = block.written_in_use()
             self._release(block)
+            _refuse_written(block, written, "backward")
 
     def _post_forward(self, block: _Block, output):
         """Releases the block's params; returns the output to use instead (None: the
@@ -716,7 +769,9 @@ class ParamStreamer:
                                           block.ticket,
                                           self._fetch_hook(block, outs, block.ticket)])
         block.forwarding = False
+        written = block.written_in_use()
         self._release(block)
+        _refuse_written(block, written, "forward")
         return unaliased
 
     def _unaliased(self, block: _Block, output):
@@ -830,7 +885,7 @@ class ParamStreamer:
         self.device.publish(block.copies)
         block.state = "here"
         for index, _ in ahead:
-            self._fetch(self.blocks[index])
+            self._fetch(self.blocks[index], ahead=True)
         if self.files is not None and self._order is not None and self._cursor is not None:
             # the param files read further ahead than the copies, as far as the cache
             # has slots it would give away before they are used (_floors)
@@ -840,13 +895,17 @@ class ParamStreamer:
             blocks = list(dict.fromkeys(later))
             self.files.read_ahead(blocks, [floors[later.index(i)] for i in blocks])
 
-    def _fetch(self, block: _Block) -> None:
+    def _fetch(self, block: _Block, ahead: bool = False) -> None:
+        """Starts the copies of the block's params to the device (`ahead` of its use: not
+        a block the CPU step left half written, whose use, if it comes, refuses it)."""
         if block.stale:   # the step wrote its host copies while it was on the device
             block.stale = False
             self._release(block)
         if block.state != "away":
             return
-        block.wait_steps()   # a step deferred past step() still writing its host copies
+        # (a step deferred past step() still writing its host copies: waited for)
+        if not block.wait_steps(ahead):
+            return
         block.check_unwritten()
         block.settle()   # (its last copies read the same host memory: done long ago)
         for t in block.device_tensors:
@@ -891,6 +950,9 @@ class ParamStreamer:
                  else block.views(self.files.mapped(block.index)))
         for attr, k in entries:
             key, home = prefix + attr, _own_storage(homes[k])
+            if self.files is None and home is not homes[k]:   # (Home.mark)
+                block.shown[k].add(home)
+                block.times_shown[k] += 1
             if key in sd:
                 was = sd[key]
                 sd[key] = (torch.nn.Parameter(home, requires_grad=was.requires_grad)
@@ -1044,7 +1106,7 @@ class ParamStreamer:
             for attr in ("_apply", "__deepcopy__", "__reduce_ex__"):
                 module.__dict__.pop(attr, None)
         self._guarded = []
-        unpin_all(self.device, self._pinned)
+        self._unpin()
         _LIVE.discard(self)
         if self.files is not None:
             self.files.close()
@@ -1166,6 +1228,36 @@ def _refuse_other_step(optimizer, args, kwargs) -> None:
                     "transformers' Trainer: optimizers=(offload_adam.AdamW(model."
                     "parameters(), ...), None)), or streamer.close() first; nothing was "
                     "stepped")
+
+
+def _weakly(streamer: "ParamStreamer", method: str, block: _Block, ticket: list):
+    """A grad hook calling streamer.`method`(block, ticket), holding neither weakly: the
+    autograd nodes a multi-grad hook sits on and the hook hold each other through C++,
+    which the garbage collector does not see, so a hook holding the streamer would keep a
+    model dropped without close() alive (and its pinned host copies, its files' lock)."""
+    me, index = weakref.ref(streamer), block.index
+
+    def hook(grads):
+        s = me()
+        if s is not None:
+            getattr(s, method)(s.blocks[index], ticket)
+    return hook
+
+
+def _refuse_written(block: _Block, written: List[str], when: str) -> None:
+    """A RuntimeError naming the first param of `written` (block.written_in_use: the
+    block is given back already, with the write lost)."""
+    if not written:
+        return
+    more = f" (and {len(written) - 1} more)" if len(written) > 1 else ""
+    raise RuntimeError(
+        f"offload_adam.stream_params: param {block.name}.{written[0]}{more} of a streamed "
+        f"block was written in place during the block's {when} (an nn.Embedding with "
+        "max_norm renormalises its rows so; a write under torch.no_grad() in forward): a "
+        "streamed param is on the device only while its block runs, as a copy of its host "
+        "copy that goes back after, so the write was lost. Keep that module out of the "
+        "streamed blocks (it stays resident), or write params between steps with "
+        "model.load_state_dict(...)")
 
 
 def _own_storage(view: torch.Tensor) -> torch.Tensor:

@@ -164,7 +164,10 @@ def check_dense(grad: torch.Tensor, label: str) -> None:
             f"{grad.layout}); consider torch.optim.SparseAdam")
 
 
-_homes: dict = {}   # id(param) -> (weak reference to it, its Home): by identity
+# id(param) -> (weak references to it and to its Home): by identity. The Home is held by
+# its streamer (the model's hooks hold that): a model and streamer dropped without close()
+# are collected, the Home holding the param (its block's) through the streamer's blocks.
+_homes: dict = {}
 
 
 def home_of(p: torch.Tensor):
@@ -173,7 +176,7 @@ def home_of(p: torch.Tensor):
     if not _homes:
         return None
     entry = _homes.get(id(p))
-    return entry[1] if entry is not None and entry[0]() is p else None
+    return entry[1]() if entry is not None and entry[0]() is p else None
 
 
 def set_home(p: torch.Tensor, home) -> None:
@@ -186,7 +189,7 @@ def set_home(p: torch.Tensor, home) -> None:
     def gone(ref, key=key):
         if _homes.get(key, (None,))[0] is ref:
             del _homes[key]
-    _homes[key] = (weakref.ref(p, gone), home)
+    _homes[key] = (weakref.ref(p, gone), weakref.ref(home))
 
 
 def param_values(p: torch.Tensor) -> torch.Tensor:

@@ -164,7 +164,7 @@ def test_without_the_fetchs_wait_the_next_forward_reads_old_values(kernels, late
     try:
         with simulated(sim), sim.watch():
             plain = _run(0, steps=3, layers=4, frozen=(), read=False)
-            monkeypatch.setattr(_Block, "wait_steps", lambda self: None)
+            monkeypatch.setattr(_Block, "wait_steps", lambda self, ahead=False: True)
             deferred = _run(2, steps=3, layers=4, frozen=(), read=False)
         try:
             sim.check()

@@ -3,6 +3,7 @@ training is bit for bit the training with the params resident through the engine
 device holds what the streamer promises, and nothing is read or reused out of order."""
 import copy
 import math
+import weakref
 
 import pytest
 import torch
@@ -252,6 +253,33 @@ def test_a_streamed_param_loaded_mid_training_is_followed_by_its_master(device):
     assert_same_training(*runs)
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["dropped", "held"])
+@pytest.mark.parametrize("early", [False, True], ids=["at step", "in backward"])
+def test_a_write_into_the_state_dicts_tensors_is_followed_by_its_master(device, held, early):
+    """model.state_dict()[k].mul_(0.5): torch's state dict tensors are the params, so the
+    edit is the model's; a streamed model's are tensors over the host copies, of counters
+    of their own: the master follows the edit all the same, whether the dict was dropped
+    before the next step or held and edited after one."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=4)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), step_in_backward=early, **OPTS)
+        train(model, opt, 2)
+        sd = model.state_dict()
+        if held:
+            train(model, opt, 1, start=2)
+        with torch.no_grad():
+            sd["layers.2.q.weight"].mul_(0.5)
+            sd["layers.1.up.weight"].copy_(sd["layers.1.up.weight"] * -1)
+        if not held:
+            del sd
+        train(model, opt, 2, start=3)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
 @pytest.mark.parametrize("edited", [False, True])
 def test_an_abandoned_pass_over_files_puts_the_streamed_params_back(device, tmp_path, edited):
     """step_in_backward with the state in files: a streamed param's kernel writes its host
@@ -374,6 +402,104 @@ def test_close_puts_the_params_back_and_the_old_optimizer_refuses(device):
     for name, p in model.named_parameters():
         assert torch.equal(p, trained[name]), name
     copy.deepcopy(model)   # closed: an ordinary model again
+
+
+@pytest.mark.parametrize("files", [False, True], ids=["ram", "files"])
+def test_a_streamer_dropped_without_close_is_collected(device, tmp_path, files):
+    """A model, its streamer and optimizer dropped without close() (a notebook, a sweep)
+    are collected: the host copies (or the cache's slots) unpinned, the param files' lock
+    let go, so that the next streamer may use the same directory."""
+    import gc
+    kw = dict(param_dirs=tmp_path / "params", param_cache_mb=1) if files else {}
+    before = len(device.pinned())
+    for _ in range(2):
+        model = make_llama(layers=4)
+        streamer = offload_adam.stream_params(model, Block, prefetch=1, **kw)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 1)
+        gone = weakref.ref(streamer)
+        del model, streamer, opt
+        gc.collect()
+        assert gone() is None
+        assert len(device.pinned()) == before
+
+
+class _Ordered(torch.nn.Module):
+    """Blocks run in the order each micro-batch asks (a LayerDrop, a reordering)."""
+
+    def __init__(self, n=8, dim=16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(n))
+
+    def forward(self, x, order):
+        for i in order:
+            x = torch.tanh(self.layers[i](x))
+        return x.square().mean()
+
+
+def test_blocks_run_off_the_recorded_order_are_not_fetched_ahead_half_stepped(device, tmp_path):
+    """step_in_backward with the state in files: a backward that runs the blocks reversed
+    prefetches, by the recorded order, a block it has stepped already, part of it (the
+    files' pass stops at a bucket not complete): that fetch ahead is skipped (the block is
+    not used again in it), where it raised as a block fetched twice in one backward."""
+    orders = [list(range(8)), [0, 2, 4, 6], list(range(7, -1, -1))]
+    runs = []
+    for streamed in (False, True):
+        torch.manual_seed(0)
+        model = _Ordered()
+        if streamed:
+            offload_adam.stream_params(model, torch.nn.Linear, prefetch=1)
+        (tmp_path / str(streamed)).mkdir()
+        opt = offload_adam.AdamW(model.parameters(), lr=3e-3, bucket_mb=0.0005,
+                                 step_in_backward=True, state_dirs=[tmp_path / str(streamed)])
+        for step, order in enumerate(orders):
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(4, 16, generator=g), order).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+class _RenormBlock(torch.nn.Module):
+    """A block whose forward writes its own param: nn.Embedding(max_norm=) renormalises
+    the rows it looks up, in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(8, 16, max_norm=0.5)
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, ids):
+        return x + self.lin(x + self.emb(ids))
+
+
+def test_a_param_written_during_its_blocks_forward_is_refused(device):
+    """The write lands in the device copy, which goes back after the forward: it would be
+    lost without a word (the resident model keeps it). Refused, naming the param."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([_RenormBlock() for _ in range(2)])
+    offload_adam.stream_params(blocks, _RenormBlock, prefetch=1)
+    ids = torch.randint(0, 8, (2, 5))
+    with pytest.raises(RuntimeError, match=r"param 0\.emb\.weight of a streamed block was "
+                                           r"written in place during the block's forward"):
+        blocks[0](torch.randn(2, 5, 16), ids)
+
+
+def test_a_forward_hook_registered_after_streaming_sees_the_params(device):
+    """The release runs after every forward hook of the block, those registered after
+    stream_params too (one logging a weight's norm read the placeholder's NaN)."""
+    seen = {}
+    for streamed in (False, True):
+        model = make_llama(layers=4)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=1)
+        norms = seen.setdefault(streamed, [])
+        for layer in model.layers:
+            layer.register_forward_hook(lambda mod, a, o: norms.append(mod.up.weight.float().norm()))
+        llama_loss(model, 0).backward()
+    assert len(seen[True]) == 4 and not any(torch.isnan(n) for n in seen[True])
+    assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "deepcopy a block", "copy", "torch.save",

@@ -217,9 +217,7 @@ class EarlyStart:
         waiting for a param's grad that did not come, a step deferred past step(), the
         files' pass stopped at a bucket not complete): what the reader would see would
         be neither the block before the step nor after it."""
-        half = (self.files.half_written(block) if self.files is not None
-                else self._half_written(block))
-        if not half:
+        if not self.half_stepped(block):
             return
         if torch._C._current_graph_task_id() != -1:   # fetched in backward
             raise RuntimeError(
@@ -235,6 +233,12 @@ class EarlyStart:
             "written some of its params and not yet others (they wait for step()): "
             "it would be seen half stepped. Call step() before reading it (an "
             "inference forward, model.state_dict(), load_state_dict).")
+
+    def half_stepped(self, block) -> bool:
+        """Whether this iteration's steps wrote some of `block`'s params and left others
+        for step() (check_block's refusal)."""
+        return bool(self.files.half_written(block) if self.files is not None
+                    else self._half_written(block))
 
     def _half_written(self, block) -> bool:
         if not self._stepped:
