@@ -80,8 +80,8 @@ from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .nvme.pipeline import AHEAD
 from .nvme.store import STATE_FILES
-from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS,
-                           state_format, stored_key, stored_state)
+from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, STATE_KEYS, state_format,
+                           stored_key, stored_state)
 
 _MB = 2 ** 20
 
@@ -1037,7 +1037,7 @@ class FileStore:
         extras = {}
         for _, p, _ in loaded:
             entry = state.pop(p, None)
-            own = {k: v for k, v in (entry or {}).items() if not _owns({k: v})}
+            own = {k: v for k, v in (entry or {}).items() if k not in STATE_KEYS}
             if own:
                 extras[p] = own
 
@@ -1174,15 +1174,10 @@ class InFiles(dict):
         super().clear()
 
 
-# The keys of a param's state (what the files hold; a state dict's names for them too)
-_STATE_KEYS = frozenset(("step", MASTER_KEY, Q8_FORMAT_KEY) + MOMENT_KEYS
-                        + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()))
-
-
 def _owns(entry: dict) -> bool:
     """Whether an optimizer.state entry sets any of the state's keys (not only keys of
     the user's own, which stay in RAM beside the files)."""
-    return any(key in _STATE_KEYS for key in entry)
+    return any(key in STATE_KEYS for key in entry)
 
 
 def _with_edits(st: dict, entry: dict) -> dict:

@@ -273,9 +273,10 @@ class _Block:
         while self.deferred:
             self.deferred.pop(0)()
         for early in list(self.step_checks.keys()):
-            if ahead and early.half_stepped(self):
+            if not ahead:
+                early.check_block(self)
+            elif early.half_stepped(self):
                 return False
-            early.check_block(self)
         return True
 
     def start_write(self) -> None:

@@ -49,6 +49,10 @@ SCALE_KEYS = {"exp_avg": "exp_avg_scale", "exp_avg_sq": "exp_avg_sq_scale"}
 CODE_KEYS = {"exp_avg": "exp_avg_codes", "exp_avg_sq": "exp_avg_sq_codes"}  # in a state dict
 Q8_FORMAT = 2               # what the 8-bit codes mean (see above)
 Q8_FORMAT_KEY = "q8_format"  # in a state dict, beside the codes (a 0-dim int64 tensor)
+# Every key of a param's state, as stored and in a state dict (a key not among them is the
+# user's own: kept as torch's optimizers keep it)
+STATE_KEYS = frozenset(("step", MASTER_KEY, Q8_FORMAT_KEY) + MOMENT_KEYS
+                       + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()))
 
 
 def scale_len(numel: int) -> int:

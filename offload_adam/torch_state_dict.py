@@ -17,11 +17,11 @@ import torch
 
 from . import distributed
 from .params import param_label
-from .state_format import (CODE_KEYS, MASTER_KEY, MOMENT_KEYS, Q8_FORMAT_KEY, SCALE_KEYS,
-                           state_format, stored_key, with_code_keys, with_float32_moments)
+from .state_format import (Q8_FORMAT_KEY, SCALE_KEYS, STATE_KEYS, state_format, stored_key,
+                           with_code_keys, with_float32_moments)
 
 # The state that bypasses torch's cast when loaded (load_state_dict).
-_HEAVY = MOMENT_KEYS + tuple(SCALE_KEYS.values()) + tuple(CODE_KEYS.values()) + (MASTER_KEY, Q8_FORMAT_KEY)
+_HEAVY = STATE_KEYS - {"step"}
 
 
 class TorchStateDict:
@@ -192,7 +192,7 @@ class TorchStateDict:
 
 _CORE_KEYS = ("step", "exp_avg", "exp_avg_sq")
 # The loaded keys of the param's shape ("step": one element)
-_SHAPED = MOMENT_KEYS + tuple(CODE_KEYS.values()) + (MASTER_KEY, "step")
+_SHAPED = STATE_KEYS - set(SCALE_KEYS.values()) - {Q8_FORMAT_KEY}
 
 
 @contextlib.contextmanager
