@@ -78,10 +78,11 @@ from .kernel_step import Hyper, KernelArgs
 from .state_store import Lent, Loaded
 from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
+from .nvme.direct_io import crc32
 from .nvme.pipeline import AHEAD
 from .nvme.store import STATE_FILES
-from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, STATE_KEYS, state_format,
-                           stored_key, stored_state)
+from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, STATE_KEYS, float32_moment,
+                           state_format, stored_key, stored_state)
 
 _MB = 2 ** 20
 
@@ -341,6 +342,7 @@ class FileStore:
             # The params state_resume=True restored: id -> (entry, how the param was then,
             # the step it was restored from); checked at the next step (_check_resumed)
             self._resumed: Dict[int, Tuple[_Param, tuple, float]] = {}
+            self._resumed_prints: Dict[int, List[Tuple[int, int]]] = {}
             if self.state.step:
                 self._restore_params()   # (a damaged slot raises here)
             elif resume and not self.state.pending:
@@ -457,6 +459,9 @@ class FileStore:
         user's own checkpoint of the model. What each param is then is kept, to check at
         the next step that nothing loaded after mixes steps (_check_resumed)."""
         self._stepped, self._resumed = set(), {}
+        # an fp32 param stepped in place is its own master: a state dict loaded over it
+        # holds none to compare, so its first moment's values are (_refuse_a_mix)
+        self._resumed_prints: Dict[int, List[Tuple[int, int]]] = {}
         # every slot checked before any param is set: a damaged one changes nothing
         every = [self.state.views(i) for i in range(len(self.buckets))]
         # masters a load_state_dict made from the params of the time (no step since):
@@ -475,6 +480,10 @@ class FileStore:
                         self._stepped.add(id(e.param))
                         if e.name not in unknown:
                             self._resumed[id(e.param)] = (e, mark(e.param), step)
+                            if not e.has_master:
+                                self._resumed_prints.setdefault(id(e.param), []).append(
+                                    (e.start if e.part else 0, _moment_print(
+                                        st.exp_avg, st.exp_avg_scale)))
         self.marks.agree(e.param for e, _, _ in self._resumed.values())
         if unknown:
             names = sorted(unknown)
@@ -1117,20 +1126,48 @@ class FileStore:
                 same = rounds_to(master.detach().to("cpu", torch.float32),
                                  param_values(e.param).to("cpu"))
             else:
-                same = saved.get("step") is None or float(saved["step"]) == step
+                same = saved.get("step") is None or (
+                    float(saved["step"]) == step and self._same_moment(e, saved))
             if same:
                 continue
+            theirs = float(saved.get("step", 0))
+            which = (f"its step {theirs:g}, {step:g} in the files" if theirs != step else
+                     f"step {step:g} as the files, but its "
+                     f"{'master' if isinstance(master, torch.Tensor) else 'moments'} "
+                     "are not the files'")
             raise ValueError(
                 f"offload_adam: state_resume=True set the params to the state files' step "
                 f"{self.state.step} when the optimizer was built, and the optimizer state "
-                f"being loaded was saved with other params (param {e.base}: its step "
-                f"{float(saved.get('step', 0)):g}, {step:g} in the files): it would step "
-                "these params with the moments of another step. To resume from a "
+                f"being loaded was saved with other params (param {e.base}: {which}): it "
+                "would step these params with the moments of another step or run. To "
+                "resume from a "
                 "checkpoint (its model and optimizer state, e.g. Trainer's "
                 "resume_from_checkpoint), build the optimizer without state_resume on "
                 "directories without state (remove their files, "
                 f"{', '.join(STATE_FILES)}, or give others); to continue from the files, "
                 "do not load a state dict. Nothing was loaded")
+
+    def _same_moment(self, e: _Param, saved: dict) -> bool:
+        """Whether the first moment of a param without a master in the state dict `saved`
+        is, value for value, the one the resume found in the files (_restore_params): a
+        state saved at the same step by another run (other params) is not. Compared as
+        fp32 values, whatever form (codes, bf16, fp32) the dict holds them in."""
+        prints = self._resumed_prints.get(id(e.param))
+        value = self._local_saved(e, saved).get("exp_avg")
+        if not prints or not isinstance(value, torch.Tensor):
+            return True
+        scale = self._local_saved(e, saved).get(SCALE_KEYS["exp_avg"])
+        try:
+            flat = float32_moment(value, scale, "exp_avg").reshape(-1)
+        except ValueError:
+            return True   # (a malformed one: the load's own checks say what is wrong)
+        numel = local(e.param).numel()
+        if flat.numel() != numel:
+            return True
+        prints = sorted(prints)
+        starts = [start for start, _ in prints] + [numel]
+        return all(_moment_print(flat[a:b]) == crc
+                   for (a, crc), b in zip(prints, starts[1:]))
 
     def _converted(self, e: _Param, saved: dict):
         """Param e's `saved` state (_local_saved) in the kernels' form (kernel_state.py)."""
@@ -1193,6 +1230,12 @@ def _with_edits(st: dict, entry: dict) -> dict:
             out.pop(SCALE_KEYS[key], None)
         out[key] = value
     return out
+
+
+def _moment_print(value: torch.Tensor, scale: Optional[torch.Tensor] = None) -> int:
+    """A moment's values (any stored form) as a CRC32C of their fp32 bytes."""
+    fp32 = float32_moment(value, scale, "exp_avg").reshape(-1)
+    return crc32(memoryview(fp32.view(torch.uint8).numpy()))
 
 
 def _part_of(e: _Param, key: str, value: torch.Tensor) -> torch.Tensor:

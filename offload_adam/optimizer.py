@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 
 import torch
@@ -207,6 +208,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_marks", None)     # every master checked at the first step
         state.pop("_group_of", None)  # (weak keys) made again from the groups
         state.pop("_closed", None)    # an unpickled one is open
+        state.pop("_busy_lock", None)
         state.pop("_clip_grads", None)   # (weak references) a clip pending holds for the
         return state                     # grads as unpickled
 
@@ -437,11 +439,20 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         """Lets go now (not when the optimizer is collected) of the engine's worker
         thread and hooks, unpins its host memory (the state stays readable), and closes
         the NVMe tier's ring, files and directory lock. A step after close() raises;
-        the files stay, for state_resume=True."""
-        self.__dict__["_closed"] = True
-        if self._engine is not None:
-            self._engine.close()
-        self._store.close()
+        the files stay, for state_resume=True. Called from another thread while a
+        step() runs, it waits for that step to end (its files committed) first."""
+        with self._busy():
+            self.__dict__["_closed"] = True
+            if self._engine is not None:
+                self._engine.close()
+            self._store.close()
+
+    def _busy(self) -> threading.RLock:
+        """Held by step() and close(): a close() from another thread (a watchdog, a
+        signal handler's thread) lets a step in flight finish rather than pulling its
+        files and buffers from under it (made on first use: an unpickled optimizer
+        has none)."""
+        return self.__dict__.setdefault("_busy_lock", threading.RLock())
 
     def host_bytes(self):
         """Host memory the optimizer's state holds: the engine's (master, moments
@@ -506,6 +517,10 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             closure (Callable, optional): A closure that reevaluates the model
                 and returns the loss.
         """
+        with self._busy():
+            return self._step(closure)
+
+    def _step(self, closure):
         if self.__dict__.get("_closed"):
             raise RuntimeError("offload_adam: this optimizer was closed (close()): build a "
                                "new one to step (with state_dirs=, state_resume=True "

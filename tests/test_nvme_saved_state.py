@@ -13,7 +13,7 @@ import torch
 import offload_adam
 from offload_adam.testing import state_files
 from nvme_adam import flip_byte
-from nvme_model import NVME, assert_same, bits, groups, make_params, train
+from nvme_model import NVME, assert_same, bits, grad, groups, make_params, train
 from offload_adam.nvme import NvmeError
 
 FILES = ("offload_adam_state.bin", "offload_adam_state.manifest", "offload_adam_state.spec")
@@ -443,3 +443,71 @@ def test_a_script_ending_between_backward_and_step_exits_quietly(tmp_path, kerne
                                state_footprint=footprint)
     assert again.step_count == 2
     again.close()
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_close_from_another_thread_lets_the_step_in_flight_finish(tmp_path, kernels, footprint):
+    """close() from another thread (a watchdog) while step() runs: the step ends, its
+    files committed, then the optimizer closes (it pulled the files and buffers from
+    under the pass: a TypeError or AttributeError from inside it)."""
+    import threading
+    import time
+    ps = make_params()
+    opt = build(ps, [tmp_path], state_footprint=footprint)
+    train(opt, ps, 0, 1)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    closer = threading.Thread(target=opt.close)
+
+    def closure():   # (inside step(): the closer starts and reaches close() meanwhile)
+        closer.start()
+        time.sleep(0.3)
+    opt.step(closure)
+    closer.join(60)
+    assert not closer.is_alive()
+    with pytest.raises(RuntimeError, match="this optimizer was closed"):
+        opt.step()
+    again = build(make_params(), [tmp_path], state_footprint=footprint, state_resume=True)
+    assert again.step_count == 2
+    again.close()
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "8bit"])
+def test_another_runs_state_dict_of_the_same_step_after_a_resume_is_refused(
+        kernels, tmp_path, state_dtype):
+    """fp32 params are their own masters: a state dict holds none to tell whose params it
+    was saved with, and its step count is the files'. Another run's (other grads, so
+    other moments) loaded over the params the resume set is refused by its moments;
+    the run's own, in its own form or torch's fp32 one, loads."""
+    def run(scale, dirs=None):
+        ps = [p.detach().float().requires_grad_() for p in make_params()]
+        opt = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype=state_dtype,
+                                 state_dirs=dirs, **NVME)
+        for k in range(3):
+            for p in ps:
+                p.grad = grad(p, k, 0) * scale
+            opt.step()
+        sds = [opt.state_dict(fp32_moments=fp32) for fp32 in (False, True)]
+        sds = [{**sd, "state": {i: {k: v.clone() for k, v in st.items()}
+                                for i, st in sd["state"].items()}} for sd in sds]
+        opt.close()
+        return sds
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    own = [run(1.0, [d])[fp32] for fp32, d in enumerate(dirs)]
+    other = run(3.0)
+    for d, sd in zip(dirs, own):
+        opt = offload_adam.AdamW(
+            groups([p.detach().float().requires_grad_() for p in make_params(seed=8)]),
+            lr=0.01, state_dtype=state_dtype, state_dirs=[d], state_resume=True, **NVME)
+        files = snapshot(d)
+        for theirs in other:
+            with pytest.raises(ValueError, match=r"saved with other params \(param 0:0: step 3 "
+                                                 r"as the files, but its moments are not the "
+                                                 r"files'\)"):
+                opt.load_state_dict(theirs)
+        assert snapshot(d) == files
+        opt.load_state_dict(sd)
+        opt.close()
