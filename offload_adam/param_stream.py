@@ -1333,15 +1333,20 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
     modules, their params that stream; a ValueError for a param shared by two blocks or
     with the rest."""
     match = _matcher(spec)
+    # every name each module is registered under (one module in a ModuleList several
+    # times: ALBERT's shared layer): it is one block, named by any of them
+    aliases: Dict[int, List[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(m), []).append(name)
     found: List[Tuple[str, torch.nn.Module]] = []
     for name, m in model.named_modules():
         if m is model or any(name.startswith(outer + ".") for outer, _ in found):
             continue
-        if match(name, m):
+        if any(match(a, m) for a in aliases[id(m)]):
             found.append((name, m))
     names = _names_of(spec)
     if names is not None:
-        unknown = sorted(names - {name for name, _ in model.named_modules()}, key=str)
+        unknown = sorted(names - {n for a in aliases.values() for n in a}, key=str)
         if unknown:
             raise ValueError(f"offload_adam.stream_params: blocks names modules the model "
                              f"does not have: {unknown}")
@@ -1352,6 +1357,7 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
                 "itself (it has no forward: a container), so its params would never be "
                 "fetched: name the modules that compute, e.g. its children")
     owner: Dict[int, str] = {}
+    module_of = dict(found)
     out = []
     for name, m in found:
         # A param that can take no grad (an integer or bool dtype: an index table) has no
@@ -1371,7 +1377,8 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
         out.append((name, m, params))
     for full, p in model.named_parameters(remove_duplicate=False):
         block = owner.get(id(p))
-        if block is not None and not (full == block or full.startswith(block + ".")):
+        if block is not None and not any(full == a or full.startswith(a + ".")
+                                         for a in aliases[id(module_of[block])]):
             raise ValueError(f"offload_adam.stream_params: param {full} is block "
                              f"{block}'s too (tied weights): keep it out of the streamed "
                              "blocks")

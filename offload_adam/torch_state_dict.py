@@ -49,6 +49,9 @@ class TorchStateDict:
         copy) them before that (with state_footprint="compact", whose step moves
         the buckets in place, before the next step(); a step that rewrites the
         place of some still alive warns)."""
+        early = getattr(self._engine, "early", None) if self._engine is not None else None
+        if early is not None:
+            early.check_saving()
         # The user's post hooks see (and may change) the dict as returned: after the
         # state from the files and the conversions below, not before (torch's run last)
         with _post_hooks_held(self, "_optimizer_state_dict_post_hooks") as hooks:

@@ -287,6 +287,71 @@ def test_zero_grad_before_step_is_an_error(path):
     _check_left_state(opt, model, before, after, str(err.value), path.files)
 
 
+@pytest.mark.parametrize("then", ["zero_grad", "backward", "step"])
+def test_a_backward_that_raised_after_steps_started(path, then):
+    """A backward interrupted (an error, or Ctrl-C, in a hook) after the steps of some
+    params started in it. step() steps the params that got their grad, as torch's would
+    (the interrupted param got none); zero_grad() or the backward again cannot be what
+    they are in torch (the steps ran): they raise naming the interrupted backward, not a
+    zero_grad or an accumulation the user did not make, and say what was stepped."""
+    model, opt = make(True)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    before = _snapshot(opt, model)
+
+    def interrupt(grad):   # the embedding's grad comes last: the others' steps started
+        raise Boom("interrupted")
+    hook = model.embed.weight.register_hook(interrupt)
+    with pytest.raises(Boom):
+        backward(model, 1)
+    hook.remove()
+    after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
+    if then == "step":
+        opt.step()
+        held = states(opt)
+        for name, p in model.named_parameters():
+            if p in before:
+                master = held[p]["master_param"]
+                expected = after[p] if p.grad is not None else before[p]
+                assert torch.equal(master, expected), name
+                assert torch.equal(p, master.to(BF16)), name
+        assert model.embed.weight.grad is None
+        return
+    said = "the backward in which the step of some params started raised"
+    if then == "zero_grad":
+        with pytest.raises(RuntimeError, match=said) as err:
+            opt.zero_grad()
+    else:
+        with pytest.raises(RuntimeError, match=said):
+            backward(model, 1)
+        with pytest.raises(RuntimeError, match=said) as err:
+            opt.step()
+    _check_left_state(opt, model, before, after, str(err.value), path.files)
+
+
+def test_state_dict_between_backward_and_step(path):
+    """A checkpoint taken between backward and step(): in host RAM the steps started in
+    backward already hold the next step's state (beside this step's weights): refused,
+    and the iteration goes on; in files nothing is committed before step(), so the state
+    dict is the last completed step's. Either way the run equals the default's."""
+    model, opt, before = _in_second_backward()
+    if path.files:
+        saved = opt.state_dict()
+        assert {float(st["step"]) for st in saved["state"].values()} == {1.0}
+    else:
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) was called between backward "
+                                               r"and step\(\) with step_in_backward=True"):
+            opt.state_dict()
+    opt.step()
+    after = _reference_after_plain_step(path, 1)
+    held = states(opt)
+    for p, expected in zip(model.parameters(), after):
+        if expected is not None:
+            assert torch.equal(held[p]["master_param"], expected)
+    assert {float(st["step"]) for st in opt.state_dict()["state"].values()} == {1.0, 2.0}
+
+
 def test_accumulation_is_an_error(path):
     model, opt, before = _in_second_backward()
     with pytest.raises(RuntimeError, match="a grad arrived again.*accumulation"):

@@ -583,6 +583,35 @@ def test_a_block_called_twice_per_forward_is_fetched_for_each_use(device):
     assert_same_training(*runs)
 
 
+class Listed(TinyLlama):
+    """One block registered twice in the layer list (ALBERT's shared layer): layers.1
+    and layers.2 are the same module, its params named under both."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.layers = torch.nn.ModuleList([self.layers[0], self.layers[1], self.layers[1],
+                                           *self.layers[2:]])
+
+
+@pytest.mark.parametrize("blocks", ["class", "names"])
+def test_a_block_registered_twice_is_one_block(device, blocks):
+    """Its params' second names are not tied weights with the rest: it streams as one
+    block, named by either registration, and trains as resident."""
+    runs = []
+    for streamed in (False, True):
+        torch.manual_seed(0)
+        model = Listed(layers=4).to(BF16)
+        if streamed:
+            spec = Block if blocks == "class" else ["layers.0", "layers.2", "layers.3",
+                                                     "layers.4"]
+            streamer = offload_adam.stream_params(model, spec, prefetch=1)
+            assert len(streamer.blocks) == 4
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 3)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
 class TwiceCheckpointed(TinyLlama):
     """Block 1 runs twice in each forward, each time under reentrant checkpointing: its
     recompute in backward fetches it again after the first use's grads came."""

@@ -586,6 +586,8 @@ class OffloadEngine:
         do after a backward that ended, or inside the one that started them."""
         task = self._backward_task
         if task is not None and task != torch._C._current_graph_task_id():
+            if self.early is not None:
+                self.early.backward_raised()
             with torch.no_grad():
                 self._end_backward()
 

@@ -86,10 +86,11 @@ class EarlyStart:
 
     def before_copy(self, rec) -> None:
         if id(rec) in self._started:
-            msg = ("a grad arrived again for a param whose step already started "
-                   "during backward (gradient accumulation over micro-batches, or "
-                   "a param used again after its grad was final)")
-            self.error = self.error or msg
+            self.error = self.error or (
+                "a grad arrived again for a param whose step already started during "
+                "backward (gradient accumulation over micro-batches, or a param used "
+                "again after its grad was final)")
+            msg = self.error
             raise RuntimeError(
                 f"offload_adam: {msg}; step_in_backward=True forbids this. The "
                 "next step() or zero_grad() raises too and says what was stepped; "
@@ -396,6 +397,27 @@ class EarlyStart:
             engine.forget_read(self._stepped)
             self.new_iteration()
         return len(stepped)
+
+    def check_saving(self) -> None:
+        """state_dict() between backward and step(): with the state in host RAM the
+        steps started in backward write it in place, so it would hold the next step's
+        state beside the model's weights of this one (a checkpoint that resumes wrong).
+        Raises then; the iteration goes on (step() completes it). In files nothing is
+        committed before step(): the state dict is the last completed step's."""
+        if self.files is None and self._started:
+            raise RuntimeError(
+                "offload_adam: state_dict() was called between backward and step() with "
+                "step_in_backward=True: the step of some params already ran in backward, "
+                "so their state is the next step's while the model's weights are not yet. "
+                "Save the optimizer's state after step() (or before backward), with the "
+                "model's; this iteration goes on with step()")
+
+    def backward_raised(self) -> None:
+        """The backward that started these steps raised (an error or Ctrl-C inside it,
+        seen when the next grad, zero_grad or step comes): what comes next is told so."""
+        if self._started and self.error is None:
+            self.error = ("the backward in which the step of some params started raised "
+                          "(an error or KeyboardInterrupt inside it)")
 
     def on_zero_grad(self) -> None:
         if self._started or self.error is not None:
