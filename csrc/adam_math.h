@@ -531,25 +531,34 @@ void q8_decode_values(const uint8_t* codes, const float* scales, int64_t n, floa
 }
 
 // Sum of squares: fp32 vector partial sums over short blocks (64 vectors, so
-// rounding stays near fp32 epsilon), each block added into a double.
+// rounding stays near fp32 epsilon), each block added into a double. A block whose
+// fp32 sum is not finite is summed again in double: a grad above ~1.8e19 squares past
+// fp32's range (whether it lands in a block or the double tail would otherwise depend
+// on the vector width and n), while the double sum of any finite fp32 grads is finite;
+// an inf or NaN grad stays inf or NaN. Reads the grads once (twice for such a block).
 template <class V, int G>
 double sq_sum(const void* grad, int64_t n) {
   constexpr int64_t kBlock = 64 * V::width;
   double total = 0.0;
   int64_t i = 0;
+  auto in_double = [grad](int64_t a, int64_t b, double sum) {
+    for (int64_t k = a; k < b; ++k) {
+      const float g = load_grad<ScalarVec, G>(grad, k).v;
+      sum += static_cast<double>(g) * g;
+    }
+    return sum;
+  };
   for (; i + kBlock <= n; i += kBlock) {
     V acc = V::set1(0.0f);
     for (int64_t j = i; j < i + kBlock; j += V::width) {
       const V g = load_grad<V, G>(grad, j);
       acc = V::fma(g, g, acc);
     }
-    total += acc.sum();
+    const float block = acc.sum();
+    const bool finite = (bits_of(block) & 0x7F800000u) != 0x7F800000u;   // not inf/NaN
+    total = finite ? total + block : in_double(i, i + kBlock, total);
   }
-  for (; i < n; ++i) {
-    const float g = load_grad<ScalarVec, G>(grad, i).v;
-    total += static_cast<double>(g) * g;
-  }
-  return total;
+  return in_double(i, n, total);
 }
 
 // Fills the table of instantiations for vector type V.

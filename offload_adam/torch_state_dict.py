@@ -108,6 +108,7 @@ class TorchStateDict:
         seen = {}
 
         def capture(optimizer, sd):   # what can be refused, before anything changes
+            _check_not_emptied(sd, self._options.state_dirs is not None)
             self._check_loaded_shapes(sd)
             self._check_loaded_modes(sd)
             self._store.check_load(
@@ -163,8 +164,16 @@ class TorchStateDict:
         (the loaded moments are converted to its format, kept by the groups)."""
         for gi, (saved_group, group) in enumerate(zip(state_dict["param_groups"],
                                                       self.param_groups)):
-            state_format(group["state_dtype"]).check_amsgrad(
-                bool(saved_group.get("amsgrad", False)), f"loaded param group {gi}")
+            amsgrad = bool(saved_group.get("amsgrad", False))
+            state_format(group["state_dtype"]).check_amsgrad(amsgrad, f"loaded param group {gi}")
+            # (the files are laid out for their amsgrad: a group loaded with another
+            # would be refused at every step after, with the state already loaded)
+            if self._options.state_dirs is not None and amsgrad != bool(group["amsgrad"]):
+                raise ValueError(
+                    f"loaded param group {gi} has amsgrad={amsgrad}, and this optimizer's "
+                    f"state files are laid out for amsgrad={bool(group['amsgrad'])} (it cannot "
+                    "change with state_dirs=): build the optimizer with "
+                    f"amsgrad={amsgrad}, on directories without state. Nothing was loaded")
 
     def _check_loaded_shapes(self, state_dict):
         """Rejects state whose tensors do not fit their params (torch does not check)."""
@@ -177,6 +186,7 @@ class TorchStateDict:
                 if not isinstance(saved, dict):
                     continue
                 _check_complete(saved, param_label(group, gi, i, p))
+                _check_tensors(saved, param_label(group, gi, i, p))
                 for key, value in saved.items():
                     # (only the keys it steps with: an entry of the user's own, a count
                     # of shape (), is kept as torch keeps it)
@@ -209,6 +219,39 @@ def _post_hooks_held(optimizer, attr: str):
         yield hooks
     finally:
         setattr(optimizer, attr, hooks)
+
+
+_FLATTENED = ("torch.distributed.checkpoint's flatten_optimizer_state_dict=True rebuilds "
+              "each param's state from the keys optimizer.state holds, and this "
+              "optimizer's 8-bit codes and state in files are kept under others: save "
+              "and load without it")
+
+
+def _check_not_emptied(sd: dict, in_files: bool) -> None:
+    """With the state in files optimizer.state's entries are empty (the state is not in
+    RAM), so a dict unflattened by torch.distributed.checkpoint (_FLATTENED) comes with
+    an empty entry for every param: loaded, it would start every param afresh. torch's
+    optimizers never save an empty entry, so one for every param is refused."""
+    state = sd.get("state")
+    if (in_files and isinstance(state, dict) and state
+            and all(isinstance(st, dict) and not st for st in state.values())):
+        raise ValueError("offload_adam: the loaded optimizer state dict has an empty state "
+                         f"for every param, where this optimizer's files hold one ({_FLATTENED}; "
+                         "to start afresh, build the optimizer on directories without "
+                         "state). Nothing was loaded")
+
+
+def _check_tensors(saved: dict, label: str) -> None:
+    """The state's own keys hold tensors ("step" may be a number, as torch's): anything
+    else is refused naming it, not stepped from zeros or failed on deep inside."""
+    for key, value in saved.items():
+        if key not in STATE_KEYS or isinstance(value, torch.Tensor):
+            continue
+        if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            continue
+        hint = f" ({_FLATTENED})" if isinstance(value, dict) else ""
+        raise ValueError(f"loaded optimizer state {key!r} for param {label} is a "
+                         f"{type(value).__name__}, not a tensor{hint}")
 
 
 def _check_complete(saved: dict, label: str) -> None:

@@ -3,6 +3,7 @@ give bitwise-identical results; bad values fail with clear errors.
 
 Each variant runs in a subprocess because the variable is read when the module
 loads."""
+import math
 import os
 import subprocess
 import sys
@@ -155,5 +156,41 @@ def test_grad_mul_rounds_as_torch_multiplies_on_every_variant(kernels, dtype):
                 assert torch.equal(ours, step(grad * coef, 1.0)), (isa, factor)
                 if dtype != torch.float32:   # (the rounding shows)
                     assert not torch.equal(ours, step(grad.float(), float(coef)))
+    finally:
+        kernels.set_isa(active)
+
+
+def test_the_grad_norm_of_huge_grads_is_finite_and_the_same_on_every_variant(kernels):
+    """A grad above ~1.8e19 squares past fp32's range. The kernel sums squares in fp32
+    blocks of 64 vectors: such a block is summed again in double, so the norm of finite
+    grads is finite, the float64 one, on every variant and wherever the grad sits (a
+    block on one vector width, the double tail on another: inf on some before). An inf
+    grad still gives inf, a NaN NaN. opt.clip_grad_norm_ twice then max_grad_norm
+    (a coefficient of the coefficient) stays finite."""
+    active = kernels.isa()
+    try:
+        for isa in kernels.supported_isas():
+            kernels.set_isa(isa)
+            for n in (100, 600, 5000):
+                for at in (0, n - 1):
+                    g = torch.full((n,), 0.01)
+                    g[at] = 2e19
+                    p = torch.nn.Parameter(torch.zeros(n))
+                    p.grad = g.clone()
+                    opt = offload_adam.AdamW([p], lr=1e-3, weight_decay=0.0, max_grad_norm=1.0)
+                    norm = opt.clip_grad_norm_(1.0)
+                    exact = g.double().norm()
+                    assert torch.isfinite(norm) and abs(norm.double() - exact) <= 1e-6 * exact, \
+                        (isa, n, at, norm)
+                    assert opt.clip_grad_norm_(1.0) <= 1.0 + 1e-6
+                    opt.step()
+                    assert torch.isfinite(p).all() and p[at] < 0, (isa, n, at)
+                    for bad in (float("inf"), float("nan")):
+                        p.grad = g.clone()
+                        p.grad[n // 2] = bad
+                        got = opt.clip_grad_norm_(1.0).item()
+                        assert (math.isinf(got) if bad == float("inf") else math.isnan(got)), \
+                            (isa, n, bad, got)
+                        opt.zero_grad()
     finally:
         kernels.set_isa(active)

@@ -483,6 +483,73 @@ def test_dcp_get_state_dict_does_not_step_the_files(kernels, tmp_path):
     assert len(osd["state"]) == 4
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_a_state_dict_of_another_amsgrad_is_refused_at_load(kernels, tmp_path, amsgrad):
+    """The files are laid out for the groups' amsgrad: a dict of the other (torch's
+    AdamW's default) was loaded, the group taking its amsgrad, and every step after was
+    refused. Refused at the load now, with nothing loaded; the optimizer trains on."""
+    ps = [p.detach().float().requires_grad_() for p in make_params()]
+    torch_opt = torch.optim.AdamW(ps, lr=0.01, amsgrad=not amsgrad)
+    for p in ps:
+        p.grad = grad(p, 0, 0)
+    torch_opt.step()
+    qs = [p.detach().clone().requires_grad_() for p in make_params()]
+    opt = offload_adam.AdamW(qs, lr=0.01, amsgrad=amsgrad, state_dirs=tmp_path, **NVME)
+    with pytest.raises(ValueError, match=f"loaded param group 0 has amsgrad={not amsgrad}, "
+                                         "and this optimizer's state files are laid out for "
+                                         f"amsgrad={amsgrad}.*Nothing was loaded"):
+        opt.load_state_dict(torch_opt.state_dict())
+    assert opt.param_groups[0]["amsgrad"] is amsgrad
+    for p in qs:
+        p.grad = grad(p, 0, 0)
+    opt.step()
+    assert opt.step_count == 1
+
+
+@pytest.mark.parametrize("layout", ["fp32", "8bit", "files"])
+def test_dcp_flattened_state_dicts_load_or_are_refused(kernels, tmp_path, layout):
+    """torch.distributed.checkpoint's flatten_optimizer_state_dict=True rebuilds each
+    param's state from the keys optimizer.state holds. fp32 moments in RAM: those are the
+    state dict's, and it resumes bitwise. 8-bit codes are kept under other keys than the
+    state dict's (its moments come back as empty dicts) and the files' entries are empty
+    (every param's state comes back empty): both refused, naming the option, where they
+    were loaded as moments of zero (a step count kept) or no state at all."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def build(seed, folder):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+        kw = ({"state_dtype": "8bit"} if layout == "8bit" else
+              {"state_dirs": folder, **NVME} if layout == "files" else {})
+        return model, offload_adam.AdamW(model.parameters(), lr=0.01, **kw)
+
+    def train(model, opt, first, count):
+        for k in range(first, first + count):
+            x = torch.randn(3, 6, generator=torch.Generator().manual_seed(k))
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    model, opt = build(0, tmp_path / "a")
+    train(model, opt, 0, 2)
+    saved = get_optimizer_state_dict(model, opt, options=flat)
+    other, other_opt = build(1, tmp_path / "b")
+    other.load_state_dict(model.state_dict())
+    if layout == "fp32":
+        set_optimizer_state_dict(other, other_opt, saved, options=flat)
+        train(model, opt, 2, 2)
+        train(other, other_opt, 2, 2)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+        return
+    with pytest.raises(ValueError, match="flatten_optimizer_state_dict=True"):
+        set_optimizer_state_dict(other, other_opt, saved, options=flat)
+
+
 @pytest.mark.parametrize("footprint", ["two_generations", "compact"])
 def test_the_files_hold_the_params_that_train_and_older_files_of_every_param_resume(
         kernels, tmp_path, footprint):
