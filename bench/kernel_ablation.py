@@ -44,12 +44,18 @@ VARIANTS = {
         (MATH, "{ return V::template load_q8<true>(s.m + i); }", "{ return V::set1(0.5f); }"),
         (MATH, "{ return V::template load_q8<false>(s.v + i); }", "{ return V::set1(0.25f); }")],
     "q8: m's codes not written (its scale only)": [
-        (MATH, "encode_block<V, true, false>(s.m_new, n, st.m.v, s.m + b0, s.m_scale + block, Dither{});",
+        (MATH, "encode_block<V, true, true>(s.m_new, n, st.m.v, s.m + b0, s.m_scale + block, dm);",
          "s.m_scale[block] = q8_block<true>(st.m.v).scale;")],
+    "q8: m rounded to nearest (as until 2026-12-03)": [
+        (MATH, "encode_block<V, true, true>(s.m_new, n, st.m.v, s.m + b0, s.m_scale + block, dm);",
+         "encode_block<V, true, false>(s.m_new, n, st.m.v, s.m + b0, s.m_scale + block, Dither{});")],
+    "bf16: m rounded to nearest even (as until 2026-12-03)": [
+        (MATH, "m.store_bf16_random(s.m + i, V::mix_bits(rounding_bits<V, true>(s.m_dither, i)));",
+         "m.store_bf16(s.m + i);")],
     "q8: v's codes not written (its scale only)": [
         (MATH, "encode_block<V, false, true>(s.v_new, n, st.v.v, s.v + b0, s.v_scale + block, d);",
          "s.v_scale[block] = q8_block<false>(st.v.v).scale;")],
-    "q8: v's rounding bits not mixed (the lattice bits as they are)": [
+    "q8: m's and v's rounding bits not mixed (the lattice bits as they are)": [
         (MATH, "if constexpr (DITHER) return V::mix_bits(lattice);", "if constexpr (DITHER) return lattice;"),
         (AVX512, "(DITHER ? mix_bits(random) : random)", "random"),
         (AVX2, "DITHER ? mix_bits(random) : random", "random")],

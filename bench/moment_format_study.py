@@ -26,9 +26,11 @@ a positive bias); the median and 99th percentile of |sqrt(v_fmt)/sqrt(v_ref) - 1
 rms(m_ref) per element at the last step; the largest |u - u_ref| of any element and step (Adam's update is
 O(1): an exploding one shows here) and the count of elements whose stored v is 0 while m is not. Last, a
 closed loop: a noisy quadratic with the same scales, minimised with each format (lr 1e-3); its final loss
-relative to fp32's, the mean over 3 seeds (this loss is itself noisy by a few %).
+relative to fp32's, the mean over 3 seeds (this loss is itself noisy by a few %). Then a steady grad (a
+persistent component with noise 0 to 3 times it, beta1 0.9 and 0.99): how long the update is along the
+exact one, where m rounded to nearest stalls short of the grad (why m is stochastic since 2026-12-03).
 
-    python bench/moment_format_study.py          # ~1 min; writes bench/results/moment_format_study.txt
+    python bench/moment_format_study.py          # ~2 min; writes bench/results/moment_format_study.txt
 """
 from __future__ import annotations
 
@@ -111,6 +113,18 @@ class MixedDither:
         self.t += 1
         k = np.arange(n, dtype=np.int64)
         r = (k * 0xC13FA9A9 + lowbias32(self.t * 0x9E3779B9)) & 0xFFFFFFFF
+        return (((r ^ (r >> 16)) * 0x7FEB352D) & 0xFFFFFFFF) >> 16
+
+
+class MomentDither(MixedDither):
+    """exp_avg's rounding bits since 2026-12-03 (bf16 and q8; csrc/float_bits.h, m_key): v's 8-bit bits
+    with the step's key flipped (^ 0x5BD1E995) before it is hashed, so that m's bits are independent of
+    v's."""
+
+    def bits16(self, n):
+        self.t += 1
+        k = np.arange(n, dtype=np.int64)
+        r = (k * 0xC13FA9A9 + lowbias32(((self.t * 0x9E3779B9) & 0xFFFFFFFF) ^ 0x5BD1E995)) & 0xFFFFFFFF
         return (((r ^ (r >> 16)) * 0x7FEB352D) & 0xFFFFFFFF) >> 16
 
 
@@ -220,23 +234,28 @@ def iid(seed):
     return lambda: Stochastic(seed)
 
 
-CHOSEN_BF16 = "bf16: m nearest even, v dithered stochastic  <- chosen"
-CHOSEN_Q8 = "q8 B=256: m s+e4m3 nearest, sqrt(v) e4m4 dithered  <- chosen (to issue 16)"
+CHOSEN_BF16 = "bf16: m nearest even, v dithered stochastic  (to 2026-12-03)"
+KERNEL_BF16 = "bf16: m mixed stochastic, v dithered  <- the kernel"
+CHOSEN_Q8 = "q8 B=256: m s+e4m3 nearest, sqrt(v) e4m4 dithered  (to issue 16)"
 KERNEL_Q8_1 = "q8 format 1 (issue 16): sqrt(v) unbiased in v, hashed bits, no top clamp"
-KERNEL_Q8 = "q8 format 2: v e5m3 dithered, key hashed + mix, no top clamp  <- the kernel"
+KERNEL_Q8_2 = "q8 format 2, m nearest  (to 2026-12-03)"
+KERNEL_Q8 = "q8 format 2: v e5m3, m e4m3, both stochastic  <- the kernel"
 FORMATS = [
     Format("fp32", lambda: ((lambda m: m), (lambda v: v))),
     fmt_bf16("bf16: m, v nearest even", Nearest, Nearest),
     fmt_bf16("bf16: m nearest even, v iid stochastic", Nearest, iid(1)),
     fmt_bf16("bf16: m, v iid stochastic", iid(2), iid(1)),
     fmt_bf16(CHOSEN_BF16, Nearest, Dither),
+    fmt_bf16(KERNEL_BF16, MomentDither, Dither),
     fmt_bf16("bf16: as chosen, dither with a hashed start", Nearest, lambda: Dither(hashed=True)),
     q8("q8 B=256: m, v nearest", v_round=Nearest),
     q8("q8 B=256: m nearest, v iid stochastic", v_round=iid(1)),
     q8("q8 B=256: m, v iid stochastic", m_round=iid(2), v_round=iid(1)),
     q8(CHOSEN_Q8),
     q8(KERNEL_Q8_1, v_round=HashedDither, no_top_clamp=True),
-    q8(KERNEL_Q8, v_bits=(5, 3), v_round=MixedDither, sqrt_v=False, no_top_clamp=True),
+    q8(KERNEL_Q8_2, v_bits=(5, 3), v_round=MixedDither, sqrt_v=False, no_top_clamp=True),
+    q8(KERNEL_Q8, m_round=MomentDither, v_bits=(5, 3), v_round=MixedDither, sqrt_v=False,
+       no_top_clamp=True),
     q8("q8 as chosen, dither with a hashed start", v_round=lambda: Dither(hashed=True)),
     q8("q8 B=64 (else as chosen)", block=64),
     q8("q8 B=2048 (else as chosen)", block=2048),
@@ -316,6 +335,42 @@ def open_loop():
     return rows
 
 
+# ---- a steady grad: does m reach it? ----------------------------------------------------------------------
+
+STEADY = [f for f in FORMATS if f.name in (CHOSEN_BF16, KERNEL_BF16, KERNEL_Q8_2, KERNEL_Q8)]
+
+
+def steady(noise, b1, steps=T, n=N):
+    """Grads sigma_i * (s_i + noise * N(0, 1)), s_i = +-1: a persistent component with noise `noise`
+    times it. Returns, per format, sum(u * u_ref) / sum(u_ref^2) over steps 100..T: the update's length
+    along the exact one (1: unbiased; rounded to nearest, m stalls short of the grad once (1 - b1)(g - m)
+    is under half a code step, and this falls below 1)."""
+    rng = np.random.default_rng(0)
+    sigma = np.exp(1.5 * rng.standard_normal(n)) * 1e-3
+    sign = np.where(rng.random(n) < 0.5, -1.0, 1.0)
+    stores = {f.name: f.make() for f in STEADY}
+    st = {f.name: (np.zeros(n, np.float32), np.zeros(n, np.float32)) for f in STEADY}
+    acc = {f.name: [0.0, 0.0] for f in STEADY}
+    ref_m, ref_v = np.zeros(n), np.zeros(n)
+    for t in range(1, steps + 1):
+        g = sigma * (sign + noise * rng.standard_normal(n))
+        ref_m = b1 * ref_m + (1 - b1) * g
+        ref_v = B2 * ref_v + (1 - B2) * g * g
+        u_ref = (ref_m / (1 - b1 ** t)) / (np.sqrt(ref_v / (1 - B2 ** t)) + EPS)
+        g32 = g.astype(np.float32)
+        for f in STEADY:
+            m, v = st[f.name]
+            m = (np.float32(b1) * m + np.float32(1 - b1) * g32).astype(np.float32)
+            v = (np.float32(B2) * v + np.float32(1 - B2) * g32 * g32).astype(np.float32)
+            u = (m / np.float32(1 - b1 ** t)) / (np.sqrt(v / np.float32(1 - B2 ** t)) + np.float32(EPS))
+            if t > WARM:
+                acc[f.name][0] += float(np.sum(u * u_ref))
+                acc[f.name][1] += float(np.sum(u_ref * u_ref))
+            store_m, store_v = stores[f.name]
+            st[f.name] = (store_m(m), store_v(v))
+    return {name: a / b for name, (a, b) in acc.items()}
+
+
 # ---- closed loop: a noisy quadratic ---------------------------------------------------------------------
 
 def closed_loop(seed, lr=1e-3, steps=T):
@@ -367,6 +422,14 @@ def main():
     for r in rows:
         say(f"{r[0]:<56} {r[1]:>7.4f} {r[2]:>7.4f} {r[3]:>7.2f} {r[4]:>8.4f} {r[5]:>8.4f} {r[6]:>8.4f} "
             f"{r[7]:>8.4f} {r[8]:>7.3g} {r[9]:>5d} {quad[r[0]]:>7.4f}")
+    say()
+    say("A steady grad: the update's length along the exact one, sum(u * u_ref) / sum(u_ref^2), steps 100..600,")
+    say("grads sigma * (+-1 + noise * N(0, 1)) (1: unbiased; below 1: m stalls short of the grad)")
+    cases = [(b1, noise) for b1 in (0.9, 0.99) for noise in (0.0, 0.3, 1.0, 3.0)]
+    say(f"{'format':<56} " + " ".join(f"{f'b1 {b1} n {noise:g}':>13}" for b1, noise in cases))
+    ratios = [steady(noise, b1) for b1, noise in cases]
+    for f in STEADY:
+        say(f"{f.name:<56} " + " ".join(f"{r[f.name]:>13.3f}" for r in ratios))
     if "--no-write" not in sys.argv:
         KEEP.parent.mkdir(parents=True, exist_ok=True)
         KEEP.write_text("\n".join(lines) + "\n")

@@ -22,12 +22,12 @@ enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
 // Per param: bytes one step moves (bf16 grads in, bf16 param copy out) / bytes held
 // (master + moments):
 //   f32   4-byte floats                                                  28 B / 12 B
-//   bf16  bf16 bit patterns (uint16): exp_avg rounded to nearest even,
-//         exp_avg_sq (and its max) with stochastic rounding              20 B /  8 B
+//   bf16  bf16 bit patterns (uint16), every moment with stochastic
+//         rounding                                                       20 B /  8 B
 //   q8    one 8-bit code (uint8) per element plus one fp32 scale per moment per
 //         block of kQuantBlock elements: exp_avg a sign + e4m3 minifloat,
-//         exp_avg_sq stored as sqrt(v) in an e4m4 minifloat, both relative to
-//         the block's power-of-two scale                                 16 B + 16/256 / 6 B + 8/256
+//         exp_avg_sq (v itself) an e5m3 one, both relative to the block's
+//         power-of-two scale, both with stochastic rounding             16 B + 16/256 / 6 B + 8/256
 // The exact encodings, the rounding and why: adam_math.h and float_bits.h. amsgrad is
 // supported for f32 and bf16 (max_exp_avg_sq in the same format as exp_avg_sq), not
 // for q8 (adam_step throws std::invalid_argument saying why).

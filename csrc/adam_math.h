@@ -33,19 +33,27 @@
 //
 // ---- The stored formats of the moments (a study: bench/moment_format_study.py,
 // ---- 600 Adam steps on LLM-like grads; its output: bench/results/moment_format_study.txt) ----
-// bf16: exp_avg rounded to nearest even. exp_avg_sq (and vmax) with stochastic
-//   rounding: with beta2 = 0.999 a step changes v by 0.1% of (g^2 - v), below half a
-//   bf16 ulp (0.2-0.4%), so round-to-nearest can never lower v: it ratchets up (in the
-//   study sqrt(v) ends 2.6% high on average, the update is 2.7% off fp32's and a noisy
-//   quadratic's final loss 9% higher). Stochastic rounding keeps v right on average:
-//   update error 1.0%, bias 0.0%, loss equal. exp_avg (beta1 = 0.9) moves enough per
-//   step for round-to-nearest, which errs less than stochastic rounding there.
+// bf16: exp_avg, exp_avg_sq (and vmax) with stochastic rounding: with beta2 = 0.999 a
+//   step changes v by 0.1% of (g^2 - v), below half a bf16 ulp (0.2-0.4%), so
+//   round-to-nearest can never lower v: it ratchets up (in the study sqrt(v) ends 2.6%
+//   high on average, the update is 2.7% off fp32's and a noisy quadratic's final loss 9%
+//   higher). Stochastic rounding keeps v right on average: update error 1.0%, bias 0.0%,
+//   loss equal. exp_avg was rounded to nearest (on the study's noisy grads it errs a
+//   little less: update error 0.96% against 1.02%), until a steady grad showed it
+//   stalls: m moves by (1 - beta1)(g - m) a step, and once that is under half an ulp it
+//   stays short of g for good (the study's steady table: a constant grad's update 0.978
+//   of Adam's at beta1 0.9, 0.845 at 0.99; 8-bit 0.751 and 0.216, and 0.667 at 0.99 with
+//   noise as large as the grad; stochastic: 1.000, 8-bit 1.010-1.012; also
+//   tests/test_moment_decay.py). Unbiased is the rule for every moment: its bits are its
+//   own (m_key), mixed per element as q8's v.
 // q8: per block of kQuantBlock = 256 elements, one fp32 scale per moment: the power of
 //   two just above the block's largest magnitude, or the next one when that magnitude
 //   is above the top code, so that a code is a pure function of the value's bits
 //   (float_bits.h: q8_block, float_to_q8). Each element a 1-byte minifloat of
 //   value / scale with 3 mantissa bits:
-//     exp_avg:     sign + e4m3, relative range [2^-16, 1), rounded to nearest.
+//     exp_avg:     sign + e4m3, relative range [2^-16, 1), stochastic rounding
+//                  (unbiased in m: rounded to nearest it stalled, see bf16 above; on
+//                  the noisy grads the update error is 12.0% against 10.5%).
 //     exp_avg_sq:  v itself as e5m3, relative range [2^-32, 1), stochastic rounding
 //                  (unbiased in v), and a positive v is never code 0.
 //   Why: the elements of a block span orders of magnitude (the study's grads: 400x
@@ -205,10 +213,12 @@ struct Bf16Moments {
   uint16_t* m;
   uint16_t* v;
   uint16_t* vmax;
-  Dither dither;  // stochastic rounding of v (and vmax), from the chunk's first element
+  Dither dither;    // stochastic rounding of v (and vmax), from the chunk's first element
+  Dither m_dither;  // ... of m: its own key, each element's bits mixed (q8_mix)
   Bf16Moments(const Chunk& c, Scratch&)
       : m(static_cast<uint16_t*>(c.exp_avg)), v(static_cast<uint16_t*>(c.exp_avg_sq)),
-        vmax(static_cast<uint16_t*>(c.max_exp_avg_sq)), dither{c.index, c.dither_key} {}
+        vmax(static_cast<uint16_t*>(c.max_exp_avg_sq)), dither{c.index, c.dither_key},
+        m_dither{c.index, m_key(c.dither_key)} {}
 };
 inline Decays decays(const Bf16Moments&, const StepScalars& s) { return {s.beta1, s.beta2}; }
 // Element i's bits: dither_bits(index + i, key).
@@ -220,7 +230,7 @@ template <class V> OA_INLINE V load_v(const Bf16Moments& s, int64_t i) { return 
 template <class V> OA_INLINE V load_vmax(const Bf16Moments& s, int64_t i) { return V::load_bf16(s.vmax + i); }
 template <bool AMSGRAD, class V>
 OA_INLINE void store_moments(const Bf16Moments& s, SegmentState<V>& st, int64_t i, V m, V v, V vmax, V) {
-  m.store_bf16(s.m + i);
+  m.store_bf16_random(s.m + i, V::mix_bits(rounding_bits<V, true>(s.m_dither, i)));
   v.store_bf16_random(s.v + i, st.random);
   // The same bits for vmax: rounding is monotone in its input for fixed bits, so the
   // stored vmax stays >= the stored v.
@@ -288,11 +298,13 @@ struct Q8Moments {
   float* m_new;      // the scratch buffer
   float* v_new;
   Dither dither;     // stochastic rounding of v, from the chunk's first element (key hashed)
+  Dither m_dither;   // ... of m (its own key)
   int64_t base = 0;  // the current block's first element (chunk-relative)
   float m_old = 0.0f, v_old = 0.0f;  // its scales as read
   Q8Moments(const Chunk& c, Scratch& scratch)
       : m(static_cast<uint8_t*>(c.exp_avg)), v(static_cast<uint8_t*>(c.exp_avg_sq)), m_scale(c.exp_avg_scale),
-        v_scale(c.exp_avg_sq_scale), m_new(scratch.m), v_new(scratch.v), dither{c.index, q8_key(c.dither_key)} {}
+        v_scale(c.exp_avg_sq_scale), m_new(scratch.m), v_new(scratch.v), dither{c.index, q8_key(c.dither_key)},
+        m_dither{c.index, m_key(c.dither_key)} {}
 };
 inline void begin_segment(Q8Moments& s, int64_t b0) {
   s.base = b0;
@@ -321,7 +333,8 @@ OA_INLINE void store_moments(const Q8Moments& s, SegmentState<V>& st, int64_t i,
 template <class V>
 OA_INLINE void end_segment(const Q8Moments& s, int64_t b0, int64_t n, const SegmentState<ScalarVec>& st) {
   const int64_t block = b0 / kQuantBlock;
-  encode_block<V, true, false>(s.m_new, n, st.m.v, s.m + b0, s.m_scale + block, Dither{});
+  const Dither dm{s.m_dither.index + static_cast<uint32_t>(b0), s.m_dither.key};
+  encode_block<V, true, true>(s.m_new, n, st.m.v, s.m + b0, s.m_scale + block, dm);
   const Dither d{s.dither.index + static_cast<uint32_t>(b0), s.dither.key};
   encode_block<V, false, true>(s.v_new, n, st.v.v, s.v + b0, s.v_scale + block, d);
 }

@@ -4,13 +4,13 @@
 // round-to-nearest mode). They are the reference the vector variants must match
 // bit for bit:
 //   bf16: round to nearest even; NaN -> 0x7FC0 (canonical quiet NaN, as c10 does);
-//         or stochastic rounding with given random bits (the bf16 second moment).
+//         or stochastic rounding with given random bits (the bf16 moments).
 //   fp16: round to nearest even with subnormals, overflow to inf; NaN keeps its
 //         sign and top payload bits with the quiet bit set (what F16C's
 //         vcvtps2ph and AArch64's FCVTN do, so the scalar tail and the
 //         vector paths agree).
 //   q8:   the 8-bit moment codes (what they are and why: adam_math.h).
-//   dither_bits, q8_key: the random bits of stochastic rounding.
+//   dither_bits, q8_key, m_key: the random bits of stochastic rounding.
 // No #includes here: ISA translation units include this inside their own
 // anonymous namespace after including <cstdint> and <cstring>.
 #pragma once
@@ -165,6 +165,12 @@ inline uint32_t q8_hash(uint32_t x) {
 // xorshift-multiply (the first round of lowbias32; a third of its cost): the encoder
 // takes the top 20 bits of the product, which depend on every bit of r.
 inline uint32_t q8_key(uint32_t key) { return q8_hash(key); }
+// The key of exp_avg's rounding bits (bf16 and q8 alike; mixed by q8_mix as v's are in
+// q8): the chunk's key hashed after a flip of its bits, so that m's bits are independent
+// of v's (kept correlated, a rounding of m and of v in the same direction would bias the
+// update m / sqrt(v)).
+constexpr uint32_t kMomentKeyFlip = 0x5BD1E995u;
+inline uint32_t m_key(uint32_t key) { return q8_hash(key ^ kMomentKeyFlip); }
 constexpr uint32_t kMixMul = kHashMul1;
 inline uint32_t q8_mix(uint32_t r) { return (r ^ (r >> 16)) * kMixMul; }
 
@@ -175,8 +181,8 @@ inline uint32_t q8_mix(uint32_t r) { return (r ^ (r >> 16)) * kMixMul; }
 // hi (they are evenly spaced within a binade, and the step to the next binade's first
 // code is the same): unbiased in x. A constant half step (0x80000000) rounds to nearest
 // (ties up). Then:
-//   signed (exp_avg, always rounded to nearest): the magnitude clamped to [0, 127],
-//     the sign put back.
+//   signed (exp_avg, stochastic; to nearest when a state is converted): the magnitude
+//     clamped to [0, 127], the sign put back.
 //   unsigned (exp_avg_sq = v, stochastic): clamped to [1, 255] for a positive x: a
 //     second moment is never stored as 0 while it is not (below the smallest code, x
 //     always rounds up to code 1).

@@ -54,9 +54,11 @@ def q8_bits(index, step):
     return ((r ^ (r >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
 
 
-def bf16_nearest_even(x32):
-    u = f32_bits(x32)
-    return from_bits(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16)
+def m_bits(index, step):
+    """exp_avg's rounding bits (bf16 and q8): the lattice with its own hashed key (the
+    chunk's key with its bits flipped, then hashed), each mixed as v's in q8."""
+    r = (index * 0xC13FA9A9 + lowbias32(dither_key(index, step) ^ 0x5BD1E995)) & 0xFFFFFFFF
+    return ((r ^ (r >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
 
 
 def bf16_stochastic(x32, random):
@@ -168,9 +170,11 @@ def reference_step(s, grad):
     if s.fmt == "f32":
         return p, (m32, v32), terms
     if s.fmt == "bf16":
-        return p, (bf16_nearest_even(m32), bf16_stochastic(v32, dither_bits(index, t))), terms
+        return p, (bf16_stochastic(m32, m_bits(index, t)),
+                   bf16_stochastic(v32, dither_bits(index, t))), terms
     ms, vs = q8_block_scales(m32, True), q8_block_scales(v32, False)
-    return p, ((q8_encode(m32, ms, True, 0x80000000), ms), (q8_encode(v32, vs, False, q8_bits(index, t)), vs)), terms
+    return p, ((q8_encode(m32, ms, True, m_bits(index, t)), ms),
+               (q8_encode(v32, vs, False, q8_bits(index, t)), vs)), terms
 
 
 def assert_matches_reference(s, ref):

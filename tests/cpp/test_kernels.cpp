@@ -430,11 +430,10 @@ State fresh_state(int64_t n, uint32_t seed, oa::StateDType fmt = oa::StateDType:
 // moments never rounded), with error budgets: how far the kernel's stored moments
 // and params may be from it, given each format's rounding. Per stored value:
 //   f32:  none (fp32 arithmetic only: `kArith` relative per step)
-//   bf16: m to nearest even: 2^-8 of |m| (half an ulp; an ulp is 2^-8..2^-7 of the
-//         value); v and vmax stochastic: under one ulp, 2^-7 of v
-//   q8:   m to nearest: half a step, 2^-4 of |m|, or 1/15 at the saturated top code,
-//         plus 2^-15 of the block scale for values below the smallest code; v
-//         stochastic: under one step, 2^-3 of v, plus 2^-31 of the scale
+//   bf16: m, v and vmax stochastic: under one ulp, 2^-7 of the value
+//   q8:   m stochastic: under one step, 2^-3 of |m|, plus 2^-15 of the block scale
+//         for values below the smallest code; v stochastic: under one step, 2^-3 of
+//         v, plus 2^-31 of the scale
 // The budgets follow the recursion: the next step's fp32 moment carries beta times
 // the stored error, the update's error follows from the moments' intervals, and the
 // param's error adds the update's times the step size (plus wd times it, for L2).
@@ -454,7 +453,7 @@ Ref fresh_ref(const State& s) {
 void ref_step(Ref& r, const State& s, const std::vector<float>& grad, int64_t step, const Config& c) {
   const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8;
   const bool bf16 = s.fmt == oa::StateDType::bf16, q8 = s.fmt == oa::StateDType::q8;
-  const double m_rel = bf16 ? 0x1p-8 : q8 ? 1.0 / 15 : 0.0;
+  const double m_rel = bf16 ? 0x1p-7 : q8 ? 0x1p-3 : 0.0;
   const double v_rel = bf16 ? 0x1p-7 : q8 ? 0x1p-3 : 0.0;
   const double step_size = lr / (1 - std::pow(b1, step)), c2 = 1.0 / std::sqrt(1 - std::pow(b2, step));
   for (size_t i = 0; i < r.p.size(); ++i) {
