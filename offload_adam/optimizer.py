@@ -495,8 +495,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         """The completed steps of the optimizer's state: with state_dirs=, the files' last
         committed step (what state_resume=True continued from: a resumed run sets its LR
         schedule and data position from it); otherwise the largest step count of a
-        param's state (a param without a grad in some steps counts fewer). 0 before the
-        first step."""
+        param's state (a param without a grad in some steps counts fewer; with
+        step_in_backward, between backward and step(), the step that ran in backward
+        counts). 0 before the first step."""
         return self._store.step_count(self.state)
 
     def zero_grad(self, set_to_none=True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 
 import torch
 
@@ -245,9 +246,15 @@ def _check_tensors(saved: dict, label: str) -> None:
     """The state's own keys hold tensors ("step" may be a number, as torch's): anything
     else is refused naming it, not stepped from zeros or failed on deep inside."""
     for key, value in saved.items():
-        if key not in STATE_KEYS or isinstance(value, torch.Tensor):
+        if key == "step" and (isinstance(value, (int, float)) and not isinstance(value, bool)
+                              or isinstance(value, torch.Tensor) and value.numel() == 1):
+            # (the kernels count whole steps: 2.5 would be taken as 2, silently)
+            step = float(value)
+            if not (math.isfinite(step) and step >= 0 and step == int(step)):
+                raise ValueError(f"loaded optimizer state 'step' for param {label} is {step:g}: "
+                                 "a step count is a whole number >= 0")
             continue
-        if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if key not in STATE_KEYS or isinstance(value, torch.Tensor):
             continue
         hint = f" ({_FLATTENED})" if isinstance(value, dict) else ""
         raise ValueError(f"loaded optimizer state {key!r} for param {label} is a "

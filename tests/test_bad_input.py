@@ -103,6 +103,28 @@ def test_bucket_mb_must_be_positive_and_finite(value):
         offload_adam.AdamW([p], bucket_mb=value)
 
 
+@pytest.mark.parametrize("step", [2.5, 0.5, float("inf"), float("nan"), -1.0])
+def test_a_loaded_step_count_must_be_whole(step):
+    """The kernels count whole steps (the bias corrections, the rounding bits): a loaded
+    2.5 was taken as 2 without a word (torch's step uses the float), inf said 'step counts
+    start at 1'. Refused naming the param and the value; a whole float or int loads."""
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = offload_adam.AdamW([p])
+    p.grad = torch.randn(8)
+    opt.step()
+    sd = opt.state_dict()
+    for value in (torch.tensor(step), step):
+        sd["state"][0]["step"] = value
+        with pytest.raises(ValueError, match=r"loaded optimizer state 'step' for param group 0, "
+                                             r"param 0 \(shape \(8,\)\) is .*: a step count is a "
+                                             r"whole number >= 0"):
+            opt.load_state_dict(sd)
+    for whole in (torch.tensor(3.0), 3):
+        sd["state"][0]["step"] = whole
+        opt.load_state_dict(sd)
+        assert float(opt.state[p]["step"]) == 3.0
+
+
 def test_a_refused_load_state_dict_changes_nothing(path):
     # amsgrad=True cannot be kept by an 8-bit optimizer: refused before any of the
     # state or the groups is replaced, and training goes on as if never tried

@@ -142,8 +142,10 @@ def _lr(model, opt):
 
 
 def _reloaded(model, opt):
-    settle(opt)  # the early steps are done: the saved state has them
-    opt.load_state_dict(opt.state_dict())
+    # a state saved before this backward (state_dict() between backward and step() is
+    # itself refused with the state in RAM: test_state_dict_between_backward_and_step)
+    settle(opt)
+    opt.load_state_dict(opt.saved_before_backward)
 
 
 CHANGES = {
@@ -172,6 +174,9 @@ def _in_second_backward(**kw):
     opt.step()
     opt.zero_grad()
     before = _snapshot(opt, model)
+    saved = opt.state_dict()
+    opt.saved_before_backward = {**saved, "state": {k: {key: v.clone() for key, v in st.items()}
+                                                    for k, st in saved["state"].items()}}
     backward(model, 1)
     return model, opt, before
 
@@ -196,6 +201,10 @@ def _check_left_state(opt, model, before, after_plain, message, files=False):
         assert stepped == 0
         assert ("Nothing was stepped: the state files and the params are those of the "
                 "last completed step") in message
+        return
+    if "was replaced" in message:   # (in RAM: the steps of the state replaced are dropped)
+        assert stepped == 0
+        assert "are dropped: the params are those of the last completed step" in message
         return
     assert stepped > 0
     assert f"The Adam step of {stepped} params already ran" in message
@@ -225,7 +234,7 @@ def test_a_change_after_backward_is_an_error(path, change):
     message = str(err.value)
     # steps had started in the second backward (the error counts those that ran;
     # in files none is committed)
-    if not path.files:
+    if not path.files and change != "load_state_dict":
         assert re.search(r"The Adam step of [1-9]\d* params already ran", message), message
     assert re.search(pattern, message), message
     after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))

@@ -77,6 +77,7 @@ class EarlyStart:
         self._held_ids: set = set()              # ids of their pieces
         self._held_blocks: set = set()           # ids of the blocks they step
         self._holding = True                     # False once a block beyond them came
+        self._replaced = False                   # the state they step was replaced
 
     def use_files(self, files) -> None:
         """The state is in files: `files` (a DiskEarly) steps it in backward."""
@@ -333,6 +334,7 @@ class EarlyStart:
             st = state[rec.param]
             if (st.get("exp_avg") is not rec.exp_avg or st.get(MASTER_KEY) is not rec.master
                     or st.get("step") is not rec.step_t):
+                self._replaced = True
                 return (f"the optimizer state of {rec.label()} was replaced "
                         "(load_state_dict?) after its step started")
         now: Dict[int, Hyper] = {}
@@ -354,8 +356,14 @@ class EarlyStart:
         params whose step already ran (so each param equals its master). An
         engine taken over by a newer one writes nothing: the params are not its own."""
         self._engine().check_open()
-        stepped = self.commit() if (self.error is not None or self._started) else 0
-        if self.files is not None and self.files.unrestored:
+        replaced, self._replaced = self._replaced, False
+        stepped = (self.commit(write=not replaced)
+                   if (self.error is not None or self._started) else 0)
+        if replaced:
+            what = ("The steps that ran in backward stepped the state that was replaced, "
+                    "and are dropped: the params are those of the last completed step, "
+                    "the state the one loaded")
+        elif self.files is not None and self.files.unrestored:
             what = ("The state files are those of the last completed step, and so are the "
                     f"params, but {self.files.unrestored} streamed params in their first "
                     "step, which ran during backward and wrote them (their first values "
@@ -377,10 +385,12 @@ class EarlyStart:
             "(the default) to clip, scale, edit or accumulate grads or change "
             "hyperparameters between backward and step().")
 
-    def commit(self) -> int:
+    def commit(self, write: bool = True) -> int:
         """Writes the params of the early steps that ran, forgets them and starts
         a new iteration. Returns how many params were stepped (with the state in
-        files: none, the pass is abandoned, see disk_early.py)."""
+        files: none, the pass is abandoned, see disk_early.py). write=False: the
+        state they stepped was replaced (load_state_dict): their params are not
+        written, and none counts."""
         engine = self._engine()
         if self.files is not None:
             try:
@@ -392,8 +402,9 @@ class EarlyStart:
             engine.drain()
         finally:
             stepped = {id(p.rec) for b in engine.buckets for p in b.pieces
-                       if id(p) in self._stepped}
-            engine.write_stepped(self._stepped)
+                       if id(p) in self._stepped} if write else set()
+            if write:
+                engine.write_stepped(self._stepped)
             engine.forget_read(self._stepped)
             self.new_iteration()
         return len(stepped)
