@@ -129,13 +129,37 @@ def rank_dirs(dirs: Tuple[str, ...], params: Iterable[torch.Tensor],
     """state_dirs= for this process: under several ranks, a folder "rank<R>" of each
     directory, R the global rank, made if missing, so that every rank may be given the
     same directories; the directories themselves otherwise."""
-    if not sharded(params, process_group):
-        return dirs
     import os
+    world = dist.get_world_size() if sharded(params, process_group) else 1   # (global ranks name the folders)
+    for d in dirs:   # the state of ranks this run does not have: refused, not started over
+        old = [n for n in _rank_folders_with_state(d) if world == 1 or n >= world]
+        if old:
+            what = ("a sharded run's (FSDP2)" if world == 1 else
+                    f"rank {max(old)}'s, so at least {max(old) + 1} ranks')")
+            raise ValueError(
+                f"offload_adam: state_dirs {d!r} holds {what} optimizer state in "
+                f"{os.path.join(d, f'rank{max(old)}')!r}, and this run has {world} "
+                f"rank{'s' if world > 1 else ''}: resume it with the number of ranks that "
+                "made it (each rank's state is its shard's), or give this run other "
+                "directories")
+    if world == 1:
+        return dirs
     out = tuple(os.path.join(d, f"rank{dist.get_rank()}") for d in dirs)
     for d in out:
         os.makedirs(d, exist_ok=True)
     return out
+
+
+def _rank_folders_with_state(folder) -> list:
+    """The ranks R whose folder "rank<R>" in `folder` holds a state's manifest."""
+    import os
+    from .nvme.manifest import MANIFEST
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return [int(n[4:]) for n in names if n.startswith("rank") and n[4:].isdigit()
+            and os.path.exists(os.path.join(folder, n, MANIFEST))]
 
 
 def every_rank(value, params: Iterable[torch.Tensor], process_group=None) -> Optional[list]:

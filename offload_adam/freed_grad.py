@@ -44,6 +44,9 @@ _NORM = torch.ops.aten.linalg_vector_norm.default
 _MUL_ = (torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar)
 _ADD_ = torch.ops.aten.add_.Tensor
 _ZERO_ = torch.ops.aten.zero_.default
+# clip_grad_norm_'s foreach path (foreach=True; the default for DTensor grads, FSDP2)
+_FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar
+_FOREACH_MUL_ = (torch.ops.aten._foreach_mul_.Tensor, torch.ops.aten._foreach_mul_.Scalar)
 _ALIASES = (torch.ops.aten.view.default, torch.ops.aten.alias.default,
             torch.ops.aten.detach.default)   # DTensor.from_local and to_local make these
 
@@ -79,6 +82,18 @@ class FreedGrad(torch.Tensor):
             return _inf_check(*args, **kwargs)
         if func is _NORM:
             return _norm(*args, **kwargs)
+        if func is _FOREACH_NORM:
+            order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+            dtype = kwargs.get("dtype")
+            return [_norm(t, order, dtype=dtype) if isinstance(t, FreedGrad)
+                    else torch.linalg.vector_norm(t, order, dtype=dtype) for t in args[0]]
+        if func in _FOREACH_MUL_ and not isinstance(args[1], FreedGrad):
+            for t in args[0]:
+                if isinstance(t, FreedGrad):
+                    t.host.scale(float(args[1]))
+                else:
+                    t.mul_(args[1])
+            return None
         if func in _MUL_ and isinstance(args[0], FreedGrad) and not isinstance(args[1], FreedGrad):
             args[0].host.scale(float(args[1]))
             return args[0]

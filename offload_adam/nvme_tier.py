@@ -85,6 +85,9 @@ from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, STATE_KEYS, floa
                            state_format, stored_key, stored_state)
 
 _MB = 2 ** 20
+# (a shard's shape, so its state's layout, depends on the number of ranks)
+_RANKS_HINT = ("; under FSDP2 a shard's shape depends on the number of ranks: resume with "
+               "the number of ranks that made them")
 
 
 class _Param:
@@ -298,6 +301,8 @@ class FileStore:
                 if following is not None:
                     buckets, specs = following
                     continue
+                hint = (_RANKS_HINT if distributed.sharded([p for g in params for p in g],
+                                                           process_group) else "")
                 raise ValueError(f"{e}. (What identifies them: the params' names, shapes "
                                  "and order in the groups, state_dtype, amsgrad, which "
                                  "params trained (a param frozen when they were made has "
@@ -305,8 +310,8 @@ class FileStore:
                                  f"buckets: bucket_mb={bucket_mb:g} here; resume with the "
                                  "one they were made with. A param larger than bucket_mb is "
                                  "kept in parts when the GPU's engine steps it and whole "
-                                 "when the CPU does: resume on the same kind of device)"
-                                 ) from None
+                                 "when the CPU does: resume on the same kind of device"
+                                 f"{hint})") from None
         self._largest_record = max(records, default=0)   # (a compact pass reads them)
         # where each param's state is: (its bucket, its _Param) per part, in order
         self._where: Dict[int, List[Tuple[int, _Param]]] = {}

@@ -389,21 +389,23 @@ def test_free_grads_after_copy(path):
             assert torch.equal(torch.as_tensor(s1[i][k]), torch.as_tensor(s2[i][k])), (i, k)
 
 
-def _torch_clipped_run(model, opt, loss, max_norm, steps=3) -> list:
+def _torch_clipped_run(model, opt, loss, max_norm, steps=3, foreach=None) -> list:
     """`steps` steps, each clipped by torch.nn.utils.clip_grad_norm_ (as Trainer
     and Accelerate do); the norms it returned."""
     norms = []
     for it in range(steps):
         loss(model, it).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm,
+                                                          foreach=foreach)))
         opt.step()
         opt.zero_grad()
     return norms
 
 
+@pytest.mark.parametrize("foreach", [None, True], ids=["", "foreach"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("max_norm", [0.5, 100.0], ids=["clipped", "unclipped"])
-def test_torch_clipping_of_freed_grads(path, dtype, max_norm):
+def test_torch_clipping_of_freed_grads(path, dtype, max_norm, foreach):
     """torch.nn.utils.clip_grad_norm_ (what Trainer and Accelerate clip and log
     the norm with) after free_grads_after_copy freed the grads: the norm comes
     from the host copies and the coefficient is applied inside the step, not a
@@ -413,12 +415,14 @@ def test_torch_clipping_of_freed_grads(path, dtype, max_norm):
     norm); with the same norms, or none clipped, the same training bit for bit (the
     kernel rounds each clipped bf16 grad to bf16 as torch's multiplication does;
     kept in fp32, the masters differ from the first step and params by a bf16
-    ulp from the second). Anything else done to a freed grad is a clear error."""
+    ulp from the second). Anything else done to a freed grad is a clear error. The
+    foreach path (foreach=True; torch's default for FSDP2's DTensor grads) too."""
     runs = []
     for free in (True, False):
         model = make_mlp().to(dtype)
         opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=free, **MLP_OPTS)
-        runs.append((model, opt, _torch_clipped_run(model, opt, mlp_loss, max_norm)))
+        runs.append((model, opt, _torch_clipped_run(model, opt, mlp_loss, max_norm,
+                                                    foreach=foreach)))
     (freed, o1, n1), (kept, o2, n2) = runs
     assert [n > max_norm for n in n2] == [max_norm < 1] * 3   # every step clipped, or none
     assert n1 == pytest.approx(n2, rel=torch.finfo(dtype).eps, abs=0)

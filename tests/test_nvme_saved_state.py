@@ -511,3 +511,22 @@ def test_another_runs_state_dict_of_the_same_step_after_a_resume_is_refused(
         assert snapshot(d) == files
         opt.load_state_dict(sd)
         opt.close()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_sharded_runs_folders_are_not_resumed_by_one_process(kernels, tmp_path, resume):
+    """Under FSDP2 each rank keeps its shard's state in a folder rank<R> of state_dirs.
+    One process given those directories looked at the directory itself, found no state
+    and (state_resume=True) started again at step 0 with a warning, beside the ranks'
+    files: refused, naming the folder, with nothing made."""
+    (tmp_path / "rank0").mkdir()
+    ps = make_params()
+    opt = build(ps, [tmp_path / "rank0"])   # (a rank's files: what a 2-rank run leaves)
+    train(opt, ps, 0, 2)
+    opt.close()
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match=r"holds a sharded run's \(FSDP2\) optimizer state in "
+                                         r".*rank0'.*this run has 1 rank: resume it with the "
+                                         r"number of ranks that made it"):
+        build(make_params(), [tmp_path], state_resume=resume)
+    assert sorted(os.listdir(tmp_path)) == before

@@ -357,8 +357,7 @@ class AsyncSimDevice:
             self._peak = self._held
 
     def fence(self) -> SimEvent:
-        self._last_fence = self._now()   # what an h2d without `after` waits for
-        return self._last_fence
+        return self._now()
 
     def _now(self) -> SimEvent:
         """An event on the calling thread's compute stream: after the work so
@@ -372,9 +371,10 @@ class AsyncSimDevice:
         return self._transfer("d2h", dsts, srcs, after if after is not None else self._now())
 
     def h2d(self, dsts, srcs, after: Optional[SimEvent] = None) -> Transfer:
-        if after is None:
-            after = getattr(self, "_last_fence", None) or SimEvent([], -1)
-        return self._transfer("h2d", dsts, srcs, after)
+        # after=None: ordered after nothing, as CudaDevice.h2d's copy (no event to wait
+        # for). It waited for the last fence anyone took, which hid a call site that
+        # dropped its fence (mutation audit: the step's write-back, the streamer's fetch)
+        return self._transfer("h2d", dsts, srcs, after if after is not None else SimEvent([], -1))
 
     def contiguous(self, t: torch.Tensor, after: Optional[SimEvent] = None) -> torch.Tensor:
         """A contiguous copy of device tensor `t`, made on the D2H stream (after
