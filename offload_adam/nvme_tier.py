@@ -487,8 +487,8 @@ class FileStore:
                             self._resumed[id(e.param)] = (e, mark(e.param), step)
                             if not e.has_master:
                                 self._resumed_prints.setdefault(id(e.param), []).append(
-                                    (e.start if e.part else 0, _moment_print(
-                                        st.exp_avg, st.exp_avg_scale)))
+                                    (e.start if e.part else 0, _moment_print(float32_moment(
+                                        st.exp_avg, st.exp_avg_scale, "exp_avg"))))
         self.marks.agree(e.param for e, _, _ in self._resumed.values())
         if unknown:
             names = sorted(unknown)
@@ -1158,12 +1158,12 @@ class FileStore:
         state saved at the same step by another run (other params) is not. Compared as
         fp32 values, whatever form (codes, bf16, fp32) the dict holds them in."""
         prints = self._resumed_prints.get(id(e.param))
-        value = self._local_saved(e, saved).get("exp_avg")
+        mine = self._local_saved(e, saved)
+        value = mine.get("exp_avg")
         if not prints or not isinstance(value, torch.Tensor):
             return True
-        scale = self._local_saved(e, saved).get(SCALE_KEYS["exp_avg"])
         try:
-            flat = float32_moment(value, scale, "exp_avg").reshape(-1)
+            flat = float32_moment(value, mine.get(SCALE_KEYS["exp_avg"]), "exp_avg").reshape(-1)
         except ValueError:
             return True   # (a malformed one: the load's own checks say what is wrong)
         numel = local(e.param).numel()
@@ -1237,10 +1237,10 @@ def _with_edits(st: dict, entry: dict) -> dict:
     return out
 
 
-def _moment_print(value: torch.Tensor, scale: Optional[torch.Tensor] = None) -> int:
-    """A moment's values (any stored form) as a CRC32C of their fp32 bytes."""
-    fp32 = float32_moment(value, scale, "exp_avg").reshape(-1)
-    return crc32(memoryview(fp32.view(torch.uint8).numpy()))
+def _moment_print(fp32: torch.Tensor) -> int:
+    """A moment's fp32 values (float32_moment of any stored form) as a CRC32C of their
+    bytes."""
+    return crc32(memoryview(fp32.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def _part_of(e: _Param, key: str, value: torch.Tensor) -> torch.Tensor:

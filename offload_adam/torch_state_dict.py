@@ -232,12 +232,14 @@ def _check_not_emptied(sd: dict, in_files: bool) -> None:
     """With the state in files optimizer.state's entries are empty (the state is not in
     RAM), so a dict unflattened by torch.distributed.checkpoint (_FLATTENED) comes with
     an empty entry for every param: loaded, it would start every param afresh. torch's
-    optimizers never save an empty entry, so one for every param is refused."""
+    optimizers never save an empty entry, so one for every param is refused, whatever
+    the files hold."""
     state = sd.get("state")
     if (in_files and isinstance(state, dict) and state
             and all(isinstance(st, dict) and not st for st in state.values())):
         raise ValueError("offload_adam: the loaded optimizer state dict has an empty state "
-                         f"for every param, where this optimizer's files hold one ({_FLATTENED}; "
+                         f"for every param, and this optimizer keeps its state in files "
+                         f"({_FLATTENED}; "
                          "to start afresh, build the optimizer on directories without "
                          "state). Nothing was loaded")
 
