@@ -37,6 +37,7 @@ not pushed out by the reads for those before it.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
 import mmap
@@ -135,26 +136,30 @@ class ParamFiles:
         self._locks: List[int] = []
         try:
             for d, path, end in zip(dirs, self.paths, ends):
+                where = d
                 os.makedirs(d, exist_ok=True)
                 # One streamer per directory at a time (a second would clobber the first's
                 # blocks): locked before the file is cut to its new size.
                 lock = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-                self._locks.append(lock)
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
+                    os.close(lock)
                     raise ValueError(f"offload_adam.stream_params: {path} is in use by "
                                      "another streamer (give each its own param_dirs)") from None
+                self._locks.append(lock)   # (ours: close() removes it)
                 fd, direct = open_direct(path, create=True, size=max(end, ALIGN))
                 self.fds.append(fd)
                 if not direct:
                     buffered.append(d)
-        except OSError as e:
-            self._close_files()
+        except OSError as e:   # (a full disk: the files made so far go, as at close())
+            self._close_files(remove=True)
             raise NvmeError(e.errno, f"offload_adam.stream_params: cannot make the param "
-                            f"files in {dirs} ({e.strerror}); nothing was streamed") from e
+                            f"file of {max(end, ALIGN)} bytes in {where} ({e.strerror}; "
+                            f"the {len(dirs)} param files take {sum(ends)} bytes in all); "
+                            "nothing was streamed") from e
         except BaseException:
-            self._close_files()
+            self._close_files(remove=True)
             raise
         warn_buffered(buffered)
         # a streamer dropped without close() lets go of its files' descriptors (and locks)
@@ -321,7 +326,7 @@ class ParamFiles:
             view = memoryview(data.numpy())
             got = [crc32(view[a:a + step]) for a in range(0, size, step)]
             if got != self.sums[i]:
-                raise NvmeError(None, f"offload_adam: block {i}'s params in {self._path(i)} "
+                raise NvmeError(errno.EIO, f"offload_adam: block {i}'s params in {self._path(i)} "
                                 f"(bytes {offset}..) fail their checksum: the file was "
                                 "changed or damaged since it was written")
         return data[:self.sizes[i]]
@@ -420,12 +425,12 @@ class ParamFiles:
         mismatch with the block's sums as written; None when it read what was written."""
         error = wait(futures)
         if error is not None:
-            e = NvmeError(getattr(error, "errno", None), f"offload_adam: reading block {i}'s "
+            e = NvmeError(getattr(error, "errno", None) or errno.EIO, f"offload_adam: reading block {i}'s "
                           f"params from {self._path(i)} failed: {error}")
             e.__cause__ = error
             return e
         if i in self.sums and [f.result() for f in futures] != self.sums[i]:
-            return NvmeError(None, f"offload_adam: block {i}'s params in "
+            return NvmeError(errno.EIO, f"offload_adam: block {i}'s params in "
                              f"{self._path(i)} (bytes {self.where[i][1]}..) "
                              "fail their checksum: the file was changed or damaged "
                              "since it was written")
@@ -470,7 +475,7 @@ class ParamFiles:
         error = wait(futures)
         if error is not None:
             slot.dirty = True   # still only in the cache
-            raise NvmeError(getattr(error, "errno", None),
+            raise NvmeError(getattr(error, "errno", None) or errno.EIO,
                             f"offload_adam: writing block {slot.block}'s params to "
                             f"{self._path(slot.block)} failed: {error}"
                             ) from error
@@ -495,7 +500,7 @@ class ParamFiles:
 
     def _close_files(self, remove: bool = False) -> None:
         if remove:   # (still locked: no other streamer is using them)
-            for path in self.paths:
+            for path in self.paths[:len(self._locks)]:
                 try:
                     os.remove(path)
                 except OSError:

@@ -71,17 +71,21 @@ class RamStore:
         self._inplace = InPlace(routing.in_place, marks)
 
     def pass_(self, param_groups, state, grad_scale: float) -> Iterator[Lent]:
+        # The engine first: what it refuses (a param cast or replaced, a torn state:
+        # engine.torn) it refuses before the params stepped in place have moved
+        if self.engine is not None:
+            yield Lent(engine=lambda: self.engine.step(param_groups, state, grad_scale))
         for index, group in enumerate(param_groups):
             calls = self._inplace.lend(index, group, state)
             if calls:
                 yield Lent(Hyper.of(group), calls)
-        if self.engine is not None:
-            yield Lent(engine=lambda: self.engine.step(param_groups, state, grad_scale))
 
     def grads(self, param_groups) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         return self._inplace.grads(param_groups)
 
     def add_state(self, sd: dict) -> dict:
+        if self.engine is not None and self.engine.torn is not None:
+            raise RuntimeError(self.engine.torn)   # (saved, it would resume wrong)
         return sd   # optimizer.state holds it all
 
     def take_edits(self, state) -> bool:
@@ -127,6 +131,8 @@ class RamStore:
             st.update({k: v for k, v in got.moments.items() if moment_of.get(k, k) in present})
             if got.master is not None:
                 st[MASTER_KEY] = got.master
+        if self.engine is not None:   # a whole state again (EngineStep: torn)
+            self.engine.torn = None
 
     def step_count(self, state) -> int:
         """The largest step count of a param's state (a param without a grad in some

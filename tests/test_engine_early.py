@@ -11,6 +11,7 @@ simulated device (conftest.path). With the state in files (path.files) nothing
 is committed before step() (options.py, engine/disk_early.py): an error leaves
 no param stepped, and says so.
 """
+import copy
 import gc
 import re
 import weakref
@@ -509,3 +510,56 @@ def test_failing_early_kernel_leaves_stepped_params_consistent(path, monkeypatch
     run(model, opt, 2, start=2, loss=mlp_loss)
     assert sorted(steps_of(opt, model)) == ([3.0] * 4 if path.files else [3.0, 3.0, 3.0, 4.0])
     assert_param_is_master_rounded(opt, model)
+
+
+def _wide_loss(model, seed):
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(seed))
+    return model(x.to(BF16)).float().pow(2).sum()
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["at-step", "in-backward"])
+def test_a_kernel_failing_between_the_parts_of_a_param_is_not_stepped_on(sim, monkeypatch,
+                                                                         early):
+    """A 256x256 weight is cut in two pieces, each in a bucket of its own; the kernel of
+    its second piece raises after the first one's ran. That param's state is part one
+    step, part the next (its "step" says stepped): step(), a backward's early steps and
+    state_dict() refuse it, naming the param, until a checkpoint is loaded; then training
+    goes on as if the failure had never been."""
+    def make_wide():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                   torch.nn.Linear(256, 8)).to(BF16)
+    model = make_wide()
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=early, **MLP_OPTS)
+    run(model, opt, 1, loss=_wide_loss)
+    saved = [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+    calls = []
+
+    def fail_fifth(args):   # (the buckets in hook order: 8-bias, 8x256, 256-bias, 256x256
+        calls.append(1)     # in two pieces)
+        if len(calls) == 5:
+            raise Boom("kernel failed")
+    kernels_that(monkeypatch, fail_fifth)
+    _wide_loss(model, 1).backward()
+    with pytest.raises(Boom, match="kernel failed"):
+        opt.step()
+    monkeypatch.undo()
+    torn = (r"a step raised \(Boom: kernel failed\) after its kernels had stepped some of "
+            r"the parts of param group 0, param 0 \(shape \(256, 256\)\).* load_state_dict")
+    opt.zero_grad()
+    _wide_loss(model, 2).backward()
+    with pytest.raises(RuntimeError, match=torn):
+        opt.step()
+    assert steps_of(opt, model) == [2.0] * 4   # (nothing stepped in that backward either)
+    with pytest.raises(RuntimeError, match=torn):
+        opt.state_dict()
+    opt.zero_grad()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), saved[0]):
+            p.copy_(v)
+    opt.load_state_dict(saved[1])
+    run(model, opt, 2, start=1, loss=_wide_loss)
+    ref = make_wide()
+    ref_opt = offload_adam.AdamW(ref.parameters(), step_in_backward=early, **MLP_OPTS)
+    run(ref, ref_opt, 3, loss=_wide_loss)
+    assert_same((model, opt), (ref, ref_opt))

@@ -2,6 +2,7 @@
 simulated asynchronous device: training is bit for bit the training with the params
 resident, the cache holds what its budget allows and reads what it does not hold, and a
 file changed behind its back is an error, never a wrong value."""
+import errno
 import math
 import os
 import re
@@ -12,7 +13,7 @@ import torch
 import offload_adam
 from offload_adam.nvme.direct_io import NvmeError
 from offload_adam.param_files import FILE_NAME, ParamFiles
-from test_param_stream import OPTS, Block, assert_same_training, llama_loss, make_llama, train
+from test_param_stream import BF16, OPTS, Block, assert_same_training, llama_loss, make_llama, train
 import test_param_stream
 
 device = test_param_stream.device   # the fixture: the simulated devices, checked at the end
@@ -195,7 +196,7 @@ def test_param_files_errors_name_the_problem(device, tmp_path):
         offload_adam.stream_params(model, Block, param_dirs=[tmp_path, 3])
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(OSError, match="cannot make the param files"):
+    with pytest.raises(OSError, match="cannot make the param file"):
         offload_adam.stream_params(model, Block, param_dirs=blocker / "sub")
     assert all(torch.isfinite(p).all() for p in model.parameters())   # nothing streamed
     with torch.device("meta"):   # refused: a meta model stays meta (it got NaN params)
@@ -208,6 +209,34 @@ def test_param_files_errors_name_the_problem(device, tmp_path):
     offload_adam.stream_params(first, Block, param_dirs=tmp_path / "p")
     with pytest.raises(ValueError, match="in use by another streamer"):
         offload_adam.stream_params(model, Block, param_dirs=tmp_path / "p")
+
+
+def test_param_files_not_made_leave_no_file_behind(device, tmp_path, monkeypatch):
+    """The second of two param files cannot be made (a full disk): the first, made, goes
+    too, and the error names the directory that failed and the bytes asked; a directory
+    in use by another streamer is refused without touching that streamer's file."""
+    from offload_adam import param_files
+    model = make_llama(layers=6, frozen=())
+    real, made = param_files.open_direct, []
+
+    def second_full(path, create=False, size=0):
+        made.append(path)
+        if len(made) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, create=create, size=size)
+    monkeypatch.setattr(param_files, "open_direct", second_full)
+    with pytest.raises(OSError, match=rf"param file of \d+ bytes in {tmp_path / 'b'} "
+                       r"\(No space left on device; the 2 param files take") as full:
+        offload_adam.stream_params(model, Block, param_dirs=[tmp_path / "a", tmp_path / "b"])
+    assert full.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert not (tmp_path / "a" / FILE_NAME).exists() and not (tmp_path / "b" / FILE_NAME).exists()
+    other = offload_adam.stream_params(make_llama(layers=2, frozen=()), Block,
+                                       param_dirs=tmp_path / "b")
+    with pytest.raises(ValueError, match="in use by another streamer"):
+        offload_adam.stream_params(model, Block, param_dirs=[tmp_path / "a", tmp_path / "b"])
+    assert not (tmp_path / "a" / FILE_NAME).exists() and (tmp_path / "b" / FILE_NAME).exists()
+    other.close()
 
 
 def _damage_a_block_not_cached(streamer, folder) -> int:
@@ -234,8 +263,10 @@ def test_a_param_file_changed_behind_its_back_is_an_error(device, tmp_path):
     victim = _damage_a_block_not_cached(streamer, tmp_path)
     with pytest.raises(OSError, match=f"block {victim}'s params in .* fail their checksum"):
         model.state_dict()   # (mapped from the file, never read into the cache)
-    with pytest.raises(OSError, match=f"block {victim}'s params in .* fail their checksum"):
+    with pytest.raises(OSError, match=f"block {victim}'s params in .* fail their checksum"
+                       ) as failed:
         llama_loss(model, 0)
+    assert failed.value.errno == errno.EIO and "Errno None" not in str(failed.value)
 
 
 def test_a_close_that_cannot_read_a_block_gives_the_others_back(device, tmp_path):
@@ -562,6 +593,47 @@ def test_a_disk_error_on_the_param_files_loses_no_step(device, tmp_path, monkeyp
     train(model, opt, 2, start=step)
     train(ref, ref_opt, 2, start=step)
     assert_same_training((model, opt), (ref, ref_opt))
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["at-step", "in-backward"])
+def test_a_disk_error_in_a_step_of_a_state_in_ram_steps_each_param_or_not(
+        device, tmp_path, monkeypatch, early):
+    """The state in RAM, the params in files, one bucket of more blocks than the cache
+    has slots: a param file's write fails (ENOSPC) inside the step, after the kernels
+    of some blocks ran. The step raises, noting how many params it stepped; each param
+    is stepped (its state and its values, kept in the cache until its block's write
+    succeeds) or not at all, and training goes on."""
+    from offload_adam.nvme import direct_io
+    opts = {**{k: v for k, v in OPTS.items() if k != "bucket_mb"}, "step_in_backward": early}
+    model = make_llama(layers=6, frozen=())
+    streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
+                                          param_cache_mb=slots_mb(model, 4))
+    opt = offload_adam.AdamW(model.parameters(), **opts)
+    train(model, opt, 2)
+    params, real = set(streamer.files.fds), direct_io._write
+
+    def full(fd, view, offset):
+        if fd in params:
+            raise OSError(28, os.strerror(28))
+        return real(fd, view, offset)
+    llama_loss(model, 20).backward()
+    monkeypatch.setattr(direct_io, "_write", full)
+    with pytest.raises(OSError, match="No space left") as failed:
+        opt.step()
+    monkeypatch.undo()
+    assert re.search(r"\d+ params were stepped before the error, each with its state",
+                     " ".join(failed.value.__notes__))
+    names = {p: n for n, p in model.named_parameters()}
+
+    def steps_and_masters():
+        values = model.state_dict()
+        for p, st in opt.state.items():
+            assert torch.equal(values[names[p]], st["master_param"].to(BF16)), names[p]
+        return sorted({int(st["step"]) for st in opt.state.values()})
+    assert steps_and_masters() == [2, 3]   # (the step stopped at a block)
+    opt.zero_grad()
+    train(model, opt, 2, start=3)
+    assert steps_and_masters() == [4, 5]
 
 
 def test_the_cache_holds_one_slot_per_block_at_most(device, tmp_path):

@@ -160,6 +160,14 @@ class OffloadEngine:
         self._last_profile: Optional[StepProfile] = None
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
         self._taken_over: Optional[str] = None   # why a newer engine took the params (_claim)
+        # A step that raised after some kernels ran (a param file's write failed: ENOSPC,
+        # EIO) leaves each param in RAM stepped or not, state and value together, and
+        # training may go on; but a param in parts (pieces in several buckets) some of
+        # whose pieces stepped is of no step: `torn` says so, and no step or state dict
+        # is taken from it until a state is loaded (RamStore). The pieces whose kernel
+        # ran since the last step ended (in backward too: step_in_backward):
+        self.torn: Optional[str] = None
+        self._ran: set = set()
         self.early = None
         # defer_blocks=: the deferred steps left running when step() returned (the last
         # one's worker job number), and the pieces they read
@@ -612,13 +620,35 @@ class OffloadEngine:
         grad_scale multiplies every grad inside the kernel (clipping coefficient,
         1/loss scale). Returns once the params read on the current stream are the
         updated ones."""
-        run = self.stepping(param_groups, grad_scale, state)
-        completed = False
+        if self.torn is not None:
+            raise RuntimeError(self.torn)
         try:
-            run.in_arenas()
-            completed = True
-        finally:  # also after an error: what was queued must land before reads
-            run.end(completed)
+            run = self.stepping(param_groups, grad_scale, state)
+            completed = False
+            try:
+                run.in_arenas()
+                completed = True
+            finally:  # also after an error: what was queued must land before reads
+                run.end(completed)
+        except BaseException as e:
+            ran, self._ran = self._ran, set()
+            part = [r for r in self.recs if len(r.pieces) > 1
+                    and len({id(p) in ran for p in r.pieces}) == 2]
+            whole = sum(1 for r in self.recs if r.pieces and all(id(p) in ran for p in r.pieces))
+            if part:
+                more = f" and {len(part) - 1} more params" if len(part) > 1 else ""
+                self.torn = (
+                    f"offload_adam: a step raised ({type(e).__name__}: {e}) after its "
+                    f"kernels had stepped some of the parts of {part[0].label()}{more}: "
+                    "their state is part one step, part the next. No step() or "
+                    "state_dict() is taken from it: load_state_dict() a checkpoint (with "
+                    "the model's weights) to go on, or build a new optimizer")
+            elif whole and hasattr(e, "add_note"):   # (Python 3.11+)
+                e.add_note(f"offload_adam: {whole} params were stepped before the error, "
+                           "each with its state; the others were not (each param's state "
+                           "\"step\" says which). Training can go on; load a checkpoint "
+                           "to continue exactly.")
+            raise
 
     def stepping(self, param_groups: List[dict], grad_scale: float = 1.0,
                  state=None) -> "EngineStep":
@@ -674,6 +704,7 @@ class OffloadEngine:
         """After a step that completed: the consumed grad copies let go, the profile."""
         self._consumed()
         self.forget_grads()
+        self._ran = set()
         self._profile.exposed_s = time.perf_counter() - self._t_enter
         if self.ring is not None:   # (counted since the last step's end)
             self._profile.ring_waits, self._profile.ring_wait_s = self.ring.since_mark()
@@ -811,17 +842,21 @@ class OffloadEngine:
     # order_learned, publish_h2d and check_open.
 
     def start_early(self, bucket: Bucket, pieces: List[Piece], param_groups, state,
-                    begin: Callable[[List[ParamRec]], Hyper], done: Callable[[], None]) -> None:
+                    begin: Callable[[List[ParamRec]], Hyper],
+                    done: Callable[[List[Piece]], None]) -> None:
         """step_in_backward, the state in the arenas: `pieces` of `bucket` stepped now,
         their kernel only (step() or the early start's commit writes the params): their
         state bound and masters followed, then `begin(recs)` (early start records what
         the step reads and returns the hyperparameters), then the kernel on the worker,
-        and `done()` after it."""
+        and `done(the pieces stepped)` after it (also after an error: those whose
+        kernel ran before it)."""
         job = self.prepare_early(bucket, pieces, param_groups, state, begin)
 
         def kernel_only():
-            job.kernel()
-            done()
+            try:
+                job.kernel()
+            finally:
+                done(job.ran)
         self.defer_reads(self.run(kernel_only), [h.block for h in _homes(job.pieces)])
 
     def recs_of(self, params) -> List[ParamRec]:
@@ -1279,9 +1314,17 @@ class BucketJob:
         self.grad_mul = grad_mul   # freed grads' factor, rounded in their dtype (_factor_of)
         self.fence, self.check = fence, check
         self.copies: Optional[Dict[int, GradCopy]] = None   # id(rec) -> the copy read, if kept
+        self.ran: List[Piece] = []   # the pieces whose kernel ran (all, once kernel() returns)
 
     def __call__(self) -> None:
-        self.kernel()
+        try:
+            self.kernel()
+        except BaseException:
+            # (a later block's hold failed: ENOSPC on the param files) the params stepped
+            # before it get their values, as their state says: each param stepped or not
+            if self.ran:
+                self.write_back(self.ran)
+            raise
         self.write_back()
 
     def kernel(self) -> None:
@@ -1320,6 +1363,8 @@ class BucketJob:
                 t0 = time.perf_counter()   # (the profile's CPU step: not the holds' waits)
                 args.run([p.grad for p in group], hyper, self.grad_scale, self.threads,
                          grad_mul=self.grad_mul)
+                self.ran += group
+                engine._ran.update(id(p) for p in group)
                 if not bucket.low_precision:
                     # An fp32 update that goes back from staging (packed, or with the
                     # state in files: layout.allocate_transfers) is the master.
@@ -1331,9 +1376,11 @@ class BucketJob:
             for p in pieces:
                 engine.ring.done(p)
 
-    def write_back(self) -> None:
-        """Queues the copies of the stepped values into the params (H2D)."""
-        engine, bucket, pieces = self.engine, self.bucket, self.pieces
+    def write_back(self, pieces: Optional[List[Piece]] = None) -> None:
+        """Queues the copies of the stepped values into the params (H2D): of `pieces`
+        (default: all the job's)."""
+        engine, bucket = self.engine, self.bucket
+        pieces = self.pieces if pieces is None else pieces
         # (a streamed param's update is in its host copy already: its staging)
         resident = [i for i, p in enumerate(pieces) if p.rec.home is None]
         srcs = {i: pieces[i].state("master") if pieces[i].staging is None

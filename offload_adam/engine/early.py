@@ -184,6 +184,8 @@ class EarlyStart:
         owner = self._owner()
         if owner is None:
             return  # the optimizer is gone: no groups to step with
+        if engine.torn is not None:
+            return  # a state of no step: step() refuses it (OffloadEngine.step)
         pieces = [p for p in bucket.pieces if id(p.rec) in self._hooked]
         engine.flush_pack(bucket)
 
@@ -201,7 +203,7 @@ class EarlyStart:
         # step() or commit() writes the params back
         self.watch(p.rec.home.block for p in pieces if p.rec.home is not None)
         engine.start_early(bucket, pieces, groups, state, begin,
-                           lambda: self._stepped.update(map(id, pieces)))
+                           lambda ran: self._stepped.update(map(id, ran)))
 
     # ---- a streamed block read between backward and step() ------------------------------
 
