@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 if TYPE_CHECKING:   # (param_state imports state_format, which imports this module)
     from .param_state import ParamState
 
@@ -39,7 +41,15 @@ class Hyper:
     @classmethod
     def of(cls, group: dict) -> "Hyper":
         beta1, beta2 = group["betas"]
-        return cls(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+        lr = float(group["lr"])
+        # The kernel's step size, lr / (1 - beta1^t), is a float32, largest at the first
+        # step: past float32's range every param would become inf (torch's AdamW raises
+        # "value cannot be converted to type float without overflow" there)
+        if abs(lr) > _FLOAT32_MAX * max(1.0 - float(beta1), 0.0):
+            raise ValueError(f"offload_adam: lr={lr!r} with betas[0]={float(beta1)!r}: the "
+                             "step size lr / (1 - beta1) overflows float32 (the kernel's); "
+                             "give a smaller lr")
+        return cls(lr, float(beta1), float(beta2), float(group["eps"]),
                    float(group["weight_decay"]),
                    bool(group.get("decoupled_weight_decay", False)),
                    bool(group.get("maximize", False)), bool(group.get("amsgrad", False)))

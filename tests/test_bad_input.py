@@ -28,6 +28,28 @@ def test_invalid_hyperparameters_raise_like_torch(kind, kwargs):
     assert str(ours.value) == str(theirs.value)
 
 
+@pytest.mark.parametrize("lr", [1e38, 1e300])
+def test_an_lr_whose_step_overflows_float32_raises_as_torch_does(kernels, lr):
+    """lr / (1 - beta1), the first step's size, past float32's range: torch's AdamW raises
+    at the step, and so do we (the kernel's float32 step size made every param inf), naming
+    lr; nothing is stepped (torch's has applied the weight decay by then). Set later (a
+    scheduler), it is refused at that step."""
+    for ours, make in ((False, lambda ps: torch.optim.AdamW(ps, lr=lr)),
+                       (True, lambda ps: offload_adam.AdamW(ps, lr=lr)),
+                       (True, lambda ps: _lr_set_later(offload_adam.AdamW(ps), lr))):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = make([p])
+        p.grad = torch.ones(3)
+        with pytest.raises((RuntimeError, ValueError), match="overflow"):
+            opt.step()
+        assert torch.equal(p.detach(), torch.ones(3)) or not ours
+
+
+def _lr_set_later(opt, lr):
+    opt.param_groups[0]["lr"] = lr
+    return opt
+
+
 @pytest.mark.parametrize("mode", ["capturable", "differentiable"])
 def test_unsupported_modes(mode):
     p = torch.zeros(3, requires_grad=True)
