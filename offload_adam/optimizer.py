@@ -51,6 +51,7 @@ from .cpu_step import step_on_cpu
 from .engine import OffloadEngine
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
+from .kernel_step import Hyper
 from .master_rule import MasterMarks
 from .freed_grad import check_freed_grads
 from .params import (SUPPORTED_DTYPES, check_grad_dtypes, check_no_overlap, one_device,
@@ -531,6 +532,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         check_grad_dtypes(self.param_groups)
+        for group in self.param_groups:   # (refused before any group steps)
+            Hyper.of(group)
         if self._engine is not None:
             self._engine.check_open()   # (taken over: said first, the grads are the new one's)
         check_freed_grads(self.param_groups, self._engine)   # (free_grads_after_copy=)

@@ -312,3 +312,21 @@ def test_groups_without_params_are_allowed_like_torch(kernels):
     p.grad = torch.ones(3)
     opt.step()
     assert p.eq(-0.5).all()
+
+
+@pytest.mark.parametrize("state_dirs", [False, True], ids=["ram", "files"])
+def test_an_lr_that_overflows_in_a_later_group_moves_no_group(kernels, tmp_path, state_dirs):
+    """Two groups, the second's lr set past float32's step size: the step is refused
+    before the first group steps."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt = offload_adam.AdamW([{"params": [a]}, {"params": [b]}],
+                             state_dirs=str(tmp_path) if state_dirs else None)
+    opt.param_groups[1]["lr"] = 1e38
+    a.grad, b.grad = torch.ones(3), torch.ones(3)
+    with pytest.raises(ValueError, match="lr=1e\\+38 .* overflows float32"):
+        opt.step()
+    assert torch.equal(a.detach(), torch.ones(3)) and torch.equal(b.detach(), torch.ones(3))
+    opt.param_groups[1]["lr"] = 1e-3
+    opt.step()
+    assert opt.step_count == 1
+    opt.close()
