@@ -162,6 +162,19 @@ def _rank_folders_with_state(folder) -> list:
             and os.path.exists(os.path.join(folder, n, MANIFEST))]
 
 
+def refuse_together(problem: Optional[str], params: Iterable[torch.Tensor],
+                    process_group=None) -> None:
+    """Under several ranks each says what it cannot go on with (None: nothing; every rank
+    must call it): a rank with nothing to say raises the first other rank's problem, so
+    that none goes on into a collective that a rank which raised never joins (it would
+    wait, then fail on a closed connection). The caller raises its own."""
+    problems = every_rank(problem, params, process_group)
+    bad = [(r, p) for r, p in enumerate(problems or ()) if p is not None]
+    if problem is None and bad:
+        raise ValueError(f"offload_adam: rank {bad[0][0]} refused its state files, so every "
+                         f"rank does: {bad[0][1]}")
+
+
 def every_rank(value, params: Iterable[torch.Tensor], process_group=None) -> Optional[list]:
     """`value` of every rank of a sharded run (in rank order; each rank must call it), or
     None under one rank. The NVMe tier's ranks agree on the step to resume with it."""

@@ -277,41 +277,18 @@ class FileStore:
                 if any(e.part for b in split[0] for e in b):
                     yield _lay_out(param_groups, mine, recs, bucket_mb * _MB, False)
 
-        tries = layouts()
-        buckets, specs = next(tries)
-        while True:
-            self.buckets = buckets
-            spec = StateSpec(tuple(specs), files_name, extra={"amsgrad": self._amsgrad})
-            largest = max((b.nbytes for b in spec.buckets), default=0)
-            budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
-            try:   # before any file is made: a refused construction leaves none behind
-                ring_size(spec, budget)
-            except ValueError as e:
-                raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
-            records = [redo.record_reserve([e.numel * e.dtype.itemsize for e in b])
-                       for b in self.buckets]
-            try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
-                self.state = NvmeState.open(list(dirs), spec, compact=compact,
-                                            log_bytes=records)
-                break
-            except ValueError as e:
-                if "of another model or optimizer" not in str(e):
-                    raise
-                following = next(tries, None)
-                if following is not None:
-                    buckets, specs = following
-                    continue
-                hint = (_RANKS_HINT if distributed.sharded([p for g in params for p in g],
-                                                           process_group) else "")
-                raise ValueError(f"{e}. (What identifies them: the params' names, shapes "
-                                 "and order in the groups, state_dtype, amsgrad, which "
-                                 "params trained (a param frozen when they were made has "
-                                 "no state there), and bucket_mb, which lays out the "
-                                 f"buckets: bucket_mb={bucket_mb:g} here; resume with the "
-                                 "one they were made with. A param larger than bucket_mb is "
-                                 "kept in parts when the GPU's engine steps it and whole "
-                                 "when the CPU does: resume on the same kind of device"
-                                 f"{hint})") from None
+        flat = [p for group in params for p in group]
+        try:
+            budget, records = self._open_layout(layouts(), dirs, files_name, budget_mb,
+                                                bucket_mb, compact, params, process_group)
+        except Exception as e:   # (the other ranks raise too: distributed.refuse_together)
+            distributed.refuse_together(str(e), flat, process_group)
+            raise
+        try:
+            distributed.refuse_together(None, flat, process_group)
+        except BaseException:
+            self.state.close(discard=True)
+            raise
         self._largest_record = max(records, default=0)   # (a compact pass reads them)
         # where each param's state is: (its bucket, its _Param) per part, in order
         self._where: Dict[int, List[Tuple[int, _Param]]] = {}
@@ -380,6 +357,47 @@ class FileStore:
             engine.early.use_files(self._early)
         if state is not None:
             self._mark(state)
+
+    def _open_layout(self, tries, dirs, files_name: str, budget_mb, bucket_mb: float,
+                     compact: bool, params, process_group) -> Tuple[int, List[int]]:
+        """Opens (or makes) the files in the first of the layouts `tries` (buckets, specs)
+        they were made with: self.buckets and self.state; returns the ring's budget and
+        each bucket's redo record reserve."""
+        buckets, specs = next(tries)
+        while True:
+            self.buckets = buckets
+            spec = StateSpec(tuple(specs), files_name, extra={"amsgrad": self._amsgrad})
+            largest = max((b.nbytes for b in spec.buckets), default=0)
+            budget = int(budget_mb * _MB) if budget_mb is not None else 4 * largest
+            try:   # before any file is made: a refused construction leaves none behind
+                ring_size(spec, budget)
+            except ValueError as e:
+                raise ValueError(f"state_budget_mb={budget_mb}: {e}") from None
+            records = [redo.record_reserve([e.numel * e.dtype.itemsize for e in b])
+                       for b in self.buckets]
+            try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
+                self.state = NvmeState.open(list(dirs), spec, compact=compact,
+                                            log_bytes=records)
+                break
+            except ValueError as e:
+                if "of another model or optimizer" not in str(e):
+                    raise
+                following = next(tries, None)
+                if following is not None:
+                    buckets, specs = following
+                    continue
+                hint = (_RANKS_HINT if distributed.sharded([p for g in params for p in g],
+                                                           process_group) else "")
+                raise ValueError(f"{e}. (What identifies them: the params' names, shapes "
+                                 "and order in the groups, state_dtype, amsgrad, which "
+                                 "params trained (a param frozen when they were made has "
+                                 "no state there), and bucket_mb, which lays out the "
+                                 f"buckets: bucket_mb={bucket_mb:g} here; resume with the "
+                                 "one they were made with. A param larger than bucket_mb is "
+                                 "kept in parts when the GPU's engine steps it and whole "
+                                 "when the CPU does: resume on the same kind of device"
+                                 f"{hint})") from None
+        return budget, records
 
     def _agree_on_step(self, params, process_group) -> None:
         """Under several ranks (FSDP2, or process_group=): every rank resumes from the same

@@ -485,6 +485,36 @@ def nvme(variant):
     return out
 
 
+@scenario()
+def nvme_one_rank_refused():
+    """Rank 0's folder holds a state of another layout (without amsgrad), rank 1's none
+    (as when resuming with more ranks than made the files): rank 0 refuses its files,
+    and rank 1 raises too, naming rank 0's refusal, instead of waiting in a collective
+    that rank 0 never joins."""
+    base = [os.path.join(OUT_DIR, "nvme_one_rank_refused")]
+    dist.broadcast_object_list(base, src=0)
+    os.makedirs(base[0], exist_ok=True)
+    model = build()
+    opt = offload_adam.AdamW(model.parameters(), lr=LR, bucket_mb=0.0005, state_dirs=base[0])
+    train(model, opt, 1)
+    opt.close()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        mine = os.path.join(base[0], "rank1")
+        for name in os.listdir(mine):
+            os.remove(os.path.join(mine, name))
+    dist.barrier()
+    out = {}
+    try:
+        offload_adam.AdamW(build().parameters(), lr=LR, bucket_mb=0.0005, state_dirs=base[0],
+                           state_resume=True, amsgrad=True)
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
+    dist.barrier()   # (both ranks here: the next scenario's collectives line up)
+    return out
+
+
 KILLED_STEPS = 2   # completed by both ranks before rank 0 is killed in the next one
 
 

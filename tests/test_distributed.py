@@ -174,6 +174,16 @@ def test_fsdp2_state_on_disk_one_folder_per_rank(ranks, variant):
         assert res["resume_bitwise"] and res["resumed_steps_bitwise"], res
 
 
+def test_a_rank_refusing_its_state_files_is_refused_by_every_rank(ranks):
+    """distributed_ranks.nvme_one_rank_refused: rank 0's files are of another layout, rank
+    1 has none: both raise (rank 1 naming rank 0's refusal), neither waits."""
+    rank0, rank1 = result(ranks, "nvme_one_rank_refused")
+    assert "of another model or optimizer" in rank0["error"], rank0
+    assert rank1["error"].startswith("offload_adam: rank 0 refused its state files, so every "
+                                     "rank does: "), rank1
+    assert "of another model or optimizer" in rank1["error"], rank1
+
+
 def test_the_fsdp2_example_trains_and_resumes_bitwise(kernels, tmp_path):
     example = RANKS.parent.parent / "examples" / "fsdp2_cpu.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
