@@ -5,9 +5,10 @@
     python -m offload_adam.plan --layers 32 --hidden 4096 --intermediate 14336 --vocab 128256 \
         --heads 32 --kv-heads 8
 
-A model is a Llama-shaped decoder (a preset, a Hugging Face config.json or, with transformers
-installed, a config name; or its shape given as flags): streamed blocks (the decoder layers)
-and resident params (embeddings, final norm, head). For each layout
+A model is a Llama-shaped decoder (a preset, a Hugging Face config.json of a model type in
+MODEL_TYPES or, with transformers installed, a config name; or its shape given as flags):
+streamed blocks (the decoder layers) and resident params (embeddings, final norm, head). For
+each layout
 
     params   gpu    every param resident on the GPU in bf16 (the optimizer's default)
              ram    blocks streamed from pinned host copies (stream_params)
@@ -48,8 +49,10 @@ every byte of it, the model's blocks having no frozen params).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import functools
+import itertools
 import json
 import math
 import os
@@ -81,6 +84,9 @@ def _round(n: int, to: int) -> int:
 # ---- the model ---------------------------------------------------------------------------
 
 MAX_LAYERS = 4096   # the planner plans models of up to this many blocks (ModelShape)
+# ... and of up to this width in each dimension (the widest published: a vocab of ~262 K,
+# an MLP of ~100 K): past it the counts of a step overflow a float
+MAX_WIDTH = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,10 @@ class ModelShape:
         if self.layers > MAX_LAYERS:   # (each layout walks every tensor: minutes, not a plan)
             raise ValueError(f"model {self.name!r}: {self.layers} layers; the planner plans "
                              f"models of up to {MAX_LAYERS} (the largest trained have ~130)")
+        for key in ("vocab", "hidden", "intermediate"):   # (heads, kv_heads: at most hidden)
+            if getattr(self, key) > MAX_WIDTH:
+                raise ValueError(f"model {self.name!r}: {key} {getattr(self, key)}; the planner "
+                                 f"plans {key} up to {MAX_WIDTH}")
 
     @property
     def kv_dim(self) -> int:
@@ -149,15 +159,28 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "config") -> "ModelShape":
-        """From a Hugging Face config (its dict): Llama, Mistral, Qwen2 and the like. A
-        multimodal config's `text_config` is its decoder's. Anything else is refused by
-        name: a mixture of experts (its blocks are not this shape), a field of the wrong
-        type (a count given as a string or a float is not guessed at)."""
+        """From a Hugging Face config (its dict): one of MODEL_TYPES (Llama, Mistral, Qwen2
+        and the like; a config without a model_type is taken as a Llama's), its keys left
+        out taken as its config class does. A multimodal config's `text_config` is its
+        decoder's. Anything else is refused by name: another model_type, a mixture of
+        experts (its blocks are not this shape), a field of the wrong type (a count given
+        as a string or a float is not guessed at)."""
         if not isinstance(cfg, dict):
             raise ValueError(f"model config {name!r}: a JSON object expected, got "
                              f"{type(cfg).__name__}")
         if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
             cfg = cfg["text_config"]
+        kind = cfg.get("model_type")
+        if kind not in (None, ""):   # (none: a hand-written config, taken as a Llama's)
+            if not isinstance(kind, str) or kind not in MODEL_TYPES:
+                raise ValueError(
+                    f"model config {name!r}: model_type {kind!r} is not one whose params the "
+                    f"planner counts ({', '.join(sorted(MODEL_TYPES))}): its count would be "
+                    "wrong. To plan it as a Llama of the same widths anyway (an "
+                    "approximation), give the shape as flags instead of the config: --layers "
+                    "--hidden --intermediate --vocab --heads --kv-heads (--tied)")
+            # a key left out is what the type's config class takes for it, not the Llama's
+            cfg = {**cfg, **{k: v for k, v in MODEL_TYPES[kind].items() if cfg.get(k) is None}}
         need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads")
         missing = [k for k in need if k not in cfg]
@@ -196,6 +219,26 @@ class ModelShape:
 # A config's count of experts per block (Mixtral, Qwen-MoE, DeepSeek, the
 # switch-style ones): more than one is a mixture of experts.
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+# The Hugging Face model types (a config's model_type) whose params ModelShape counts: each
+# has exactly its matrices (attention q, k, v, o; a gated MLP's gate, up, down; the
+# embedding and head) and its RMSNorms of `hidden` (two a block, one at the end). Not
+# counted are the few vectors a block of some adds: Qwen2's q/k/v biases (hidden + 2
+# kv_dim), the q/k norms of Qwen3 (2 head_dim) and OLMo-2 (hidden + kv_dim), the biases of
+# attention_bias / mlp_bias: under 1/hidden of the block where intermediate >= hidden
+# (5.6e-5 of Qwen2-0.5B's params, 1.7e-5 of Qwen2-7B's, 1.1e-6 of Qwen3-8B's).
+# tests/test_plan.py builds each type with transformers and checks the count. Other types
+# have other matrices (GPT-NeoX, StarCoder2 and Phi-2 an ungated MLP, Bamba mamba layers,
+# BERT is an encoder) and are refused. With each type, its config class's defaults that
+# are not the Llama's (head_dim hidden / heads, kv_heads = heads, untied), for a key a
+# config.json leaves out (tie_word_embeddings left out of a Gemma's is true).
+MODEL_TYPES: Dict[str, Dict[str, object]] = {
+    "llama": {}, "mistral": {"num_key_value_heads": 8}, "qwen2": {"num_key_value_heads": 32},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
+    "gemma": {"tie_word_embeddings": True, "num_key_value_heads": 16, "head_dim": 256},
+    "granite": {}, "olmo2": {}, "smollm3": {"tie_word_embeddings": True, "num_key_value_heads": 4},
+}
 
 
 # Published shapes (the models' config.json).
@@ -365,6 +408,15 @@ def probe_speeds(state_dir: str, nbytes: int) -> Dict[str, float]:
     return got
 
 
+# The most a run's counts (batch, seq, micro, prefetch) and sizes in MiB may be (past them
+# a step's bytes and flops overflow a float), and the most state directories: state_files
+# deals every bucket to the emptiest directory, a pass over them each (one a drive: a
+# machine has a few dozen at most).
+MAX_COUNT = 2 ** 31
+MAX_MIB = 2.0 ** 40
+MAX_STATE_DIRS = 64
+
+
 @dataclass(frozen=True)
 class Run:
     batch: int = 4
@@ -382,12 +434,17 @@ class Run:
         for key in ("batch", "seq", "micro", "prefetch", "state_dirs"):
             v = getattr(self, key)
             least = 0 if key == "prefetch" else 1
+            most = MAX_STATE_DIRS if key == "state_dirs" else MAX_COUNT
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise ValueError(f"{key} must be a whole number >= {least}, got {v!r}")
+            if v > most:
+                raise ValueError(f"{key} {v}: the planner plans up to {most}")
         for key in ("bucket_mb", "state_budget_mb", "logit_bytes", "param_cache_mb"):
             v = getattr(self, key)
             if v is not None and not _positive(v):
                 raise ValueError(f"{key} must be a positive number, got {v!r}")
+            if v is not None and v > MAX_MIB:
+                raise ValueError(f"{key} {v:g}: the planner plans up to {MAX_MIB:g}")
 
     @property
     def tokens(self) -> int:
@@ -437,6 +494,33 @@ def engine_pieces(numel: int, bucket_mb: float, itemsize: int = 2) -> List[int]:
     from .engine.layout import piece_length
     per = piece_length(numel, itemsize, int(bucket_mb * _MB))
     return [min(per, numel - a) for a in range(0, numel, per)]
+
+
+# The most engine pieces a plan cuts the model into: the plan walks every piece and every
+# state bucket (about one a piece), ~20 us each, and a report makes some 500 plans (the
+# largest that fits); a bucket_mb far below the default, or a model far wider than any
+# trained, would take hours. Llama-3-70B at the default bucket_mb has ~4,400.
+MAX_PIECES = 2 ** 16
+
+
+def piece_count(model: "ModelShape", bucket_mb: float) -> int:
+    """The engine pieces of the model's params (engine_pieces), counted without cutting."""
+    from .engine.layout import piece_length
+    bucket = int(bucket_mb * _MB)
+
+    def count(tensors):
+        return sum(-(-n // piece_length(n, 2, bucket)) for n in (math.prod(s) for _, s in tensors))
+    return model.layers * count(model.block_tensors()) + count(model.resident_tensors())
+
+
+def check_size(model: "ModelShape", run: "Run") -> None:
+    """A ValueError when the plan would cut the model into more than MAX_PIECES pieces."""
+    n = piece_count(model, run.bucket_mb)
+    if n > MAX_PIECES:
+        raise ValueError(f"bucket_mb {run.bucket_mb:g} cuts model {model.name!r} "
+                         f"({model.params / 1e9:.3g} B params) into {n} pieces; the planner "
+                         f"plans up to {MAX_PIECES} (its time grows with them): give a larger "
+                         "bucket_mb (the optimizer's default is 32) or a smaller model")
 
 
 def transfer_bytes(shapes: Sequence[Tuple[int, ...]], bucket_mb: float,
@@ -489,14 +573,19 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
         whole = (f"0:{i}", s)
         pieces = engine_pieces(math.prod(s), bucket_mb)
         if len(pieces) > 1 and nbytes(whole) > limit:   # in parts (nvme_tier._lay_out)
-            starts = [sum(pieces[:k]) for k in range(len(pieces))]
+            starts = [0, *itertools.accumulate(pieces[:-1])]
             entries += [(f"0:{i}#{run[0][0]}", (sum(n for _, n in run),), True)
                         for run in runs_within(list(zip(starts, pieces)), lambda run: nbytes(
                             ("x", (sum(n for _, n in run),), True)), limit)]
         else:
             entries.append(whole)
     dealt = deal(entries, nbytes, limit)
-    buckets = [adam_bucket(b, state_dtype) for b in dealt]
+
+    @functools.lru_cache(maxsize=None)
+    def layout(kinds):   # a bucket's layout by its entries' shapes (the names change nothing)
+        return adam_bucket([("x", shape, part) for shape, part in kinds], state_dtype)
+    buckets = [layout(tuple((tuple(e[1]), len(e) > 2 and bool(e[2])) for e in b))
+               for b in dealt]
     grads = [[2 * math.prod(e[1]) for e in b] for b in dealt]   # their bf16 grads
     spec = StateSpec(tuple(buckets), state_dtype)
     largest = max((b.nbytes for b in spec.buckets), default=0)
@@ -685,11 +774,20 @@ class Plan:
                 "expected_s": self.expected_s, "traffic_bytes": self.traffic}
 
 
+@functools.lru_cache(maxsize=64)
+def _model_files(model: ModelShape, state_dtype: str, bucket_mb: float,
+                 budget_mb: Optional[float], dirs: int) -> dict:
+    """state_files of the model's params, kept: a report asks the same for each layout of a
+    state_dtype, and its searches for the same models again (their cost is in these)."""
+    return state_files([s for _, s in model.tensors()], state_dtype, bucket_mb, budget_mb,
+                       dirs)
+
+
 def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     from .param_files import cache_slots, min_slots
-    shapes = [s for _, s in model.tensors()]
-    files = state_files(shapes, layout.state_dtype, run.bucket_mb, run.state_budget_mb,
-                        run.state_dirs)
+    check_size(model, run)
+    files = _model_files(replace(model, name=""), layout.state_dtype, run.bucket_mb,
+                         run.state_budget_mb, run.state_dirs)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),
              _host(model, run, layout, files), _disk(model, layout, files))
     if layout.in_files and files["ring_refused"]:
@@ -795,17 +893,26 @@ def schedule(p: Plan, k: int, streamed: int, ssd_forward: float) -> float:
 MAX_BLOCKS = 1024
 
 
+def most_blocks(model: ModelShape, run: Run) -> int:
+    """Where largest_fitting stops: MAX_BLOCKS, or fewer where more would cut the model
+    into more than MAX_PIECES pieces (check_size)."""
+    one = piece_count(model.with_layers(1), run.bucket_mb)
+    block = piece_count(model.with_layers(2), run.bucket_mb) - one
+    return max(1, min(MAX_BLOCKS, (MAX_PIECES - one) // block + 1))
+
+
 def largest_fitting(model: ModelShape, machine: Machine, run: Run,
                     layout: Layout) -> Optional[ModelShape]:
     """The model of the same width with the most blocks that fits (None: not even one;
-    MAX_BLOCKS blocks: at least that many). Bytes grow with the blocks in every tier, so a
+    most_blocks: at least that many). Bytes grow with the blocks in every tier, so a
     bisection finds it."""
+    most = most_blocks(model, run)
     if not plan(model.with_layers(1), machine, run, layout).fits:
         return None
-    lo, hi = 1, 2
+    lo, hi = 1, min(2, most)
     while plan(model.with_layers(hi), machine, run, layout).fits:
-        lo, hi = hi, min(hi * 2, MAX_BLOCKS)
-        if lo == MAX_BLOCKS:
+        lo, hi = hi, min(hi * 2, most)
+        if lo == most:
             return model.with_layers(lo)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -843,6 +950,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         f"{'est s':>7s} {'largest that fits':>18s}",
     ]
     out, why = [], []
+    most = most_blocks(model, run)
     for layout in layouts:
         p = plan(model, machine, run, layout)
         big = largest_fitting(model, machine, run, layout)
@@ -852,7 +960,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
             f"{name:34s} {_gb(p.gpu_total)} {_gb(p.host_total)} {_gb(p.disk_total)} "
             f"{'yes' if p.fits else 'no':>4s} {s['gpu']:7.2f} {s['pcie']:7.2f} {s['cpu']:7.2f} "
             f"{s['ssd']:7.2f} {p.bound:>5s} {p.expected_s:7.2f} "
-            + (f"{'>=' if big.layers == MAX_BLOCKS else '':>2s}{big.params / 1e9:9.1f} B "
+            + (f"{'>=' if big.layers == most else '':>2s}{big.params / 1e9:9.1f} B "
                f"({big.layers})" if big else f"{'none':>18s}"))
         if detail:
             for tier, parts in (("GPU", p.gpu), ("host", p.host), ("disk", p.disk)):
@@ -865,7 +973,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         d = p.as_dict()
         d["largest_fitting"] = None if big is None else {
             "layers": big.layers, "params": big.params,
-            "at_least": big.layers == MAX_BLOCKS}   # (the search stops there)
+            "at_least": big.layers == most}   # (the search stops there)
         out.append(d)
     if why:
         lines += ["", "Does not fit:"] + why
@@ -926,6 +1034,10 @@ _MACHINE_FLAGS = {"gpu-gb": "gpu_bytes", "gpu-tflops": "gpu_tflops", "pcie-gbps"
                   "ram-gb": "host_bytes", "dram-gbps": "dram_gbps", "ssd-gb": "ssd_bytes",
                   "ssd-read-gbps": "ssd_read_gbps", "ssd-write-gbps": "ssd_write_gbps",
                   "gpu-reserve-gb": "gpu_reserve_bytes", "host-reserve-gb": "host_reserve_bytes"}
+# The most a machine flag may be (GB, GB/s or TFLOPS: an exabyte), and the least a speed
+# may be (a MB/s, a GFLOPS): past them a step's seconds or a tier's bytes overflow a float.
+MAX_FIGURE = 1e9
+MIN_SPEED = 1e-3
 _SHAPE_FLAGS = {"layers": "layers", "hidden": "hidden", "intermediate": "intermediate",
                 "vocab": "vocab", "heads": "heads", "kv-heads": "kv_heads"}
 
@@ -981,7 +1093,20 @@ def _machine(args) -> Machine:
             if not (_positive(v) or (reserve and v == 0)):
                 want = "finite number >= 0" if reserve else "positive number"
                 raise ValueError(f"--{flag}: must be a {want}, got {v:g}")
+            unit = "GB" if key.endswith("bytes") else "TFLOPS" if key == "gpu_tflops" else "GB/s"
+            if v > MAX_FIGURE:
+                raise ValueError(f"--{flag}: at most {MAX_FIGURE:g} ({unit}), got {v:g}")
+            if unit != "GB" and v < MIN_SPEED:
+                raise ValueError(f"--{flag}: at least {MIN_SPEED:g} ({unit}), got {v:g}")
             machine = replace(machine, **{key: v * GB if key.endswith("bytes") else v})
+    for have, keep in (("gpu-gb", "gpu-reserve-gb"), ("ram-gb", "host-reserve-gb")):
+        cap, res = (getattr(machine, _MACHINE_FLAGS[f]) / GB for f in (have, keep))
+        if res >= cap:   # (nothing left to plan for: every tier's room would be negative)
+            how = ("given" if getattr(args, have.replace("-", "_")) is not None else
+                   "measured here" if _MACHINE_FLAGS[have] in machine.measured else
+                   f"{machine.name}'s")
+            raise ValueError(f"--{keep} {res:g} is not below --{have} {cap:g} ({how}): the "
+                             "reserve must leave some of it to the run")
     if here:   # what is still the preset's, by the flag that gives it
         given = set(machine.measured) | {k for f, k in _MACHINE_FLAGS.items()
                                          if getattr(args, f.replace("-", "_")) is not None}
@@ -997,33 +1122,52 @@ def _machine(args) -> Machine:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    out = None
+    out = tmp = None
     try:
         model = _model(args)
         machine = _machine(args)
         run = Run(args.batch, args.seq, args.micro, not args.no_checkpointing, args.prefetch,
                   args.bucket_mb, args.state_budget_mb, param_cache_mb=args.param_cache_mb,
                   state_dirs=args.state_dirs)
+        check_size(model, run)
         if args.param_cache_mb is not None:   # (refused here, as stream_params would)
             from .param_files import cache_slots
             cache_slots(args.param_cache_mb * 2**20, param_slot_bytes(model), args.prefetch,
                         model.layers)
         if args.json:   # opened first: a path that cannot be written is said before the work
+            if os.path.isdir(args.json):
+                raise ValueError(f"--json {args.json!r}: a directory")
+            # (written beside it, then put in its place: a failure leaves no truncated file)
+            tmp = f"{args.json}.{os.getpid()}.tmp"
             try:
-                out = open(args.json, "w")
+                out = open(tmp, "w")
             except OSError as e:
                 raise ValueError(f"--json {args.json!r}: {e.strerror}") from None
     except ValueError as e:
         print(f"offload_adam.plan: {e}", file=sys.stderr)
         return 2
-    layouts = all_layouts(args.state_dtype or STATE_DTYPES)
-    text, plans = report(model, machine, run, layouts, args.detail)
-    print(text)
-    if out is not None:
-        with out:
-            json.dump({"machine": asdict(machine), "run": asdict(run), "plans": plans}, out,
-                      indent=1)
+    try:
+        layouts = all_layouts(args.state_dtype or STATE_DTYPES)
+        text, plans = report(model, machine, run, layouts, args.detail)
+        print(text)
+        if out is not None:
+            try:
+                with out:
+                    json.dump({"machine": asdict(machine), "run": asdict(run), "plans": plans},
+                              out, indent=1)
+                os.replace(tmp, args.json)
+            except OSError as e:   # (the disk filled, say)
+                print(f"offload_adam.plan: --json {args.json!r}: {e}", file=sys.stderr)
+                return 2
+            tmp = None
+    finally:   # (an error or an interrupt midway: the --json path as it was, no temporary)
+        if out is not None:
+            out.close()
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,6 +4,7 @@ transformers Llama, and its command line."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -379,6 +380,28 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     (["llama-3-8b", "--machine", "here", "--measure", "--probe-gb", "-1"], "--probe-gb: at least"),
     (["llama-3-8b", "--machine", "here", "--probe-gb", "1"], "give --measure"),
     (["llama-3-8b", "--heads", "7"], "must be a multiple of heads (7)"),
+    # figures past any machine's overflowed to inf and nan (a traceback, and an empty --json)
+    (["llama-3-8b", "--ram-gb", "1e300", "--json", "plan.json"],
+     "--ram-gb: at most 1e+09 (GB), got 1e+300"),
+    (["llama-3-8b", "--pcie-gbps", "1e-300"], "--pcie-gbps: at least 0.001 (GB/s), got 1e-300"),
+    (["llama-3-8b", "--gpu-tflops", "1e12"], "--gpu-tflops: at most 1e+09 (TFLOPS)"),
+    (["llama-3-8b", "--batch", str(10 ** 400)], "batch 1000"),
+    (["llama-3-8b", "--bucket-mb", "1e300"], "bucket_mb 1e+300: the planner plans up to"),
+    (["--layers", "2", "--hidden", "2097152", "--intermediate", "8", "--vocab", "8", "--heads",
+      "1"], "hidden 2097152; the planner plans hidden up to 1048576"),
+    # a reserve of all the memory or more left a negative room in every plan
+    (["llama-3-8b", "--host-reserve-gb", "200"],
+     "--host-reserve-gb 200 is not below --ram-gb 128 (desktop-24gb's)"),
+    (["llama-3-8b", "--ram-gb", "8"], "--host-reserve-gb 8 is not below --ram-gb 8 (given)"),
+    (["llama-3-8b", "--gpu-gb", "1"], "--gpu-reserve-gb 1.5 is not below --gpu-gb 1 (given)"),
+    (["llama-3-8b", "--machine", "lent-h100", "--gpu-reserve-gb", "80"],
+     "--gpu-reserve-gb 80 is not below --gpu-gb 80 (lent-h100's)"),
+    # the planner's time grows with the pieces and the directories: these took hours
+    (["llama-3-8b", "--bucket-mb", "0.001", "--json", "plan.json"],
+     "bucket_mb 0.001 cuts model 'llama-3-8b' (8.03 B params) into 245121 pieces; the "
+     "planner plans up to 65536"),
+    (["llama-3-8b", "--state-dirs", "1000000"], "state_dirs 1000000: the planner plans up to 64"),
+    (["llama-3-8b", "--json", "."], "--json '.': a directory"),
 ])
 def test_bad_input_is_named(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -505,3 +528,120 @@ def test_a_config_without_the_llama_shape_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10, "hidden_size": 8}))
     with pytest.raises(ValueError, match="lacks intermediate_size, num_hidden_layers"):
         planner.load_model(str(tmp_path))
+
+
+# What a block of each model type holds beyond the matrices and two norms the planner counts
+# (plan.MODEL_TYPES: under 1/hidden of the block), by its config (h: hidden, kv: kv_dim).
+_UNCOUNTED = {
+    "qwen2": lambda c, h, kv: h + 2 * kv,                # q/k/v biases
+    "qwen3": lambda c, h, kv: 2 * c.head_dim,            # q/k norms, per head
+    "olmo2": lambda c, h, kv: h + kv,                    # q/k norms, of the projections
+}
+
+
+_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "granite", "olmo2", "smollm3")
+
+
+@pytest.mark.parametrize("model_type,biased", [(t, False) for t in _TYPES] + [("llama", True)])
+def test_each_model_type_is_counted_as_transformers_builds_it(tmp_path, model_type, biased):
+    """For every model_type the planner takes, its count of params is the one of the model
+    transformers builds from the same config (on the meta device: no memory), but for the
+    few vectors of a block it documents as not counted; a config that leaves out
+    num_key_value_heads, head_dim or tie_word_embeddings gets its config class's default
+    (Gemma's tie its embeddings: were they taken as untied, the head would be counted
+    twice)."""
+    assert sorted(planner.MODEL_TYPES) == sorted(_TYPES)   # (every one of them checked)
+    defaults = planner.MODEL_TYPES[model_type]
+    kv = defaults.get("num_key_value_heads")
+    heads = 2 * kv if kv else 8   # (not kv: the class's default must be the one taken)
+    hidden = heads * defaults.get("head_dim", 16)
+    given = dict(vocab_size=1000, hidden_size=hidden, intermediate_size=3 * hidden,
+                 num_hidden_layers=3, num_attention_heads=heads)
+    if biased:
+        given.update(attention_bias=True, mlp_bias=True)
+    config = transformers.AutoConfig.for_model(model_type, pad_token_id=0, **given)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters())
+    for name, cfg in (("left out", {"model_type": model_type, **given}),
+                      ("all", config.to_dict())):
+        shape = planner.ModelShape.from_config(cfg, name)
+        assert (shape.tied, shape.kv_heads) == (config.tie_word_embeddings,
+                                                config.num_key_value_heads), name
+        uncounted = _UNCOUNTED.get(model_type, lambda c, h, kv: 0)(config, hidden, shape.kv_dim)
+        if biased:   # q, k, v, o biases; gate, up, down biases
+            uncounted += 2 * hidden + 2 * shape.kv_dim + 2 * shape.intermediate + hidden
+        assert real == shape.params + shape.layers * uncounted, name
+        assert uncounted < shape.block_params / shape.hidden
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "starcoder2", "phi", "bamba", "bert",
+                                        "qwen3_5_text", "mixtral"])
+def test_a_model_type_the_planner_does_not_count_is_refused(tmp_path, capsys, model_type):
+    """A config of another model_type was planned as a Llama of its widths (at their config
+    classes' defaults: GPT-NeoX +32 % params, StarCoder2 +37 %, Phi +28 %, Bamba -20 %,
+    Qwen3.5 -8 %, BERT, an encoder, +25 %). Refused, naming the type, the ones taken, and
+    the flags that plan it as a Llama anyway."""
+    config = transformers.AutoConfig.for_model(model_type).to_dict()
+    assert {"hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size",
+            "num_attention_heads"} <= set(config)   # (the keys the planner reads)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert planner.main([str(tmp_path), "--state-dtype", "8bit"]) == 2
+    err = capsys.readouterr().err
+    assert f"model_type {model_type!r} is not one whose params the planner counts (gemma, " \
+        in err
+    assert "give the shape as flags instead of the config: --layers --hidden" in err
+
+
+def test_a_config_without_a_model_type_is_a_llamas():
+    """Without a model_type (a config written by hand) a config is taken as a Llama's, as
+    before; one that is not a name is refused."""
+    cfg = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+               num_attention_heads=4)
+    want = planner.ModelShape("config", 1000, 64, 160, 2, 4, 4, False)
+    assert planner.ModelShape.from_config(cfg) == want
+    assert planner.ModelShape.from_config({**cfg, "model_type": None}) == want
+    for bad in (5, ["llama"]):
+        with pytest.raises(ValueError, match=re.escape(f"model_type {bad!r} is not one")):
+            planner.ModelShape.from_config({**cfg, "model_type": bad})
+
+
+def test_a_failed_plan_leaves_the_json_file_as_it_was(tmp_path, monkeypatch):
+    """--json is written beside its path and put in place once whole: a failure midway
+    leaves a plan written before untouched and no other file (it used to truncate it)."""
+    out = tmp_path / "plan.json"
+    out.write_text("{}")
+
+    def fail(*args, **kw):
+        raise RuntimeError("midway")
+    monkeypatch.setattr(planner, "report", fail)
+    with pytest.raises(RuntimeError, match="midway"):
+        planner.main(["llama-3-8b", "--json", str(out)])
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+    assert out.read_text() == "{}"
+
+
+def test_the_search_stops_where_the_pieces_would_be_too_many(monkeypatch):
+    """A plan cuts at most MAX_PIECES engine pieces (check_size: its time grows with them,
+    and a tiny bucket_mb took hours), and largest_fitting stops where more blocks would cut
+    more, said as 'at least'."""
+    run = planner.Run(bucket_mb=0.0625)   # (64 KiB: the smallest piece the engine cuts)
+    wide = planner.ModelShape("wide", 1000, 1024, 4096, 3, 8, 8)
+    most = planner.most_blocks(wide, run)
+    assert 1 < most < planner.MAX_BLOCKS
+    planner.check_size(wide.with_layers(most), run)
+    too_many = planner.piece_count(wide.with_layers(most + 1), run.bucket_mb)
+    assert too_many > planner.MAX_PIECES
+    with pytest.raises(ValueError, match=f"cuts model 'wide' .* into {too_many} pieces"):
+        planner.check_size(wide.with_layers(most + 1), run)
+    assert planner.piece_count(wide, 32.0) == 3 * 9 + 3   # (a piece per param at 32 MiB)
+    # the search, on a machine everything fits, under a cap small enough to be quick
+    monkeypatch.setattr(planner, "MAX_PIECES", 300)
+    small = planner.ModelShape("small", 1000, 256, 1024, 3, 4, 4)
+    most = planner.most_blocks(small, run)
+    assert most == (300 - 17 - 32) // 32 + 1   # (17 resident pieces, 32 a block)
+    m = planner.replace(planner.MACHINES["desktop-24gb"], gpu_bytes=1e15, host_bytes=1e15,
+                        ssd_bytes=1e15)
+    lay = planner.Layout("ram", "files", "8bit")
+    assert planner.largest_fitting(small, m, run, lay).layers == most
+    assert planner.report(small, m, run, [lay])[1][0]["largest_fitting"]["at_least"] is True
