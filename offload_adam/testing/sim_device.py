@@ -590,6 +590,9 @@ class AsyncSimDevice:
         for x in self._before(op):
             x.host_synced = True
             self._sync(x.after_stream, x.after_epoch)
+            # (executed, as all before it: what it waited for is never asked again, and
+            # kept, each copy held the ones before it, a chain as long as the run)
+            x.after = []
 
     def _sync(self, stream: int, epoch: int) -> None:
         self._synced[stream] = max(self._synced.get(stream, -1), epoch)
