@@ -59,6 +59,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import sys
 import warnings
 import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -341,6 +343,7 @@ class FileStore:
         # the tensors the last state_dict() mapped from the files, while alive (weakly),
         # and the files' step then (`_warn_held`)
         self._handed: Optional[Tuple[int, weakref.WeakSet]] = None
+        self._held_warned = False   # (_warn_held: once, not at every step of a loop)
         self._early = None   # step_in_backward: the pass that starts in backward
         files = [[e.entry() for e in b] if all(e.rec is not None for e in b) else None
                  for b in self.buckets]
@@ -932,6 +935,9 @@ class FileStore:
             self._handed = None
         elif self.compact or self.state.step > step:
             self._handed = None   # (once per state_dict())
+            if self._held_warned:   # (a loop that keeps the last state dict: said once)
+                return
+            self._held_warned = True
             when = ("before the next step()" if self.compact
                     else "before the second step() after")
             warnings.warn(
@@ -939,7 +945,7 @@ class FileStore:
                 "still held, and this step rewrites their place in the state files (they are "
                 f"mapped from them, not copied): save or copy what state_dict() gives {when} "
                 "(state_footprint=" f"{'compact' if self.compact else 'two_generations'}), "
-                "and drop it after", RuntimeWarning, stacklevel=5)
+                "and drop it after (said once)", RuntimeWarning, stacklevel=_user_level())
 
     def _check_format(self, gi: int, param_groups) -> None:
         group = param_groups[gi]
@@ -1273,6 +1279,17 @@ def _follow_param(st: ParamState, p: torch.Tensor) -> None:
     from it unless it is still its rounding."""
     if take_from_param(float(st.step), False, lambda: not rounds_to(st.master, p)):
         st.master.copy_(p)
+
+
+def _user_level() -> int:
+    """warnings.warn's stacklevel, for its caller, of the first frame outside offload_adam
+    and torch: the user's line (step() runs under torch's no_grad wrapper and hooks)."""
+    prefixes = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(prefixes):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_grad(e: _Param, group: dict) -> None:

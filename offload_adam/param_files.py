@@ -19,7 +19,7 @@ the block's copy to the device may still read it (the streamer's settle), while 
 step writes it (`hold`), or while its read or write is in flight.
 
 Crash safety: the param files are scratch, written afresh when streaming starts and
-removed by close(). What a kill must not lose is in the state files: `state_resume=True`
+removed by close() (or by the finalizer of a streamer dropped, or alive at exit). What a kill must not lose is in the state files: `state_resume=True`
 (state_dirs=) writes every stepped param from its committed master, here into the param
 files, so a file holding a step cut short is never read again. Each block's bytes are
 checksummed (CRC32C per I/O request) when written and checked when read back.
@@ -38,7 +38,6 @@ not pushed out by the reads for those before it.
 from __future__ import annotations
 
 import errno
-import fcntl
 import math
 import mmap
 import os
@@ -49,9 +48,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .engine.host_memory import unpin_all
-from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, crc32, open_direct, wait,
-                             warn_buffered)
+from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, crc32, map_file, open_direct,
+                             wait, warn_buffered)
 from .nvme.layout import ALIGN, round_up
+from .nvme.manifest import lock_exclusive
 
 __all__ = ["ParamFiles", "FILE_NAME", "min_slots"]
 
@@ -142,7 +142,7 @@ class ParamFiles:
                 # blocks): locked before the file is cut to its new size.
                 lock = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
                 try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    lock_exclusive(lock)
                 except BlockingIOError:
                     os.close(lock)
                     raise ValueError(f"offload_adam.stream_params: {path} is in use by "
@@ -162,8 +162,10 @@ class ParamFiles:
             self._close_files(remove=True)
             raise
         warn_buffered(buffered)
-        # a streamer dropped without close() lets go of its files' descriptors (and locks)
-        self._finalizer = weakref.finalize(self, _close_fds, list(self.fds + self._locks))
+        # a streamer dropped without close() (or alive at the interpreter's exit) removes
+        # its files, scratch, and lets go of their descriptors and locks
+        self._finalizer = weakref.finalize(self, _let_go, list(self.fds + self._locks),
+                                           list(self.paths), os.getpid())
         self.pool = IOPool(threads)
         self.slots: List[_Slot] = []
         try:
@@ -319,7 +321,7 @@ class ParamFiles:
         # (mmap's offset: a multiple of the allocation granularity, 64 KiB on some arm64
         # kernels, where the extents are on 4 KiB)
         page = offset - offset % mmap.ALLOCATIONGRANULARITY
-        m = mmap.mmap(fd, size + offset - page, offset=page, access=mmap.ACCESS_COPY)
+        m = map_file(fd, size + offset - page, page)
         data = torch.frombuffer(m, dtype=torch.uint8)[offset - page:offset - page + size]
         if i in self.sums:
             step = self.pool.request_bytes
@@ -511,6 +513,18 @@ class ParamFiles:
         else:
             _close_fds(self.fds + self._locks)
         self.fds, self._locks = [], []
+
+
+def _let_go(fds: List[int], paths: List[str], pid: int) -> None:
+    """The files removed (still locked: no other streamer uses them; by the process that
+    made them only: a forked child's exit leaves its parent's), the descriptors closed."""
+    if os.getpid() == pid:
+        for path in paths:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+    _close_fds(fds)
 
 
 def _close_fds(fds: List[int]) -> None:

@@ -628,8 +628,65 @@ def test_a_step_that_rewrites_a_held_state_dict_warns(kernels, tmp_path, footpri
         now = saved(sd)
         assert all(torch.equal(then[i][k], now[i][k]) for i in then for k in then[i])
     with pytest.warns(RuntimeWarning, match=r"tensors of a state_dict\(\) taken at step \d+ "
-                                            r"are still held"):
+                                            r"are still held") as said:
         step(quiet=False)
+    assert said[0].filename == __file__   # (the user's line, not torch's no_grad wrapper)
     saved(opt.state_dict())   # taken, saved and dropped at once: no warning after
     step()
     step()
+    for _ in range(3):   # a loop that keeps the last state dict: said once, not each step
+        sd = opt.state_dict()
+        step()
+
+
+_MANY_TENSORS = """
+import resource, sys, torch, offload_adam
+soft = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, int(sys.argv[3])))
+params = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(200)]   # 600 state tensors
+opt = offload_adam.AdamW(params, state_dirs=[sys.argv[1]])
+for p in params:
+    p.grad = torch.ones_like(p)
+opt.step()
+try:
+    sd = opt.state_dict()
+    print("ok", len(sd["state"]), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+except OSError as e:
+    print("refused", e.errno, e)
+opt.close()
+"""
+
+
+@pytest.mark.parametrize("hard", ["above", "at"])
+def test_a_state_dict_of_many_tensors_passes_a_low_open_files_limit(kernels, tmp_path, hard):
+    """state_dict() maps each state tensor (one descriptor each, Python's mmap): 600 of
+    them under a soft limit of 256 open files. With a higher hard limit the soft one is
+    raised and the dict is whole; at the hard limit, the error says why so many files are
+    open and what to do, not a bare EMFILE."""
+    import subprocess
+    import sys
+    limit = "4096" if hard == "above" else "256"
+    out = subprocess.run([sys.executable, "-c", _MANY_TENSORS, str(tmp_path), "256", limit],
+                         capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    if hard == "above":
+        assert out.stdout.split()[:2] == ["ok", "200"] and int(out.stdout.split()[2]) == 4096
+    else:
+        assert out.stdout.startswith("refused 24 ") and "Raise the limit (ulimit -n)" in out.stdout
+
+
+def test_an_optimizer_dropped_as_garbage_lets_the_next_one_have_its_files(kernels, tmp_path):
+    """An optimizer over state files dropped without close() but not yet collected (in a
+    reference cycle) holds the directory's lock: the next optimizer over it collects the
+    garbage and takes it, instead of calling it another optimizer's."""
+    gc.disable()
+    try:
+        params = [torch.nn.Parameter(torch.randn(8, 8))]
+        dropped = offload_adam.AdamW(params, state_dirs=[tmp_path])
+        cycle = [dropped]
+        cycle.append(cycle)
+        del dropped, cycle
+        offload_adam.AdamW(params, state_dirs=[tmp_path]).close()
+    finally:
+        gc.enable()

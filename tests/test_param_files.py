@@ -3,6 +3,7 @@ simulated asynchronous device: training is bit for bit the training with the par
 resident, the cache holds what its budget allows and reads what it does not hold, and a
 file changed behind its back is an error, never a wrong value."""
 import errno
+import gc
 import math
 import os
 import re
@@ -237,6 +238,35 @@ def test_param_files_not_made_leave_no_file_behind(device, tmp_path, monkeypatch
         offload_adam.stream_params(model, Block, param_dirs=[tmp_path / "a", tmp_path / "b"])
     assert not (tmp_path / "a" / FILE_NAME).exists() and (tmp_path / "b" / FILE_NAME).exists()
     other.close()
+
+
+def test_a_streamer_dropped_as_garbage_lets_the_next_one_have_its_files(device, tmp_path):
+    """A streamer dropped without close() but not yet collected (in a reference cycle;
+    with step_in_backward and state files, its cycles through autograd's C++ objects
+    took the collector a few passes) holds its param files' lock: the next streamer over
+    them collects the garbage and takes them, instead of calling it another streamer's."""
+    gc.disable()
+    try:
+        dropped = offload_adam.stream_params(make_llama(layers=2, frozen=()), Block,
+                                             param_dirs=tmp_path)
+        cycle = [dropped]
+        cycle.append(cycle)
+        del dropped, cycle
+        offload_adam.stream_params(make_llama(layers=2, frozen=()), Block,
+                                   param_dirs=tmp_path).close()
+    finally:
+        gc.enable()
+
+
+def test_a_streamer_not_closed_removes_its_files_when_dropped(device, tmp_path):
+    """The param files are scratch: removed by close(), and by a streamer dropped without
+    it (as at the interpreter's exit, the same finalizer)."""
+    model = make_llama(layers=2, frozen=())
+    dropped = offload_adam.stream_params(model, Block, param_dirs=[tmp_path / "a", tmp_path / "b"])
+    assert (tmp_path / "a" / FILE_NAME).exists() and (tmp_path / "b" / FILE_NAME).exists()
+    del dropped, model
+    gc.collect()
+    assert not (tmp_path / "a" / FILE_NAME).exists() and not (tmp_path / "b" / FILE_NAME).exists()
 
 
 def _damage_a_block_not_cached(streamer, folder) -> int:

@@ -57,6 +57,33 @@ class NvmeError(OSError):
     """An I/O error of the state files, with what was being done and what is still intact."""
 
 
+def map_file(fd: int, length: int, offset: int) -> mmap.mmap:
+    """`length` bytes of the file `fd` from `offset` (a multiple of the allocation
+    granularity), mapped copy-on-write. Python's mmap keeps a descriptor of its own for
+    each mapping, so a state dict mapped tensor by tensor (a 70B model's: some 2,000
+    tensors) can pass a soft limit of 1024 open files: past it, the limit is raised to
+    the hard one (the process may, and nothing else changes), and where that is not
+    enough the error says why so many are open."""
+    try:
+        return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+                return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
+            except (OSError, ValueError):
+                pass
+        raise OSError(errno.EMFILE, f"offload_adam: too many open files ({soft} at most, "
+                      f"hard limit {hard}): a state_dict() of state in files, and a "
+                      "streamed model's state_dict() with param files, map each tensor from "
+                      "its file, one descriptor each while the dict is alive. Raise the "
+                      "limit (ulimit -n), or drop the dicts already saved") from e
+
+
 class AlignedBuffer:
     """`nbytes` of page-aligned host memory (an anonymous mmap), as a uint8 tensor (`.tensor`)
     and a memoryview (`.view`); pinned (cudaHostRegister) when CUDA is available and `pin`."""

@@ -35,6 +35,22 @@ class ManifestError(RuntimeError):
     pass
 
 
+def lock_exclusive(fd: int) -> None:
+    """An exclusive flock on `fd`, not waiting. Held by this process's own garbage (an
+    optimizer or a streamer dropped without close(), whose cycles through autograd's C++
+    objects may take the collector a few passes to free), it is collected first: up to 3
+    passes, then the lock is tried again; held by someone alive, BlockingIOError."""
+    for attempt in range(4):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == 3:
+                raise
+            import gc
+            gc.collect()
+
+
 def fsync_dir(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
@@ -105,7 +121,7 @@ class DirLocks:
         path = os.path.join(folder, LOCK)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock_exclusive(fd)
         except OSError as e:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)

@@ -60,7 +60,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import direct_io, manifest
-from .direct_io import AlignedBuffer, IOPool, NvmeError, open_direct, wait, warn_buffered
+from .direct_io import (AlignedBuffer, IOPool, NvmeError, map_file, open_direct, wait,
+                        warn_buffered)
 from . import redo
 from .circular import SPARES, Circular
 from .layout import (HEADER_BYTES, SLOTS, SUM_BYTES, Extent, StateSpec, differences, place,
@@ -665,8 +666,7 @@ class NvmeState:
                 if t.nbytes == 0:
                     out[t.name] = torch.empty(t.shape, dtype=t.dtype)
                     continue
-                m = mmap.mmap(f.fileno(), start - page + t.nbytes, access=mmap.ACCESS_COPY,
-                              offset=page)
+                m = map_file(f.fileno(), start - page + t.nbytes, page)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")   # "non-writable buffer": it is writable
                     out[t.name] = torch.frombuffer(m, dtype=t.dtype, count=t.numel,
