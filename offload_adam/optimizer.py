@@ -47,6 +47,7 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import distributed
 from .cpu_step import step_on_cpu
 from .engine import OffloadEngine
 from .engine.worker import interrupts_deferred
@@ -193,6 +194,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         }
         _check_modes(defaults, "constructor argument")
         super().__init__(params, defaults)
+        self._same_on_every_rank()
         self._start_engine()
         self._open_store()
         # GradScaler then hands us grad_scale/found_inf instead of unscaling
@@ -314,6 +316,30 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         whose frozen params the store has the engine take then (_enroll)."""
         return [p for p in params if self._in_engine(p) and not _untrainable(p)
                 and (p.requires_grad or p.grad is not None)]
+
+    def _same_on_every_rank(self) -> None:
+        """Under several ranks (FSDP2, process_group=) the options that decide which
+        collectives a step runs must be every rank's: a rank clipping (max_grad_norm=) or
+        keeping its state in files alone would wait in a collective the others never
+        join. Compared when the optimizers are built (every rank builds its own: a
+        collective too), a difference is refused on every rank, naming it."""
+        o = self._options
+        mine = {"max_grad_norm": o.max_grad_norm, "state_dirs given": o.state_dirs is not None,
+                "state_footprint": o.state_footprint, "state_resume": o.state_resume,
+                "step_in_backward": o.step_in_backward, "bucket_mb": o.bucket_mb,
+                "the number of param groups": len(self.param_groups),
+                "state_dtype": [g["state_dtype"] for g in self.param_groups],
+                "amsgrad": [g["amsgrad"] for g in self.param_groups]}
+        params = [p for g in self.param_groups for p in g["params"]]
+        ranks = distributed.every_rank(mine, params, o.process_group)
+        for key in mine:
+            values = [r[key] for r in ranks or ()]
+            if any(v != values[0] for v in values):
+                raise ValueError(
+                    f"offload_adam: {key} differs between the ranks ("
+                    + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                    + "): every rank's optimizer must be built with the same options (a "
+                    "step's collectives depend on them)")
 
     def _start_engine(self, managed=None):
         """The engine of `managed` (a list of params per group; default: _engine_params)."""

@@ -515,6 +515,21 @@ def nvme_one_rank_refused():
     return out
 
 
+@scenario()
+def options_differ():
+    """Rank 0 clips (max_grad_norm=), rank 1 does not: each would run other collectives
+    in its step; both optimizers are refused where they are built, naming the option."""
+    out = {}
+    try:
+        offload_adam.AdamW(build().parameters(), lr=LR,
+                           max_grad_norm=CLIP if dist.get_rank() == 0 else None)
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
+    dist.barrier()
+    return out
+
+
 KILLED_STEPS = 2   # completed by both ranks before rank 0 is killed in the next one
 
 

@@ -184,6 +184,16 @@ def test_a_rank_refusing_its_state_files_is_refused_by_every_rank(ranks):
     assert "of another model or optimizer" in rank1["error"], rank1
 
 
+def test_options_that_differ_between_the_ranks_are_refused_by_every_rank(ranks):
+    """distributed_ranks.options_differ: one rank clips, the other not; both raise, naming
+    max_grad_norm and each rank's value, before any step waits for the other."""
+    for res in result(ranks, "options_differ"):
+        assert res["error"] == (
+            "offload_adam: max_grad_norm differs between the ranks (rank 0: 0.5, rank 1: None): "
+            "every rank's optimizer must be built with the same options (a step's collectives "
+            "depend on them)"), res
+
+
 def test_the_fsdp2_example_trains_and_resumes_bitwise(kernels, tmp_path):
     example = RANKS.parent.parent / "examples" / "fsdp2_cpu.py"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
