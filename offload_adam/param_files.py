@@ -19,9 +19,10 @@ the block's copy to the device may still read it (the streamer's settle), while 
 step writes it (`hold`), or while its read or write is in flight.
 
 Crash safety: the param files are scratch, written afresh when streaming starts and
-removed by close() (or by the finalizer of a streamer dropped, or alive at exit). What a kill must not lose is in the state files: `state_resume=True`
-(state_dirs=) writes every stepped param from its committed master, here into the param
-files, so a file holding a step cut short is never read again. Each block's bytes are
+removed by close() (or by the finalizer of a streamer dropped, or alive at exit). What a
+kill must not lose is in the state files: `state_resume=True` (state_dirs=) writes every
+stepped param from its committed master, here into the param files, so a file holding a
+step cut short is never read again. Each block's bytes are
 checksummed (CRC32C per I/O request) when written and checked when read back.
 
 Bytes per step, per streamed param: forward and backward each read what the cache does not
@@ -153,13 +154,13 @@ class ParamFiles:
                 if not direct:
                     buffered.append(d)
         except OSError as e:   # (a full disk: the files made so far go, as at close())
-            self._close_files(remove=True)
+            self._close_files()
             raise NvmeError(e.errno, f"offload_adam.stream_params: cannot make the param "
                             f"file of {max(end, ALIGN)} bytes in {where} ({e.strerror}; "
                             f"the {len(dirs)} param files take {sum(ends)} bytes in all); "
                             "nothing was streamed") from e
         except BaseException:
-            self._close_files(remove=True)
+            self._close_files()
             raise
         warn_buffered(buffered)
         # a streamer dropped without close() (or alive at the interpreter's exit) removes
@@ -191,7 +192,7 @@ class ParamFiles:
                 slot.buffer.close()
             self.slots = []
             self.pool.close()
-            self._close_files(remove=True)
+            self._close_files()
             raise
         # a streamer dropped without close() unpins the slots when collected (the list
         # holds their memory until then)
@@ -427,8 +428,9 @@ class ParamFiles:
         mismatch with the block's sums as written; None when it read what was written."""
         error = wait(futures)
         if error is not None:
-            e = NvmeError(getattr(error, "errno", None) or errno.EIO, f"offload_adam: reading block {i}'s "
-                          f"params from {self._path(i)} failed: {error}")
+            e = NvmeError(getattr(error, "errno", None) or errno.EIO,
+                          f"offload_adam: reading block {i}'s params from {self._path(i)} "
+                          f"failed: {error}")
             e.__cause__ = error
             return e
         if i in self.sums and [f.result() for f in futures] != self.sums[i]:
@@ -498,20 +500,16 @@ class ParamFiles:
                 slot.buffer.close()
             self.slots, self.slot_of = [], {}
             self.pool.close()
-            self._close_files(remove=True)
+            self._close_files()
 
-    def _close_files(self, remove: bool = False) -> None:
-        if remove:   # (still locked: no other streamer is using them)
-            for path in self.paths[:len(self._locks)]:
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass
+    def _close_files(self) -> None:
+        """Removes the files this streamer locked (all of them once made: the finalizer's
+        list) and closes their descriptors."""
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer()
         else:
-            _close_fds(self.fds + self._locks)
+            _let_go(self.fds + self._locks, self.paths[:len(self._locks)], os.getpid())
         self.fds, self._locks = [], []
 
 
