@@ -723,8 +723,10 @@ class ParamStreamer:
         block.ticket = ticket = [None]   # (set by _post_forward's hook: _pre_backward)
         if inputs:   # (none: nothing flows back through them, end of backward releases it)
             entry = [None, False, 0]
-            entry[0] = torch.autograd.graph.register_multi_grad_hook(
-                inputs, _weakly(self, "_backward_done", block, ticket, entry), mode="all")
+            entry[0] = _AllGrads(inputs, _weakly(self, "_backward_done", block, ticket, entry))
+            # (the entries of graphs dropped unused, an evaluation run with grad enabled,
+            # let go here: no backward comes to)
+            self._input_hooks = [e for e in self._input_hooks if e[0].alive()]
             self._input_hooks.append(entry)
             self._fetch_after(block, inputs)
 
@@ -1249,16 +1251,53 @@ def _refuse_other_step(optimizer, args, kwargs) -> None:
                     "stepped")
 
 
+class _AllGrads:
+    """Calls `fn()` in a backward once the grads of all of `tensors` are computed (a
+    hook on each), holding no autograd node: torch's "all" multi-grad hook keeps the
+    nodes it sits on (to ask which will run), a cycle through C++ that the garbage
+    collector does not see, so a forward never backpropagated kept its whole graph, its
+    activations on the device with it. An input whose grad a backward does not compute
+    (backward(inputs=...) leaving it out) holds it until the end of that backward, which
+    releases every block."""
+
+    def __init__(self, tensors: List[torch.Tensor], fn: Callable[[], None]):
+        seen: Dict[int, set] = {}   # graph task -> the tensors whose grads came
+        unique = list({id(t): t for t in tensors}.values())
+        count = len(unique)   # (the hooks hold no tensor: a tensor holds its node)
+
+        lock = threading.Lock()   # (autograd runs a device's hooks on its own thread)
+
+        def one(k: int):
+            def hook(grad):
+                task = torch._C._current_graph_task_id()
+                with lock:
+                    got = seen.setdefault(task, set())
+                    got.add(k)
+                    if len(got) < count:
+                        return
+                    del seen[task]
+                fn()
+            return hook
+        self.handles = [t.register_hook(one(k)) for k, t in enumerate(unique)]
+
+    def alive(self) -> bool:
+        """Whether a hook is still on a tensor of a graph alive."""
+        return any(h.hooks_dict_ref() is not None for h in self.handles)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def _weakly(streamer: "ParamStreamer", method: str, block: _Block, ticket: list,
             entry: Optional[list] = None):
-    """A grad hook calling streamer.`method`(block, ticket), holding neither weakly: the
-    autograd nodes a multi-grad hook sits on and the hook hold each other through C++,
-    which the garbage collector does not see, so a hook holding the streamer would keep a
-    model dropped without close() alive (and its pinned host copies, its files' lock).
+    """A grad hook calling streamer.`method`(block, ticket), holding neither weakly (a
+    hook holding the streamer would keep a model dropped without close() alive, and its
+    pinned host copies, its files' lock, while autograd holds the hook).
     `entry`: the streamer's [handle, fired, ...] of the hook, marked fired."""
     me, index = weakref.ref(streamer), block.index
 
-    def hook(grads):
+    def hook(*grads):
         if entry is not None:
             entry[1] = True
         s = me()

@@ -1560,3 +1560,24 @@ def test_no_step_leaves_its_graph_alive(device, early):
     streamer.close()
     del model, opt, streamer
     assert _autograd_nodes() <= before
+
+
+def test_forwards_never_backpropagated_leave_no_graph_alive(device):
+    """An evaluation loop run with grad enabled (no torch.no_grad(), no backward) drops
+    each forward's graph, as without the streamer: the release hook on each block's
+    inputs holds no autograd node (torch's "all" multi-grad hook held the nodes it sits
+    on, so every such forward's graph, its activations with it, stayed alive until two
+    backwards had ended)."""
+    model = make_llama(layers=6)
+    streamer = offload_adam.stream_params(model, Block, prefetch=1)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 2)
+    settled = _autograd_nodes()
+    for k in range(20):
+        llama_loss(model, 50 + k)   # (its graph dropped)
+    assert _autograd_nodes() <= settled
+    assert len(streamer._input_hooks) <= 6   # (the hooks of the graphs gone are let go)
+    train(model, opt, 2, start=2)   # (and the releases in backward still come)
+    assert _autograd_nodes() <= settled
+    opt.close()
+    streamer.close()
