@@ -30,8 +30,12 @@ def test_grad_fingerprint(monkeypatch, dtype, chunk):
     assert torch.equal(base, fp(g.clone()))
     one_ulp = g.clone()
     one_ulp.view(torch.int16 if g.element_size() == 2 else torch.int32)[7] += 1
-    for edited in (-g, g * 2, one_ulp, g.clamp(-1, 1), torch.zeros_like(g)):
+    swapped = g.clone()   # (two elements a chunk apart: each in the other's place)
+    swapped[[3, 3 + min(chunk, 500)]] = swapped[[3 + min(chunk, 500), 3]]
+    rows = g[:min(chunk, 250) * 4].reshape(4, -1)   # (rows of a chunk's width reversed)
+    for edited in (-g, g * 2, one_ulp, g.clamp(-1, 1), torch.zeros_like(g), swapped):
         assert not torch.equal(fp(edited), base)
+    assert not torch.equal(fp(rows.flip(0)), fp(rows))
     wide = torch.stack([g, g])  # non-contiguous columns
     assert torch.equal(fp(wide.t()), fp(wide.t().contiguous()))
 
@@ -39,14 +43,16 @@ def test_grad_fingerprint(monkeypatch, dtype, chunk):
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_grad_fingerprint_is_its_formula(monkeypatch, dtype):
     """The fingerprint is the sum, modulo 2^64, of each element's bit pattern (signed)
-    times the odd weight of its position in its chunk: computed here with Python's
-    integers over a grad of several chunks and a partial last one."""
+    times the odd weight of its position in its chunk and its chunk's odd factor:
+    computed here with Python's integers over a grad of several chunks and a partial
+    last one."""
     monkeypatch.setattr(engine_grads, "_FINGERPRINT_CHUNK", 64)
     g = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
     bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32).tolist()
     weights = engine_grads._weights(g.device, 64).tolist()
     assert all(w % 2 for w in weights)
-    want = sum(b * weights[i % 64] for i, b in enumerate(bits)) % 2**64
+    want = sum(b * weights[i % 64] * engine_grads._chunk_factor(i // 64)
+               for i, b in enumerate(bits)) % 2**64
     want -= 2**64 if want >= 2**63 else 0
     assert engine_grads.grad_fingerprint(g).item() == want
 

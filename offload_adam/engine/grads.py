@@ -53,6 +53,14 @@ def _weights(device: torch.device, n: int) -> torch.Tensor:
     return w[:n]
 
 
+def _chunk_factor(k: int) -> int:
+    """An odd int64 for chunk k (a Weyl sequence): each chunk's sum is multiplied by its
+    own, so that moving values between chunks (a swap of two elements a chunk apart,
+    rows of a chunk's width reversed) moves the fingerprint as a move inside one does."""
+    x = (k * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64 | 1
+    return x - 2**64 if x >= 2**63 else x
+
+
 def _chunk(device: torch.device) -> int:
     return min(_FINGERPRINT_CHUNK, _CPU_CHUNK) if device.type == "cpu" else _FINGERPRINT_CHUNK
 
@@ -60,10 +68,12 @@ def _chunk(device: torch.device) -> int:
 def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
     """An int64 (a 0-dim tensor on the grad's device, computed without waiting
     for it) that changes when the grad's values change: the sum, modulo 2^64, of
-    each element's bit pattern times an odd weight fixed for its position (per
-    chunk). One changed element always moves it (an odd weight is invertible
-    modulo 2^64); several changes cancel out only by a 2^-64 chance, whatever
-    they are (sign flips, swaps, scaling). Device memory traffic per element: the
+    each element's bit pattern times an odd weight fixed for its position (the
+    weight of its place in its chunk times its chunk's odd factor). One changed
+    element always moves it (an odd weight is invertible modulo 2^64); several
+    changes cancel out when their weighted sums do, which edits made through
+    .data (sign flips, scaling, swaps, rows reordered) do not arrange: the
+    weights are pseudo-random. Device memory traffic per element: the
     grad's bits read (2 B for bf16) and widened inside the multiply, its weight read
     (8), the int64 product written (8) into one buffer reused per chunk and read by the
     sum (8): 26 B, about 9 ms per billion elements at an H100's 3 TB/s, an estimate (not
@@ -79,7 +89,7 @@ def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
         part = bits[i:i + chunk]
         out = product[:part.numel()]
         torch.mul(part, _weights(g.device, part.numel()), out=out)
-        total += out.sum()
+        total += out.sum() * _chunk_factor(i // chunk)   # (int64: wraps modulo 2^64)
     return total
 
 
