@@ -208,6 +208,15 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
     if (!s.device().is_cpu() || s.numel() != 1 || s.scalar_type() != at::kFloat)
       fail_type(where("steps", i) + " must be a one-element float32 CPU tensor (torch's state['step'])");
     step_ptrs[i] = s.data_ptr<float>();
+    // A float32 count stops at 2^24 (+1 rounds back to it): torch's step then stalls,
+    // harmless to its bias corrections, but the stochastic rounding of bf16/8-bit
+    // moments keys its bits on the count, and would round alike every step (biased).
+    if (exp_avgs[i].scalar_type() != at::kFloat && *step_ptrs[i] + 1.0f == *step_ptrs[i])
+      fail_value(where("steps", i) + " is " + std::to_string(static_cast<int64_t>(*step_ptrs[i])) +
+                 ": a float32 step count (torch's state['step']) stops counting at 2^24, and the "
+                 "stochastic rounding of bfloat16/8-bit moments draws its bits from it (past it "
+                 "they would round alike each step: biased). Use state_dtype=torch.float32 for a "
+                 "run this long, or set the step count lower; nothing was stepped");
     v.tensors[i].step = static_cast<int64_t>(*step_ptrs[i]) + 1;
   }
   oa::AdamHyper h;

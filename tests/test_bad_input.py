@@ -147,6 +147,38 @@ def test_a_loaded_step_count_must_be_whole(step):
         assert float(opt.state[p]["step"]) == 3.0
 
 
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, "8bit"])
+def test_a_step_count_past_float32s_integers_is_refused(state_dtype):
+    """torch's float32 step stops counting at 2^24 (+1 rounds back to it); the stochastic
+    rounding of bf16/8-bit moments keys its bits on the count, so past it every step
+    rounded alike and the moments went biased without a word (found from outside). The
+    step is refused, nothing stepped; fp32 moments step on as torch's do."""
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = offload_adam.AdamW([p], state_dtype=state_dtype)
+    p.grad = torch.randn(300)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = torch.tensor(2.0 ** 24)
+    opt.load_state_dict(sd)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"steps\[0\] is 16777216: a float32 step count .* "
+                                         r"stops counting at 2\^24"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and float(opt.state[p]["step"]) == 2.0 ** 24
+    sd["state"][0]["step"] = torch.tensor(2.0 ** 24 - 1)   # (its last count: steps)
+    opt.load_state_dict(sd)
+    opt.step()
+    assert float(opt.state[p]["step"]) == 2.0 ** 24
+    q = torch.nn.Parameter(torch.randn(300))
+    fp32 = offload_adam.AdamW([q])
+    q.grad = torch.randn(300)
+    fp32.step()
+    sd = fp32.state_dict()
+    sd["state"][0]["step"] = torch.tensor(2.0 ** 24)
+    fp32.load_state_dict(sd)
+    fp32.step()
+
 def test_a_refused_load_state_dict_changes_nothing(path):
     # amsgrad=True cannot be kept by an 8-bit optimizer: refused before any of the
     # state or the groups is replaced, and training goes on as if never tried
