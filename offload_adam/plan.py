@@ -1061,6 +1061,29 @@ def _model(args) -> ModelShape:
     return replace(model, **given) if given else model
 
 
+def _check_probe_fits(probe_gb: float, state_dir: str) -> None:
+    """A ValueError when --measure's probes would not fit: the DRAM probe holds two
+    buffers of --probe-gb (at most half the RAM available: a larger one swapped, or the
+    kernel killed the planner), the disk's a file of it (at most half the free space)."""
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is not None and 2 * probe_gb * GB > available / 2:
+        raise ValueError(f"--probe-gb {probe_gb:g}: the memory probe holds 2 x {probe_gb:g} GB, "
+                         f"more than half of the {available / GB:.1f} GB of RAM available; at "
+                         f"most {available / 4 / GB:.3g}")
+    free = shutil.disk_usage(state_dir).free
+    if probe_gb * GB > free / 2:
+        raise ValueError(f"--probe-gb {probe_gb:g}: the disk probe writes a file of {probe_gb:g} GB, "
+                         f"more than half of the {free / GB:.1f} GB free in {state_dir!r}; at "
+                         f"most {free / 2 / GB:.3g}")
+
+
 def _machine(args) -> Machine:
     here = args.machine == "here"
     if not here:
@@ -1081,6 +1104,8 @@ def _machine(args) -> Machine:
         probe_gb = 1.0 if args.probe_gb is None else args.probe_gb
         if not _positive(probe_gb) or probe_gb * GB < 16 * _MB:
             raise ValueError(f"--probe-gb: at least 0.017 (16 MiB), got {probe_gb:g}")
+        if args.measure:
+            _check_probe_fits(probe_gb, state_dir)
         try:
             machine = machine_here(MACHINES["desktop-24gb"], state_dir, args.measure,
                                    int(probe_gb * GB))

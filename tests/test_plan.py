@@ -379,6 +379,9 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     (["llama-3-8b", "--machine", "here", "--measure", "--probe-gb", "0"], "--probe-gb: at least"),
     (["llama-3-8b", "--machine", "here", "--measure", "--probe-gb", "-1"], "--probe-gb: at least"),
     (["llama-3-8b", "--machine", "here", "--probe-gb", "1"], "give --measure"),
+    # (a probe larger than the machine: 2 x 1000 GB of RAM asked for, the planner killed)
+    (["llama-3-8b", "--machine", "here", "--measure", "--probe-gb", "1000"],
+     "--probe-gb 1000: the memory probe holds 2 x 1000 GB, more than half of the"),
     (["llama-3-8b", "--heads", "7"], "must be a multiple of heads (7)"),
     # figures past any machine's overflowed to inf and nan (a traceback, and an empty --json)
     (["llama-3-8b", "--ram-gb", "1e300", "--json", "plan.json"],
@@ -645,3 +648,17 @@ def test_the_search_stops_where_the_pieces_would_be_too_many(monkeypatch):
     lay = planner.Layout("ram", "files", "8bit")
     assert planner.largest_fitting(small, m, run, lay).layers == most
     assert planner.report(small, m, run, [lay])[1][0]["largest_fitting"]["at_least"] is True
+
+
+def test_a_probe_larger_than_the_free_disk_is_refused(capsys, tmp_path, monkeypatch):
+    """--measure's disk probe writes a file of --probe-gb: past half the free space it is
+    refused before anything is written (a full disk for the user's other work)."""
+    monkeypatch.chdir(tmp_path)
+    usage = planner.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(planner.shutil, "disk_usage",
+                        lambda path: usage._replace(free=int(0.08 * planner.GB)))
+    argv = ["llama-3-8b", "--machine", "here", "--measure", "--probe-gb", "0.05"]
+    assert planner.main(argv) == 2
+    assert ("--probe-gb 0.05: the disk probe writes a file of 0.05 GB, more than half of the "
+            "0.1 GB free" in capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []
