@@ -703,7 +703,8 @@ class FileStore:
 
         def split(p, gi, other):
             g = param_groups[gi]
-            return (f"offload_adam: param {param_label(g, gi, g['params'].index(p), p)} "
+            at = next(k for k, q in enumerate(g["params"]) if q is p)   # (not ==: elementwise)
+            return (f"offload_adam: param {param_label(g, gi, at, p)} "
                     f"is now in param group {gi}, but params that were in its group when "
                     f"the optimizer was built are in param group {other}: the state "
                     "files step a group's params with one group's hyperparameters. Move "
@@ -719,7 +720,8 @@ class FileStore:
     def add_group(self, index: int, group: dict) -> None:
         raise NotImplementedError(
             "add_param_group cannot be used with state_dirs=: the NVMe tier lays out "
-            "its files for the params given at construction")
+            "its files for the params given at construction. Give every param group "
+            "when building the optimizer; nothing was added")
 
     def reset(self) -> None:
         pass   # nothing cached between steps

@@ -130,3 +130,30 @@ def test_a_param_put_into_a_named_group_is_named_by_its_place(path):
         return
     with pytest.raises(RuntimeError, match=r"param group 0, param 2 \(shape \(4,\)\)"):
         opt.step()
+
+
+def test_a_param_moved_to_another_group_is_refused_by_name(path):
+    """A param of group 0 moved into group 1's list by hand: stepped with group 1's
+    hyperparameters in place (as torch does); the engine and the files, which step a
+    group's buckets with one group's, refuse it naming the param (with the state in
+    files that was "Boolean value of Tensor with more than one value is ambiguous",
+    from the error's own label: list.index compares tensors with ==)."""
+    ps = [p.clone().requires_grad_() for p in _params()]
+    opt = offload_adam.AdamW(_groups(ps), bucket_mb=0.0001)
+    for step in range(2):
+        for p, g in zip(ps, _grads(step)):
+            p.grad = g.clone()
+        if step == 1:
+            opt.param_groups[0]["params"].pop(1)
+            opt.param_groups[1]["params"].append(ps[1])
+        if step == 0 or not (path.engine or path.files):
+            opt.step()
+            continue
+        before = [p.detach().clone() for p in ps]
+        # (named by its place when added, or now: param group 0, param 1 / 1, 2)
+        with pytest.raises(RuntimeError, match=r"param group (0, param 1|1, param 2) \(shape "
+                                               r"\(4, 3\)\) is now in param group 1"):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    if not (path.engine or path.files):
+        assert opt.param_groups[1]["params"][-1] is ps[1]
