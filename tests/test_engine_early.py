@@ -250,6 +250,36 @@ def test_a_change_after_backward_is_an_error(path, change):
         opt.zero_grad()
 
 
+def test_a_step_retried_after_the_error_is_refused(path):
+    """The natural retry after the error (the lr put back, step() again) stepped every
+    param with the same grads once more, those stepped in backward twice, without a
+    word (found from outside): with the state in RAM it is refused until zero_grad()
+    and the next backward, nothing stepped; in files nothing was stepped, and the retry
+    is the step."""
+    model, opt, before = _in_second_backward()
+    _lr(model, opt)
+    with pytest.raises(RuntimeError, match="step_in_backward=True forbids"):
+        opt.step()
+    opt.param_groups[1]["lr"] *= 2
+    left = _snapshot(opt, model)
+    if path.files:
+        opt.step()   # (the pass at step(): every param stepped once)
+        after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
+        assert all(torch.equal(m, after[p]) for p, m in _snapshot(opt, model).items())
+    else:
+        for _ in range(2):   # (and again: still refused)
+            with pytest.raises(RuntimeError, match=r"the last step\(\) raised after the Adam "
+                                                   r"step of [1-9]\d* params had run during "
+                                                   r"backward.*twice.*nothing was stepped"):
+                opt.step()
+        assert all(torch.equal(m, left[p]) for p, m in _snapshot(opt, model).items())
+    opt.zero_grad()
+    for it in (2, 3):   # training goes on
+        backward(model, it)
+        opt.step()
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("drop", ["p.grad = None", "model.zero_grad()"])
 def test_a_freed_grad_dropped_after_backward_is_an_error(path, drop):
     """With free_grads_after_copy the grads are FreedGrads after backward: one set to
@@ -275,7 +305,11 @@ def test_clip_grad_norm_and_grad_scaler_are_errors(path):
     backward(model, 0)
     with pytest.raises(RuntimeError, match="clip_grad_norm_ was called.*" + ran):
         opt.clip_grad_norm_(1.0)
-    opt.step()
+    if path.files:
+        opt.step()   # (nothing was stepped: this is the step)
+    else:   # (the steps that ran in backward would run again)
+        with pytest.raises(RuntimeError, match="would step those params twice"):
+            opt.step()
     opt.zero_grad()
     backward(model, 1)
     with pytest.raises(RuntimeError, match="clip_grad_norm_ was called.*" + ran):

@@ -336,6 +336,28 @@ def test_a_changed_state_dtype_is_converted_in_place_and_refused_by_the_engine(p
         assert states(opt)[model.head.weight]["exp_avg"].dtype == torch.bfloat16
 
 
+
+def test_a_changed_state_dtype_is_refused_in_backward_too(path):
+    """With step_in_backward the steps started in backward with the state as it was laid
+    out: a changed state_dtype was stepped on in fp32 without a word, while the group
+    said bfloat16 (found from outside). Nothing steps in backward; step() refuses it."""
+    if not path.engine:
+        pytest.skip("step_in_backward runs on the engine")
+    model, opt = train(torch.float32, steps=1, step_in_backward=True)
+    for g in opt.param_groups:
+        g["state_dtype"] = "bfloat16"
+    params = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, 1).backward()
+    # (the state files' pass, started in backward, is abandoned: step_in_backward's error)
+    error, match = ((RuntimeError, "state_dtype changed from 'float32' to 'bfloat16'.*Nothing "
+                     "was stepped") if path.files
+                    else (ValueError, "state_dtype changed from 'float32' to 'bfloat16'"))
+    with pytest.raises(error, match=match):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert opt.step_count == 1
+    assert states(opt)[model.head.weight]["exp_avg"].dtype == torch.float32
+
 def test_a_group_changed_from_8bit_keeps_no_block_scales(kernels):
     """In place (the engine refuses the change: the test above), 8-bit -> bf16: the
     moments are decoded and stored as bf16, and the 8-bit block scales go (a later

@@ -68,7 +68,7 @@ from ..params import check_dense, groups_now, home_of, one_device
 from ..state_format import state_format
 from .device import HostDevice, current_host_stand_in, make_device
 from .host_memory import HostArenas
-from .early import EarlyStart
+from .early import EarlyStart, format_changed
 from .grad_ring import GradRing, block_grad_bytes, ring_bytes
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .param_check import ParamCheck
@@ -748,12 +748,9 @@ class OffloadEngine:
             todo = [p for p in b.pieces if id(p.rec) in take and id(p) not in early]
             if todo:
                 group = param_groups[b.group]
-                if group.get("state_dtype", "float32") != todo[0].rec.fmt.name:
-                    raise ValueError(
-                        f"param group {b.group}'s state_dtype changed from "
-                        f"{todo[0].rec.fmt.name!r} to {group.get('state_dtype')!r} after the "
-                        "optimizer was built; the offloaded state keeps its format: build a "
-                        "new optimizer (load_state_dict converts a saved state)")
+                changed = format_changed(param_groups, b)
+                if changed is not None:
+                    raise ValueError(changed)
                 if b.group not in hypers:
                     hypers[b.group] = Hyper.of(group)
                 job = self._bucket_job(b, todo, hypers[b.group], grad_scale, threads, fence,

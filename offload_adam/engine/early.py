@@ -78,6 +78,10 @@ class EarlyStart:
         self._held_blocks: set = set()           # ids of the blocks they step
         self._holding = True                     # False once a block beyond them came
         self._replaced = False                   # the state they step was replaced
+        # Why the grads held now cannot be stepped: a step() that failed after the
+        # steps of some params ran in backward (those are stepped with them: a retry
+        # would step them twice). Cleared by zero_grad() and the next backward's grads.
+        self.spent: Optional[str] = None
 
     def use_files(self, files) -> None:
         """The state is in files: `files` (a DiskEarly) steps it in backward."""
@@ -86,6 +90,7 @@ class EarlyStart:
     # ---- during backward ----------------------------------------------------------------
 
     def before_copy(self, rec) -> None:
+        self.spent = None   # (a new backward: its grads are new)
         if id(rec) in self._started:
             self.error = self.error or (
                 "a grad arrived again for a param whose step already started during "
@@ -187,6 +192,8 @@ class EarlyStart:
         if engine.torn is not None:
             return  # a state of no step: step() refuses it (OffloadEngine.step)
         pieces = [p for p in bucket.pieces if id(p.rec) in self._hooked]
+        if format_changed(owner.param_groups, bucket) is not None:
+            return  # stepped by nothing: step() refuses the group's state_dtype changed
         engine.flush_pack(bucket)
 
         def begin(recs):
@@ -299,6 +306,8 @@ class EarlyStart:
             if self._started:
                 self.commit()   # what ran stays consistent
             raise
+        if self.spent is not None:
+            raise RuntimeError(self.spent)
         problem = self._problem(engine, param_groups, state, grad_scale)
         if problem is not None:
             self.fail(problem)
@@ -344,6 +353,9 @@ class EarlyStart:
             used = self._hyper.get(b.group)
             if used is None:
                 continue
+            changed = format_changed(param_groups, b)
+            if changed is not None:
+                return changed
             if b.group not in now:
                 now[b.group] = Hyper.of(param_groups[b.group])
             changes = used.changes(now[b.group])
@@ -379,6 +391,11 @@ class EarlyStart:
                     "be undone (no copy of the previous state is kept): those params "
                     "and their state are stepped, the other params are not. Restore a "
                     "checkpoint to continue exactly")
+            self.spent = (f"offload_adam: the last step() raised after the Adam step of "
+                          f"{stepped} params had run during backward with these grads: a "
+                          "step() with them again would step those params twice. Call "
+                          "zero_grad() and run the next backward (or restore a checkpoint); "
+                          "nothing was stepped")
         else:
             what = "Nothing was stepped"
         raise RuntimeError(
@@ -433,9 +450,12 @@ class EarlyStart:
                           "(an error or KeyboardInterrupt inside it)")
 
     def on_zero_grad(self) -> None:
-        if self._started or self.error is not None:
-            self.fail(self.error or "zero_grad() was called after steps started during "
-                      "backward, before step()")
+        try:
+            if self._started or self.error is not None:
+                self.fail(self.error or "zero_grad() was called after steps started during "
+                          "backward, before step()")
+        finally:
+            self.spent = None   # (the grads are zeroed: none is left to step twice)
         if self.files is not None and self.files.busy:   # read ahead, nothing stepped
             self.commit()
 
@@ -454,3 +474,16 @@ class EarlyStart:
         self._counted = set()
         # (a failed step drops the held jobs unrun: those params are not stepped)
         self._held, self._held_ids, self._held_blocks, self._holding = [], set(), set(), True
+
+
+def format_changed(param_groups, bucket) -> Optional[str]:
+    """Why `bucket` cannot be stepped when its group's state_dtype is not its state's
+    format (set after the optimizer was built: the offloaded state keeps the format it
+    was laid out in); None when they agree."""
+    group = param_groups[bucket.group]
+    now, fmt = group.get("state_dtype", "float32"), bucket.pieces[0].rec.fmt.name
+    if now == fmt:
+        return None
+    return (f"param group {bucket.group}'s state_dtype changed from {fmt!r} to {now!r} "
+            "after the optimizer was built; the offloaded state keeps its format: build a "
+            "new optimizer (load_state_dict converts a saved state)")
