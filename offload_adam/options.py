@@ -53,7 +53,8 @@ documented here and nowhere else.
     check: the kernel reads p.grad.)
   step_in_backward (False): start each bucket's CPU step during backward, as
     soon as every param of it that got a grad in the previous backward has its
-    grad on the host (from the second step on), instead of at step(). Needs
+    grad on the host (in the first backward: every param of it that requires
+    grad), instead of at step(); the first backward steps too. Needs
     overlap=True; max_grad_norm= cannot be used with it. A grad edited during
     backward by a post-accumulate-grad hook registered on its param after the
     optimizer was built (p.grad.mul_, .data, a new p.grad) is stepped as
@@ -114,7 +115,7 @@ documented here and nowhere else.
     state that cannot be trusted (data files without their manifest, the
     directories in another order than they were made in, a file of another
     run), is refused: a state is never overwritten unasked (remove its files
-    to start afresh). Every bucket is checksummed (CRC32) as it is written and
+    to start afresh). Every bucket is checksummed (CRC32C) as it is written and
     checked whenever it is read (each step, state_dict(), a resume): damaged
     bytes are an error naming the bucket and the file. state_dict() returns
     tensors backed by the files (mmap'd, copy on write; save them before the
@@ -191,7 +192,7 @@ documented here and nowhere else.
 The state format is a param-group key, not an option of this record:
   state_dtype (torch.float32): how exp_avg and exp_avg_sq are stored:
     torch.float32 (12 B/param with the fp32 master), torch.bfloat16 (8 B;
-    exp_avg rounded to nearest, exp_avg_sq stochastically) or "8bit" (~6 B:
+    both moments rounded stochastically: unbiased) or "8bit" (~6 B:
     blockwise uint8 codes with an fp32 scale per 256 elements; no amsgrad).
     The master stays fp32. Fewer bytes is a faster CPU step (it is bound by
     memory bandwidth) and a larger model in the same RAM. state_dict() saves

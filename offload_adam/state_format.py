@@ -7,7 +7,7 @@ bf16 moments); only exp_avg and exp_avg_sq (and amsgrad's max) shrink:
 
   format    state per param (master + moments)   step traffic   csrc/adam_kernels.h
   float32   4 + 8 = 12 B                          28 B           torch's format
-  bfloat16  4 + 4 =  8 B                          20 B           m rounded to nearest, v stochastically
+  bfloat16  4 + 4 =  8 B                          20 B           m and v rounded stochastically
   "8bit"    4 + 2 + 8/256 = ~6 B                  ~16 B          blockwise: uint8 codes and one fp32
                                                                  scale per 256 elements per moment
 
