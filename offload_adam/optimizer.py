@@ -238,6 +238,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._marks = MasterMarks()
             self._start_engine()
             self._open_store(resume=True)   # its own files: it continues from them
+            # (not in torch's pickled state: without it GradScaler unscaled the grads in
+            # place after the engine's copies, which then stepped them scaled)
+            self._step_supports_amp_scaling = True
 
     def _forget_groups(self) -> None:
         """The engine and the files know each param's group by the number it was added
@@ -537,6 +540,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._engine.zero_grad()
 
     # ---- step ---------------------------------------------------------------
+    # (torch.compile(opt.step) runs it as it is: the step is the C++ kernel's and host
+    # threads', nothing to trace, and tracing the engine's Python failed inside dynamo)
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         """Performs a single optimization step.

@@ -142,6 +142,9 @@ class TorchStateDict:
             # the checkpoint's: the loaded moments are converted to it.
             for group, fmt in zip(self.param_groups, formats):
                 group["state_dtype"] = fmt
+                # (so are its execution modes: a torch dict from a capturable run keeps
+                # its values, not a mode the constructor refuses and a later save repeats)
+                group["capturable"] = group["differentiable"] = False
             self._store.reset()
             loaded = list(self._loaded_params(seen["state_dict"]))
             self._store.load(loaded, seen["state_dict"]["state"], self.state)

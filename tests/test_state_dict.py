@@ -176,6 +176,25 @@ def test_load_keeps_decoupled_for_adamw_and_runs_user_hooks(kernels):
     run(ours, ps, 1, 1)
 
 
+
+def test_a_loaded_capturable_or_differentiable_group_takes_this_optimizers_modes(kernels):
+    """A torch dict from a capturable (or differentiable) run: its moments load, and the
+    groups keep this optimizer's modes, which the constructor refuses True (they were
+    taken from the dict, kept and saved again, found from outside)."""
+    ps = make_params()
+    torch_opt = torch.optim.AdamW(clone_params(ps), lr=0.02)
+    run(torch_opt, torch_opt.param_groups[0]["params"], 0, 1)
+    sd = torch_opt.state_dict()
+    sd["param_groups"][0].update(capturable=True, differentiable=True)
+    ours = offload_adam.AdamW(ps, lr=0.02)
+    ours.load_state_dict(sd)
+    assert ours.param_groups[0]["capturable"] is False
+    assert ours.param_groups[0]["differentiable"] is False
+    saved = ours.state_dict()["param_groups"][0]
+    assert saved["capturable"] is False and saved["differentiable"] is False
+    assert float(ours.state[ps[0]]["step"]) == 1.0
+    run(ours, ps, 1, 1)
+
 def test_load_then_scheduler_and_pickle(kernels):
     ps = make_params(torch.bfloat16)
     ours = offload_adam.AdamW(ps, lr=0.1)

@@ -444,6 +444,7 @@ class OffloadEngine:
     # ---- 1. backward: each grad streams to the host as it is produced ------------
 
     def _on_grad(self, rec: ParamRec) -> None:
+        _refuse_compiled_autograd()
         if self._tail:   # the last step's deferred steps read the grads' places in the ring
             self.settle_tail()
         self._take_deferred()   # autograd is past the hooks of the params before this one
@@ -643,11 +644,15 @@ class OffloadEngine:
                     "their state is part one step, part the next. No step() or "
                     "state_dict() is taken from it: load_state_dict() a checkpoint (with "
                     "the model's weights) to go on, or build a new optimizer")
-            elif whole and hasattr(e, "add_note"):   # (Python 3.11+)
-                e.add_note(f"offload_adam: {whole} params were stepped before the error, "
-                           "each with its state; the others were not (each param's state "
-                           "\"step\" says which). Training can go on; load a checkpoint "
-                           "to continue exactly.")
+            elif whole:
+                note = (f"offload_adam: {whole} params were stepped before the error, "
+                        "each with its state; the others were not (each param's state "
+                        "\"step\" says which). Training can go on; load a checkpoint "
+                        "to continue exactly.")
+                if hasattr(e, "add_note"):   # (Python 3.11+)
+                    e.add_note(note)
+                else:   # (3.10: kept where 3.11 keeps it, not printed)
+                    e.__notes__ = [*getattr(e, "__notes__", []), note]
             raise
 
     def stepping(self, param_groups: List[dict], grad_scale: float = 1.0,
@@ -718,9 +723,13 @@ class OffloadEngine:
     def _learn_bucket_order(self) -> None:
         """The first step after a backward with hooks: buckets in hook order."""
         if self._hook_order:
-            seen = set(map(id, self._hook_order))
+            # (once each, where it came last: a param whose hook ran in a backward that
+            # raised before its copy, and again in the next, is in the hooks' order
+            # twice; in two buckets it was stepped twice a step)
+            first = list({id(r): r for r in reversed(self._hook_order)}.values())[::-1]
+            seen = set(map(id, first))
             rest = sorted((r for r in self.recs if id(r) not in seen), key=lambda r: -r.position)
-            self._hook_order, order = None, self._hook_order + rest
+            self._hook_order, order = None, first + rest
             self._rebucket(order)
 
     def _plan(self, param_groups, state, grad_scale, fence) -> list:
@@ -1560,3 +1569,17 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
     transfer_arenas.clear()
     acc_arenas.clear()
     ring_arenas.clear()
+
+
+def _refuse_compiled_autograd() -> None:
+    """Compiled autograd traces the grad hooks into its graph: the engine's (host
+    copies on its own streams, end-of-backward callbacks, graph task ids) cannot be
+    traced, and failed inside dynamo part way. Refused before anything is copied."""
+    ca = getattr(torch._dynamo, "compiled_autograd", None) if hasattr(torch, "_dynamo") else None
+    if ca is not None and getattr(ca, "in_compiled_autograd_region", False):
+        raise RuntimeError(
+            "offload_adam: backward runs under compiled autograd (torch._dynamo."
+            "config.compiled_autograd=True, or compiled_autograd._enable), which traces "
+            "the grad hooks the offload engine copies grads to the host from, and "
+            "cannot trace them. Run backward without compiled autograd (torch.compile "
+            "of the model itself works); nothing was copied")
