@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 
 import torch
@@ -25,9 +26,22 @@ from .state_format import (Q8_FORMAT_KEY, SCALE_KEYS, STATE_KEYS, state_format, 
 _HEAVY = STATE_KEYS - {"step"}
 
 
+
+def _not_while_stepping(method):
+    """Runs `method` under the optimizer's step lock (optimizer._busy): called from
+    another thread while step() runs, it waits for the step, instead of reading state
+    half stepped (a param's moments of the next step beside its step count of the last,
+    a compact state's bucket in the middle of its move, found from outside)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._busy():
+            return method(self, *args, **kwargs)
+    return locked
+
 class TorchStateDict:
     """state_dict and load_state_dict over torch.optim.Optimizer's."""
 
+    @_not_while_stepping
     def state_dict(self, *, fp32_moments: bool = False):
         """torch's state_dict. The moments are saved as stored (state_dtype): a
         checkpoint resumes bit for bit. 8-bit codes are saved under their own
@@ -80,6 +94,7 @@ class TorchStateDict:
             sd = _per_param(sd, lambda k, st: with_code_keys(st))
         return sd
 
+    @_not_while_stepping
     def load_state_dict(self, state_dict):
         """torch's load_state_dict, keeping the state as it was saved.
 

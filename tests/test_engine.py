@@ -1293,3 +1293,51 @@ def test_only_the_masters_that_copies_use_are_pinned(sim):
         assert not pinned(st["exp_avg"]) and not pinned(st["exp_avg_sq"])
         assert pinned(st["master_param"]) == (p.dtype is torch.float32), p.dtype
     assert kinds == {BF16, torch.float32}
+
+
+def test_a_forked_child_is_refused_not_hung(kernels):
+    """A child forked after the optimizer was built (by hand; a DataLoader's workers
+    never step it) has none of the engine's threads: its step waited on them for ever
+    (found from outside). Its backward and step() are refused naming both processes, its
+    exit waits on nothing, and the parent trains on."""
+    import os
+    import signal
+    import time
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True)   # (the engine)
+    x = torch.randn(3, 8).to(torch.bfloat16)
+    model(x).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: report what each call did, then leave at once
+        torch.set_num_threads(1)   # (the parent's OpenMP pool is not the child's)
+        said = []
+        for call in (lambda: model(x).float().sum().backward(), opt.step):
+            try:
+                call()
+                said.append("ran")
+            except RuntimeError as e:
+                said.append(str(e))
+        os.write(write, "\n".join(said).encode()[:60000])
+        os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    with os.fdopen(read) as f:
+        said = f.read().split("\n")
+    assert len(said) == 2
+    for line in said:
+        assert f"is process {os.getpid()}'s, and this is a child it forked" in line, line
+    model(x).float().sum().backward()
+    opt.step()
+    assert {float(opt.state[p]["step"]) for p in model.parameters()} == {2.0}
+    opt.close()

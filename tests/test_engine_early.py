@@ -22,6 +22,7 @@ import torch
 import offload_adam
 from offload_adam.testing import settle
 from bare_engine import BareEngine
+from conftest import FILES_PATHS, sim_path
 from engine_watch import buckets_of
 from models import (BF16, MLP_OPTS, OPTS, Boom, Sometimes, assert_param_is_master_rounded,
                     assert_same, early_steps, kernels_that, loss_of, make_mlp, mlp_loss, run,
@@ -373,6 +374,89 @@ def test_a_backward_that_raised_after_steps_started(path, then):
             opt.step()
     _check_left_state(opt, model, before, after, str(err.value), path.files)
 
+
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+@pytest.mark.parametrize("where", FILES_PATHS)
+def test_a_first_backward_that_raised_then_redone_is_the_plain_training(where, footprint,
+                                                                        kernels, tmp_path):
+    """The state in files, the first backward interrupted after the steps of some params
+    started (a Ctrl-C in a hook between layers), zero_grad() refused saying nothing was
+    stepped, and the iteration redone. The pass in backward was abandoned, and the
+    masters it had made from the params (their first step) in buckets never committed
+    were taken as agreeing with the params: the redone step read them from the files,
+    zeros, and those params went to ~0 (found from outside). A first step starts from
+    the param; the training then is the plain one."""
+    def model_and_opt(**options):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 16)).to(BF16)
+        return m, offload_adam.AdamW(m.parameters(), lr=1e-3, bucket_mb=0.001, **options)
+
+    def backward(m, it):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(it)).to(BF16)
+        m(x).float().pow(2).mean().backward()
+
+    def interrupt(grad):   # after the last layer's grads: their steps started
+        raise KeyboardInterrupt
+
+    def on_output(module, inputs, output):
+        output.register_hook(interrupt)
+
+    with sim_path(where, tmp_path) as path:
+        model, opt = model_and_opt(step_in_backward=True, state_footprint=footprint)
+        hook = model[1].register_forward_hook(on_output)
+        with pytest.raises(KeyboardInterrupt):
+            backward(model, 0)
+        hook.remove()
+        with pytest.raises(RuntimeError, match="the backward in which the step of some params "
+                                               "started raised.*Nothing was stepped"):
+            opt.zero_grad()
+        with path.outside():
+            plain, plain_opt = model_and_opt()
+        for m, o in ((model, opt), (plain, plain_opt)):
+            for it in range(2):
+                backward(m, it)
+                o.step()
+                o.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert torch.equal(p, q), name
+
+
+
+def test_a_ctrl_c_while_a_grad_is_packed_leaves_no_empty_pack(sim, monkeypatch):
+    """A KeyboardInterrupt inside a backward hook, between a packed piece's pack made and
+    the piece put in it, left an empty pack, and zero_grad() then raised a bare
+    IndexError before the grads were zeroed (found from outside, by SIGINT at random
+    instants). The grads are zeroed (step_in_backward's error if steps had started), and
+    training goes on."""
+    from offload_adam.engine import layout
+    model, opt = make(True)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    of, calls = layout.Piece.of, []
+
+    def interrupted_of(self, t):
+        if self.packed and not calls:
+            calls.append(self)
+            raise KeyboardInterrupt
+        return of(self, t)
+    monkeypatch.setattr(layout.Piece, "of", interrupted_of)
+    with pytest.raises(KeyboardInterrupt):
+        backward(model, 1)
+    monkeypatch.setattr(layout.Piece, "of", of)
+    assert calls
+    try:   # (raises when steps had started before the interrupt: saying so)
+        opt.zero_grad()
+    except RuntimeError as e:
+        assert "the backward in which the step of some params started raised" in str(e)
+    assert all(p.grad is None for p in model.parameters())
+    for it in (2, 3):
+        backward(model, it)
+        opt.step()
+        opt.zero_grad()
 
 def test_state_dict_between_backward_and_step(path):
     """A checkpoint taken between backward and step(): in host RAM the steps started in

@@ -694,3 +694,44 @@ def test_an_optimizer_dropped_as_garbage_lets_the_next_one_have_its_files(kernel
         offload_adam.AdamW(params, state_dirs=[tmp_path]).close()
     finally:
         gc.enable()
+
+
+_AT_EXIT = """
+import atexit, sys, threading, torch, offload_adam
+torch.manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(4)]
+opt = offload_adam.AdamW(params, state_dirs=[sys.argv[1]], state_footprint=sys.argv[2],
+                         bucket_mb=0.02)
+
+def step(n):
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    print("stepped", opt.step_count, flush=True)
+
+step(1)
+atexit.register(step, 1)   # (a last step, or checkpoint, at exit)
+threading.Thread(target=step, args=(3,)).start()   # (outlives the main thread)
+"""
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_the_files_step_after_the_interpreter_stopped_its_thread_pools(kernels, tmp_path,
+                                                                      footprint):
+    """Python stops every thread pool before it joins the threads still running and
+    before the atexit handlers: a step there raised concurrent.futures' "cannot schedule
+    new futures after shutdown" (found from outside). The files' I/O runs on the calling
+    thread then, and both steps complete."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _AT_EXIT, str(tmp_path), footprint],
+                         capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert out.stdout.split("\n")[-2] == "stepped 5", out.stdout
+    params = [torch.nn.Parameter(torch.zeros(64, 64)) for _ in range(4)]
+    resumed = offload_adam.AdamW(params, state_dirs=[tmp_path], state_footprint=footprint,
+                                 bucket_mb=0.02, state_resume=True)
+    assert resumed.step_count == 5
+    resumed.close()

@@ -287,3 +287,34 @@ def test_a_users_key_of_another_shape_loads(kernels):
     opt.state[ps[0]]["clip_count"] = torch.tensor(3.0)
     opt.load_state_dict(roundtrip(opt.state_dict()))
     assert float(opt.state[ps[0]]["clip_count"]) == 3.0
+
+
+def test_state_dict_from_another_thread_waits_for_the_step_in_flight(path):
+    """state_dict() and load_state_dict() called from another thread while step() runs
+    (a checkpointing thread) read state half stepped (moments of the next step beside
+    the count of the last; a compact state's bucket mid-move: found from outside): they
+    wait for the step to end."""
+    import threading
+    import time
+    ps = make_params()
+    opt = offload_adam.AdamW(ps, lr=0.02)
+    run(opt, ps, 0, 1)
+    got, entered, release = [], threading.Event(), threading.Event()
+
+    def stepping():   # holds the step's lock as step() does, until released
+        with opt._busy():
+            entered.set()
+            release.wait(30)
+    holder = threading.Thread(target=stepping)
+    holder.start()
+    entered.wait(30)
+    reader = threading.Thread(target=lambda: got.append(opt.state_dict()))
+    reader.start()
+    time.sleep(0.3)
+    assert not got   # (waiting)
+    release.set()
+    holder.join(30)
+    reader.join(30)
+    assert len(got) == 1 and {float(st["step"]) for st in got[0]["state"].values()} == {1.0}
+    opt.load_state_dict(got[0])
+    opt.close()

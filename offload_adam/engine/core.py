@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -184,10 +185,11 @@ class OffloadEngine:
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
         # nothing that keeps the engine alive.
+        self._pid = os.getpid()   # (a forked child has none of its threads: _check_pid)
         self._finalizer = weakref.finalize(
             self, _shutdown, self.device, self._worker, self.recs, self.buckets,
             self._state_arenas, self._transfer_arenas, self._acc_arenas, self._ring_arenas,
-            self._lent_pins)
+            self._lent_pins, self._pid)
         for i, (params, ams) in enumerate(zip(managed, amsgrad)):
             self.add_group(i, params, ams, state_dtypes[i] if state_dtypes else "float32",
                            names[i] if names else None)
@@ -434,6 +436,7 @@ class OffloadEngine:
         the engine is open."""
         if self._taken_over is not None:
             raise RuntimeError(self._taken_over)
+        self._check_pid()
         if closed_ok:
             return self._finalizer.alive
         if not self._finalizer.alive:
@@ -441,10 +444,21 @@ class OffloadEngine:
                                "build a new optimizer")
         return True
 
+    def _check_pid(self) -> None:
+        """Refuses a forked child: the worker and I/O threads, the device's copies and
+        the pinned memory are the parent's; waiting on them in the child hung."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"offload_adam: this optimizer's engine (its threads, pinned memory and "
+                f"device copies) is process {self._pid}'s, and this is a child it forked "
+                f"(pid {os.getpid()}), which has none of them: build the optimizer in the "
+                "child, or start it with the 'spawn' method; nothing was stepped")
+
     # ---- 1. backward: each grad streams to the host as it is produced ------------
 
     def _on_grad(self, rec: ParamRec) -> None:
         _refuse_compiled_autograd()
+        self._check_pid()
         if self._tail:   # the last step's deferred steps read the grads' places in the ring
             self.settle_tail()
         self._take_deferred()   # autograd is past the hooks of the params before this one
@@ -524,7 +538,9 @@ class OffloadEngine:
             rec.copy = GradCopy(grad, fp, len(rec.pieces))
             for piece in rec.pieces:
                 if piece.packed:
-                    self._packs.setdefault(piece.bucket.index, []).append((piece, piece.of(g)))
+                    # (the piece first: a Ctrl-C inside piece.of leaves no empty pack)
+                    entry = (piece, piece.of(g))
+                    self._packs.setdefault(piece.bucket.index, []).append(entry)
                     if hook:
                         self._pack_arrived.add(id(piece))
                 else:
@@ -555,6 +571,8 @@ class OffloadEngine:
             self._send(self._packs.pop(bucket.index), None)
 
     def _send(self, entries, after) -> None:
+        if not entries:
+            return
         pieces = [p for p, _ in entries]
         span = self.ring.take(pieces, pieces[0].rec.dtype.itemsize) if self.ring else None
         t = self.device.d2h([p.grad for p in pieces], [src for _, src in entries], after)
@@ -1551,7 +1569,9 @@ def _worker_busy(engine_ref):
 
 
 def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
-              acc_arenas, ring_arenas, lent_pins) -> None:
+              acc_arenas, ring_arenas, lent_pins, pid: int) -> None:
+    if os.getpid() != pid:
+        return   # a forked child's exit: the threads and copies are its parent's
     for rec in recs:
         if rec.hook is not None:
             rec.hook.remove()

@@ -276,6 +276,12 @@ class DiskEarly(FileBucketsInBackward):
             self._restore(engine, stepped, kept)
             if engine is not None:
                 engine.forget_grads()   # the next step copies its grads again
+                # The pass made masters follow their params (a first step's: from the
+                # param) and marked the params agreeing, in buckets never committed: the
+                # next step checks each master again against its param (one in its
+                # first step, whose file holds no master yet, read as zeros, starts
+                # from it again)
+                engine.marks.forget(rec.param for rec in engine.recs)
 
     def _restore(self, engine, stepped, kept: Dict[int, Optional[torch.Tensor]]) -> None:
         """The streamed params of the abandoned pass's buckets (their kernel wrote their

@@ -14,6 +14,7 @@ naming the directory.
 
 from __future__ import annotations
 
+import concurrent.futures.thread as _pools
 import errno
 import mmap
 import os
@@ -214,7 +215,7 @@ class IOPool:
     def _submit(self, fn, fd: int, view: memoryview, offset: int) -> List[Future]:
         self._check_process()
         step = self.request_bytes
-        futures = [self._pool.submit(fn, fd, view[i:i + step], offset + i)
+        futures = [self._run(fn, fd, view[i:i + step], offset + i)
                    for i in range(0, len(view), step)]
         if len(self._futures) > 4096:
             self._futures = [f for f in self._futures if not f.done()]
@@ -230,8 +231,25 @@ class IOPool:
         future keeps its result (a record's buffer) alive while it is listed."""
         self._check_process()
         self._futures = [f for f in self._futures if not f.done()]
-        future = self._pool.submit(fn, *args)
+        future = self._run(fn, *args)
         self._futures.append(future)
+        return future
+
+    def _run(self, fn, *args) -> Future:
+        """fn(*args) on a pool thread; once the interpreter is ending (its threading
+        shutdown stops every pool before the atexit handlers and the non-daemon threads
+        still running are done: a checkpoint saved then, a step of a thread that
+        outlives the main one) on this thread, at once, its future done."""
+        try:
+            return self._pool.submit(fn, *args)
+        except RuntimeError:
+            if not getattr(_pools, "_shutdown", False):
+                raise
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:   # (as a pool thread would: the caller's wait raises it)
+            future.set_exception(e)
         return future
 
     def write(self, fd: int, view: memoryview, offset: int) -> List[Future]:
