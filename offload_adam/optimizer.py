@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 import weakref
 
 import torch
@@ -55,8 +56,8 @@ from .grad_scaling import GradScaling
 from .kernel_step import Hyper
 from .master_rule import MasterMarks
 from .freed_grad import check_freed_grads
-from .params import (SUPPORTED_DTYPES, check_grad_dtypes, check_no_overlap, one_device,
-                     param_label)
+from .params import (SUPPORTED_DTYPES, check_grad_dtypes, check_no_overlap, home_of,
+                     one_device, param_label)
 from .options import Options
 from .routing import Routing
 from .state_store import open_store
@@ -197,6 +198,13 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         self._same_on_every_rank()
         self._start_engine()
         self._open_store()
+        if defer_blocks and not any(home_of(p) is not None for g in self.param_groups
+                                    for p in g["params"]):
+            warnings.warn(
+                f"offload_adam: defer_blocks={defer_blocks} defers the CPU steps of blocks "
+                "streamed by stream_params, and none of these params is streamed (call "
+                "offload_adam.stream_params(model, ...) before building the optimizer): "
+                "nothing is deferred", UserWarning, stacklevel=2)
         # GradScaler then hands us grad_scale/found_inf instead of unscaling
         # the grads itself: the kernel folds 1/scale into its single pass.
         self._step_supports_amp_scaling = True

@@ -145,9 +145,15 @@ documented here and nowhere else.
     read the grads' host copies). The deferred blocks' grads wait
     in the grad ring, which grows by their bytes (grad_ring_mb= None: 2 +
     defer_blocks of the largest block's grads). Bitwise the same training as
-    0. An error in a deferred step is raised by the next call that waits for
-    it (the forward that fetches its block). Needs step_in_backward=True and
-    the state in RAM (with state_dirs= a step commits its files at step()).
+    0. A block read between backward and step() (a no-grad forward,
+    model.state_dict()) starts the held steps then, so that it reads the model
+    stepped, as with 0. An error in a deferred step is raised by the next call
+    that waits for it (the forward that fetches its block), with a note of how
+    many params stayed a step behind (the deferred steps after it are not run;
+    a param then stepped in part is refused by step(), as after a step that
+    raised halfway). A script may end while deferred steps run: the exit waits
+    for them. Needs step_in_backward=True, params streamed (none: a warning)
+    and the state in RAM (with state_dirs= a step commits its files at step()).
   state_budget_mb (None): the host memory the NVMe tier may hold: a ring of
     buffers of the largest bucket; the ring needs 3 (one read ahead, one
     stepped, one written back), more read further ahead. None = 4 buckets.

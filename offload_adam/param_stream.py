@@ -273,6 +273,10 @@ class _Block:
         while self.deferred:
             self.deferred.pop(0)()
         for early in list(self.step_checks.keys()):
+            if early.holds(self):   # a step held for after step() (defer_blocks=)
+                if ahead:
+                    return False
+                early.release()
             if not ahead:
                 early.check_block(self)
             elif early.half_stepped(self):

@@ -5,6 +5,7 @@ those steps made to start late: the training is bit for bit the one without defe
 every reader waits for them, and without the streamer's wait the next forward reads the
 blocks' old values."""
 import copy
+import re
 import time
 
 import pytest
@@ -200,3 +201,162 @@ def test_checkpoints_saved_and_loaded_while_deferred_steps_run(device, late):
             opt.zero_grad()
         runs.append((model, opt))
     assert_same_training(*runs)
+
+
+@pytest.mark.parametrize("defer", [1, 2])
+@pytest.mark.parametrize("read", ["state_dict", "forward"])
+def test_a_read_between_backward_and_step_sees_the_model_stepped(device, late, defer, read):
+    """step_in_backward shows the stepped model between backward and step(): so it does
+    with deferred blocks. Their held steps start when the read comes (a no-grad forward,
+    model.state_dict()), even for a block whose other params a bucket reaching into the
+    next block stepped in backward (~3 buckets a block: refused as "half stepped"
+    before), and nothing is stepped twice: the training is the one without deferral."""
+    runs = []
+    for d in (0, defer):
+        model = make_llama(layers=4, frozen=())
+        offload_adam.stream_params(model, Block, prefetch=2)
+        opt = offload_adam.AdamW(model.parameters(), **KW, defer_blocks=d)
+        seen = []
+        for it in range(4):
+            llama_loss(model, it).backward()
+            if it >= 1:
+                if read == "forward":
+                    with torch.no_grad():
+                        seen.append(llama_loss(model, 50).detach())
+                else:
+                    seen.append({k: v.clone() for k, v in model.state_dict().items()})
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt, seen))
+    if read == "forward":
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][2], runs[1][2]))
+    else:
+        _same_reads([(torch.zeros(1), s) for s in runs[0][2]],
+                    [(torch.zeros(1), s) for s in runs[1][2]])
+    assert_same_training(runs[0][:2], runs[1][:2])
+
+
+def test_a_second_micro_batch_is_refused_as_accumulation(device):
+    """Gradient accumulation is refused with step_in_backward: with deferred blocks by
+    the same message (not as a block "half stepped" by the deferral)."""
+    model = make_llama(layers=4, frozen=())
+    offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), **KW, defer_blocks=2)
+    llama_loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match="gradient accumulation"):
+        llama_loss(model, 1).backward()
+
+
+class _FailAt:
+    def __init__(self, job, fail):
+        self.job, self.pieces, self.fail = job, job.pieces, fail
+
+    @property
+    def ran(self):
+        return self.job.ran
+
+    def kernel(self):
+        if self.fail:
+            raise RuntimeError("a deferred step failed (test)")
+        self.job.kernel()
+
+
+@pytest.mark.parametrize("at", [0, 2])
+def test_an_error_in_a_deferred_step_says_what_stayed_behind(device, monkeypatch, at):
+    """The worker skips the deferred steps after one that raised: its error says how
+    many params stayed a step behind, and training can go on; when those include the
+    second part of a param whose first part was stepped (job 2: the second piece of a
+    param cut in two), its state is torn, and step() refuses it, naming the param."""
+    real = OffloadEngine.run_tail
+    state = {"step": 0}
+
+    def run_tail(self, jobs):
+        state["step"] += 1
+        real(self, [_FailAt(j, state["step"] == 2 and k == at) for k, j in enumerate(jobs)])
+    monkeypatch.setattr(OffloadEngine, "run_tail", run_tail)
+    model = make_llama(layers=3, frozen=(), dim=64, hidden=1024)   # (1024, 64): two pieces
+    offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), **dict(KW, bucket_mb=0.05), defer_blocks=1)
+    llama_loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    llama_loss(model, 1).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="a deferred step failed") as info:
+        opt.zero_grad()   # (or the forward that fetches a deferred block)
+        llama_loss(model, 5).backward()
+    note = " ".join(getattr(info.value, "__notes__", []))
+    assert re.search(r"\d+ of the \d+ params of its blocks were not stepped", note), note
+    steps = [s["step"] for s in opt.state_dict()["state"].values()] if at == 0 else None
+    if at == 0:   # nothing torn: a step behind for some, and training goes on
+        assert set(steps) == {1.0, 2.0} or set(map(float, steps)) == {1.0, 2.0}
+        opt.zero_grad()
+        llama_loss(model, 6).backward()
+        opt.step()
+    else:
+        opt.zero_grad()
+        with pytest.raises(RuntimeError, match=r"some of the parts of param group 0, param \d+"):
+            llama_loss(model, 6).backward()
+            opt.step()
+
+
+def test_defer_blocks_without_streamed_params_warns():
+    p = torch.nn.Parameter(torch.zeros(4))
+    with pytest.warns(UserWarning, match="none of these params is streamed"):
+        offload_adam.AdamW([p], step_in_backward=True, defer_blocks=1)
+
+
+_EXIT_SCRIPT = r"""
+import sys, time
+sys.path.insert(0, {tests!r})
+import torch, offload_adam
+from offload_adam.engine.core import OffloadEngine
+from offload_adam.testing import AsyncSimDevice, simulated
+from test_param_stream import Block, make_llama, llama_loss
+
+class Slow:   # a deferred step still running when the script ends
+    def __init__(self, job):
+        self.job, self.pieces = job, job.pieces
+    def kernel(self):
+        time.sleep(0.3)
+        self.job.kernel()
+        with open({marker!r}, "a") as f:
+            f.write("ran\n")
+real = OffloadEngine.run_tail
+OffloadEngine.run_tail = lambda self, jobs: real(self, [Slow(j) for j in jobs])
+sim = AsyncSimDevice(seed=0, latency="latest")
+with simulated(sim), sim.watch():
+    model = make_llama(layers=4, frozen=())
+    offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), lr=3e-3, step_in_backward=True,
+                             bucket_mb=0.008, defer_blocks=2)
+    for it in range(2):
+        llama_loss(model, it).backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt._engine.tail_pending
+    if {close!r}:
+        opt.close()
+"""
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_a_script_that_ends_with_deferred_steps_running_exits_cleanly(kernels, tmp_path, close):
+    """A script ending while deferred steps run (its optimizer alive, or closed): the
+    exit lets them finish, and nothing of the worker runs on while the interpreter
+    finalizes (a thread freeing a tensor or inside a kernel then was ended in C++ frames:
+    "terminate called without an active exception", the process aborted)."""
+    import os
+    import subprocess
+    import sys
+    for run in range(3):
+        marker = tmp_path / f"ran{run}"
+        script = tmp_path / "exit.py"
+        script.write_text(_EXIT_SCRIPT.format(tests=os.path.dirname(__file__),
+                                              marker=str(marker), close=close))
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "terminate called" not in done.stderr
+        # every deferred step of the last step ran (those of the first, before it)
+        assert marker.read_text().count("ran") >= 2

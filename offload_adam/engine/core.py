@@ -407,6 +407,8 @@ class OffloadEngine:
         if self._finalizer.alive:
             self.settle_tail()   # (a deferred step still writes host memory)
         self._finalizer()
+        if self._worker is not None:
+            self._worker.join()   # (its thread ended: nothing of it runs on at exit)
 
     def lend_pins(self, holder) -> None:
         """`holder` (with release()) pinned buffers through this engine's device for its
@@ -874,14 +876,21 @@ class OffloadEngine:
         the step reads and returns the hyperparameters), then the kernel on the worker,
         and `done(the pieces stepped)` after it (also after an error: those whose
         kernel ran before it)."""
-        job = self.prepare_early(bucket, pieces, param_groups, state, begin)
+        self.run_early(self.prepare_early(bucket, pieces, param_groups, state, begin), done)
 
+    def run_early(self, job: "BucketJob", done: Callable[[List[Piece]], None]
+                  ) -> Optional[int]:
+        """Queues prepare_early's `job` on the worker now (its kernel only), `done(the
+        pieces stepped)` after it; its streamed blocks' readers wait for it. Returns its
+        number there (None: it ran)."""
         def kernel_only():
             try:
                 job.kernel()
             finally:
                 done(job.ran)
-        self.defer_reads(self.run(kernel_only), [h.block for h in _homes(job.pieces)])
+        number = self.run(kernel_only)
+        self.defer_reads(number, [h.block for h in _homes(job.pieces)])
+        return number
 
     def recs_of(self, params) -> List[ParamRec]:
         """The engine's records of those of `params` it steps."""
@@ -916,8 +925,11 @@ class OffloadEngine:
         step() queued; each streamed block they write waits for its own before its
         host copies are read (param_stream: `_Block.defer`), everything else for all
         of them (settle_tail)."""
-        for job in jobs:
-            number = self._worker.submit(job.kernel)
+        jobs = list(jobs)
+        pieces = [p for job in jobs for p in job.pieces]
+        for k, job in enumerate(jobs):
+            number = self._worker.submit(functools.partial(
+                _tail_job, weakref.ref(self), jobs, k, pieces))
             self._tail = number
             self._tail_pieces.extend(job.pieces)
             wait = functools.partial(self._worker.wait_for, number)
@@ -981,6 +993,11 @@ class OffloadEngine:
         caller's own (a job waiting for itself would never end)."""
         w = self._worker
         return w is not None and not w.on_worker() and w.busy()
+
+    def wait_for(self, number: int) -> None:
+        """Waits for worker job `number` (run's) and those before it; an error is left
+        for whoever drains (step())."""
+        self._worker.wait_for(number, raises=False)
 
     def run(self, job, continues: bool = False) -> Optional[int]:
         """Runs `job` on the worker thread (inline without overlap); returns its number
@@ -1578,7 +1595,7 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
             rec.pre_hook.remove()
             rec.hook = rec.pre_hook = None
     if worker is not None:
-        worker.close()
+        worker.close()   # (its queued jobs run on; the exit waits for them: worker.py)
     # No copy may still read or write the memory about to be unpinned and freed.
     device.wait_host(*_transfers_of(recs, buckets))
     for a in state_arenas + transfer_arenas + acc_arenas + ring_arenas + lent_pins:
@@ -1589,6 +1606,41 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
     transfer_arenas.clear()
     acc_arenas.clear()
     ring_arenas.clear()
+
+
+def _tail_job(engine_ref, jobs: list, k: int, pieces: list) -> None:
+    """Deferred step k of `jobs` (run_tail's), on the worker. The worker skips the jobs
+    after one that raised, so its error says what stayed a step behind: the params of
+    the jobs not run, and none torn (a param in parts, some stepped: `torn`, as a step
+    that raised halfway)."""
+    try:
+        jobs[k].kernel()
+    except BaseException as e:
+        ran = {id(p) for j in jobs[:k] for p in j.pieces}
+        ran |= {id(p) for p in getattr(jobs[k], "ran", ())}
+        recs = list({id(p.rec): p.rec for p in pieces}.values())
+        left = {id(p) for p in pieces} - ran
+        behind = [r for r in recs if any(id(p) in left for p in r.pieces)]
+        # (its other pieces stepped: in the deferred jobs that ran, or before step() returned)
+        torn = [r for r in behind if not all(id(p) in left for p in r.pieces)]
+        engine = engine_ref()
+        if torn and engine is not None:
+            more = f" and {len(torn) - 1} more params" if len(torn) > 1 else ""
+            engine.torn = (
+                f"offload_adam: a step deferred past step() (defer_blocks=) raised "
+                f"({type(e).__name__}: {e}) after its kernels had stepped some of the parts "
+                f"of {torn[0].label()}{more}: their state is part one step, part the next. "
+                "No step() or state_dict() is taken from it: load_state_dict() a "
+                "checkpoint (with the model's weights) to go on, or build a new optimizer")
+        note = (f"offload_adam: this step was deferred past step() (defer_blocks=): "
+                f"{len(behind)} of the {len(recs)} params of its blocks were not stepped "
+                "(their state and values are the step before's; each param's state "
+                "\"step\" says which). Load a checkpoint to continue exactly.")
+        if hasattr(e, "add_note"):   # (Python 3.11+)
+            e.add_note(note)
+        else:
+            e.__notes__ = [*getattr(e, "__notes__", []), note]
+        raise
 
 
 def _refuse_compiled_autograd() -> None:

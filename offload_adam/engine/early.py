@@ -206,6 +206,7 @@ class EarlyStart:
             job = engine.prepare_early(bucket, pieces, groups, state, begin)
             self._held.append(job)
             self._held_ids.update(map(id, pieces))
+            self.watch(p.rec.home.block for p in pieces)   # (a reader before step(): release)
             return
         # step() or commit() writes the params back
         self.watch(p.rec.home.block for p in pieces if p.rec.home is not None)
@@ -283,6 +284,28 @@ class EarlyStart:
             return False
         self._held_blocks |= blocks
         return True
+
+    def holds(self, block) -> bool:
+        """Whether a step of `block` is held for after step() (defer_blocks=) and the
+        caller reads the block outside backward (between backward and step(): an
+        inference forward, a state dict, the next micro-batch): it must `release` them
+        first, or it would read the held blocks old, the others stepped (and a block in
+        a bucket that reaches into one not held, half stepped)."""
+        return (bool(self._held) and id(block) in self._held_blocks
+                and torch._C._current_graph_task_id() == -1)
+
+    def release(self) -> None:
+        """Starts the held steps now, as if none had been held (they are the steps of
+        this backward, checked at step() as those that ran in it), and waits for them:
+        what is read between backward and step() is the model stepped, as without
+        defer_blocks=. (An error is left for step() to raise.)"""
+        engine = self._engine()
+        held, self._held = self._held, []
+        last = None
+        for job in held:
+            last = engine.run_early(job, lambda ran: self._stepped.update(map(id, ran)))
+        if last is not None:
+            engine.wait_for(last)
 
     def take_held(self) -> list:
         """step() has stepped everything else: the deferred jobs, the block the next

@@ -13,11 +13,13 @@ reference to the engine, so deleting the optimizer ends it (see `close`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import signal
 import sys
 import threading
+import weakref
 from typing import Callable, Iterator, Optional
 
 _STOP = object()
@@ -44,6 +46,7 @@ class Worker:
         self._thread = threading.Thread(target=_run, name=name, daemon=True,
                                         args=(self._jobs, self, context))
         self._thread.start()
+        _workers.add(self)
 
     def submit(self, job: Callable[[], None], continues: bool = False) -> int:
         """Queues `job`; returns its number (for wait_for). continues=True: it finishes
@@ -132,9 +135,36 @@ class Worker:
         return True
 
     def close(self) -> None:
+        """No more jobs; those queued still run (a deferred step writes the model's
+        params), then the thread ends: `join` waits for that, and so does the
+        interpreter's exit (_join_closed): a thread inside a kernel, or freeing a
+        tensor, when the interpreter finalized was ended by force in C++ frames, and
+        the process aborted ("terminate called without an active exception")."""
         with self._lock:
             self._closed = True
         self._jobs.put(_STOP)
+
+    def join(self) -> None:
+        """Waits until the thread of a closed worker ended (not on the worker itself)."""
+        if not self.on_worker():
+            self._thread.join()
+
+
+_workers: "weakref.WeakSet[Worker]" = weakref.WeakSet()   # (a thread holds its own)
+
+
+@atexit.register
+def _join_closed() -> None:
+    """At exit, every worker's queued jobs run to their end first (see close): a closed
+    one's thread is joined, an open one's (its optimizer alive: its finalizer closes it
+    later, at exit too) waited for until idle."""
+    for worker in list(_workers):
+        if worker.on_worker():
+            continue
+        if worker._closed:
+            worker.join()
+        else:
+            worker._wait()
 
 
 @contextlib.contextmanager
@@ -189,8 +219,12 @@ def _run(jobs: "queue.Queue", worker: Worker, context) -> None:
                     job()
             except BaseException as e:  # noqa: BLE001 -- surfaced in the caller
                 error = e
+        # The job's last references (its tensors) go before it counts as done: freeing a
+        # tensor lets go of the GIL, and a thread doing so while the interpreter exits
+        # (a drain() that returned, then the end of the script) was ended in C++ frames
+        del job, item
         worker._done(error)
+        del error
         after = worker.after_job
         if after is not None:
             after()
-        del job, item, error
