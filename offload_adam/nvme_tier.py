@@ -558,7 +558,11 @@ class FileStore:
                     "moments and step count. Nothing was stepped. Either resume from the "
                     "files alone (state_resume=True sets the params: do not load the model "
                     "after building the optimizer), or load the optimizer state saved with "
-                    "these params (opt.load_state_dict) before stepping")
+                    "these params (opt.load_state_dict) before stepping. (Under Hugging Face "
+                    "Trainer's resume_from_checkpoint, Accelerate reads opt.state_dict() "
+                    "before the checkpoint's optimizer state is loaded: there, build the "
+                    "optimizer without state_resume, on directories without state, and the "
+                    "checkpoint loads it)")
         if stepping:   # (until then, a model loaded later is checked again)
             self._resumed = {}
 

@@ -319,6 +319,32 @@ def test_trainer_resume_from_checkpoint_with_state_dirs(tmp_path):
     assert ropt.step_count == fopt.step_count == STEPS
 
 
+def test_trainer_given_a_resumed_optimizer_and_an_older_checkpoint_says_what_works(tmp_path):
+    """Trainer(optimizers=(opt, ...)) with opt on state files at step 6 (state_resume=True)
+    and resume_from_checkpoint of step 3: refused (Accelerate's prepare reads
+    opt.state_dict() before the checkpoint's optimizer state is loaded, so "load it
+    before stepping" cannot be done there), naming the way that works under Trainer."""
+    from offload_adam.nvme import manifest
+
+    def trainer(state_resume):
+        model = tiny_llama(torch.bfloat16)
+        opt = offload_adam.AdamW(model.parameters(), lr=LR, state_dirs=str(tmp_path / "d"),
+                                 state_resume=state_resume, bucket_mb=0.01)
+        return opt, transformers.Trainer(model=model, args=trainer_args(tmp_path / "out"),
+                                         train_dataset=Tokens(), optimizers=(opt, schedule(opt)))
+    (tmp_path / "d").mkdir()
+    opt, t = trainer(False)
+    t.train()
+    opt.close()
+    opt, t = trainer(True)
+    with pytest.raises(RuntimeError, match=r"not the params of any step the files hold.*"
+                                           r"Trainer's resume_from_checkpoint.*without "
+                                           r"state_resume, on directories without state"):
+        t.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    opt.close()
+    assert manifest.read(str(tmp_path / "d"))["step"] == STEPS   # nothing written
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_streamed_llama_with_hf_checkpointing_and_generate(tmp_path, reentrant):
     """Issue 27: transformers' own activation checkpointing (gradient_checkpointing_enable,
