@@ -56,8 +56,8 @@ from .grad_scaling import GradScaling
 from .kernel_step import Hyper
 from .master_rule import MasterMarks
 from .freed_grad import check_freed_grads
-from .params import (SUPPORTED_DTYPES, check_grad_dtypes, check_no_overlap, home_of,
-                     one_device, param_label)
+from .params import (SUPPORTED_DTYPES, Addresses, check_grad_dtypes, check_no_overlap,
+                     home_of, one_device, param_label)
 from .options import Options
 from .routing import Routing
 from .state_store import open_store
@@ -218,6 +218,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_routing", None)   # decided again when unpickled
         state.pop("_marks", None)     # every master checked at the first step
         state.pop("_group_of", None)  # (weak keys) made again from the groups
+        state.pop("_addresses", None)   # (ids) likewise
         state.pop("_closed", None)    # an unpickled one is open
         state.pop("_busy_lock", None)
         state.pop("_clip_grads", None)   # (weak references) a clip pending holds for the
@@ -256,6 +257,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         param_groups since, and each step follows them, engine/core.py follow_groups)."""
         self._group_of = WeakIdKeyDictionary()   # param -> the number of its group
         self._groups_made = 0
+        self._addresses = Addresses()   # each param's memory, checked at each step
 
     def _number_group(self, group: dict) -> int:
         """Numbers a group just added; its params, unless the engine holds them already
@@ -265,6 +267,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         for p in group["params"]:
             if not has(p):
                 self._group_of[p] = number
+        self._addresses.record(group["params"])
         return number
 
     def add_param_group(self, param_group):
@@ -572,6 +575,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         check_grad_dtypes(self.param_groups)
+        self._addresses.check(self.param_groups)
         for group in self.param_groups:   # (refused before any group steps)
             Hyper.of(group)
         if self._engine is not None:

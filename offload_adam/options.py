@@ -45,8 +45,10 @@ documented here and nowhere else.
   verify_grads (True): a grad copied to the host before step() (during
     backward, or by opt.clip_grad_norm_) is checked at its next use against a
     fingerprint taken when it was copied, so that in-place changes that leave
-    its version counter alone (p.grad.data edits, GradScaler.unscale_) are
-    copied again instead of missed. Costs two passes over the grads on the
+    its version counter alone (p.grad.data edits, GradScaler.unscale_; and
+    torch's in-place foreach ops, clip_grad_norm_'s, run while any
+    TorchDispatchMode is active, FlopCounterMode for one: torch bumps no
+    counter for them then) are copied again instead of missed. Costs two passes over the grads on the
     device per step (at the copy, and at reuse in step()), ~12 ms per billion
     params each on an H100 (estimated); turn it off only if nothing edits
     grads behind their version counters. (CPU params stepped in place need no

@@ -148,6 +148,39 @@ def check_no_overlap(param_groups, index: int) -> None:
                     "they view, or views that do not overlap")
 
 
+class Addresses:
+    """Where each param's values were when last checked for shared memory (construction,
+    then each step): `b.data = a.data` after the optimizer was built (a tie made late)
+    puts two params on one memory, which check_no_overlap refuses at construction; each
+    would be stepped from its own master and one update lost, silently. One data_ptr
+    per param a step; the groups of a param that moved are checked again."""
+
+    def __init__(self):
+        self._at: dict = {}   # id(param) -> its data_ptr (params the groups hold alive)
+
+    @staticmethod
+    def _of(p: torch.Tensor):
+        span = _memory(p)   # (None: a DTensor, a streamed param, meta, empty)
+        return None if span is None or home_of(p) is not None else p.data_ptr()
+
+    def record(self, params) -> None:
+        for p in params:
+            self._at[id(p)] = self._of(p)
+
+    def check(self, param_groups) -> None:
+        """A RuntimeError naming two params that share memory now, if a param moved."""
+        moved = [(gi, p) for gi, group in enumerate(param_groups) for p in group["params"]
+                 if self._at.get(id(p), self._of(p)) != self._of(p)]
+        for gi in sorted({gi for gi, _ in moved}):
+            try:
+                check_no_overlap(param_groups, gi)
+            except ValueError as e:
+                raise RuntimeError(
+                    f"{e} (their memory changed after the optimizer was built: p.data = "
+                    "another param's, a tie made after it?); nothing was stepped") from None
+        self.record(p for _, p in moved)
+
+
 def rounds_to(master: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether fp32 `master` rounds to the CPU tensor `t` bit for bit (NaN to NaN):
     a loaded master that does not is stale and is started again from the param."""

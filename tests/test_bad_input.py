@@ -336,6 +336,40 @@ def test_params_that_share_memory_are_refused_by_name(kernels):
     assert base[0::2].eq(-0.1).all() and base[1::2].eq(0.1).all()
 
 
+@pytest.mark.parametrize("where", ["in_place", "engine", "engine_in_backward"])
+def test_params_tied_after_the_optimizer_was_built_are_refused(kernels, where):
+    """`b.data = a.data` after the optimizer was built puts two params on one memory,
+    which the constructor refuses: each would be stepped from its own master and one
+    update lost (bf16: a tenth of the weight off torch's after 3 steps). Refused at the
+    next step() (or, with step_in_backward, at the backward's first grad), naming both,
+    nothing stepped; a param given new memory of its own steps on."""
+    import contextlib
+    from offload_adam.testing import AsyncSimDevice, simulated
+    sim = AsyncSimDevice(seed=0) if where != "in_place" else None
+    with (simulated(sim) if sim else contextlib.nullcontext()), \
+            (sim.watch() if sim else contextlib.nullcontext()):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(torch.bfloat16)
+        opt = offload_adam.AdamW(m.parameters(), lr=1e-2,
+                                 step_in_backward=where == "engine_in_backward")
+        x = torch.randn(4, 8).to(torch.bfloat16)
+        m[0].weight.data = m[0].weight.data.clone()   # moved, shared with none: fine
+        m(x).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        m[1].weight.data = m[0].weight.data
+        before = [p.detach().clone() for p in m.parameters()]
+        with pytest.raises(RuntimeError, match=r"group 0, param 0 \(shape \(8, 8\)\) and "
+                                               r"group 0, param 2 .* share memory.*changed "
+                                               r"after the optimizer was built"):
+            m(x).float().sum().backward()
+            opt.step()
+        assert all(torch.equal(p.detach(), b) for p, b in zip(m.parameters(), before))
+    if sim is not None:
+        sim.check()
+        sim.close()
+
+
 def test_groups_without_params_are_allowed_like_torch(kernels):
     opt = offload_adam.AdamW([{"params": []}])
     opt.step()

@@ -442,6 +442,39 @@ def test_torch_clipping_of_freed_grads(path, dtype, max_norm, foreach):
         mlp_loss(freed, 11).backward()
 
 
+def test_torch_clipping_of_freed_grads_beside_kept_zero_grads(path):
+    """zero_grad(set_to_none=False) leaves zeros for the freed grads; a param that then
+    gets no grad in a backward keeps them, not freed, and torch's clip multiplies them
+    too (still zeros): the step applies the freed grads' coefficient, as before, and
+    trains as with the grads kept, bit for bit (it was refused, "different factors").
+    A grad set by hand, not zero, beside freed ones would be multiplied twice: refused,
+    naming it."""
+    runs = []
+    for free in (True, False):
+        model = make_mlp()
+        extra = torch.nn.Linear(4, 4).to(BF16)   # used at the first step only
+        params = list(model.parameters()) + list(extra.parameters())
+        opt = offload_adam.AdamW(params, free_grads_after_copy=free, **MLP_OPTS)
+        for it in range(3):
+            out = model(torch.randn(5, 8, generator=torch.Generator().manual_seed(it)).to(BF16))
+            if it == 0:
+                out = extra(out)
+            out.float().pow(2).sum().backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        runs.append((model, opt))
+        if free:
+            mlp_loss(model, 7).backward()
+            extra.weight.grad = torch.ones_like(extra.weight)
+            torch.nn.utils.clip_grad_norm_(params, 0.05)
+            if path.engine:
+                with pytest.raises(RuntimeError, match=r"shape \(4, 4\).*not zero: it would "
+                                                       r"be multiplied twice"):
+                    opt.step()
+    assert_same(*runs)
+
+
 def test_grad_scaler_skips_inf_steps_with_freed_grads(path):
     """GradScaler.step checks the grads for inf before stepping: freed grads
     answer from their host copies, so an overflowing step is skipped and the

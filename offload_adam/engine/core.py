@@ -1483,11 +1483,24 @@ def _factor_of(ready: Sequence[ParamRec]) -> float:
     factors = {r.copy.factor for r in ready if r.freed}
     if not factors or factors == {1.0}:
         return 1.0
-    if len(factors) > 1 or len(factors) == 1 and any(not r.freed for r in ready):
+    if len(factors) > 1:
         raise RuntimeError(
             "offload_adam: freed grads (free_grads_after_copy=True) were multiplied by "
             "different factors before step(); only one factor for all of them (a "
             "clipping coefficient) can be applied inside the step")
+    # The factor multiplies every grad of the step. A grad not freed (no grad in this
+    # backward: the zeros zero_grad(set_to_none=False) left, which the clip multiplied
+    # too) is unchanged by it only when zero (one device reduction each, rare).
+    for r in ready:
+        grad = r.param.grad
+        if not r.freed and grad is not None and bool(local(grad).detach().any()):
+            raise RuntimeError(
+                f"offload_adam: freed grads (free_grads_after_copy=True) were multiplied by "
+                f"{factors.pop()!r} before step() (a clipping coefficient), which the step "
+                f"applies to every grad, and the grad of {r.label()} is not a freed one (set "
+                "by hand, or kept since an earlier backward) and not zero: it would be "
+                "multiplied twice. Set it before clipping to None or to zeros, or use "
+                "free_grads_after_copy=False")
     return factors.pop()
 
 
@@ -1531,6 +1544,12 @@ class _EarlyOwner:
     @property
     def state(self):
         return self._owner.state
+
+    def check_addresses(self) -> None:
+        """The optimizer's check of its params' memory (params.Addresses), as at step()."""
+        addresses = getattr(self._owner, "_addresses", None)   # (a test's bare owner: none)
+        if addresses is not None:
+            addresses.check(self._owner.param_groups)
 
 
 def _early_owner(engine_ref, owner_ref):

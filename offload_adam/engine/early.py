@@ -82,6 +82,7 @@ class EarlyStart:
         # steps of some params ran in backward (those are stepped with them: a retry
         # would step them twice). Cleared by zero_grad() and the next backward's grads.
         self.spent: Optional[str] = None
+        self._checked_task = None   # the backward whose params' memory was checked
 
     def use_files(self, files) -> None:
         """The state is in files: `files` (a DiskEarly) steps it in backward."""
@@ -91,6 +92,12 @@ class EarlyStart:
 
     def before_copy(self, rec) -> None:
         self.spent = None   # (a new backward: its grads are new)
+        task = torch._C._current_graph_task_id()
+        if task != self._checked_task:   # once a backward, before any step starts in it:
+            self._checked_task = task     # params tied since (optimizer.step's check)
+            check = getattr(self._owner(), "check_addresses", None)
+            if check is not None:
+                check()
         if id(rec) in self._started:
             self.error = self.error or (
                 "a grad arrived again for a param whose step already started during "

@@ -55,6 +55,11 @@ CUDA leaves to the programmer:
 It counts what a test of memory and traffic asks (`counters()`): the bytes each
 copy direction moved, and device memory given out by `materialize` (now and peak).
 
+One way it is not a GPU: its watch is a TorchDispatchMode, and torch bumps no version
+counter for in-place foreach ops (`_foreach_mul_`: clip_grad_norm_'s) under a mode. Here a
+grad clipped so after its copy is seen by verify_grads' fingerprint only; with
+verify_grads=False it is missed, where a GPU run outside any mode sees the counter move.
+
 Every violation is recorded with a message; `check()` raises them (tests call
 it at the end of each test). The engine cannot tell this device from a GPU: it
 is selected with `offload_adam.testing.simulated(...)`, which makes the
