@@ -326,8 +326,11 @@ class FileStore:
             # The params state_resume=True restored: id -> (entry, how the param was then,
             # the step it was restored from); checked at the next step (_check_resumed)
             self._resumed: Dict[int, Tuple[_Param, tuple, float]] = {}
+            self._previous_gone = self._both_warned = False
             self._resumed_prints: Dict[int, List[Tuple[int, int]]] = {}
             if self.state.step:
+                if not self._ranks and not distributed.sharded(flat, process_group):
+                    self._found_before_restore()
                 self._restore_params()   # (a damaged slot raises here)
             elif resume and not self.state.pending:
                 # Not an error (one script can pass state_resume=True from its first run
@@ -523,6 +526,38 @@ class FileStore:
                 "its param at the next step",
                 RuntimeWarning, stacklevel=4)
 
+    def _found_before_restore(self) -> None:
+        """state_resume=True sets the params to the files' last step. A model checkpoint
+        loaded before the optimizer was built, of the step before (a kill between step()
+        and the checkpoint's save), would be dropped silently and its step trained twice:
+        params that are the previous step's (and not the last's) set the state back to
+        it, as a checkpoint loaded after (_check_resumed), with a warning. A fresh model
+        is neither step's (the first param tells, reading one bucket)."""
+        step, previous = self.state.step, self.state.previous
+        entries = [e for bucket in self.buckets for e in bucket]
+        if previous is None or not self._params_match(entries, previous=True):
+            return
+        if self._params_match(entries, previous=False):
+            self._warn_both(step, previous)
+            return
+        self.state.rollback()
+        warnings.warn(
+            f"offload_adam: state_resume=True: the params were those of step {previous} "
+            f"when the optimizer was built (a model checkpoint saved before the last step, "
+            f"loaded first?), which the state files hold beside their last step {step}: "
+            f"the optimizer state went back to step {previous} to match them "
+            f"(opt.step_count). To continue from step {step} instead, build the optimizer "
+            "on a freshly made model", RuntimeWarning, stacklevel=5)
+
+    def _warn_both(self, step: int, previous: int) -> None:
+        warnings.warn(
+            f"offload_adam: state_resume=True: the params are those of step {step} and of "
+            f"step {previous} alike (a step that moved no param: lr 0, a warmup's first?), "
+            f"so they cannot say which step a checkpoint of yours is: the state is at step "
+            f"{step} (opt.step_count); continue from there (a loop that goes on from step "
+            f"{previous} would take step {step}'s batch twice in the moments)",
+            RuntimeWarning, stacklevel=5)
+
     def _check_resumed(self, stepping: bool) -> None:
         """Before the first step after state_resume=True (and the state dict's views): the
         params changed since they were restored (a model checkpoint loaded after building
@@ -534,9 +569,15 @@ class FileStore:
         if not self._resumed:
             return
         changed = [e for e, now, _ in self._resumed.values() if mark(e.param) != now]
-        if changed and not self._params_match(changed, previous=False):
-            step, previous = self.state.step, self.state.previous
-            older = [e for e, _, _ in self._resumed.values()]
+        step, previous = self.state.step, self.state.previous
+        older = [e for e, _, _ in self._resumed.values()]
+        self._previous_gone = False
+        if changed and self._params_match(changed, previous=False):
+            if (previous is not None and not self._both_warned
+                    and self._params_match(older, previous=True)):
+                self._both_warned = True
+                self._warn_both(step, previous)
+        elif changed:
             if previous is not None and self._params_match(older, previous=True):
                 self.state.rollback()
                 self._restore_params()   # (the same values: they are the params)
@@ -549,12 +590,16 @@ class FileStore:
                     "the model after building the optimizer with state_resume=True",
                     RuntimeWarning, stacklevel=4)
             else:
-                held = f"step {step}" + (f" or {previous}" if previous is not None else "")
+                held = f"step {step}" + (
+                    f" or {previous}" if previous is not None and not self._previous_gone
+                    else " only: " + ("a compact state keeps no step before its last"
+                                      if self.compact else "the one before was being "
+                                      "overwritten by a step cut short"))
                 raise RuntimeError(
                     f"offload_adam: {len(changed)} params were changed after "
                     f"state_resume=True set them to the state files' step {step} (first: "
                     f"param {changed[0].name}), and they are not the params of any step the "
-                    f"files hold ({held}): training on would step them with another run's "
+                    f"files hold ({held}): training on would step them with another step's "
                     "moments and step count. Nothing was stepped. Either resume from the "
                     "files alone (state_resume=True sets the params: do not load the model "
                     "after building the optimizer), or load the optimizer state saved with "
@@ -580,6 +625,7 @@ class FileStore:
                     views = self.state.views(i, previous=previous)
                 except NvmeError:
                     if previous:
+                        self._previous_gone = True
                         return False   # not whole any more: no step to go back to
                     raise
                 for e in bucket:

@@ -6,6 +6,7 @@ sizes under tmp_path (tests/nvme_model.py's model)."""
 import gc
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -187,6 +188,79 @@ def test_a_model_of_the_step_before_loaded_after_a_resume_sets_the_state_back(ke
     train(opt, rs, 3, 2)
     ps, ram = ram_run(5)
     assert_same(ps, rs, ram, opt)
+
+
+def test_a_model_of_the_step_before_loaded_before_a_resume_sets_the_state_back(kernels,
+                                                                               tmp_path):
+    """The other usual order: the model checkpoint of step 2 loaded first (killed between
+    step 3 and its save), then the optimizer built with state_resume=True on files at
+    step 3. Setting the params to step 3 dropped the checkpoint silently, and the loop,
+    going on from the checkpoint's step, trained step 3 twice: those are the params of
+    step 2, which the files hold too, so the state goes back to it, with a warning, and
+    the training is bitwise the uninterrupted run. A fresh model is neither step's: the
+    files' step is taken, as always."""
+    qs = make_params()
+    opt = build(qs, tmp_path)
+    train(opt, qs, 0, 2)
+    checkpoint = [q.detach().clone() for q in qs]
+    train(opt, qs, 2, 1)
+    opt.close()
+    fresh = make_params(seed=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = build(fresh, tmp_path, state_resume=True)   # no warning: the files' step
+    assert opt.step_count == 3
+    opt.close()
+    rs = [c.clone().requires_grad_() for c in checkpoint]
+    with pytest.warns(RuntimeWarning, match=r"the params were those of step 2 when the "
+                                            r"optimizer was built .* went back to step 2"):
+        opt = build(rs, tmp_path, state_resume=True)
+    assert opt.step_count == 2
+    train(opt, rs, 2, 3)
+    ps, ram = ram_run(5)
+    assert_same(ps, rs, ram, opt)
+
+
+def test_params_of_both_steps_the_files_hold_are_said_to_be_ambiguous(kernels, tmp_path):
+    """A step that moved no param (lr 0: a warmup's first) leaves a model checkpoint
+    unable to say which step it is: a resume whose params are both the files' steps
+    keeps the last one and says so (a loop going on from the step before would take a
+    batch twice in the moments)."""
+    qs = make_params()
+    opt = build(qs, tmp_path)
+    train(opt, qs, 0, 2)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    train(opt, qs, 2, 1)   # step 3 moves no param
+    checkpoint = [q.detach().clone() for q in qs]
+    opt.close()
+    rs = [c.clone().requires_grad_() for c in checkpoint]
+    with pytest.warns(RuntimeWarning, match=r"the params are those of step 3 and of step 2 "
+                                            r"alike .* the state is at step 3"):
+        opt = build(rs, tmp_path, state_resume=True)
+    assert opt.step_count == 3
+
+
+def test_a_refusal_names_only_the_steps_the_files_still_hold(kernels, tmp_path):
+    """A model of no step loaded after a resume is refused naming the steps the files
+    hold: not the step before when its slots are no longer whole (a step cut short was
+    overwriting them: here a damaged byte)."""
+    qs = make_params()
+    opt = build(qs, tmp_path)
+    train(opt, qs, 0, 3)
+    st = state_files(opt)
+    spec = st.spec.buckets[0]
+    opt.close()
+    flip_byte(os.path.join(tmp_path, "offload_adam_state.bin"),
+              st.extents[0].at(1 - st.slots[0]) + spec.offsets()[0] + 3)
+    rs = make_params(seed=8)
+    opt = build(rs, tmp_path, state_resume=True)
+    with torch.no_grad():
+        for r, o in zip(rs, make_params(seed=5)):
+            r.copy_(o)
+    with pytest.raises(RuntimeError, match=r"not the params of any step the files hold \(step 3 "
+                                           r"only: the one before was being overwritten"):
+        train(opt, rs, 3, 1)
 
 
 def test_a_state_dict_of_another_step_after_a_resume_is_refused(kernels, tmp_path):
