@@ -169,8 +169,12 @@ class Addresses:
 
     def check(self, param_groups) -> None:
         """A RuntimeError naming two params that share memory now, if a param moved."""
-        moved = [(gi, p) for gi, group in enumerate(param_groups) for p in group["params"]
-                 if self._at.get(id(p), self._of(p)) != self._of(p)]
+        moved = []
+        for gi, group in enumerate(param_groups):
+            for p in group["params"]:
+                now = self._of(p)   # (once a param a step: this is step()'s path)
+                if self._at.get(id(p), now) != now:
+                    moved.append((gi, p))
         for gi in sorted({gi for gi, _ in moved}):
             try:
                 check_no_overlap(param_groups, gi)

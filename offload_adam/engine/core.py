@@ -669,10 +669,7 @@ class OffloadEngine:
                         "each with its state; the others were not (each param's state "
                         "\"step\" says which). Training can go on; load a checkpoint "
                         "to continue exactly.")
-                if hasattr(e, "add_note"):   # (Python 3.11+)
-                    e.add_note(note)
-                else:   # (3.10: kept where 3.11 keeps it, not printed)
-                    e.__notes__ = [*getattr(e, "__notes__", []), note]
+                _add_note(e, note)
             raise
 
     def stepping(self, param_groups: List[dict], grad_scale: float = 1.0,
@@ -1655,11 +1652,16 @@ def _tail_job(engine_ref, jobs: list, k: int, pieces: list) -> None:
                 f"{len(behind)} of the {len(recs)} params of its blocks were not stepped "
                 "(their state and values are the step before's; each param's state "
                 "\"step\" says which). Load a checkpoint to continue exactly.")
-        if hasattr(e, "add_note"):   # (Python 3.11+)
-            e.add_note(note)
-        else:
-            e.__notes__ = [*getattr(e, "__notes__", []), note]
+        _add_note(e, note)
         raise
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    """`note` added to error e (what a failed step left stepped)."""
+    if hasattr(e, "add_note"):   # (Python 3.11+)
+        e.add_note(note)
+    else:   # (3.10: kept where 3.11 keeps it, not printed)
+        e.__notes__ = [*getattr(e, "__notes__", []), note]
 
 
 def _refuse_compiled_autograd() -> None:
