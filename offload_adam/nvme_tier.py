@@ -344,8 +344,10 @@ class FileStore:
             self.state.close(discard=True)
             raise
         # the tensors the last state_dict() mapped from the files, while alive (weakly),
-        # and the files' step then (`_warn_held`)
-        self._handed: Optional[Tuple[int, weakref.WeakSet]] = None
+        # and the files' step then (`_warn_held`); at first those of a closed optimizer's
+        # over these files, still held: this one's steps rewrite their place too
+        self._handed: Optional[Tuple[int, weakref.WeakSet]] = _HELD_AFTER_CLOSE.pop(
+            self.state.uuid, None)
         self._held_warned = False   # (_warn_held: once, not at every step of a loop)
         self._early = None   # step_in_backward: the pass that starts in backward
         files = [[e.entry() for e in b] if all(e.rec is not None for e in b) else None
@@ -801,6 +803,8 @@ class FileStore:
         if self.pipeline is not None:
             self._abandon_early("the optimizer was closed")
             self.pipeline.close()
+            if self._handed is not None and len(self._handed[1]):
+                _HELD_AFTER_CLOSE[self.state.uuid] = self._handed
             self.state.close()
             self.pipeline = None
 
@@ -1269,6 +1273,11 @@ class FileStore:
             st.master.copy_(e.of(got.master))
         else:
             st.master.copy_(e.of(param_values(e.param)).to("cpu", torch.float32))
+
+
+# state uuid -> (step, the tensors of the last state_dict() of a closed optimizer over
+# those files, held weakly): handed to the next optimizer that opens them
+_HELD_AFTER_CLOSE: Dict[str, Tuple[int, "weakref.WeakSet"]] = {}
 
 
 class InFiles(dict):

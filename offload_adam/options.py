@@ -84,7 +84,7 @@ documented here and nowhere else.
     half stepped). The default is False because it is
     exact in every case.
   state_dirs (None): a directory, or a list of them (one per NVMe drive, the
-    state striped over them), where the optimizer state lives in files
+    state striped over them; ordered: a resume gives them in the same order), where the optimizer state lives in files
     instead of host RAM: every param's fp32 master, the moments in any
     state_dtype, their scales and step counts (the NVMe tier, nvme/ and
     nvme_tier.py), for each param that trains when the optimizer is built (a
@@ -390,6 +390,10 @@ def state_root(root: Optional[str]) -> Iterator[Optional[str]]:
 
 def _checked_dirs(value) -> Tuple[str, ...]:
     """state_dirs= as a tuple of absolute paths, each an existing writable directory."""
+    if isinstance(value, (set, frozenset)):   # the order is the state's: file k in dirs[k]
+        raise TypeError(f"state_dirs must be ordered (a list or tuple: the files of a "
+                        f"striped state are matched to the directories by position), got "
+                        f"a {type(value).__name__}: {value!r}")
     dirs = [value] if isinstance(value, (str, os.PathLike)) else list(value)
     if not dirs or not all(isinstance(d, (str, os.PathLike)) for d in dirs):
         raise ValueError(f"state_dirs must be a directory or a non-empty list of "

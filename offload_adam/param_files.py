@@ -48,7 +48,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .engine.host_memory import unpin_all
+from .engine.host_memory import unpin_when_dropped
 from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, crc32, map_file, open_direct,
                              wait, warn_buffered)
 from .nvme.layout import ALIGN, round_up
@@ -135,10 +135,11 @@ class ParamFiles:
         self.fds: List[int] = []
         buffered = []
         self._locks: List[int] = []
+        self._made: List[str] = []   # directories made here, in order (a refusal removes them)
         try:
             for d, path, end in zip(dirs, self.paths, ends):
                 where = d
-                os.makedirs(d, exist_ok=True)
+                self._made += _make_dirs(d)
                 # One streamer per directory at a time (a second would clobber the first's
                 # blocks): locked before the file is cut to its new size.
                 lock = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -154,13 +155,13 @@ class ParamFiles:
                 if not direct:
                     buffered.append(d)
         except OSError as e:   # (a full disk: the files made so far go, as at close())
-            self._close_files()
+            self._refused()
             raise NvmeError(e.errno, f"offload_adam.stream_params: cannot make the param "
                             f"file of {max(end, ALIGN)} bytes in {where} ({e.strerror}; "
                             f"the {len(dirs)} param files take {sum(ends)} bytes in all); "
                             "nothing was streamed") from e
         except BaseException:
-            self._close_files()
+            self._refused()
             raise
         warn_buffered(buffered)
         # a streamer dropped without close() (or alive at the interpreter's exit) removes
@@ -192,11 +193,11 @@ class ParamFiles:
                 slot.buffer.close()
             self.slots = []
             self.pool.close()
-            self._close_files()
+            self._refused()
             raise
         # a streamer dropped without close() unpins the slots when collected (the list
         # holds their memory until then)
-        self._unpin = weakref.finalize(self, unpin_all, device,
+        self._unpin = weakref.finalize(self, unpin_when_dropped, device,
                                        [slot.buffer.tensor for slot in self.slots])
         self.slot_of: Dict[int, _Slot] = {}
         self.sums: Dict[int, List[int]] = {}   # block -> its requests' CRC32Cs, as written
@@ -322,6 +323,11 @@ class ParamFiles:
         # (mmap's offset: a multiple of the allocation granularity, 64 KiB on some arm64
         # kernels, where the extents are on 4 KiB)
         page = offset - offset % mmap.ALLOCATIONGRANULARITY
+        have = os.fstat(fd).st_size
+        if have < offset + size:   # (cut short since it was written: mmap would refuse it)
+            raise NvmeError(errno.EIO, f"offload_adam: block {i}'s params in {self._path(i)} "
+                            f"(bytes {offset}..{offset + size}) are past the file's end "
+                            f"({have} bytes): the file was cut short since it was written")
         m = map_file(fd, size + offset - page, page)
         data = torch.frombuffer(m, dtype=torch.uint8)[offset - page:offset - page + size]
         if i in self.sums:
@@ -511,6 +517,27 @@ class ParamFiles:
         else:
             _let_go(self.fds + self._locks, self.paths[:len(self._locks)], os.getpid())
         self.fds, self._locks = [], []
+
+
+    def _refused(self) -> None:
+        """A refused construction leaves the directories as it found them: its files
+        removed, and the directories it made (when empty)."""
+        self._close_files()
+        for d in reversed(self._made):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+def _make_dirs(d: str) -> List[str]:
+    """Makes directory `d` and its missing parents; those made, outermost first."""
+    missing, at = [], d
+    while at and not os.path.exists(at):
+        missing.append(at)
+        at = os.path.dirname(at)
+    os.makedirs(d, exist_ok=True)
+    return missing[::-1]
 
 
 def _let_go(fds: List[int], paths: List[str], pid: int) -> None:

@@ -57,6 +57,7 @@ import enum
 import math
 import os
 import threading
+import warnings
 import weakref
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -64,7 +65,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .engine.device import current_host_stand_in, make_device
-from .engine.host_memory import unpin_all
+from .engine.host_memory import unpin_when_dropped
 from .nvme.layout import ALIGN, round_up
 from .options import positive_number
 from .param_files import ParamFiles, min_slots
@@ -136,6 +137,8 @@ class Home:
         engine's worker while the model's thread may read (an inference forward, a
         state dict taken between backward and step())."""
         block = self.block
+        if len(block.mapped_out):
+            block.streamer._warn_mapped(block)
         block.start_write()
         try:
             block.stale = True
@@ -248,6 +251,12 @@ class _Block:
         self.homes: List[torch.Tensor] = []   # the host copies in RAM (none with files)
         self.home_of: List[Home] = []         # each param's Home (params.home_of)
         self.last_hooks: List[int] = []       # its module's forward hooks that release it
+        self.first_hook: Optional[int] = None  # its module's forward pre-hook that fetches it
+        # what state_dict() mapped from its param file, while held (weakly): a write of the
+        # block by the step makes them a mix of steps (ParamStreamer._warn_mapped)
+        self.mapped_out: weakref.WeakSet = weakref.WeakSet()
+        self.hook_fetched = False   # fetched for backward by a backward pre-hook of its module
+        self.backward_task = None   # the backward its last backward use was in
         # what state_dict() handed out over each host copy in RAM (tensors of storages of
         # their own: their version counters are not the host copy's), and how many times:
         # an edit through one is seen by Home.mark
@@ -327,12 +336,17 @@ class _Block:
     def written_in_use(self) -> List[str]:
         """The params written in place while they showed their device copies (an
         nn.Embedding(max_norm=...) renormalising its rows in its forward, a write under
-        no_grad in a forward): the device copy goes back after the use, and the write
-        with it; the optimizer's own bumps are counted (Home.bumped)."""
+        no_grad in a forward), or given other memory (`self.weight.data = renorm(...)`,
+        a max-norm constraint's way: no version counter moves): the device copy goes back
+        after the use, and the write with it; the optimizer's own bumps are counted
+        (Home.bumped). A write through .data in place (`w.data.clamp_()`) moves no counter
+        and keeps the memory: not seen (README, streamed params)."""
         if self.used_versions is None:
             return []
-        return [n for n, p, v in zip(self.names, self.params, self.used_versions)
-                if p._version != v]
+        return [n for n, p, v, t in zip(self.names, self.params, self.used_versions,
+                                        self.device_tensors)
+                if p._version != v or p.data_ptr() != t.data_ptr() or p.shape != t.shape
+                or p.dtype != t.dtype]
 
     def check_unwritten(self, values: bool = False) -> None:
         """No param was written while it showed its placeholder: such a write lands in
@@ -504,14 +518,16 @@ class ParamStreamer:
         self._handles: list = []
         self._pinned: list = []   # the host copies' buffers, pinned
         # unpinned by close(), or when a streamer dropped without it is collected
-        self._unpin = weakref.finalize(self, unpin_all, self.device, self._pinned)
+        self._unpin = weakref.finalize(self, unpin_when_dropped, self.device, self._pinned)
         self._closed = False
+        self._mapped_warned = False   # (_warn_mapped: once)
         self._move_resident()
         for block in self.blocks:
             self._take(block)
             self._hook(block)
         self._handles.append(model.register_forward_pre_hook(lambda mod, args: self._new_pass()))
         self._guard_conversions()
+        self._guard_backward_pre_hooks()
         _watch_other_optimizers(self)
 
     # ---- setup --------------------------------------------------------------------
@@ -573,6 +589,7 @@ class ParamStreamer:
             m.register_forward_hook(lambda mod, args, out, b=block: self._forward_ended(b),
                                     always_call=True),
         ]
+        block.first_hook = self._handles[-3].id
         block.last_hooks = [h.id for h in self._handles[-2:]]
         # Each module that holds some of the block's params (the block, or a submodule)
         # shows their host copies in its own state_dict() and loads into them, also when
@@ -605,6 +622,37 @@ class ParamStreamer:
             for hook_id in block.last_hooks:
                 if hook_id in hooks:
                     hooks.move_to_end(hook_id)
+
+    def _warn_mapped(self, block: _Block) -> None:
+        """A RuntimeWarning (once per streamer) when the CPU step writes a block of which
+        a model.state_dict() still held maps tensors from the param files: they are the
+        file's bytes, copy-on-write, and a block written back to it shows the new values
+        while one still in the cache shows the old (the dict, kept, is then a mix of steps;
+        from host RAM they are the live host copies, as torch's are the live params)."""
+        held = len(block.mapped_out)
+        for b in self.blocks:
+            b.mapped_out = weakref.WeakSet()
+        if self._mapped_warned:
+            return
+        self._mapped_warned = True
+        warnings.warn(
+            f"offload_adam.stream_params: {held} tensors of block {block.name} from a "
+            "model.state_dict() are still held, and the step writes the block: with "
+            "param_dirs= they are mapped from the param files (not copied) and would show "
+            "part of the model at one step and part at another. Save or copy what "
+            "model.state_dict() gives before the next step(), and drop it after (said once)",
+            RuntimeWarning, stacklevel=2)
+
+    @staticmethod
+    def _fetch_first(block: _Block) -> None:
+        """The block's fetch runs before every other forward pre-hook of its module, those
+        registered after stream_params with prepend=True too (one reading a weight read
+        the placeholder's NaN): moved to the front, at the model's forward (a module's
+        pre-hooks are listed before the first runs) and at the block's, for its next.
+        A global one (register_module_forward_pre_hook) runs before any module's."""
+        hooks = block.module._forward_pre_hooks
+        if block.first_hook in hooks and next(iter(hooks)) != block.first_hook:
+            hooks.move_to_end(block.first_hook, last=False)
 
     def _inner_use(self, block: _Block, module: torch.nn.Module, path: str) -> None:
         if block.state != "here":
@@ -640,6 +688,40 @@ class ParamStreamer:
                 self._guarded.append(module)
                 self._handles.append(module._register_load_state_dict_pre_hook(
                     self._refuse_assign(name), with_module=True))
+
+    def _guard_backward_pre_hooks(self) -> None:
+        """A full backward pre-hook of a block's module (register_full_backward_pre_hook)
+        runs before the grads reach the block's outputs, where the fetch for its backward
+        starts: one reading a weight read the placeholder's NaN (on a GPU, raced the
+        copy). Each such hook, registered before stream_params or after, fetches the
+        block first. (A global one, register_module_full_backward_pre_hook, is not.)"""
+        for block in self.blocks:
+            module = block.module
+            for key, hook in list(module._backward_pre_hooks.items()):
+                module._backward_pre_hooks[key] = self._fetching(block, hook)
+            register = type(module).register_full_backward_pre_hook.__get__(module)
+
+            def registered(hook, *args, b=block, register=register, **kwargs):
+                return register(self._fetching(b, hook), *args, **kwargs)
+            module.__dict__["register_full_backward_pre_hook"] = registered
+            self._guarded.append(module)
+
+    def _fetching(self, block: _Block, hook):
+        def fetched_first(module, grad_output):
+            if not self._closed:
+                self._hook_fetch(block)
+            return hook(module, grad_output)
+        return fetched_first
+
+    def _hook_fetch(self, block: _Block) -> None:
+        """The fetch for the block's backward, from its module's backward pre-hook (once
+        per backward: a recompute of checkpointing fetched it already, or another such
+        hook did); the grad hook of its outputs that follows is then not a second use."""
+        if block.hook_fetched or (block.state == "here" and block.backward_task is not None
+                                  and block.backward_task == torch._C._current_graph_task_id()):
+            return
+        self._pre_backward(block, block.ticket)
+        block.hook_fetched = True
 
     def _refused_copy(self, name: str, blocks: List[_Block]):
         """copy.deepcopy, copy.copy and pickling (torch.save(model)) of a module holding
@@ -698,10 +780,13 @@ class ParamStreamer:
             self._fetch_hooks = []
         if self._order is None and not _in_backward():
             self._recording = []
+        for block in self.blocks:
+            self._fetch_first(block)
 
     def _pre_forward(self, block: _Block, args, kwargs):
         block.check_held()
         self._hooks_last(block)
+        self._fetch_first(block)
         if _in_backward():   # the recompute of activation checkpointing
             self._note_backward()   # (reentrant: no forward hook saw this backward coming)
             if block.state != "here" or block.stale:
@@ -838,6 +923,10 @@ class ParamStreamer:
             self._recording = []
 
     def _pre_backward(self, block: _Block, ticket: list) -> None:
+        if block.hook_fetched:   # (a backward pre-hook of its module fetched it: _hook_fetch)
+            block.hook_fetched = False
+            ticket[0] = block.backward_use
+            return
         if torch.is_grad_enabled():   # (autograd's grad mode in backward: create_graph)
             raise RuntimeError(
                 f"offload_adam.stream_params: a backward with create_graph=True reached "
@@ -863,6 +952,8 @@ class ParamStreamer:
         that backward fetched (the one in use, those ahead) stayed on the device."""
         self._graph_task = None
         self._fetch_hooks = []
+        for block in self.blocks:
+            block.hook_fetched = False
         kept = []
         for entry in self._input_hooks:
             if entry[1] or entry[2] >= 1:
@@ -906,6 +997,7 @@ class ParamStreamer:
             block.step_started = False
             self._backward_uses += 1
             block.backward_use = self._backward_uses
+            block.backward_task = torch._C._current_graph_task_id()
         self._fetch(block)
         self.device.publish(block.copies)
         block.state = "here"
@@ -982,6 +1074,8 @@ class ParamStreamer:
                 was = sd[key]
                 sd[key] = (torch.nn.Parameter(home, requires_grad=was.requires_grad)
                            if isinstance(was, torch.nn.Parameter) else home)
+                if self.files is not None:
+                    block.mapped_out.add(sd[key])
 
     def _before_load(self, block: _Block, meta: Optional[dict] = None) -> None:
         """load_state_dict copies into the host copies (the params show them meanwhile;
@@ -1128,7 +1222,8 @@ class ParamStreamer:
             h.remove()
         self._handles, self._input_hooks = [], []
         for module in self._guarded:
-            for attr in ("_apply", "__deepcopy__", "__reduce_ex__"):
+            for attr in ("_apply", "__deepcopy__", "__reduce_ex__",
+                         "register_full_backward_pre_hook"):
                 module.__dict__.pop(attr, None)
         self._guarded = []
         self._unpin()
@@ -1190,6 +1285,9 @@ def _check_files(param_dirs, param_cache_mb):
         return None
     if isinstance(param_dirs, (str, bytes)) or hasattr(param_dirs, "__fspath__"):
         param_dirs = [param_dirs]
+    if isinstance(param_dirs, (set, frozenset)):   # block i in directory i % n
+        raise TypeError(f"offload_adam.stream_params: param_dirs must be ordered (a list or "
+                        f"tuple), got a {type(param_dirs).__name__}: {param_dirs!r}")
     param_dirs = list(param_dirs)
     if not param_dirs:
         raise ValueError("offload_adam.stream_params: param_dirs is empty")
@@ -1203,7 +1301,11 @@ def _check_files(param_dirs, param_cache_mb):
         raise ValueError(f"offload_adam.stream_params: param_cache_mb must be a finite "
                          f"number > 0, got {param_cache_mb!r}")
     # absolute: close() removes these files, also after the process changed directory
-    return [os.path.abspath(os.fsdecode(d)) for d in param_dirs]
+    out = [os.path.abspath(os.fsdecode(d)) for d in param_dirs]
+    for d in out:   # (a missing one is made, with its parents: the files are scratch)
+        if os.path.exists(d) and not os.path.isdir(d):
+            raise ValueError(f"offload_adam.stream_params: param_dirs: {d!r} is not a directory")
+    return out
 
 
 def _nan(t: torch.Tensor, device: torch.device, full: bool = True) -> torch.Tensor:
@@ -1318,8 +1420,9 @@ def _refuse_written(block: _Block, written: List[str], when: str) -> None:
     more = f" (and {len(written) - 1} more)" if len(written) > 1 else ""
     raise RuntimeError(
         f"offload_adam.stream_params: param {block.name}.{written[0]}{more} of a streamed "
-        f"block was written in place during the block's {when} (an nn.Embedding with "
-        "max_norm renormalises its rows so; a write under torch.no_grad() in forward): a "
+        f"block was written in place or given new memory during the block's {when} (an "
+        "nn.Embedding with max_norm renormalises its rows so; a write under torch.no_grad() "
+        "in forward; weight.data = ... in forward, a max-norm constraint's way): a "
         "streamed param is on the device only while its block runs, as a copy of its host "
         "copy that goes back after, so the write was lost. Keep that module out of the "
         "streamed blocks (it stays resident), or write params between steps with "

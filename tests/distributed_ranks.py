@@ -265,8 +265,11 @@ def clip_norm(variant):
                           dtype=torch.float64)
         local = math.sqrt(sq.item())
         dist.all_reduce(sq)
-        ours = opt.clip_grad_norm_(1e9)
+        # torch's first: its clip multiplies the grads in place (by 1 here: max_norm 1e9),
+        # which after ours is a change of the grads ours was taken of (refused at step(),
+        # on a GPU; and on the simulated device since its watch bumps foreach versions)
         theirs = torch.nn.utils.clip_grad_norm_((twin.twin or model).parameters(), 1e9)
+        ours = opt.clip_grad_norm_(1e9)
         opt.step()
     dev.close()
     return {"ours": float(ours), "theirs": float(theirs), "local": local,

@@ -146,6 +146,21 @@ def test_hidden_edits_are_caught_by_the_fingerprint(path, edit):
     assert same == (not path.engine)
 
 
+def _clip_foreach(model, opt):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, foreach=True)
+
+
+def test_foreach_clip_is_seen_by_its_version_counters(path):
+    """clip_grad_norm_'s foreach path (_foreach_mul_) bumps the grads' version counters
+    on a GPU, so a copied grad clipped so is copied again without verify_grads too; on
+    the simulated device as well (its watch, a TorchDispatchMode, under which torch
+    bumps none, bumps them itself)."""
+    model, _ = make_pair()
+    opt = offload_adam.AdamW(model.parameters(), verify_grads=False, **OPTS, eps=1e-2)
+    run(model, opt, 2, edit=_clip_foreach)
+    assert_same((model, opt), in_place_run(path, 2, edit=_clip_foreach, eps=1e-2))
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_grad_accumulation_over_micro_batches(path, overlap):
     model, _ = make_pair()

@@ -224,3 +224,34 @@ def test_a_stale_compact_manifest_is_refused_or_a_completed_step(kernels, tmp_pa
     ps, ram = ram_at(2)
     assert_same(ps, qs, ram, opt)
     opt.close()
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_state_files_removed_or_replaced_while_open_stop_the_steps(kernels, tmp_path,
+                                                                   footprint, how):
+    """The directory removed and made again between steps (a cleanup script), or its data
+    file replaced by another: the steps went on into the files still open, unlinked, and
+    each was reported committed, the manifest alone written beside whatever was there.
+    The next step is refused, naming the file; nothing is committed after it."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    ps = make_params()
+    opt = build(ps, folder, state_footprint=footprint)
+    train(opt, ps, 0, 2)
+    if how == "removed":
+        shutil.rmtree(folder)
+        folder.mkdir()
+    else:
+        data = folder / NAMES["data"]
+        shutil.copy(data, tmp_path / "copy")
+        os.replace(tmp_path / "copy", data)
+    before = sorted(os.listdir(folder))
+    with pytest.raises(OSError, match=rf"{folder / NAMES['data']} is no longer the state file "
+                                      r"this optimizer opened .* step 3 was not committed"):
+        train(opt, ps, 2, 1)
+    with pytest.raises(RuntimeError, match="is no longer the state file .* Build the "
+                                           "optimizer again"):
+        train(opt, ps, 3, 1)
+    assert opt.step_count == 2 and sorted(os.listdir(folder)) == before
+    opt.close()

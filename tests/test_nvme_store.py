@@ -4,6 +4,7 @@ and the buffered fallback where O_DIRECT is refused."""
 import errno
 import fcntl
 import os
+import shutil
 import threading
 import warnings
 
@@ -12,6 +13,7 @@ import pytest
 from nvme_adam import adam_fn, fails_at, fill_initial, flip_byte, make_spec, same_bits
 from offload_adam.nvme import (NvmeError, NvmeState, StateSpec, StepPipeline, direct_io,
                                manifest, store)
+from offload_adam.nvme.layout import place
 
 
 def ring_of(spec, n=3):
@@ -378,6 +380,38 @@ def test_a_state_larger_than_the_disk_fails_at_open(tmp_path):
     # a small disk's sizes in a unit that shows them
     assert [store.size_text(n) for n in (4 << 20, 12345, 3 << 30, 7)] == [
         "4.00 MiB", "12.06 KiB", "3.00 GiB", "7 bytes"]
+
+
+def test_directories_on_one_drive_share_its_free_space(tmp_path, monkeypatch):
+    """Two state directories on one filesystem: each fits alone, both do not. Refused
+    before anything is written, naming both; and a creation that fails partway (the
+    second file's disk full) leaves neither directory holding files (they blocked the
+    next run as 'state files but no manifest')."""
+    spec = make_spec("fp32", buckets=4, numel=200000)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    need = sum(place(spec, 2)[1])
+    real = shutil.disk_usage
+    monkeypatch.setattr(store.shutil, "disk_usage",
+                        lambda f: real(f)._replace(free=int(need * 0.75)))
+    with pytest.raises(NvmeError, match=r"needs .* in \[.*/a', .*/b'\] \(one filesystem\)"):
+        NvmeState.open([a, b], spec)
+    assert file_bytes(a) == {} and file_bytes(b) == {}
+    monkeypatch.undo()
+    real_open, opened = store.open_direct, []
+
+    def second_full(path, create=False, size=0):
+        opened.append(path)
+        if len(opened) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, create=create, size=size)
+    monkeypatch.setattr(store, "open_direct", second_full)
+    with pytest.raises(NvmeError, match="could not create the optimizer state file"):
+        NvmeState.open([a, b], spec)
+    monkeypatch.undo()
+    assert file_bytes(a) == {} and file_bytes(b) == {}
+    with NvmeState.open([a, b], spec) as state:   # the next run makes them
+        assert state.step == 0
 
 
 @pytest.mark.parametrize("failing,code", [(direct_io._write, errno.ENOSPC),

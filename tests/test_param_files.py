@@ -7,6 +7,7 @@ import gc
 import math
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -199,6 +200,11 @@ def test_param_files_errors_name_the_problem(device, tmp_path):
     blocker.write_text("x")
     with pytest.raises(OSError, match="cannot make the param file"):
         offload_adam.stream_params(model, Block, param_dirs=blocker / "sub")
+    with pytest.raises(ValueError, match=rf"param_dirs: '{blocker}' is not a directory"):
+        offload_adam.stream_params(model, Block, param_dirs=[tmp_path / "new", blocker])
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(TypeError, match="param_dirs must be ordered .* got a set"):
+        offload_adam.stream_params(model, Block, param_dirs={tmp_path / "a", tmp_path / "b"})
     assert all(torch.isfinite(p).all() for p in model.parameters())   # nothing streamed
     with torch.device("meta"):   # refused: a meta model stays meta (it got NaN params)
         meta = make_llama(layers=6, frozen=())
@@ -238,6 +244,26 @@ def test_param_files_not_made_leave_no_file_behind(device, tmp_path, monkeypatch
         offload_adam.stream_params(model, Block, param_dirs=[tmp_path / "a", tmp_path / "b"])
     assert not (tmp_path / "a" / FILE_NAME).exists() and (tmp_path / "b" / FILE_NAME).exists()
     other.close()
+
+
+def test_param_dirs_made_for_a_refused_streamer_are_removed(device, tmp_path, monkeypatch):
+    """Missing param_dirs are made (the files are scratch); a construction refused
+    (here the second file's disk full) removes the directories it made, parents too,
+    and leaves those that were there."""
+    from offload_adam import param_files
+    real = param_files.open_direct
+
+    def full(path, create=False, size=0):
+        if "b" in os.path.basename(os.path.dirname(path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, create=create, size=size)
+    monkeypatch.setattr(param_files, "open_direct", full)
+    (tmp_path / "there").mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        offload_adam.stream_params(make_llama(layers=4, frozen=()), Block,
+                                   param_dirs=[tmp_path / "new" / "deep" / "a",
+                                               tmp_path / "new" / "b", tmp_path / "there"])
+    assert sorted(os.listdir(tmp_path)) == ["there"] and not os.listdir(tmp_path / "there")
 
 
 def test_a_streamer_dropped_as_garbage_lets_the_next_one_have_its_files(device, tmp_path):
@@ -297,6 +323,50 @@ def test_a_param_file_changed_behind_its_back_is_an_error(device, tmp_path):
                        ) as failed:
         llama_loss(model, 0)
     assert failed.value.errno == errno.EIO and "Errno None" not in str(failed.value)
+
+
+def test_a_held_model_state_dict_warns_when_the_step_writes_its_blocks(device, tmp_path):
+    """model.state_dict() with param files maps the blocks from their files: kept across
+    a step, blocks written back showed the new values and blocks still in the cache the
+    old, a mix of steps (from RAM they are the live host copies, all current). The step
+    that writes a block of a dict still held warns, once; a dict saved and dropped at
+    once does not."""
+    model = make_llama(layers=8, frozen=())
+    offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path,
+                               param_cache_mb=slots_mb(model, 4))
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, opt, 1)
+        torch.save(model.state_dict(), tmp_path / "sd.pt")   # saved and dropped: quiet
+        train(model, opt, 1, start=1)
+    held = model.state_dict()
+    with pytest.warns(RuntimeWarning, match=r"tensors of block layers\.\d+ from a "
+                                            r"model\.state_dict\(\) are still held"):
+        train(model, opt, 1, start=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, opt, 1, start=3)   # (said once)
+    assert "layers.0.up.weight" in held   # (held to here)
+    opt.close()
+
+
+def test_a_param_file_cut_short_is_an_error_naming_the_block(device, tmp_path):
+    """model.state_dict() maps each block from its file: a file cut short is an error
+    naming the block and the file (mmap's own was a bare 'mmap length is greater than
+    file size')."""
+    model = make_llama(layers=6, frozen=())
+    streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path,
+                                          param_cache_mb=slots_mb(model, 4))
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 1)
+    os.truncate(tmp_path / FILE_NAME, 4096)
+    with pytest.raises(NvmeError, match=r"block \d's params in .* are past the file's end "
+                                        r"\(\d+ bytes\): the file was cut short") as cut:
+        model.state_dict()
+    assert cut.value.errno == errno.EIO
+    opt.close()
+    del streamer
 
 
 def test_a_close_that_cannot_read_a_block_gives_the_others_back(device, tmp_path):
@@ -444,6 +514,9 @@ class _Recorder:
     def unpin(self, t):
         pass
 
+    def synchronize(self):
+        pass
+
 
 def test_param_files_whose_slots_cannot_be_pinned_leave_nothing_behind(tmp_path):
     """A pin refused while the cache's slots are made (cudaHostRegister past the locked
@@ -460,6 +533,9 @@ def test_param_files_whose_slots_cannot_be_pinned_leave_nothing_behind(tmp_path)
 
         def unpin(self, t):
             self.pinned -= 1
+
+        def synchronize(self):
+            pass
 
     device = Refusing()
     with pytest.raises(RuntimeError, match="cudaHostRegister"):

@@ -483,13 +483,42 @@ def test_a_param_written_during_its_blocks_forward_is_refused(device):
     offload_adam.stream_params(blocks, _RenormBlock, prefetch=1)
     ids = torch.randint(0, 8, (2, 5))
     with pytest.raises(RuntimeError, match=r"param 0\.emb\.weight of a streamed block was "
-                                           r"written in place during the block's forward"):
+                                           r"written in place or given new memory during "
+                                           r"the block's forward"):
         blocks[0](torch.randn(2, 5, 16), ids)
 
 
-def test_a_forward_hook_registered_after_streaming_sees_the_params(device):
-    """The release runs after every forward hook of the block, those registered after
-    stream_params too (one logging a weight's norm read the placeholder's NaN)."""
+class _ConstrainedBlock(torch.nn.Module):
+    """A max-norm constraint as some libraries write it: the weight's data replaced in
+    forward (no version counter moves)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        self.lin.weight.data = torch.renorm(self.lin.weight.data, 2, 0, maxnorm=0.3)
+        return x + self.lin(x)
+
+
+def test_a_param_given_new_memory_during_its_blocks_forward_is_refused(device):
+    """weight.data = ... in a streamed block's forward replaced the device copy, which
+    the release then dropped: the constraint lost without a word (a resident model keeps
+    it). Refused, naming the param, as an in-place write is."""
+    blocks = torch.nn.ModuleList([_ConstrainedBlock() for _ in range(2)])
+    offload_adam.stream_params(blocks, _ConstrainedBlock, prefetch=1)
+    with pytest.raises(RuntimeError, match=r"param 0\.lin\.weight of a streamed block was "
+                                           r"written in place or given new memory during "
+                                           r"the block's forward"):
+        blocks[0](torch.randn(2, 5, 16))
+
+
+@pytest.mark.parametrize("kind", ["forward hook", "forward pre-hook, prepended"])
+def test_a_hook_registered_after_streaming_sees_the_params(device, kind):
+    """The release runs after every forward hook of the block, and the fetch before every
+    forward pre-hook, those registered after stream_params too, a pre-hook with
+    prepend=True also (one logging a weight's norm read the placeholder's NaN; on a GPU
+    a pre-hook raced the copy): the resident model's values, from the first forward."""
     seen = {}
     for streamed in (False, True):
         model = make_llama(layers=4)
@@ -497,10 +526,45 @@ def test_a_forward_hook_registered_after_streaming_sees_the_params(device):
             offload_adam.stream_params(model, Block, prefetch=1)
         norms = seen.setdefault(streamed, [])
         for layer in model.layers:
-            layer.register_forward_hook(lambda mod, a, o: norms.append(mod.up.weight.float().norm()))
-        llama_loss(model, 0).backward()
-    assert len(seen[True]) == 4 and not any(torch.isnan(n) for n in seen[True])
+            if kind == "forward hook":
+                layer.register_forward_hook(
+                    lambda mod, a, o: norms.append(mod.up.weight.float().norm()))
+            else:
+                layer.register_forward_pre_hook(
+                    lambda mod, a: norms.append(mod.up.weight.float().norm()), prepend=True)
+        for it in range(2):
+            llama_loss(model, it).backward()
+    assert len(seen[True]) == 8 and not any(torch.isnan(n) for n in seen[True])
     assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
+
+
+@pytest.mark.parametrize("checkpointed", [False, "reentrant", "non-reentrant"])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_backward_pre_hook_sees_the_params(device, checkpointed, prefetch):
+    """A full backward pre-hook of a block runs before the grads reach the block's
+    outputs, where its fetch for backward starts: it read the placeholder's NaN (and on
+    a GPU raced the copy). Such hooks, registered before stream_params (block 1) or
+    after (the others), fetch first: the values the resident model's see, and the
+    training bit for bit as resident."""
+    seen, runs = {}, []
+    for streamed in (False, True):
+        model = make_llama(layers=4, checkpointed=checkpointed)
+        norms = seen.setdefault(streamed, [])
+
+        def hook(mod, grad_output):
+            norms.append(mod.up.weight.float().norm())
+        model.layers[1].register_full_backward_pre_hook(hook)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=prefetch)
+        for layer in (model.layers[0], model.layers[2], model.layers[3]):
+            layer.register_full_backward_pre_hook(hook)
+        model.layers[2].register_full_backward_pre_hook(hook)   # two on one block
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 2, micro=2)
+        runs.append((model, opt))
+    assert len(seen[True]) == 2 * 2 * 5 and not any(torch.isnan(n) for n in seen[True])
+    assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
+    assert_same_training(*runs)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "deepcopy a block", "copy", "torch.save",
@@ -843,6 +907,22 @@ def test_a_streamed_param_replaced_or_tied_after_streaming_is_refused(device):
             model.state_dict()
         with pytest.raises(RuntimeError, match=r"layers\.2\.up\.weight .*was replaced"):
             model.layers[2].load_state_dict(make_llama(layers=3, frozen=()).layers[2].state_dict())
+
+
+def test_a_streamer_dropped_mid_forward_unpins_after_its_copies(device):
+    """A forward refused partway leaves the read-ahead's copies in flight; a streamer
+    then dropped without close() unpins its host copies when collected: only after
+    those copies ran (the device synchronized first; the simulated device's check, at
+    the end of the test, sees a buffer unpinned under a copy)."""
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = make_llama(layers=6, frozen=())
+        offload_adam.stream_params(model, Block, prefetch=3)
+        model.layers[4].up.weight = torch.nn.Parameter(torch.zeros(64, 32, dtype=BF16))
+        with pytest.raises(RuntimeError, match=r"layers\.4\.up\.weight .*was replaced"):
+            llama_loss(model, 0)
+        del model
+        gc.collect()
 
 
 def test_a_blocks_submodule_used_outside_the_block_is_refused(device):

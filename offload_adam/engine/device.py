@@ -117,6 +117,10 @@ class HostDevice:
     def wait_host(self, *transfers) -> None:
         pass
 
+    def synchronize(self) -> None:
+        """Waits for every copy on the device (before host memory they may use goes:
+        unpin_all)."""
+
     def publish(self, transfers) -> None:
         pass
 
@@ -261,6 +265,9 @@ class CudaDevice:
         for t in transfers:
             if t is not None and t.end is not None:
                 t.end.synchronize()  # releases the GIL while it waits
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
 
     def publish(self, transfers) -> None:
         cur = self._current()

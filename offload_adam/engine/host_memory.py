@@ -85,8 +85,18 @@ def pin_all(device, tensors, pinned: list, what: str, stacklevel: int) -> bool:
 
 
 def unpin_all(device, pinned: list) -> None:
+    """Unpins `pinned` (the caller waited for every copy that uses them)."""
     while pinned:
         device.unpin(pinned.pop())
+
+
+def unpin_when_dropped(device, pinned: list) -> None:
+    """A finalizer's unpin_all: an object dropped without close() (a streamer whose
+    forward was refused partway) may have copies in flight that nothing will wait for:
+    the device is synchronized first."""
+    if pinned:
+        device.synchronize()
+    unpin_all(device, pinned)
 
 
 class HostArenas:

@@ -20,6 +20,11 @@ import mmap
 import os
 import threading
 import warnings
+
+try:   # (imported here: at EMFILE, importing it would need a descriptor itself)
+    import resource
+except ImportError:   # (not Unix)
+    resource = None
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import List, Optional, Tuple
@@ -68,9 +73,8 @@ def map_file(fd: int, length: int, offset: int) -> mmap.mmap:
     try:
         return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
     except OSError as e:
-        if e.errno != errno.EMFILE:
+        if e.errno != errno.EMFILE or resource is None:
             raise
-        import resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if hard == resource.RLIM_INFINITY or hard > soft:
             try:

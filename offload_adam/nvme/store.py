@@ -179,6 +179,7 @@ class NvmeState:
         locks = manifest.DirLocks(folders)
         fds: List[int] = []
         io = None
+        fresh = False   # the directories held none of its files: a refusal removes them again
         try:
             body = _upgraded(manifest.read(folders[0]), folders[0])
             buffered: List[str] = []
@@ -189,6 +190,7 @@ class NvmeState:
                 not body["written"] and (compact or body.get("layout") == "compact"))
             if body is None:
                 _check_nothing_there(folders)
+                fresh = True
             if created:
                 layout = (compact, list(log_bytes or [0] * len(spec.buckets)), spares)
                 body, fds = _create(folders, spec, buffered, layout)
@@ -203,6 +205,8 @@ class NvmeState:
                 os.close(fd)
             if io is not None:
                 io.close()
+            if fresh:
+                _remove_state_files(folders)
             locks.release()
             raise
 
@@ -218,12 +222,7 @@ class NvmeState:
         if self._log is not None:
             self._log.close()
         if discard and self._created and not self._body["written"]:
-            for folder in self.folders:
-                for name in STATE_FILES:
-                    try:
-                        os.unlink(os.path.join(folder, name))
-                    except FileNotFoundError:
-                        pass
+            _remove_state_files(self.folders)
         self._locks.release()
         self._io = None
 
@@ -239,6 +238,11 @@ class NvmeState:
     def step(self) -> int:
         """The number of completed (committed) steps."""
         return self._body["step"]
+
+    @property
+    def uuid(self) -> str:
+        """The state's identity, made with its files (the same across resumes)."""
+        return self._body["uuid"]
 
     @property
     def slots(self) -> List[int]:
@@ -605,6 +609,7 @@ class NvmeState:
         self._store(body, "going back to the previous step")
 
     def _store(self, body: dict, what: str) -> None:
+        self._check_in_place()
         path = os.path.join(self.folders[0], manifest.MANIFEST)
         try:
             manifest.commit(self.folders[0], body)
@@ -614,6 +619,31 @@ class NvmeState:
             self._unsure = f"{what} to {path} failed ({e.strerror or e})"
             self._raise(e, what, path)
         self._body = body
+
+    def _check_in_place(self) -> None:
+        """The data files at their paths are the ones open here: a manifest committed
+        beside another file (the directory removed and made again, its files replaced)
+        would name slots this state never wrote, and the steps written into the open,
+        unlinked files would be lost at the process's end, each reported as committed."""
+        for path, fd in zip(self.paths, self._fds):
+            held = os.fstat(fd)
+            try:
+                there = os.stat(path)
+                same = (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
+            except FileNotFoundError:
+                same = False
+            if not same or held.st_nlink == 0:
+                self._unsure = (f"{path} is no longer the state file this optimizer opened "
+                                "(its directory was removed or emptied, or the file replaced, "
+                                "since the optimizer was built)")
+                self._hint = ("Build the optimizer again: over the directory's files put "
+                              "back, or over an empty directory to start over")
+                raise NvmeError(errno.ESTALE, f"offload_adam: {self._unsure}: step "
+                                f"{self.step + 1} was not committed, and no step can be. The "
+                                "state this optimizer stepped is lost with the files; put "
+                                "back the directory's files to resume from them, or build "
+                                "the optimizer again over an empty directory to start over",
+                                path)
 
     def _check_sure(self) -> None:
         if self._unsure:
@@ -868,6 +898,15 @@ def _header_problem(folder: str, k: int, body: dict) -> Optional[str]:
     return None
 
 
+def _remove_state_files(folders: Sequence[str]) -> None:
+    for folder in folders:
+        for name in STATE_FILES:
+            try:
+                os.unlink(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+
+
 def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout):
     """A new state: the spec and a manifest that says nothing was committed yet go first
     (a crash before the data files are whole leaves a state that is made anew), then the
@@ -887,15 +926,25 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout):
         body.update(layout="compact", spares=spares, file_sizes=sizes,
                     offsets=ring.first_offsets(), heads=ring.first_heads(), log_sizes=logs,
                     intent=None, done=[], loading=False)
+    # the free space of each filesystem against what all its directories need (two
+    # directories on one drive share its free bytes)
+    drives: Dict[int, list] = {}
     for folder, size, log in zip(folders, sizes, logs):
+        drives.setdefault(os.stat(folder).st_dev, []).append((folder, size + log))
+    for on_drive in drives.values():
+        folder = on_drive[0][0]
         free = shutil.disk_usage(folder).free
-        for name in (DATA_FILE, redo.LOG_FILE):
-            old = os.path.join(folder, name)
-            free += os.path.getsize(old) if os.path.exists(old) else 0
-        if size + log > free:
+        for other, _ in on_drive:
+            for name in (DATA_FILE, redo.LOG_FILE):
+                old = os.path.join(other, name)
+                free += os.path.getsize(old) if os.path.exists(old) else 0
+        need = sum(n for _, n in on_drive)
+        if need > free:
             what = (f"one copy and {spares} spares" if compact else f"{SLOTS} slots each")
+            where = (repr(folder) if len(on_drive) == 1 else
+                     f"{[f for f, _ in on_drive]} (one filesystem)")
             raise NvmeError(errno.ENOSPC, f"offload_adam: the optimizer state needs "
-                            f"{size_text(size + log)} in {folder!r} ({len(spec.buckets)} "
+                            f"{size_text(need)} in {where} ({len(spec.buckets)} "
                             f"buckets, {what}), only {size_text(free)} is free", folder)
     # the manifest (nothing committed) first: a crash before the spec is down leaves a
     # state never committed that does not fit its spec, made anew at the next open

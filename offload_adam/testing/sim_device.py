@@ -55,10 +55,11 @@ CUDA leaves to the programmer:
 It counts what a test of memory and traffic asks (`counters()`): the bytes each
 copy direction moved, and device memory given out by `materialize` (now and peak).
 
-One way it is not a GPU: its watch is a TorchDispatchMode, and torch bumps no version
-counter for in-place foreach ops (`_foreach_mul_`: clip_grad_norm_'s) under a mode. Here a
-grad clipped so after its copy is seen by verify_grads' fingerprint only; with
-verify_grads=False it is missed, where a GPU run outside any mode sees the counter move.
+Its watch is a TorchDispatchMode, and torch bumps no version counter for in-place foreach
+ops (`_foreach_mul_`: clip_grad_norm_'s) under a mode; the watch bumps them itself, as torch
+does on a GPU outside any mode, so that a grad clipped after its copy is seen with
+verify_grads=False too (under the user's own mode, FlopCounterMode for one, only
+verify_grads sees it, on a GPU as here).
 
 Every violation is recorded with a message; `check()` raises them (tests call
 it at the end of each test). The engine cannot tell this device from a GPU: it
@@ -77,6 +78,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -409,6 +411,13 @@ class AsyncSimDevice:
             with self.lock:
                 self._host_waited(op)
 
+    def synchronize(self) -> None:
+        """The host waits for every copy (torch.cuda.synchronize)."""
+        with self.lock:
+            ops = list(self._in_flight())
+        for op in ops:
+            self.wait_host(op.transfer)
+
     def publish(self, transfers) -> None:
         stream = _compute_stream()
         with self.lock:
@@ -718,7 +727,15 @@ class _Watch(TorchDispatchMode):
             if reads or writes:
                 with _unchecked():
                     self.sim._on_op(func, reads, writes)
+        bumped = _foreach_written(func, args)
+        before = [t._version for t in bumped]
         out = func(*args, **kwargs)
+        for t, v in zip(bumped, before):
+            # torch bumps no version counter for an in-place foreach op under a mode
+            # (a GPU run outside one sees clip_grad_norm_'s _foreach_mul_ move it):
+            # bumped here, where torch left it, so that the watch hides no edit
+            if t._version == v:
+                increment_version(t)
         if not getattr(_local, "inside", False):
             # A fresh result (clone, contiguous, an op's output) is written by
             # this stream now: a copy that reads it must be ordered after it.
@@ -729,6 +746,17 @@ class _Watch(TorchDispatchMode):
             if fresh:
                 self.sim._on_output(fresh)
         return out
+
+
+def _foreach_written(func, args) -> list:
+    """The tensors an in-place foreach op writes (its first argument, a list)."""
+    schema = func._schema
+    if not (schema.name.startswith("aten::_foreach_") and schema.name.endswith("_")):
+        return []
+    alias = schema.arguments[0].alias_info
+    if alias is None or not alias.is_write or not args:
+        return []
+    return [t for t in args[0] if isinstance(t, torch.Tensor) and not t.is_inference()]
 
 
 def _holds_data(t: torch.Tensor) -> bool:
