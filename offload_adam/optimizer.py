@@ -56,8 +56,8 @@ from .grad_scaling import GradScaling
 from .kernel_step import Hyper
 from .master_rule import MasterMarks
 from .freed_grad import check_freed_grads
-from .params import (SUPPORTED_DTYPES, Addresses, check_grad_dtypes, check_no_overlap,
-                     home_of, one_device, param_label)
+from .params import (SUPPORTED_DTYPES, Addresses, check_grad_dtypes, home_of, one_device,
+                     param_label)
 from .options import Options
 from .routing import Routing
 from .state_store import open_store
@@ -287,8 +287,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                         f"param {param_label(group, index, i, p)} is the same tensor as param "
                         f"{first[id(p)]} of its group: list each param once")
                 first[id(p)] = i
-            check_no_overlap(self.param_groups, index)
-            self._check_one_device()
+            self._addresses.check_group(self.param_groups, index)
+            self._check_one_device(index)
             if self._store is not None:
                 self._store.add_group(index, group)
             if getattr(self, "_engine_started", False):
@@ -303,10 +303,12 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                     self._group_of[p] = was
             raise
 
-    def _check_one_device(self):
+    def _check_one_device(self, index: int):
         """All params on the CPU, or all on one CUDA device (one engine each); none is
-        allowed (empty groups, as torch's)."""
-        params = [p for g in self.param_groups for p in g["params"]]
+        allowed (empty groups, as torch's). The groups before `index` were checked when
+        added: group `index` against one of their params."""
+        before = next((g["params"][0] for g in self.param_groups[:index] if g["params"]), None)
+        params = ([before] if before is not None else []) + list(self.param_groups[index]["params"])
         if params:
             one_device(params)
 
@@ -364,12 +366,13 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             # by the number each param's group was added under (_number_group)
             by_number = [([], False, "float32", []) for _ in range(self._groups_made)]
             for gi, (g, ps) in enumerate(zip(self.param_groups, managed)):
+                label = {id(p): param_label(g, gi, i, p) for i, p in enumerate(g["params"])}
                 for p in ps:
                     number = self._known_group(p, gi)
                     params, _, _, names = by_number[number]
                     by_number[number] = (params, bool(g["amsgrad"]), g["state_dtype"], names)
                     params.append(p)
-                    names.extend(self._engine_names(gi, [p]))
+                    names.append(label[id(p)])   # (as _engine_names: once per group)
             params, amsgrad, formats, names = (list(x) for x in zip(*by_number))
             self._engine = OffloadEngine(
                 params, amsgrad, state_dtypes=formats,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -113,12 +113,13 @@ def _share_bytes(a: torch.Tensor, b: torch.Tensor, lo: int, hi: int) -> bool:
     return bool(elements(b).any())
 
 
-def check_no_overlap(param_groups, index: int) -> None:
+def check_no_overlap(param_groups, index: int, among: Optional[set] = None) -> None:
     """A ValueError naming two params of which one is in group `index` that share
     memory (views of one tensor that overlap): torch's optimizers step them one after
     the other, each step seeing the other's update; here each has a master and moments
     of its own, and the last one written would win silently. Views that do not overlap
-    (a flat buffer's params) are fine."""
+    (a flat buffer's params) are fine. `among`: the ids of the only params of the other
+    groups that may share memory with group `index`'s (Addresses.check_group; None: any)."""
     mine = {}
     for i, p in enumerate(param_groups[index]["params"]):
         span = _memory(p)
@@ -127,8 +128,10 @@ def check_no_overlap(param_groups, index: int) -> None:
     if not mine:
         return
     seen = {}
-    for gi, group in enumerate(param_groups):
+    for gi, group in enumerate(param_groups if among is None or among else ()):
         for i, p in enumerate(group["params"]):
+            if among is not None and id(p) not in among:
+                continue
             span = _memory(p) if gi != index else None
             if span is not None and span[0] in mine:
                 seen.setdefault(span[0], []).append((gi, i, p) + span[1:])
@@ -157,15 +160,37 @@ class Addresses:
 
     def __init__(self):
         self._at: dict = {}   # id(param) -> its data_ptr (params the groups hold alive)
+        # (device, storage address) -> ids of the params recorded on it: a group added
+        # is checked against those only (check_no_overlap over every param of every
+        # group at each add_param_group made building O(groups x params))
+        self._storages: Dict[tuple, set] = {}
 
     @staticmethod
     def _of(p: torch.Tensor):
-        span = _memory(p)   # (None: a DTensor, a streamed param, meta, empty)
-        return None if span is None or home_of(p) is not None else p.data_ptr()
+        # None where _memory is (a DTensor, meta, empty, sparse) and for a streamed param;
+        # else the address alone (_memory's storage and span cost ~5 us a param a step)
+        if (type(p).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+                or p.layout is not torch.strided or p.is_meta or p.numel() == 0
+                or home_of(p) is not None):
+            return None
+        return p.data_ptr()
 
     def record(self, params) -> None:
         for p in params:
             self._at[id(p)] = self._of(p)
+            span = _memory(p)
+            if span is not None:
+                self._storages.setdefault(span[0], set()).add(id(p))
+
+    def check_group(self, param_groups, index: int) -> None:
+        """check_no_overlap of a group just added (and recorded), against the params
+        recorded on the storages its params are on. One that moved since it was recorded
+        is not looked for on its new storage here: the next step's check sees it moved."""
+        keys = {span[0] for span in map(_memory, param_groups[index]["params"])
+                if span is not None}
+        mine = {id(p) for p in param_groups[index]["params"]}
+        among = {i for k in keys for i in self._storages.get(k, ())} - mine
+        check_no_overlap(param_groups, index, among)
 
     def check(self, param_groups) -> None:
         """A RuntimeError naming two params that share memory now, if a param moved."""

@@ -336,6 +336,31 @@ def test_params_that_share_memory_are_refused_by_name(kernels):
     assert base[0::2].eq(-0.1).all() and base[1::2].eq(0.1).all()
 
 
+def test_a_group_added_is_checked_against_the_params_on_its_storages_only(kernels,
+                                                                           monkeypatch):
+    """Building with many groups (torch's __init__ adds them one by one) looked at the
+    memory of every param of every group at each add: O(groups x params), 12x torch's
+    construction at 2,000 groups. Each param's memory is read a bounded number of times;
+    an overlap with a param of an earlier group on the same storage is still refused."""
+    from offload_adam import params as params_module
+    real, calls = params_module._memory, [0]
+
+    def counted(p):
+        calls[0] += 1
+        return real(p)
+    monkeypatch.setattr(params_module, "_memory", counted)
+    groups = [{"params": [torch.zeros(4, requires_grad=True)], "lr": 1e-3 * (i + 1)}
+              for i in range(300)]
+    offload_adam.AdamW(groups)
+    assert calls[0] <= 4 * 300
+    base = torch.zeros(64)
+    opt = offload_adam.AdamW([{"params": [torch.zeros(3, requires_grad=True)]},
+                              {"params": [base[:8].requires_grad_()]}])
+    with pytest.raises(ValueError, match=r"group 1, param 0 .* and group 2, param 0"):
+        opt.add_param_group({"params": [base[7:9].requires_grad_()]})
+    opt.add_param_group({"params": [base[8:9].requires_grad_()]})   # next to it: fine
+
+
 @pytest.mark.parametrize("where", ["in_place", "engine", "engine_in_backward"])
 def test_params_tied_after_the_optimizer_was_built_are_refused(kernels, where):
     """`b.data = a.data` after the optimizer was built puts two params on one memory,

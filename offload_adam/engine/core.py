@@ -134,12 +134,15 @@ class OffloadEngine:
         self._absent: set = set()                # ids of the recs in no group now
         self._groups_key = None
         self._groups_task = None                 # the backward that last read them
+        self.early_groups = None   # (backward, groups, follow_groups of them): _EarlyOwner's
         self.buckets: List[Bucket] = []           # replaced in place (the finalizer holds it)
         self._state_arenas: list = []
         self._transfer_arenas: list = []
         self._packs: Dict[int, list] = {}         # bucket index -> [(piece, grad piece)] waiting
         self._pack_arrived: set = set()           # ids of the packed pieces hooked so far
         self._pack_expected: set = set()          # ... and in the last backward
+        # bucket index -> its expected packed pieces not hooked yet (None: count again)
+        self._pack_missing: Optional[Dict[int, int]] = None
         self._backward: list = []                 # D2H copies of the running backward
         self._deferred: List[ParamRec] = []       # grads whose copy waits for hooks after ours
         self._backward_task = None
@@ -190,9 +193,16 @@ class OffloadEngine:
             self, _shutdown, self.device, self._worker, self.recs, self.buckets,
             self._state_arenas, self._transfer_arenas, self._acc_arenas, self._ring_arenas,
             self._lent_pins, self._pid)
+        # every group's recs first, then one layout of the buckets (laid out again at
+        # each group, building was O(groups x params))
+        added = []
         for i, (params, ams) in enumerate(zip(managed, amsgrad)):
-            self.add_group(i, params, ams, state_dtypes[i] if state_dtypes else "float32",
-                           names[i] if names else None)
+            added += self._add_recs(i, params, ams,
+                                    state_dtypes[i] if state_dtypes else "float32",
+                                    names[i] if names else None)
+        if added:
+            self._rebucket(added)
+            _claim(self, sorted(added, key=lambda r: r.position))
 
     @property
     def step_in_backward(self) -> bool:
@@ -216,8 +226,19 @@ class OffloadEngine:
     def add_group(self, group: int, params: Sequence[torch.Tensor], amsgrad: bool,
                   state_dtype: str = "float32", names: Optional[Sequence[str]] = None) -> None:
         """`names`: how errors name each param (params.param_label), or None."""
+        known = [p.rec for b in self.buckets for p in b.pieces]
+        new = self._add_recs(group, params, amsgrad, state_dtype, names)
+        if new:
+            self._rebucket(list(dict.fromkeys(known)) + new)
+            # last: a group that fails to be added takes nothing over
+            _claim(self, sorted(new, key=lambda r: r.position))
+
+    def _add_recs(self, group: int, params: Sequence[torch.Tensor], amsgrad: bool,
+                  state_dtype: str, names: Optional[Sequence[str]]) -> List[ParamRec]:
+        """add_group's recs (state allocated, grads hooked), in the order they join the
+        buckets (the order grads arrive: last param first), not laid out yet."""
         if not params:
-            return
+            return []
         if self.recs:
             one_device([local(self.recs[0].param)] + [local(p) for p in params])
         fmt = state_format(state_dtype)
@@ -231,14 +252,11 @@ class OffloadEngine:
                 piece.step_t = torch.zeros((), dtype=torch.float32)
             rec.step_t = rec.pieces[0].step_t
             self._hook_grad(rec)
-        known = [p.rec for b in self.buckets for p in b.pieces]
-        order = list(dict.fromkeys(known)) + sorted(new, key=lambda r: -r.position)
         self.recs.extend(new)
         self._ids.update(id(rec.param) for rec in new)
         self._rec_of.update((id(rec.param), rec) for rec in new)
-        self._groups_key = None   # (read the groups again)
-        self._rebucket(order)
-        _claim(self, new)   # last: a group that fails to be added takes nothing over
+        self._groups_key = self.early_groups = None   # (read the groups again)
+        return sorted(new, key=lambda r: -r.position)
 
     def _join(self) -> None:
         """The owner's params that got a grad since they were added frozen join the
@@ -324,6 +342,7 @@ class OffloadEngine:
         with torch.no_grad():
             self._end_backward()
         self._wait_all()
+        self._pack_missing = None   # (counted again over the new buckets)
         pieces = [p for rec in order for p in rec.pieces]
         # (in the ring, a grad's buffer is its span's whatever its bucket: it stays)
         old = {id(p): p.grad for p in pieces if p.grad is not None and self.ring is None}
@@ -543,8 +562,10 @@ class OffloadEngine:
                     # (the piece first: a Ctrl-C inside piece.of leaves no empty pack)
                     entry = (piece, piece.of(g))
                     self._packs.setdefault(piece.bucket.index, []).append(entry)
-                    if hook:
+                    if hook and id(piece) not in self._pack_arrived:
                         self._pack_arrived.add(id(piece))
+                        if self._pack_missing is not None and id(piece) in self._pack_expected:
+                            self._pack_missing[piece.bucket.index] -= 1
                 else:
                     self._send([(piece, piece.of(g))], after)
                     if early_pieces:
@@ -562,10 +583,16 @@ class OffloadEngine:
                 self._packs.pop(index, None)
 
     def _pack_complete(self, bucket: Bucket) -> bool:
-        """Every packed piece of `bucket` that came in the last backward came."""
-        return bool(self._pack_expected) and all(
-            id(p) in self._pack_arrived for p in bucket.pieces
-            if p.packed and id(p) in self._pack_expected)
+        """Every packed piece of `bucket` that came in the last backward came. (Counted
+        down as they come: a scan of the bucket's pieces at each grad made a backward
+        O(pieces^2).)"""
+        if not self._pack_expected:
+            return False
+        if self._pack_missing is None:
+            self._pack_missing = {
+                b.index: sum(1 for p in b.pieces if p.packed and id(p) in self._pack_expected
+                             and id(p) not in self._pack_arrived) for b in self.buckets}
+        return self._pack_missing.get(bucket.index, 0) == 0
 
     def flush_pack(self, bucket: Bucket) -> None:
         """Sends the bucket's waiting pack now (its step is about to start)."""
@@ -628,6 +655,7 @@ class OffloadEngine:
         self._backward_task = None
         if self._pack_arrived:
             self._pack_expected, self._pack_arrived = self._pack_arrived, set()
+            self._pack_missing = None
         with torch.no_grad():
             self._copy([], flush=True)
         self.device.publish(self._backward)
@@ -1532,7 +1560,17 @@ class _EarlyOwner:
 
     @property
     def param_groups(self) -> List[Optional[dict]]:
-        return self._engine.follow_groups(self._owner.param_groups)
+        """Followed once per backward (its early starts ask at each bucket; reading the
+        groups' key is O(groups), which made a backward O(groups^2) with many groups);
+        outside a backward, each time."""
+        groups = self._owner.param_groups
+        task = torch._C._current_graph_task_id()
+        seen = self._engine.early_groups
+        if task != -1 and seen is not None and seen[0] == task and seen[1] is groups:
+            return seen[2]
+        out = self._engine.follow_groups(groups)
+        self._engine.early_groups = (task, groups, out) if task != -1 else None
+        return out
 
     def raw_state(self):
         raw = getattr(self._owner, "raw_state", None)
