@@ -22,9 +22,16 @@ an event does): at step() the first bucket's kernel waits for the end of backwar
 the device, which its grads' copies mostly do anyway; in backward, for the work before
 the first grad hook only.
 
-The sum is of the bits as integers (int16 for bf16/fp16, int32 for fp32), in int64:
-one reduction reading 2 B per bf16 param, twice a step (~9 ms a step for a 7B model
-at an H100's 3 TB/s; an estimate, not measured). It moves with any edit that changes
+The sum is of the bits as integers (int16 for bf16/fp16, int32 for fp32), in int64,
+a chunk of 2^20 elements at a time: torch widens the whole input of an int64 sum into
+a temporary of 8 B an element first, 4x a bf16 param's bytes on the device at the end
+of every step (1.3 GB for a 164 M-element head) before the chunks bounded it to 8 MiB
+(seen on an H200, 2026-12-04). Per bf16 element, twice a step: 2 B read, 8 B written
+into the temporary and read back: ~18 B, ~80 ms a step for a 7B model at an H100's
+3 TB/s (an estimate, not measured; a kernel of our own summing in registers would read
+the 2 B only). A step's sums are one stacked
+tensor on the device (8 B a param), not a 0-dim tensor each (a 512 B allocator block
+each). It moves with any edit that changes
 the sum of the bit patterns: a clamp (outliers' magnitudes only fall, and so do their
 patterns, sign included), a scale, a copy or fill of other values (equal sums by
 chance only). An edit that keeps the sum (a permutation of a param's elements in
@@ -41,6 +48,10 @@ import torch
 from ..distributed import local
 
 
+# Elements per int64 reduction in bits_sum: bounds the widened temporary (8 MiB).
+_CHUNK = 1 << 20
+
+
 def bits_sum(t: torch.Tensor) -> torch.Tensor:
     """The sum in int64 of tensor t's elements' bit patterns: a 0-dim tensor on t's
     device, queued on the current stream (nothing waits for it)."""
@@ -55,7 +66,18 @@ def bits_sum(t: torch.Tensor) -> torch.Tensor:
             # powers of 2^16) moves with an edit but by a 2^-16-ish chance, the same
             # check as far as the ordering the simulated device verifies goes.
             t = t.reshape(-1).view(torch.int64)
-    return t.sum(dtype=torch.int64)
+    if t.dtype == torch.int64 or t.numel() <= _CHUNK:   # (int64: summed without a copy)
+        return t.sum(dtype=torch.int64)
+    flat = t.reshape(-1)
+    total = flat[:_CHUNK].sum(dtype=torch.int64)
+    for i in range(_CHUNK, flat.numel(), _CHUNK):
+        total += flat[i:i + _CHUNK].sum(dtype=torch.int64)
+    return total
+
+
+def bits_sums(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """bits_sum of each param, as 0-dim views of one stacked tensor (one allocation)."""
+    return list(torch.stack([bits_sum(local(p)) for p in params]).unbind()) if params else []
 
 
 class ParamCheck:
@@ -74,9 +96,14 @@ class ParamCheck:
     def expect(self, params: Sequence[torch.Tensor]) -> None:
         """The params as the step just published them (on the caller's stream, after
         it waits for their copies); the check of the step that ended is done with."""
-        for p in params:
-            self._expected[id(p)] = bits_sum(local(p))
+        self._expected.update(zip(map(id, params), bits_sums(params)))
         self._ids, self._now, self._result, self._moved = [], [], None, None
+
+    def storages(self) -> List[torch.UntypedStorage]:
+        """The device memory the sums hold, each storage once (tests count it)."""
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage()
+                for t in list(self._expected.values()) + self._now}
+        return list(held.values())
 
     def forget(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:
@@ -92,7 +119,7 @@ class ParamCheck:
             return
         by_id = {id(p): p for p in params}
         self._ids = ids
-        self._now = [bits_sum(local(by_id[i])) for i in ids]
+        self._now = bits_sums([by_id[i] for i in ids])
         moved = torch.stack(self._now) != torch.stack([self._expected[i] for i in ids])
         self._result, _ = self.device.fetch(moved)
 

@@ -109,9 +109,13 @@ def test_streamed_with_freed_grads_accumulates_on_the_host():
 
 def test_between_uses_the_streamed_params_hold_no_device_memory():
     """After a step, the streamed run holds the streamed params' device memory less than
-    the resident run (the engine's own device buffers are alike), but for a placeholder
-    per streamed param: one element, which the caching allocator rounds to its smallest
-    block (512 B)."""
+    the resident run, but for a placeholder per streamed param: one element, which the
+    caching allocator rounds to its smallest block (512 B). The engine's own device
+    memory besides: the sums of its device params' bits (engine/param_check.py), one
+    stacked tensor of 8 B a param (the resident run's for all its params), left out.
+    The saving is at least that; run after the other tests (their leftovers freed
+    during a run) it was 3 allocator blocks more on an H200 (2026-12-04), so the bound
+    above allows a few."""
     held = {}
     for streamed in (False, True):
         gc.collect()   # the last run's engine (in reference cycles) gone before the base
@@ -119,7 +123,10 @@ def test_between_uses_the_streamed_params_hold_no_device_memory():
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         model, opt, streamer, _ = run(streamed)
-        held[streamed] = torch.cuda.memory_allocated() - base
+        sums = opt._engine.param_check.storages()
+        assert len(sums) == 1   # one stacked tensor, not one block a param
+        held[streamed] = (torch.cuda.memory_allocated() - base
+                          - sum(-(-s.nbytes() // 512) * 512 for s in sums))
         if streamed:
             streamed_params = list(model.layers.parameters())
             for p in streamed_params:
@@ -128,7 +135,8 @@ def test_between_uses_the_streamed_params_hold_no_device_memory():
                                                   for p in streamed_params)
         del model, opt, streamer
     rounded = sum(-(-p.numel() * p.element_size() // 512) * 512 for p in streamed_params)
-    assert held[False] - held[True] == rounded - 512 * len(streamed_params) > 0, held
+    saved = held[False] - held[True]
+    assert 0 < rounded - 512 * len(streamed_params) <= saved <= rounded + 8 * 512, held
 
 
 if __name__ == "__main__":   # a small run for compute-sanitizer
