@@ -108,7 +108,8 @@ def run_mode(cfg, args, prefetch):
                                  free_grads_after_copy=args.free_grads,
                                  grad_ring_mb=(args.grad_ring_mb or None)
                                  if args.step_in_backward else None,
-                                 defer_blocks=args.defer_blocks if prefetch is not None else 0)
+                                 defer_blocks=args.defer_blocks if prefetch is not None else 0,
+                                 num_threads=args.num_threads or None)
     setup["optimizer"] = _progress(mode, "optimizer built", t0) - sum(setup.values())
     name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
     out = _train(cfg, args, model, opt, streamer, mode, t0)
@@ -182,6 +183,33 @@ def _ring_mb(opt) -> float:
     return ring.nbytes / 2**20 if ring is not None else 0.0
 
 
+def _cpu_in_backward(profile, bwd_start, bwd_end) -> dict:
+    """Where the CPU step's kernels ran against backward's host span (the engine's
+    timeline): the seconds from backward's start to the first kernel (the CPU waiting for
+    the first grads), the kernels' seconds inside the span, the span's idle seconds after
+    the first kernel (the CPU waiting for grads: backward not CPU-bound there), and the
+    kernels' seconds after backward returned (inside step())."""
+    spans = sorted((r["start_s"], r["end_s"]) for r in (profile or {}).get("timeline", ())
+                   if r["phase"] == "cpu_step")
+    out = dict(cpu_first_s=0.0, cpu_in_bwd_s=0.0, cpu_idle_in_bwd_s=0.0, cpu_after_bwd_s=0.0)
+    if not spans:
+        return out
+    busy, merged = 0.0, []
+    for a, b in spans:   # (the union: intervals of several workers may overlap)
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    first = max(merged[0][0], bwd_start)
+    for a, b in merged:
+        busy += max(0.0, min(b, bwd_end) - max(a, bwd_start))
+        out["cpu_after_bwd_s"] += max(0.0, b - max(a, bwd_end))
+    out["cpu_first_s"] = max(0.0, merged[0][0] - bwd_start)
+    out["cpu_in_bwd_s"] = busy
+    out["cpu_idle_in_bwd_s"] = max(0.0, (bwd_end - first) - busy) if first < bwd_end else 0.0
+    return out
+
+
 def _train(cfg, args, model, opt, streamer, mode, t0):
     """--warmup + --steps iterations; per iteration: forward and forward + backward (CUDA
     events), opt.step() (wall), the whole (wall, synchronized), the engine's CPU step time
@@ -201,6 +229,7 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
         e0.record()
         loss = model(tokens[:, :-1], tokens[:, 1:])
         e1.record()
+        tb = time.perf_counter()
         loss.backward()
         e2.record()
         t1 = time.perf_counter()
@@ -217,12 +246,16 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
                          ring_wait_s=profile.get("ring_wait_s", 0.0) if profile else 0.0,
                          loss=float(loss.detach()),
                          disk_read_bytes=io1[0] - io0[0], disk_write_bytes=io1[1] - io0[1],
-                         h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0))
+                         h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0,
+                         bwd_host_s=t1 - tb, **_cpu_in_backward(profile, tb, t1)))
         r = rows[-1]
         _progress(mode, f"iteration {it}: {r['iter_s']:.3f} s (fwd {r['fwd_s']:.3f}, fwd+bwd "
                   f"{r['fwd_bwd_s']:.3f}, step() {r['step_s']:.3f}, CPU step "
                   f"{r['cpu_step_s']:.3f}, hooks waited for the grad ring "
-                  f"{r['ring_wait_s']:.3f})", t0)
+                  f"{r['ring_wait_s']:.3f}; backward's host span {r['bwd_host_s']:.3f}: first "
+                  f"kernel after {r['cpu_first_s']:.3f}, kernels {r['cpu_in_bwd_s']:.3f}, CPU "
+                  f"idle after the first {r['cpu_idle_in_bwd_s']:.3f}; kernels after backward "
+                  f"{r['cpu_after_bwd_s']:.3f})", t0)
     timed = rows[args.warmup:]
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     return dict(median=med, rows=rows, peak_gb=torch.cuda.max_memory_allocated() / 1e9)
@@ -279,6 +312,9 @@ def main():
     ap.add_argument("--defer-blocks", type=int, default=0,
                     help="defer_blocks= for the streamed runs (with --step-in-backward): the "
                          "last blocks' CPU steps overlap the next forward")
+    ap.add_argument("--num-threads", type=int, default=0,
+                    help="the CPU step's kernel threads (0: the optimizer's default, the "
+                         "cores less one): fewer leave cores to autograd and the copies")
     ap.add_argument("--fsdp2", action="store_true",
                     help="also the peer: FSDP2 with CPUOffloadPolicy on a one-GPU mesh")
     ap.add_argument("--tag", default=socket.gethostname())

@@ -103,6 +103,15 @@ stage ring_sweep 150 env PY="$PY" STREAM="$STREAM" R="$R" name="$name" bash -c '
     "$PY" bench/stream_gpu.py --layers 8 --width 5120 $STREAM --prefetch 2 --steps 3 --warmup 1 \
       --grad-ring-mb $mb --out "$R" --tag "${name}_ring$mb" || exit 1
   done'
+# the CPU step's threads against the 13B's backward (2.07 s against 1.77 s of kernels on
+# 2026-12-04: is the CPU waiting for grads, or autograd and the copies for a core?): 8
+# blocks of the same width, the default (the cores less one), 12 and 8 threads; each
+# iteration's line says where the kernels ran against backward's host span
+stage thread_sweep 150 env PY="$PY" STREAM="$STREAM" R="$R" name="$name" bash -c '
+  for t in 0 12 8; do
+    "$PY" bench/stream_gpu.py --layers 8 --width 5120 $STREAM --prefetch 2 --steps 3 --warmup 1 \
+      --num-threads $t --out "$R" --tag "${name}_threads$t" || exit 1
+  done'
 stage synccheck 60 compute-sanitizer --tool synccheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
 
 stage e2e_sweep 150 "$PY" -m bench.e2e --device cuda --size 350m --steps ${E2E_STEPS:-8} --warmup 3 \
