@@ -256,6 +256,7 @@ class _Block:
         # block by the step makes them a mix of steps (ParamStreamer._warn_mapped)
         self.mapped_out: weakref.WeakSet = weakref.WeakSet()
         self.hook_fetched = False   # fetched for backward by a backward pre-hook of its module
+        self.early = False          # fetched for this call by the global pre-hook (_global_fetch)
         self.backward_task = None   # the backward its last backward use was in
         # what state_dict() handed out over each host copy in RAM (tensors of storages of
         # their own: their version counters are not the host copy's), and how many times:
@@ -528,6 +529,7 @@ class ParamStreamer:
         self._handles.append(model.register_forward_pre_hook(lambda mod, args: self._new_pass()))
         self._guard_conversions()
         self._guard_backward_pre_hooks()
+        _sync_global_hooks()
         _watch_other_optimizers(self)
 
     # ---- setup --------------------------------------------------------------------
@@ -579,6 +581,7 @@ class ParamStreamer:
 
     def _hook(self, block: _Block) -> None:
         m = block.module
+        _BLOCK_OF[m] = (weakref.ref(self), block.index)   # (weakly: no cycle through m)
         self._handles += [
             # (prepended: a pre-hook the user registered before, weight_norm's say, reads
             # the params fetched, not their placeholders)
@@ -649,7 +652,8 @@ class ParamStreamer:
         registered after stream_params with prepend=True too (one reading a weight read
         the placeholder's NaN): moved to the front, at the model's forward (a module's
         pre-hooks are listed before the first runs) and at the block's, for its next.
-        A global one (register_module_forward_pre_hook) runs before any module's."""
+        A global one (register_module_forward_pre_hook) runs before any module's: while
+        there is one, ours runs before it (_sync_global_hooks)."""
         hooks = block.module._forward_pre_hooks
         if block.first_hook in hooks and next(iter(hooks)) != block.first_hook:
             hooks.move_to_end(block.first_hook, last=False)
@@ -694,7 +698,8 @@ class ParamStreamer:
         runs before the grads reach the block's outputs, where the fetch for its backward
         starts: one reading a weight read the placeholder's NaN (on a GPU, raced the
         copy). Each such hook, registered before stream_params or after, fetches the
-        block first. (A global one, register_module_full_backward_pre_hook, is not.)"""
+        block first. A global one (register_module_full_backward_pre_hook) runs before
+        any module's: while there is one, ours runs before it (_sync_global_hooks)."""
         for block in self.blocks:
             module = block.module
             for key, hook in list(module._backward_pre_hooks.items()):
@@ -782,8 +787,11 @@ class ParamStreamer:
             self._recording = []
         for block in self.blocks:
             self._fetch_first(block)
+        _sync_global_hooks()
 
-    def _pre_forward(self, block: _Block, args, kwargs):
+    def _begin_use(self, block: _Block) -> None:
+        """The block is called: its params fetched (or already here), for its forward or
+        the recompute of activation checkpointing in backward."""
         block.check_held()
         self._hooks_last(block)
         self._fetch_first(block)
@@ -796,6 +804,19 @@ class ParamStreamer:
                 self._end_of_backward(completed=False)
             block.forwarding = True
             self._use(block, "f")
+
+    def _global_fetch(self, block: _Block) -> None:
+        """From the global forward pre-hook, before the user's global ones: the block's
+        fetch for this call, which its own pre-hook then does not repeat."""
+        if not block.early:
+            self._begin_use(block)
+            block.early = True
+
+    def _pre_forward(self, block: _Block, args, kwargs):
+        if block.early:   # (the global pre-hook fetched it for this call)
+            block.early = False
+        else:
+            self._begin_use(block)
         if not torch.is_grad_enabled():
             return
         # Released once the grads of the inputs are computed: after the block's backward,
@@ -914,6 +935,7 @@ class ParamStreamer:
         stay on the device until their next use, in the way of a retry (an out-of-memory
         error caught and the batch halved): all go back now. A first micro-batch that
         raised is recorded again from the next forward on, as after a backward that did."""
+        block.early = False   # (a hook between the global fetch and the block's raised)
         if not block.forwarding:
             return
         block.forwarding = False
@@ -1218,6 +1240,9 @@ class ParamStreamer:
         if errors:
             raise errors[0]
         self._closed = True
+        for block in self.blocks:
+            _BLOCK_OF.pop(block.module, None)
+        _sync_global_hooks()
         for h in self._handles + [entry[0] for entry in self._input_hooks]:
             h.remove()
         self._handles, self._input_hooks = [], []
@@ -1320,6 +1345,62 @@ def _nan(t: torch.Tensor, device: torch.device, full: bool = True) -> torch.Tens
 def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """t on `device`; a meta tensor (a model built without memory) becomes NaNs there."""
     return _nan(t, device) if t.is_meta else t.to(device)
+
+
+# Global module hooks (torch.nn.modules.module.register_module_forward_pre_hook and
+# register_module_full_backward_pre_hook) run before every module's own, so before a
+# streamed block's fetch: one reading a weight read the placeholder's NaN (on a GPU, raced
+# the copy). While the user has such a hook, one of ours is registered and kept first of
+# them: for a streamed block it fetches, for its forward (or recompute) or its backward.
+# Only then: a global backward pre-hook alone makes every module of the process run under
+# torch's BackwardHook (autograd nodes around each call, in-place edits of outputs refused),
+# and a global forward pre-hook takes every module off torch's call without hooks.
+_BLOCK_OF: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_global_handles: dict = {}
+
+
+def _global_entry(module):
+    entry = _BLOCK_OF.get(module)
+    if entry is None:
+        return None, None
+    streamer = entry[0]()
+    return ((None, None) if streamer is None or streamer._closed
+            else (streamer, streamer.blocks[entry[1]]))
+
+
+def _global_pre_forward(module, args):
+    streamer, block = _global_entry(module)
+    if streamer is not None:
+        streamer._global_fetch(block)
+
+
+def _global_pre_backward(module, grad_output):
+    streamer, block = _global_entry(module)
+    if streamer is not None:
+        streamer._hook_fetch(block)
+
+
+def _sync_global_hooks() -> None:
+    """Ours registered and first while the user has a global pre-hook of that kind and a
+    streamer is open; removed otherwise (at each model forward, and at close())."""
+    from torch.nn.modules import module as nn_module
+    for kind, hook, register in (
+            ("forward", _global_pre_forward, nn_module.register_module_forward_pre_hook),
+            ("backward", _global_pre_backward,
+             nn_module.register_module_full_backward_pre_hook)):
+        hooks = getattr(nn_module, f"_global_{kind}_pre_hooks", None)
+        if hooks is None:   # (a torch without them: nothing to order)
+            continue
+        handle = _global_handles.get(kind)
+        ours = handle is not None and handle.id in hooks
+        if len(hooks) > ours and len(_BLOCK_OF):
+            if not ours:
+                handle = _global_handles[kind] = register(hook)
+            if next(iter(hooks)) != handle.id:
+                hooks.move_to_end(handle.id, last=False)
+        elif ours:
+            handle.remove()
+            del _global_handles[kind]
 
 
 # The streamers not closed: while there is one, every torch optimizer's step() is checked

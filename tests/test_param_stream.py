@@ -567,6 +567,50 @@ def test_a_backward_pre_hook_sees_the_params(device, checkpointed, prefetch):
     assert_same_training(*runs)
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_a_global_module_hook_sees_the_params(device, kind, when):
+    """A global module pre-hook (torch.nn.modules.module.register_module_forward_pre_hook,
+    ..._full_backward_pre_hook) runs before any module's own, so before a streamed block's
+    fetch: one reading a block's weight read the placeholder's NaN. While there is one,
+    the streamer's runs first (registered before stream_params or after): the resident
+    model's values, training bit for bit as resident; removed, the streamer's goes too
+    (a global backward pre-hook puts every module of the process under BackwardHook)."""
+    from torch.nn.modules import module as nn_module
+    register = {"forward": nn_module.register_module_forward_pre_hook,
+                "backward": nn_module.register_module_full_backward_pre_hook}[kind]
+    hooks = getattr(nn_module, f"_global_{kind}_pre_hooks")
+    seen, runs = {}, []
+    for streamed in (False, True):
+        model = make_llama(layers=4, checkpointed=kind == "backward")
+        norms = seen.setdefault(streamed, [])
+
+        def hook(mod, arg):
+            if isinstance(mod, Block):
+                norms.append(mod.up.weight.float().norm())
+        handle = register(hook) if when == "before" else None
+        try:
+            if streamed:
+                streamer = offload_adam.stream_params(model, Block, prefetch=1)
+            if handle is None:
+                handle = register(hook)
+            opt = offload_adam.AdamW(model.parameters(), **OPTS)
+            train(model, opt, 2, micro=2)
+            if streamed:
+                assert len(hooks) == 2 and next(iter(hooks)) != handle.id
+        finally:
+            handle.remove()
+        if streamed:
+            llama_loss(model, 9)   # (a forward: the streamer's hook goes with the user's)
+            assert not hooks
+            assert not any(torch.isnan(n) for n in norms)
+            streamer.close()
+        runs.append((model, opt))
+    assert len(seen[True]) == 4 * 2 * 2   # (blocks x steps x micro-batches)
+    assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
+    assert_same_training(*runs)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "deepcopy a block", "copy", "torch.save",
                                  "load assign=True", "load a block assign=True",
                                  "load a submodule assign=True"])
