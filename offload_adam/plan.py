@@ -39,11 +39,13 @@ bounded grad ring, in host RAM or files alike), with more none (a grad buffer pe
 accumulated on the host), prefetch k blocks ahead.
 
 With params in files (param_files.py) each block's file extent is its host copy rounded to
-4 KiB, the cache holds as many blocks as RAM has left (at least prefetch + 3), forward and
-backward each read what the cache does not hold, and the step writes every streamed param
-(in backward, when the block is still in the cache; at step(), as the compact state's pass
-does after the log, a block the cache does not hold is not read first: the step writes
-every byte of it, the model's blocks having no frozen params).
+4 KiB, the cache holds as many blocks as RAM has left (at least prefetch + 3; the report
+says the param_cache_mb to pass, stream_params' own default being prefetch + 5 blocks),
+forward and backward each read what the cache does not hold, and the step's new values of
+a block reach its file when the cache gives the block away (a block the cache keeps is not
+written; at step(), as the compact state's pass does after the log, a block the cache does
+not hold is not read first: the step writes every byte of it, the model's blocks having
+no frozen params).
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ MAX_WIDTH = 2 ** 20
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Llama-shaped decoder: `layers` blocks (attention with `kv_heads` key/value heads,
-    a SwiGLU MLP, two RMSNorms), embeddings of `vocab` x `hidden`, a final norm and an
-    output head (the embedding's, when `tied`)."""
+    """A Llama-shaped decoder: `layers` blocks (attention with `kv_heads` key/value heads
+    of `head_dim` each, a SwiGLU MLP, two RMSNorms), embeddings of `vocab` x `hidden`, a
+    final norm and an output head (the embedding's, when `tied`). `head_dim` 0: hidden /
+    heads (Qwen3-4B, Gemma-7B and Mistral-NeMo have heads x head_dim != hidden)."""
     name: str
     vocab: int
     hidden: int
@@ -102,15 +105,24 @@ class ModelShape:
     heads: int
     kv_heads: int
     tied: bool = False
+    head_dim: int = 0
 
     def __post_init__(self):
         for key in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads"):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"model {self.name!r}: {key} must be a positive int, got {v!r}")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
+        hd = self.head_dim
+        if not isinstance(hd, int) or isinstance(hd, bool) or hd < 0:
+            raise ValueError(f"model {self.name!r}: head_dim must be an int >= 0 (0: hidden / "
+                             f"heads), got {hd!r}")
+        if (not hd and self.hidden % self.heads) or self.heads % self.kv_heads:
             raise ValueError(f"model {self.name!r}: hidden ({self.hidden}) must be a multiple "
-                             f"of heads ({self.heads}), and heads of kv_heads ({self.kv_heads})")
+                             f"of heads ({self.heads}) unless head_dim is given, and heads "
+                             f"of kv_heads ({self.kv_heads})")
+        if hd > MAX_WIDTH:
+            raise ValueError(f"model {self.name!r}: head_dim {hd}; the planner plans head_dim "
+                             f"up to {MAX_WIDTH}")
         if self.layers > MAX_LAYERS:   # (each layout walks every tensor: minutes, not a plan)
             raise ValueError(f"model {self.name!r}: {self.layers} layers; the planner plans "
                              f"models of up to {MAX_LAYERS} (the largest trained have ~130)")
@@ -120,14 +132,22 @@ class ModelShape:
                                  f"plans {key} up to {MAX_WIDTH}")
 
     @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.head_size * self.heads
+
+    @property
     def kv_dim(self) -> int:
-        return self.hidden // self.heads * self.kv_heads
+        return self.head_size * self.kv_heads
 
     def block_tensors(self) -> List[Tuple[str, Tuple[int, ...]]]:
         """One decoder layer's params, in registration order (transformers' Llama)."""
-        h, i, kv = self.hidden, self.intermediate, self.kv_dim
-        return [("q_proj", (h, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)),
-                ("o_proj", (h, h)), ("gate_proj", (i, h)), ("up_proj", (i, h)),
+        h, i, q, kv = self.hidden, self.intermediate, self.q_dim, self.kv_dim
+        return [("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)),
+                ("o_proj", (h, q)), ("gate_proj", (i, h)), ("up_proj", (i, h)),
                 ("down_proj", (h, i)), ("input_layernorm", (h,)),
                 ("post_attention_layernorm", (h,))]
 
@@ -169,7 +189,14 @@ class ModelShape:
             raise ValueError(f"model config {name!r}: a JSON object expected, got "
                              f"{type(cfg).__name__}")
         if isinstance(cfg.get("text_config"), dict) and "hidden_size" not in cfg:
+            # (transformers ties the head when the outer config or the decoder's says so)
+            outer_tie = cfg.get("tie_word_embeddings")
+            if outer_tie is not None and not isinstance(outer_tie, bool):
+                raise ValueError(f"model config {name!r}: tie_word_embeddings must be true "
+                                 f"or false, got {outer_tie!r}")
             cfg = cfg["text_config"]
+            if outer_tie:
+                cfg = {**cfg, "tie_word_embeddings": True}
         kind = cfg.get("model_type")
         if kind not in (None, ""):   # (none: a hand-written config, taken as a Llama's)
             if not isinstance(kind, str) or kind not in MODEL_TYPES:
@@ -178,7 +205,7 @@ class ModelShape:
                     f"planner counts ({', '.join(sorted(MODEL_TYPES))}): its count would be "
                     "wrong. To plan it as a Llama of the same widths anyway (an "
                     "approximation), give the shape as flags instead of the config: --layers "
-                    "--hidden --intermediate --vocab --heads --kv-heads (--tied)")
+                    "--hidden --intermediate --vocab --heads --kv-heads (--head-dim, --tied)")
             # a key left out is what the type's config class takes for it, not the Llama's
             cfg = {**cfg, **{k: v for k, v in MODEL_TYPES[kind].items() if cfg.get(k) is None}}
         need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -203,17 +230,14 @@ class ModelShape:
             return v
 
         hidden, heads = count("hidden_size"), count("num_attention_heads")
-        head_dim = count("head_dim", hidden // heads)
-        if head_dim * heads != hidden:
-            raise ValueError(f"model config {name!r}: head_dim {head_dim} x {heads} heads is "
-                             f"not hidden_size {hidden}; not a shape the planner knows")
+        head_dim = count("head_dim", max(1, hidden // heads))
         tied = cfg.get("tie_word_embeddings")
         if tied is not None and not isinstance(tied, bool):
             raise ValueError(f"model config {name!r}: tie_word_embeddings must be true or "
                              f"false, got {tied!r}")
         return cls(name, count("vocab_size"), hidden, count("intermediate_size"),
                    count("num_hidden_layers"), heads, count("num_key_value_heads", heads),
-                   bool(tied))
+                   bool(tied), head_dim if head_dim * heads != hidden else 0)
 
 
 # A config's count of experts per block (Mixtral, Qwen-MoE, DeepSeek, the
@@ -263,9 +287,12 @@ def load_model(spec: str) -> ModelShape:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"model {spec!r}: {path} is not JSON ({e})") from None
         return ModelShape.from_config(cfg, spec)
-    if spec.endswith(".json") or os.path.isdir(spec):   # a path, not a hub name
+    if (spec.endswith(".json") or os.path.isdir(spec) or spec.startswith((".", "~"))
+            or os.path.isabs(spec) or spec.count("/") > 1):   # a path, not a hub name
+        # (a hub name is org/name: one slash)
         raise ValueError(f"model {spec!r}: a directory without a config.json"
-                         if os.path.isdir(spec) else f"model {spec!r}: no such file")
+                         if os.path.isdir(spec) else f"model {spec!r}: no such file or "
+                         "directory")
     near = difflib.get_close_matches(spec.lower(), PRESETS, n=1, cutoff=0.75)
     if near and "/" not in spec:   # (a preset mistyped: the hub's Llama configs are org/name,
         # and asking it offline retries for half a minute)
@@ -282,8 +309,7 @@ def load_model(spec: str) -> ModelShape:
     except Exception as e:   # noqa: BLE001 -- hub, cache and parse errors alike
         raise ValueError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}) nor a "
                          f"config.json, and transformers could not load it: {e}") from None
-    cfg = getattr(cfg, "text_config", None) or cfg
-    return ModelShape.from_config(cfg.to_dict(), spec)
+    return ModelShape.from_config(cfg.to_dict(), spec)   # (a text_config taken there)
 
 
 # ---- the machine and the run ---------------------------------------------------------------
@@ -628,11 +654,13 @@ def activation_bytes(model: ModelShape, run: Run) -> Dict[str, float]:
     """GPU activations of one micro-batch, bf16, with flash attention (an estimate). Per
     token a block keeps for its backward its two norms' inputs and outputs (4h), q, k and v
     after RoPE (h + 2 kv, and RoPE's inputs h + kv), the attention output (h), the MLP's
-    gate, up, SiLU(gate) and product (4i): 7h + 3kv + 4i elements. With checkpointing only
+    gate, up, SiLU(gate) and product (4i): 4h + 3q + 3kv + 4i elements (q: heads x
+    head_dim, h where they are equal). With checkpointing only
     each block's input (h) is kept, plus one block's full set while it is recomputed. The
     logits of the micro-batch are held once (run.logit_bytes each)."""
     t = run.tokens
-    per_block = 2 * t * (7 * model.hidden + 3 * model.kv_dim + 4 * model.intermediate)
+    per_block = 2 * t * (4 * model.hidden + 3 * model.q_dim + 3 * model.kv_dim
+                         + 4 * model.intermediate)
     if run.checkpointing:
         kept = model.layers * 2 * t * model.hidden + per_block
     else:
@@ -840,9 +868,10 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
         at_step = layout.state == "compact" or micro > 1
         ssd_write += min(extent, 2 * misses + (slot if at_step and misses else 0.0))
     # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
-    # attention's score and value products, causal (6 s h per token per layer, +2 likewise)
+    # attention's score and value products, causal (6 s q per token per layer, q = heads x
+    # head_dim, +2 likewise)
     k = 8 if run.checkpointing else 6
-    flops = micro * run.tokens * (k * n + k * model.layers * run.seq * model.hidden)
+    flops = micro * run.tokens * (k * n + k * model.layers * run.seq * model.q_dim)
     p.traffic = {"h2d": h2d, "d2h": d2h, "dram": dram, "ssd_read": ssd_read,
                  "ssd_write": ssd_write, "flops": float(flops)}
     p.seconds = {"gpu": flops / (m.gpu_tflops * 1e12),
@@ -949,7 +978,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         f"{'GPU s':>7s} {'PCIe s':>7s} {'CPU s':>7s} {'SSD s':>7s} {'bound':>5s} "
         f"{'est s':>7s} {'largest that fits':>18s}",
     ]
-    out, why = [], []
+    out, why, caches = [], [], []
     most = most_blocks(model, run)
     for layout in layouts:
         p = plan(model, machine, run, layout)
@@ -970,6 +999,9 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
                 lines.append(f"    does not fit: {'; '.join(p.misfits())}")
         elif not p.fits:   # (said below the table: what a "no" is short of)
             why.append(f"  {name}: {'; '.join(p.misfits())}")
+        if "param cache" in p.host and run.param_cache_mb is None:
+            # (rounded up: the cache of that many MiB holds the slots planned, not one fewer)
+            caches.append(f"  {name}: param_cache_mb={math.ceil(p.host['param cache'] / 2**20)}")
         d = p.as_dict()
         d["largest_fitting"] = None if big is None else {
             "layers": big.layers, "params": big.params,
@@ -977,6 +1009,14 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         out.append(d)
     if why:
         lines += ["", "Does not fit:"] + why
+    if caches:   # (stream_params' own default is prefetch + 5 blocks: more misses)
+        from .param_files import cache_slots, min_slots
+        slot = param_slot_bytes(model)
+        default = cache_slots((min_slots(run.prefetch) + 2) * slot, slot, run.prefetch,
+                              model.layers) * slot / 2**20
+        lines += ["", "Params in files: the cache planned is what host RAM has left; pass it "
+                  "to stream_params (its default, prefetch + 5 blocks, is "
+                  f"{default:.0f} MiB here; --param-cache-mb plans another):"] + caches
     lines += ["", "Bounds are per optimizer step, each at the stated speed; the step is at "
               "least the largest. est: the step as the code schedules it (forward with the "
               "CPU idle, then backward with the CPU step inside, then step()'s copies).",
@@ -992,7 +1032,7 @@ def _parser() -> argparse.ArgumentParser:
                     "each layout, the per-step lower bounds, and the largest model that fits.")
     ap.add_argument("model", nargs="?", help=f"a preset ({', '.join(PRESETS)}), a config.json "
                     "or its directory, or a Hugging Face config name; or give the shape:")
-    for flag in ("layers", "hidden", "intermediate", "vocab", "heads", "kv-heads"):
+    for flag in ("layers", "hidden", "intermediate", "vocab", "heads", "kv-heads", "head-dim"):
         ap.add_argument(f"--{flag}", type=int)
     ap.add_argument("--tied", action="store_true", help="tied input and output embeddings")
     ap.add_argument("--machine", default="desktop-24gb",
@@ -1018,7 +1058,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--state-budget-mb", type=float)
     ap.add_argument("--state-dirs", type=int, default=1,
                     help="the directories (drives) state_dirs= stripes the state over "
-                         "(the compact layout keeps 4 spare buckets in each)")
+                         "(the compact layout keeps 4 spare buckets in each); the --ssd-* "
+                         "figures are all the drives' together (--machine here measures "
+                         "--state-dir's alone)")
     ap.add_argument("--param-cache-mb", type=float,
                     help="the param files' cache (stream_params' param_cache_mb; default: "
                          "what host RAM has left)")
@@ -1039,7 +1081,8 @@ _MACHINE_FLAGS = {"gpu-gb": "gpu_bytes", "gpu-tflops": "gpu_tflops", "pcie-gbps"
 MAX_FIGURE = 1e9
 MIN_SPEED = 1e-3
 _SHAPE_FLAGS = {"layers": "layers", "hidden": "hidden", "intermediate": "intermediate",
-                "vocab": "vocab", "heads": "heads", "kv-heads": "kv_heads"}
+                "vocab": "vocab", "heads": "heads", "kv-heads": "kv_heads",
+                "head-dim": "head_dim"}
 
 
 def _model(args) -> ModelShape:
@@ -1047,13 +1090,14 @@ def _model(args) -> ModelShape:
     heads, say, replaced; ModelShape checks the result)."""
     shape = {k: getattr(args, k.replace("-", "_")) for k in _SHAPE_FLAGS}
     if args.model is None:
-        missing = [f"--{k}" for k, v in shape.items() if v is None and k != "kv-heads"]
+        missing = [f"--{k}" for k, v in shape.items()
+                   if v is None and k not in ("kv-heads", "head-dim")]
         if missing:
             raise ValueError("give a model (a preset, a config.json or a config name) or "
                              f"its shape: {', '.join(missing)} missing")
         return ModelShape("custom", shape["vocab"], shape["hidden"], shape["intermediate"],
                           shape["layers"], shape["heads"], shape["kv-heads"] or shape["heads"],
-                          args.tied)
+                          args.tied, shape["head-dim"] or 0)
     model = load_model(args.model)
     given = {_SHAPE_FLAGS[k]: v for k, v in shape.items() if v is not None}
     if args.tied:
@@ -1123,6 +1167,7 @@ def _machine(args) -> Machine:
                 raise ValueError(f"--{flag}: at most {MAX_FIGURE:g} ({unit}), got {v:g}")
             if unit != "GB" and v < MIN_SPEED:
                 raise ValueError(f"--{flag}: at least {MIN_SPEED:g} ({unit}), got {v:g}")
+            v = v + 0.0   # (-0 given: 0)
             machine = replace(machine, **{key: v * GB if key.endswith("bytes") else v})
     for have, keep in (("gpu-gb", "gpu-reserve-gb"), ("ram-gb", "host-reserve-gb")):
         cap, res = (getattr(machine, _MACHINE_FLAGS[f]) / GB for f in (have, keep))
@@ -1172,7 +1217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"offload_adam.plan: {e}", file=sys.stderr)
         return 2
     try:
-        layouts = all_layouts(args.state_dtype or STATE_DTYPES)
+        layouts = all_layouts(list(dict.fromkeys(args.state_dtype or STATE_DTYPES)))
         text, plans = report(model, machine, run, layouts, args.detail)
         print(text)
         if out is not None:

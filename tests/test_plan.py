@@ -355,6 +355,8 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["./no-such/config.json"], "no such file"),
+    (["./no-such-dir"], "'./no-such-dir': no such file or directory"),   # (not a hub name)
+    (["/no/such/model"], "'/no/such/model': no such file or directory"),
     ([".", "--batch", "1"], "'.': a directory without a config.json"),
     (["llama-3-8b", "--host-reserve-gb", "-2"],
      "--host-reserve-gb: must be a finite number >= 0, got -2"),
@@ -419,10 +421,10 @@ def test_shape_flags_apply_over_a_preset_or_a_config(tmp_path):
     out = tmp_path / "plan.json"
     assert planner.main(["llama-3-8b", "--hidden", "2048", "--heads", "16", "--kv-heads", "4",
                          "--vocab", "1000", "--intermediate", "4096", "--layers", "2", "--tied",
-                         "--state-dtype", "8bit", "--json", str(out)]) == 0
+                         "--head-dim", "256", "--state-dtype", "8bit", "--json", str(out)]) == 0
     model = json.loads(out.read_text())["plans"][0]["model"]
     assert model == dict(name="llama-3-8b", vocab=1000, hidden=2048, intermediate=4096,
-                         layers=2, heads=16, kv_heads=4, tied=True)
+                         layers=2, heads=16, kv_heads=4, tied=True, head_dim=256)
 
 
 def test_here_says_what_it_did_not_measure(tmp_path, capsys):
@@ -576,6 +578,81 @@ def test_each_model_type_is_counted_as_transformers_builds_it(tmp_path, model_ty
             uncounted += 2 * hidden + 2 * shape.kv_dim + 2 * shape.intermediate + hidden
         assert real == shape.params + shape.layers * uncounted, name
         assert uncounted < shape.block_params / shape.hidden
+
+
+def test_a_multimodal_config_is_tied_when_the_outer_config_says_so():
+    """A multimodal config's tie_word_embeddings at the top (LLaVA-OneVision's) was left
+    out: its text_config, planned alone, untied, counted the head twice (+27 % for a
+    Qwen2-0.5B decoder). transformers ties when either says so."""
+    text = dict(model_type="qwen2", vocab_size=1000, hidden_size=64, intermediate_size=160,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    for outer, inner, tied in ((True, None, True), (True, False, True), (False, None, False),
+                               (None, True, True), (None, None, False)):
+        cfg = {"model_type": "llava", "text_config": dict(text, tie_word_embeddings=inner)}
+        if outer is not None:
+            cfg["tie_word_embeddings"] = outer
+        assert planner.ModelShape.from_config(cfg).tied is tied, (outer, inner)
+    with pytest.raises(ValueError, match="tie_word_embeddings must be true or false, got 1"):
+        planner.ModelShape.from_config({"tie_word_embeddings": 1, "text_config": text})
+
+
+def test_the_param_cache_to_pass_is_said_and_plans_the_same(tmp_path, capsys):
+    """The plan of params in files takes what host RAM has left as their cache, where
+    stream_params' default is prefetch + 5 blocks (Llama-3-70B at batch 1: 217 s of SSD
+    against 267 s): the report lists the param_cache_mb to pass for each such layout, and
+    planning with it gives the same plan. A state_dtype given twice is planned once."""
+    argv = ["llama-3-70b", "--batch", "1", "--state-dtype", "8bit", "--state-dtype", "8bit"]
+    assert planner.main(argv + ["--json", str(tmp_path / "a.json")]) == 0
+    out = capsys.readouterr().out
+    assert "(its default, prefetch + 5 blocks, is 11424 MiB here;" in out
+    given = dict(re.findall(r"  (params files, state \w+ 8bit): param_cache_mb=(\d+)", out))
+    assert len(given) == 3
+    plans = json.loads((tmp_path / "a.json").read_text())["plans"]
+    assert len(plans) == 9
+    for i, lay in enumerate(p["layout"] for p in plans):
+        if lay["params"] != "files":
+            continue
+        layout = f"params files, state {lay['state']} 8bit"
+        assert planner.main(["llama-3-70b", "--batch", "1", "--state-dtype", "8bit",
+                             "--param-cache-mb", given[layout], "--json",
+                             str(tmp_path / "b.json")]) == 0
+        again = json.loads((tmp_path / "b.json").read_text())["plans"][i]
+        assert again["layout"] == lay
+        assert again["host_bytes"] == plans[i]["host_bytes"]
+        assert again["traffic_bytes"] == plans[i]["traffic_bytes"]
+    assert "param_cache_mb=" not in capsys.readouterr().out   # (given: nothing to say)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3", "gemma"])
+def test_heads_times_head_dim_apart_from_hidden_is_counted(tmp_path, capsys, model_type):
+    """A config whose heads x head_dim is not hidden_size (Qwen3-4B: 32 x 128 over 2560;
+    Gemma-7B: 16 x 256 over 3072; Mistral-NeMo: 32 x 128 over 5120) was refused, and no
+    flag planned it (the flags' q and o were hidden x hidden): its q, k, v and o are of
+    heads x head_dim, as transformers builds them; --head-dim gives it as a flag."""
+    given = dict(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=48)
+    config = transformers.AutoConfig.for_model(model_type, pad_token_id=0, **given)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters())
+    shape = planner.ModelShape.from_config({"model_type": model_type, **given})
+    assert (shape.q_dim, shape.kv_dim) == (4 * 48, 2 * 48)
+    uncounted = _UNCOUNTED.get(model_type, lambda c, h, kv: 0)(config, 64, shape.kv_dim)
+    assert real == shape.params + shape.layers * uncounted
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    assert planner.main([str(tmp_path), "--state-dtype", "8bit", "--json",
+                         str(tmp_path / "a.json")]) == 0
+    flags = ["--layers", "3", "--hidden", "64", "--intermediate", "160", "--vocab", "1000",
+             "--heads", "4", "--kv-heads", "2", "--head-dim", "48", "--state-dtype", "8bit",
+             "--json", str(tmp_path / "b.json")]
+    if shape.tied:
+        flags.append("--tied")
+    assert planner.main(flags) == 0
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    keys = ("params", "gpu_bytes", "host_bytes", "disk_bytes", "seconds", "traffic_bytes")
+    assert a["plans"] and all(x["params"] == real - shape.layers * uncounted for x in a["plans"])
+    assert [[x[k] for k in keys] for x in a["plans"]] == [[x[k] for k in keys] for x in b["plans"]]
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize("model_type", ["gpt_neox", "starcoder2", "phi", "bamba", "bert",
