@@ -131,7 +131,15 @@ def rank_dirs(dirs: Tuple[str, ...], params: Iterable[torch.Tensor],
     same directories; the directories themselves otherwise."""
     import os
     world = dist.get_world_size() if sharded(params, process_group) else 1   # (global ranks name the folders)
+    from .nvme.manifest import MANIFEST
     for d in dirs:   # the state of ranks this run does not have: refused, not started over
+        if world > 1 and os.path.exists(os.path.join(d, MANIFEST)):
+            raise ValueError(
+                f"offload_adam: state_dirs {d!r} holds a one-process optimizer state (its "
+                f"manifest is in {d!r} itself, not in a rank<R> folder), and this run has "
+                f"{world} ranks, each of which keeps its shard's state in "
+                f"{os.path.join(d, 'rank<R>')!r}: resume it in one process, or give this run "
+                "other directories")
         old = [n for n in _rank_folders_with_state(d) if world == 1 or n >= world]
         if old:
             what = ("a sharded run's (FSDP2)" if world == 1 else
@@ -183,6 +191,37 @@ def every_rank(value, params: Iterable[torch.Tensor], process_group=None) -> Opt
     out = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(out, value, group=process_group)
     return out
+
+
+def agree_to_step(options: dict, problem: Optional[BaseException],
+                  params: Iterable[torch.Tensor], process_group=None) -> None:
+    """Under several ranks, before a step's first collective (every rank's step() calls
+    it): each rank's options that decide the step's collectives, and whether its own
+    checks refused the step. A rank whose step was refused (its caller raises that error)
+    while the others went on, or an option set on one rank after the optimizers were built
+    (opt.max_grad_norm = None), left the others waiting in a collective it never joined:
+    a hang until the process group's timeout. Every rank raises instead, nothing stepped
+    on any: the refused rank its own error, the others naming it."""
+    if dist is None or not dist.is_initialized() or not sharded(params, process_group):
+        return
+    said = None if problem is None else f"{type(problem).__name__}: {problem}"
+    ranks = every_rank((options, said), params, process_group)
+    if problem is not None:
+        return
+    bad = [(r, p) for r, (_, p) in enumerate(ranks) if p is not None]
+    if bad:
+        raise RuntimeError(f"offload_adam: rank {bad[0][0]}'s step() was refused, so every "
+                           "rank's is, nothing stepped (its collectives would wait for that "
+                           f"rank): {bad[0][1]}")
+    for key in options:
+        values = [o[key] for o, _ in ranks]
+        if any(v != values[0] for v in values):
+            raise ValueError(
+                f"offload_adam: {key} differs between the ranks ("
+                + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                + ") at step(), set on some ranks since the optimizers were built: every "
+                "rank's optimizer must step with the same options (a step's collectives "
+                "depend on them); nothing was stepped")
 
 
 # ---- clipping: the norm over all shards --------------------------------------

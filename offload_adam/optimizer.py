@@ -340,12 +340,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         join. Compared when the optimizers are built (every rank builds its own: a
         collective too), a difference is refused on every rank, naming it."""
         o = self._options
-        mine = {"max_grad_norm": o.max_grad_norm, "state_dirs given": o.state_dirs is not None,
-                "state_footprint": o.state_footprint, "state_resume": o.state_resume,
-                "step_in_backward": o.step_in_backward, "bucket_mb": o.bucket_mb,
-                "the number of param groups": len(self.param_groups),
-                "state_dtype": [g["state_dtype"] for g in self.param_groups],
-                "amsgrad": [g["amsgrad"] for g in self.param_groups]}
+        mine = self._rank_options()
+        mine["state_resume"] = o.state_resume
         params = [p for g in self.param_groups for p in g["params"]]
         ranks = distributed.every_rank(mine, params, o.process_group)
         for key in mine:
@@ -356,6 +352,15 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                     + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
                     + "): every rank's optimizer must be built with the same options (a "
                     "step's collectives depend on them)")
+
+    def _rank_options(self) -> dict:
+        """The options that decide which collectives a step runs (_same_on_every_rank)."""
+        o = self._options
+        return {"max_grad_norm": o.max_grad_norm, "state_dirs given": o.state_dirs is not None,
+                "state_footprint": o.state_footprint, "step_in_backward": o.step_in_backward,
+                "bucket_mb": o.bucket_mb, "the number of param groups": len(self.param_groups),
+                "state_dtype": [g["state_dtype"] for g in self.param_groups],
+                "amsgrad": [g["amsgrad"] for g in self.param_groups]}
 
     def _start_engine(self, managed=None):
         """The engine of `managed` (a list of params per group; default: _engine_params)."""
@@ -577,14 +582,25 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        check_grad_dtypes(self.param_groups)
-        self._addresses.check(self.param_groups)
-        for group in self.param_groups:   # (refused before any group steps)
-            Hyper.of(group)
-        if self._engine is not None:
-            self._engine.check_open()   # (taken over: said first, the grads are the new one's)
-        check_freed_grads(self.param_groups, self._engine)   # (free_grads_after_copy=)
-        self._join_trained()   # (a param unfrozen since its optimizer was built)
+        problem = None
+        try:
+            check_grad_dtypes(self.param_groups)
+            self._addresses.check(self.param_groups)
+            for group in self.param_groups:   # (refused before any group steps)
+                Hyper.of(group)
+            if self._engine is not None:
+                self._engine.check_open()   # (taken over: said first, the grads are the new one's)
+            check_freed_grads(self.param_groups, self._engine)   # (free_grads_after_copy=)
+            self._join_trained()   # (a param unfrozen since its optimizer was built)
+        except Exception as e:   # noqa: BLE001 -- raised below, after the ranks agree
+            problem = e
+        # (under several ranks: a rank refused, or an option set on one, would leave the
+        # others waiting in the step's collectives)
+        distributed.agree_to_step(self._rank_options(), problem,
+                                  [p for g in self.param_groups for p in g["params"]],
+                                  self._options.process_group)
+        if problem is not None:
+            raise problem
         scale = self._step_scale()   # grad_scaling.py
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped
             return loss

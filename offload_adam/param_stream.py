@@ -64,6 +64,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .distributed import is_dtensor
 from .engine.device import current_host_stand_in, make_device
 from .engine.host_memory import unpin_when_dropped
 from .nvme.layout import ALIGN, round_up
@@ -1620,6 +1621,14 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
                                  f"shared with block {owner[id(p)]}: a streamed param "
                                  "belongs to one block")
             owner[id(p)] = name
+            if is_dtensor(p):
+                raise ValueError(
+                    f"offload_adam.stream_params: param {name}.{pname} is a DTensor (FSDP2's "
+                    "fully_shard, or tensor parallelism): a streamed block's params are whole "
+                    "on the host and fetched whole, which a shard is not; stream_params and "
+                    "FSDP2 do not combine. Stream the unsharded model on one GPU, or shard it "
+                    "without streaming (offload_adam.AdamW keeps the state off the GPU "
+                    "either way)")
             if home_of(p) is not None:
                 raise ValueError(f"offload_adam.stream_params: param {name}.{pname} "
                                  "streams already (stream_params called twice?)")

@@ -519,6 +519,87 @@ def nvme_one_rank_refused():
 
 
 @scenario()
+def nvme_one_process_state():
+    """A one-process run's state (its manifest in the directory itself) given to two ranks
+    with state_resume=True: each rank made an empty rank<R> folder and started at step 0,
+    the state left unused with a warning that said nothing of it. Refused on every rank."""
+    base = [os.path.join(OUT_DIR, "nvme_one_process_state")]
+    dist.broadcast_object_list(base, src=0)
+    if dist.get_rank() == 0:   # (plain params: a one-process state)
+        os.makedirs(base[0])
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 3)
+        opt = offload_adam.AdamW(lin.parameters(), lr=LR, state_dirs=base[0])
+        lin(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.close()
+    dist.barrier()
+    out = {}
+    try:
+        offload_adam.AdamW(build().parameters(), lr=LR, state_dirs=base[0], state_resume=True)
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
+    out["rank_folders"] = sorted(n for n in os.listdir(base[0]) if n.startswith("rank"))
+    dist.barrier()
+    return out
+
+
+@scenario()
+def stream_sharded():
+    """stream_params on an FSDP2 model raised torch's 'mixed torch.Tensor and DTensor' from
+    inside, leaving the param_dirs it made: refused by name before anything is made."""
+    base = [os.path.join(OUT_DIR, "stream_sharded")]
+    dist.broadcast_object_list(base, src=0)
+    from offload_adam.testing import AsyncSimDevice, simulated
+    model = build()
+    out = {}
+    try:
+        with simulated(AsyncSimDevice(seed=0)):
+            offload_adam.stream_params(model, torch.nn.Linear,
+                                       param_dirs=base[0] + f"_{dist.get_rank()}")
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
+    out["made"] = os.path.exists(base[0] + f"_{dist.get_rank()}")
+    dist.barrier()
+    return out
+
+
+@scenario()
+def step_refused_on_one_rank():
+    """Rank 0 sets opt.max_grad_norm = None after the optimizers were built (accepted: the
+    check of the options ran at construction), then rank 1's step() is refused (an lr that
+    overflows float32) and the script catches it and goes on: either left the other rank
+    waiting in the step's collectives (a hang until the process group's timeout). Every
+    rank's step() raises instead, nothing stepped, and the steps after go on together."""
+    model = build()
+    opt = offload_adam.AdamW(model.parameters(), lr=LR, max_grad_norm=CLIP)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    out = {"errors": []}
+    for case in ("option", "lr", None):
+        if case == "option" and dist.get_rank() == 0:
+            opt.max_grad_norm = None
+        if case == "lr" and dist.get_rank() == 1:
+            opt.param_groups[0]["lr"] = 1e39
+        backward(model, 0)
+        try:
+            opt.step()
+            out["errors"].append(None)
+        except (ValueError, RuntimeError) as e:
+            out["errors"].append(f"{type(e).__name__}: {e}")
+        opt.zero_grad()
+        opt.max_grad_norm, opt.param_groups[0]["lr"] = CLIP, LR
+        if case == "lr":
+            out["unchanged"] = all(torch.equal(p.full_tensor(), b)
+                                   for p, b in zip(model.parameters(), before))
+    out["stepped"] = not all(torch.equal(p.full_tensor(), b)
+                             for p, b in zip(model.parameters(), before))
+    dist.barrier()
+    return out
+
+
+@scenario()
 def options_differ():
     """Rank 0 clips (max_grad_norm=), rank 1 does not: each would run other collectives
     in its step; both optimizers are refused where they are built, naming the option."""

@@ -184,6 +184,41 @@ def test_a_rank_refusing_its_state_files_is_refused_by_every_rank(ranks):
     assert "of another model or optimizer" in rank1["error"], rank1
 
 
+def test_a_one_process_state_given_to_ranks_is_refused(ranks):
+    """distributed_ranks.nvme_one_process_state: a one-process state resumed by two ranks
+    is refused on each, naming it (it started at step 0 beside it), and no rank folder is
+    made."""
+    for res in result(ranks, "nvme_one_process_state"):
+        assert res["error"] is not None and "holds a one-process optimizer state" in res["error"], res
+        assert res["rank_folders"] == [], res
+
+
+def test_streaming_a_sharded_model_is_refused(ranks):
+    """distributed_ranks.stream_sharded: stream_params of an FSDP2 model is refused, naming
+    a DTensor param, and makes no param_dirs."""
+    for res in result(ranks, "stream_sharded"):
+        assert "param 0.weight is a DTensor (FSDP2's fully_shard" in (res["error"] or ""), res
+        assert "stream_params and FSDP2 do not combine" in res["error"] and not res["made"], res
+
+
+def test_a_step_refused_on_one_rank_is_refused_on_every_rank(ranks):
+    """distributed_ranks.step_refused_on_one_rank: an option set on one rank after the
+    optimizers were built, then a step refused on one rank and caught, left the other
+    waiting in the step's collectives (found from outside: a hang). Every rank raises,
+    naming the cause, nothing stepped; the next step goes on on both."""
+    rank0, rank1 = result(ranks, "step_refused_on_one_rank")
+    for res in (rank0, rank1):
+        assert res["errors"][0].startswith(
+            "ValueError: offload_adam: max_grad_norm differs between the ranks (rank 0: None, "
+            "rank 1: 0.5) at step(), set on some ranks since the optimizers were built"), res
+        assert res["errors"][2] is None and res["unchanged"] and res["stepped"], res
+    assert rank1["errors"][1].startswith("ValueError: offload_adam: lr=1e+39"), rank1
+    assert rank0["errors"][1].startswith(
+        "RuntimeError: offload_adam: rank 1's step() was refused, so every rank's is, nothing "
+        "stepped (its collectives would wait for that rank): ValueError: offload_adam: "
+        "lr=1e+39"), rank0
+
+
 def test_options_that_differ_between_the_ranks_are_refused_by_every_rank(ranks):
     """distributed_ranks.options_differ: one rank clips, the other not; both raise, naming
     max_grad_norm and each rank's value, before any step waits for the other."""
