@@ -21,7 +21,7 @@ param's layout or the other ranks, and live here:
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -193,19 +193,34 @@ def every_rank(value, params: Iterable[torch.Tensor], process_group=None) -> Opt
     return out
 
 
-def agree_to_step(options: dict, problem: Optional[BaseException],
-                  params: Iterable[torch.Tensor], process_group=None) -> None:
+def refuse_differing(ranks: list, when: str) -> None:
+    """A ValueError naming the first option whose value differs between the ranks (each
+    rank's dict of them, in rank order), followed by `when`."""
+    for key in ranks[0] if ranks else ():
+        values = [r[key] for r in ranks]
+        if any(v != values[0] for v in values):
+            raise ValueError(
+                f"offload_adam: {key} differs between the ranks ("
+                + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)) + f"){when}")
+
+
+def agree_to_step(options: Callable[[], dict], problem: Optional[BaseException],
+                  param_groups, process_group=None) -> None:
     """Under several ranks, before a step's first collective (every rank's step() calls
     it): each rank's options that decide the step's collectives, and whether its own
     checks refused the step. A rank whose step was refused (its caller raises that error)
     while the others went on, or an option set on one rank after the optimizers were built
     (opt.max_grad_norm = None), left the others waiting in a collective it never joined:
     a hang until the process group's timeout. Every rank raises instead, nothing stepped
-    on any: the refused rank its own error, the others naming it."""
-    if dist is None or not dist.is_initialized() or not sharded(params, process_group):
+    on any: the refused rank its own error, the others naming it. (One process: nothing
+    built, a step's hot path.)"""
+    if dist is None or not dist.is_initialized():
+        return
+    params = [p for g in param_groups for p in g["params"]]
+    if not sharded(params, process_group):
         return
     said = None if problem is None else f"{type(problem).__name__}: {problem}"
-    ranks = every_rank((options, said), params, process_group)
+    ranks = every_rank((options(), said), params, process_group)
     if problem is not None:
         return
     bad = [(r, p) for r, (_, p) in enumerate(ranks) if p is not None]
@@ -213,15 +228,10 @@ def agree_to_step(options: dict, problem: Optional[BaseException],
         raise RuntimeError(f"offload_adam: rank {bad[0][0]}'s step() was refused, so every "
                            "rank's is, nothing stepped (its collectives would wait for that "
                            f"rank): {bad[0][1]}")
-    for key in options:
-        values = [o[key] for o, _ in ranks]
-        if any(v != values[0] for v in values):
-            raise ValueError(
-                f"offload_adam: {key} differs between the ranks ("
-                + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-                + ") at step(), set on some ranks since the optimizers were built: every "
-                "rank's optimizer must step with the same options (a step's collectives "
-                "depend on them); nothing was stepped")
+    refuse_differing([o for o, _ in ranks],
+                     " at step(), set on some ranks since the optimizers were built: every "
+                     "rank's optimizer must step with the same options (a step's collectives "
+                     "depend on them); nothing was stepped")
 
 
 # ---- clipping: the norm over all shards --------------------------------------

@@ -339,26 +339,21 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         keeping its state in files alone would wait in a collective the others never
         join. Compared when the optimizers are built (every rank builds its own: a
         collective too), a difference is refused on every rank, naming it."""
-        o = self._options
-        mine = self._rank_options()
-        mine["state_resume"] = o.state_resume
         params = [p for g in self.param_groups for p in g["params"]]
-        ranks = distributed.every_rank(mine, params, o.process_group)
-        for key in mine:
-            values = [r[key] for r in ranks or ()]
-            if any(v != values[0] for v in values):
-                raise ValueError(
-                    f"offload_adam: {key} differs between the ranks ("
-                    + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-                    + "): every rank's optimizer must be built with the same options (a "
-                    "step's collectives depend on them)")
+        ranks = distributed.every_rank(self._rank_options(resume=True), params,
+                                       self._options.process_group)
+        distributed.refuse_differing(ranks, ": every rank's optimizer must be built with the "
+                                     "same options (a step's collectives depend on them)")
 
-    def _rank_options(self) -> dict:
-        """The options that decide which collectives a step runs (_same_on_every_rank)."""
+    def _rank_options(self, resume: bool = False) -> dict:
+        """The options that decide which collectives a step runs (_same_on_every_rank;
+        `resume`: state_resume too, which decides the construction's)."""
         o = self._options
         return {"max_grad_norm": o.max_grad_norm, "state_dirs given": o.state_dirs is not None,
-                "state_footprint": o.state_footprint, "step_in_backward": o.step_in_backward,
-                "bucket_mb": o.bucket_mb, "the number of param groups": len(self.param_groups),
+                "state_footprint": o.state_footprint,
+                **({"state_resume": o.state_resume} if resume else {}),
+                "step_in_backward": o.step_in_backward, "bucket_mb": o.bucket_mb,
+                "the number of param groups": len(self.param_groups),
                 "state_dtype": [g["state_dtype"] for g in self.param_groups],
                 "amsgrad": [g["amsgrad"] for g in self.param_groups]}
 
@@ -596,8 +591,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             problem = e
         # (under several ranks: a rank refused, or an option set on one, would leave the
         # others waiting in the step's collectives)
-        distributed.agree_to_step(self._rank_options(), problem,
-                                  [p for g in self.param_groups for p in g["params"]],
+        distributed.agree_to_step(self._rank_options, problem, self.param_groups,
                                   self._options.process_group)
         if problem is not None:
             raise problem

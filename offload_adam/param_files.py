@@ -54,7 +54,7 @@ from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, crc32, map_file, 
 from .nvme.layout import ALIGN, round_up
 from .nvme.manifest import lock_exclusive
 
-__all__ = ["ParamFiles", "FILE_NAME", "min_slots"]
+__all__ = ["ParamFiles", "FILE_NAME", "min_slots", "default_cache_slots"]
 
 FILE_NAME = "offload_adam_params.bin"
 
@@ -63,6 +63,12 @@ def min_slots(prefetch: int) -> int:
     """Slots the streamer needs at once: the block in use, `prefetch` ahead, one given
     back whose copy may still be queued, and one the CPU step writes."""
     return prefetch + 3
+
+
+def default_cache_slots(prefetch: int) -> int:
+    """The cache stream_params makes without param_cache_mb: two slots more than it needs,
+    so that reading ahead does not wait for the slot the CPU step writes."""
+    return min_slots(prefetch) + 2
 
 
 def cache_slots(cache_bytes: float, slot_bytes: int, prefetch: int,

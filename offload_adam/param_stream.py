@@ -69,7 +69,7 @@ from .engine.device import current_host_stand_in, make_device
 from .engine.host_memory import unpin_when_dropped
 from .nvme.layout import ALIGN, round_up
 from .options import positive_number
-from .param_files import ParamFiles, min_slots
+from .param_files import ParamFiles, default_cache_slots
 from .params import home_of, set_home
 
 __all__ = ["ParamStreamer", "stream_params"]
@@ -483,7 +483,7 @@ class ParamStreamer:
             sizes = [_offsets([p for _, p in ps])[1] for _, _, ps in found]
             largest = max(round_up(size, ALIGN) for size in sizes)
             cache = (param_cache_mb * 2**20 if param_cache_mb is not None
-                     else (min_slots(prefetch) + 2) * largest)
+                     else default_cache_slots(prefetch) * largest)
             self.files = ParamFiles(param_dirs, sizes, cache, prefetch, self.device,
                                     settle=lambda i: self.blocks[i].settle())
             self.files.rank = self._rank

@@ -1010,9 +1010,9 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
     if why:
         lines += ["", "Does not fit:"] + why
     if caches:   # (stream_params' own default is prefetch + 5 blocks: more misses)
-        from .param_files import cache_slots, min_slots
+        from .param_files import cache_slots, default_cache_slots
         slot = param_slot_bytes(model)
-        default = cache_slots((min_slots(run.prefetch) + 2) * slot, slot, run.prefetch,
+        default = cache_slots(default_cache_slots(run.prefetch) * slot, slot, run.prefetch,
                               model.layers) * slot / 2**20
         lines += ["", "Params in files: the cache planned is what host RAM has left; pass it "
                   "to stream_params (its default, prefetch + 5 blocks, is "

@@ -83,6 +83,21 @@ class Path:
             yield
 
 
+def disk_full_at(monkeypatch, module, n):
+    """module.open_direct (the state store's, the param files') raises ENOSPC at its n-th
+    call, as a disk that fills up; returns the list of the paths it was asked for."""
+    import errno
+    real, opened = module.open_direct, []
+
+    def open_direct(path, create=False, size=0):
+        opened.append(path)
+        if len(opened) == n:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, create=create, size=size)
+    monkeypatch.setattr(module, "open_direct", open_direct)
+    return opened
+
+
 def sim_path(name, files_root=None):
     """A context yielding a Path for `name` (one of PATHS); a "+files" name keeps
     the state in new directories under `files_root`."""

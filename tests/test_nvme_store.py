@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 
+from conftest import disk_full_at
 from nvme_adam import adam_fn, fails_at, fill_initial, flip_byte, make_spec, same_bits
 from offload_adam.nvme import (NvmeError, NvmeState, StateSpec, StepPipeline, direct_io,
                                manifest, store)
@@ -398,14 +399,7 @@ def test_directories_on_one_drive_share_its_free_space(tmp_path, monkeypatch):
         NvmeState.open([a, b], spec)
     assert file_bytes(a) == {} and file_bytes(b) == {}
     monkeypatch.undo()
-    real_open, opened = store.open_direct, []
-
-    def second_full(path, create=False, size=0):
-        opened.append(path)
-        if len(opened) == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_open(path, create=create, size=size)
-    monkeypatch.setattr(store, "open_direct", second_full)
+    disk_full_at(monkeypatch, store, 2)
     with pytest.raises(NvmeError, match="could not create the optimizer state file"):
         NvmeState.open([a, b], spec)
     monkeypatch.undo()

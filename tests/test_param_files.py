@@ -15,6 +15,7 @@ import torch
 import offload_adam
 from offload_adam.nvme.direct_io import NvmeError
 from offload_adam.param_files import FILE_NAME, ParamFiles
+from conftest import disk_full_at
 from test_param_stream import BF16, OPTS, Block, assert_same_training, llama_loss, make_llama, train
 import test_param_stream
 
@@ -224,14 +225,7 @@ def test_param_files_not_made_leave_no_file_behind(device, tmp_path, monkeypatch
     in use by another streamer is refused without touching that streamer's file."""
     from offload_adam import param_files
     model = make_llama(layers=6, frozen=())
-    real, made = param_files.open_direct, []
-
-    def second_full(path, create=False, size=0):
-        made.append(path)
-        if len(made) == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(path, create=create, size=size)
-    monkeypatch.setattr(param_files, "open_direct", second_full)
+    disk_full_at(monkeypatch, param_files, 2)
     with pytest.raises(OSError, match=rf"param file of \d+ bytes in {tmp_path / 'b'} "
                        r"\(No space left on device; the 2 param files take") as full:
         offload_adam.stream_params(model, Block, param_dirs=[tmp_path / "a", tmp_path / "b"])

@@ -29,9 +29,8 @@ of every step (1.3 GB for a 164 M-element head) before the chunks bounded it to 
 (seen on an H200, 2026-12-04). Per bf16 element, twice a step: 2 B read, 8 B written
 into the temporary and read back: ~18 B, ~80 ms a step for a 7B model at an H100's
 3 TB/s (an estimate, not measured; a kernel of our own summing in registers would read
-the 2 B only). A step's sums are one stacked
-tensor on the device (8 B a param), not a 0-dim tensor each (a 512 B allocator block
-each). It moves with any edit that changes
+the 2 B only). A step's sums are one stacked tensor on the device (8 B a param), not a
+0-dim tensor each (a 512 B allocator block each). It moves with any edit that changes
 the sum of the bit patterns: a clamp (outliers' magnitudes only fall, and so do their
 patterns, sign included), a scale, a copy or fill of other values (equal sums by
 chance only). An edit that keeps the sum (a permutation of a param's elements in
