@@ -70,7 +70,7 @@ GB = 1e9
 _LINE = 64        # engine/host_memory.py: every per-param host buffer starts on a cache line
 _QUANT = 256      # state_format.QUANT_BLOCK: one fp32 scale per 256 8-bit codes per moment
 _HOME_ALIGN = 64  # param_stream.py: each streamed param's host copy starts on a cache line
-_FILE_ALIGN = 4096  # param_files.py: each block's extent in its file (O_DIRECT)
+_FILE_ALIGN = 4096  # param_files.py: each block's extent in its file (O_DIRECT); the redo log's reads
 _MB = 2 ** 20
 
 # What one step of the fused kernel moves through DRAM per param with bf16 params
@@ -349,19 +349,17 @@ MACHINES: Dict[str, Machine] = {m.name: m for m in (
 
 def machine_here(base: Machine, state_dir: str = ".", measure: bool = False,
                  probe_bytes: int = 1 << 30) -> Machine:
-    """`base` with what this machine says of itself: its RAM (/proc/meminfo), the free
+    """`base` with what this machine says of itself: its RAM (/proc/meminfo, or its
+    memory cgroup's limit in a container), the free
     space where the files would go, its GPU's memory (torch.cuda); with `measure`, also
     its speeds (probe_speeds, `probe_bytes` each). Otherwise speeds stay `base`'s (give
     them as flags; bench/transfer_bench.py, step_bench.py and nvme_bench.py measure them
     more carefully)."""
     got = probe_speeds(state_dir, probe_bytes) if measure else {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    got["host_bytes"] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from .engine.host_memory import total_host_bytes
+    ram = total_host_bytes()
+    if ram is not None:
+        got["host_bytes"] = ram
     try:
         got["ssd_bytes"] = shutil.disk_usage(state_dir).free
     except OSError:
@@ -630,6 +628,9 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
             "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,
             "ring_refused": refused,   # why the code would refuse this budget (None: it takes it)
             "buckets": len(buckets),
+            # each bucket's params, by index in `shapes` (the pass steps them in this order)
+            "bucket_params": [sorted({int(e[0].split(":")[1].split("#")[0]) for e in b})
+                              for b in dealt],
             # the compact pass's redo records in RAM: the one stepped, AHEAD read ahead
             "records_read_bytes": (AHEAD + 1) * max(records, default=0),
             "grad_ring_bytes": ring_bytes(max((sum(g) for g in grads), default=0),
@@ -811,6 +812,15 @@ def _model_files(model: ModelShape, state_dtype: str, bucket_mb: float,
                        dirs)
 
 
+def _seams(model: ModelShape, files: dict) -> bool:
+    """Whether a file bucket holds params of two streamed blocks (model.tensors() order:
+    the embedding, then the blocks' params)."""
+    per, first = len(model.block_tensors()), 1
+    end = first + model.layers * per
+    return any(len({(i - first) // per for i in b if first <= i < end}) > 1
+               for b in files["bucket_params"])
+
+
 def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     from .param_files import cache_slots, min_slots
     check_size(model, run)
@@ -852,21 +862,26 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     # at the turn of forward and backward stay; micro-batches after the first give away
     # blocks read, already written). A pass at step() (compact files, micro-batches)
     # writes one more: forward's first read ahead writes back the block in use, which the
-    # pass left in the cache with its new values, before it takes a slot
+    # pass left in the cache with its new values, before it takes a slot (two more where a
+    # file bucket holds the end of one block and the start of the next: the pass holds
+    # both at that seam, and gives away the block before the one it is finishing)
     ssd_read = ssd_write = forward_read = 0.0
     if layout.in_files:
         ssd_read, ssd_write = state_gen, state_gen
         if layout.state == "compact":
             ssd_write += files["redo_log_bytes"]   # the step's grads, logged first
-            if _ring(layout, run):   # logged in backward: read back by the pass
-                ssd_read += files["redo_log_bytes"]
+            if _ring(layout, run):   # logged in backward: read back by the pass, each
+                # record in the whole 4 KiB blocks around it (direct I/O): a block more
+                # each at most, as records share the blocks at their ends
+                ssd_read += files["redo_log_bytes"] + _FILE_ALIGN * files["buckets"]
     if layout.params == "files":
         extent = float(param_file_bytes(model))
         misses = max(0.0, extent - cache)   # a pass's reads
         forward_read = micro * misses
         ssd_read += 2 * forward_read
         at_step = layout.state == "compact" or micro > 1
-        ssd_write += min(extent, 2 * misses + (slot if at_step and misses else 0.0))
+        held = 2 if layout.in_files and _seams(model, files) else 1
+        ssd_write += min(extent, 2 * misses + (held * slot if at_step and misses else 0.0))
     # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
     # attention's score and value products, causal (6 s q per token per layer, q = heads x
     # head_dim, +2 likewise)
@@ -1109,14 +1124,8 @@ def _check_probe_fits(probe_gb: float, state_dir: str) -> None:
     """A ValueError when --measure's probes would not fit: the DRAM probe holds two
     buffers of --probe-gb (at most half the RAM available: a larger one swapped, or the
     kernel killed the planner), the disk's a file of it (at most half the free space)."""
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from .engine.host_memory import available_host_bytes
+    available = available_host_bytes()
     if available is not None and 2 * probe_gb * GB > available / 2:
         raise ValueError(f"--probe-gb {probe_gb:g}: the memory probe holds 2 x {probe_gb:g} GB, "
                          f"more than half of the {available / GB:.1f} GB of RAM available; at "

@@ -204,3 +204,54 @@ def test_a_fresh_state_is_zeroed_in_its_arenas_without_a_temporary(sim, monkeypa
         run(twin, ref, 2, loss=loss_of)
     assert_same((model, opt), (twin, ref))
     opt.close()
+
+
+def _cgroup_tree(root, files):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_cgroup_v2_limit_is_the_least_of_the_cgroup_and_its_parents(tmp_path):
+    """In a container /proc/meminfo is the host's: the memory cgroup's limit (here its
+    parent's, the smaller) caps the RAM, and its usage less its page cache is not
+    available."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/jobs/run1\n")
+    _cgroup_tree(tmp_path / "fs", {
+        "jobs/memory.max": f"{8 << 30}\n",
+        "jobs/run1/memory.max": "max\n",
+        "jobs/run1/memory.current": f"{3 << 30}\n",
+        "jobs/memory.current": f"{5 << 30}\n",
+        "jobs/memory.stat": f"anon 1\nfile {1 << 30}\n",
+    })
+    got = host_memory.cgroup_memory(str(tmp_path / "fs"), str(proc))
+    assert got == (8 << 30, (8 << 30) - (5 << 30) + (1 << 30))
+
+
+def test_cgroup_v1_limit_and_no_limit(tmp_path):
+    proc = tmp_path / "cgroup"
+    proc.write_text("5:cpu,cpuacct:/x\n4:memory:/x\n")
+    fs = tmp_path / "fs"
+    _cgroup_tree(fs, {"memory/x/memory.limit_in_bytes": str(9223372036854771712)})
+    assert host_memory.cgroup_memory(str(fs), str(proc)) is None   # (2^63 - 4096: none)
+    _cgroup_tree(fs, {"memory/memory.limit_in_bytes": str(6 << 30),   # a namespaced mount
+                      "memory/memory.usage_in_bytes": str(2 << 30),
+                      "memory/memory.stat": f"total_cache {1 << 29}\ntotal_rss 5\n"})
+    assert host_memory.cgroup_memory(str(fs), str(proc)) == (6 << 30, (4 << 30) + (1 << 29))
+    assert host_memory.cgroup_memory(str(fs), str(tmp_path / "absent")) is None
+
+
+def test_host_bytes_take_the_cgroup_limit_when_smaller(monkeypatch):
+    """The planner's `--machine here` and the engine's free-memory check read these."""
+    monkeypatch.setattr(host_memory, "_meminfo", {"MemTotal": 64 << 30,
+                                                  "MemAvailable": 60 << 30}.get)
+    monkeypatch.setattr(host_memory, "cgroup_memory", lambda: (16 << 30, 10 << 30))
+    assert host_memory.total_host_bytes() == 16 << 30
+    assert host_memory.available_host_bytes() == 10 << 30
+    with pytest.raises(MemoryError, match=r"only 10.00 GiB"):
+        check_host_memory(11 << 30)
+    monkeypatch.setattr(host_memory, "cgroup_memory", lambda: None)
+    assert host_memory.total_host_bytes() == 64 << 30
+    assert host_memory.available_host_bytes() == 60 << 30

@@ -32,6 +32,7 @@ the pageable memory: transfers still work, only slower and less asynchronous.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -44,16 +45,95 @@ _PAGE = 4096
 _SKEW_LINES = 29
 
 
-def available_host_bytes() -> Optional[int]:
-    """MemAvailable from /proc/meminfo (Linux); None where it cannot be read."""
+def _meminfo(key: str) -> Optional[int]:
+    """A line of /proc/meminfo in bytes (Linux); None where it cannot be read."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _read_int(path: str) -> Optional[int]:
+    """A cgroup file's number; None when absent, unreadable or "max" (no limit)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup"
+                  ) -> Optional[Tuple[int, int]]:
+    """(limit, available) of this process's memory cgroup in bytes, or None without a
+    limit. Why: in a container /proc/meminfo describes the host, and a run sized by it
+    is killed at the container's limit. The limit is the smallest of the cgroup's and its
+    ancestors' (v2 memory.max, v1 memory.limit_in_bytes; values near 2^63 mean none);
+    available is the limit less the usage, its page cache counted free (the kernel
+    reclaims it before it kills, and MemAvailable counts it so)."""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    dirs = []   # (directory, limit file, usage file, page cache's key), leaf first
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            base, files = root, ("memory.max", "memory.current", "file")
+        elif "memory" in controllers.split(","):
+            base, files = os.path.join(root, "memory"), (
+                "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for n in range(len(parts), -1, -1):   # (a namespaced cgroup mounts at its base)
+            dirs.append((os.path.join(base, *parts[:n]),) + files)
+    best = None
+    for d, limit_file, usage_file, cache in dirs:
+        limit = _read_int(os.path.join(d, limit_file))
+        if limit is None or limit >= 1 << 60 or (best is not None and limit >= best[0]):
+            continue
+        usage = _read_int(os.path.join(d, usage_file))
+        free = limit - usage + _stat(os.path.join(d, "memory.stat"), cache) \
+            if usage is not None else limit
+        best = (limit, max(0, min(limit, free)))
+    return best
+
+
+def _stat(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def total_host_bytes() -> Optional[int]:
+    """The RAM this process may use: MemTotal, or its memory cgroup's limit if smaller;
+    None where neither can be read."""
+    return _least(_meminfo("MemTotal"), cgroup_memory(), 0)
+
+
+def available_host_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo (Linux), or what the memory cgroup's limit leaves
+    if less; None where neither can be read."""
+    return _least(_meminfo("MemAvailable"), cgroup_memory(), 1)
+
+
+def _least(meminfo: Optional[int], cgroup: Optional[Tuple[int, int]], i: int
+           ) -> Optional[int]:
+    got = [v for v in (meminfo, cgroup[i] if cgroup else None) if v is not None]
+    return min(got) if got else None
 
 
 def check_host_memory(needed: int, available: Optional[int] = None) -> None:
