@@ -76,6 +76,7 @@ class FreedGrad(torch.Tensor):
         return f"FreedGrad({self.label}: sent to the host and freed)"
 
     @classmethod
+    @torch.compiler.disable   # (run as is under a compiled step function: engine/core.py)
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _UNSCALE:

@@ -180,7 +180,14 @@ def deal(entries: Sequence, nbytes: Callable[[object], float], limit: float) -> 
     return buckets + [bucket] if bucket else buckets
 
 
-def _lay_out(param_groups, params, recs, limit: float, split: bool):
+def _spec_name(name: str, raw: bool) -> str:
+    """A param's name in the files: torch.compile's wrapper (`_orig_mod.`) left out, so a
+    state made through torch.compile(model).named_parameters() resumes on the model
+    uncompiled and the other way round (`raw`: as given, the names of files made before)."""
+    return name if raw else name.replace("_orig_mod.", "")
+
+
+def _lay_out(param_groups, params, recs, limit: float, split: bool, raw: bool = False):
     """The file buckets (lists of _Param) and their specs: every param of every group, in
     order, dealt into buckets of about `limit` bytes of state (a bucket never spans two
     groups); with `split`, an engine param whose state is larger than `limit` is cut into
@@ -200,7 +207,7 @@ def _lay_out(param_groups, params, recs, limit: float, split: bool):
         for i, p in enumerate(group["params"]):
             if id(p) not in keep:
                 continue
-            name = f"{gi}:{names[i] if names else i}"
+            name = f"{gi}:{_spec_name(names[i], raw) if names else i}"
             rec = recs.get(id(p))
             whole = _Param(gi, i, p, name, rec)
             if (split and rec is not None and rec.flat and len(rec.pieces) > 1
@@ -274,10 +281,14 @@ class FileStore:
                 if mine is floats and enroll is not None:
                     engine = self.engine = enroll(floats)
                     recs = _recs_by_param(engine)
-                split = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True)
-                yield split
-                if any(e.part for b in split[0] for e in b):
-                    yield _lay_out(param_groups, mine, recs, bucket_mb * _MB, False)
+                for raw in (False, True) if compiled_names else (False,):
+                    split = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True, raw)
+                    yield split
+                    if any(e.part for b in split[0] for e in b):
+                        yield _lay_out(param_groups, mine, recs, bucket_mb * _MB, False, raw)
+
+        compiled_names = any("_orig_mod." in n for g in param_groups
+                             for n in g.get("param_names") or ())
 
         flat = [p for group in params for p in group]
         try:

@@ -544,6 +544,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         counts). 0 before the first step."""
         return self._store.step_count(self.state)
 
+    @torch.compiler.disable
     def zero_grad(self, set_to_none=True):
         if self._engine is not None:
             self._engine.drop_freed_grads(zeros=not set_to_none)

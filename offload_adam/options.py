@@ -132,8 +132,10 @@ documented here and nowhere else.
     block's grads to step while the next block's backward makes more; with the
     state in files, twice the grads of the largest state bucket. A size below
     what the pass needs to make progress (twice the largest state bucket's
-    grads with state_dirs=, else 4 x bucket_mb) is raised to it. Needs
-    step_in_backward.
+    grads with state_dirs=, else 4 x bucket_mb) is raised to it. None is at most
+    twice the grads of the params that take grads (a LoRA model's ring is its
+    adapters' size); made again, larger, after a step whose grads overflowed it
+    (a block unfrozen since). Needs step_in_backward.
   defer_blocks (0): with step_in_backward=True, the state in RAM and params
     streamed by stream_params: the CPU step of the first defer_blocks streamed
     blocks whose grads reach the host in backward (the model's last blocks) is

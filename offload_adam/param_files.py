@@ -26,7 +26,10 @@ step cut short is never read again. Each block's bytes are
 checksummed (CRC32C per I/O request) when written and checked when read back.
 
 Bytes per step, per streamed param: forward and backward each read what the cache does not
-hold (2 B/param each at most), the step writes 2 B/param. With step_in_backward the block
+hold (2 B/param each at most), the step writes 2 B/param: a block goes back to its file in
+whole I/O requests (4 MiB, each checksummed on its own), only those holding bytes the step
+wrote, so a model whose blocks train little of themselves (LoRA adapters in the blocks,
+frozen weights) writes its adapters' requests, not its blocks. With step_in_backward the block
 is still in the cache when its kernel runs; without (and in the compact state's pass at
 step()), a block not in the cache is not read for its step: the kernel writes its params
 and reads none (hold_to_write), and a block it writes whole is never read. Only the bytes a
@@ -97,7 +100,10 @@ class _Slot:
         self.buffer = buffer
         self.block: Optional[int] = None
         self.holds = 0          # users writing or reading it now (the CPU step, a load)
-        self.dirty = False      # newer than its file
+        # The byte ranges newer than its file: only their I/O requests go back to it (a
+        # LoRA block's adapters, not its frozen weights)
+        self.dirty_ranges: List[Tuple[int, int]] = []
+        self.written: List[Tuple[int, int]] = []   # the runs of requests being written
         self.loading: list = []   # read futures in flight
         self.writing: list = []   # write futures in flight
         self.used = 0           # when last asked for (LRU before the order is known)
@@ -105,6 +111,10 @@ class _Slot:
         # (hold_to_write) is not read first; what its writes leave out is read when
         # someone reads the block or it goes back to its file (_complete).
         self.missing: List[Tuple[int, int]] = []
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self.dirty_ranges)
 
 
 class ParamFiles:
@@ -270,13 +280,17 @@ class ParamFiles:
                 raise
 
     def unhold(self, i: int, dirty: bool,
-               unwritten: Sequence[Tuple[int, int]] = ()) -> None:
-        """Ends a hold; `unwritten`: ranges hold_to_write claimed that the caller did not
-        write after all (its write failed): the slot reads them from the file again."""
+               unwritten: Sequence[Tuple[int, int]] = (),
+               written: Optional[Sequence[Tuple[int, int]]] = None) -> None:
+        """Ends a hold; `dirty`: the caller wrote the byte ranges `written` (None: any);
+        `unwritten`: ranges hold_to_write claimed that the caller did not write after all
+        (its write failed): the slot reads them from the file again."""
         with self.lock:
             slot = self.slot_of[i]
             slot.holds -= 1
-            slot.dirty = slot.dirty or dirty
+            if dirty:
+                slot.dirty_ranges = _union(slot.dirty_ranges, [(0, self.sizes[i])]
+                                           if written is None else written)
             if unwritten:
                 slot.missing = _union(slot.missing, unwritten)
 
@@ -422,7 +436,7 @@ class ParamFiles:
         self.slot_of[i] = slot
         fd, offset, size = self._extent(i)
         slot.loading = self.pool.read(fd, slot.buffer.view[:size], offset)
-        slot.dirty, slot.missing = False, []
+        slot.dirty_ranges, slot.missing = [], []
         self.read_bytes += size
 
     def _finish(self, slot: _Slot) -> None:
@@ -454,7 +468,7 @@ class ParamFiles:
 
     def _drop(self, slot: _Slot) -> None:
         del self.slot_of[slot.block]
-        slot.block, slot.dirty, slot.missing = None, False, []
+        slot.block, slot.dirty_ranges, slot.missing = None, [], []
 
     def _complete(self, slot: _Slot) -> None:
         """Reads the bytes of the slot's block its writes left out (hold_to_write) from
@@ -478,24 +492,89 @@ class ParamFiles:
             scratch.close()
 
     def _write(self, slot: _Slot) -> None:
-        self._complete(slot)   # (the file's bytes where the slot has none)
-        fd, offset, size = self._extent(slot.block)
-        slot.writing = self.pool.write(fd, slot.buffer.view[:size], offset)
-        slot.dirty = False
-        self.written_bytes += size
+        """Writes back the I/O requests of the block that hold newer bytes (each request
+        is checksummed on its own: those left keep their sums), the file's bytes read
+        first where the slot lacks some of a request it writes."""
+        i = slot.block
+        fd, offset, size = self._extent(i)
+        runs = self._runs(i, slot.dirty_ranges, size)
+        if _overlap(slot.missing, runs):
+            if runs == [(0, size)]:
+                self._complete(slot)
+            else:
+                self._complete_runs(slot, runs)
+        slot.writing = [f for a, b in runs
+                        for f in self.pool.write(fd, slot.buffer.view[a:b], offset + a)]
+        slot.written, slot.dirty_ranges = runs, []
+        self.written_bytes += sum(b - a for a, b in runs)
+
+    def _runs(self, i: int, ranges: Sequence[Tuple[int, int]], size: int
+              ) -> List[Tuple[int, int]]:
+        """The whole I/O requests of block i (of the pool's request_bytes, from the
+        extent's start) that `ranges` touch, as runs; every byte of a block never
+        written (no sums to keep)."""
+        if i not in self.sums:
+            return [(0, size)]
+        step, runs = self.pool.request_bytes, []
+        for a, b in sorted(ranges):
+            lo, hi = a - a % step, min(size, round_up(b, step))
+            if runs and lo <= runs[-1][1]:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], hi))
+            else:
+                runs.append((lo, hi))
+        return runs
+
+    def _complete_runs(self, slot: _Slot, runs: Sequence[Tuple[int, int]]) -> None:
+        """_complete for the bytes a partial write back needs: each run that lacks some is
+        read from the file (its requests checked against their sums) into a scratch
+        buffer, and the missing bytes in it copied over."""
+        i, step = slot.block, self.pool.request_bytes
+        fd, offset, _ = self._extent(i)
+        for a, b in runs:
+            need = _overlap(slot.missing, [(a, b)])
+            if not need:
+                continue
+            scratch = AlignedBuffer(b - a, pin=False)
+            try:
+                futures = self.pool.read(fd, scratch.view[:b - a], offset + a)
+                error = wait(futures)
+                self.read_bytes += b - a
+                if error is None and [f.result() for f in futures] != \
+                        self.sums[i][a // step:a // step + len(futures)]:
+                    error = OSError(errno.EIO, "its bytes fail their checksum: the file "
+                                    "was changed or damaged since it was written")
+                if error is not None:
+                    raise NvmeError(getattr(error, "errno", None) or errno.EIO,
+                                    f"offload_adam: reading block {i}'s params from "
+                                    f"{self._path(i)} failed: {error}") from error
+                for x, y in need:
+                    slot.buffer.tensor[x:y].copy_(scratch.tensor[x - a:y - a])
+                slot.missing = _without(slot.missing, [(a, b)])
+            finally:
+                scratch.close()
 
     def _finish_writes(self, slot: _Slot) -> None:
         if not slot.writing:
             return
         futures, slot.writing = slot.writing, []
+        runs, slot.written = slot.written, []
         error = wait(futures)
         if error is not None:
-            slot.dirty = True   # still only in the cache
+            slot.dirty_ranges = _union(slot.dirty_ranges, runs)   # still only in the cache
             raise NvmeError(getattr(error, "errno", None) or errno.EIO,
                             f"offload_adam: writing block {slot.block}'s params to "
                             f"{self._path(slot.block)} failed: {error}"
                             ) from error
-        self.sums[slot.block] = [f.result() for f in futures]
+        sums = [f.result() for f in futures]
+        _, _, size = self._extent(slot.block)
+        if runs == [(0, size)]:
+            self.sums[slot.block] = sums
+            return
+        step, at = self.pool.request_bytes, 0
+        for a, b in runs:   # (each run's requests, in order)
+            n = -(-(b - a) // step)
+            self.sums[slot.block][a // step:a // step + n] = sums[at:at + n]
+            at += n
 
     # ---- the end ---------------------------------------------------------------------
 

@@ -122,7 +122,8 @@ class Home:
             yield
             done = True
         finally:
-            self.after_write(stepped, unwritten=() if done else claimed)
+            self.after_write(stepped, unwritten=() if done else claimed,
+                             written=self._bytes(ranges))
 
     def before_write(self, ranges: Optional[Sequence[Tuple[int, int]]] = None) -> list:
         """Waits until no copy to the device still reads this block's host copies (the
@@ -158,13 +159,16 @@ class Home:
             raise
         return claimed
 
-    def after_write(self, stepped: int = 0, unwritten: Sequence[Tuple[int, int]] = ()) -> None:
+    def after_write(self, stepped: int = 0, unwritten: Sequence[Tuple[int, int]] = (),
+                    written: Optional[Sequence[Tuple[int, int]]] = None) -> None:
         """The write that before_write() announced is done: a block in files goes back
-        to its file before its slot is reused. `stepped`: the elements the CPU step wrote
-        (the cache keeps a block until its step wrote all of it); `unwritten`: what
-        before_write returned, when the write failed (those bytes are the file's again)."""
+        to its file before its slot is reused (the bytes `written`, None: all of it).
+        `stepped`: the elements the CPU step wrote (the cache keeps a block until its
+        step wrote all of it); `unwritten`: what before_write returned, when the write
+        failed (those bytes are the file's again)."""
         try:
-            self.block.unhold(dirty=True, stepped=stepped, unwritten=unwritten)
+            self.block.unhold(dirty=True, stepped=stepped, unwritten=unwritten,
+                              written=written)
         finally:
             self.block.end_write()
 
@@ -441,7 +445,8 @@ class _Block:
         return files.hold_to_write(self.index, fills)[1]
 
     def unhold(self, dirty: bool, stepped: int = 0,
-               unwritten: Sequence[Tuple[int, int]] = ()) -> None:
+               unwritten: Sequence[Tuple[int, int]] = (),
+               written: Optional[Sequence[Tuple[int, int]]] = None) -> None:
         if stepped:   # the CPU step
             if self.awaiting and not self.step_started:
                 self.step_started = True
@@ -451,7 +456,7 @@ class _Block:
             self.awaiting = self.awaiting and self.unstepped > 0
             self.trained = True
         if self.streamer.files is not None:
-            self.streamer.files.unhold(self.index, dirty, unwritten)
+            self.streamer.files.unhold(self.index, dirty, unwritten, written)
 
 
 def _in_backward() -> bool:
@@ -607,7 +612,8 @@ class ParamStreamer:
                 module._register_state_dict_hook(lambda mod, sd, prefix, meta, b=block, e=entries:
                                                  self._state_dict(b, sd, prefix, e)),
                 module._register_load_state_dict_pre_hook(
-                    lambda sd, prefix, meta, *rest, b=block: self._before_load(b, meta)),
+                    lambda sd, prefix, meta, *rest, b=block, e=entries: self._before_load(
+                        b, meta, [prefix + a for a, _ in e if prefix + a in sd])),
                 module.register_load_state_dict_post_hook(
                     lambda mod, keys, b=block: self._after_load(b)),
             ]
@@ -685,14 +691,17 @@ class ParamStreamer:
                     ids = {id(p) for p in module.parameters()}
                     under.setdefault(f"{block.name}.{sub}", []).append((block, ids))
         self._guarded = []
+        streamed = {id(p) for block in self.blocks for p in block.params}
         for name, module in self.model.named_modules():
             if name in under:
                 module._apply = self._guarded_apply(module, name, under[name])
                 refuse = self._refused_copy(name, [b for b, _ in under[name]])
                 module.__dict__["__deepcopy__"] = module.__dict__["__reduce_ex__"] = refuse
                 self._guarded.append(module)
+                keys = [n for n, p in module.named_parameters(remove_duplicate=False)
+                        if id(p) in streamed]
                 self._handles.append(module._register_load_state_dict_pre_hook(
-                    self._refuse_assign(name), with_module=True))
+                    self._refuse_assign(name, keys), with_module=True))
 
     def _guard_backward_pre_hooks(self) -> None:
         """A full backward pre-hook of a block's module (register_full_backward_pre_hook)
@@ -743,13 +752,16 @@ class ParamStreamer:
                 "stream_params, or close() the streamer first")
         return refuse
 
-    def _refuse_assign(self, name: str):
-        """load_state_dict(assign=True) would put the loaded tensors in place of the
-        streamed params (then resident, of the dict's dtype, and no longer the ones the
-        streamer and optimizer step): refused before anything is loaded (the hook of the
-        outermost module that holds them runs first)."""
+    def _refuse_assign(self, name: str, keys: Sequence[str]):
+        """load_state_dict(assign=True) of a dict holding a streamed param (`keys`: their
+        names under the module) would put the loaded tensors in place of them (then
+        resident, of the dict's dtype, and no longer the ones the streamer and optimizer
+        step): refused before anything is loaded (the hook of the outermost module that
+        holds them runs first). A dict of other params (an adapter's, peft's
+        low_cpu_mem_usage load) goes through."""
         def hook(module, state_dict, prefix, local_metadata, *rest):
-            if local_metadata.get("assign_to_params_buffers"):
+            if local_metadata.get("assign_to_params_buffers") and any(
+                    prefix + k in state_dict for k in keys):
                 raise RuntimeError(
                     f"offload_adam.stream_params: load_state_dict(assign=True) into "
                     f"{name or 'the model'} would replace streamed params by the loaded "
@@ -1100,14 +1112,16 @@ class ParamStreamer:
                 if self.files is not None:
                     block.mapped_out.add(sd[key])
 
-    def _before_load(self, block: _Block, meta: Optional[dict] = None) -> None:
+    def _before_load(self, block: _Block, meta: Optional[dict] = None,
+                     loaded: Sequence[str] = ()) -> None:
         """load_state_dict copies into the host copies (the params show them meanwhile;
         with param files the block stays in its cache slot until loaded). The hooks of
         the block's submodules nest inside the block's: the outermost one acts. A load
-        with assign=True is refused here, before anything changes (this hook may run
-        before the module's own refusal, _refuse_assign)."""
-        if meta and meta.get("assign_to_params_buffers"):
-            self._refuse_assign(block.name)(block.module, None, "", meta)
+        with assign=True of streamed params (`loaded`: their keys in the dict) is refused
+        here, before anything changes (this hook may run before the module's own refusal,
+        _refuse_assign)."""
+        if meta and meta.get("assign_to_params_buffers") and loaded:
+            self._refuse_assign(block.name, loaded)(block.module, set(loaded), "", meta)
         block.loading += 1
         if block.loading > 1:
             return

@@ -634,7 +634,8 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
             # the compact pass's redo records in RAM: the one stepped, AHEAD read ahead
             "records_read_bytes": (AHEAD + 1) * max(records, default=0),
             "grad_ring_bytes": ring_bytes(max((sum(g) for g in grads), default=0),
-                                         int(bucket_mb * _MB))}
+                                         int(bucket_mb * _MB), trainable=sum(
+                                             _round(b, _LINE) for g in grads for b in g))}
 
 
 def home_bytes(shapes: Sequence[Tuple[int, ...]]) -> int:
@@ -705,8 +706,9 @@ def _host(model: ModelShape, run: Run, layout: Layout, files: dict) -> Dict[str,
         bucket = int(run.bucket_mb * _MB)
         block = (sum(_round(2 * math.prod(s), _LINE) for _, s in model.block_tensors())
                  if layout.params != "gpu" else 0)   # (grad_ring.block_grad_bytes)
+        trainable = sum(_round(2 * math.prod(s), _LINE) for s in shapes)
         out["grad ring"] = float(files["grad_ring_bytes"] if layout.in_files
-                                 else ring_bytes(bucket, bucket, block))
+                                 else ring_bytes(bucket, bucket, block, trainable=trainable))
     else:
         out["grads"] = float(transfer_bytes(shapes, run.bucket_mb, staged=False))
     if run.micro > 1:

@@ -98,6 +98,32 @@ def test_unpinning_a_buffer_in_use_is_caught(dev):
     assert "unpinned/freed while" in _violations(dev)
 
 
+def test_a_finalizer_that_waits_inside_an_ops_check_is_put_off(dev):
+    """A streamer dropped without close() unpins its buffers from a finalizer that first
+    waits for the copies in flight (unpin_when_dropped). The garbage collector ran it
+    inside an op's check, which holds the simulated device's lock, and the wait for the
+    stream threads, which need it, never ended (a test run hung). Put off until the lock
+    is let go, then done: the copy landed, the buffer unpinned."""
+    from offload_adam.engine.host_memory import unpin_when_dropped
+    host = torch.zeros(4)
+    dev.pin(host)
+    t = dev.d2h(host, torch.ones(4))   # ("latest": it runs only once waited for)
+    pinned = [host]
+    done = threading.Event()
+
+    def check():   # as an op's check: the lock held while the finalizer runs
+        with dev.lock:
+            unpin_when_dropped(dev, pinned)
+        done.set()
+    threading.Thread(target=check, daemon=True).start()
+    assert done.wait(10), "the finalizer waited under the lock"
+    assert pinned == [host] and dev.pinned()   # not yet
+    dev.synchronize()   # (or the next op's check, or close())
+    assert pinned == [] and not dev.pinned() and torch.equal(host, torch.ones(4))
+    dev.wait_host(t)
+    dev.check()
+
+
 def test_latest_holds_a_copy_until_it_is_needed(dev):
     host = torch.zeros(4)
     t = dev.d2h(host, torch.ones(4))

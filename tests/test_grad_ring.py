@@ -361,3 +361,39 @@ def test_options_pickled_before_an_option_existed_take_its_default():
     new.__setstate__(state)
     assert new.grad_ring_mb is None and new.bucket_mb == 8
     assert pickle.loads(pickle.dumps(new)) == new
+
+
+def test_a_ring_for_few_trainable_params_and_grown_when_more_take_grads(device):
+    """A model whose params mostly take no grad (LoRA's frozen base; the optimizer given
+    all of them) gets a ring of twice the grads that can come, not 4 x bucket_mb of pinned
+    memory (found from outside: 128 MiB for 24 KiB of adapter grads). A block unfrozen
+    later overflows it in the next step (own buffers) and it is made again for the grads
+    that come now: after that step no overflow, and bitwise the plain step throughout."""
+    from offload_adam.engine.grad_ring import trainable_bytes
+
+    def run(early):
+        model = make_llama(layers=4, frozen=())
+        model.requires_grad_(False)
+        model.layers[2].down.requires_grad_(True)   # the only trainable param at first
+        offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), bucket_mb=0.0625, lr=1e-3,
+                                 step_in_backward=early)
+        sizes, overflows = [], []
+        for step in range(5):
+            if step == 2:
+                model.layers[1].requires_grad_(True)
+            train(model, opt, 1, start=step)
+            ring = opt._engine.ring
+            if ring is not None:
+                sizes.append(ring.nbytes)
+                overflows.append(ring.overflow_taken)
+        return model, opt, sizes, overflows
+
+    model, opt, sizes, overflows = run(True)
+    first = 2 * trainable_bytes([model.layers[2].down.weight])
+    assert sizes[0] == sizes[1] == first < 4 * int(0.0625 * 2**20)
+    now = 2 * trainable_bytes(list(model.parameters()))
+    assert first < sizes[2] <= now and sizes[2] == sizes[3] == sizes[4]
+    assert overflows[0] == overflows[1] == 0 and overflows[3] == overflows[4] == 0
+    plain = run(False)
+    assert_same_training((model, opt), plain[:2])

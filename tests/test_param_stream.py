@@ -655,6 +655,34 @@ def test_a_copy_or_an_assigning_load_is_refused_and_changes_nothing(device, how,
     assert_same_training(*runs)
 
 
+def test_an_assigning_load_of_other_params_goes_through(device):
+    """load_state_dict(assign=True) of a dict holding no streamed param (an adapter added
+    after stream_params, as peft's PeftModel.from_pretrained(low_cpu_mem_usage=True)
+    loads one) is the model's as with torch; with a streamed param in it as well, refused
+    before anything is loaded. (Found from outside: every assigning load was refused.)"""
+    model = make_llama(layers=4)
+    offload_adam.stream_params(model, Block, prefetch=1)
+    up = model.layers[1].up
+    up.adapter = torch.nn.Parameter(torch.zeros(3))   # resident: added after streaming
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mixed = {"layers.1.up.adapter": torch.full((3,), 2.0),
+             "layers.1.up.weight": torch.ones_like(up.weight)}
+    for target, prefix in ((model, "layers.1.up."), (model.layers[1], "up."), (up, "")):
+        with pytest.raises(RuntimeError, match="assign=True"):
+            target.load_state_dict({prefix + k.rpartition(".")[2]: v for k, v in mixed.items()},
+                                   strict=False, assign=True)
+        assert torch.equal(up.adapter, torch.zeros(3))
+    loaded = torch.ones(3)
+    model.load_state_dict({"layers.1.up.adapter": loaded}, strict=False, assign=True)
+    assert up.adapter is not None and torch.equal(up.adapter, loaded)
+    up.load_state_dict({"adapter": loaded + 1}, strict=False, assign=True)
+    assert torch.equal(up.adapter, loaded + 1)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items() if "adapter" not in k)
+    with torch.no_grad():
+        assert torch.isfinite(llama_loss(model, 0))
+
+
 class Twice(TinyLlama):
     """Block 2 runs twice in each forward (weights shared across depth); `Outside`: each
     block's input is used outside it too (a residual around the block)."""

@@ -70,7 +70,7 @@ from ..state_format import state_format
 from .device import HostDevice, current_host_stand_in, make_device
 from .host_memory import HostArenas
 from .early import EarlyStart, format_changed
-from .grad_ring import GradRing, block_grad_bytes, ring_bytes
+from .grad_ring import GradRing, block_grad_bytes, ring_bytes, trainable_bytes
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .param_check import ParamCheck
 from .layout import (Bucket, Entry, ParamRec, Piece, allocate_state, allocate_transfers, cut,
@@ -181,10 +181,11 @@ class OffloadEngine:
             self.early = EarlyStart(self, _early_owner(weakref.ref(self), owner),
                                     options.defer_blocks)
             if not self.state_on_disk:   # before any transfer buffer is laid out
-                self._make_ring(ring_bytes(self.bucket_bytes, self.bucket_bytes,
-                                           block_grad_bytes(all_params), self.ring_asked,
-                                           options.defer_blocks),
-                                _worker_busy(weakref.ref(self)))
+                bucket, asked, deferred = self.bucket_bytes, self.ring_asked, options.defer_blocks
+                self._make_ring(lambda params: ring_bytes(   # (holds no engine: no cycle)
+                    bucket, bucket, block_grad_bytes(params), asked, deferred,
+                    trainable_bytes(params)),
+                    _worker_busy(weakref.ref(self)), all_params)
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
         # nothing that keeps the engine alive.
@@ -365,22 +366,41 @@ class OffloadEngine:
         self.buckets[:] = buckets
         self._packs.clear()
 
-    def use_ring(self, nbytes: int, busy: Callable[[], bool]) -> None:
-        """The grads land in a ring of `nbytes` (grad_ring.py) from now on; `busy`: whether
-        a job of the files' pass is pending (disk_early.py)."""
+    def use_ring(self, size: Callable[[list], int], busy: Callable[[], bool]) -> None:
+        """The grads land in a ring (grad_ring.py) from now on, of `size(params)` bytes for
+        the params; `busy`: whether a job of the files' pass is pending (disk_early.py)."""
         self._wait_all()
-        self._make_ring(nbytes, busy)
+        self._make_ring(size, busy, [rec.param for rec in self.recs])
         for rec in self.recs:
             rec.copy = None   # (none made yet: built with the optimizer)
             for p in rec.pieces:
                 p.grad = None
         self._rebucket(list(dict.fromkeys(p.rec for b in self.buckets for p in b.pieces)))
 
-    def _make_ring(self, nbytes: int, busy: Callable[[], bool]) -> None:
-        self.ring = GradRing(self.device, nbytes, busy)
+    def _make_ring(self, size: Callable[[list], int], busy: Callable[[], bool],
+                   params: list) -> None:
+        """A ring of size(params) bytes; the size is asked again after a step whose grads
+        overflowed it (_grow_ring)."""
+        self._ring_size, self._ring_busy = size, busy
+        self.ring = GradRing(self.device, size(params), busy)
+        self._ring_overflows = 0
         self._ring_arenas.append(self.ring.arenas)
         if self._worker is not None:   # a hook waiting for room while the worker was busy
             self._worker.after_job = self.ring.nudge   # looks again once a job is done
+
+    def _grow_ring(self) -> None:
+        """After a step (every span free) whose grads overflowed the ring (own buffers,
+        pageable): a ring sized by the params that took grads at the start (a LoRA model's
+        adapters) is made again for those that take them now (a block unfrozen since)."""
+        ring = self.ring
+        if ring is None or ring.overflow_taken == self._ring_overflows or self._tail_pieces:
+            return
+        self._ring_overflows = ring.overflow_taken
+        want = self._ring_size([rec.param for rec in self.recs])
+        if want > ring.nbytes:
+            self._ring_arenas.remove(ring.arenas)
+            ring.release()
+            self._make_ring(self._ring_size, self._ring_busy, [rec.param for rec in self.recs])
 
     def forget_grads(self) -> None:
         """The ring's spans are all free (a step ended, or the files' pass was abandoned):
@@ -619,8 +639,13 @@ class OffloadEngine:
             return
         self._backward_task = task
         ref = weakref.ref(self)
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: ref() is not None and ref()._backward_done())
+
+        @torch.compiler.disable
+        def done():
+            engine = ref()
+            if engine is not None:
+                engine._backward_done()
+        torch.autograd.Variable._execution_engine.queue_callback(done)
 
     def _take_deferred(self) -> None:
         """Takes the grads whose copy waited for the hooks after ours (_on_grad):
@@ -754,6 +779,7 @@ class OffloadEngine:
         """After a step that completed: the consumed grad copies let go, the profile."""
         self._consumed()
         self.forget_grads()
+        self._grow_ring()
         self._ran = set()
         self._profile.exposed_s = time.perf_counter() - self._t_enter
         if self.ring is not None:   # (counted since the last step's end)
@@ -1598,7 +1624,12 @@ def _early_owner(engine_ref, owner_ref):
     return get
 
 
+# The hooks autograd calls and the end-of-backward callback are never traced: a compiled
+# training-step function (torch.compile of forward, backward, step) runs backward eagerly
+# with dynamo's frame callback still set, and dynamo traced the engine's Python from them
+# (and failed inside, "sources must not be empty for symbol": found from outside).
 def _hook(engine_ref, rec):
+    @torch.compiler.disable
     def hook(param):
         engine = engine_ref()
         if engine is not None:
@@ -1608,6 +1639,7 @@ def _hook(engine_ref, rec):
 
 def _before_grad(engine_ref):
     """A param's tensor hook: runs before autograd adds the grad into p.grad."""
+    @torch.compiler.disable
     def hook(grad):
         engine = engine_ref()
         if engine is not None:

@@ -41,7 +41,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..param_state import ParamState
-from .grad_ring import ring_bytes
+from .grad_ring import ring_bytes, trainable_bytes
 from .layout import Entry, ParamRec
 
 # Per file bucket: its engine params (layout.Entry: a param, or a part of one larger than a
@@ -76,7 +76,9 @@ class FileBucketsInBackward:
         self._jobs = 0
         largest = max((sum(p.numel * e.rec.dtype.itemsize for e in entries for p in e.pieces)
                        for entries in files if entries), default=0)
-        engine.use_ring(ring_bytes(largest, engine.bucket_bytes, asked=engine.ring_asked),
+        bucket, asked = engine.bucket_bytes, engine.ring_asked   # (the size holds no engine)
+        engine.use_ring(lambda params: ring_bytes(largest, bucket, asked=asked,
+                                                  trainable=trainable_bytes(params)),
                         self.busy_stepping)
 
     def busy_stepping(self) -> bool:

@@ -38,16 +38,34 @@ _LINE = 64
 
 def ring_bytes(largest_file_bucket_grads: int, bucket_bytes: int,
                largest_block_grads: int = 0, asked: Optional[int] = None,
-               deferred: int = 0) -> int:
+               deferred: int = 0, trainable: Optional[int] = None) -> int:
     """The ring's size, in whole cache lines: at least what the pass needs to make
     progress, twice the grads of the largest file bucket (one bucket's filling while the
     one before is stepped) and four transfer buckets; `asked` (grad_ring_mb=) if larger,
     else twice the grads of the largest streamed block (`largest_block_grads`, with the
     state in RAM: see block_grad_bytes), and one more per block whose step is deferred
-    past step() (`deferred`, defer_blocks=: their grads wait here until then)."""
+    past step() (`deferred`, defer_blocks=: their grads wait here until then). Unasked,
+    at most twice the grads of the params that take grads (`trainable`, trainable_bytes:
+    the ring never holds more than all of them, and next fit leaves gaps): a LoRA model's
+    ring is its adapters' size, not 4 x bucket_mb of pinned memory."""
     n = max(2 * largest_file_bucket_grads, 4 * bucket_bytes)
     n = max(n, (2 + deferred) * largest_block_grads if asked is None else asked)
+    if asked is None and trainable is not None:
+        n = max(_LINE, min(n, 2 * trainable))
     return -(-n // _LINE) * _LINE
+
+
+def trainable_bytes(params: Sequence[torch.Tensor]) -> int:
+    """The grads of the params among `params` that take grads now (requires_grad), in
+    whole cache lines each: what a ring can ever hold of them at once."""
+    from ..params import home_of
+    total = 0
+    for p in params:
+        if p.requires_grad:
+            home = home_of(p)
+            t = home.like if home is not None else p
+            total += -(-t.numel() * t.element_size() // _LINE) * _LINE
+    return total
 
 
 def block_grad_bytes(params: Sequence[torch.Tensor]) -> int:

@@ -173,8 +173,12 @@ def unpin_all(device, pinned: list) -> None:
 def unpin_when_dropped(device, pinned: list) -> None:
     """A finalizer's unpin_all: an object dropped without close() (a streamer whose
     forward was refused partway) may have copies in flight that nothing will wait for:
-    the device is synchronized first."""
+    the device is synchronized first (by the simulated device later if it cannot wait
+    now: testing/sim_device.py defer_while_locked)."""
     if pinned:
+        defer = getattr(device, "defer_while_locked", None)
+        if defer is not None and defer(lambda: unpin_when_dropped(device, pinned)):
+            return
         device.synchronize()
     unpin_all(device, pinned)
 

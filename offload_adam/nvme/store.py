@@ -816,8 +816,9 @@ def _reusable(folders: List[str], body: dict, spec: StateSpec) -> bool:
     if diff:
         raise ValueError(f"offload_adam: {folders[0]!r} holds the optimizer state of another "
                          f"model or optimizer: {'; '.join(diff)}. Point the optimizer at a "
-                         "directory without state, or remove that state's files "
-                         f"({', '.join(STATE_FILES)}) to start afresh")
+                         "directory without state (that state stays as it is), or, if it is "
+                         f"no longer wanted, remove its files ({', '.join(STATE_FILES)}) to "
+                         "start afresh")
     return True
 
 

@@ -269,6 +269,21 @@ class AsyncSimDevice:
         self.violations: List[str] = []
         self._mode = _Watch(self)
         self._streams = {"d2h": _Stream(self, "d2h"), "h2d": _Stream(self, "h2d")}
+        self._deferred: list = []   # finalizers that asked to wait while the lock was held
+
+    def defer_while_locked(self, fn) -> bool:
+        """Whether `fn` (a finalizer that waits for the copies: unpin_when_dropped) was
+        put off because this thread holds the lock: the garbage collector ran it inside
+        an op's check, where waiting for the stream threads, which need the lock,
+        would never end (a test hung so). Run once the op's check has let go of it."""
+        if not self.lock._is_owned():
+            return False
+        self._deferred.append(fn)
+        return True
+
+    def _run_deferred(self) -> None:
+        while self._deferred and not self.lock._is_owned():
+            self._deferred.pop(0)()
 
     # ---- the device interface ---------------------------------------------------
 
@@ -413,6 +428,7 @@ class AsyncSimDevice:
 
     def synchronize(self) -> None:
         """The host waits for every copy (torch.cuda.synchronize)."""
+        self._run_deferred()
         with self.lock:
             ops = list(self._in_flight())
         for op in ops:
@@ -482,6 +498,7 @@ class AsyncSimDevice:
             op.executed.wait()
 
     def close(self) -> None:
+        self._run_deferred()
         self.settle()
         with self.lock:
             for s in self._streams.values():
@@ -693,6 +710,7 @@ class AsyncSimDevice:
         for op in waits:  # the compute stream waits for published copies
             self._force(op)
             op.executed.wait()
+        self._run_deferred()
 
 
 # Ops that look at tensors' metadata only (a GPU runs them on the host, touching no
