@@ -282,10 +282,10 @@ class FileStore:
                     engine = self.engine = enroll(floats)
                     recs = _recs_by_param(engine)
                 for raw in (False, True) if compiled_names else (False,):
-                    split = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True, raw)
+                    split = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True, raw=raw)
                     yield split
                     if any(e.part for b in split[0] for e in b):
-                        yield _lay_out(param_groups, mine, recs, bucket_mb * _MB, False, raw)
+                        yield _lay_out(param_groups, mine, recs, bucket_mb * _MB, False, raw=raw)
 
         compiled_names = any("_orig_mod." in n for g in param_groups
                              for n in g.get("param_names") or ())

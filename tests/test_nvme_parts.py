@@ -160,7 +160,7 @@ def test_files_laid_out_before_parts_resume_as_they_are(kernels, tmp_path, monke
             ref, m = wide(), wide()
             ram = offload_adam.AdamW(ref.parameters(), lr=3e-3, bucket_mb=BUCKET_MB)
             monkeypatch.setattr(nvme_tier, "_lay_out",
-                                lambda *a: lay_out(*a[:-1], split=False))
+                                lambda *a, **k: lay_out(*a[:-1], split=False, **k))
             old = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=BUCKET_MB,
                                      state_dirs=str(tmp_path))
             assert not part_names(old)
