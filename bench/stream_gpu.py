@@ -183,6 +183,55 @@ def _ring_mb(opt) -> float:
     return ring.nbytes / 2**20 if ring is not None else 0.0
 
 
+def _clip(spans, lo, hi) -> float:
+    """Seconds of the union of `spans` ((start, end) pairs) inside [lo, hi]."""
+    total, end = 0.0, lo
+    for a, b in sorted(spans):
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def _overlap(spans, others) -> float:
+    """Seconds of `spans` during which one of `others` ran too (both unions)."""
+    return sum(_clip(others, a, b) for a, b in _union(spans))
+
+
+def _union(spans):
+    merged = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [tuple(m) for m in merged]
+
+
+def _waits_in_backward(profile, bwd_start, bwd_end) -> dict:
+    """Where the threads waited inside backward's host span (the engine's profile,
+    "waits"): the kernels' jobs waiting for their grads' D2H copies to land and for the
+    streamed params' host copies (fetches still reading them), and the hooks' waits for
+    grad ring room, split by what the worker did meanwhile: a kernel, a wait for grads,
+    or neither (no job: the grads it would step were not sent, or a job's other waits)."""
+    waits = (profile or {}).get("waits", ())
+    of = lambda what: [(w["start_s"], w["end_s"]) for w in waits if w["what"] == what]
+    grads, home, ring = of("grads"), of("home"), of("ring")
+    kernels = [(r["start_s"], r["end_s"]) for r in (profile or {}).get("timeline", ())
+               if r["phase"] == "cpu_step"]
+    ring_in = [(max(a, bwd_start), min(b, bwd_end)) for a, b in ring
+               if min(b, bwd_end) > max(a, bwd_start)]
+    ring_s = _clip(ring_in, bwd_start, bwd_end)
+    with_kernel = _overlap(ring_in, kernels)
+    with_grads = _overlap(ring_in, grads)   # (a worker's waits and kernels do not overlap)
+    return dict(grads_wait_in_bwd_s=_clip(grads, bwd_start, bwd_end),
+                home_wait_in_bwd_s=_clip(home, bwd_start, bwd_end),
+                ring_wait_in_bwd_s=ring_s, ring_wait_kernel_s=with_kernel,
+                ring_wait_grads_s=with_grads,
+                ring_wait_neither_s=max(0.0, ring_s - with_kernel - with_grads))
+
+
 def _cpu_in_backward(profile, bwd_start, bwd_end) -> dict:
     """Where the CPU step's kernels ran against backward's host span (the engine's
     timeline): the seconds from backward's start to the first kernel (the CPU waiting for
@@ -194,12 +243,7 @@ def _cpu_in_backward(profile, bwd_start, bwd_end) -> dict:
     out = dict(cpu_first_s=0.0, cpu_in_bwd_s=0.0, cpu_idle_in_bwd_s=0.0, cpu_after_bwd_s=0.0)
     if not spans:
         return out
-    busy, merged = 0.0, []
-    for a, b in spans:   # (the union: intervals of several workers may overlap)
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
+    busy, merged = 0.0, _union(spans)   # (intervals of several workers may overlap)
     first = max(merged[0][0], bwd_start)
     for a, b in merged:
         busy += max(0.0, min(b, bwd_end) - max(a, bwd_start))
@@ -230,9 +274,11 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
         loss = model(tokens[:, :-1], tokens[:, 1:])
         e1.record()
         tb = time.perf_counter()
+        io_f = io_bytes()
         loss.backward()
         e2.record()
         t1 = time.perf_counter()
+        io_b = io_bytes()
         opt.step()
         t2 = time.perf_counter()
         opt.zero_grad()
@@ -246,8 +292,14 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
                          ring_wait_s=profile.get("ring_wait_s", 0.0) if profile else 0.0,
                          loss=float(loss.detach()),
                          disk_read_bytes=io1[0] - io0[0], disk_write_bytes=io1[1] - io0[1],
+                         # (per phase: the forward's host span, backward's, step() + the
+                         # rest; the forward's reads and writes end when its host span does)
+                         disk_fwd_read_bytes=io_f[0] - io0[0], disk_fwd_write_bytes=io_f[1] - io0[1],
+                         disk_bwd_read_bytes=io_b[0] - io_f[0], disk_bwd_write_bytes=io_b[1] - io_f[1],
+                         fwd_host_s=tb - t0,
                          h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0,
-                         bwd_host_s=t1 - tb, **_cpu_in_backward(profile, tb, t1)))
+                         bwd_host_s=t1 - tb, **_cpu_in_backward(profile, tb, t1),
+                         **_waits_in_backward(profile, tb, t1)))
         r = rows[-1]
         _progress(mode, f"iteration {it}: {r['iter_s']:.3f} s (fwd {r['fwd_s']:.3f}, fwd+bwd "
                   f"{r['fwd_bwd_s']:.3f}, step() {r['step_s']:.3f}, CPU step "
@@ -255,7 +307,15 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
                   f"{r['ring_wait_s']:.3f}; backward's host span {r['bwd_host_s']:.3f}: first "
                   f"kernel after {r['cpu_first_s']:.3f}, kernels {r['cpu_in_bwd_s']:.3f}, CPU "
                   f"idle after the first {r['cpu_idle_in_bwd_s']:.3f}; kernels after backward "
-                  f"{r['cpu_after_bwd_s']:.3f})", t0)
+                  f"{r['cpu_after_bwd_s']:.3f}; in backward the kernels' jobs waited for grads "
+                  f"{r['grads_wait_in_bwd_s']:.3f} and for host copies {r['home_wait_in_bwd_s']:.3f}, "
+                  f"hooks for the ring {r['ring_wait_in_bwd_s']:.3f} (a kernel running "
+                  f"{r['ring_wait_kernel_s']:.3f}, a job waiting for grads "
+                  f"{r['ring_wait_grads_s']:.3f}, neither {r['ring_wait_neither_s']:.3f})"
+                  + (f"; disk read/written GB: forward {r['disk_fwd_read_bytes'] / 1e9:.2f}/"
+                     f"{r['disk_fwd_write_bytes'] / 1e9:.2f} in {r['fwd_host_s']:.3f} s, backward "
+                     f"{r['disk_bwd_read_bytes'] / 1e9:.2f}/{r['disk_bwd_write_bytes'] / 1e9:.2f}"
+                     if r["disk_read_bytes"] or r["disk_write_bytes"] else "") + ")", t0)
     timed = rows[args.warmup:]
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     return dict(median=med, rows=rows, peak_gb=torch.cuda.max_memory_allocated() / 1e9)

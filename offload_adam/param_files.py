@@ -449,9 +449,10 @@ class ParamFiles:
             self._drop(slot)
             raise error
 
-    def _read_error(self, i: int, futures: list) -> Optional[NvmeError]:
-        """Waits for a read of block i's extent: the error it ended in, or its bytes'
-        mismatch with the block's sums as written; None when it read what was written."""
+    def _read_error(self, i: int, futures: list, first: int = 0) -> Optional[NvmeError]:
+        """Waits for a read of block i's extent, or of the part of it from its request
+        `first` on: the error it ended in, or its bytes' mismatch with the block's sums
+        as written; None when it read what was written."""
         error = wait(futures)
         if error is not None:
             e = NvmeError(getattr(error, "errno", None) or errno.EIO,
@@ -459,9 +460,11 @@ class ParamFiles:
                           f"failed: {error}")
             e.__cause__ = error
             return e
-        if i in self.sums and [f.result() for f in futures] != self.sums[i]:
+        if i in self.sums and [f.result() for f in futures] != \
+                self.sums[i][first:first + len(futures)]:
+            at = self.where[i][1] + first * self.pool.request_bytes
             return NvmeError(errno.EIO, f"offload_adam: block {i}'s params in "
-                             f"{self._path(i)} (bytes {self.where[i][1]}..) "
+                             f"{self._path(i)} (bytes {at}..) "
                              "fail their checksum: the file was changed or damaged "
                              "since it was written")
         return None
@@ -472,24 +475,9 @@ class ParamFiles:
 
     def _complete(self, slot: _Slot) -> None:
         """Reads the bytes of the slot's block its writes left out (hold_to_write) from
-        the block's file: the whole block's extent into a scratch buffer, checked as a
-        load is, and the missing ranges copied over (a block the CPU step wrote only in
-        part: frozen params, or a param without a grad)."""
-        if not slot.missing:
-            return
-        i = slot.block
-        fd, offset, size = self._extent(i)
-        scratch = AlignedBuffer(size, pin=False)
-        try:
-            error = self._read_error(i, self.pool.read(fd, scratch.view[:size], offset))
-            self.read_bytes += size
-            if error is not None:
-                raise error
-            for a, b in slot.missing:
-                slot.buffer.tensor[a:b].copy_(scratch.tensor[a:b])
-            slot.missing = []
-        finally:
-            scratch.close()
+        the block's file, checked as a load is (a block the CPU step wrote only in part:
+        frozen params, or a param without a grad)."""
+        self._complete_runs(slot, [(0, self._extent(slot.block)[2])])
 
     def _write(self, slot: _Slot) -> None:
         """Writes back the I/O requests of the block that hold newer bytes (each request
@@ -525,9 +513,9 @@ class ParamFiles:
         return runs
 
     def _complete_runs(self, slot: _Slot, runs: Sequence[Tuple[int, int]]) -> None:
-        """_complete for the bytes a partial write back needs: each run that lacks some is
-        read from the file (its requests checked against their sums) into a scratch
-        buffer, and the missing bytes in it copied over."""
+        """_complete for the runs (whole I/O requests) a write back needs: each that lacks
+        bytes is read from the file into a scratch buffer (its requests checked against
+        their sums) and the missing bytes in it copied over."""
         i, step = slot.block, self.pool.request_bytes
         fd, offset, _ = self._extent(i)
         for a, b in runs:
@@ -536,17 +524,11 @@ class ParamFiles:
                 continue
             scratch = AlignedBuffer(b - a, pin=False)
             try:
-                futures = self.pool.read(fd, scratch.view[:b - a], offset + a)
-                error = wait(futures)
+                error = self._read_error(i, self.pool.read(fd, scratch.view[:b - a], offset + a),
+                                         a // step)
                 self.read_bytes += b - a
-                if error is None and [f.result() for f in futures] != \
-                        self.sums[i][a // step:a // step + len(futures)]:
-                    error = OSError(errno.EIO, "its bytes fail their checksum: the file "
-                                    "was changed or damaged since it was written")
                 if error is not None:
-                    raise NvmeError(getattr(error, "errno", None) or errno.EIO,
-                                    f"offload_adam: reading block {i}'s params from "
-                                    f"{self._path(i)} failed: {error}") from error
+                    raise error
                 for x, y in need:
                     slot.buffer.tensor[x:y].copy_(scratch.tensor[x - a:y - a])
                 slot.missing = _without(slot.missing, [(a, b)])

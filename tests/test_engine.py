@@ -1258,8 +1258,18 @@ def test_profile_and_host_bytes(path, early):
         assert prof is None
         return
     assert set(prof) == {"d2h_s", "cpu_step_s", "h2d_s", "exposed_s", "ring_waits", "ring_wait_s",
-                         "timeline"}
+                         "timeline", "waits", "wait_s"}
     assert prof["ring_waits"] == 0 and prof["ring_wait_s"] == 0.0   # (no ring: not in backward)
+    assert prof["wait_s"]["ring"] == 0.0
+    # each bucket stepped in host RAM waited for its grads' copies (the files' pass at
+    # step() steps through its own path)
+    grads = [w for w in prof["waits"] if w["what"] == "grads"]
+    stepped = {r["bucket"] for r in prof["timeline"] if r["phase"] == "cpu_step"}
+    assert {w["bucket"] for w in grads} <= stepped
+    assert path.files or {w["bucket"] for w in grads} == stepped
+    for w in prof["waits"]:
+        assert w["end_s"] >= w["start_s"] and w["what"] in ("grads", "home")
+    assert prof["wait_s"]["grads"] == pytest.approx(sum(w["end_s"] - w["start_s"] for w in grads))
     assert {r["phase"] for r in prof["timeline"]} == {"d2h", "cpu_step", "h2d"}
     for r in prof["timeline"]:
         assert r["end_s"] >= r["start_s"] and isinstance(r["bucket"], int)

@@ -227,6 +227,13 @@ def test_in_host_ram_the_grads_keep_to_a_ring_from_the_first_step(device, monkey
         profile = opt.last_step_profile
         assert ring.waits > profile["ring_waits"] > 0
         assert profile["ring_wait_s"] > 0 and ring.wait_s > profile["ring_wait_s"]
+        # each wait also as an interval, for a timeline against the kernels' (what a
+        # backward whose CPU idles while hooks wait is told by)
+        waits = [w for w in profile["waits"] if w["what"] == "ring"]
+        assert len(waits) <= profile["ring_waits"] and waits
+        assert sum(w["end_s"] - w["start_s"] for w in waits) == pytest.approx(
+            profile["ring_wait_s"]) == profile["wait_s"]["ring"]
+        assert all(w["bucket"] == -1 and w["end_s"] > w["start_s"] for w in waits)
     assert_same_training(early[:2], plain[:2])
     saved = plain[1].host_bytes() - opt.host_bytes()
     assert saved >= grads - ring.nbytes, (saved, grads, ring.nbytes)

@@ -784,6 +784,8 @@ class OffloadEngine:
         self._profile.exposed_s = time.perf_counter() - self._t_enter
         if self.ring is not None:   # (counted since the last step's end)
             self._profile.ring_waits, self._profile.ring_wait_s = self.ring.since_mark()
+            for start, end in self.ring.take_waits():
+                self._profile.add_wait("ring", -1, start, end)
         self._last_profile, self._profile = self._profile, StepProfile()
 
     @property
@@ -1430,7 +1432,9 @@ class BucketJob:
             # may still be on their way: early.py, piece_sent)
             raise RuntimeError("offload_adam: internal error: a bucket's step started "
                                "before all of its grads were sent to the host")
+        t0 = time.perf_counter()
         dev.wait_host(*{id(t): t for c in copies for t in list(c.transfers)}.values())
+        engine._profile.add_wait("grads", bucket.index, t0, time.perf_counter())
         dev.wait_host(*bucket.h2d)                     # its buffers are free again
         bucket.h2d = []
         # The kernel runs once per streamed block of the bucket (and once for the resident
@@ -1446,8 +1450,10 @@ class BucketJob:
                     # copy: no fetch may still read it (in files: held in the cache, and not
                     # read first: the kernel writes these elements and reads none of them)
                     mine = [p for p in group if p.rec.home is home]
+                    t0 = time.perf_counter()
                     writes.enter_context(home.writing([(p.start, p.stop) for p in mine],
                                                       stepped=sum(p.numel for p in mine)))
+                    engine._profile.add_wait("home", bucket.index, t0, time.perf_counter())
                 args = KernelArgs()
                 for p in group:
                     args.add(p.param_state(), p.staging if bucket.low_precision else None,

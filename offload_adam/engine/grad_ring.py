@@ -34,6 +34,7 @@ import torch
 from .host_memory import HostArenas
 
 _LINE = 64
+_MAX_SPANS = 1 << 16
 
 
 def ring_bytes(largest_file_bucket_grads: int, bucket_bytes: int,
@@ -130,6 +131,7 @@ class GradRing:
         self.waits = 0                  # times a hook waited for room
         self.wait_s = 0.0               # ... and the seconds it waited, summed
         self._marked = (0, 0.0)         # waits and wait_s at the last since_mark()
+        self._spans: list = []          # (start, end) of each wait since the last take_waits()
 
     def host_bytes(self) -> int:
         return self.arenas.nbytes() + self.overflow_bytes
@@ -161,7 +163,10 @@ class GradRing:
                     waited_from = time.perf_counter()
                 self._cond.wait(0.5)   # (woken by done() and by the pass's end)
             if waited_from is not None:
-                self.wait_s += time.perf_counter() - waited_from
+                now = time.perf_counter()
+                self.wait_s += now - waited_from
+                if len(self._spans) < _MAX_SPANS:   # (kept for a step's profile: bounded
+                    self._spans.append((waited_from, now))   # where no step reads them)
         if span is None:
             span = Span(self, None, need, torch.empty(need, dtype=torch.uint8), len(pieces))
             with self._cond:
@@ -220,6 +225,12 @@ class GradRing:
         since = (now[0] - self._marked[0], now[1] - self._marked[1])
         self._marked = now
         return since
+
+    def take_waits(self) -> list:
+        """The (start, end) of each wait since the last call (the step's profile)."""
+        with self._cond:
+            spans, self._spans = self._spans, []
+        return spans
 
     def nudge(self) -> None:
         """A pass job ended: a hook waiting for room looks again at whether to wait."""

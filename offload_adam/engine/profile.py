@@ -6,6 +6,14 @@
     ring_waits, ring_wait_s   with step_in_backward: how many times, and how long in all,
                               a grad's hook waited for room in the grad ring since the
                               last step (autograd's thread blocked: no kernel launched)
+    waits                     where the threads waited, for telling a CPU-bound backward
+                              from one whose CPU waits: [{"what", "bucket", "start_s",
+                              "end_s"}], what = "grads" (a bucket's kernel waiting for its
+                              grads' D2H copies to land), "home" (... for the fetches
+                              that read its streamed params' host copies, or for their
+                              param file slots), "ring" (a hook waiting for grad ring
+                              room, bucket -1)
+    wait_s                    {what: seconds} summed over `waits`
     timeline                  [{"bucket", "phase": "d2h"|"cpu_step"|"h2d", "start_s", "end_s"}]
                               in time.perf_counter() seconds
 
@@ -33,6 +41,7 @@ class StepProfile:
         self._d2h: Dict[int, list] = {}
         self._h2d: Dict[int, list] = {}
         self._cpu: List[Tuple[int, float, float]] = []
+        self._waits: List[Tuple[str, int, float, float]] = []
         self._dict: Optional[dict] = None
 
     def add_d2h(self, bucket: int, transfer) -> None:
@@ -43,6 +52,9 @@ class StepProfile:
 
     def add_cpu(self, bucket: int, start: float, end: float) -> None:
         self._cpu.append((bucket, start, end))
+
+    def add_wait(self, what: str, bucket: int, start: float, end: float) -> None:
+        self._waits.append((what, bucket, start, end))
 
     def as_dict(self) -> dict:
         if self._dict is None:
@@ -68,5 +80,9 @@ class StepProfile:
                 "ring_waits": self.ring_waits,
                 "ring_wait_s": self.ring_wait_s,
                 "timeline": timeline,
+                "waits": [{"what": w, "bucket": b, "start_s": s, "end_s": e}
+                          for w, b, s, e in sorted(self._waits, key=lambda r: r[2])],
+                "wait_s": {w: sum(e - s for what, _, s, e in self._waits if what == w)
+                           for w in ("grads", "home", "ring")},
             }
         return self._dict
