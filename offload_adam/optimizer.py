@@ -196,8 +196,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         _check_modes(defaults, "constructor argument")
         super().__init__(params, defaults)
         self._same_on_every_rank()
-        self._start_engine()
-        self._open_store()
+        self._build()
         if defer_blocks and not any(home_of(p) is not None for g in self.param_groups
                                     for p in g["params"]):
             warnings.warn(
@@ -220,6 +219,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_group_of", None)  # (weak keys) made again from the groups
         state.pop("_addresses", None)   # (ids) likewise
         state.pop("_closed", None)    # an unpickled one is open
+        state.pop("_constructing", None)
         state.pop("_busy_lock", None)
         state.pop("_clip_grads", None)   # (weak references) a clip pending holds for the
         return state                     # grads as unpickled
@@ -245,8 +245,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._options = options
             self._routing = Routing.of(options)
             self._marks = MasterMarks()
-            self._start_engine()
-            self._open_store(resume=True)   # its own files: it continues from them
+            self._build(resume=True)   # its own files: it continues from them
             # (not in torch's pickled state: without it GradScaler unscaled the grads in
             # place after the engine's copies, which then stepped them scaled)
             self._step_supports_amp_scaling = True
@@ -357,6 +356,24 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                 "state_dtype": [g["state_dtype"] for g in self.param_groups],
                 "amsgrad": [g["amsgrad"] for g in self.param_groups]}
 
+    def _build(self, resume: bool = False) -> None:
+        """The engine and the store; only once both are made does the engine take the
+        params over from an older live optimizer's (engine/core.py, _claim): a
+        constructor refused (its state files locked by that optimizer, a resume that
+        does not match) leaves it training, and what it made goes, hooks and all."""
+        self._constructing = True
+        try:
+            self._start_engine()
+            self._open_store(resume=resume)
+        except BaseException:
+            if self._engine is not None:
+                self._engine.close()
+            raise
+        finally:
+            self._constructing = False
+        if self._engine is not None:
+            self._engine.claim()
+
     def _start_engine(self, managed=None):
         """The engine of `managed` (a list of params per group; default: _engine_params)."""
         self._engine_started = True
@@ -377,7 +394,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._engine = OffloadEngine(
                 params, amsgrad, state_dtypes=formats,
                 options=self._options, owner=weakref.ref(self), routing=self._routing,
-                marks=self._marks, names=names)
+                marks=self._marks, names=names,
+                claim=not getattr(self, "_constructing", False))
         if getattr(self, "_store", None) is not None:   # (a store that steps it, below)
             self._store.engine = self._engine
 

@@ -1128,8 +1128,8 @@ def test_a_new_optimizer_takes_the_params_over_from_a_live_one(path, options):
             grads, params = [p.grad for p in model.parameters()], state_of(new, model)
             for use in (old.step, old.zero_grad, lambda: old.clip_grad_norm_(1.0)):
                 with pytest.raises(RuntimeError, match=r"params \(param group 0, param 0 "
-                                   r"\(shape \(16, 8\)\) and 3 other params\) were taken over "
-                                   "by a newer offload_adam optimizer"):
+                                   r"\(shape \(16, 8\)\) and 3 other params, of its 4\) were "
+                                   "taken over by a newer offload_adam optimizer"):
                     use()
             assert all(p.grad is g for p, g in zip(model.parameters(), grads))
             for now, then in zip(state_of(new, model), params):
@@ -1142,6 +1142,50 @@ def test_a_new_optimizer_takes_the_params_over_from_a_live_one(path, options):
         results.append((model, new))
     assert_same(*results)
     assert pinned[0] == pinned[1]
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["at-step", "in-backward"])
+def test_a_refused_constructor_takes_nothing_over(sim, tmp_path, early):
+    """A notebook cell building the optimizer again over the same state_dirs= while the
+    old one lives: the new one is refused (the files are locked by the old one, and the
+    message says to close it to resume them), and the old one, untouched, trains on bit
+    for bit as if nothing had been tried: the refused one's hooks are gone at once."""
+    options = {**MLP_OPTS, "step_in_backward": early}
+    results = []
+    for tried in (True, False):
+        model = make_mlp()
+        (tmp_path / f"s{tried}").mkdir()
+        opt = offload_adam.AdamW(model.parameters(), state_dirs=tmp_path / f"s{tried}",
+                                 **options)
+        run(model, opt, 2, loss=mlp_loss)
+        if tried:
+            with pytest.raises(RuntimeError, match=r"is in use by another optimizer .*close "
+                                                   r"that optimizer first \(opt.close\(\)"):
+                offload_adam.AdamW(model.parameters(), state_dirs=tmp_path / f"s{tried}",
+                                   state_resume=True, **options)
+        assert all(len(p._post_accumulate_grad_hooks or ()) == 1 for p in model.parameters())
+        run(model, opt, 2, start=2, loss=mlp_loss)
+        results.append((model, opt))
+    assert_same(*results)
+    for _, opt in results:
+        opt.close()
+
+
+def test_an_optimizer_taken_over_in_part_says_what_it_left(sim):
+    """A newer optimizer given some of an older live one's params (add_param_group): a
+    param's grads go to one engine, so the older one lets go of all of them, and says
+    how many of its params were taken and that the rest are stepped by none now."""
+    model = make_mlp()
+    params = list(model.parameters())
+    old = offload_adam.AdamW(params[:3], **MLP_OPTS)
+    new = offload_adam.AdamW(params[3:], **MLP_OPTS)
+    run(model, old, 1, loss=mlp_loss)
+    new.add_param_group({"params": [params[0]]})
+    with pytest.raises(RuntimeError, match=r"\(param group 0, param 0 \(shape \(16, 8\)\), of "
+                       r"its 3\) were taken over by a newer offload_adam optimizer \(built over "
+                       r"them, or given them by add_param_group\).* Its 2 other params are "
+                       r"stepped by no optimizer now"):
+        old.step()
 
 
 def _halve_data(p):

@@ -97,7 +97,7 @@ class OffloadEngine:
                  owner=None, routing=None,
                  available_host_bytes: Optional[int] = None,
                  names: Optional[Sequence[Sequence[str]]] = None,
-                 marks: Optional[MasterMarks] = None):
+                 marks: Optional[MasterMarks] = None, claim: bool = True):
         options = options or Options()
         all_params = [p for ps in managed for p in ps]
         locals_ = [local(p) for p in all_params]
@@ -201,9 +201,13 @@ class OffloadEngine:
             added += self._add_recs(i, params, ams,
                                     state_dtypes[i] if state_dtypes else "float32",
                                     names[i] if names else None)
+        # claim=False (an optimizer's constructor): an older engine over these params
+        # keeps them until claim(), once the rest of the construction (the state files)
+        # is done: a constructor refused takes nothing over
+        self._unclaimed: Optional[List[ParamRec]] = None if claim else []
         if added:
             self._rebucket(added)
-            _claim(self, sorted(added, key=lambda r: r.position))
+            self._take_over(added)
 
     @property
     def step_in_backward(self) -> bool:
@@ -232,7 +236,20 @@ class OffloadEngine:
         if new:
             self._rebucket(list(dict.fromkeys(known)) + new)
             # last: a group that fails to be added takes nothing over
-            _claim(self, sorted(new, key=lambda r: r.position))
+            self._take_over(new)
+
+    def _take_over(self, recs: List[ParamRec]) -> None:
+        if self._unclaimed is not None:
+            self._unclaimed += recs
+        else:
+            _claim(self, sorted(recs, key=lambda r: r.position))
+
+    def claim(self) -> None:
+        """Takes over, from an older live engine, the params added since the engine was
+        made with claim=False (and those added from now on, as they are)."""
+        recs, self._unclaimed = self._unclaimed or [], None
+        if recs:
+            _claim(self, sorted(recs, key=lambda r: r.position))
 
     def _add_recs(self, group: int, params: Sequence[torch.Tensor], amsgrad: bool,
                   state_dtype: str, names: Optional[Sequence[str]]) -> List[ParamRec]:
@@ -462,12 +479,19 @@ class OffloadEngine:
         naming what happened."""
         first = next(r for r in self.recs if r.param is taken[0])
         others = f" and {len(taken) - 1} other params" if len(taken) > 1 else ""
+        left = len(self.recs) - len(taken)
+        # (a param's grads can go to one engine only: one that shares some params with a
+        # newer one cannot step the rest alone, where torch's would step them all)
+        rest = (f" Its {left} other params are stepped by no optimizer now: give them to the "
+                "new optimizer (add_param_group) or to one built over them alone."
+                if left > 0 else "")
         self._taken_over = (
-            f"offload_adam: this optimizer's params ({first.label()}{others}) were "
-            "taken over by a newer offload_adam optimizer built over them, which now "
-            "takes their grads; this one let go of its hooks, worker and host memory and "
-            "cannot step, zero, clip or unscale any more (its state stays readable): use "
-            "the new optimizer")
+            f"offload_adam: this optimizer's params ({first.label()}{others}, of its "
+            f"{len(self.recs)}) were taken over by a newer offload_adam optimizer (built "
+            "over them, or given them by add_param_group), which now takes their grads; "
+            "this one let go of its hooks, worker and host memory and cannot step, zero, "
+            "clip or unscale any more (its state stays readable): use the new optimizer."
+            + rest)
         self.close()
 
     def check_open(self, closed_ok: bool = False) -> bool:

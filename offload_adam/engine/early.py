@@ -68,6 +68,7 @@ class EarlyStart:
         self._started: Dict[int, object] = {}    # rec id -> the GradCopy its step read
         self._stepped: set = set()               # ids of the pieces whose kernel ran
         self._counted: set = set()               # ids of the pieces counted in one by one
+        self._refused = False   # step() will refuse the groups: no step starts (_refusal)
         self._hyper: Dict[int, Hyper] = {}       # group index -> what its steps used
         self.files = None   # the files' pass (disk_early.py) when the state is in files
         # defer_blocks=: the jobs of the buckets of the first streamed blocks to arrive,
@@ -159,6 +160,25 @@ class EarlyStart:
         self._expected = set(expected)
         self._waiting = {b.index: sum(1 for p in b.pieces if id(p.rec) in expected)
                          for b in engine.buckets}
+        self._refused = self._refusal(engine)
+
+    def _refusal(self, engine) -> bool:
+        """At the iteration's first grad: whether step() will refuse the param groups as
+        they are now (a group's state_dtype changed, a group's params split over two
+        groups by hand). Then no step starts in this backward: the refusal leaves every
+        param and its state at the last step, and undoing the edit before step() steps
+        them all there (the other groups' buckets stepping in backward left the
+        optimizer half a step ahead, which state_dict() and zero_grad() refuse)."""
+        owner = self._owner()
+        if owner is None:
+            return False
+        try:   # (read again: a swap inside the lists leaves what the cache is keyed by)
+            engine._follow_owner(again=True)
+            groups = owner.param_groups
+        except RuntimeError:
+            return True   # a group split
+        return any(b.group < len(groups) and groups[b.group] is not None
+                   and format_changed(groups, b) is not None for b in engine.buckets)
 
     def begin(self, recs) -> bool:
         """recs' steps start now, from their grad copies and their groups'
@@ -198,6 +218,8 @@ class EarlyStart:
             return  # the optimizer is gone: no groups to step with
         if engine.torn is not None:
             return  # a state of no step: step() refuses it (OffloadEngine.step)
+        if self._refused:
+            return  # step() refuses the groups: nothing steps before it (_refusal)
         pieces = [p for p in bucket.pieces if id(p.rec) in self._hooked]
         if format_changed(owner.param_groups, bucket) is not None:
             return  # stepped by nothing: step() refuses the group's state_dtype changed

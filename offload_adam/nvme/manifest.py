@@ -128,8 +128,10 @@ class DirLocks:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise RuntimeError(
                     f"offload_adam: the NVMe state directory {folder!r} is in use by another "
-                    f"optimizer (lock {path} held by pid {holder}); give each optimizer "
-                    "(and each rank) its own directory") from None
+                    f"optimizer (lock {path} held by pid {holder}). To resume its files here, "
+                    "close that optimizer first (opt.close(), or del opt where nothing else "
+                    "holds it); to train another model, give each optimizer (and each rank) "
+                    "its own directory") from None
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
