@@ -496,10 +496,15 @@ class FileStore:
 
     def _restore_params(self) -> None:
         """A resumed state gives the params their values of its last completed step:
-        each param stepped at least once takes its master from the files (rounded to a
-        bf16/fp16 param), so that a crash loses nothing even between a step and the
-        user's own checkpoint of the model. What each param is then is kept, to check at
-        the next step that nothing loaded after mixes steps (_check_resumed)."""
+        each param takes its master from the files (rounded to a bf16/fp16 param), so
+        that a crash loses nothing even between a step and the user's own checkpoint of
+        the model. That holds for a param never stepped too (an MoE expert no token was
+        routed to yet, a param without a grad so far): each step writes its master as
+        the param is then, so the files hold its value of the last step (the model
+        built again may hold another init, or NaN where it was built on the meta device
+        and streamed). Files of no completed step set nothing. What each param is then
+        is kept, to check at the next step that nothing loaded after mixes steps
+        (_check_resumed)."""
         self._stepped, self._resumed = set(), {}
         # an fp32 param stepped in place is its own master: a state dict loaded over it
         # holds none to compare, so its first moment's values are (_refuse_a_mix)
@@ -517,12 +522,13 @@ class FileStore:
                 for e in bucket:
                     st = ParamState.in_bucket(views, e.name)
                     step = float(st.step)
-                    if step > 0:
+                    if step > 0 or self.state.step > 0:
                         write_values(e.param, st.master, e.start if e.part else None)
-                        self._stepped.add(id(e.param))
+                        if step > 0:
+                            self._stepped.add(id(e.param))
                         if e.name not in unknown:
                             self._resumed[id(e.param)] = (e, mark(e.param), step)
-                            if not e.has_master:
+                            if not e.has_master and step > 0:
                                 self._resumed_prints.setdefault(id(e.param), []).append(
                                     (e.start if e.part else 0, _moment_print(float32_moment(
                                         st.exp_avg, st.exp_avg_scale, "exp_avg"))))

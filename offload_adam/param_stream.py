@@ -1025,6 +1025,12 @@ class ParamStreamer:
             self._cursor = _advance(self._order, self._cursor, key)
             if self._cursor is not None:
                 ahead = self._order[self._cursor:self._cursor + self.prefetch]
+        # no backward follows a forward without grad (an eval between steps): the
+        # backward's uses in the window would stay on the device after it, prefetch - 1
+        # blocks of device memory until the next forward
+        forward_only = phase == "f" and not torch.is_grad_enabled()
+        if forward_only:
+            ahead = [use for use in ahead if use[1] == "f"]
         block.awaiting = phase == "b" and block.trained
         if phase == "b":
             block.unstepped = sum(p.numel() for p in block.params if p.requires_grad)
@@ -1042,10 +1048,13 @@ class ParamStreamer:
             # the param files read further ahead than the copies, as far as the cache
             # has slots it would give away before they are used (_floors)
             first = self._cursor + self.prefetch
-            later = [i for i, _ in self._order[first:first + len(self.files.slots)]]
-            floors = self._floors(first, len(later))
-            blocks = list(dict.fromkeys(later))
-            self.files.read_ahead(blocks, [floors[later.index(i)] for i in blocks])
+            uses = self._order[first:first + len(self.files.slots)]
+            floors = self._floors(first, len(uses))
+            floor_of: Dict[int, float] = {}   # (each block's first use in the window)
+            for (i, use), floor in zip(uses, floors):
+                if not forward_only or use == "f":
+                    floor_of.setdefault(i, floor)
+            self.files.read_ahead(list(floor_of), list(floor_of.values()))
 
     def _fetch(self, block: _Block, ahead: bool = False) -> None:
         """Starts the copies of the block's params to the device (`ahead` of its use: not

@@ -133,6 +133,45 @@ def test_a_directory_with_this_state_resumes_it_when_asked(kernels, tmp_path):
 
 
 @pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_a_param_never_stepped_resumes_as_it_was(kernels, tmp_path, footprint):
+    """A param that got no grad before the kill (an MoE expert no token was routed to
+    yet) comes back from the files too, as the last step had it, here weights loaded
+    after the optimizer was built: the model built again holds another init (or NaN,
+    built on the meta device), and with it training on was another run (found from
+    outside: only params stepped at least once were restored)."""
+    def run(opt, ps, first, count, idle):
+        for k in range(first, first + count):
+            for j, p in enumerate(ps):
+                p.grad = None if j == idle and k < 2 else grad(p, k, 0)
+            opt.step()
+
+    runs = []
+    for resumed in (False, True):
+        d = tmp_path / f"r{resumed}"
+        d.mkdir()
+        ps = make_params()
+        opt = offload_adam.AdamW(groups(ps), lr=0.01, state_dirs=d, state_footprint=footprint,
+                                 **NVME)
+        with torch.no_grad():   # (weights loaded after building: the files follow them)
+            for p, q in zip(ps, make_params(seed=5)):
+                p.copy_(q)
+        run(opt, ps, 0, 2, idle=3)
+        if resumed:
+            del opt
+            gc.collect()
+            want = [bits(p).clone() for p in ps]
+            ps = make_params(seed=7)
+            ps[3].detach().fill_(float("nan"))   # (as built on the meta device)
+            opt = offload_adam.AdamW(groups(ps), lr=0.01, state_dirs=d, state_resume=True,
+                                     state_footprint=footprint, **NVME)
+            assert opt.step_count == 2
+            assert all(torch.equal(bits(p), w) for p, w in zip(ps, want))
+        run(opt, ps, 2, 2, idle=3)
+        runs.append((ps, opt))
+    assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
 def test_state_resume_with_no_state_there_says_it_starts_afresh(kernels, tmp_path, footprint):
     """state_resume=True over directories without a completed step (a first run, or a
     mistyped path) starts at step 0, and says so rather than silently."""

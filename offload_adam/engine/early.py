@@ -265,9 +265,10 @@ class EarlyStart:
                 f"offload_adam: the streamed block {block.name!r} is fetched again in this "
                 "backward after its CPU step (step_in_backward=True) wrote some of its "
                 "params: its grads come in parts (a block run more than once per forward, "
-                "or recomputed twice by nested activation checkpointing), which a step "
-                "started in backward cannot wait for. Use step_in_backward=False for this "
-                "model")
+                "or recomputed twice by nested activation checkpointing), and a param used "
+                "in one of its runs only (a mixture-of-experts block routed to other experts "
+                "in each) had its whole grad, and its step, before the block's other run "
+                "was through backward. Use step_in_backward=False for this model")
         raise RuntimeError(
             f"offload_adam: the streamed block {block.name!r} is read between "
             "backward and step() while its CPU step (step_in_backward=True) has "
