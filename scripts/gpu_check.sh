@@ -106,7 +106,9 @@ stage ring_sweep 150 env PY="$PY" STREAM="$STREAM" R="$R" name="$name" bash -c '
 # the CPU step's threads against the 13B's backward (2.07 s against 1.77 s of kernels on
 # 2026-12-04: is the CPU waiting for grads, or autograd and the copies for a core?): 8
 # blocks of the same width, the default (the cores less one), 12 and 8 threads; each
-# iteration's line says where the kernels ran against backward's host span
+# iteration's line says where the kernels ran against backward's host span. Answered on
+# 2026-12-04b (fewer threads: only slower kernels, the same idle); what is left is told by
+# stream_13b's split of backward's ring waits
 stage thread_sweep 150 env PY="$PY" STREAM="$STREAM" R="$R" name="$name" bash -c '
   for t in 0 12 8; do
     "$PY" bench/stream_gpu.py --layers 8 --width 5120 $STREAM --prefetch 2 --steps 3 --warmup 1 \

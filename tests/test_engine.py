@@ -177,6 +177,30 @@ def test_grad_accumulation_over_micro_batches(path, overlap):
             torch.testing.assert_close(held[p]["master_param"], q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dropped", [1, 2], ids=["one-micro-batch", "two-accumulated"])
+def test_freed_grads_dropped_by_the_model_start_again(path, dropped):
+    """free_grads_after_copy: model.zero_grad() (p.grad = None) drops micro-batches whose
+    grads the engine freed (after one that raised, say; accelerate's optimizer.zero_grad
+    does nothing inside accumulate()): the next backward's grads are the whole grads, as
+    with torch: the same training as if the dropped ones never ran (the next backward was
+    refused as "a grad arrived twice", found from outside)."""
+    runs = []
+    for drop in (True, False):
+        model, _ = make_pair()
+        opt = offload_adam.AdamW(model.parameters(), free_grads_after_copy=True, **OPTS)
+        for it in range(3):
+            if drop and it == 1:
+                for m in range(dropped):
+                    loss_of(model, 100 + m).backward()
+                model.zero_grad()
+            for m in range(2):
+                loss_of(model, 10 * it + m).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same(*runs)
+
+
 def ref_from_masters(opt, model, ref):
     """The fp32 reference restarted from opt's masters (each step compared, not drifts)."""
     with torch.no_grad():

@@ -538,6 +538,11 @@ class OffloadEngine:
         if rec.freed and rec.accumulated:   # added to the freed grad's host copy
             rec.accumulated = False
             return
+        if rec.freed and self.early is None and not is_freed(grad):
+            # the grad we freed was dropped or replaced since (model.zero_grad() after a
+            # micro-batch that raised): p.grad is the whole grad now, as with torch, and
+            # its copy replaces the freed one's (pending adds to that one are dropped)
+            rec.freed = False
         if rec.freed:
             raise RuntimeError(
                 "offload_adam: a grad arrived twice before step() with "
