@@ -266,6 +266,9 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
         if it == args.warmup:
             torch.cuda.reset_peak_memory_stats()
         fetched0 = streamer.fetched_bytes if streamer else 0
+        files = getattr(streamer, "files", None)
+        held = lambda: dict(files.hold_s) if files is not None else {"fetch": 0.0, "step": 0.0}
+        h0 = held()
         io0 = io_bytes()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -274,11 +277,11 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
         loss = model(tokens[:, :-1], tokens[:, 1:])
         e1.record()
         tb = time.perf_counter()
-        io_f = io_bytes()
+        io_f, h_f = io_bytes(), held()
         loss.backward()
         e2.record()
         t1 = time.perf_counter()
-        io_b = io_bytes()
+        io_b, h_b = io_bytes(), held()
         opt.step()
         t2 = time.perf_counter()
         opt.zero_grad()
@@ -297,6 +300,11 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
                          disk_fwd_read_bytes=io_f[0] - io0[0], disk_fwd_write_bytes=io_f[1] - io0[1],
                          disk_bwd_read_bytes=io_b[0] - io_f[0], disk_bwd_write_bytes=io_b[1] - io_f[1],
                          fwd_host_s=tb - t0,
+                         # the param files' holds: the fetches' (forward, backward) and the
+                         # CPU step's (the whole iteration): where compute waited for the disk
+                         fetch_hold_fwd_s=h_f["fetch"] - h0["fetch"],
+                         fetch_hold_bwd_s=h_b["fetch"] - h_f["fetch"],
+                         step_hold_s=held()["step"] - h0["step"],
                          h2d_param_bytes=(streamer.fetched_bytes - fetched0) if streamer else 0,
                          bwd_host_s=t1 - tb, **_cpu_in_backward(profile, tb, t1),
                          **_waits_in_backward(profile, tb, t1)))
@@ -314,7 +322,9 @@ def _train(cfg, args, model, opt, streamer, mode, t0):
                   f"{r['ring_wait_grads_s']:.3f}, neither {r['ring_wait_neither_s']:.3f})"
                   + (f"; disk read/written GB: forward {r['disk_fwd_read_bytes'] / 1e9:.2f}/"
                      f"{r['disk_fwd_write_bytes'] / 1e9:.2f} in {r['fwd_host_s']:.3f} s, backward "
-                     f"{r['disk_bwd_read_bytes'] / 1e9:.2f}/{r['disk_bwd_write_bytes'] / 1e9:.2f}"
+                     f"{r['disk_bwd_read_bytes'] / 1e9:.2f}/{r['disk_bwd_write_bytes'] / 1e9:.2f}; "
+                     f"fetches held the param files {r['fetch_hold_fwd_s']:.3f} s in forward, "
+                     f"{r['fetch_hold_bwd_s']:.3f} in backward, the CPU step {r['step_hold_s']:.3f}"
                      if r["disk_read_bytes"] or r["disk_write_bytes"] else "") + ")", t0)
     timed = rows[args.warmup:]
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}

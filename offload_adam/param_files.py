@@ -46,12 +46,14 @@ import math
 import mmap
 import os
 import threading
+import time
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .engine.host_memory import unpin_when_dropped
+from .engine.worker import WORKER_NAME
 from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, crc32, map_file, open_direct,
                              wait, warn_buffered)
 from .nvme.layout import ALIGN, round_up
@@ -140,6 +142,9 @@ class ParamFiles:
         self.lock = threading.RLock()
         self.clock = 0
         self.read_bytes = self.written_bytes = 0
+        # seconds spent in hold(), summed: by the CPU step (the worker's thread) and by
+        # everything else (the streamer's fetches): where compute waited for the disk
+        self.hold_s = {"fetch": 0.0, "step": 0.0}
         # Where each block lives: file i % len(dirs), after the blocks before it there.
         self.where: List[tuple] = []
         ends = [0] * len(dirs)
@@ -242,6 +247,15 @@ class ParamFiles:
         return self._hold(i, True, fills)
 
     def _hold(self, i: int, read: bool, fills: Optional[Sequence[Tuple[int, int]]]):
+        t0 = time.perf_counter()
+        try:
+            return self._hold_now(i, read, fills)
+        finally:
+            kind = "step" if threading.current_thread().name == WORKER_NAME else "fetch"
+            with self.lock:
+                self.hold_s[kind] += time.perf_counter() - t0
+
+    def _hold_now(self, i: int, read: bool, fills: Optional[Sequence[Tuple[int, int]]]):
         while True:
             with self.lock:
                 slot = self.slot_of.get(i)

@@ -25,11 +25,14 @@ from typing import Callable, Iterator, Optional
 _STOP = object()
 
 
+WORKER_NAME = "offload_adam-worker"   # (its thread's name: param_files tells its holds by it)
+
+
 class Worker:
     """`context()` is entered around every job on the worker's thread: the
     device's per-thread setup (device.py: `on_thread`)."""
 
-    def __init__(self, name: str = "offload_adam-worker",
+    def __init__(self, name: str = WORKER_NAME,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self._jobs: "queue.Queue" = queue.Queue()
         self._error: Optional[BaseException] = None
