@@ -182,10 +182,10 @@ class OffloadEngine:
                                     options.defer_blocks)
             if not self.state_on_disk:   # before any transfer buffer is laid out
                 bucket, asked, deferred = self.bucket_bytes, self.ring_asked, options.defer_blocks
-                self._make_ring(lambda params: ring_bytes(   # (holds no engine: no cycle)
+                size = lambda params: ring_bytes(   # (holds no engine: no cycle)
                     bucket, bucket, block_grad_bytes(params), asked, deferred,
-                    trainable_bytes(params)),
-                    _worker_busy(weakref.ref(self)), all_params)
+                    trainable_bytes(params))
+                self._make_ring(size, _worker_busy(weakref.ref(self)), size(all_params))
         # Waits for the copies in flight, removes the hooks, ends the worker and
         # unpins when the optimizer goes (or this constructor fails), holding
         # nothing that keeps the engine alive.
@@ -242,14 +242,13 @@ class OffloadEngine:
         if self._unclaimed is not None:
             self._unclaimed += recs
         else:
-            _claim(self, sorted(recs, key=lambda r: r.position))
+            _claim(self, recs)
 
     def claim(self) -> None:
         """Takes over, from an older live engine, the params added since the engine was
         made with claim=False (and those added from now on, as they are)."""
         recs, self._unclaimed = self._unclaimed or [], None
-        if recs:
-            _claim(self, sorted(recs, key=lambda r: r.position))
+        _claim(self, recs)
 
     def _add_recs(self, group: int, params: Sequence[torch.Tensor], amsgrad: bool,
                   state_dtype: str, names: Optional[Sequence[str]]) -> List[ParamRec]:
@@ -387,7 +386,7 @@ class OffloadEngine:
         """The grads land in a ring (grad_ring.py) from now on, of `size(params)` bytes for
         the params; `busy`: whether a job of the files' pass is pending (disk_early.py)."""
         self._wait_all()
-        self._make_ring(size, busy, [rec.param for rec in self.recs])
+        self._make_ring(size, busy, size([rec.param for rec in self.recs]))
         for rec in self.recs:
             rec.copy = None   # (none made yet: built with the optimizer)
             for p in rec.pieces:
@@ -395,11 +394,11 @@ class OffloadEngine:
         self._rebucket(list(dict.fromkeys(p.rec for b in self.buckets for p in b.pieces)))
 
     def _make_ring(self, size: Callable[[list], int], busy: Callable[[], bool],
-                   params: list) -> None:
-        """A ring of size(params) bytes; the size is asked again after a step whose grads
-        overflowed it (_grow_ring)."""
+                   nbytes: int) -> None:
+        """A ring of `nbytes`, size(the params) made now; `size` is asked again after a
+        step whose grads overflowed it (_grow_ring)."""
         self._ring_size, self._ring_busy = size, busy
-        self.ring = GradRing(self.device, size(params), busy)
+        self.ring = GradRing(self.device, nbytes, busy)
         self._ring_overflows = 0
         self._ring_arenas.append(self.ring.arenas)
         if self._worker is not None:   # a hook waiting for room while the worker was busy
@@ -417,7 +416,7 @@ class OffloadEngine:
         if want > ring.nbytes:
             self._ring_arenas.remove(ring.arenas)
             ring.release()
-            self._make_ring(self._ring_size, self._ring_busy, [rec.param for rec in self.recs])
+            self._make_ring(self._ring_size, self._ring_busy, want)
 
     def forget_grads(self) -> None:
         """The ring's spans are all free (a step ended, or the files' pass was abandoned):
@@ -1602,7 +1601,7 @@ def _claim(engine: OffloadEngine, recs: Sequence[ParamRec]) -> None:
     to `opt` (an LR sweep, a notebook cell run twice, torch's own optimizer tests)
     trains as with torch, and the old optimizer, used again, says why it cannot."""
     taken: Dict[int, tuple] = {}   # id(older engine) -> (it, its params taken)
-    for rec in recs:
+    for rec in sorted(recs, key=lambda r: r.position):   # (the first named is the first added)
         ref = _owners.get(rec.param)
         old = ref() if ref is not None else None
         if old is not None and old is not engine and old._finalizer.alive:
