@@ -238,7 +238,7 @@ class FileStore:
     def __init__(self, param_groups, params: List[List[torch.Tensor]], dirs, bucket_mb: float,
                  budget_mb: Optional[float], resume: bool = False, engine=None,
                  process_group=None, marks: Optional[MasterMarks] = None, state=None,
-                 compact: bool = False, enroll=None):
+                 compact: bool = False, enroll=None, pickled_step: Optional[int] = None):
         recs = _recs_by_param(engine)
         self.engine = engine
         self.marks = marks if marks is not None else MasterMarks()
@@ -316,6 +316,8 @@ class FileStore:
                        if compact and distributed.sharded(flat, process_group) else None)
         try:
             self._agree_on_step(params, process_group)
+            if pickled_step is not None:
+                self._refuse_moved_on(pickled_step, dirs)
             if (self.state.step or self.state.pending) and not resume:
                 cut = " and a step cut short" if self.state.pending else ""
                 raise ValueError(
@@ -417,6 +419,25 @@ class FileStore:
                                  "when the CPU does: resume on the same kind of device"
                                  f"{hint})") from None
         return budget, records
+
+    def _refuse_moved_on(self, pickled_step: int, dirs) -> None:
+        """An optimizer unpickled (torch.load of a whole optimizer, copy.copy) reopens its
+        files, which hold only their last step. Files moved on since the pickle (training
+        went on after it was made) would step the pickled params with another step's
+        moments: refused before anything is read or set."""
+        if self.state.step == pickled_step and not self.state.pending:
+            return
+        now = (f"step {self.state.step}" if not self.state.pending
+               else f"step {self.state.step} with the next step cut short")
+        raise ValueError(
+            f"offload_adam: this optimizer was pickled (e.g. torch.save of the optimizer "
+            f"object) when its state files in state_dirs={list(dirs)} were at step "
+            f"{pickled_step}; they are at {now}: training went on after the pickle was "
+            "made, and the files keep only their last step. Unpickled, it would step the "
+            "params saved with it with the moments of another step. To go on from the "
+            "files, build the optimizer with state_resume=True (the params are set from "
+            "them); for checkpoints to go back to, save opt.state_dict() (it holds the "
+            "state's values) rather than the optimizer object. Nothing was changed")
 
     def _agree_on_step(self, params, process_group) -> None:
         """Under several ranks (FSDP2, or process_group=): every rank resumes from the same

@@ -43,6 +43,7 @@ import os
 import threading
 import warnings
 import weakref
+from typing import Optional
 
 import torch
 from torch.optim import Optimizer
@@ -222,10 +223,15 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_constructing", None)
         state.pop("_busy_lock", None)
         state.pop("_clip_grads", None)   # (weak references) a clip pending holds for the
-        return state                     # grads as unpickled
+        if self._routing.store != "ram":  # grads as unpickled
+            # the files' step now: an unpickled copy reopens the files, which hold only
+            # their last step, and is refused if they moved on (_open_store)
+            state["_files_step"] = self.step_count
+        return state
 
     def __setstate__(self, state):
         options = state.pop("_options", None) or Options()
+        files_step = state.pop("_files_step", None)
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -245,7 +251,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._options = options
             self._routing = Routing.of(options)
             self._marks = MasterMarks()
-            self._build(resume=True)   # its own files: it continues from them
+            # its own files: it continues from them, if still at the pickled step
+            self._build(resume=True, pickled_step=files_step)
             # (not in torch's pickled state: without it GradScaler unscaled the grads in
             # place after the engine's copies, which then stepped them scaled)
             self._step_supports_amp_scaling = True
@@ -356,7 +363,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                 "state_dtype": [g["state_dtype"] for g in self.param_groups],
                 "amsgrad": [g["amsgrad"] for g in self.param_groups]}
 
-    def _build(self, resume: bool = False) -> None:
+    def _build(self, resume: bool = False, pickled_step: Optional[int] = None) -> None:
         """The engine and the store; only once both are made does the engine take the
         params over from an older live optimizer's (engine/core.py, _claim): a
         constructor refused (its state files locked by that optimizer, a resume that
@@ -364,7 +371,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         self._constructing = True
         try:
             self._start_engine()
-            self._open_store(resume=resume)
+            self._open_store(resume=resume, pickled_step=pickled_step)
         except BaseException:
             if self._engine is not None:
                 self._engine.close()
@@ -478,11 +485,13 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         taken = {id(p) for p in params}
         return [param_label(g, gi, i, p) for i, p in enumerate(g["params"]) if id(p) in taken]
 
-    def _open_store(self, resume: bool = False):
+    def _open_store(self, resume: bool = False, pickled_step: Optional[int] = None):
         """The store the routing names (state_store.py); `resume` as state_resume=True
-        (an unpickled copy reopens its files)."""
+        (an unpickled copy reopens its files: `pickled_step`, the files' step when it
+        was pickled, refused if they are at another now)."""
         self._store = open_store(self._routing, self.param_groups, self.state, self._marks,
-                                 self._engine, self._options, resume, enroll=self._enroll)
+                                 self._engine, self._options, resume, enroll=self._enroll,
+                                 pickled_step=pickled_step)
         weakref.finalize(self, _close_in, os.getpid(), self._store.close)
 
     # ---- offload engine: profile, memory ---------------------------------------

@@ -157,11 +157,11 @@ class RamStore:
 
 
 def open_store(routing: Routing, param_groups, state, marks: MasterMarks, engine, options,
-               resume: bool = False, enroll=None):
+               resume: bool = False, enroll=None, pickled_step: Optional[int] = None):
     """The store `routing` names for the optimizer's groups and `state` (options.py's
     `options`; `resume`: as state_resume=True, for an unpickled copy that reopens its
-    files; `enroll`: the optimizer's call that has the engine take more params, see
-    FileStore)."""
+    files, `pickled_step` the files' step when it was pickled; `enroll`: the optimizer's
+    call that has the engine take more params, see FileStore)."""
     if routing.store == "ram":
         return RamStore(routing, marks, engine)
     from .nvme_tier import FileStore
@@ -172,4 +172,4 @@ def open_store(routing: Routing, param_groups, state, marks: MasterMarks, engine
                      options.state_resume or resume, engine=engine,
                      process_group=options.process_group, marks=marks, state=state,
                      compact=getattr(options, "state_footprint", "") == "compact",
-                     enroll=enroll)
+                     enroll=enroll, pickled_step=pickled_step)

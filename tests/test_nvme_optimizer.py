@@ -852,3 +852,37 @@ def test_the_files_step_after_the_interpreter_stopped_its_thread_pools(kernels, 
                                  bucket_mb=0.02, state_resume=True)
     assert resumed.step_count == 5
     resumed.close()
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_an_unpickled_optimizer_goes_on_only_from_its_own_step(kernels, tmp_path, footprint):
+    """torch.save of the optimizer object (and its params) pickles no state held in files:
+    unpickled, it reopens them. At the pickled step it goes on bitwise as the RAM run;
+    once the files moved on (training went on after the pickle), it is refused, saying
+    so, and the files are as they were: it used to step the pickled params with the
+    files' later moments and step count, silently."""
+    ps, qs = make_params(), make_params()
+    ram = offload_adam.AdamW(groups(ps), lr=0.01)
+    train(ram, ps, 0, 5)
+    disk = offload_adam.AdamW(groups(qs), lr=0.01, state_dirs=tmp_path,
+                              state_footprint=footprint, **NVME)
+    train(disk, qs, 0, 3)
+    old = io.BytesIO()
+    torch.save({"params": qs, "opt": disk}, old)
+    train(disk, qs, 3, 2)
+    now = io.BytesIO()
+    torch.save({"params": qs, "opt": disk}, now)
+    disk.close()
+    old.seek(0)
+    with pytest.raises(ValueError, match=r"pickled .* at step 3; they are at step 5: "
+                                         r"training went on"):
+        torch.load(old, weights_only=False)
+    gc.collect()   # (what the refused one made: its lock let go)
+    now.seek(0)
+    back = torch.load(now, weights_only=False)
+    assert back["opt"].step_count == 5
+    assert_same(ps, back["params"], ram, back["opt"])
+    train(ram, ps, 5, 2)
+    train(back["opt"], back["params"], 5, 2)
+    assert_same(ps, back["params"], ram, back["opt"])
+    back["opt"].close()

@@ -1,6 +1,7 @@
 """State dicts move between offload_adam and torch.optim.Adam/AdamW both ways."""
 import copy
 import io
+import traceback
 
 import pytest
 import torch
@@ -318,3 +319,55 @@ def test_state_dict_from_another_thread_waits_for_the_step_in_flight(path):
     assert len(got) == 1 and {float(st["step"]) for st in got[0]["state"].values()} == {1.0}
     opt.load_state_dict(got[0])
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dcp_loads_torch_adamw_s_checkpoint(kernels, tmp_path, dtype):
+    """A migration from torch: a torch.distributed.checkpoint of a model trained with
+    torch.optim.AdamW loaded into offload_adam.AdamW, as the README says. dcp.load plans
+    the keys from the optimizer it loads into, so the groups' state_dtype (this
+    optimizer's, whatever a dict says; flatten_optimizer_state_dict needs it in both)
+    and a bf16 model's fp32 masters are in no torch checkpoint: a strict load names the
+    first missing; with allow_partial_load they keep this optimizer's value and start
+    from the params. Training on follows torch's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 4)).to(dtype)
+
+    def train(m, opt, first, count):
+        for i in range(first, first + count):
+            gen = torch.Generator().manual_seed(100 + i)
+            x, y = (torch.randn(5, n, generator=gen).to(dtype) for n in (8, 4))
+            ((m(x) - y) ** 2).float().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    ref = model(0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    train(ref, ref_opt, 0, 3)
+    msd, osd = get_state_dict(ref, ref_opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path))
+    m = model(1)
+    opt = offload_adam.AdamW(m.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(m, opt)
+    sd = {"model": msd, "optim": osd}
+    with pytest.raises(BaseException) as refused:   # (DCP's CheckpointException is one)
+        dcp.load(sd, checkpoint_id=str(tmp_path))
+    said = "".join(traceback.format_exception(refused.value))
+    assert "Missing key in checkpoint state_dict: optim." in said
+    dcp.load(sd, checkpoint_id=str(tmp_path),
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert opt.param_groups[0]["state_dtype"] == "float32"
+    train(ref, ref_opt, 3, 2)
+    train(m, opt, 3, 2)
+    for p, q in zip(ref.parameters(), m.parameters()):
+        if dtype == torch.float32:
+            torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+        else:   # (torch steps the bf16 param itself: it and the master's rounding may part)
+            torch.testing.assert_close(q.float(), p.float(), rtol=2e-2, atol=2e-2)
