@@ -111,6 +111,27 @@ def disk_pass(pool, fds, buffers, size, write):
     return time.perf_counter() - t
 
 
+def read_through(fds, io_threads, piece=16 << 20, passes=2) -> list:
+    """Files already there (a run's param files) read start to end, each on its own, as
+    disk_pass reads: GB/s per file and pass. The disk's rate for bytes written a while ago
+    and read since, where disk_limit's probe reads a file it has just written (a virtual
+    disk's host may still cache it)."""
+    pool = IOPool(io_threads)
+    buffers = [AlignedBuffer(piece, pin=False) for _ in range(4)]
+    rates = []
+    try:
+        for _ in range(passes):
+            for fd in fds:
+                size = os.fstat(fd).st_size // piece * piece
+                if size:
+                    rates.append(size / disk_pass(pool, [fd], buffers, size, [False]))
+    finally:
+        pool.close()
+        for b in buffers:
+            b.close()
+    return rates
+
+
 def disk_limit(folder, size, io_threads, piece, passes=2):
     paths = [os.path.join(folder, f"limit{k}.bin") for k in range(2)]
     fds = []

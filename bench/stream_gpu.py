@@ -113,6 +113,13 @@ def run_mode(cfg, args, prefetch):
     setup["optimizer"] = _progress(mode, "optimizer built", t0) - sum(setup.values())
     name = "resident" + (" (no step)" if isinstance(opt, NoStep) else "")
     out = _train(cfg, args, model, opt, streamer, mode, t0)
+    if getattr(streamer, "files", None) is not None:
+        # the disk's rate for the param files themselves (written at setup, read since),
+        # next to the probe's for a file it wrote just before reading (see main)
+        from bench.nvme_bench import read_through
+        streamer.files.flush()
+        out["files_read_Bps"] = statistics.median(read_through(streamer.files.fds, 4))
+        _progress(mode, f"the param files read through: {out['files_read_Bps'] / 1e9:.2f} GB/s", t0)
     out.update(mode=name if prefetch is None else mode, prefetch=prefetch,
                streamed_gb=(streamer.streamed_bytes / 1e9) if streamer else 0.0,
                largest_block_gb=(streamer.largest_block_bytes / 1e9) if streamer else 0.0,
@@ -446,6 +453,16 @@ def main():
             print(f"{m['mode']}: param files read {med['disk_read_bytes'] / 1e9:.2f} GB, written "
                   f"{med['disk_write_bytes'] / 1e9:.2f} GB an iteration: disk limit "
                   f"{m['disk_s']:.2f} s, iteration {med['iter_s'] / m['disk_s']:.2f} x it")
+            if m.get("files_read_Bps"):   # the reads at the files' own rate, not the probe's
+                files_s = (med["disk_read_bytes"] / m["files_read_Bps"]
+                           + med["disk_write_bytes"] / disk["write_Bps"])
+                m["disk_files_s"] = files_s
+                fwd_gbps = med["disk_fwd_read_bytes"] / med["fwd_host_s"] / 1e9
+                print(f"{m['mode']}: the param files read through at "
+                      f"{m['files_read_Bps'] / 1e9:.2f} GB/s (the probe: "
+                      f"{disk['read_Bps'] / 1e9:.2f}); forward read {fwd_gbps:.2f} GB/s; disk "
+                      f"limit at the files' rate {files_s:.2f} s, iteration "
+                      f"{med['iter_s'] / files_s:.2f} x it")
     planned = planned_step(cfg, args, h2d, disk)
     print(f"planner ({planned['layout']}, a Llama of this width and params per block, at the "
           f"host-to-device and disk speeds measured here): {planned['step_s']:.2f} s, bound by "
