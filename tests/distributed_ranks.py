@@ -599,6 +599,44 @@ def step_refused_on_one_rank():
     return out
 
 
+@scenario("ram", "two_generations", "compact")
+def early_step_refused_on_one_rank(variant):
+    """step_in_backward: rank 1 changes its lr between backward and step(), which refuses
+    its step (the steps that ran in backward used the old lr). The other rank used to
+    commit its step alone (state files: its shards a step ahead of rank 1's, silently) or,
+    with the compact footprint, wait in the pass's collectives for rank 1 (a hang, then
+    gloo's abort). Every rank refuses now, naming rank 1's cause; trained on, the ranks
+    stay at one step."""
+    kw = {"step_in_backward": True, "bucket_mb": 0.0005}
+    if variant != "ram":
+        base = [os.path.join(OUT_DIR, f"early_refused_{variant}")]
+        dist.broadcast_object_list(base, src=0)
+        os.makedirs(base[0], exist_ok=True)
+        kw.update(state_dirs=base[0], state_footprint=variant)
+    model = build(BF16)
+    opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=WD, **kw)
+    train(model, opt, 1)
+    backward(model, 1)
+    if dist.get_rank() == 1:
+        opt.param_groups[0]["lr"] = 2 * LR
+    out = {}
+    try:
+        opt.step()
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    out["after_refusal"] = opt.step_count
+    opt.param_groups[0]["lr"] = LR
+    opt.zero_grad()
+    train(model, opt, 2, start=2)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, opt.step_count)
+    out["counts"] = counts
+    opt.close()
+    dist.barrier()
+    return out
+
+
 @scenario()
 def options_differ():
     """Rank 0 clips (max_grad_norm=), rank 1 does not: each would run other collectives

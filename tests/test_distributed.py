@@ -219,6 +219,23 @@ def test_a_step_refused_on_one_rank_is_refused_on_every_rank(ranks):
         "lr=1e+39"), rank0
 
 
+@pytest.mark.parametrize("variant", ["ram", "two_generations", "compact"])
+def test_a_step_refused_after_steps_in_backward_is_refused_on_every_rank(ranks, variant):
+    """distributed_ranks.early_step_refused_on_one_rank: with step_in_backward, rank 1's lr
+    changed between backward and step() refuses its step; the other rank used to commit its
+    step alone (found from outside: state files a step apart between the ranks, silently;
+    the compact footprint hung). Both refuse, naming rank 1's cause, and stay at one step."""
+    rank0, rank1 = result(ranks, f"early_step_refused_on_one_rank_{variant}")
+    assert "param group 0's hyperparameters changed after its step started" in rank1["error"]
+    assert rank0["error"].startswith(
+        "offload_adam: rank 1's step was refused, so every rank's is: param group 0's "
+        "hyperparameters changed after its step started (lr 0.01 -> 0.02"), rank0
+    assert rank0["counts"] == rank1["counts"], (rank0, rank1)
+    if variant != "ram":   # (in RAM the steps that ran in backward stay: the README's)
+        assert rank0["after_refusal"] == rank1["after_refusal"] == 1
+        assert rank0["counts"] == [3, 3]
+
+
 def test_options_that_differ_between_the_ranks_are_refused_by_every_rank(ranks):
     """distributed_ranks.options_differ: one rank clips, the other not; both raise, naming
     max_grad_norm and each rank's value, before any step waits for the other."""

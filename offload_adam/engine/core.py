@@ -121,6 +121,7 @@ class OffloadEngine:
         # state_dirs=: master and moments live in the NVMe tier's files, in RAM only
         # while its pipeline holds their bucket (EngineStep.lent): no host arenas for them.
         self.state_on_disk = options.state_dirs is not None
+        self.process_group = options.process_group   # (early.verify: the ranks agree)
         self.recs: List[ParamRec] = []
         # the optimizer (a weakref; None for a bare engine): its _join_to_engine() adds the
         # params that got a grad since they were added frozen (optimizer._join_trained)

@@ -47,6 +47,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .. import distributed
 from ..freed_grad import is_freed
 from ..kernel_step import Hyper
 from ..state_format import MASTER_KEY
@@ -361,9 +362,23 @@ class EarlyStart:
             raise
         if self.spent is not None:
             raise RuntimeError(self.spent)
-        problem = self._problem(engine, param_groups, state, grad_scale)
+        problem = self._agreed(engine, self._problem(engine, param_groups, state, grad_scale))
         if problem is not None:
             self.fail(problem)
+
+    def _agreed(self, engine, problem: Optional[str]) -> Optional[str]:
+        """Under several ranks (FSDP2), the step is refused on every rank when one
+        rank's is: a rank that went on would commit its step alone (its shards a step
+        ahead of the others', with the state in files) or wait in the compact pass's
+        collectives for a rank that raised (a hang). The refusal comes here, after the
+        ranks agreed to step (optimizer.step: distributed.agree_to_step), because what
+        the steps in backward used is compared only once they are drained."""
+        ranks = distributed.every_rank(problem, (r.param for r in engine.recs),
+                                       engine.process_group)
+        bad = [(r, p) for r, p in enumerate(ranks or ()) if p is not None]
+        if problem is None and bad:
+            return f"rank {bad[0][0]}'s step was refused, so every rank's is: {bad[0][1]}"
+        return problem
 
     def _problem(self, engine, param_groups, state, grad_scale) -> Optional[str]:
         if self.error is not None:
