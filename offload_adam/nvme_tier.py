@@ -385,6 +385,9 @@ class FileStore:
         they were made with: self.buckets and self.state; returns the ring's budget and
         each bucket's redo record reserve."""
         buckets, specs = next(tries)
+        flat = [p for g in params for p in g]
+        # (global, as the folders rank<R> are named: distributed.rank_dirs)
+        rank = distributed.dist.get_rank() if distributed.sharded(flat, process_group) else None
         while True:
             self.buckets = buckets
             spec = StateSpec(tuple(specs), files_name, extra={"amsgrad": self._amsgrad})
@@ -398,7 +401,7 @@ class FileStore:
                        for b in self.buckets]
             try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
                 self.state = NvmeState.open(list(dirs), spec, compact=compact,
-                                            log_bytes=records)
+                                            log_bytes=records, rank=rank)
                 break
             except ValueError as e:
                 if "of another model or optimizer" not in str(e):

@@ -558,3 +558,28 @@ def test_io_pool_call_waits_at_close_and_lets_results_go(tmp_path):
     threading.Timer(0.2, gate.set).start()
     pool.close()
     assert slow.done() and slow.result() == "waited"
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["two_generations", "compact"])
+def test_a_state_another_rank_made_is_refused(tmp_path, compact):
+    """Under FSDP2 each rank keeps its shards' state in a folder rank<R>. Folders renamed
+    or copied across ranks, with shards of one shape (even ones), passed every check and
+    resumed each rank with another's moments, silently (found from outside): the manifest
+    keeps the rank that made the state, and another rank is refused, naming both, the
+    files as they were. The rank that made it, and a state of one process, open as ever."""
+    spec = make_spec("fp32", buckets=2, numel=5000)
+    with NvmeState.open([tmp_path], spec, compact=compact, rank=1) as state:
+        pipe = StepPipeline(state, ring_of(spec))
+        pipe.load(fill_initial(0), step=1)   # (a state at step 1, as a loaded state dict's)
+        pipe.close()
+        made = disk_state(state)
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    with pytest.raises(ValueError, match=r"was made by rank 1 of a sharded run, and rank 0 "
+                                         r"opened it: .* Put rank 1's state back in a folder "
+                                         r"rank1. Nothing was changed"):
+        NvmeState.open([tmp_path], spec, compact=compact, rank=0)
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+    for rank in (1, None):
+        with NvmeState.open([tmp_path], spec, compact=compact, rank=rank) as state:
+            assert state.step == 1
+            assert same_bits(made, disk_state(state))

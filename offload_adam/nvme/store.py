@@ -161,13 +161,15 @@ class NvmeState:
     @classmethod
     def open(cls, folders: Sequence[str], spec: StateSpec, io_threads: int = 4,
              compact: bool = False, log_bytes: Optional[Sequence[int]] = None,
-             spares: int = SPARES) -> "NvmeState":
+             spares: int = SPARES, rank: Optional[int] = None) -> "NvmeState":
         """The state in `folders` (one file each), created (all zero, step 0) where the
         directories hold none of its files; refused when they hold another spec's state,
         a state that cannot be trusted (module docstring), or are locked. `compact`: one
         copy and a redo log (module docstring), whose records of bucket i take about
         log_bytes[i] (the space reserved for them at creation; a larger record grows the
-        log); a state of the other layout is refused with what to give."""
+        log); a state of the other layout is refused with what to give. `rank`: the
+        rank of a sharded run that opens it (None: one process), kept in a new state's
+        manifest; a state another rank made is refused (_check_rank)."""
         if isinstance(folders, (str, os.PathLike)):
             folders = [folders]
         if not folders:
@@ -182,6 +184,7 @@ class NvmeState:
         fresh = False   # the directories held none of its files: a refusal removes them again
         try:
             body = _upgraded(manifest.read(folders[0]), folders[0])
+            _check_rank(folders[0], body, rank)
             buffered: List[str] = []
             # A state never committed is opened over only in the two-slot layout, whose
             # first pass writes the other slots: a compact one's first pass writes in
@@ -193,7 +196,7 @@ class NvmeState:
                 fresh = True
             if created:
                 layout = (compact, list(log_bytes or [0] * len(spec.buckets)), spares)
-                body, fds = _create(folders, spec, buffered, layout)
+                body, fds = _create(folders, spec, buffered, layout, rank)
             else:
                 _check_layout(folders[0], body, compact)
                 fds = _open_files(folders, body, buffered)
@@ -908,7 +911,24 @@ def _remove_state_files(folders: Sequence[str]) -> None:
                 pass
 
 
-def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout):
+def _check_rank(folder: str, body: Optional[dict], rank: Optional[int]) -> None:
+    """A rank's state is its shards': a state that rank M made, opened by rank R (the
+    rank<R> folders renamed or copied across, with shards of one shape: uneven ones fail
+    the spec's check), would step rank R's shards with rank M's moments. Refused, naming
+    both; a state made before the rank was kept, or by one process, is not checked."""
+    made = None if body is None else body.get("rank")
+    if made is None or rank is None or made == rank:
+        return
+    raise ValueError(
+        f"offload_adam: the optimizer state in {folder!r} was made by rank {made} of a "
+        f"sharded run, and rank {rank} opened it: each rank resumes the state of its own "
+        f"shards, in the folder rank<R> of its rank R. Were the rank folders renamed, or "
+        f"copied from one rank's to another's? Put rank {made}'s state back in a folder "
+        f"rank{made}. Nothing was changed")
+
+
+def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
+            rank: Optional[int] = None):
     """A new state: the spec and a manifest that says nothing was committed yet go first
     (a crash before the data files are whole leaves a state that is made anew), then the
     data files, reserved whole (compact: and the redo logs). `layout`: (compact, the
@@ -918,7 +938,8 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout):
     body = {"format": FORMAT, "uuid": uuid.uuid4().hex, "folders": folders,
             "spec_sha256": spec.digest(), "step": 0, "slots": [0] * len(spec.buckets),
             "file_sizes": sizes, "sums": [[None] * SLOTS for _ in spec.buckets],
-            "previous": None, "written": False, "sum_bytes": SUM_BYTES, "sum_algo": SUM_ALGO}
+            "previous": None, "written": False, "sum_bytes": SUM_BYTES, "sum_algo": SUM_ALGO,
+            "rank": rank}
     logs = [0] * len(folders)
     if compact:
         ring = Circular(spec, [e.file for e in extents], len(folders), spares)
