@@ -638,6 +638,39 @@ def early_step_refused_on_one_rank(variant):
 
 
 @scenario()
+def early_accumulation_refused():
+    """step_in_backward under FSDP2, a second backward before step() (accumulation): its
+    grads' hook runs inside FSDP2's own step of backward, and raising there left the
+    modules unsharded, their params plain tensors no optimizer steps: training on stepped
+    nothing, silently (found from outside). The backward ends; step() refuses; trained on,
+    every param is FSDP2's again and steps."""
+    model = build(BF16)
+    opt = offload_adam.AdamW(model.parameters(), lr=LR, weight_decay=WD, step_in_backward=True)
+    train(model, opt, 1)
+    backward(model, 1, 0)
+    out = {"second": None, "step": None}
+    try:
+        backward(model, 1, 1)
+    except RuntimeError as e:
+        out["second"] = str(e)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        out["step"] = str(e)
+    opt.zero_grad()
+    moved = []
+    for it in range(2, 4):
+        before = [p.to_local().clone() for p in model.parameters()]
+        train(model, opt, 1, start=it)
+        moved.append(all(not torch.equal(p.to_local(), b)   # (a rank's shard may be empty)
+                         for p, b in zip(model.parameters(), before) if b.numel()))
+    out["dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
+    out["moved"], out["steps"] = moved, sorted({float(s["step"]) for s in opt.state.values()})
+    dist.barrier()
+    return out
+
+
+@scenario()
 def options_differ():
     """Rank 0 clips (max_grad_norm=), rank 1 does not: each would run other collectives
     in its step; both optimizers are refused where they are built, naming the option."""

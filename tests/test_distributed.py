@@ -236,6 +236,19 @@ def test_a_step_refused_after_steps_in_backward_is_refused_on_every_rank(ranks, 
         assert rank0["counts"] == [3, 3]
 
 
+def test_accumulation_with_steps_in_backward_is_refused_at_step(ranks):
+    """distributed_ranks.early_accumulation_refused: a second backward before step() with
+    step_in_backward, under FSDP2. Refused inside FSDP2's backward, it left the modules
+    unsharded, and the steps after stepped nothing, silently (found from outside). Now the
+    backward ends, step() refuses, naming the cause, and training goes on stepping every
+    param."""
+    for res in result(ranks, "early_accumulation_refused"):
+        assert res["second"] is None, res
+        assert "a grad arrived again for a param whose step already started" in res["step"], res
+        assert res["dtensors"] and res["moved"] == [True, True], res
+        assert res["steps"] == [4.0], res   # (the refused step ran in backward: RAM keeps it)
+
+
 def test_options_that_differ_between_the_ranks_are_refused_by_every_rank(ranks):
     """distributed_ranks.options_differ: one rank clips, the other not; both raise, naming
     max_grad_norm and each rank's value, before any step waits for the other."""

@@ -533,7 +533,8 @@ class OffloadEngine:
         if self._in_no_group(rec):
             return  # taken out of param_groups: not stepped, its grad left as it is
         if self.early is not None:
-            self.early.before_copy(rec)
+            if not self.early.before_copy(rec):
+                return   # (refused at step(): early.py)
             self._start_param_check()   # (buckets step in this backward)
         if rec.freed and rec.accumulated:   # added to the freed grad's host copy
             rec.accumulated = False

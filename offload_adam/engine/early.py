@@ -92,7 +92,9 @@ class EarlyStart:
 
     # ---- during backward ----------------------------------------------------------------
 
-    def before_copy(self, rec) -> None:
+    def before_copy(self, rec) -> bool:
+        """Before rec's grad is copied in backward; False: it is not (refused, said at
+        step())."""
         self.spent = None   # (a new backward: its grads are new)
         task = torch._C._current_graph_task_id()
         if task != self._checked_task:   # once a backward, before any step starts in it:
@@ -106,10 +108,18 @@ class EarlyStart:
                 "backward (gradient accumulation over micro-batches, or a param used "
                 "again after its grad was final)")
             msg = self.error
+            if distributed.is_dtensor(rec.param):
+                # FSDP2 runs this hook inside its own step of backward (after the
+                # reduce-scatter): raised there, it left the modules unsharded, their
+                # params plain tensors no optimizer steps, and training on stepped
+                # nothing, silently (found from outside). The grad is not taken, and
+                # step() (or zero_grad()) refuses, as it does after a raise here.
+                return False
             raise RuntimeError(
                 f"offload_adam: {msg}; step_in_backward=True forbids this. The "
                 "next step() or zero_grad() raises too and says what was stepped; "
                 "use step_in_backward=False to accumulate.")
+        return True
 
     def piece_sent(self, rec, piece) -> None:
         """One piece of rec's grad was sent before the rest of it (a param cut in pieces,
