@@ -619,9 +619,15 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             problem = e
         # (under several ranks: a rank refused, or an option set on one, would leave the
         # others waiting in the step's collectives)
-        distributed.agree_to_step(self._rank_options, problem, self.param_groups,
-                                  self._options.process_group)
+        try:
+            distributed.agree_to_step(self._rank_options, problem, self.param_groups,
+                                      self._options.process_group)
+        except Exception as e:   # noqa: BLE001 -- another rank's refusal: raised below
+            problem = problem or e
         if problem is not None:
+            early = self._engine.early if self._engine is not None else None
+            if early is not None:   # (what zero_grad() does next with the steps pending)
+                early.step_refused(problem)
             raise problem
         scale = self._step_scale()   # grad_scaling.py
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped

@@ -288,3 +288,26 @@ def test_a_step_the_files_refuse_ends_the_pass_begun_in_backward(kernels, tmp_pa
         disk.zero_grad()
         frozen[1].requires_grad_(False)
         goes_on_as_if_never_ran(a, b, ram, disk, snap, monkeypatch, range(3, 5))
+
+
+def test_a_step_refused_by_its_checks_is_dropped_by_zero_grad(kernels, tmp_path, monkeypatch):
+    """step() refused by its checks before its pass (an lr that overflows float32) after
+    the pass in backward began: zero_grad() drops that pass, nothing stepped, as torch's
+    zero_grad after a refused step (found from outside: it raised "zero_grad() was called
+    after steps started during backward, before step()", step() having been called), and
+    training goes on bitwise as if that iteration never ran."""
+    a, b = model(), model()
+    with sim_path("sim-seed1"):
+        ram, disk = in_ram_and_on_disk(a, b, tmp_path)
+        train_both(a, b, ram, disk, range(2))
+        snap = snapshot(b, disk)
+        calls = KernelCalls(monkeypatch)
+        backward(b, 2)
+        settle(disk)
+        assert calls.off_main > 0   # (the pass had begun)
+        disk.param_groups[0]["lr"] = 1e39
+        with pytest.raises(ValueError, match=r"lr=1e\+39"):
+            disk.step()
+        disk.param_groups[0]["lr"] = OPTS["lr"]
+        disk.zero_grad()
+        goes_on_as_if_never_ran(a, b, ram, disk, snap, monkeypatch, range(3, 5))

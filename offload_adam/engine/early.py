@@ -70,6 +70,7 @@ class EarlyStart:
         self._stepped: set = set()               # ids of the pieces whose kernel ran
         self._counted: set = set()               # ids of the pieces counted in one by one
         self._refused = False   # step() will refuse the groups: no step starts (_refusal)
+        self._step_refused: Optional[str] = None   # why step() refused, the steps pending
         self._hyper: Dict[int, Hyper] = {}       # group index -> what its steps used
         self.files = None   # the files' pass (disk_early.py) when the state is in files
         # defer_blocks=: the jobs of the buckets of the first streamed blocks to arrive,
@@ -527,11 +528,26 @@ class EarlyStart:
             self.error = ("the backward in which the step of some params started raised "
                           "(an error or KeyboardInterrupt inside it)")
 
+    def step_refused(self, problem: BaseException) -> None:
+        """step() refused before its pass (a check: a bad lr, a param not of its
+        optimizer...), the steps started in backward still pending: a step() after the
+        problem is mended completes them; zero_grad() drops them (said, below)."""
+        if self._started or self.error is not None:
+            self._step_refused = f"{type(problem).__name__}: {problem}"
+
     def on_zero_grad(self) -> None:
         try:
-            if self._started or self.error is not None:
-                self.fail(self.error or "zero_grad() was called after steps started during "
-                          "backward, before step()")
+            if (self._step_refused is not None and self.files is not None
+                    and self.error is None):
+                # step() said why it refused, and the files' pass commits nothing before
+                # step(): dropped, nothing stepped, as torch's zero_grad after a refusal
+                self.commit()
+            elif self._started or self.error is not None:
+                self.fail(self.error or (
+                    f"zero_grad() was called after step() was refused ({self._step_refused})"
+                    if self._step_refused is not None else
+                    "zero_grad() was called after steps started during backward, before "
+                    "step()"))
         finally:
             self.spent = None   # (the grads are zeroed: none is left to step twice)
         if self.files is not None and self.files.busy:   # read ahead, nothing stepped
@@ -547,7 +563,7 @@ class EarlyStart:
         if self._hooked:   # (none: no backward since the last, e.g. a step() after a failure)
             self._previous = set(self._hooked) if engine.order_learned else None
         self._expected, self._waiting = None, {}
-        self.error = None
+        self.error = self._step_refused = None
         self._hooked, self._started, self._stepped, self._hyper = {}, {}, set(), {}
         self._counted = set()
         # (a failed step drops the held jobs unrun: those params are not stepped)
