@@ -86,6 +86,10 @@ stage racecheck_stream 90 compute-sanitizer --tool racecheck --error-exitcode 1 
 stage stream_7b_files 200 "$PY" bench/stream_gpu.py --layers 32 --width 4096 $STREAM --prefetch 2 \
   --steps 3 --warmup 1 --param-dir "${TMPDIR:-/tmp}/offload_adam_gpu_params" --param-cache-mb 4096 \
   --out "$R" --tag "${name}_7b_cap24_param_files"
+# the param files' reader on this host's disk with the compute taken out (no GPU used): does it
+# read at the disk's rate for the files (read through after the run), where the probe may flatter?
+stage files_read 120 "$PY" bench/param_files_read.py --blocks 24 --rows 51200 --dim 4096 \
+  --cache-blocks 10 --steps 3 --dir "${TMPDIR:-/tmp}/offload_adam_files_read" --out "$R" --tag "$name"
 stage racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
 stage transfer_bench 60 "$PY" bench/transfer_bench.py --mb 512 --repeats 5 --out "$R" --tag "$name"
 stage step_bench 90 "$PY" bench/step_bench.py --numel 33554432 --steps 12 --warmup 2 --no-deepspeed \
