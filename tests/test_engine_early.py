@@ -377,6 +377,43 @@ def test_a_backward_that_raised_after_steps_started(path, then):
 
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_steps_in_backward_as_the_default(path, reentrant):
+    """Reentrant checkpointing recomputes each segment in a backward of its own (another
+    graph task) inside the outer one. A grad there was taken for a sign that the outer
+    backward had raised: step() refused, the params whose steps had run in backward
+    stepped and the others not (found from outside). Whichever kind, the training is the
+    default's bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 32)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+            self.head = torch.nn.Linear(32, 64)
+
+        def forward(self, x):
+            h = self.embed(x)
+            for layer in self.layers:
+                h = checkpoint(layer, h, use_reentrant=reentrant)
+            return self.head(h)
+
+    runs = []
+    for early in (False, True):
+        torch.manual_seed(0)
+        model = Checkpointed().to(BF16)
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-2, step_in_backward=early,
+                                 bucket_mb=0.004)
+        for it in range(3):
+            x = torch.randint(0, 64, (4, 5), generator=torch.Generator().manual_seed(it))
+            model(x).float().logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same(*runs)
+
+
 @pytest.mark.parametrize("footprint", ["two_generations", "compact"])
 @pytest.mark.parametrize("where", FILES_PATHS)
 def test_a_first_backward_that_raised_then_redone_is_the_plain_training(where, footprint,

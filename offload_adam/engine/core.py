@@ -147,6 +147,10 @@ class OffloadEngine:
         self._backward: list = []                 # D2H copies of the running backward
         self._deferred: List[ParamRec] = []       # grads whose copy waits for hooks after ours
         self._backward_task = None
+        # backwards left by a grad of another (_at_end_of_backward's task then), whose end
+        # has not come: one that raised, or one a backward runs inside (the recompute of
+        # reentrant checkpointing), which ends later; told apart by that end
+        self._unended: set = set()
         self._hook_order: Optional[List[ParamRec]] = []   # the first backward's order
         self._want_norms = False
         # Micro-batches accumulated into freed grads: each piece's D2H copy into a slot of
@@ -674,6 +678,7 @@ class OffloadEngine:
         def done():
             engine = ref()
             if engine is not None:
+                engine._unended.discard(task)   # (it ended: a backward inside it ran)
                 engine._backward_done()
         torch.autograd.Variable._execution_engine.queue_callback(done)
 
@@ -695,12 +700,22 @@ class OffloadEngine:
         copies a backward that raised started (its end, which publishes them, never came)
         are published first, so that the write is ordered after their reads. Nothing to
         do after a backward that ended, or inside the one that started them."""
-        task = self._backward_task
-        if task is not None and task != torch._C._current_graph_task_id():
-            if self.early is not None:
-                self.early.backward_raised()
+        task, now = self._backward_task, torch._C._current_graph_task_id()
+        if task is not None and task != now:
+            # a grad of another backward: this one raised, or the other runs inside it
+            # (reentrant checkpointing's recompute: its own graph task), which only the
+            # end of this one (its callback) tells, or a call outside any backward
+            self._unended.add(task)
             with torch.no_grad():
                 self._end_backward()
+        self._raised_unended()
+
+    def _raised_unended(self) -> None:
+        """Outside any backward, the backwards whose end never came raised."""
+        if self._unended and torch._C._current_graph_task_id() == -1:
+            self._unended.clear()
+            if self.early is not None:
+                self.early.backward_raised()
 
     def _end_backward(self) -> None:
         # Also called outside a backward's end (step() after a backward that raised,
@@ -773,6 +788,7 @@ class OffloadEngine:
         by_group = self.follow_groups(param_groups, again=True)
         self._start_param_check()
         if self.early is not None:
+            self._raised_unended()
             self.early.verify(by_group, state, grad_scale)   # raises on a change
         self._end_backward()  # what a backward that raised left unflushed
         self._join()

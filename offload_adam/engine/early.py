@@ -104,6 +104,8 @@ class EarlyStart:
             if check is not None:
                 check()
         if id(rec) in self._started:
+            if self._engine()._unended:   # (a backward inside the one that started it
+                self.backward_raised()    # takes no grad of a param stepped in that one)
             self.error = self.error or (
                 "a grad arrived again for a param whose step already started during "
                 "backward (gradient accumulation over micro-batches, or a param used "
