@@ -33,8 +33,10 @@ frozen weights) writes its adapters' requests, not its blocks. With step_in_back
 is still in the cache when its kernel runs; without (and in the compact state's pass at
 step()), a block not in the cache is not read for its step: the kernel writes its params
 and reads none (hold_to_write), and a block it writes whole is never read. Only the bytes a
-step leaves out (a frozen param, a param without a grad) are read, when someone reads the
-block or it goes back to its file. Read ahead (the streamer's order) takes only slots the
+step leaves out (a frozen param, a param without a grad) are read, in the I/O requests that
+hold them: when the block goes back to its file (those it writes), or ahead of its reader (the
+streamer's read ahead, _start_completion); a slot lacking most of its block goes first when
+the cache needs one (a LoRA block: its reader reads about the block anyway). Read ahead (the streamer's order) takes only slots the
 cache would give away before the block read is used: a block forward finds in the cache is
 not pushed out by the reads for those before it.
 """
@@ -113,10 +115,22 @@ class _Slot:
         # (hold_to_write) is not read first; what its writes leave out is read when
         # someone reads the block or it goes back to its file (_complete).
         self.missing: List[Tuple[int, int]] = []
+        # reads of the file's requests that hold missing bytes, in flight (read ahead):
+        # (scratch buffer, its byte range in the block, futures), applied by _finish
+        self.completing: list = []
 
     @property
     def dirty(self) -> bool:
         return bool(self.dirty_ranges)
+
+    @property
+    def busy(self) -> bool:
+        """I/O in flight: a read, a write back, or a completion's reads."""
+        return bool(self.loading or self.writing or self.completing)
+
+    def pending(self) -> list:
+        """Every future of the slot's I/O in flight."""
+        return self.loading + self.writing + [f for _, _, _, fs in self.completing for f in fs]
 
 
 class ParamFiles:
@@ -273,7 +287,7 @@ class ParamFiles:
                     slot.missing = []
                 slot.holds += 1
                 self._touch(slot)
-                pending = slot.loading + slot.writing
+                pending = slot.pending()
             try:
                 wait(pending)   # (its error, if any, is raised by _finish below)
                 with self.lock:
@@ -324,11 +338,16 @@ class ParamFiles:
         """Starts reading `blocks` (soonest first) into slots holding blocks used later
         (or none); stops at the first that has no such slot. A dirty slot in the way is
         written back now, and taken by a later call. `floors`: for each block, the rank
-        a slot's block must be above to be taken for it (default: the block's own)."""
+        a slot's block must be above to be taken for it (default: the block's own). A
+        block the cache holds in part (the CPU step wrote the rest: hold_to_write) has
+        the requests holding its missing bytes read now, as a load would be, instead
+        of by its reader under the lock (_complete)."""
         with self.lock:
             for k, i in enumerate(blocks):
                 slot = self.slot_of.get(i)
                 if slot is not None:
+                    if slot.missing and not slot.holds and not slot.busy:
+                        self._start_completion(slot)
                     continue
                 slot = self._victim(sooner_than=i, wait=False,
                                     floor=None if floors is None else floors[k])
@@ -381,6 +400,12 @@ class ParamFiles:
         slot.used = self.clock
 
     def _rank(self, slot: _Slot) -> float:
+        if slot.missing and not slot.holds and (
+                2 * sum(b - a for a, b in slot.missing) > self.sizes[slot.block]):
+            # most of its block unread (the CPU step wrote a LoRA block's adapters into a
+            # slot it took): its next reader reads about the block anyway, so it goes
+            # first, not a whole block that reader would find here
+            return math.inf
         r = self.rank(slot.block)
         return -slot.used if r is None else r   # unknown order: least recently used last
 
@@ -397,7 +422,7 @@ class ParamFiles:
             for s in candidates:
                 if s.writing and all(f.done() for f in s.writing):
                     self._finish_writes(s)
-            candidates = [s for s in candidates if not s.loading and not s.writing]
+            candidates = [s for s in candidates if not s.busy]
         if not candidates:
             return None
         slot = max(candidates, key=self._rank)
@@ -454,7 +479,10 @@ class ParamFiles:
         self.read_bytes += size
 
     def _finish(self, slot: _Slot) -> None:
-        """Waits for the slot's read; its bytes checked against the block's sums."""
+        """Waits for the slot's read (and its completion's: _start_completion); its bytes
+        checked against the block's sums."""
+        if slot.completing:
+            self._finish_completion(slot)
         if not slot.loading:
             return
         futures, slot.loading = slot.loading, []
@@ -462,6 +490,47 @@ class ParamFiles:
         if error is not None:
             self._drop(slot)
             raise error
+
+    def _start_completion(self, slot: _Slot) -> None:
+        """Starts reading the whole I/O requests of the slot's block that hold its missing
+        bytes, each run into a scratch buffer (the rest of a request is newer in the slot:
+        the CPU step's writes), for _finish to copy the missing bytes over. Bytes: those
+        requests, not the block (a LoRA block's frozen weights, where the step wrote its
+        adapters: about the block, less the requests the step wrote whole)."""
+        i = slot.block
+        fd, offset, size = self._extent(i)
+        for a, b in self._runs(i, slot.missing, size):
+            scratch = AlignedBuffer(b - a, pin=False)
+            try:
+                futures = self.pool.read(fd, scratch.view[:b - a], offset + a)
+            except BaseException:
+                scratch.close()
+                raise
+            slot.completing.append((scratch, a, b, futures))
+            self.read_bytes += b - a
+
+    def _finish_completion(self, slot: _Slot) -> None:
+        """Waits for the completion's reads; copies each run's missing bytes into the slot
+        (those claimed since by a writer are no longer missing: not copied over its
+        bytes). A read that failed, or whose bytes are not the file's as written, leaves
+        its bytes missing (the slot keeps what the step wrote) and raises."""
+        parts, slot.completing = slot.completing, []
+        step, first_error = self.pool.request_bytes, None
+        try:
+            for scratch, a, b, futures in parts:   # (each waited for, before its buffer goes)
+                error = self._read_error(slot.block, futures, a // step)
+                if error is not None:
+                    first_error = first_error or error
+                    continue
+                for x, y in _overlap(slot.missing, [(a, b)]):
+                    slot.buffer.tensor[x:y].copy_(scratch.tensor[x - a:y - a])
+                slot.missing = _without(slot.missing, [(a, b)])
+        finally:
+            for scratch, _, _, futures in parts:
+                wait(futures)
+                scratch.close()
+        if first_error is not None:
+            raise first_error
 
     def _read_error(self, i: int, futures: list, first: int = 0) -> Optional[NvmeError]:
         """Waits for a read of block i's extent, or of the part of it from its request
@@ -484,6 +553,10 @@ class ParamFiles:
         return None
 
     def _drop(self, slot: _Slot) -> None:
+        for scratch, _, _, futures in slot.completing:   # (none while a load is: read_ahead)
+            wait(futures)
+            scratch.close()
+        slot.completing = []
         del self.slot_of[slot.block]
         slot.block, slot.dirty_ranges, slot.missing = None, [], []
 
@@ -578,8 +651,10 @@ class ParamFiles:
         """Lets go of the slots and removes the files (scratch: see the module docstring)."""
         with self.lock:
             for slot in self.slots:
-                for fs in (slot.loading, slot.writing):
-                    wait(fs)
+                wait(slot.pending())
+                for scratch, _, _, _ in slot.completing:
+                    scratch.close()
+                slot.completing = []
                 if slot.block is not None:
                     self.settle(slot.block)
             self._unpin()

@@ -14,7 +14,9 @@ The data path of one block (a module whose params stream), in the order of its u
                        backward is next: fetch it again) and the inputs (it is done: hooks,
                        not a node in the graph, which would change the grads' sums);
                        after a forward that raised (an out-of-memory error a retry
-                       catches), every block on the device goes back at once
+                       catches), every block on the device goes back at once (torch
+                       runs that hook for an Exception: after a KeyboardInterrupt they
+                       go back at the next forward, or close())
     backward           fetched when the grads of its outputs arrive (before its recompute
                        under activation checkpointing too), given back once the grads of
                        its inputs are computed, or at the end of backward (of one
@@ -148,14 +150,6 @@ class Home:
             claimed = block.hold(self._bytes(ranges))
         except BaseException:
             block.end_write()
-            raise
-        try:
-            block.streamer._read_ahead_for_step()
-        except BaseException:   # (a read ahead's error, a write back's): the hold ends,
-            try:   # its bytes the file's again
-                block.unhold(dirty=False, unwritten=claimed)
-            finally:
-                block.end_write()
             raise
         return claimed
 
@@ -1171,15 +1165,6 @@ class ParamStreamer:
         if self.files is not None:
             return self.files.cache_bytes
         return sum(b.size for b in self.blocks)
-
-    def _read_ahead_for_step(self) -> None:
-        """The CPU step is writing: the blocks it writes next are read ahead, in the
-        order the last step wrote them (the store's pass order; at first, the grads'),
-        those it writes whole excepted (their bytes are not read: Home.before_write)."""
-        if self.files is not None:
-            waiting = sorted((b for b in self.blocks if b.awaiting and not b.whole),
-                             key=_step_key)
-            self.files.read_ahead([b.index for b in waiting[:len(self.files.slots)]])
 
     def _floors(self, first: int, count: int) -> List[float]:
         """For the uses at positions first, first + 1, ... of the recorded order: how

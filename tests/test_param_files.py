@@ -26,6 +26,20 @@ def block_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
 
 
+def lora_like(tmp_path, files, **options):
+    """A LoRA-like model, its blocks' weights frozen but each block's `v`, streamed (from
+    param files through a cache of 4 blocks when `files`), and its optimizer."""
+    model = make_llama(layers=6, frozen=(), dim=32, hidden=160)
+    model.requires_grad_(False)
+    for layer in model.layers:
+        layer.v.weight.requires_grad_(True)
+    kw = dict(param_dirs=tmp_path / "p", param_cache_mb=slots_mb(model, 4)) if files else {}
+    s = offload_adam.stream_params(model, Block, prefetch=1, **kw)
+    opt = offload_adam.AdamW([p for p in model.parameters() if p.requires_grad],
+                             **{**OPTS, **options})
+    return model, s, opt
+
+
 def slots_mb(model, n):
     """param_cache_mb for n slots of model's blocks (4 KiB-aligned)."""
     return n * (-(-block_bytes(model) // 4096) * 4096) / 2**20
@@ -381,25 +395,41 @@ def test_a_close_that_cannot_read_a_block_gives_the_others_back(device, tmp_path
         llama_loss(model, 0)
 
 
-def test_a_read_ahead_that_fails_in_the_step_lets_its_block_go(device, tmp_path, monkeypatch):
-    """The CPU step holds a block to write it, then reads ahead for the next ones; a read
-    ahead that raises (a write back of another block failed) ends the hold: the slot can
-    be given away again (and the bytes it took to write, not read first, are read from
-    the file when the block is read: param_files.unhold's `unwritten`)."""
-    model = make_llama(layers=6, frozen=())
-    streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path,
-                                          param_cache_mb=slots_mb(model, 4))
-    opt = offload_adam.AdamW(model.parameters(), **OPTS)
-    train(model, opt, 1)
-    llama_loss(model, 7).backward()
-
-    def fails():
-        raise OSError(28, "injected: a write back failed")
-    monkeypatch.setattr(streamer, "_read_ahead_for_step", fails)
-    with pytest.raises(OSError, match="injected"):
-        opt.step()
-    monkeypatch.undo()
-    assert all(slot.holds == 0 for slot in streamer.files.slots)
+def test_a_completion_that_fails_keeps_what_the_step_wrote(device, tmp_path):
+    """A block the step wrote in part, still cached, has its other bytes read ahead for
+    forward (ParamFiles._start_completion: the requests holding them, not the block).
+    A read that fails (a file damaged since: its checksum) raises at the block's reader,
+    names the block, and leaves the slot with the step's bytes and without the others:
+    once the file is mended, the next read completes it, and training goes on bitwise as
+    in RAM."""
+    runs = []
+    for files in (False, True):
+        model, s, opt = lora_like(tmp_path, files)
+        train(model, opt, 2)
+        if files:
+            f = s.files
+            partial = [sl for sl in f.slots if sl.block is not None and sl.missing]
+            assert partial, "the step left no block cached in part"
+            slot = partial[0]
+            i = slot.block
+            _, offset, _ = f._extent(i)
+            a, b = slot.missing[0]
+            fd = os.open(f._path(i), os.O_RDWR)   # (buffered: a byte, not O_DIRECT's blocks)
+            good = os.pread(fd, 1, offset + a)   # a byte the slot lacks, damaged in the file
+            os.pwrite(fd, bytes([good[0] ^ 0xFF]), offset + a)
+            os.fsync(fd)
+            with f.lock:
+                f._start_completion(slot)
+            assert slot.completing
+            with pytest.raises(NvmeError, match=f"block {i}'s params .* checksum"):
+                f.hold(i)
+            assert slot.block == i and slot.missing and slot.holds == 0 and not slot.completing
+            os.pwrite(fd, good, offset + a)
+            os.fsync(fd)
+            os.close(fd)
+        train(model, opt, 2, start=2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["at-step", "in-backward"])
@@ -513,25 +543,27 @@ def test_a_block_goes_back_to_its_file_only_where_the_step_wrote(device, tmp_pat
     in a block of 10 I/O requests of 4 KiB here; 4 MiB in use). Only the requests the step
     wrote go back to the files (were: every byte of every block the cache gave away,
     2 B/param a step for a model whose adapters are a few MB), each checksummed on its
-    own; what a request lacks is read for it; bitwise the params in RAM."""
+    own; what a request lacks is read for it, and so is all a step reads: a block it
+    writes in part is not read whole for it (was: every block the cache lacked, read ahead
+    whole for the step at step(), 2 B/param a step), its frozen bytes are read ahead for
+    forward (ParamFiles._start_completion); bitwise the params in RAM."""
     from offload_adam import param_files
     from offload_adam.nvme.direct_io import IOPool
     monkeypatch.setattr(param_files, "IOPool", lambda threads: IOPool(threads, 4096))
     runs, written = [], []
     for files in (False, True):
-        model = make_llama(layers=6, frozen=(), dim=32, hidden=160)
-        model.requires_grad_(False)
-        for layer in model.layers:
-            layer.v.weight.requires_grad_(True)
-        kw = dict(param_dirs=tmp_path / "p", param_cache_mb=slots_mb(model, 4)) if files else {}
-        s = offload_adam.stream_params(model, Block, prefetch=1, **kw)
-        opt = offload_adam.AdamW([p for p in model.parameters() if p.requires_grad],
-                                 step_in_backward=in_backward, **OPTS)
+        model, s, opt = lora_like(tmp_path, files, step_in_backward=in_backward)
         train(model, opt, 2)
         if files:
             assert s.files.slot_bytes == 10 * 4096 and s.files.pool.request_bytes == 4096
             w = s.files.written_bytes
-            train(model, opt, 2, start=2)
+            step_reads = []
+            for it in (2, 3):
+                llama_loss(model, 10 * it).backward()
+                r = s.files.read_bytes
+                opt.step()
+                opt.zero_grad()
+                step_reads.append(s.files.read_bytes - r)
             written.append(s.files.written_bytes - w)
         else:
             train(model, opt, 2, start=2)
@@ -539,6 +571,9 @@ def test_a_block_goes_back_to_its_file_only_where_the_step_wrote(device, tmp_pat
     assert_same_training(*runs)
     # (per step at most a request or two for each of the 6 blocks; whole blocks: 6 x 40 KiB)
     assert 0 < written[0] <= 2 * 6 * 2 * 4096 and written[0] % 4096 == 0, written
+    # what the step reads: the requests its writes share with frozen bytes, at most (the 2
+    # blocks of 6 the cache of 4 lacks, read whole, were 80 KiB a step)
+    assert all(r <= 6 * 2 * 4096 for r in step_reads), step_reads
     streamer = _streamer(runs[1][0])
     streamer.files.flush()
     sd = runs[1][0].state_dict()   # (read back from the files, their sums checked)
