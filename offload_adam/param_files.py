@@ -36,9 +36,9 @@ and reads none (hold_to_write), and a block it writes whole is never read. Only 
 step leaves out (a frozen param, a param without a grad) are read, in the I/O requests that
 hold them: when the block goes back to its file (those it writes), or ahead of its reader (the
 streamer's read ahead, _start_completion); a slot lacking most of its block goes first when
-the cache needs one (a LoRA block: its reader reads about the block anyway). Read ahead (the streamer's order) takes only slots the
-cache would give away before the block read is used: a block forward finds in the cache is
-not pushed out by the reads for those before it.
+the cache needs one (a LoRA block: its reader reads about the block anyway). Read ahead (the
+streamer's order) takes only slots the cache would give away before the block read is used:
+a block forward finds in the cache is not pushed out by the reads for those before it.
 """
 
 from __future__ import annotations
@@ -400,13 +400,15 @@ class ParamFiles:
         slot.used = self.clock
 
     def _rank(self, slot: _Slot) -> float:
+        r = self.rank(slot.block)
+        if r is not None and r < 0:
+            return r   # the CPU step writes it next (a block it has written in part stays)
         if slot.missing and not slot.holds and (
                 2 * sum(b - a for a, b in slot.missing) > self.sizes[slot.block]):
             # most of its block unread (the CPU step wrote a LoRA block's adapters into a
             # slot it took): its next reader reads about the block anyway, so it goes
             # first, not a whole block that reader would find here
             return math.inf
-        r = self.rank(slot.block)
         return -slot.used if r is None else r   # unknown order: least recently used last
 
     def _victim(self, sooner_than: Optional[int], wait: bool,
