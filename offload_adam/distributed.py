@@ -176,11 +176,19 @@ def refuse_together(problem: Optional[str], params: Iterable[torch.Tensor],
     must call it): a rank with nothing to say raises the first other rank's problem, so
     that none goes on into a collective that a rank which raised never joins (it would
     wait, then fail on a closed connection). The caller raises its own."""
+    other = other_refusal(problem, params, process_group)
+    if other is not None:
+        raise ValueError(f"offload_adam: rank {other[0]} refused its state files, so every "
+                         f"rank does: {other[1]}")
+
+
+def other_refusal(problem: Optional[str], params: Iterable[torch.Tensor],
+                  process_group=None) -> Optional[Tuple[int, str]]:
+    """Each rank says what it cannot go on with (None: nothing; every rank must call it):
+    for a rank with nothing to say, the first other rank's (rank, problem); else None."""
     problems = every_rank(problem, params, process_group)
     bad = [(r, p) for r, p in enumerate(problems or ()) if p is not None]
-    if problem is None and bad:
-        raise ValueError(f"offload_adam: rank {bad[0][0]} refused its state files, so every "
-                         f"rank does: {bad[0][1]}")
+    return bad[0] if problem is None and bad else None
 
 
 def every_rank(value, params: Iterable[torch.Tensor], process_group=None) -> Optional[list]:

@@ -410,8 +410,7 @@ class FileStore:
                 if following is not None:
                     buckets, specs = following
                     continue
-                hint = (_RANKS_HINT if distributed.sharded([p for g in params for p in g],
-                                                           process_group) else "")
+                hint = _RANKS_HINT if rank is not None else ""
                 raise ValueError(f"{e}. (What identifies them: the params' names, shapes "
                                  "and order in the groups, state_dtype, amsgrad, which "
                                  "params trained (a param frozen when they were made has "

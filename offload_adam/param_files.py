@@ -493,15 +493,21 @@ class ParamFiles:
             self._drop(slot)
             raise error
 
-    def _start_completion(self, slot: _Slot) -> None:
+    def _start_completion(self, slot: _Slot,
+                          runs: Optional[Sequence[Tuple[int, int]]] = None) -> None:
         """Starts reading the whole I/O requests of the slot's block that hold its missing
-        bytes, each run into a scratch buffer (the rest of a request is newer in the slot:
-        the CPU step's writes), for _finish to copy the missing bytes over. Bytes: those
-        requests, not the block (a LoRA block's frozen weights, where the step wrote its
-        adapters: about the block, less the requests the step wrote whole)."""
+        bytes (of `runs` only, when given: whole requests), each run into a scratch buffer
+        (the rest of a request is newer in the slot: the CPU step's writes), for _finish
+        to copy the missing bytes over. Bytes: those requests, not the block (a LoRA
+        block's frozen weights, where the step wrote its adapters: about the block, less
+        the requests the step wrote whole)."""
         i = slot.block
         fd, offset, size = self._extent(i)
-        for a, b in self._runs(i, slot.missing, size):
+        if runs is None:
+            runs = self._runs(i, slot.missing, size)
+        for a, b in runs:
+            if not _overlap(slot.missing, [(a, b)]):
+                continue
             scratch = AlignedBuffer(b - a, pin=False)
             try:
                 futures = self.pool.read(fd, scratch.view[:b - a], offset + a)
@@ -528,9 +534,7 @@ class ParamFiles:
                     slot.buffer.tensor[x:y].copy_(scratch.tensor[x - a:y - a])
                 slot.missing = _without(slot.missing, [(a, b)])
         finally:
-            for scratch, _, _, futures in parts:
-                wait(futures)
-                scratch.close()
+            _close_parts(parts)
         if first_error is not None:
             raise first_error
 
@@ -555,9 +559,7 @@ class ParamFiles:
         return None
 
     def _drop(self, slot: _Slot) -> None:
-        for scratch, _, _, futures in slot.completing:   # (none while a load is: read_ahead)
-            wait(futures)
-            scratch.close()
+        _close_parts(slot.completing)   # (none while a load is: read_ahead)
         slot.completing = []
         del self.slot_of[slot.block]
         slot.block, slot.dirty_ranges, slot.missing = None, [], []
@@ -602,27 +604,11 @@ class ParamFiles:
         return runs
 
     def _complete_runs(self, slot: _Slot, runs: Sequence[Tuple[int, int]]) -> None:
-        """_complete for the runs (whole I/O requests) a write back needs: each that lacks
-        bytes is read from the file into a scratch buffer (its requests checked against
-        their sums) and the missing bytes in it copied over."""
-        i, step = slot.block, self.pool.request_bytes
-        fd, offset, _ = self._extent(i)
-        for a, b in runs:
-            need = _overlap(slot.missing, [(a, b)])
-            if not need:
-                continue
-            scratch = AlignedBuffer(b - a, pin=False)
-            try:
-                error = self._read_error(i, self.pool.read(fd, scratch.view[:b - a], offset + a),
-                                         a // step)
-                self.read_bytes += b - a
-                if error is not None:
-                    raise error
-                for x, y in need:
-                    slot.buffer.tensor[x:y].copy_(scratch.tensor[x - a:y - a])
-                slot.missing = _without(slot.missing, [(a, b)])
-            finally:
-                scratch.close()
+        """_complete for the runs (whole I/O requests) a write back needs, now: the
+        completion's reads of those that lack bytes, waited for (their requests checked
+        against their sums) and the missing bytes copied over."""
+        self._start_completion(slot, runs)
+        self._finish_completion(slot)
 
     def _finish_writes(self, slot: _Slot) -> None:
         if not slot.writing:
@@ -654,8 +640,7 @@ class ParamFiles:
         with self.lock:
             for slot in self.slots:
                 wait(slot.pending())
-                for scratch, _, _, _ in slot.completing:
-                    scratch.close()
+                _close_parts(slot.completing)
                 slot.completing = []
                 if slot.block is not None:
                     self.settle(slot.block)
@@ -686,6 +671,13 @@ class ParamFiles:
                 os.rmdir(d)
             except OSError:
                 pass
+
+
+def _close_parts(parts: list) -> None:
+    """A completion's reads (_Slot.completing) waited for, their scratch buffers freed."""
+    for scratch, _, _, futures in parts:
+        wait(futures)
+        scratch.close()
 
 
 def _make_dirs(d: str) -> List[str]:

@@ -386,11 +386,10 @@ class EarlyStart:
         collectives for a rank that raised (a hang). The refusal comes here, after the
         ranks agreed to step (optimizer.step: distributed.agree_to_step), because what
         the steps in backward used is compared only once they are drained."""
-        ranks = distributed.every_rank(problem, (r.param for r in engine.recs),
-                                       engine.process_group)
-        bad = [(r, p) for r, p in enumerate(ranks or ()) if p is not None]
-        if problem is None and bad:
-            return f"rank {bad[0][0]}'s step was refused, so every rank's is: {bad[0][1]}"
+        other = distributed.other_refusal(problem, [r.param for r in engine.recs],
+                                          engine.process_group)
+        if other is not None:
+            return f"rank {other[0]}'s step was refused, so every rank's is: {other[1]}"
         return problem
 
     def _problem(self, engine, param_groups, state, grad_scale) -> Optional[str]:
