@@ -53,7 +53,12 @@
 //   value / scale with 3 mantissa bits:
 //     exp_avg:     sign + e4m3, relative range [2^-16, 1), stochastic rounding
 //                  (unbiased in m: rounded to nearest it stalled, see bf16 above; on
-//                  the noisy grads the update error is 12.0% against 10.5%).
+//                  the noisy grads the update error is 12.0% against 10.5%); below
+//                  code 1, 0 or code 1 with probability |m| / code 1, unbiased too (the
+//                  bits' dither rounded every such m to 0, where it stayed: the next m,
+//                  (1 - beta1) g, is smaller still; an element with grads 1e-4 of its
+//                  block's largest, a massive activation's column, moved 0.24 of Adam's
+//                  distance; tests/test_moment_decay.py).
 //     exp_avg_sq:  v itself as e5m3, relative range [2^-32, 1), stochastic rounding
 //                  (unbiased in v), and a positive v is never code 0.
 //   Why: the elements of a block span orders of magnitude (the study's grads: 400x

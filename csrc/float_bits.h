@@ -182,12 +182,28 @@ inline uint32_t q8_mix(uint32_t r) { return (r ^ (r >> 16)) * kMixMul; }
 // code is the same): unbiased in x. A constant half step (0x80000000) rounds to nearest
 // (ties up). Then:
 //   signed (exp_avg, stochastic; to nearest when a state is converted): the magnitude
-//     clamped to [0, 127], the sign put back.
+//     clamped to [0, 127], the sign put back. Below code 1 (|x| < q1, the value of code
+//     1: bits base + 2^20) the neighbours are 0 and q1, not two codes of one binade, so
+//     the dither of the bits would round to 0 whatever x (and m = 0 is absorbing: the
+//     next m, (1 - beta1) g, is smaller still): there x becomes code 1 with probability
+//     |x| / q1, drawn from the same bits as a fraction u of their top 23, code 1 where
+//     u * q1 < |x| (q8_small_up; round to nearest: u = 1/2, ties to 0).
 //   unsigned (exp_avg_sq = v, stochastic): clamped to [1, 255] for a positive x: a
 //     second moment is never stored as 0 while it is not (below the smallest code, x
 //     always rounds up to code 1).
 // (The arithmetic is in 32-bit integers that wrap, as on every vector unit; only NaNs
 // with a large payload can wrap, in a block whose scale is NaN anyway.)
+// Code 1's bits in a block whose code base is `base` (NaN bits where the scale is 0 or
+// NaN: base 0x7F800000, so that u * q1 < |x| is false and such a block codes 0).
+constexpr uint32_t q8_code1(uint32_t base) { return base + (1u << kQ8Shift); }
+// The fraction u in [0, 1) of the top 23 rounding bits: exact, as 1.f - 1 is.
+constexpr uint32_t kQ8FractionShift = 9;
+inline float q8_fraction(uint32_t random) { return float_of((random >> kQ8FractionShift) | 0x3F800000u) - 1.0f; }
+// Whether |x| (bits a, below code 1) rounds up to code 1: u * q1 < |x|, the product
+// rounded once (every ISA computes it so, no fma: the same bits everywhere).
+inline bool q8_small_up(uint32_t a, uint32_t random, uint32_t base) {
+  return q8_fraction(random) * float_of(q8_code1(base)) < float_of(a);
+}
 template <bool SIGNED>
 inline uint8_t float_to_q8(float x, uint32_t random, uint32_t base) {
   const uint32_t a = bits_of(x) & 0x7FFFFFFFu;
@@ -195,7 +211,7 @@ inline uint8_t float_to_q8(float x, uint32_t random, uint32_t base) {
   int32_t c = d >> kQ8Shift;                                                         // arithmetic shift
   c = c < kQ8Top<SIGNED> ? c : kQ8Top<SIGNED>;
   if constexpr (SIGNED) {
-    c = c > 0 ? c : 0;
+    if (a < q8_code1(base)) c = q8_small_up(a, random, base) ? 1 : 0;
     return static_cast<uint8_t>(c | ((bits_of(x) >> 24) & 0x80u));
   } else {
     const int32_t floor = a != 0 ? 1 : 0;

@@ -137,7 +137,17 @@ struct Avx2Vec {
     // loop, which GCC would otherwise rebuild in it)
     const __m256i d = _mm256_add_epi32(a, opaque(_mm256_sub_epi32(offset, _mm256_set1_epi32(static_cast<int>(base)))));
     const __m256i c = _mm256_srai_epi32(d, kQ8Shift);
-    if constexpr (SIGNED) return c;
+    if constexpr (SIGNED) {
+      // below code 1 (a < q1): 1 where u * q1 < |x|, else 0 (float_bits.h: q8_small_up)
+      const __m256i q1 = _mm256_set1_epi32(static_cast<int>(q8_code1(base)));
+      const __m256i below = _mm256_cmpgt_epi32(q1, a);
+      if (__builtin_expect(_mm256_testz_si256(below, below), 1)) return c;  // rare: simd_avx512.h's q8_small
+      const __m256 one = _mm256_set1_ps(1.0f);
+      const __m256 u = _mm256_sub_ps(_mm256_or_ps(_mm256_castsi256_ps(_mm256_srli_epi32(_mm256_castps_si256(random.v),
+                                                                                         kQ8FractionShift)), one), one);
+      const __m256 up = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_castsi256_ps(q1)), _mm256_castsi256_ps(a), _CMP_LT_OQ);
+      return _mm256_blendv_epi8(c, _mm256_and_si256(_mm256_castps_si256(up), i32(1)), below);
+    }
     else return _mm256_max_epi32(c, _mm256_min_epu32(a, i32(1)));
   }
   template <bool SIGNED>

@@ -99,7 +99,14 @@ struct NeonVec {
     const int32x4_t d = vreinterpretq_s32_u32(vsubq_u32(vaddq_u32(a, offset), vdupq_n_u32(base)));
     int32x4_t c = vminq_s32(vshrq_n_s32(d, kQ8Shift), vdupq_n_s32(kQ8Top<SIGNED>));  // arithmetic shift
     if constexpr (SIGNED) {
-      c = vmaxq_s32(c, vdupq_n_s32(0));
+      // below code 1 (a < q1): 1 where u * q1 < |x|, else 0 (float_bits.h: q8_small_up)
+      const uint32x4_t q1 = vdupq_n_u32(q8_code1(base));
+      const uint32x4_t below = vcltq_u32(a, q1);
+      const float32x4_t one = vdupq_n_f32(1.0f);
+      const float32x4_t u = vsubq_f32(vreinterpretq_f32_u32(vorrq_u32(
+          vshrq_n_u32(vreinterpretq_u32_f32(random.v), kQ8FractionShift), vreinterpretq_u32_f32(one))), one);
+      const uint32x4_t up = vcltq_f32(vmulq_f32(u, vreinterpretq_f32_u32(q1)), vreinterpretq_f32_u32(a));
+      c = vbslq_s32(below, vreinterpretq_s32_u32(vandq_u32(up, vdupq_n_u32(1))), c);
       c = vorrq_s32(c, vreinterpretq_s32_u32(vandq_u32(vshrq_n_u32(x, 24), vdupq_n_u32(0x80))));
     } else {
       c = vmaxq_s32(c, vreinterpretq_s32_u32(vminq_u32(a, vdupq_n_u32(1))));  // the floor: 1 for a positive x

@@ -215,15 +215,36 @@ void test_q8_codes_one() {
       bad += std::abs(mean - s * x) > (next - lo) * 1e-4;
     }
   }
+  if constexpr (SIGNED) {
+    // Between 0 and code 1 (value q1; not two codes of one binade): to nearest, code 1
+    // above q1 / 2 and 0 at or below it; stochastic, unbiased as above, also far below
+    // q1 (rounded to 0 whatever the bits, exp_avg stalled at 0 there: its next value
+    // (1 - beta1) g is smaller still).
+    const double q1 = q8_value(1, binades);
+    for (const float s : {1.0f, -1.0f}) {
+      const uint32_t sign = s < 0 ? 0x80u : 0u;
+      bad += enc<SIGNED>(s * float(0.5 * q1), nearest) != sign ||
+             enc<SIGNED>(std::nextafter(s * float(0.5 * q1), s), nearest) != (1 | sign);
+      for (double frac : {1e-3, 0.01, 0.3, 0.5, 0.97}) {
+        const float x = float(frac * q1);
+        double mean = 0.0;
+        for (uint32_t r = 0; r < 0x10000; ++r) mean += bits::q8_to_float<SIGNED>(enc<SIGNED>(s * x, r << 16));
+        mean /= 0x10000;
+        bad += std::abs(mean - s * x) > q1 * 1e-4;
+      }
+    }
+  }
   CHECK(bad == 0, "%d q8 (signed=%d) code mismatches", bad, int(SIGNED));
   // Range ends: saturation at the top; zero is code 0; NaN and inf saturate.
   CHECK(enc<SIGNED>(0.9999999f, nearest) == top, "saturation");
   CHECK(enc<SIGNED>(0.0f, nearest) == 0 && enc<SIGNED>(NAN, 0) == top &&
             (enc<SIGNED>(INFINITY, 0) & 0x7F) == (top & 0x7F), "zero, NaN, inf");
-  // Below the smallest code: the first moment flushes to zero, a positive second
-  // moment (v) stays at code 1 whatever the rounding bits: never 0 while v > 0.
+  // Far below the smallest code: the first moment rounds to nearest 0 (stochastic: code
+  // 1 with a chance of |x| / q1, above), a positive second moment (v) stays at code 1
+  // whatever the rounding bits: never 0 while v > 0.
   const float tiny = 1e-30f;
-  CHECK(enc<SIGNED>(tiny, nearest) == (SIGNED ? 0 : 1) && (SIGNED || enc<false>(tiny, 0) == 1),
+  CHECK(enc<SIGNED>(tiny, nearest) == (SIGNED ? 0 : 1) && (SIGNED || enc<false>(tiny, 0) == 1) &&
+            enc<SIGNED>(tiny, 0xFFFFFFFFu) == (SIGNED ? 0 : 1),
         "the floor of the unsigned code");
 }
 
