@@ -135,7 +135,10 @@ def _jit_build() -> ModuleType:
     # login node) loads the build made where there was one.
     folder, key = _build_hashes(csrc, table, cxx, _built_against(cxx))
     name = f"offload_adam_C_{folder}"
+    # Absolute: torch links in the build folder, so a relative root ("ext", or "~/ext"
+    # quoted) named objects that were not there, and every run failed to link.
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    root = root.expanduser().absolute()
     build_dir = root / name
     # A finished build of these very inputs (all in its name, the sources' contents
     # included) is imported as it is: asking ninja would compare file times, and a
@@ -171,7 +174,9 @@ def _jit_build() -> ModuleType:
             name=name,
             sources=[str(csrc / _sources.BINDING_SOURCE)],
             extra_cflags=_sources.BINDING_FLAGS,
-            extra_ldflags=[str(o) for o in objects] + ["-pthread"],
+            # relative to the build folder, where torch's ninja links: torch writes these
+            # flags as they are, and a folder with a space split each into two
+            extra_ldflags=[str(o.relative_to(build_dir)) for o in objects] + ["-pthread"],
             extra_include_paths=[str(csrc)],
             build_directory=str(build_dir),
             verbose=False,

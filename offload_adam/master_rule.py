@@ -73,8 +73,9 @@ def bytes_sum(t: torch.Tensor):
     t = t.detach()
     if not t.is_contiguous():   # (p.data = a transposed view: rare, copied)
         t = t.contiguous()
+    from .byte_view import byte_view
     from .nvme.direct_io import crc32
-    return crc32(t.reshape(-1).view(torch.uint8).numpy())
+    return crc32(byte_view(t))
 
 
 # Tensors that are their own local data (not a DTensor): a fast path where a step asks

@@ -80,6 +80,7 @@ from .kernel_step import Hyper, KernelArgs
 from .state_store import Lent, Loaded
 from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
+from .byte_view import byte_view
 from .nvme.direct_io import crc32
 from .nvme.pipeline import AHEAD
 from .nvme.store import STATE_FILES
@@ -1365,7 +1366,7 @@ def _with_edits(st: dict, entry: dict) -> dict:
 def _moment_print(fp32: torch.Tensor) -> int:
     """A moment's fp32 values (float32_moment of any stored form) as a CRC32C of their
     bytes."""
-    return crc32(memoryview(fp32.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return crc32(byte_view(fp32.contiguous()))
 
 
 def _part_of(e: _Param, key: str, value: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .byte_view import byte_view
 from .engine.host_memory import unpin_when_dropped
 from .engine.worker import WORKER_NAME
 from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, crc32, map_file, open_direct,
@@ -385,7 +386,7 @@ class ParamFiles:
         data = torch.frombuffer(m, dtype=torch.uint8)[offset - page:offset - page + size]
         if i in self.sums:
             step = self.pool.request_bytes
-            view = memoryview(data.numpy())
+            view = byte_view(data)
             got = [crc32(view[a:a + step]) for a in range(0, size, step)]
             if got != self.sums[i]:
                 raise NvmeError(errno.EIO, f"offload_adam: block {i}'s params in {self._path(i)} "

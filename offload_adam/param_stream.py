@@ -66,6 +66,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .byte_view import byte_view
 from .distributed import is_dtensor
 from .engine.device import current_host_stand_in, make_device
 from .engine.host_memory import unpin_when_dropped
@@ -1530,7 +1531,7 @@ def _own_storage(view: torch.Tensor) -> torch.Tensor:
         return view
     whole = torch.empty(0, dtype=torch.uint8).set_(view.untyped_storage())
     start = view.storage_offset() * view.element_size()
-    run = memoryview(whole.numpy())[start:start + nbytes]
+    run = byte_view(whole)[start:start + nbytes]
     return torch.frombuffer(run, dtype=torch.uint8).view(view.dtype).view(view.shape)
 
 

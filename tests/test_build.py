@@ -156,6 +156,28 @@ def test_missing_object_rebuilds_and_prints_one_line(built_module_path, tmp_path
     assert Path(out.splitlines()[0]).parent == build_dir
 
 
+def test_a_cache_folder_relative_and_with_a_space_links(built_module_path, tmp_path):
+    # TORCH_EXTENSIONS_DIR="ext dir": relative (as "~/ext" quoted is) and with a space.
+    # torch links in the build folder from flags it writes as they are, so the kernel
+    # objects, named by their path from the cache, were not found (relative) or split in
+    # two (the space), on every run. (A copy of a build without its module and stamp.)
+    cwd = tmp_path / "work"
+    cache = cwd / "ext dir"
+    build_dir = cache / built_module_path.parent.name
+    shutil.copytree(built_module_path.parent, build_dir)
+    (build_dir / built_module_path.name).unlink()
+    (build_dir / STAMP).unlink()
+    given = "ext dir"
+    rc, out, err = run_child(LOAD_AND_PRINT_PATH + "    import offload_adam, torch\n"
+                             "    p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.ones(4)\n"
+                             "    offload_adam.AdamW([p], lr=0.5, weight_decay=0.0).step(); print(p.tolist())\n",
+                             env={"TORCH_EXTENSIONS_DIR": given}, cwd=cwd)
+    assert rc == 0, err
+    assert Path(out.splitlines()[0]).parent == build_dir
+    assert (build_dir / built_module_path.name).is_file()
+    assert out.splitlines()[-1] == "[0.5, 0.5, 0.5, 0.5]", out
+
+
 def test_any_rebuild_prints_the_line(built_module_path, tmp_path):
     # The binding's object newer than the module: torch's ninja relinks it. Every
     # compile or link says so, not only the first.

@@ -855,3 +855,37 @@ def test_param_dirs_are_kept_absolute_and_may_be_bytes(device, tmp_path, monkeyp
     streamer = offload_adam.stream_params(model, Block, param_dirs=os.fsencode(tmp_path / "c"))
     assert (tmp_path / "c" / FILE_NAME).exists()
     streamer.close()
+
+
+def _numpy_missing(*args, **kwargs):
+    raise RuntimeError("Numpy is not available")   # what torch says without numpy
+
+
+def test_numpy_is_not_needed(device, tmp_path, monkeypatch):
+    """numpy is no dependency of offload_adam (torch's wheel does not pull it): the bytes
+    it sums and writes are viewed with byte_view, not `.numpy()`, which used to fail a bf16
+    param's first step, the state files and the param files where numpy was missing.
+    With `.numpy()` failing as it does then, param files, their checksums, the compact
+    state's redo log and bf16 masters train bit for bit as with it."""
+    runs = []
+    for hidden in (False, True):
+        if hidden:
+            monkeypatch.setattr(torch.Tensor, "numpy", _numpy_missing)
+        folder = tmp_path / str(hidden)
+        (folder / "s").mkdir(parents=True)
+        model, s, opt = lora_like(folder, True, state_dirs=[folder / "s"], state_footprint="compact")
+        train(model, opt, 3)
+        with torch.no_grad():
+            loss = llama_loss(model, 99).item()
+        runs.append(({k: v.clone() for k, v in model.state_dict().items()}, loss))
+        opt.close()
+        s.close()
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 300, dtype=BF16))   # in RAM, its master
+        opt = offload_adam.AdamW([p], lr=1e-2)
+        for _ in range(2):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        runs[-1] += (p.detach().clone(),)
+    assert runs[1][1] == runs[0][1] and torch.equal(runs[1][2], runs[0][2])
+    assert runs[1][0].keys() == runs[0][0].keys()
+    assert all(torch.equal(runs[1][0][k], v) for k, v in runs[0][0].items())

@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..byte_view import byte_view
 from . import direct_io
 from .direct_io import AlignedBuffer, NvmeError, open_direct
 from .layout import _DTYPES, ALIGN, TENSOR_ALIGN, round_up
@@ -50,7 +51,7 @@ Record = Tuple[dict, List[Tuple[str, torch.Tensor]]]   # (meta, [(name, tensor),
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return byte_view(t.detach().contiguous())
 
 
 RECORD_HEAD = 1024   # a record's reserve beyond its tensors' bytes: MAGIC, the JSON's

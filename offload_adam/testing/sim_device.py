@@ -82,6 +82,7 @@ from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..byte_view import byte_view
 from ..distributed import local
 from ..engine.device import Transfer, as_list, storage_bytes
 from ..engine.packed_copy import plan_copy, run_plan
@@ -124,8 +125,7 @@ def _by_storage(spans) -> dict:
 
 def _checksum(ts: Sequence[torch.Tensor]) -> List[bytes]:
     with _unchecked():
-        return [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                if t.numel() else b"" for t in ts]
+        return [bytes(byte_view(t.detach().contiguous())) for t in ts]
 
 
 def _temporary(like: torch.Tensor) -> torch.Tensor:
