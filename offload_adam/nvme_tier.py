@@ -913,11 +913,15 @@ class FileStore:
             completed = True
         finally:
             try:
-                if not completed and early is None:   # (the pass in backward: its own)
-                    if lent:   # params moved: the files hold the step before
+                if not completed:
+                    # params moved: the files hold the step before. With step_in_backward
+                    # too: the buckets the pass in backward left to step() are lent here
+                    # and their params written as they are stepped, and a streamed param
+                    # stepped in backward was written in its host copy then
+                    if lent or any(r.home is not None for r in stepped_early):
                         self.state.params_ahead()
-                    elif self.compact:   # a step begun whose pass never ran is dropped
-                        self.state.abandon_pass(lent=False)
+                    elif self.compact and early is None:   # a step begun whose pass
+                        self.state.abandon_pass(lent=False)   # never ran is dropped
                 if run is not None:
                     run.end(completed)
             finally:

@@ -8,6 +8,8 @@ an optimizer built without state_resume refuses, every byte left as it was.
 The run under test trains 4 steps (copies of its files taken after steps 2 and 3 are the
 stale ones); "another run's" files are those of the same model from another init, so that
 its spec is the same file and its manifest and data look right but for their identity."""
+import errno
+import gc
 import os
 import shutil
 
@@ -16,8 +18,10 @@ import torch
 
 import offload_adam
 from offload_adam.testing import state_files
-from nvme_adam import flip_byte
-from nvme_model import NVME, assert_same, cut_short, groups, make_params, train
+from conftest import sim_path
+from models import BF16, Sometimes, decay_groups, fp32_head, loss_of
+from nvme_adam import fails_at, flip_byte
+from nvme_model import NVME, assert_same, bits, cut_short, groups, make_params, train
 
 NAMES = {"data": "offload_adam_state.bin", "manifest": "offload_adam_state.manifest",
          "spec": "offload_adam_state.spec", "lock": "offload_adam_state.lock"}
@@ -255,3 +259,112 @@ def test_state_files_removed_or_replaced_while_open_stop_the_steps(kernels, tmp_
         train(opt, ps, 3, 1)
     assert opt.step_count == 2 and sorted(os.listdir(folder)) == before
     opt.close()
+
+
+# ---- an error in a new state's first step ------------------------------------------------
+
+@pytest.mark.parametrize("how", ["eio", "ctrl-c"])
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_an_error_in_the_first_step_refuses_the_next(kernels, tmp_path, monkeypatch,
+                                                     footprint, how):
+    """The first step of a new state fails after some buckets were stepped (EIO writing the
+    third bucket; Ctrl-C in the third kernel call): their params moved, and a compact
+    state's first pass (no redo log yet) wrote them in place, so its files hold no whole
+    step. The error does not call that state intact; the next step is refused, changing
+    nothing (a retry stepped the buckets written twice, their step counts 2); an optimizer
+    built anew over the directories, the params set again, trains as in RAM."""
+    from offload_adam.nvme import NvmeError, direct_io
+    ps = make_params()
+    opt = build(ps, tmp_path, state_footprint=footprint)
+    if how == "eio":
+        monkeypatch.setattr(direct_io, "_write", fails_at(3, direct_io._write, errno.EIO))
+        with pytest.raises(NvmeError) as raised:
+            train(opt, ps, 0, 1)
+        monkeypatch.undo()
+        if footprint == "compact":
+            assert "intact" not in str(raised.value)
+            assert "first step of the new compact state files" in str(raised.value)
+            assert "hold no whole state" in str(raised.value)
+    else:
+        cut_short(opt, ps, 0)
+    moved = [p.detach().clone() for p in ps]
+    assert any(not torch.equal(bits(p), bits(q)) for p, q in zip(moved, make_params()))
+    with pytest.raises(RuntimeError, match="No step was completed: set the params again"):
+        train(opt, ps, 0, 1)
+    assert opt.step_count == 0
+    assert all(torch.equal(bits(p), bits(q)) for p, q in zip(ps, moved))
+    opt.close()
+    del opt
+    gc.collect()
+    qs = make_params()
+    opt = build(qs, tmp_path, state_footprint=footprint)
+    train(opt, qs, 0, 2)
+    rs, ram = ram_at(2)
+    assert_same(rs, qs, ram, opt)
+    opt.close()
+
+
+def early_model():
+    """test_nvme_early's: bf16 with an fp32 head, a layer that gets a grad every other
+    step and one that never does (its file bucket never completes in backward)."""
+    torch.manual_seed(0)
+    return fp32_head(Sometimes().to(BF16))
+
+
+def early_params(m):
+    return [p for g in decay_groups(m) for p in g["params"]]
+
+
+def early_backward(m, it):
+    m.odd = it % 2 == 1
+    loss_of(m, it).float().backward()
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_an_error_in_the_first_step_in_backward_refuses_the_next(kernels, tmp_path,
+                                                                 monkeypatch, footprint):
+    """step_in_backward through the engine (simulated device), EIO writing the third file
+    bucket of the first step. Two generations: the first backward's pass stops at a bucket
+    whose grads have not all come (its order a guess), and step() lends the rest, writing
+    their params as it steps them; compact: the first pass writes its buckets in place.
+    Either way some params moved and the files hold no step: the next step is refused
+    (it went on, the params and state off a run that skipped that iteration), changing
+    nothing, and a model loaded again trains as in RAM over the directories built anew."""
+    from offload_adam.nvme import NvmeError, direct_io
+    opts = dict(lr=3e-3, bucket_mb=0.01, state_dtype="bfloat16")
+    with sim_path("sim-seed1"):
+        m = early_model()
+        before = [p.detach().clone() for p in early_params(m)]
+        opt = offload_adam.AdamW(decay_groups(m), state_dirs=tmp_path, state_budget_mb=0.2,
+                                 state_footprint=footprint, step_in_backward=True, **opts)
+        monkeypatch.setattr(direct_io, "_write", fails_at(3, direct_io._write, errno.EIO))
+        early_backward(m, 0)
+        with pytest.raises(NvmeError) as raised:
+            opt.step()
+        monkeypatch.undo()
+        assert "intact" not in str(raised.value) or footprint == "two_generations"
+        moved = [p.detach().clone() for p in early_params(m)]
+        assert any(not torch.equal(p, q) for p, q in zip(moved, before))
+        opt.zero_grad()
+        with pytest.raises(RuntimeError, match="No step was completed: set the params again"):
+            early_backward(m, 1)
+            opt.step()
+        assert opt.step_count == 0
+        assert all(torch.equal(p, q) for p, q in zip(early_params(m), moved))
+        opt.close()
+        del opt
+        gc.collect()
+        a, b = early_model(), early_model()
+        ram = offload_adam.AdamW(decay_groups(a), **opts)
+        opt = offload_adam.AdamW(decay_groups(b), state_dirs=tmp_path, state_budget_mb=0.2,
+                                 state_footprint=footprint, step_in_backward=True, **opts)
+        for it in range(3):
+            for model, o in ((a, ram), (b, opt)):
+                early_backward(model, it)
+                o.step()
+                o.zero_grad()
+        assert all(torch.equal(p, q) for p, q in zip(early_params(a), early_params(b)))
+        sa, sb = ram.state_dict()["state"], opt.state_dict()["state"]
+        assert sa.keys() == sb.keys() and all(
+            torch.equal(bits(sa[i][k]), bits(sb[i][k])) for i in sa for k in sa[i])
+        opt.close()

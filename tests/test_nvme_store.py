@@ -11,10 +11,11 @@ import warnings
 import pytest
 
 from conftest import disk_full_at
-from nvme_adam import adam_fn, fails_at, fill_initial, flip_byte, make_spec, same_bits
+from nvme_adam import (adam_fn, compact_step, fails_at, fill_initial, flip_byte, make_spec,
+                       same_bits)
 from offload_adam.nvme import (NvmeError, NvmeState, StateSpec, StepPipeline, direct_io,
                                manifest, store)
-from offload_adam.nvme.layout import place
+from offload_adam.nvme.layout import BucketSpec, place
 
 
 def ring_of(spec, n=3):
@@ -583,3 +584,155 @@ def test_a_state_another_rank_made_is_refused(tmp_path, compact):
         with NvmeState.open([tmp_path], spec, compact=compact, rank=rank) as state:
             assert state.step == 1
             assert same_bits(made, disk_state(state))
+
+
+# -- the lock file removed under a live state; the lock file unwritable --------------------
+
+def open_either(folder, spec, compact):
+    log = [sum(t.numel * 4 for t in b.tensors if t.name.endswith(".master")) + 4096
+           for b in spec.buckets] if compact else None
+    return NvmeState.open([folder], spec, compact=compact, log_bytes=log)
+
+
+def step_either(state, pipe, seed):
+    if state.compact:
+        compact_step(state, pipe, seed)
+    else:
+        pipe.step(adam_fn(seed, state.step))
+
+
+def stepped_twice(folder, compact):
+    """A state of 3 buckets in `folder`, loaded and stepped twice: (spec, state, pipe)."""
+    spec = make_spec("fp32", buckets=3, numel=3000)
+    state = open_either(folder, spec, compact)
+    pipe = StepPipeline(state, ring_of(spec))
+    pipe.load(fill_initial(0), step=0)
+    for _ in range(2):
+        step_either(state, pipe, 0)
+    return spec, state, pipe
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["two_generations", "compact"])
+def test_a_lock_file_removed_under_a_live_state_lets_no_second_optimizer_in(
+        kernels, tmp_path, compact):
+    """A cleanup of "stale" *.lock files while training ran let a second optimizer lock a
+    new lock file and step the same files; the first one's next step then committed its
+    older state over the second's, and with compact files both were lost (found from
+    outside). The folder itself is locked too: the second is refused, and the first is
+    refused its next step (before it writes), its lock file gone; the files stay at the
+    step it last committed, which a resume continues from."""
+    spec, state, pipe = stepped_twice(tmp_path, compact)
+    committed = disk_state(state)
+    os.remove(tmp_path / manifest.LOCK)
+    with pytest.raises(RuntimeError, match=f"'{tmp_path}' is in use by another optimizer: "
+                                           "the directory is locked, but not its lock file"):
+        open_either(tmp_path, spec, compact)
+    before = {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)}
+    with pytest.raises(NvmeError, match=f"the lock file {tmp_path}/{manifest.LOCK} of the "
+                                        f"optimizer state folder '{tmp_path}' was replaced "
+                                        "while this optimizer held it: another process may "
+                                        "be using the state. This optimizer stopped before "
+                                        "committing step 3") as e:
+        step_either(state, pipe, 0)
+    assert e.value.errno == errno.ESTALE
+    with pytest.raises(RuntimeError, match="was replaced while this optimizer held it"):
+        step_either(state, pipe, 0)   # and every step after
+    assert {n: (tmp_path / n).read_bytes() for n in os.listdir(tmp_path)} == before
+    pipe.close()
+    state.close(discard=True)
+    with open_either(tmp_path, spec, compact) as state:
+        assert state.step == 2 and same_bits(disk_state(state), committed)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["two_generations", "compact"])
+def test_an_optimizer_whose_lock_file_went_never_writes_over_another_s_steps(
+        kernels, tmp_path, monkeypatch, compact):
+    """The lock file removed, an optimizer that locks only the lock file (a version of
+    offload_adam before the folder's lock) gets in and steps the state from 2 to 4. The
+    first one's next step is refused before it writes anything: the other's step 4
+    survives, whole."""
+    spec, state, pipe = stepped_twice(tmp_path, compact)
+    os.remove(tmp_path / manifest.LOCK)
+    monkeypatch.setattr(manifest.DirLocks, "_lock_folder", lambda self, folder: None,
+                        raising=False)   # (a version without it: none to undo)
+    with open_either(tmp_path, spec, compact) as other:
+        assert other.step == 2
+        other_pipe = StepPipeline(other, ring_of(spec))
+        for _ in range(2):
+            step_either(other, other_pipe, 1)
+        other_pipe.close()
+        theirs = disk_state(other)
+    monkeypatch.undo()
+    with pytest.raises(NvmeError, match="was replaced while this optimizer held it.* "
+                                        "Make sure no other process uses"):
+        step_either(state, pipe, 0)
+    pipe.close()
+    state.close()
+    with open_either(tmp_path, spec, compact) as state:
+        assert state.step == 4 and same_bits(disk_state(state), theirs)
+
+
+@pytest.mark.parametrize("failing", ["pwrite", "ftruncate"])
+def test_a_lock_file_that_cannot_be_written_is_named_and_let_go(tmp_path, monkeypatch,
+                                                                 failing):
+    """On a full disk, writing the pid into a new lock file failed with a bare ENOSPC
+    naming nothing, and its descriptor stayed open and locked: once space was freed, the
+    same process was told another optimizer held the folder, and the filesystem could not
+    be unmounted (found from outside). The error names the lock file and its folder, with
+    the errno kept; nothing is held after it."""
+    spec = make_spec("fp32", buckets=1, numel=1000)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(manifest.os, failing, full)
+    with pytest.raises(OSError, match=f"cannot write the lock file {tmp_path}/{manifest.LOCK} "
+                                      f"of the optimizer state folder '{tmp_path}': No space "
+                                      "left on device") as e:
+        NvmeState.open([tmp_path], spec)
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    held = [os.readlink(f"/proc/self/fd/{n}") for n in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{n}")]
+    assert not [p for p in held if p.startswith(str(tmp_path))]
+    assert os.listdir(tmp_path) == [manifest.LOCK]   # (no state files)
+    with NvmeState.open([tmp_path], spec) as state:   # nothing left locked
+        assert state.step == 0
+
+
+def test_a_manifest_that_cannot_be_written_at_creation_is_named_and_leaves_nothing(
+        tmp_path, monkeypatch):
+    """A new state's manifest not written (a full disk): the error names the file, and no
+    state file (nor a temporary one) is left behind."""
+    spec = make_spec("fp32", buckets=1, numel=1000)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(manifest.os, "fsync", full)
+    with pytest.raises(NvmeError, match=f"could not create the optimizer state file "
+                                        f"{tmp_path}/{manifest.MANIFEST}: No space left") as e:
+        NvmeState.open([tmp_path], spec)
+    assert e.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [manifest.LOCK]
+    with NvmeState.open([tmp_path], spec) as state:
+        assert state.step == 0
+
+
+def test_buckets_laid_out_by_another_bucket_mb_are_said_to_be(tmp_path):
+    """A resume with another bucket_mb was refused with "4 buckets in the files, 3 here",
+    which never said why (found from outside): the same tensors in other buckets name
+    bucket_mb."""
+    spec = make_spec("fp32", buckets=4, numel=1000)
+    NvmeState.open([tmp_path], spec).close()
+    with NvmeState.open([tmp_path], spec) as state:
+        pipe = StepPipeline(state, ring_of(spec))
+        pipe.load(fill_initial(0), step=1)
+        pipe.close()
+    tensors = [t for b in spec.buckets for t in b.tensors]
+    half = len(tensors) // 2
+    regrouped = StateSpec((BucketSpec(tuple(tensors[:half])),
+                           BucketSpec(tuple(tensors[half:]))), spec.state_format, spec.extra)
+    with pytest.raises(ValueError, match="4 buckets in the files, 2 here.*\\(the same tensors, "
+                                         "in other buckets: this optimizer's bucket_mb is "
+                                         "not the one the state was made with"):
+        NvmeState.open([tmp_path], regrouped)

@@ -29,7 +29,11 @@ load_state_dict() before step()) abandons the pass, and the files and the params
 at the last completed step: nothing was stepped. (A streamed param's kernel writes its
 update straight into its host copy, in backward: abandoning puts back the committed
 master's rounding, which is what the last step wrote, or the value kept before its step
-where that is not so: never stepped, or changed since.)
+where that is not so: never stepped, or changed since.) An error of the pass at step()
+itself (a disk's) is not one of these: the buckets it lent there had their params written
+as they were stepped, and the streamed params stepped in backward are not put back, so
+those params are ahead of the files and the next step is refused, as without
+step_in_backward (nvme_tier.py, NvmeState.params_ahead).
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ damaged manifest is an error rather than a silently wrong state. It stays small 
 bucket, the step): the spec (every tensor's name, dtype and shape) is written once beside
 it, in the same framing, and the manifest names its sha256.
 
-The lock: an exclusive flock on a file in each directory, held while the state is open, so
-that a second optimizer (in this process or another) gets an error instead of interleaving
-its writes with ours. The kernel drops it when the process dies, even by SIGKILL.
+The lock: an exclusive flock on a file in each directory, and on the directory itself, held
+while the state is open, so that a second optimizer (in this process or another) gets an
+error instead of interleaving its writes with ours. The kernel drops them when the process
+dies, even by SIGKILL. The lock file can be removed under a live run (DirLocks): each pass
+checks that it is still there before it writes (NvmeState._check_held).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 import os
 import struct
 import zlib
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 MANIFEST = "offload_adam_state.manifest"
 SPEC = "offload_adam_state.spec"   # the fingerprint: written once, the manifest names its sha256
@@ -93,22 +95,38 @@ def commit(folder: str, body: dict, name: str = MANIFEST) -> None:
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        raw = pack(body)
-        done = 0
-        while done < len(raw):
-            done += os.write(fd, raw[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            raw = pack(body)
+            done = 0
+            while done < len(raw):
+                done += os.write(fd, raw[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:   # (a full disk: no half-written temp file left beside the state)
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     fsync_dir(folder)
 
 
 class DirLocks:
-    """Exclusive flocks on LOCK in each of `folders`; an error names the holder's pid."""
+    """Exclusive flocks on LOCK in each of `folders`, and on each folder itself; an error
+    names the holder's pid.
+
+    The folder's own flock is there because the lock file can be unlinked (a cleanup of
+    "stale" *.lock files while the run is live): a second optimizer would then make a new
+    one, lock it and step the same state files under this one. A cleanup of lock files
+    leaves the folder, so that second optimizer is refused at the folder's flock; and
+    `lost` tells this one that its lock file went, before it writes again (an optimizer
+    of a version without the folder's flock is let in: this one is refused then)."""
 
     def __init__(self, folders: List[str]):
         self._fds: List[int] = []
+        self._held: List[tuple] = []   # (folder, lock path, the lock file's (st_dev, st_ino))
         self._pid = os.getpid()
         try:
             for folder in folders:
@@ -133,15 +151,73 @@ class DirLocks:
                     "holds it); to train another model, give each optimizer (and each rank) "
                     "its own directory") from None
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fds.append(fd)   # (from here a failure unlocks and closes it: __init__)
+        self._held.append((folder, path, _file_id(os.fstat(fd))))
+        pid = str(os.getpid()).encode()
+        try:
+            # the pid over the old one, then cut to it: a lock file that held a pid has
+            # its block already, so a resume on a full disk gets this far
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
+        except OSError as e:
+            raise OSError(e.errno, f"offload_adam: cannot write the lock file {path} of the "
+                          f"optimizer state folder {folder!r}: {e.strerror or e}. Nothing "
+                          "was written to the folder's state", path) from e
+        self._lock_folder(folder)
+
+    def _lock_folder(self, folder: str) -> None:
+        """The flock on the folder itself (class docstring). Where the filesystem has no
+        flock on a directory (NFS emulates flock with fcntl locks, which need a file open
+        for writing), the lock file's is all there is."""
+        try:
+            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                         | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        try:
+            lock_exclusive(fd)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise RuntimeError(
+                    f"offload_adam: the NVMe state directory {folder!r} is in use by another "
+                    f"optimizer: the directory is locked, but not its lock file "
+                    f"{os.path.join(folder, LOCK)}, which was removed or replaced while that "
+                    "optimizer held it (a cleanup of stale lock files?). Nothing was "
+                    "changed. That optimizer is refused its next step too (it finds its "
+                    "lock file gone): once it is closed or its process ended, build the "
+                    "optimizer again with state_resume=True to continue from the step on "
+                    "disk; to train another model, give each optimizer (and each rank) its "
+                    "own directory") from None
+            return
         self._fds.append(fd)
+
+    def lost(self) -> Optional[Tuple[str, str]]:
+        """(folder, why) for a lock file held that is no longer at its path (removed, or
+        replaced by another file: another process may have locked the new one and be
+        using the state), or None while all are. A stat per folder."""
+        for folder, path, held in self._held:
+            try:
+                there = _file_id(os.stat(path))
+            except FileNotFoundError:
+                there = None
+            if there != held:
+                return folder, (f"the lock file {path} of the optimizer state folder "
+                                f"{folder!r} was {'removed' if there is None else 'replaced'} "
+                                "while this optimizer held it: another process may be using "
+                                "the state")
+        return None
 
     def release(self) -> None:
         """Unlocks and closes. In a forked child, only closes: its descriptors share the
         parent's open files, and an unlock through one unlocks the parent's."""
+        self._held = []
         while self._fds:
             fd = self._fds.pop()
             if os.getpid() == self._pid:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+def _file_id(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino

@@ -41,7 +41,11 @@ at t+1 or at t with its log record whole: `pending` names the latter, which the 
 steps again from their records (a step is a pure function of the bucket, its record and
 the hyperparameters it holds), and the state is step t+1 whole. No previous step is kept:
 `previous` is None. A load_state_dict into a committed compact state is not atomic: one
-cut short leaves a manifest marked `loading`, refused at open with what to do.
+cut short leaves a manifest marked `loading`, refused at open with what to do. A new
+compact state's first pass (nothing committed) has no log and writes in place: a crash in
+it makes the state anew at the next open, and an error in it once a bucket is written
+leaves files that hold no whole state, so every later pass and views() are refused until
+the optimizer is built anew (abandon_pass).
 """
 
 from __future__ import annotations
@@ -149,6 +153,11 @@ class NvmeState:
                                  body["spares"])
             self.file_sizes = self.ring.file_sizes()
             self._live: Dict[int, int] = {}   # written this pass, not committed: new offsets
+            # A new state's first pass (nothing committed) writes in place, with no redo
+            # log: the buckets it wrote, kept past an error (the files then hold no whole
+            # state, and no later pass may read them), and whether that pass is a load
+            self._in_place: List[int] = []
+            self._in_place_load = False
             self._new_pass()
             self._log = redo.RedoLog(folders, body["log_sizes"])
             self._logged: Dict[int, List[int]] = {}   # this step's records written so far
@@ -224,7 +233,8 @@ class NvmeState:
             os.close(fd)
         if self._log is not None:
             self._log.close()
-        if discard and self._created and not self._body["written"]:
+        if discard and self._created and not self._body["written"] \
+                and self._locks.lost() is None:   # (else they may be another's now)
             _remove_state_files(self.folders)
         self._locks.release()
         self._io = None
@@ -304,6 +314,7 @@ class NvmeState:
                            self._io.write(self._fds[e.file], buf.view[:e.nbytes], e.at(slot)))
         if not self._body["written"]:
             at = self._body["offsets"][i]   # a new state: in place (a crash makes it anew)
+            self._in_place.append(i)
         else:
             if self._body["intent"] is None and not self._body["loading"]:
                 raise RuntimeError("offload_adam: internal error: a bucket of a compact "
@@ -356,6 +367,9 @@ class NvmeState:
             left = (f"The files hold step {self.step} and the redo log of step "
                     f"{intent['step']}, which state_resume=True finishes (build the optimizer "
                     "again with it once the disk works)")
+        elif self.compact and not self._body["written"] and self._in_place:
+            cut = self._first_pass_cut()
+            left = f"{cut[0].upper()}{cut[1:]}. {self._first_pass_hint()}"
         else:
             left = f"The state of step {self.step} (the last completed one) is intact on disk"
         raise NvmeError(e.errno, f"offload_adam: {what} of the optimizer state in {path} "
@@ -391,6 +405,7 @@ class NvmeState:
             self._store(body, "committing the step")
             self.from_params_next = []
             self._live = {}
+            self._in_place, self._in_place_load = [], False
             self.forget_log()
             return
         body = dict(self._body)
@@ -505,6 +520,7 @@ class NvmeState:
             body = dict(self._body)
             body.update(loading=True, intent=None, done=[])
             self._store(body, "starting to load a state")
+        self._in_place_load = not self._body["written"]
         self._new_pass()
 
     @property
@@ -556,12 +572,19 @@ class NvmeState:
         is free again). Compact: a step begun is finished by a resume once it `lent` a
         bucket to be stepped (params moved) or committed one; one that did neither is
         dropped (nothing of it ran: the files hold the step before, the next step logs
-        again). A load cut short is said to be one."""
+        again). A load cut short is said to be one. A new state's first pass (step or
+        load) that wrote a bucket in place has nothing to finish it from: every later
+        pass, and state_dict(), is refused until the optimizer is built anew."""
         self._sums = {}
         if self.compact:
             self._ahead = {}
             self._new_pass()
-            if self._body["loading"]:
+            if not self._body["written"] and self._in_place:
+                # No redo log to finish it from, and the manifest's step 0 is not what
+                # the buckets written hold any more: a next pass would step those twice
+                self._unsure = self._unsure or self._first_pass_cut()
+                self._hint = self._hint or self._first_pass_hint()
+            elif self._body["loading"]:
                 self._unsure = self._unsure or (
                     "a load_state_dict into the compact state files was cut short by an "
                     "error: they hold part of the loaded state and part of the one before")
@@ -578,11 +601,31 @@ class NvmeState:
                     return   # (_store said so: _unsure, as a resume finishes it)
                 self.forget_log()
 
+    def _first_pass_cut(self) -> str:
+        """Why a new compact state cut short in its first pass holds no state."""
+        what = "load_state_dict into" if self._in_place_load else "first step of"
+        return (f"the {what} the new compact state files in {self.folders} was cut short "
+                "by an error after it had begun writing buckets "
+                f"{sorted(set(self._in_place))} in place (a new state's first pass has no "
+                "redo log, and nothing is committed before it ends): the files hold no "
+                "whole state, neither step 0 nor step 1")
+
+    def _first_pass_hint(self) -> str:
+        if self._in_place_load:
+            return ("The state dict you loaded is unchanged: build the optimizer anew over "
+                    "these directories (a state never committed is made anew) and load it "
+                    "again")
+        return ("No step was completed: set the params again (load the model; those of the "
+                "buckets stepped moved) and build the optimizer anew over these directories "
+                "(a state never committed is made anew)")
+
     def params_ahead(self) -> None:
-        """Two slots: a pass that had stepped some params failed (its caller says so: the
-        params it stepped moved, the files did not). No step may run on them: a resume
-        sets them from the files, or (no step completed) they are the user's to set."""
-        if self.compact or self._moved_on:
+        """A pass that had stepped some params failed (its caller says so: the params it
+        stepped moved, the files did not). No step may run on them: a resume sets them
+        from the files, or (no step completed) they are the user's to set. (A compact
+        state once committed needs nothing here: its step is finished by a resume, from
+        its redo log, abandon_pass; a new one's first pass has no log.)"""
+        if (self.compact and self._body["written"]) or self._moved_on:
             return
         self._moved_on = (
             "offload_adam: a step of the state files failed after it had stepped some params, "
@@ -597,6 +640,8 @@ class NvmeState:
         self._check_sure()
         if self._moved_on:
             raise RuntimeError(self._moved_on)
+        if not self._sums and not (self.compact and self._live):
+            self._check_held()   # a pass (or its part since a commit) not writing yet
 
     def rollback(self) -> None:
         """Makes the previous generation current again (step `previous`), after checking
@@ -612,6 +657,7 @@ class NvmeState:
         self._store(body, "going back to the previous step")
 
     def _store(self, body: dict, what: str) -> None:
+        self._check_held()
         self._check_in_place()
         path = os.path.join(self.folders[0], manifest.MANIFEST)
         try:
@@ -647,6 +693,26 @@ class NvmeState:
                                 "back the directory's files to resume from them, or build "
                                 "the optimizer again over an empty directory to start over",
                                 path)
+
+    def _check_held(self) -> None:
+        """The lock files are still the ones this optimizer locked: one removed under it
+        (a cleanup of "stale" locks) lets another process lock a new one and step these
+        files; ours, written after, would commit a manifest of our step over its own and
+        lose both (manifest.DirLocks). Refused before anything more is written: a stat
+        per folder, as a pass starts and at each commit."""
+        lost = self._locks.lost()
+        if lost is None:
+            return
+        self._check_in_place()   # (the state files gone with it, or replaced: that says more)
+        folder, why = lost
+        self._unsure = why
+        self._hint = (f"This optimizer stopped before committing step {self.step + 1} and "
+                      f"writes nothing more there. Make sure no other process uses "
+                      f"{folder!r} (a cleanup must not remove the lock file of a live run), "
+                      "then build the optimizer again with state_resume=True to continue "
+                      "from the step on disk")
+        raise NvmeError(errno.ESTALE, f"offload_adam: {self._unsure}. {self._hint}",
+                        os.path.join(folder, manifest.LOCK))
 
     def _check_sure(self) -> None:
         if self._unsure:
@@ -818,11 +884,27 @@ def _reusable(folders: List[str], body: dict, spec: StateSpec) -> bool:
     diff = differences(StateSpec.from_json(stored), spec)
     if diff:
         raise ValueError(f"offload_adam: {folders[0]!r} holds the optimizer state of another "
-                         f"model or optimizer: {'; '.join(diff)}. Point the optimizer at a "
+                         f"model or optimizer: {'; '.join(diff)}"
+                         f"{_bucket_mb_hint(StateSpec.from_json(stored), spec)}. "
+                         "Point the optimizer at a "
                          "directory without state (that state stays as it is), or, if it is "
                          f"no longer wanted, remove its files ({', '.join(STATE_FILES)}) to "
                          "start afresh")
     return True
+
+
+def _bucket_mb_hint(found: StateSpec, wanted: StateSpec) -> str:
+    """Why the buckets may differ where the model does not: bucket_mb lays them out."""
+    if found.state_format != wanted.state_format or found.extra != wanted.extra:
+        return ""
+    tensors = [[t for b in s.buckets for t in b.tensors] for s in (found, wanted)]
+    if tensors[0] == tensors[1]:
+        return (" (the same tensors, in other buckets: this optimizer's bucket_mb is not "
+                "the one the state was made with; give that one)")
+    if len(found.buckets) != len(wanted.buckets):
+        return (" (if the model is the same, was bucket_mb changed? It lays out the buckets: "
+                "give the one the state was made with)")
+    return ""
 
 
 def _check_nothing_there(folders: List[str]) -> None:
@@ -970,8 +1052,13 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
                             f"buckets, {what}), only {size_text(free)} is free", folder)
     # the manifest (nothing committed) first: a crash before the spec is down leaves a
     # state never committed that does not fit its spec, made anew at the next open
-    manifest.commit(folders[0], body)
-    manifest.commit(folders[0], spec.to_json(), manifest.SPEC)
+    for name, what in ((manifest.MANIFEST, body), (manifest.SPEC, spec.to_json())):
+        try:
+            manifest.commit(folders[0], what, name)
+        except OSError as e:
+            path = os.path.join(folders[0], name)
+            raise NvmeError(e.errno, f"offload_adam: could not create the optimizer state "
+                            f"file {path}: {e.strerror or e}", path) from e
     fds = _open_all(folders, body, buffered, create=True)
     if compact:
         try:
@@ -1037,9 +1124,14 @@ def _open_all(folders: List[str], body: dict, buffered: List[str], create: bool)
                 head = _header(body, k)
                 buf.view[:] = bytes(HEADER_BYTES)
                 buf.view[:len(head)] = head
-                os.pwritev(fd, [buf.view], 0)
-                os.fsync(fd)
-                manifest.fsync_dir(folder)
+                try:
+                    os.pwritev(fd, [buf.view], 0)
+                    os.fsync(fd)
+                    manifest.fsync_dir(folder)
+                except OSError as e:
+                    raise NvmeError(e.errno, f"offload_adam: could not write the header of "
+                                    f"the optimizer state file {path}: {e.strerror or e}",
+                                    path) from e
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"offload_adam: {path} is shorter than the state it holds "
                                  f"({os.fstat(fd).st_size} < {size} bytes): the file was "
