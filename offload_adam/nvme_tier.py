@@ -897,11 +897,13 @@ class FileStore:
                         calls, follow = self._lend_in_place(
                             [e for e in bucket if e.rec is None], t)
                         engine = [e.entry() for e in bucket if e.rec is not None]
-                        steps = bool(calls) or bool(engine and run is not None)
+                        # (stepped: its params moved) before the bucket goes: its kernel
+                        # calls move a param each, and an error between two (a Ctrl-C,
+                        # raised here) has moved some of them, which a retry stepped again
+                        lent = lent or bool(calls) or bool(engine and run is not None)
                         yield Lent(Hyper.of(param_groups[bucket[0].group]) if calls else None,
                                    calls, (lambda engine=engine, t=t: run.lent(engine, t))
                                    if run is not None and engine else None)
-                        lent = lent or steps   # (stepped: its params moved)
                         for p, master in follow:   # an fp32 param is its own master
                             master.copy_(p)
                 if stepped_early:   # committed: now their params

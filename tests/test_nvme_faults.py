@@ -304,6 +304,34 @@ def test_an_error_in_the_first_step_refuses_the_next(kernels, tmp_path, monkeypa
     opt.close()
 
 
+@pytest.mark.parametrize("at", [0, 3], ids=["first-step", "step-3"])
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_an_interrupt_between_two_kernel_calls_of_a_bucket_refuses_the_next(
+        kernels, tmp_path, footprint, at):
+    """A bucket of an fp32 and a bf16 param is stepped by two kernel calls; Ctrl-C in
+    the second has moved the first param. The bucket counted as stepped only once its
+    calls were all done, so the next step was let run (but compact files once committed,
+    whose redo log is there) and stepped that param twice, silently (found from outside).
+    It is refused, changing nothing."""
+    ps = make_params()
+    opt = offload_adam.AdamW(groups(ps), lr=0.01, state_dtype="8bit", state_dirs=tmp_path,
+                             state_footprint=footprint, bucket_mb=1)
+    train(opt, ps, 0, at)
+    before = [p.detach().clone() for p in ps]
+    cut_short(opt, ps, at, call=2)
+    moved = [p.detach().clone() for p in ps]
+    assert not torch.equal(bits(moved[0]), bits(before[0]))
+    assert all(torch.equal(bits(p), bits(q)) for p, q in zip(moved[1:], before[1:]))
+    why = ("No step was completed: set the params again" if at == 0 else
+           "cut short by an error" if footprint == "compact" else
+           "state_resume=True to continue from step 3")
+    with pytest.raises(RuntimeError, match=why):
+        train(opt, ps, at, 1)
+    assert opt.step_count == at
+    assert all(torch.equal(bits(p), bits(q)) for p, q in zip(ps, moved))
+    opt.close()
+
+
 def early_model():
     """test_nvme_early's: bf16 with an fp32 head, a layer that gets a grad every other
     step and one that never does (its file bucket never completes in backward)."""
