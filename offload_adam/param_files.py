@@ -201,10 +201,13 @@ class ParamFiles:
             raise
         warn_buffered(buffered)
         # a streamer dropped without close() (or alive at the interpreter's exit) removes
-        # its files, scratch, and lets go of their descriptors and locks
-        self._finalizer = weakref.finalize(self, _let_go, list(self.fds + self._locks),
-                                           list(self.paths), os.getpid())
+        # its files, scratch, and lets go of their descriptors and locks, once the I/O
+        # queued is done: a write-back read_ahead queued (not waited for) ran on after the
+        # descriptors were closed, into whatever file the process opened next with the
+        # same number (found from outside: 1 MiB of a user's file overwritten)
         self.pool = IOPool(threads)
+        self._finalizer = weakref.finalize(self, _let_go, list(self.fds + self._locks),
+                                           list(self.paths), os.getpid(), self.pool)
         self.slots: List[_Slot] = []
         try:
             for _ in range(count):
@@ -691,9 +694,12 @@ def _make_dirs(d: str) -> List[str]:
     return missing[::-1]
 
 
-def _let_go(fds: List[int], paths: List[str], pid: int) -> None:
-    """The files removed (still locked: no other streamer uses them; by the process that
-    made them only: a forked child's exit leaves its parent's), the descriptors closed."""
+def _let_go(fds: List[int], paths: List[str], pid: int, pool: Optional[IOPool] = None) -> None:
+    """The I/O queued on `pool` waited for; the files removed (still locked: no other
+    streamer uses them; by the process that made them only: a forked child's exit leaves
+    its parent's), the descriptors closed."""
+    if pool is not None:
+        pool.close()   # (its requests name the descriptors closed below)
     if os.getpid() == pid:
         for path in paths:
             try:

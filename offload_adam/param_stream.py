@@ -487,6 +487,21 @@ class ParamStreamer:
             self.files = ParamFiles(param_dirs, sizes, cache, prefetch, self.device,
                                     settle=lambda i: self.blocks[i].settle())
             self.files.rank = self._rank
+        # Refused from here on (a param file's write failing as the blocks go in, a
+        # Ctrl-C), the model is put back as it was too: its params, their grads and
+        # buffers, and no hook (_undo); else it stayed half streamed, beyond close() and a
+        # second stream_params ("streams already"): found from outside
+        before = _model_as_it_is(model)
+        self._handles: list = []
+        self._guarded: list = []
+        self.blocks: List[_Block] = []
+        try:
+            self._set_up(model, blocks, found)
+        except BaseException:
+            self._undo(before)
+            raise
+
+    def _set_up(self, model: torch.nn.Module, blocks: BlockSpec, found) -> None:
         if any(p.is_meta for p in model.parameters()):
             _replace_meta(model, {id(p) for _, _, ps in found for _, p in ps}, self.torch_device)
             found = _find_blocks(model, blocks)
@@ -517,7 +532,6 @@ class ParamStreamer:
         self._input_hooks: List[list] = []
         self._cursor: Optional[int] = 0
         self._graph_task = None          # the backward whose end releases every block
-        self._handles: list = []
         self._pinned: list = []   # the host copies' buffers, pinned
         # unpinned by close(), or when a streamer dropped without it is collected
         self._unpin = weakref.finalize(self, unpin_when_dropped, self.device, self._pinned)
@@ -532,6 +546,42 @@ class ParamStreamer:
         self._guard_backward_pre_hooks()
         _sync_global_hooks()
         _watch_other_optimizers(self)
+
+    def _undo(self, before) -> None:
+        """A set-up refused part way: the model as it was (`before`, _model_as_it_is),
+        the hooks removed, the host memory and the param files let go."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for module in self._guarded:
+            for attr in ("_apply", "__deepcopy__", "__reduce_ex__",
+                         "register_full_backward_pre_hook"):
+                module.__dict__.pop(attr, None)
+        for block in self.blocks:
+            _BLOCK_OF.pop(block.module, None)
+            for p in block.params:
+                set_home(p, None)
+        _sync_global_hooks()
+        params, data, buffers = before
+        with torch.no_grad():
+            for p, value, grad in data:
+                if not p.is_meta:   # (a meta param was replaced, not changed: put back below)
+                    p.data = value
+                    p.grad = grad
+        for module, key, p in params:
+            module._parameters[key] = p
+        for module, key, b in buffers:
+            module._buffers[key] = b
+        self._closed = True
+        unpin = getattr(self, "_unpin", None)
+        if unpin is not None:
+            unpin()
+        if self.files is not None:
+            files, self.files = self.files, None
+            try:
+                files.close()
+            except Exception:   # (the error being raised says more; the files are scratch)
+                pass
 
     # ---- setup --------------------------------------------------------------------
 
@@ -1549,6 +1599,16 @@ def _check_meta_buffers(model: torch.nn.Module) -> None:
             "values, and they would compute with NaN. Build the model with "
             "accelerate.init_empty_weights() (params on meta, buffers real), or give them "
             "values before stream_params; nothing was streamed")
+
+
+def _model_as_it_is(model: torch.nn.Module):
+    """What a set-up changes, to put back (ParamStreamer._undo): each module's params and
+    buffers (the objects), and each param's data and grad."""
+    params = [(m, key, p) for m in model.modules() for key, p in m._parameters.items()]
+    buffers = [(m, key, b) for m in model.modules() for key, b in m._buffers.items()]
+    data = [(p, p.data, p.grad) for p in {id(p): p for _, _, p in params
+                                          if p is not None}.values()]
+    return params, data, buffers
 
 
 def _replace_meta(model: torch.nn.Module, streamed: set, device: torch.device) -> None:

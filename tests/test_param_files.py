@@ -7,6 +7,7 @@ import gc
 import math
 import os
 import re
+import time
 import warnings
 
 import pytest
@@ -621,6 +622,42 @@ def test_param_files_whose_slots_cannot_be_pinned_leave_nothing_behind(tmp_path)
                settle=lambda i: None).close()
 
 
+def test_a_streamer_dropped_with_a_write_queued_writes_into_no_other_file(tmp_path,
+                                                                           monkeypatch):
+    """ParamFiles dropped without close() while a write-back read_ahead queued is still on
+    an I/O thread (a slow disk): its finalizer closed the descriptors at once, and the
+    write went into the file the process opened next with the same number, 1 MiB of a
+    user's file overwritten (found from outside). It waits for the queued I/O first."""
+    from offload_adam.nvme import direct_io
+    files = ParamFiles([tmp_path], [1 << 20] * 4, 3 << 20, prefetch=0, device=_Recorder(),
+                       settle=lambda i: None)
+    files.rank = lambda i: {0: 3.0, 1: 2.0, 2: 1.0, 3: 0.0}[i]   # block 0 goes first
+    for i in range(3):   # three dirty blocks fill the cache
+        buf = files.hold(i, read=False)
+        buf.fill_(0xAB)
+        files.unhold(i, dirty=True)
+    real = direct_io._write
+
+    def slow_disk(fd, view, offset):
+        time.sleep(0.3)
+        return real(fd, view, offset)
+    monkeypatch.setattr(direct_io, "_write", slow_disk)
+    data_fd = files.fds[0]
+    files.read_ahead([3])   # block 0's slot goes back to its file first: queued
+    assert any(not f.done() for f in files.pool._futures)
+    del files, buf
+    gc.collect()
+    assert not (tmp_path / FILE_NAME).exists()
+    mine = [os.open(tmp_path / f"mine{k}.bin", os.O_RDWR | os.O_CREAT, 0o644) for k in range(4)]
+    assert data_fd in mine   # (the lowest numbers free: the param files' among them)
+    for fd in mine:
+        os.write(fd, bytes(2 << 20))
+    time.sleep(0.6)
+    for fd in mine:
+        os.close(fd)
+    assert all((tmp_path / f"mine{k}.bin").read_bytes() == bytes(2 << 20) for k in range(4))
+
+
 def test_a_slot_is_reused_only_after_its_block_settled_and_went_back(tmp_path):
     """Eviction order inside ParamFiles: the block leaving a slot is settled (its copies
     to the device done) while the slot still holds its bytes, and written back first when
@@ -889,3 +926,55 @@ def test_numpy_is_not_needed(device, tmp_path, monkeypatch):
     assert runs[1][1] == runs[0][1] and torch.equal(runs[1][2], runs[0][2])
     assert runs[1][0].keys() == runs[0][0].keys()
     assert all(torch.equal(runs[1][0][k], v) for k, v in runs[0][0].items())
+
+
+@pytest.mark.parametrize("error", ["eio", "ctrl-c"])
+def test_a_stream_params_refused_as_blocks_go_in_leaves_the_model_as_it_was(
+        device, tmp_path, monkeypatch, error):
+    """With more blocks than cache slots, stream_params writes blocks to their file as the
+    others go in. A write failing there (EIO), or a Ctrl-C, left the model half streamed
+    (found from outside): NaN placeholders in the blocks taken, their hooks on, no
+    streamer to close(), the param file on disk, and a second stream_params refused as
+    "called twice". Now the model is as it was, params and grads, with no hook and no
+    file, and a stream_params again trains bitwise as resident."""
+    from offload_adam.nvme import direct_io
+    from nvme_adam import fails_at
+    model = make_llama(layers=6, frozen=(), dim=32, hidden=160)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    params = dict(model.named_parameters())
+    values = {k: (p.detach().clone(), p.grad.clone()) for k, p in params.items()}
+    if error == "eio":
+        monkeypatch.setattr(direct_io, "_write", fails_at(1, direct_io._write, errno.EIO))
+        raised = pytest.raises(NvmeError, match="block 0's params")
+    else:   # (on the main thread, as the fifth block goes in)
+        real_hold = ParamFiles.hold
+
+        def hold(self, i, **kw):
+            if i == 4:
+                raise KeyboardInterrupt
+            return real_hold(self, i, **kw)
+        monkeypatch.setattr(ParamFiles, "hold", hold)
+        raised = pytest.raises(KeyboardInterrupt)
+    with raised:
+        offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
+                                   param_cache_mb=slots_mb(model, 4))
+    monkeypatch.undo()
+    assert dict(model.named_parameters()) == params   # the same objects
+    for k, p in model.named_parameters():
+        assert torch.equal(p, values[k][0]) and torch.equal(p.grad, values[k][1]), k
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    assert not (tmp_path / "p" / FILE_NAME).exists()
+    model.zero_grad(set_to_none=True)
+    resident = make_llama(layers=6, frozen=(), dim=32, hidden=160)
+    s = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
+                                   param_cache_mb=slots_mb(model, 4))
+    runs = []
+    for m in (resident, model):
+        opt = offload_adam.AdamW(m.parameters(), **OPTS)
+        train(m, opt, 2)
+        with torch.no_grad():
+            runs.append(llama_loss(m, 99).item())
+        opt.close()
+    assert runs[0] == runs[1]
+    s.close()
