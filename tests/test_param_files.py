@@ -978,3 +978,22 @@ def test_a_stream_params_refused_as_blocks_go_in_leaves_the_model_as_it_was(
         opt.close()
     assert runs[0] == runs[1]
     s.close()
+
+
+def test_a_first_step_abandoned_in_backward_refuses_the_next(device, tmp_path):
+    """step_in_backward with the state in files: a first step abandoned after its pass
+    stepped streamed params in backward (here zero_grad() before step(); a backward that
+    raised, a skipped batch, is the same) cannot put those back (a first step's values are
+    not kept: 2 B a param for an error path; the compact footprint's first pass waits for
+    step()). The error says to load the weights again,
+    but a next step ran, its masters started from the moved values (found while fixing
+    the first step's errors). It is refused, naming what to do."""
+    model, s, opt = lora_like(tmp_path, False, step_in_backward=True,
+                              state_dirs=[tmp_path])
+    llama_loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match="streamed params in their first step"):
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="No step was completed: set the params again"):
+        llama_loss(model, 1).backward()
+        opt.step()
+    assert opt.step_count == 0

@@ -280,6 +280,11 @@ class DiskEarly(FileBucketsInBackward):
             kept = self._kept
             self._reset()   # (closes the pass)
             self._restore(engine, stepped, kept)
+            if self.unrestored:
+                # their first values are not kept: a next step would start their masters
+                # from the values stepped here (a script that skips a batch whose backward
+                # raised goes on, silently off): refused until the model is loaded again
+                self.pipeline.state.params_ahead()
             if engine is not None:
                 engine.forget_grads()   # the next step copies its grads again
                 # The pass made masters follow their params (a first step's: from the
