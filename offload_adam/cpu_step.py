@@ -29,13 +29,14 @@ class CpuCall:
     built once; `run` takes the grads. `followed`: the params have masters that follow
     them (master_rule.py; not an fp32 param in RAM, its own master)."""
 
-    __slots__ = ("dtype", "params", "args", "copy_back", "followed")
+    __slots__ = ("dtype", "params", "args", "copy_back", "followed", "ran")
 
     def __init__(self, dtype: torch.dtype, followed: bool = True):
         self.dtype, self.followed = dtype, followed
         self.params: List[torch.Tensor] = []
         self.args = KernelArgs()
         self.copy_back: List[int] = []   # non-contiguous params: stepped via a copy
+        self.ran = False   # run() wrote the params (the files' error path asks)
 
     def add(self, p: torch.Tensor, state: ParamState) -> None:
         t = local(p)   # a DTensor's shard: its state is the shard's (distributed.py)
@@ -63,6 +64,7 @@ class CpuCall:
         # in-place step does (a backward of an older forward raises).
         for p in self.params:
             increment_version(p)
+        self.ran = True
 
 
 def step_on_cpu(calls: Sequence[Tuple[CpuCall, Sequence[torch.Tensor]]], hyper: Hyper,

@@ -875,6 +875,7 @@ class FileStore:
         early = self._early if self._early is not None and self._early.started else None
         stepped_early = list(early.stepped) if early is not None else []
         completed = lent = False
+        current: list = []   # the kernel calls of the bucket lent now
         try:
             stepping = early is not None or with_grads or (run is not None and run.ready)
             if stepping:   # (refused before the redo log: nothing of the step is written)
@@ -897,13 +898,15 @@ class FileStore:
                         calls, follow = self._lend_in_place(
                             [e for e in bucket if e.rec is None], t)
                         engine = [e.entry() for e in bucket if e.rec is not None]
-                        # (stepped: its params moved) before the bucket goes: its kernel
-                        # calls move a param each, and an error between two (a Ctrl-C,
-                        # raised here) has moved some of them, which a retry stepped again
-                        lent = lent or bool(calls) or bool(engine and run is not None)
+                        steps = bool(calls) or bool(engine and run is not None)
+                        # (an error raised here, between two of its kernel calls, a
+                        # Ctrl-C, has moved the params of the calls that ran: `current`)
+                        current = calls
                         yield Lent(Hyper.of(param_groups[bucket[0].group]) if calls else None,
                                    calls, (lambda engine=engine, t=t: run.lent(engine, t))
                                    if run is not None and engine else None)
+                        lent = lent or steps   # (stepped: its params moved)
+                        current = []
                         for p, master in follow:   # an fp32 param is its own master
                             master.copy_(p)
                 if stepped_early:   # committed: now their params
@@ -920,6 +923,9 @@ class FileStore:
                     # too: the buckets the pass in backward left to step() are lent here
                     # and their params written as they are stepped, and a streamed param
                     # stepped in backward was written in its host copy then
+                    # (a bucket cut short between two of its calls: those that ran moved
+                    # their params, and a retry stepped them twice, silently)
+                    lent = lent or any(call.ran for call, _ in current)
                     if lent or any(r.home is not None for r in stepped_early):
                         self.state.params_ahead()
                     elif self.compact and early is None:   # a step begun whose pass
