@@ -553,10 +553,7 @@ class ParamStreamer:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for module in self._guarded:
-            for attr in ("_apply", "__deepcopy__", "__reduce_ex__",
-                         "register_full_backward_pre_hook"):
-                module.__dict__.pop(attr, None)
+        self._unguard()
         for block in self.blocks:
             _BLOCK_OF.pop(block.module, None)
             for p in block.params:
@@ -582,6 +579,14 @@ class ParamStreamer:
                 files.close()
             except Exception:   # (the error being raised says more; the files are scratch)
                 pass
+
+    def _unguard(self) -> None:
+        """The guards _guard_conversions set on the modules, taken off (close, _undo)."""
+        for module in self._guarded:
+            for attr in ("_apply", "__deepcopy__", "__reduce_ex__",
+                         "register_full_backward_pre_hook"):
+                module.__dict__.pop(attr, None)
+        self._guarded = []
 
     # ---- setup --------------------------------------------------------------------
 
@@ -1306,11 +1311,7 @@ class ParamStreamer:
         for h in self._handles + [entry[0] for entry in self._input_hooks]:
             h.remove()
         self._handles, self._input_hooks = [], []
-        for module in self._guarded:
-            for attr in ("_apply", "__deepcopy__", "__reduce_ex__",
-                         "register_full_backward_pre_hook"):
-                module.__dict__.pop(attr, None)
-        self._guarded = []
+        self._unguard()
         self._unpin()
         _LIVE.discard(self)
         if self.files is not None:
