@@ -866,6 +866,13 @@ class FileStore:
                           and e.param.grad is not None and id(e.param) not in self._absent]
             for e in with_grads:
                 _check_grad(e, param_groups[e.group])
+            if with_grads or (self._early is not None and self._early.started):
+                # amsgrad switched on: refused here, the steps begun in backward abandoned
+                # (streamed params put back); a changed state_dtype started none, and the
+                # engine's check below says so
+                for gi, g in enumerate(param_groups):
+                    if state_format(g["state_dtype"]) == self._formats[gi]:
+                        self._check_format(gi, param_groups)
         except BaseException:   # a pass started in backward ends with the refused step
             if self._early is not None and self._early.busy:   # (nothing stepped: the
                 self.engine.early.commit()   # next zero_grad() and backward start afresh)

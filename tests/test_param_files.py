@@ -980,6 +980,40 @@ def test_a_stream_params_refused_as_blocks_go_in_leaves_the_model_as_it_was(
     s.close()
 
 
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_a_step_refused_for_its_layout_puts_params_stepped_in_backward_back(
+        device, tmp_path, footprint):
+    """step_in_backward with the state in files: amsgrad switched on after the files were
+    laid out without it is refused at step(), as every check there: nothing stepped. The
+    streamed params the pass had stepped in backward (their host copies written) stayed
+    moved, and the next step was refused as if a disk error had cut the step short: the
+    format check ran after the part of step() that abandons the pass (found reading the
+    code; the compact pass steps nothing before step()). Undone, training goes on as if
+    that iteration never ran."""
+    kw = dict(state_dirs=[tmp_path / "s"],
+              state_footprint=footprint)
+    (tmp_path / "s").mkdir()
+    model, s, opt = lora_like(tmp_path, False, step_in_backward=True, **kw)
+    train_on = lambda m, o, its: [(llama_loss(m, it).backward(), o.step(), o.zero_grad())
+                                  for it in its]
+    train_on(model, opt, [0, 1])
+    for g in opt.param_groups:
+        g["amsgrad"] = True
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    llama_loss(model, 2).backward()
+    with pytest.raises(ValueError, match="state_dtype and amsgrad cannot change"):
+        opt.step()
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    for g in opt.param_groups:
+        g["amsgrad"] = False
+    opt.zero_grad()
+    train_on(model, opt, [3, 4])
+    (tmp_path / "r").mkdir()
+    ref = lora_like(tmp_path / "r", False)
+    train_on(ref[0], ref[2], [0, 1, 3, 4])
+    assert_same_training((model, opt), (ref[0], ref[2]))
+
+
 def test_a_first_step_abandoned_in_backward_refuses_the_next(device, tmp_path):
     """step_in_backward with the state in files: a first step abandoned after its pass
     stepped streamed params in backward (here zero_grad() before step(); a backward that
