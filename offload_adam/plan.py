@@ -58,6 +58,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field, replace
@@ -267,11 +268,18 @@ MODEL_TYPES: Dict[str, Dict[str, object]] = {
 
 # Published shapes (the models' config.json).
 PRESETS: Dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("llama-2-7b", 32000, 4096, 11008, 32, 32, 32),
     ModelShape("llama-3-8b", 128256, 4096, 14336, 32, 32, 8),
     ModelShape("llama-2-13b", 32000, 5120, 13824, 40, 40, 40),
     ModelShape("codellama-34b", 32000, 8192, 22016, 48, 64, 8),
     ModelShape("llama-3-70b", 128256, 8192, 28672, 80, 64, 8),
 )}
+
+
+def _size_of(name: str) -> Optional[str]:
+    """The size a model's name gives ("13b" in llama-2-13b), lower case; None if none."""
+    sizes = re.findall(r"(?<![a-z0-9.])(\d+(?:\.\d+)?[bm])(?![a-z0-9])", name.lower())
+    return sizes[-1] if sizes else None
 
 
 def load_model(spec: str) -> ModelShape:
@@ -293,12 +301,16 @@ def load_model(spec: str) -> ModelShape:
         raise ValueError(f"model {spec!r}: a directory without a config.json"
                          if os.path.isdir(spec) else f"model {spec!r}: no such file or "
                          "directory")
-    near = difflib.get_close_matches(spec.lower(), PRESETS, n=1, cutoff=0.75)
+    near = difflib.get_close_matches(spec.lower(), PRESETS, n=len(PRESETS), cutoff=0.75)
     if near and "/" not in spec:   # (a preset mistyped: the hub's Llama configs are org/name,
         # and asking it offline retries for half a minute)
-        raise ValueError(f"model {spec!r}: not a preset; did you mean {near[0]!r}? "
-                         f"(presets: {', '.join(PRESETS)}; or a config.json, or a Hugging "
-                         "Face config name such as meta-llama/Llama-3.1-8B)")
+        # A name spelled near one of another size is not that one: llama-3-7b is not
+        # llama-3-70b, 10x larger (found from outside)
+        near = [n for n in near if _size_of(n) == _size_of(spec)]
+        raise ValueError(f"model {spec!r}: not a preset" + (
+            f"; did you mean {near[0]!r}? (presets: " if near else " (presets: ") +
+            f"{', '.join(PRESETS)}; or a config.json, or a Hugging Face config name such "
+            "as meta-llama/Llama-3.1-8B)")
     try:
         from transformers import AutoConfig
     except ImportError:

@@ -414,7 +414,9 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     (["llama-3-8b", "--prefetch", "-1"], "prefetch must be a whole number >= 0"),
     (["llama-3-8b", "--layers", "100000"], "100000 layers; the planner plans models of up to 4096"),
     (["llama-3-8b", "--state-dirs", "0"], "state_dirs must be a whole number >= 1"),
-    (["llama-3-7b"], "not a preset; did you mean 'llama-3-70b'"),
+    (["llama-3-7b"], "not a preset; did you mean 'llama-2-7b'"),
+    (["llama-3-700b"], "not a preset (presets: llama-2-7b, "),   # (not llama-3-70b)
+    (["llama-2-70b"], "not a preset; did you mean 'llama-3-70b'"),   # (the same size)
     (["llama-3-8b", "--param-cache-mb", "100"], "holds 0 of the largest block"),
     (["llama-3-8b", "--gpu-gb", "nan"], "--gpu-gb: must be a positive number, got nan"),
     (["llama-3-8b", "--ram-gb", "inf"], "--ram-gb: must be a positive number, got inf"),
