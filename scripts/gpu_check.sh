@@ -79,6 +79,11 @@ stage stream_13b "${STREAM_13B_SECONDS:-200}" "$PY" bench/stream_gpu.py --layers
 # the same with the last 8 blocks' CPU steps overlapping the next forward (defer_blocks=8)
 stage stream_13b_defer "${STREAM_13B_SECONDS:-200}" "$PY" bench/stream_gpu.py --layers 40 --width 5120 $STREAM \
   --prefetch 2 --defer-blocks 8 --steps 3 --warmup 1 --out "$R" --tag "${name}_13b_cap24_defer8"
+# the same with 16 of the 40 blocks kept on the device, spread evenly (~10 GB more under
+# the cap, where the streamed run peaked at 8 GB): the forward, bound by its param copies at
+# this batch (0.46 s of copies against 0.34 s of compute, 2026-12-04b), copies 24 blocks, not 40
+stage stream_13b_keep16 "${STREAM_13B_SECONDS:-200}" "$PY" bench/stream_gpu.py --layers 40 --width 5120 \
+  $STREAM --prefetch 2 --keep-resident 16 --steps 3 --warmup 1 --out "$R" --tag "${name}_13b_cap24_keep16"
 # the ~0.9B GPT resident, streamed and FSDP2's CPUOffloadPolicy recipe, each stepped in backward
 stage stream_bench 120 "$PY" bench/stream_gpu.py --step-in-backward --free-grads --fsdp2 --steps 3 \
   --out "$R" --tag "$name"

@@ -2,6 +2,7 @@
 run itself needs CUDA): where the hooks' waits for grad ring room fell against the worker's
 kernels and its waits for grads, the numbers the next GPU session reads issue 27's loss by."""
 import pytest
+import torch
 
 from bench.stream_gpu import _cpu_in_backward, _waits_in_backward
 
@@ -39,3 +40,27 @@ def test_the_kernels_against_backward():
     assert got["cpu_in_bwd_s"] == pytest.approx(0.2 + 0.05)
     assert got["cpu_idle_in_bwd_s"] == pytest.approx(0.45 - 0.25)
     assert got["cpu_after_bwd_s"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_blocks_kept_resident_are_spread_and_the_rest_stream(checkpointed, kernels):
+    """--keep-resident: the blocks kept are spread evenly over the model, and stream_params
+    streams exactly the others (each a _Block, inside the Checkpointed wrapper or not)."""
+    import offload_adam
+    from conftest import SIMS, sim_path
+    from bench.e2e.model import build_model, config_for
+    from bench.stream_gpu import Checkpointed, kept_blocks, streamed_blocks
+    assert kept_blocks(40, 16) == [1, 3, 6, 8, 11, 13, 16, 18, 21, 23, 26, 28, 31, 33, 36, 38]
+    assert kept_blocks(8, 0) == [] and kept_blocks(8, 8) == list(range(8))
+    with pytest.raises(ValueError, match="--keep-resident 9: the model has 8 blocks"):
+        kept_blocks(8, 9)
+    with sim_path(SIMS[0]) as where:
+        model = build_model(config_for(8, 64, 128, 16), "cpu", torch.bfloat16)
+        if checkpointed:
+            model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
+        s = offload_adam.stream_params(model, streamed_blocks(model, 3), prefetch=1,
+                                       device=where.sim.device)
+        inner = [getattr(b, "inner", b) for b in model.blocks]
+        assert kept_blocks(8, 3) == [1, 4, 6]
+        assert [inner.index(b.module) for b in s.blocks] == [0, 2, 3, 5, 7]
+        s.close()
