@@ -98,7 +98,7 @@ def streamed_blocks(model, keep: int):
 
 def run_mode(cfg, args, prefetch):
     import offload_adam
-    from bench.e2e.model import _Block, build_model
+    from bench.e2e.model import build_model
     mode = "resident" if prefetch is None else f"streamed k={prefetch}"
     t0 = time.perf_counter()
     torch.cuda.empty_cache()
