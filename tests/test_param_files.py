@@ -658,6 +658,31 @@ def test_a_streamer_dropped_with_a_write_queued_writes_into_no_other_file(tmp_pa
     assert all((tmp_path / f"mine{k}.bin").read_bytes() == bytes(2 << 20) for k in range(4))
 
 
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_a_streamed_model_and_its_optimizer_dropped_go_at_one_collection(device, tmp_path,
+                                                                        footprint):
+    """del of the optimizer (state files, step_in_backward), the streamer and the model,
+    then one gc.collect(): all of them go, the param file with them. The streamer, the
+    model and their host copies outlived that collection until a later one (found from
+    outside: a notebook's `del ...; gc.collect()` before a larger model left GBs held):
+    the engine's worker held the files' pass (the grad ring's `busy`, its after_job's),
+    and through it the blocks, and the worker was reachable from the thread and from the
+    engine's finalizer."""
+    import weakref
+    (tmp_path / "s").mkdir()
+    model, s, opt = lora_like(tmp_path, True, step_in_backward=True, state_dirs=[tmp_path / "s"],
+                              state_footprint=footprint)
+    for it in range(2):
+        llama_loss(model, it).backward()
+        opt.step()
+        opt.zero_grad()
+    gone = [weakref.ref(x) for x in (model, s, opt)]
+    del model, s, opt
+    gc.collect()
+    assert [r() is None for r in gone] == [True] * 3
+    assert not (tmp_path / "p" / FILE_NAME).exists()
+
+
 def test_a_slot_is_reused_only_after_its_block_settled_and_went_back(tmp_path):
     """Eviction order inside ParamFiles: the block leaving a slot is settled (its copies
     to the device done) while the slot still holds its bytes, and written back first when

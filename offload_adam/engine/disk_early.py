@@ -83,7 +83,7 @@ class FileBucketsInBackward:
         bucket, asked = engine.bucket_bytes, engine.ring_asked   # (the size holds no engine)
         engine.use_ring(lambda params: ring_bytes(largest, bucket, asked=asked,
                                                   trainable=trainable_bytes(params)),
-                        self.busy_stepping)
+                        _weakly(self.busy_stepping))
 
     def busy_stepping(self) -> bool:
         """Whether a job is queued or running: it frees ring room without waiting for
@@ -362,3 +362,17 @@ class _Rest:
 
     def close(self) -> None:
         self._gen.close()
+
+
+def _weakly(method) -> Callable[[], bool]:
+    """`method` called through a weak reference (False once its object is gone): the
+    ring's `busy`, which the engine's worker reaches (its after_job) while the worker's
+    thread runs and from the engine's finalizer. Held strongly, it kept this pass, and
+    through its entries the streamed params' blocks, their streamer and model, alive
+    through the collection that found the optimizer gone (found from outside)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> bool:
+        bound = ref()
+        return bound is not None and bound()
+    return call
