@@ -120,7 +120,9 @@ class FreedGrad(torch.Tensor):
             "norm, a multiplication by a scalar (clipping), GradScaler's inf check and "
             "the accumulation of another micro-batch's grad are answered from the host "
             "copy. Do not read grads between backward and step() with this option; or "
-            "use free_grads_after_copy=False")
+            "use free_grads_after_copy=False. (If another library's optimizer steps these "
+            "params now, close() the offload_adam one: while it lives its hooks take "
+            "their grads)")
 
 
 def _inf_check(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

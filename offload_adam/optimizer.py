@@ -51,7 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import distributed
 from .cpu_step import step_on_cpu
-from .engine import OffloadEngine
+from .engine import OffloadEngine, let_go_of
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
 from .kernel_step import Hyper
@@ -380,6 +380,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._constructing = False
         if self._engine is not None:
             self._engine.claim()
+        let_go_of([p for g in self.param_groups for p in g["params"] if not self._in_engine(p)])
 
     def _start_engine(self, managed=None):
         """The engine of `managed` (a list of params per group; default: _engine_params)."""

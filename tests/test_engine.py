@@ -1168,6 +1168,45 @@ def test_a_new_optimizer_takes_the_params_over_from_a_live_one(path, options):
     assert pinned[0] == pinned[1]
 
 
+@pytest.mark.parametrize("old_options", [{"step_in_backward": True},
+                                         {"free_grads_after_copy": True}])
+def test_a_newer_optimizer_stepping_in_place_takes_the_params_over(old_options):
+    """A notebook cell run again with other options: the old optimizer (the engine's,
+    bf16 CPU params) still referenced, the new one steps them in place. The old one's
+    hooks stayed on, stepped in backward or freed the grads, and the new one could not
+    train (found from outside). It lets go as for a newer engine, and the new one trains
+    as if the old one had been dropped."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                   torch.nn.Linear(16, 4)).to(torch.bfloat16)
+
+    def loss(m, it):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(it))
+        return m(x.to(torch.bfloat16)).float().pow(2).sum()
+
+    runs = []
+    for keep in (True, False):
+        m = make()
+        old = offload_adam.AdamW(m.parameters(), lr=1e-2, **old_options)
+        loss(m, 0).backward()
+        old.step()
+        old.zero_grad()
+        if not keep:
+            old.close()
+        new = offload_adam.AdamW(m.parameters(), lr=1e-2)
+        for it in range(1, 4):
+            loss(m, it).backward()
+            new.step()
+            new.zero_grad()
+        runs.append([p.detach().clone() for p in m.parameters()])
+        if keep:
+            with pytest.raises(RuntimeError, match="taken over by a newer offload_adam"):
+                old.step()
+            assert all(not p._post_accumulate_grad_hooks for p in m.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("early", [False, True], ids=["at-step", "in-backward"])
 def test_a_refused_constructor_takes_nothing_over(sim, tmp_path, early):
     """A notebook cell building the optimizer again over the same state_dirs= while the

@@ -12,6 +12,6 @@ through which temporary), host_memory.py (pinned arenas), worker.py (the worker
 thread, Ctrl-C), profile.py (the per-step profile).
 """
 
-from .core import OffloadEngine
+from .core import OffloadEngine, let_go_of
 
-__all__ = ["OffloadEngine"]
+__all__ = ["OffloadEngine", "let_go_of"]

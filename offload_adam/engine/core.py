@@ -1629,6 +1629,23 @@ def _claim(engine: OffloadEngine, recs: Sequence[ParamRec]) -> None:
         old._let_go(params)
 
 
+def let_go_of(params: Sequence[torch.Tensor]) -> None:
+    """`params` are stepped in place by a newer optimizer (no engine of its own takes
+    them): an older live engine over any of them lets go of all its params, as _claim
+    does for a newer engine. Its hooks stayed on: a notebook cell that built
+    offload_adam.AdamW(step_in_backward=True) and, run again, one stepped in place, had
+    the old one step in each backward and refuse the grads it had freed or stepped
+    (found from outside)."""
+    taken: Dict[int, tuple] = {}
+    for p in params:
+        ref = _owners.pop(p, None)
+        old = ref() if ref is not None else None
+        if old is not None and old._finalizer.alive:
+            taken.setdefault(id(old), (old, []))[1].append(p)
+    for old, ps in taken.values():
+        old._let_go(ps)
+
+
 class _EarlyOwner:
     """The optimizer as early.py sees it: its param_groups indexed by rec.group
     (OffloadEngine.follow_groups), its state."""

@@ -121,7 +121,9 @@ class EarlyStart:
             raise RuntimeError(
                 f"offload_adam: {msg}; step_in_backward=True forbids this. The "
                 "next step() or zero_grad() raises too and says what was stepped; "
-                "use step_in_backward=False to accumulate.")
+                "use step_in_backward=False to accumulate. (If another library's "
+                "optimizer steps these params now, close() the offload_adam one: while it "
+                "lives its hooks step them in backward)")
         return True
 
     def piece_sent(self, rec, piece) -> None:
@@ -548,7 +550,10 @@ class EarlyStart:
                     f"zero_grad() was called after step() was refused ({self._step_refused})"
                     if self._step_refused is not None else
                     "zero_grad() was called after steps started during backward, before "
-                    "step()"))
+                    "step() (a backward that reached these params without a step() to "
+                    "follow, a GAN's generator loss through its discriminator say: freeze "
+                    "them for it, requires_grad_(False), so that it makes no grads for "
+                    "them)"))
         finally:
             self.spent = None   # (the grads are zeroed: none is left to step twice)
         if self.files is not None and self.files.busy:   # read ahead, nothing stepped
