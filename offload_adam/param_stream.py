@@ -550,15 +550,10 @@ class ParamStreamer:
     def _undo(self, before) -> None:
         """A set-up refused part way: the model as it was (`before`, _model_as_it_is),
         the hooks removed, the host memory and the param files let go."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._unguard()
+        self._unhook()
         for block in self.blocks:
-            _BLOCK_OF.pop(block.module, None)
             for p in block.params:
                 set_home(p, None)
-        _sync_global_hooks()
         params, data, buffers = before
         with torch.no_grad():
             for p, value, grad in data:
@@ -570,9 +565,6 @@ class ParamStreamer:
         for module, key, b in buffers:
             module._buffers[key] = b
         self._closed = True
-        unpin = getattr(self, "_unpin", None)
-        if unpin is not None:
-            unpin()
         if self.files is not None:
             files, self.files = self.files, None
             try:
@@ -580,13 +572,25 @@ class ParamStreamer:
             except Exception:   # (the error being raised says more; the files are scratch)
                 pass
 
-    def _unguard(self) -> None:
-        """The guards _guard_conversions set on the modules, taken off (close, _undo)."""
+    def _unhook(self) -> None:
+        """What streaming set on the model and the process taken off (close, and _undo
+        part way through the set-up): the blocks' registrations, the hooks, the guards
+        _guard_conversions set on the modules; the host copies unpinned."""
+        for block in self.blocks:
+            _BLOCK_OF.pop(block.module, None)
+        _sync_global_hooks()
+        for h in self._handles + [entry[0] for entry in getattr(self, "_input_hooks", [])]:
+            h.remove()
+        self._handles, self._input_hooks = [], []
         for module in self._guarded:
             for attr in ("_apply", "__deepcopy__", "__reduce_ex__",
                          "register_full_backward_pre_hook"):
                 module.__dict__.pop(attr, None)
         self._guarded = []
+        unpin = getattr(self, "_unpin", None)   # (made part way through the set-up)
+        if unpin is not None:
+            unpin()
+        _LIVE.discard(self)
 
     # ---- setup --------------------------------------------------------------------
 
@@ -1305,15 +1309,7 @@ class ParamStreamer:
         if errors:
             raise errors[0]
         self._closed = True
-        for block in self.blocks:
-            _BLOCK_OF.pop(block.module, None)
-        _sync_global_hooks()
-        for h in self._handles + [entry[0] for entry in self._input_hooks]:
-            h.remove()
-        self._handles, self._input_hooks = [], []
-        self._unguard()
-        self._unpin()
-        _LIVE.discard(self)
+        self._unhook()
         if self.files is not None:
             self.files.close()
             self.files = None

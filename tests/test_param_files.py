@@ -1019,8 +1019,11 @@ def test_a_step_refused_for_its_layout_puts_params_stepped_in_backward_back(
               state_footprint=footprint)
     (tmp_path / "s").mkdir()
     model, s, opt = lora_like(tmp_path, False, step_in_backward=True, **kw)
-    train_on = lambda m, o, its: [(llama_loss(m, it).backward(), o.step(), o.zero_grad())
-                                  for it in its]
+    def train_on(m, o, its):
+        for it in its:
+            llama_loss(m, it).backward()
+            o.step()
+            o.zero_grad()
     train_on(model, opt, [0, 1])
     for g in opt.param_groups:
         g["amsgrad"] = True

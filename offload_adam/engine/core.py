@@ -1618,30 +1618,25 @@ def _claim(engine: OffloadEngine, recs: Sequence[ParamRec]) -> None:
     params: `opt = AdamW(params)` run again while the old optimizer is still bound
     to `opt` (an LR sweep, a notebook cell run twice, torch's own optimizer tests)
     trains as with torch, and the old optimizer, used again, says why it cannot."""
+    # (the first named is the first added)
+    let_go_of([rec.param for rec in sorted(recs, key=lambda r: r.position)], engine)
+
+
+def let_go_of(params: Sequence[torch.Tensor], engine: Optional[OffloadEngine] = None) -> None:
+    """An older live engine over any of `params` lets go of all its params (_claim);
+    `engine`: the newer one that takes them, None when the newer optimizer steps them in
+    place. (With no engine of its own, the newer one left the older one's hooks on: a
+    notebook cell that built offload_adam.AdamW(step_in_backward=True) and, run again,
+    one stepped in place, had the old one step in each backward and refuse the grads it
+    had freed or stepped; found from outside.)"""
     taken: Dict[int, tuple] = {}   # id(older engine) -> (it, its params taken)
-    for rec in sorted(recs, key=lambda r: r.position):   # (the first named is the first added)
-        ref = _owners.get(rec.param)
-        old = ref() if ref is not None else None
-        if old is not None and old is not engine and old._finalizer.alive:
-            taken.setdefault(id(old), (old, []))[1].append(rec.param)
-        _owners[rec.param] = weakref.ref(engine)
-    for old, params in taken.values():
-        old._let_go(params)
-
-
-def let_go_of(params: Sequence[torch.Tensor]) -> None:
-    """`params` are stepped in place by a newer optimizer (no engine of its own takes
-    them): an older live engine over any of them lets go of all its params, as _claim
-    does for a newer engine. Its hooks stayed on: a notebook cell that built
-    offload_adam.AdamW(step_in_backward=True) and, run again, one stepped in place, had
-    the old one step in each backward and refuse the grads it had freed or stepped
-    (found from outside)."""
-    taken: Dict[int, tuple] = {}
     for p in params:
         ref = _owners.pop(p, None)
         old = ref() if ref is not None else None
-        if old is not None and old._finalizer.alive:
+        if old is not None and old is not engine and old._finalizer.alive:
             taken.setdefault(id(old), (old, []))[1].append(p)
+        if engine is not None:
+            _owners[p] = weakref.ref(engine)
     for old, ps in taken.values():
         old._let_go(ps)
 
