@@ -89,7 +89,22 @@ class Home:
     across other blocks' loads holds it (before_write ... after_write)."""
 
     def __init__(self, block: "_Block", k: int, like: torch.Tensor):
-        self.block, self.k, self.like = block, k, like
+        # The block weakly: an optimizer holds its params' homes, and its finalizers (in
+        # weakref.finalize's registry, a root) and a param's hooks (held by autograd in
+        # C++, unseen by the collector) reached the block, its streamer and the model
+        # through them, so a dropped model held in a cycle outlived one collection. The
+        # model holds its streamer (its hooks), the streamer its blocks.
+        self._block, self.k, self.like = weakref.ref(block), k, like
+
+    @property
+    def block(self) -> "_Block":
+        block = self._block()
+        if block is None:
+            raise RuntimeError(
+                "offload_adam: a streamed param's streamer is gone (closed, or dropped with "
+                "its model), its host copies with it: this optimizer can no longer step or "
+                "read them; build a new optimizer over the params the model has now")
+        return block
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -659,15 +659,18 @@ def test_a_streamer_dropped_with_a_write_queued_writes_into_no_other_file(tmp_pa
 
 
 @pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+@pytest.mark.parametrize("in_a_cycle", [False, True])
 def test_a_streamed_model_and_its_optimizer_dropped_go_at_one_collection(device, tmp_path,
-                                                                        footprint):
+                                                                        footprint, in_a_cycle):
     """del of the optimizer (state files, step_in_backward), the streamer and the model,
     then one gc.collect(): all of them go, the param file with them. The streamer, the
     model and their host copies outlived that collection until a later one (found from
     outside: a notebook's `del ...; gc.collect()` before a larger model left GBs held):
     the engine's worker held the files' pass (the grad ring's `busy`, its after_job's),
     and through it the blocks, and the worker was reachable from the thread and from the
-    engine's finalizer."""
+    engine's finalizer. `in_a_cycle`: the three held by an object in a reference cycle (a
+    trainer): the optimizer's finalizers (weakref.finalize's registry) and its params'
+    grad hooks (held by autograd in C++) reached the blocks through the params' homes."""
     import weakref
     (tmp_path / "s").mkdir()
     model, s, opt = lora_like(tmp_path, True, step_in_backward=True, state_dirs=[tmp_path / "s"],
@@ -677,10 +680,35 @@ def test_a_streamed_model_and_its_optimizer_dropped_go_at_one_collection(device,
         opt.step()
         opt.zero_grad()
     gone = [weakref.ref(x) for x in (model, s, opt)]
+    if in_a_cycle:
+        trainer = {"model": model, "streamer": s, "optimizer": opt}
+        trainer["self"] = trainer
+        del trainer
     del model, s, opt
     gc.collect()
     assert [r() is None for r in gone] == [True] * 3
     assert not (tmp_path / "p" / FILE_NAME).exists()
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_an_optimizer_whose_streamed_model_was_dropped_says_so_and_keeps_its_state(
+        device, tmp_path, step_in_backward):
+    """The optimizer does not keep a dropped streamed model alive (its params' homes hold
+    their blocks weakly): a step after says the streamer is gone, and changes no state."""
+    model, s, opt = lora_like(tmp_path, True, step_in_backward=step_in_backward)
+    llama_loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    del model, s
+    gc.collect()
+    with pytest.raises(RuntimeError, match="streamer is gone .closed, or dropped with its model"):
+        opt.step()
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_a_slot_is_reused_only_after_its_block_settled_and_went_back(tmp_path):
