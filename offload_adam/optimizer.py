@@ -123,6 +123,16 @@ def _check_param(p, label):
     if p.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
             f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}")
+    # (1: yes; 2: too hard to tell, let through.) torch's in-place step refuses such a
+    # param at its first step; the engine's copy back to it failed on its copy stream,
+    # after step() had returned
+    # (a streamed param's placeholder is one element expanded: its values are its home's)
+    if torch._debug_has_internal_overlap(p) == 1 and home_of(p) is None:
+        raise ValueError(
+            f"offload_adam: param {label()} (strides {list(p.stride())}) has elements "
+            "that share memory (an expand() or "
+            "as_strided view): no optimizer can step them one by one. Give the optimizer "
+            "a tensor that owns its elements (.contiguous(), or the tensor it expands)")
 
 
 def _option(name: str) -> property:
@@ -222,6 +232,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_closed", None)    # an unpickled one is open
         state.pop("_constructing", None)
         state.pop("_busy_lock", None)
+        state.pop("_passing", None)   # (a thread id of this process)
         state.pop("_clip_grads", None)   # (weak references) a clip pending holds for the
         if self._routing.store != "ram":  # grads as unpickled
             # the files' step now: an unpickled copy reopens the files, which hold only
@@ -513,17 +524,27 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         the NVMe tier's ring, files and directory lock. A step after close() raises;
         the files stay, for state_resume=True. Called from another thread while a
         step() runs, it waits for that step to end (its files committed) first."""
-        with self._busy():
+        with self._busy("close"):
             self.__dict__["_closed"] = True
             if self._engine is not None:
                 self._engine.close()
             self._store.close()
 
-    def _busy(self) -> threading.RLock:
+    def _busy(self, what: Optional[str] = None) -> threading.RLock:
         """Held by step() and close(): a close() from another thread (a watchdog, a
         signal handler's thread) lets a step in flight finish rather than pulling its
         files and buffers from under it (made on first use: an unpickled optimizer
-        has none)."""
+        has none). `what` (close, state_dict, load_state_dict) is refused on the thread
+        that runs the step's pass, inside it: a signal handler's (SIGTERM's, saving a
+        checkpoint), which the lock lets in and which saved some params' state a step
+        ahead of the others' (found from outside)."""
+        if what is not None and self.__dict__.get("_passing") == threading.get_ident():
+            raise RuntimeError(
+                f"offload_adam: {what}() was called inside step(), on the thread running "
+                "it (from a signal handler, say SIGTERM's): the step is half done, some "
+                f"params a step ahead of the others. Have the handler set a flag and call "
+                f"{what}() after step() returns (from another thread, {what}() waits "
+                "for the step)")
         return self.__dict__.setdefault("_busy_lock", threading.RLock())
 
     def host_bytes(self):
@@ -637,13 +658,17 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         if self._store.take_edits(self.raw_state()):   # (state_dirs=: opt.state.clear()...)
             self.load_state_dict(self.state_dict())   # its state dict shows the edits
         # Ctrl-C: the whole step, then KeyboardInterrupt (a second one: see the store)
-        with interrupts_deferred(self._store.interrupt_note):
-            store_pass = self._store.pass_(self.param_groups, self.state, scale)
-            with contextlib.closing(store_pass):   # an error: nothing committed
-                for lent in store_pass:   # the store's order; its end commits
-                    step_on_cpu(lent.calls, lent.hyper, scale, num_threads, self._marks)
-                    if lent.engine is not None:
-                        lent.engine()
+        self.__dict__["_passing"] = threading.get_ident()   # (see _busy)
+        try:
+            with interrupts_deferred(self._store.interrupt_note):
+                store_pass = self._store.pass_(self.param_groups, self.state, scale)
+                with contextlib.closing(store_pass):   # an error: nothing committed
+                    for lent in store_pass:   # the store's order; its end commits
+                        step_on_cpu(lent.calls, lent.hyper, scale, num_threads, self._marks)
+                        if lent.engine is not None:
+                            lent.engine()
+        finally:
+            self.__dict__["_passing"] = None
         return loss
 
 

@@ -31,10 +31,11 @@ def _not_while_stepping(method):
     """Runs `method` under the optimizer's step lock (optimizer._busy): called from
     another thread while step() runs, it waits for the step, instead of reading state
     half stepped (a param's moments of the next step beside its step count of the last,
-    a compact state's bucket in the middle of its move, found from outside)."""
+    a compact state's bucket in the middle of its move, found from outside); called
+    inside the step on its own thread (a signal handler), refused."""
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
-        with self._busy():
+        with self._busy(method.__name__):
             return method(self, *args, **kwargs)
     return locked
 

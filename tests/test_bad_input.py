@@ -336,6 +336,26 @@ def test_params_that_share_memory_are_refused_by_name(kernels):
     assert base[0::2].eq(-0.1).all() and base[1::2].eq(0.1).all()
 
 
+@pytest.mark.parametrize("where", ["in_place", "engine", "files"])
+def test_a_param_whose_elements_share_memory_is_refused_when_built(kernels, tmp_path, where):
+    """An expand()ed param (stride 0): torch's own step refuses it at the first step, and
+    the engine's copy back to it raised on its copy stream after step() had returned (on
+    the simulated device, a thread died and the exit hung). Refused by name when built."""
+    import contextlib
+    from offload_adam.testing import AsyncSimDevice, simulated
+    sim = AsyncSimDevice(seed=0) if where == "engine" else None
+    kw = dict(state_dirs=[tmp_path]) if where == "files" else {}
+    with (simulated(sim) if sim else contextlib.nullcontext()):
+        ok = torch.nn.Parameter(torch.randn(4, 8))
+        p = torch.nn.Parameter(torch.randn(1, 8).expand(4, 8))
+        with pytest.raises(ValueError, match=r"group 0, param 1 \(shape \(4, 8\)\) \(strides "
+                                             r"\[0, 1\]\) has elements that share memory"):
+            offload_adam.AdamW([ok, p], lr=1e-2, **kw)
+    if sim is not None:
+        sim.check()
+        sim.close()
+
+
 def test_a_group_added_is_checked_against_the_params_on_its_storages_only(kernels,
                                                                            monkeypatch):
     """Building with many groups (torch's __init__ adds them one by one) looked at the

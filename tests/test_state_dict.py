@@ -321,6 +321,39 @@ def test_state_dict_from_another_thread_waits_for_the_step_in_flight(path):
     opt.close()
 
 
+@pytest.mark.parametrize("what", ["state_dict", "load_state_dict", "close"])
+def test_a_save_inside_the_step_on_its_thread_is_refused(path, monkeypatch, what):
+    """A SIGTERM handler that saves a checkpoint runs on the thread in step(), which the
+    step's lock lets in: state_dict() returned some params' state a step ahead of the
+    others' (found from outside). Refused there, and close() too; the step that raised
+    runs again after, as if nothing had happened."""
+    from offload_adam import optimizer as optimizer_module
+    ps, ref = make_params(), make_params()
+    opt, ref_opt = offload_adam.AdamW(ps, lr=0.02), offload_adam.AdamW(ref, lr=0.02)
+    run(opt, ps, 0, 1)
+    run(ref_opt, ref, 0, 2)
+    saved = opt.state_dict()
+    real, calls = optimizer_module.step_on_cpu, []
+
+    def handler_inside(*args, **kwargs):   # where a signal may land: the pass
+        if not calls:
+            calls.append(what)
+            getattr(opt, what)(*([saved] if what == "load_state_dict" else []))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(optimizer_module, "step_on_cpu", handler_inside)
+    for p, g in zip(ps, grads_for(ps, 1)):
+        p.grad = g.to(p.dtype)
+    with pytest.raises(RuntimeError, match=rf"{what}\(\) was called inside step\(\), on the "
+                                           "thread running it"):
+        opt.step()
+    monkeypatch.undo()
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, ref))
+    assert {float(st["step"]) for st in opt.state_dict()["state"].values()} == {2.0}
+    opt.close()
+    ref_opt.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dcp_loads_torch_adamw_s_checkpoint(kernels, tmp_path, dtype):
     """A migration from torch: a torch.distributed.checkpoint of a model trained with
