@@ -195,9 +195,11 @@ class Home:
     def bumped(self) -> None:
         """The optimizer bumped the param's version counter (its step wrote the host
         copy): not a write through the placeholder (_Block.check_unwritten)."""
-        for versions in (self.block.versions, self.block.used_versions):
-            if versions is not None:
-                versions[self.k] += 1
+        block = self.block
+        for b, k in block.counter_peers.get(self.k, ((block, self.k),)):
+            for versions in (b.versions, b.used_versions):
+                if versions is not None:
+                    versions[k] += 1
 
     def mark(self) -> tuple:
         """What master_rule.mark reads of the host copy: in RAM, its version counter and
@@ -240,6 +242,9 @@ class _Block:
                 self.holders.append((holder, path, attr, index[id(p)]))
         self.loading = 0          # nested load_state_dict hooks running (submodules')
         self.versions: Optional[List[int]] = None   # the params' counters while away
+        # param k -> every (block, index) of a param sharing its version counter, k's
+        # too (views of one tensor: a flat buffer's); absent: its counter is its own
+        self.counter_peers: Dict[int, List[Tuple["_Block", int]]] = {}
         self.used_versions: Optional[List[int]] = None   # ... while on the device
         self.state = "away"
         self.forwarding = False   # in its forward (not a recompute): _post_forward not run yet
@@ -522,6 +527,7 @@ class ParamStreamer:
             found = _find_blocks(model, blocks)
         self.blocks = [_Block(self, i, name, m, params)
                        for i, (name, m, params) in enumerate(found)]
+        _find_counter_peers(self.blocks)
         for block in self.blocks:
             block.offsets, block.size = _offsets(block.params)
         self.fetched_bytes = 0
@@ -1429,6 +1435,31 @@ def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 # and a global forward pre-hook takes every module off torch's call without hooks.
 _BLOCK_OF: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _global_handles: dict = {}
+
+
+def _find_counter_peers(blocks: List[_Block]) -> None:
+    """Fills each block's `counter_peers`. Params made as views of one tensor (a
+    Megatron-style flat buffer) share its version counter, so the optimizer's bump of
+    one moves the others' too (Home.bumped counts it for all of them), where each
+    counted its own, and the next use said the others were written in place (found from
+    outside). Only params on one storage can share a counter, and not all do (a tensor
+    set_() on another's storage has its own): each one's peers are the ones whose
+    counters move when it is bumped (at set-up, before any graph holds them)."""
+    on: Dict[Tuple[str, int], List[Tuple[_Block, int]]] = {}
+    for b in blocks:
+        for k, p in enumerate(b.params):
+            if not p.is_meta and p.numel():
+                on.setdefault((str(p.device), p.untyped_storage().data_ptr()), []).append((b, k))
+    for group in on.values():
+        for b, k in group if len(group) > 1 else ():
+            if k in b.counter_peers:
+                continue
+            before = [c.params[j]._version for c, j in group]
+            torch.autograd.graph.increment_version(b.params[k])
+            peers = [(c, j) for (c, j), v in zip(group, before) if c.params[j]._version != v]
+            if len(peers) > 1:
+                for c, j in peers:
+                    c.counter_peers[j] = peers
 
 
 def _global_entry(module):
