@@ -210,7 +210,9 @@ def _check_left_state(opt, model, before, after_plain, message, files=False):
         return
     assert stepped > 0
     assert f"The Adam step of {stepped} params already ran" in message
-    assert "the other params are not" in message
+    assert "the other params are not (and step_count, the largest of their steps, counts " \
+        "this one)" in message
+    assert opt.step_count == 2   # (one step before the backward)
 
 
 def _reference_after_plain_step(path, it):

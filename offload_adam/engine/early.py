@@ -471,7 +471,8 @@ class EarlyStart:
             what = (f"The Adam step of {stepped} params already ran during backward, "
                     "with the grads and hyperparameters as they were then, and cannot "
                     "be undone (no copy of the previous state is kept): those params "
-                    "and their state are stepped, the other params are not. Restore a "
+                    "and their state are stepped, the other params are not (and "
+                    "step_count, the largest of their steps, counts this one). Restore a "
                     "checkpoint to continue exactly")
             self.spent = (f"offload_adam: the last step() raised after the Adam step of "
                           f"{stepped} params had run during backward with these grads: a "
