@@ -647,7 +647,7 @@ class ParamStreamer:
                     home.copy_(p.detach())
                     if self.files is None:
                         block.homes.append(home)
-                    real = torch.empty(p.shape, dtype=p.dtype, device=self.torch_device)
+                    real = _empty_as(p, self.torch_device)
                     real.untyped_storage().resize_(0)
                     block.device_tensors.append(real)
                     block.placeholders.append(_nan(p, self.torch_device, full=False))
@@ -1317,8 +1317,9 @@ class ParamStreamer:
                     block.settle()
                     block.hold()
                     try:
-                        for p, home in zip(block.params, block.host_views()):
-                            p.data = home.to(self.torch_device, copy=True)
+                        for p, home, real in zip(block.params, block.host_views(),
+                                                 block.device_tensors):
+                            p.data = _empty_as(real, self.torch_device).copy_(home)
                             set_home(p, None)
                     finally:
                         block.unhold(dirty=False)
@@ -1368,6 +1369,21 @@ def _step_key(block: _Block) -> int:
     """When the step writes a block (smaller: sooner): the order the last step wrote it in,
     the order of its grads before any step did."""
     return block.step_order or block.backward_use
+
+
+def _empty_as(p: torch.Tensor, device) -> torch.Tensor:
+    """An empty tensor on `device` of p's shape, dtype and, where p is dense, strides (a
+    transposed or channels_last weight computes on the device as it did resident, on the
+    same kernels: bit for bit; a contiguous copy of it took another matmul path, 1 ulp
+    off in fp32, found from outside). The host copy stays contiguous: the copies between
+    them go element by element."""
+    dims = sorted((stride, size) for size, stride in zip(p.shape, p.stride()) if size != 1)
+    dense, span = p.numel() > 0, 1   # (the strides of a permutation of a contiguous one)
+    for stride, size in dims:
+        dense, span = dense and stride == span, span * size
+    if dense:
+        return torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device=device)
+    return torch.empty(p.shape, dtype=p.dtype, device=device)
 
 
 def _offsets(params) -> Tuple[List[int], int]:

@@ -152,6 +152,40 @@ def test_params_that_view_one_buffer_stream_as_resident(device, step_in_backward
     assert_same_training(*runs)
 
 
+class _TransposedBlock(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        w = torch.randn(16, 16, generator=torch.Generator().manual_seed(seed))
+        self.w = torch.nn.Parameter(w.t())   # strides (1, 16)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w)
+
+
+def test_a_transposed_param_streams_with_its_strides(device):
+    """A streamed param computes on the device with the strides it had resident (a
+    transposed weight, a channels_last conv's): its contiguous copy took another matmul
+    path, 1 ulp off in fp32 (found from outside). Trained bit for bit as resident; close()
+    gives it back with them too."""
+    runs, seen = [], []
+    for streamed in (False, True):
+        model = torch.nn.Sequential(_TransposedBlock(0), _TransposedBlock(1))
+        s = offload_adam.stream_params(model, _TransposedBlock, prefetch=1) if streamed else None
+        model[0].register_forward_pre_hook(lambda m, args: seen.append(m.w.stride()))
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-2)
+        for it in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(it))
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same_training(*runs)
+    assert set(seen) == {(1, 16)}
+    s.close()
+    assert model[1].w.stride() == (1, 16)
+    assert torch.equal(model[1].w, runs[0][0][1].w)
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_streamed_training_is_the_resident_training(device, checkpointed, prefetch):
