@@ -55,9 +55,13 @@ class Hyper:
                    bool(group.get("maximize", False)), bool(group.get("amsgrad", False)))
 
     def changes(self, now: "Hyper") -> List[str]:
-        """'name old -> new' for every field that differs in `now`."""
+        """'name old -> new' for every field that differs in `now` (a NaN kept is no
+        change: a diverged schedule's NaN lr was said to have changed at every step with
+        step_in_backward, where torch steps it to NaN params; found from outside)."""
+        def differ(a, b):
+            return a != b and not (a != a and b != b)
         return [f"{f.name} {getattr(self, f.name)!r} -> {getattr(now, f.name)!r}"
-                for f in fields(self) if getattr(self, f.name) != getattr(now, f.name)]
+                for f in fields(self) if differ(getattr(self, f.name), getattr(now, f.name))]
 
 
 def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],

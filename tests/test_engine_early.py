@@ -163,6 +163,26 @@ CHANGES = {
 }
 
 
+def test_a_nan_hyperparameter_kept_is_no_change(path):
+    """A diverged schedule's NaN lr, set before backward and kept: step() steps (to NaN
+    params, as the default and torch do), where NaN != NaN said the lr had changed at
+    every step (found from outside)."""
+    runs = []
+    for early in (False, True):
+        model, opt = make(early)
+        backward(model, 0)
+        opt.step()
+        opt.zero_grad()
+        opt.param_groups[1]["lr"] = float("nan")
+        backward(model, 1)
+        opt.step()
+        opt.zero_grad()
+        runs.append([p.detach().float() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert any(bool(a.isnan().any()) for a in runs[1])
+
+
 def _snapshot(opt, model):
     held = states(opt)
     return {p: held[p]["master_param"].clone() for p in model.parameters() if held.get(p)}
