@@ -221,7 +221,8 @@ class Home:
 
 class _Block:
     """One streamed module: its params, their host copies and device tensors, and where
-    they are: "away" (no device memory), "coming" (copy queued), "here" (published)."""
+    they are: "away" (no device memory), "coming" (copy queued, placeholders still shown),
+    "here" (published, shown)."""
 
     def __init__(self, streamer: "ParamStreamer", index: int, name: str,
                  module: torch.nn.Module, params: List[Tuple[str, torch.nn.Parameter]]):
@@ -336,8 +337,18 @@ class _Block:
         block's) would compute with values the streamer knows nothing of, and the model's
         state_dict() would show the old host copy."""
         for module, path, attr, k in self.holders:
-            if module._parameters.get(attr) is not self.params[k]:
+            now = module._parameters.get(attr)
+            if now is not self.params[k]:
                 name = f"{path}.{attr}" if path else attr
+                if isinstance(now, torch.Tensor) and not isinstance(now, torch.nn.Parameter):
+                    # (torch.func.functional_call's swap for the call, torch.func.grad's)
+                    raise RuntimeError(
+                        f"offload_adam.stream_params: param {self.name}.{name} of a "
+                        f"streamed block holds a tensor that is not it for this call "
+                        f"({type(now).__name__}: torch.func.functional_call or "
+                        "torch.func.grad swapping tensors in): a streamed block computes "
+                        "with its own params only. Call it with tensors for params outside "
+                        "the streamed blocks, or on the model without streaming")
                 raise RuntimeError(
                     f"offload_adam.stream_params: param {self.name}.{name} of a streamed block "
                     "was replaced after stream_params (assigned, or tied to another param); "
@@ -1116,6 +1127,8 @@ class ParamStreamer:
             block.backward_task = torch._C._current_graph_task_id()
         self._fetch(block)
         self.device.publish(block.copies)
+        if block.state == "coming":   # (shown only now: _fetch)
+            block.show(block.device_tensors)
         block.state = "here"
         for index, _ in ahead:
             self._fetch(self.blocks[index], ahead=True)
@@ -1157,7 +1170,9 @@ class ParamStreamer:
                                                   block.host_views(), fence)])
         finally:
             block.unhold(dirty=False)
-        block.show(block.device_tensors)
+        # (the params show their placeholders until _use publishes the copies: a read
+        # of a block fetched ahead, from another block's hook, read the copy in flight:
+        # found from outside)
         block.state = "coming"
         self.fetched_bytes += block.nbytes
 
@@ -1165,8 +1180,9 @@ class ParamStreamer:
         if block.state == "away":
             return
         if block.state == "coming":   # fetched ahead, never used: free after its copy
-            self.device.publish(block.copies)
-        block.show(block.placeholders)
+            self.device.publish(block.copies)   # (its placeholders still shown)
+        else:
+            block.show(block.placeholders)
         for t in block.device_tensors:
             self.device.release(t)
         block.state = "away"

@@ -152,6 +152,75 @@ def test_params_that_view_one_buffer_stream_as_resident(device, step_in_backward
     assert_same_training(*runs)
 
 
+def test_a_block_fetched_ahead_shows_its_placeholders_until_its_use(device):
+    """A forward hook of block 0 reading block 1's weight (logging) while block 1 is
+    fetched ahead read the device copy in flight (an ordering violation: on a GPU, any
+    bytes) and a write there raced the copy and was lost (found from outside): the
+    params show their placeholders until the block's own use publishes the copies, so
+    the read is the NaN of any read between uses, and the device reports no violation
+    (the fixture checks). Training is the same."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=4)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=1)
+        seen = []
+        model.layers[0].register_forward_hook(
+            lambda mod, args, out, m=model: seen.append(m.layers[1].q.weight.float().sum()))
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 3, micro=2)
+        runs.append((model, opt))
+    assert len(seen) == 6 and all(bool(torch.isnan(x)) for x in seen)
+    assert_same_training(*runs)
+
+
+def test_functional_call_with_other_tensors_for_streamed_params_is_refused_as_such(device):
+    """torch.func.functional_call swapping a tensor in for a streamed param (and
+    torch.func.grad, which swaps the model's own detached) was refused as a param
+    "replaced after stream_params (assigned, or tied)", which the user had not done
+    (found from outside): said as it is; the model computes as before after, and a
+    call swapping only resident params goes through."""
+    from torch.func import functional_call
+    model = make_llama(layers=2, frozen=())
+    offload_adam.stream_params(model, Block, prefetch=1)
+    x = torch.arange(8).view(1, 8)
+    zeros = torch.zeros(model.layers[0].q.weight.shape, dtype=BF16)
+    with pytest.raises(RuntimeError, match=r"param layers.0.q.weight of a streamed block holds "
+                                           r"a tensor that is not it .*functional_call"):
+        functional_call(model, {"layers.0.q.weight": zeros}, (x,))
+    before = model(x)
+    assert bool(before.isfinite().all())
+    head = model.embed.weight.detach().clone()
+    assert torch.equal(functional_call(model, {"embed.weight": head}, (x,)), before)
+
+
+@pytest.mark.parametrize("how", ["close", "take_over"])
+def test_an_optimizer_closed_between_backward_and_step_lets_the_streamer_close(device, how):
+    """step_in_backward, state in RAM: the optimizer closed (or taken over by a newer one)
+    after a backward, before step(), was accepted without a word, the model half a step
+    ahead, and its pending steps kept the streamer from closing ("call step() first") for
+    as long as the old optimizer lived (found from outside). Now it says what ran, and
+    the streamer closes; the params are their host copies' (masters rounded)."""
+    model = make_llama(layers=4)
+    s = offload_adam.stream_params(model, Block, prefetch=1)
+    opt = offload_adam.AdamW(model.parameters(), **{**OPTS, "step_in_backward": True})
+    train(model, opt, 1)
+    llama_loss(model, 1).backward()
+    with pytest.warns(RuntimeWarning, match=r"closed \(or taken over by a newer one\) between "
+                                            r"backward and step\(\).*the Adam step of [1-9]"):
+        if how == "close":
+            opt.close()
+        else:
+            newer = offload_adam.AdamW(model.parameters(), **OPTS)
+    masters = {id(p): st["master_param"] for p, st in opt.state.items() if "master_param" in st}
+    s.close()
+    for p in model.parameters():
+        if id(p) in masters:
+            assert torch.equal(p.detach().cpu(), masters[id(p)].to(p.dtype)), p.shape
+    if how == "take_over":
+        newer.close()
+
+
 class _TransposedBlock(torch.nn.Module):
     def __init__(self, seed):
         super().__init__()

@@ -53,6 +53,7 @@ import contextlib
 import functools
 import os
 import time
+import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -466,9 +467,29 @@ class OffloadEngine:
     def close(self) -> None:
         if self._finalizer.alive:
             self.settle_tail()   # (a deferred step still writes host memory)
+            self._close_between_backward_and_step()
         self._finalizer()
         if self._worker is not None:
             self._worker.join()   # (its thread ended: nothing of it runs on at exit)
+
+    def _close_between_backward_and_step(self) -> None:
+        """Closed (or taken over) with steps begun in backward and no step() yet: in host
+        RAM they cannot be undone. Their params are written, as after a backward that
+        raised, and said; left pending, they kept a streamed model's blocks from closing
+        ("call step() first") for as long as this optimizer lived (found from outside).
+        In files the store abandons its pass (nvme_tier.py)."""
+        early = self.early
+        if early is None or early.files is not None or not early.pending():
+            return
+        stepped = early.commit()
+        if stepped:
+            warnings.warn(
+                f"offload_adam: this optimizer was closed (or taken over by a newer one) "
+                f"between backward and step() with step_in_backward=True: the Adam step of "
+                f"{stepped} params already ran during backward and cannot be undone (no copy "
+                "of the previous state is kept): those params and their state are stepped, "
+                "the other params are not. Restore a checkpoint to continue exactly",
+                RuntimeWarning, stacklevel=4)
 
     def lend_pins(self, holder) -> None:
         """`holder` (with release()) pinned buffers through this engine's device for its
