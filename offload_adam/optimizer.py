@@ -615,7 +615,10 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             closure (Callable, optional): A closure that reevaluates the model
                 and returns the loss.
         """
-        with self._busy():
+        # (under torch.inference_mode, as torch's step may run: the buffers the step
+        # makes, the engine's host state at its first step, would be inference tensors,
+        # which its worker thread, outside that mode, cannot write: found from outside)
+        with self._busy(), torch.inference_mode(False):
             return self._step(closure)
 
     def _step(self, closure):

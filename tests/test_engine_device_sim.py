@@ -43,6 +43,18 @@ def test_a_copy_runs_late_and_reads_its_source_when_it_runs(dev):
     dev.check()
 
 
+def test_a_copy_that_raises_is_reported_and_its_waiters_go_on(dev):
+    """A copy raising on its stream's thread (a CUDA copy raises when queued) killed the
+    thread, and every wait for it hung (found from outside: a test run hung): reported
+    at check() instead."""
+    host = torch.zeros(4)
+    t = dev.d2h(host, torch.ones(5))   # (shapes that cannot be copied)
+    done = threading.Event()
+    threading.Thread(target=lambda: (dev.wait_host(t), done.set()), daemon=True).start()
+    assert done.wait(30)
+    assert "device->host copy #1 (4 elements) raised RuntimeError" in _violations(dev)
+
+
 def test_host_read_before_the_copy_landed_sees_poison(dev):
     host = torch.zeros(4)
     dev.d2h(host, torch.ones(4))

@@ -86,6 +86,25 @@ FROZEN_MODES = {"default": {}, "free_grads": {"free_grads_after_copy": True},
                 "early": {"step_in_backward": True}, "no_overlap": {"overlap": False}}
 
 
+@pytest.mark.parametrize("early", [False, True])
+def test_a_step_under_inference_mode_is_the_step(path, early):
+    """step() inside torch.inference_mode() (a loop that wraps its updates in it), as
+    torch's runs: the engine's host state, made at the first step, became inference
+    tensors that its worker thread could not write, and the step raised half done (found
+    from outside). The same training as outside it."""
+    runs = []
+    for inference in (False, True):
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), **{**OPTS, "step_in_backward": early})
+        for it in range(3):
+            mlp_loss(model, it).backward()
+            with torch.inference_mode() if inference else contextlib.nullcontext():
+                opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same(*runs)
+
+
 @pytest.mark.parametrize("mode", FROZEN_MODES)
 def test_frozen_params_hold_no_host_memory_until_they_have_a_grad(path, mode):
     # torch makes no state for a param until its first step with a grad: a LoRA model's

@@ -227,7 +227,13 @@ class _Stream:
                 dep.forced.set()
                 dep.executed.wait()
             op.forced.wait(op.hold)
-            dev._execute(op)
+            try:
+                dev._execute(op)
+            except Exception as e:   # noqa: BLE001 -- reported, never a dead stream:
+                # (a CUDA copy raises when queued, in its caller's thread; here it runs on
+                # this one, whose death left every wait for it hanging: found from outside)
+                with dev.lock:
+                    dev._violation(f"{op.name()} raised {type(e).__name__}: {e}")
             with dev.lock:
                 self.pending.pop(0)
                 op.executed.set()
