@@ -86,6 +86,30 @@ FROZEN_MODES = {"default": {}, "free_grads": {"free_grads_after_copy": True},
                 "early": {"step_in_backward": True}, "no_overlap": {"overlap": False}}
 
 
+def test_a_backward_under_inference_mode_is_refused_by_the_engine_by_name(path):
+    """backward() of a graph built outside torch.inference_mode(), run inside it, makes
+    inference tensors of the grads, which have no version counter: the engine (which
+    tells a grad changed after its copy by it) failed with torch's "Inference tensors do
+    not track version counter" (found from outside). Named; in place, stepped as torch
+    does. Training goes on after."""
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    loss = mlp_loss(model, 0)
+    if path.engine:
+        with pytest.raises(RuntimeError, match=r"a grad is an inference tensor: backward ran "
+                                               r"under torch.inference_mode\(\)"):
+            with torch.inference_mode():
+                loss.backward()
+        opt.zero_grad()
+    else:
+        with torch.inference_mode():
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    run(model, opt, 2, start=1, loss=mlp_loss)
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+
+
 @pytest.mark.parametrize("early", [False, True])
 def test_a_step_under_inference_mode_is_the_step(path, early):
     """step() inside torch.inference_mode() (a loop that wraps its updates in it), as

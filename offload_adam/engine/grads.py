@@ -100,6 +100,12 @@ class GradCopy:
                  "factor", "generation", "adds")
 
     def __init__(self, grad: torch.Tensor, fingerprint: Optional[torch.Tensor], pieces: int):
+        if grad.is_inference():   # (torch's own message named no cause: found from outside)
+            raise RuntimeError(
+                "offload_adam: a grad is an inference tensor: backward ran under "
+                "torch.inference_mode(), whose tensors have no version counter, by which "
+                "the engine tells a grad changed after its copy to the host. Run backward "
+                "outside inference_mode (under torch.no_grad() it works)")
         self.grad = weakref.ref(grad)     # the tensor copied (not kept alive)
         self.version = grad._version      # ... at this version
         self.fingerprint = fingerprint    # ... with these values (None: not verified)
