@@ -68,11 +68,14 @@ class TorchStateDict:
         early = getattr(self._engine, "early", None) if self._engine is not None else None
         if early is not None:
             early.check_saving()
+            begun = early.begun
         # The user's post hooks see (and may change) the dict as returned: after the
         # state from the files and the conversions below, not before (torch's run last)
         with _post_hooks_held(self, "_optimizer_state_dict_post_hooks") as hooks:
             sd = self._store.add_state(super().state_dict())
         sd = self._converted(sd, fp32_moments)
+        if early is not None:
+            early.check_saving(since=begun)
         for hook in hooks.values():
             result = hook(self, sd)
             if result is not None:

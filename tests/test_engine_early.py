@@ -539,6 +539,29 @@ def test_state_dict_between_backward_and_step(path):
     assert {float(st["step"]) for st in opt.state_dict()["state"].values()} == {1.0, 2.0}
 
 
+def test_state_dict_across_a_backward_that_starts_steps_is_refused(path):
+    """A checkpoint thread's state_dict() while the training thread's backward starts
+    steps (the check before the read passed; the steps began during it) returned state of
+    two steps (found from outside). Here the backward runs in a state dict pre-hook,
+    between that check and the read: in host RAM refused; in files the dict is the last
+    completed step's. The iteration goes on with step()."""
+    model, opt = make(True)
+    backward(model, 0)
+    opt.step()
+    opt.zero_grad()
+    handle = opt.register_state_dict_pre_hook(lambda o: backward(model, 1))
+    if path.files:
+        assert {float(st["step"]) for st in opt.state_dict()["state"].values()} == {1.0}
+    else:
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) read the state while a backward "
+                                               r"\(in another thread\) started the step"):
+            opt.state_dict()
+    handle.remove()
+    opt.step()
+    opt.zero_grad()
+    assert {float(st["step"]) for st in opt.state_dict()["state"].values()} == {1.0, 2.0}
+
+
 def test_accumulation_is_an_error(path):
     model, opt, before = _in_second_backward()
     with pytest.raises(RuntimeError, match="a grad arrived again.*accumulation"):

@@ -67,6 +67,7 @@ class EarlyStart:
         self._expected: Optional[set] = None     # still to come (None: not counted yet)
         self._waiting: Dict[int, int] = {}       # bucket index -> expected pieces to come
         self._started: Dict[int, object] = {}    # rec id -> the GradCopy its step read
+        self.begun = 0   # begin() calls ever (a state_dict() read across one: check_saving)
         self._stepped: set = set()               # ids of the pieces whose kernel ran
         self._counted: set = set()               # ids of the pieces counted in one by one
         self._refused = False   # step() will refuse the groups: no step starts (_refusal)
@@ -203,6 +204,7 @@ class EarlyStart:
         owner = self._owner()
         if owner is None:
             return False
+        self.begun += 1
         for rec in recs:
             if rec.group not in self._hyper:
                 self._hyper[rec.group] = Hyper.of(owner.param_groups[rec.group])
@@ -511,12 +513,20 @@ class EarlyStart:
             self.new_iteration()
         return len(stepped)
 
-    def check_saving(self) -> None:
+    def check_saving(self, since: Optional[int] = None) -> None:
         """state_dict() between backward and step(): with the state in host RAM the
         steps started in backward write it in place, so it would hold the next step's
         state beside the model's weights of this one (a checkpoint that resumes wrong).
         Raises then; the iteration goes on (step() completes it). In files nothing is
-        committed before step(): the state dict is the last completed step's."""
+        committed before step(): the state dict is the last completed step's. `since`:
+        `begun` before state_dict() read the state; steps begun since, by a backward in
+        another thread, read into it half (found from outside: a dict of two steps)."""
+        if self.files is None and since is not None and self.begun != since:
+            raise RuntimeError(
+                "offload_adam: state_dict() read the state while a backward (in another "
+                "thread) started the step of some params with step_in_backward=True: the "
+                "dict would hold state of two steps. Save the optimizer's state between "
+                "step() and the next backward")
         if self.files is None and self._started:
             raise RuntimeError(
                 "offload_adam: state_dict() was called between backward and step() with "
