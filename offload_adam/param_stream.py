@@ -564,6 +564,8 @@ class ParamStreamer:
         self._input_hooks: List[list] = []
         self._cursor: Optional[int] = 0
         self._graph_task = None          # the backward whose end releases every block
+        self._forward_thread: Optional[int] = None   # the thread of the last forward use
+        self._thread_lock = threading.Lock()
         self._pinned: list = []   # the host copies' buffers, pinned
         # unpinned by close(), or when a streamer dropped without it is collected
         self._unpin = weakref.finalize(self, unpin_when_dropped, self.device, self._pinned)
@@ -881,6 +883,7 @@ class ParamStreamer:
         micro-batch's), not that of the inference passes before it (their recording
         kept, it grew with each, and prefetch fetched ahead what the pass did not use)."""
         if not _in_backward():
+            self._one_thread_forwards(None)
             self._fetch_hooks = []
         if self._order is None and not _in_backward():
             self._recording = []
@@ -899,10 +902,35 @@ class ParamStreamer:
             if block.state != "here" or block.stale:
                 self._use(block, "b")
         else:
+            self._one_thread_forwards(block)
             if self._graph_task is not None:   # the last backward raised: its end never ran
                 self._end_of_backward(completed=False)
-            block.forwarding = True
             self._use(block, "f")
+
+    def _one_thread_forwards(self, block: Optional[_Block]) -> None:
+        """A forward on one thread while another thread's is in a block (`block`: the
+        one called, marked forwarding; None: the model's forward starting): each released
+        the blocks the other used (a block's forward that raised releases every block),
+        so one computed with placeholders (NaN, silently) or was told a submodule ran
+        outside its block (found from outside). Refused before anything moves, and the
+        refused call's end releases nothing (_forward_ended). (In backward, autograd runs
+        the hooks on threads of its own: not checked.)"""
+        me = threading.get_ident()
+        with self._thread_lock:   # (the check and the mark at once: two threads at a time)
+            other = self._forward_thread
+            busy = [b.name for b in self.blocks if b.forwarding]
+            if other is not None and other != me and busy:
+                what = f"block {block.name} was called" if block is not None else \
+                    "the model was called"
+                raise RuntimeError(
+                    f"offload_adam.stream_params: {what} in a forward on one thread while "
+                    f"another thread's forward of this streamed model is in block {busy[0]}: "
+                    "the blocks are fetched and released for one forward at a time. Run the "
+                    "forwards one after another (a lock around them), or stream a model per "
+                    "thread")
+            self._forward_thread = me
+            if block is not None:
+                block.forwarding = True
 
     def _global_fetch(self, block: _Block) -> None:
         """From the global forward pre-hook, before the user's global ones: the block's
@@ -1035,8 +1063,8 @@ class ParamStreamer:
         error caught and the batch halved): all go back now. A first micro-batch that
         raised is recorded again from the next forward on, as after a backward that did."""
         block.early = False   # (a hook between the global fetch and the block's raised)
-        if not block.forwarding:
-            return
+        if not block.forwarding or threading.get_ident() != self._forward_thread:
+            return   # (not its forward: another thread's, this one's refused)
         block.forwarding = False
         for b in self.blocks:
             self._release(b)

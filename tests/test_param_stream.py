@@ -221,6 +221,39 @@ def test_an_optimizer_closed_between_backward_and_step_lets_the_streamer_close(d
         newer.close()
 
 
+def test_a_forward_on_another_thread_while_one_is_in_a_block_is_refused(device):
+    """Two threads' forwards of one streamed model at once released each other's blocks:
+    one computed with placeholders (NaN, silently) or was told a submodule ran outside
+    its block (found from outside). The second is refused by name; the first goes on,
+    its output the same as alone."""
+    import threading
+    model = make_llama(layers=3, frozen=())
+    offload_adam.stream_params(model, Block, prefetch=1)
+    x = torch.arange(8).view(1, 8)
+    with torch.no_grad():
+        want = model(x)
+    errors = []
+
+    def other():
+        try:
+            with torch.no_grad():
+                model(x)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    def start_other(module, args):   # (inside block 1, fetched: its forward is on)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)
+    handle = model.layers[1].register_forward_pre_hook(start_other)
+    with torch.no_grad():
+        got = model(x)
+    handle.remove()
+    assert len(errors) == 1 and ("another thread's forward of this streamed model is in "
+                                 "block layers.1") in errors[0], errors
+    assert torch.equal(got, want)
+
+
 class _TransposedBlock(torch.nn.Module):
     def __init__(self, seed):
         super().__init__()
