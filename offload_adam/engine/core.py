@@ -1206,11 +1206,7 @@ class OffloadEngine:
         as the device's would (bf16 + bf16 computed in fp32, rounded to nearest even),
         so the sum is bit for bit the one accumulated on the device."""
         if not self.check_open(closed_ok=True):
-            raise RuntimeError(
-                f"offload_adam: backward accumulated a grad into the grad of {rec.label()}, "
-                "which this optimizer freed after copying it (free_grads_after_copy=True), "
-                "but the optimizer was closed (close()): the host copy that held it is gone. "
-                "Call zero_grad() before a backward after close(), or build a new optimizer")
+            raise _freed_by_a_closed_optimizer(rec)
         if self.early is not None:
             self.early.fail("a grad was accumulated (another micro-batch) into a freed "
                             "grad whose step already ran in backward")
@@ -1564,6 +1560,14 @@ def _homes(pieces: Sequence[Piece]) -> list:
     return list({id(p.rec.home): p.rec.home for p in pieces if p.rec.home is not None}.values())
 
 
+def _freed_by_a_closed_optimizer(rec: ParamRec) -> RuntimeError:
+    return RuntimeError(
+        f"offload_adam: the grad of {rec.label()} was freed by this optimizer after its copy "
+        "(free_grads_after_copy=True), and the optimizer was closed (close()): the host copy "
+        "that held it is gone (a backward accumulating into it, a clip reading it). Call "
+        "zero_grad() before a backward after close(), or build a new optimizer")
+
+
 class _FreedHost:
     """What a freed grad's FreedGrad asks of its host copy (freed_grad.py)."""
 
@@ -1573,6 +1577,10 @@ class _FreedHost:
     def _engine(self) -> "OffloadEngine":
         """The engine, while this copy is still the grad's (else a RuntimeError)."""
         engine = self.engine_ref()
+        if engine is not None and not engine.check_open(closed_ok=True):
+            # (said first: closed between backward and step(), the steps begun in backward
+            # took their copies, and "its step was taken" hid why)
+            raise _freed_by_a_closed_optimizer(self.rec)
         if engine is None or self.rec.copy is not self.copy:
             raise RuntimeError(f"offload_adam: the host copy of the freed grad of "
                                f"{self.rec.label()} is gone (its step was taken)")
