@@ -123,10 +123,10 @@ def _check_param(p, label):
     if p.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
             f"offload_adam steps CPU and CUDA tensors; param {label()} is on {p.device}")
-    # (1: yes; 2: too hard to tell, let through.) torch's in-place step refuses such a
-    # param at its first step; the engine's copy back to it failed on its copy stream,
-    # after step() had returned
-    # (a streamed param's placeholder is one element expanded: its values are its home's)
+    # Elements sharing memory (1: yes; 2: too hard to tell, let through): torch's in-place
+    # step refuses such a param at its first step, and the engine's copy back to it failed
+    # on its copy stream after step() had returned. (A streamed param's placeholder is one
+    # element expanded: its values are its home's.)
     if torch._debug_has_internal_overlap(p) == 1 and home_of(p) is None:
         raise ValueError(
             f"offload_adam: param {label()} (strides {list(p.stride())}) has elements "

@@ -918,8 +918,10 @@ class ParamStreamer:
         me = threading.get_ident()
         with self._thread_lock:   # (the check and the mark at once: two threads at a time)
             other = self._forward_thread
-            busy = [b.name for b in self.blocks if b.forwarding]
-            if other is not None and other != me and busy:
+            # (the blocks looked at only after another thread's forward: not per block use)
+            busy = ([b.name for b in self.blocks if b.forwarding]
+                    if other is not None and other != me else [])
+            if busy:
                 what = f"block {block.name} was called" if block is not None else \
                     "the model was called"
                 raise RuntimeError(

@@ -207,7 +207,7 @@ def test_an_optimizer_closed_between_backward_and_step_lets_the_streamer_close(d
     train(model, opt, 1)
     llama_loss(model, 1).backward()
     with pytest.warns(RuntimeWarning, match=r"closed \(or taken over by a newer one\) between "
-                                            r"backward and step\(\).*the Adam step of [1-9]"):
+                                            r"backward and step\(\).*The Adam step of [1-9]"):
         if how == "close":
             opt.close()
         else:

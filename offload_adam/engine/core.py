@@ -70,7 +70,7 @@ from ..params import check_dense, groups_now, home_of, one_device
 from ..state_format import state_format
 from .device import HostDevice, current_host_stand_in, make_device
 from .host_memory import HostArenas
-from .early import EarlyStart, format_changed
+from .early import EarlyStart, format_changed, steps_kept
 from .grad_ring import GradRing, block_grad_bytes, ring_bytes, trainable_bytes
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
 from .param_check import ParamCheck
@@ -484,12 +484,9 @@ class OffloadEngine:
         stepped = early.commit()
         if stepped:
             warnings.warn(
-                f"offload_adam: this optimizer was closed (or taken over by a newer one) "
-                f"between backward and step() with step_in_backward=True: the Adam step of "
-                f"{stepped} params already ran during backward and cannot be undone (no copy "
-                "of the previous state is kept): those params and their state are stepped, "
-                "the other params are not. Restore a checkpoint to continue exactly",
-                RuntimeWarning, stacklevel=4)
+                "offload_adam: this optimizer was closed (or taken over by a newer one) "
+                "between backward and step() with step_in_backward=True. "
+                + steps_kept(stepped), RuntimeWarning, stacklevel=4)
 
     def lend_pins(self, holder) -> None:
         """`holder` (with release()) pinned buffers through this engine's device for its

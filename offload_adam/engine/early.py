@@ -470,12 +470,7 @@ class EarlyStart:
             what = ("Nothing was stepped: the state files and the params are those of "
                     "the last completed step")
         elif stepped:
-            what = (f"The Adam step of {stepped} params already ran during backward, "
-                    "with the grads and hyperparameters as they were then, and cannot "
-                    "be undone (no copy of the previous state is kept): those params "
-                    "and their state are stepped, the other params are not (and "
-                    "step_count, the largest of their steps, counts this one). Restore a "
-                    "checkpoint to continue exactly")
+            what = steps_kept(stepped)
             self.spent = (f"offload_adam: the last step() raised after the Adam step of "
                           f"{stepped} params had run during backward with these grads: a "
                           "step() with them again would step those params twice. Call "
@@ -585,6 +580,16 @@ class EarlyStart:
         self._counted = set()
         # (a failed step drops the held jobs unrun: those params are not stepped)
         self._held, self._held_ids, self._held_blocks, self._holding = [], set(), set(), True
+
+
+def steps_kept(stepped: int) -> str:
+    """What stays of the `stepped` params' steps that ran in backward, the state in host
+    RAM, when the iteration ends without step() (a backward that raised, a close())."""
+    return (f"The Adam step of {stepped} params already ran during backward, with the "
+            "grads and hyperparameters as they were then, and cannot be undone (no copy of "
+            "the previous state is kept): those params and their state are stepped, the "
+            "other params are not (and step_count, the largest of their steps, counts this "
+            "one). Restore a checkpoint to continue exactly")
 
 
 def format_changed(param_groups, bucket) -> Optional[str]:
