@@ -57,8 +57,8 @@ import torch
 from .byte_view import byte_view
 from .engine.host_memory import unpin_when_dropped
 from .engine.worker import WORKER_NAME
-from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, crc32, map_file, open_direct,
-                             wait, warn_buffered)
+from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, bytes_of, crc32, map_copy,
+                             map_file, open_direct, wait, warn_buffered)
 from .nvme.layout import ALIGN, round_up
 from .nvme.manifest import lock_exclusive
 
@@ -377,16 +377,21 @@ class ParamFiles:
         cache, which then serves the mapping): a changed file is an error, not a value."""
         self.flush(i)
         fd, offset, size = self._extent(i)
-        # (mmap's offset: a multiple of the allocation granularity, 64 KiB on some arm64
-        # kernels, where the extents are on 4 KiB)
-        page = offset - offset % mmap.ALLOCATIONGRANULARITY
         have = os.fstat(fd).st_size
         if have < offset + size:   # (cut short since it was written: mmap would refuse it)
             raise NvmeError(errno.EIO, f"offload_adam: block {i}'s params in {self._path(i)} "
                             f"(bytes {offset}..{offset + size}) are past the file's end "
                             f"({have} bytes): the file was cut short since it was written")
-        m = map_file(fd, size + offset - page, page)
-        data = torch.frombuffer(m, dtype=torch.uint8)[offset - page:offset - page + size]
+        got = map_copy(fd, offset, size)   # (no descriptor kept: direct_io.py)
+        if got is not None:
+            region, at = got
+            data = torch.frombuffer(bytes_of(region, at, size), dtype=torch.uint8)
+        else:
+            # (mmap's offset: a multiple of the allocation granularity, 64 KiB on some
+            # arm64 kernels, where the extents are on 4 KiB)
+            page = offset - offset % mmap.ALLOCATIONGRANULARITY
+            m = map_file(fd, size + offset - page, page)
+            data = torch.frombuffer(m, dtype=torch.uint8)[offset - page:offset - page + size]
         if i in self.sums:
             step = self.pool.request_bytes
             view = byte_view(data)

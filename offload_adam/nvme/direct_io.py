@@ -15,7 +15,9 @@ naming the directory.
 from __future__ import annotations
 
 import concurrent.futures.thread as _pools
+import ctypes
 import errno
+import functools
 import mmap
 import os
 import threading
@@ -66,10 +68,12 @@ class NvmeError(OSError):
 def map_file(fd: int, length: int, offset: int) -> mmap.mmap:
     """`length` bytes of the file `fd` from `offset` (a multiple of the allocation
     granularity), mapped copy-on-write. Python's mmap keeps a descriptor of its own for
-    each mapping, so a state dict mapped tensor by tensor (a 70B model's: some 2,000
-    tensors) can pass a soft limit of 1024 open files: past it, the limit is raised to
-    the hard one (the process may, and nothing else changes), and where that is not
-    enough the error says why so many are open."""
+    each mapping: a streamed model's state_dict() with param files maps each block so (an
+    80-block model passes no limit), and so does a state dict of state in files where
+    files cannot be mapped into a range of our own (not Linux: tensor by tensor, some
+    2,000 for a 70B model). Past a soft limit of open files, the limit is raised to the
+    hard one (the process may, and nothing else changes), and where that is not enough
+    the error says why so many are open."""
     try:
         return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
     except OSError as e:
@@ -87,6 +91,63 @@ def map_file(fd: int, length: int, offset: int) -> mmap.mmap:
                       "streamed model's state_dict() with param files, map each tensor from "
                       "its file, one descriptor each while the dict is alive. Raise the "
                       "limit (ulimit -n), or drop the dicts already saved") from e
+
+
+_MAP_FIXED = 0x10   # Linux's: replace the pages at that address (within our own range)
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_mmap():
+    mmap_ = ctypes.CDLL(None, use_errno=True).mmap
+    mmap_.restype = ctypes.c_void_p
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+    return mmap_
+
+
+def fixed_maps() -> bool:
+    """Whether files can be mapped into a range of our own (Linux's MAP_FIXED)."""
+    return hasattr(mmap, "MAP_ANONYMOUS") and os.uname().sysname == "Linux"
+
+
+def address_of(region: mmap.mmap) -> int:
+    """Where an anonymous mapping starts. (It unmaps its whole range when freed, the file
+    pages mapped over it too.)"""
+    view = (ctypes.c_char * len(region)).from_buffer(region)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+def map_at(address: int, length: int, fd: int, offset: int) -> None:
+    """mmap(2) of file `fd` from `offset`, private and writable (copy-on-write), at
+    `address` exactly (a range the caller holds)."""
+    got = _libc_mmap()(address, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                       mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset)
+    if got != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"offload_adam: mapping a file failed: {os.strerror(err)}")
+
+
+def map_copy(fd: int, offset: int, nbytes: int) -> Optional[Tuple[mmap.mmap, int]]:
+    """The file's bytes [offset, offset + nbytes) mapped copy-on-write, from the page
+    below `offset`, into an anonymous range of our own: (the range, where `offset` lies in
+    it). Unlike map_file, no descriptor is kept. None where files cannot be mapped so."""
+    if not fixed_maps():
+        return None
+    page = mmap.PAGESIZE
+    lo = offset - offset % page
+    region = mmap.mmap(-1, max(page, -(-(offset + nbytes - lo) // page) * page),
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    map_at(address_of(region), len(region), fd, lo)
+    return region, offset - lo
+
+
+def bytes_of(region: mmap.mmap, at: int, nbytes: int):
+    """`nbytes` of `region` from `at`, as a buffer of their own that keeps the region
+    (torch.frombuffer of it: a storage of just those bytes, which torch.save writes)."""
+    return (ctypes.c_char * nbytes).from_buffer(region, at)
 
 
 class AlignedBuffer:

@@ -50,9 +50,7 @@ the optimizer is built anew (abandon_pass).
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import functools
 import json
 import mmap
 import os
@@ -64,8 +62,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import direct_io, manifest
-from .direct_io import (AlignedBuffer, IOPool, NvmeError, map_file, open_direct, wait,
-                        warn_buffered)
+from .direct_io import (AlignedBuffer, IOPool, NvmeError, address_of, bytes_of, fixed_maps,
+                        map_at, map_copy, map_file, open_direct, wait, warn_buffered)
 from . import redo
 from .circular import SPARES, Circular
 from .layout import (HEADER_BYTES, SLOTS, SUM_BYTES, Extent, StateSpec, differences, place,
@@ -758,9 +756,24 @@ class NvmeState:
         e = self.extents[i]
         b = self.spec.buckets[i]
         out = {}
+        first = self._at(i, slot)
+        with open(self.paths[e.file], "rb") as f:
+            # The bucket mapped once, into a range of our own: no descriptor kept and one
+            # mapping a bucket, not a tensor (Python's mmap keeps a descriptor each: a dict
+            # of many params, an MoE with a Linear per expert, passed the open files'
+            # limit, and at 13,000 params of 5 tensors, 8-bit moments, the kernel's 65,530
+            # mappings a process). Each tensor has a storage of its own.
+            got = map_copy(f.fileno(), first, e.nbytes)
+        if got is not None:
+            region, at = got
+            for t, o in zip(b.tensors, b.offsets()):
+                out[t.name] = (torch.frombuffer(bytes_of(region, at + o, t.nbytes),
+                                                dtype=t.dtype).view(t.shape)
+                               if t.nbytes else torch.empty(t.shape, dtype=t.dtype))
+            return out
         with open(self.paths[e.file], "rb") as f:
             for t, o in zip(b.tensors, b.offsets()):
-                start = self._at(i, slot) + o
+                start = first + o
                 page = start - start % mmap.ALLOCATIONGRANULARITY
                 if t.nbytes == 0:
                     out[t.name] = torch.empty(t.shape, dtype=t.dtype)
@@ -781,7 +794,7 @@ class NvmeState:
         they cannot be (not Linux; a part not on a page, or one but the last of a length
         not whole pages): the caller joins copies then. `verified`: the caller has just
         checked the parts' slots (views() of their buckets), so they are not read again."""
-        if not parts or not hasattr(mmap, "MAP_ANONYMOUS") or os.uname().sysname != "Linux":
+        if not parts or not fixed_maps():
             return None
         self._check_sure()
         page, places, total, dtype = mmap.PAGESIZE, [], 0, None
@@ -800,38 +813,14 @@ class NvmeState:
             total += t.nbytes
         region = mmap.mmap(-1, -(-total // page) * page,
                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        view = (ctypes.c_char * len(region)).from_buffer(region)
-        base = ctypes.addressof(view)
-        del view   # (region unmaps the whole range, the parts' pages too, when freed)
+        base = address_of(region)
         for file, start, at, nbytes in places:
             with open(self.paths[file], "rb") as f:
-                _map_at(base + at, -(-nbytes // page) * page, f.fileno(), start)
+                map_at(base + at, -(-nbytes // page) * page, f.fileno(), start)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # "non-writable buffer": it is writable
             return torch.frombuffer(region, dtype=dtype,
                                     count=total // torch.empty((), dtype=dtype).element_size())
-
-
-_MAP_FIXED = 0x10   # Linux's: replace the pages at that address (within our own range)
-
-
-@functools.lru_cache(maxsize=None)
-def _libc_mmap():
-    mmap_ = ctypes.CDLL(None, use_errno=True).mmap
-    mmap_.restype = ctypes.c_void_p
-    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long]
-    return mmap_
-
-
-def _map_at(address: int, length: int, fd: int, offset: int) -> None:
-    """mmap(2) of file `fd` from `offset`, private and writable (copy-on-write), at
-    `address` exactly (a range the caller holds)."""
-    got = _libc_mmap()(address, length, mmap.PROT_READ | mmap.PROT_WRITE,
-                    mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset)
-    if got != address:
-        err = ctypes.get_errno()
-        raise OSError(err, f"offload_adam: mapping the state file failed: {os.strerror(err)}")
 
 
 # -- finding, creating and checking the files ---------------------------------------------
