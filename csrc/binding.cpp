@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "adam_kernels.h"
+#include "thread_pool.h"
 
 namespace oa = offload_adam;
 namespace py = pybind11;
@@ -348,6 +349,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_threads"));
   m.def("crc32c", &crc32c_of_buffer, "CRC32C (Castagnoli) of a buffer, continuing value; the GIL is released",
         py::arg("data"), py::arg("value") = 0);
+  m.def("threads_refused", &oa::threads_refused,
+        "How many of the kernels' thread starts the system has refused (the work ran on fewer)");
   m.def("isa", [] { return std::string(oa::isa_name(oa::active_isa())); }, "The active ISA variant");
   m.def("supported_isas", &supported_isa_names, "ISA variants this CPU runs, best first");
   m.def("set_isa", &oa::set_isa, "Select an ISA variant: avx512, avx2, neon, scalar or auto", py::arg("name"));

@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -14,17 +15,26 @@
 namespace offload_adam {
 namespace {
 
+std::atomic<int> g_refused{0};  // thread starts the system refused (threads_refused)
+
 class Pool {
  public:
   void run(int64_t n, int num_threads, const std::function<void(int64_t)>& fn) {
     if (n <= 0) return;
-    const int wanted = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), n));
-    if (wanted == 1) {
+    const int asked = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), n));
+    if (asked == 1) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
     std::lock_guard<std::mutex> one_job_at_a_time(job_mutex_);
-    grow(wanted - 1);
+    // (fewer when the system refused some: a step raised half done, the params of
+    // one group stepped and the next not, and the next step was taken; found from
+    // outside with 1 GiB thread stacks under a limit on address space)
+    const int wanted = std::min(asked, grow(asked - 1) + 1);
+    if (wanted == 1) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       fn_ = &fn;
@@ -44,16 +54,23 @@ class Pool {
   }
 
  private:
-  void grow(int count) {
+  // Starts helpers up to `count`; returns how many there are.
+  int grow(int count) {
     if (count + 1 > slice_capacity_) {  // no thread is in drain(): job_mutex_ is held
       slices_.reset(new Slice[count + 1]);
       slice_capacity_ = count + 1;
     }
     while (static_cast<int>(threads_.size()) < count) {
       const int index = static_cast<int>(threads_.size());
-      threads_.emplace_back([this, index] { worker(index); });
+      try {
+        threads_.emplace_back([this, index] { worker(index); });
+      } catch (const std::system_error&) {
+        g_refused.fetch_add(1, std::memory_order_relaxed);
+        break;
+      }
       threads_.back().detach();  // the pool lives for the whole process
     }
+    return static_cast<int>(threads_.size());
   }
 
   // Thread t (0: the caller) runs its own slice, then helps the others with theirs.
@@ -117,5 +134,7 @@ const int g_atfork = pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool(); 
 void parallel_for(int64_t n, int num_threads, const std::function<void(int64_t)>& fn) {
   g_pool->run(n, num_threads, fn);
 }
+
+int threads_refused() { return g_refused.load(std::memory_order_relaxed); }
 
 }  // namespace offload_adam

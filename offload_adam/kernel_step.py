@@ -9,6 +9,7 @@ compared as a whole by step_in_backward (engine/early.py).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
@@ -92,6 +93,23 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         hyper.decoupled_weight_decay, hyper.maximize, float(grad_scale), int(num_threads),
         exp_avg_scales=list(exp_avg_scales), exp_avg_sq_scales=list(exp_avg_sq_scales),
         first_indices=[int(i) for i in first_indices], grad_mul=float(grad_mul))
+    _say_threads_refused()
+
+
+_refused_seen = [0]
+
+
+def _say_threads_refused() -> None:
+    """Once a process: the kernels asked for threads the system refused to start, and
+    ran on those there were (csrc/thread_pool.h: the same results, more slowly)."""
+    refused = kernels().threads_refused()
+    if refused and not _refused_seen[0]:
+        _refused_seen[0] = refused
+        warnings.warn(
+            "offload_adam: the system refused to start some of the CPU step's threads (a "
+            "limit on processes, threads or memory: ulimit -u, -v or -s, a cgroup's "
+            "pids.max); the step ran on those there were, with the same results, more "
+            "slowly. Ask for fewer with num_threads=", RuntimeWarning, stacklevel=3)
 
 
 class KernelArgs:
@@ -155,7 +173,9 @@ class KernelArgs:
 
 def grad_sq_sums(grads: Sequence[torch.Tensor], num_threads: int) -> List[float]:
     """Per-tensor sum of squares (double accumulation; inf/NaN propagate)."""
-    return list(kernels().grad_sq_sums(list(grads), int(num_threads)))
+    sums = list(kernels().grad_sq_sums(list(grads), int(num_threads)))
+    _say_threads_refused()
+    return sums
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

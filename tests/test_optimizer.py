@@ -330,6 +330,9 @@ class CountingKernels:
         self.calls.append(args)
         return self.inner.adam_step(*args, **kwargs)
 
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
 
 def test_one_kernel_call_per_group_and_dtype(kernels, monkeypatch):
     counting = CountingKernels(kernels)
@@ -499,3 +502,46 @@ def test_a_param_listed_twice_in_a_group_is_refused(kernels):
         with pytest.raises(ValueError, match="param group 1, param 1 .* same tensor as param 0"):
             opt.add_param_group({"params": [w, w]})
     assert len(opt.param_groups) == 1
+
+
+_THREADS_REFUSED = """
+import resource, warnings, torch, offload_adam
+from offload_adam._build import load_kernels
+load_kernels()
+g = torch.Generator().manual_seed(0)
+shapes = [(8,), (4_000_000,)]
+ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+qs = [p.detach().clone().requires_grad_() for p in ps]
+for p, q in zip(ps, qs):
+    p.grad = torch.randn(p.shape, generator=g)
+    q.grad = p.grad.clone()
+ref = offload_adam.AdamW([{"params": [qs[0]]}, {"params": [qs[1]]}], lr=0.01, num_threads=1)
+ref.step()
+opt = offload_adam.AdamW([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=0.01, num_threads=4)
+vm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize"))
+# (each thread's stack is the 1 GiB RLIMIT_STACK the parent set: none fits)
+resource.setrlimit(resource.RLIMIT_AS, (vm + 300 * 2**20, resource.RLIM_INFINITY))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt.step()
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY,) * 2)
+print([float(opt.state[p]["step"]) for p in ps], all(torch.equal(p, q) for p, q in zip(ps, qs)),
+      [str(w.message)[:60] for w in caught])
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="thread stacks and RLIMIT_AS as on Linux")
+def test_a_step_whose_threads_the_system_refuses_runs_on_fewer(kernels):
+    """A kernel thread the system refuses to start (1 GiB stacks under a limit on
+    address space; a cgroup's pids.max) raised a bare 'Resource temporarily
+    unavailable' from the step, one group stepped and the next not, and the next step
+    went on from there (found from outside). The step runs on the threads there are,
+    bitwise as with one, and says so once."""
+    import resource
+    out = subprocess.run([sys.executable, "-c", _THREADS_REFUSED], capture_output=True,
+                         text=True, timeout=300,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_STACK,
+                                                               (2**30, resource.RLIM_INFINITY)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("[1.0, 1.0] True ['offload_adam: the system refused to start "
+                                  "some of the CPU st']"), out.stdout
