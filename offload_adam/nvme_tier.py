@@ -83,7 +83,7 @@ from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, red
 from .byte_view import byte_view
 from .nvme.direct_io import crc32
 from .nvme.pipeline import AHEAD
-from .nvme.store import STATE_FILES
+from .nvme.store import STATE_FILES, OtherState
 from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, STATE_KEYS, float32_moment,
                            state_format, stored_key, stored_state)
 
@@ -404,9 +404,7 @@ class FileStore:
                 self.state = NvmeState.open(list(dirs), spec, compact=compact,
                                             log_bytes=records, rank=rank)
                 break
-            except ValueError as e:
-                if "of another model or optimizer" not in str(e):
-                    raise
+            except OtherState as e:
                 following = next(tries, None)
                 if following is not None:
                     buckets, specs = following

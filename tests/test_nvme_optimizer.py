@@ -336,6 +336,35 @@ def test_a_budget_below_three_buckets_names_the_option(kernels, tmp_path):
     offload_adam.AdamW(make_params(), state_dirs=tmp_path, **NVME)
 
 
+def test_a_resume_with_params_named_otherwise_or_added_says_which(kernels, tmp_path):
+    """A state made with named params, resumed with the same params unnamed, was "the
+    optimizer state of another model" (remove its files, said the message), and a param
+    added or left out was "bucket 1: 4 tensors in the files, 8 here" or a question about
+    bucket_mb (found from outside): each is said as it is; nothing is changed, and the
+    resume as made goes on."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = offload_adam.AdamW(model.named_parameters(), state_dirs=tmp_path, **NVME)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.close()
+    with pytest.raises(ValueError, match=r"holds the optimizer state of the same params in "
+                                         r"number, shape and order under other names: 0.weight "
+                                         r"\(group 0\) in the files, group 0's param 0 here\. "
+                                         r"The state was made with params named, and these are "
+                                         r"unnamed"):
+        offload_adam.AdamW(model.parameters(), state_dirs=tmp_path, state_resume=True, **NVME)
+    named = list(model.named_parameters())
+    extra = ("2.weight", torch.nn.Parameter(torch.zeros(3)))
+    with pytest.raises(ValueError, match=r"another model or optimizer: params here, not in the "
+                                         r"files: 2.weight \(group 0\)\. Point"):
+        offload_adam.AdamW(named + [extra], state_dirs=tmp_path, state_resume=True, **NVME)
+    with pytest.raises(ValueError, match=r"params in the files, not here: 1.bias \(group 0\)\. "):
+        offload_adam.AdamW(named[:3], state_dirs=tmp_path, state_resume=True, **NVME)
+    opt = offload_adam.AdamW(named, state_dirs=tmp_path, state_resume=True, **NVME)
+    assert opt.step_count == 1
+    opt.close()
+
+
 def test_the_state_of_another_model_is_refused(kernels, tmp_path):
     ps = make_params()
     opt = offload_adam.AdamW(ps, state_dirs=tmp_path, **NVME)

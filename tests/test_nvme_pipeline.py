@@ -110,6 +110,25 @@ def test_a_budget_below_three_buckets_is_refused(tmp_path):
             StepPipeline(state, 2 * max(b.nbytes for b in spec.buckets))
 
 
+def test_a_ring_the_memory_cannot_hold_says_what_it_asked(tmp_path, monkeypatch):
+    """mmap's ENOMEM for a ring buffer (a limit on address space) was a bare errno 12
+    (found from outside): a MemoryError naming the ring and what to lower."""
+    from offload_adam.nvme import pipeline
+    spec = make_spec("fp32", buckets=4)
+    made = []
+
+    def buffer(nbytes, pin=True):
+        if made:
+            raise OSError(12, "Cannot allocate memory")
+        made.append(direct_io.AlignedBuffer(nbytes, pin=pin))
+        return made[-1]
+    monkeypatch.setattr(pipeline, "AlignedBuffer", buffer)
+    with NvmeState.open([tmp_path], spec) as state:
+        with pytest.raises(MemoryError, match=r"the state files' ring of 3 buffers of .* MiB "
+                                              r".* could not be allocated .*state_budget_mb"):
+            StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
+
+
 def failing_at_bucket_2(step):
     """`step`, raising "kernel failed" once it has stepped bucket 2."""
     def fails(i, t):

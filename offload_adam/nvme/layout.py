@@ -134,6 +134,30 @@ def differences(found: StateSpec, wanted: StateSpec, limit: int = 3) -> List[str
         keys = sorted(set(found.extra) | set(wanted.extra))
         out += [f"{k} = {found.extra.get(k)!r} in the files, {wanted.extra.get(k)!r} here"
                 for k in keys if found.extra.get(k) != wanted.extra.get(k)]
+    if out:
+        return out[:limit]
+    params = [param_names(s) for s in (found, wanted)]
+    if set(params[0]) != set(params[1]):
+        # (named first: each bucket's count of tensors said nothing of which param; the
+        # same params in another order: the buckets' tensors below say where)
+        shapes = [[(t.dtype, t.shape) for b in s.buckets for t in b.tensors]
+                  for s in (found, wanted)]
+        if shapes[0] == shapes[1] and not set(params[0]) & set(params[1]):
+            how = ["named" if any(not n.partition(":")[2].isdigit() for n in names)
+                   else "unnamed (by position)" for names in params]
+            return [f"{RENAMED}: {_first_other(params[0], params[1])}. The state was "
+                    f"made with params "
+                    f"{how[0]}, and these are {how[1]}: give them as that run did "
+                    "(model.named_parameters() names them)"]
+        for side, mine, theirs in (("in the files, not here", *params),
+                                   ("here, not in the files", params[1], params[0])):
+            other = set(theirs)
+            only = [n for n in mine if n not in other]
+            if only:
+                more = f" and {len(only) - 3} more" if len(only) > 3 else ""
+                out.append(f"params {side}: {', '.join(map(_shown, only[:3]))}{more}")
+        if out:
+            return out[:limit]
     if len(found.buckets) != len(wanted.buckets):
         out.append(f"{len(found.buckets)} buckets in the files, {len(wanted.buckets)} here")
     for i, (a, b) in enumerate(zip(found.buckets, wanted.buckets)):
@@ -148,6 +172,34 @@ def differences(found: StateSpec, wanted: StateSpec, limit: int = 3) -> List[str
         if len(out) >= limit:
             break
     return out[:limit]
+
+
+RENAMED = "the same params in number, shape and order under other names"
+
+
+def param_names(spec: StateSpec) -> List[str]:
+    """The params a spec holds the state of, in order ("group:name", the name a
+    position where the params were given unnamed; a param in parts once)."""
+    out: List[str] = []
+    for b in spec.buckets:
+        for t in b.tensors:
+            name = t.name.rsplit(".", 1)[0]
+            if not out or out[-1] != name:
+                out.append(name)
+    return list(dict.fromkeys(out))
+
+
+def _first_other(found: List[str], wanted: List[str]) -> str:
+    a, b = next(((a, b) for a, b in zip(found, wanted) if a != b), (found[0], wanted[0]))
+    return f"{_shown(a)} in the files, {_shown(b)} here"
+
+
+def _shown(name: str) -> str:
+    """A param's spec name ("group:name", or "group:position" where given unnamed) as said."""
+    group, colon, rest = name.partition(":")
+    if not colon:
+        return name
+    return f"group {group}'s param {rest}" if rest.isdigit() else f"{rest} (group {group})"
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,18 @@ class StepPipeline:
         self.state = state
         self.depth = ring - 2
         slot = max((b.nbytes for b in state.spec.buckets), default=0)
-        self.buffers = [AlignedBuffer(slot, pin=False) for _ in range(ring)]
+        self.buffers: list = []
+        try:
+            for _ in range(ring):
+                self.buffers.append(AlignedBuffer(slot, pin=False))
+        except (OSError, MemoryError) as e:   # (mmap's ENOMEM: a bare errno 12 before)
+            for b in self.buffers:
+                b.close()
+            raise MemoryError(
+                f"offload_adam: the state files' ring of {ring} buffers of {slot / 2**20:.1f} "
+                f"MiB (the largest bucket; {ring * slot / 2**30:.2f} GiB in all) could not be "
+                f"allocated ({e}): give a smaller state_budget_mb (3 buffers at least) or "
+                "bucket_mb") from None
         self._device = device if device is not None and device.pins_memory else None
         self._pinned: list = []
         self.pinned = self._device is None or pin_all(

@@ -66,8 +66,8 @@ from .direct_io import (AlignedBuffer, IOPool, NvmeError, address_of, bytes_of, 
                         map_at, map_copy, map_file, open_direct, wait, warn_buffered)
 from . import redo
 from .circular import SPARES, Circular
-from .layout import (HEADER_BYTES, SLOTS, SUM_BYTES, Extent, StateSpec, differences, place,
-                     slot_checksum)
+from .layout import (ALIGN, HEADER_BYTES, RENAMED, SLOTS, SUM_BYTES, Extent, StateSpec,
+                     differences, param_names, place, round_up, slot_checksum)
 
 DATA_FILE = "offload_adam_state.bin"
 _HEADER_MAGIC = b"OFFLOAD_ADAM_NVME_STATE_1\n"
@@ -113,6 +113,10 @@ def size_text(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} bytes"
+
+
+class OtherState(ValueError):
+    """The files hold the state of other params (or of these under other names)."""
 
 
 class Request(NamedTuple):
@@ -871,8 +875,11 @@ def _reusable(folders: List[str], body: dict, spec: StateSpec) -> bool:
         raise manifest.ManifestError(f"offload_adam: {os.path.join(folders[0], manifest.SPEC)}"
                                      " is missing or is not the one its manifest names")
     diff = differences(StateSpec.from_json(stored), spec)
+    if diff and diff[0].startswith(RENAMED):
+        raise OtherState(f"offload_adam: {folders[0]!r} holds the optimizer state of "
+                         f"{diff[0]}; nothing was changed")
     if diff:
-        raise ValueError(f"offload_adam: {folders[0]!r} holds the optimizer state of another "
+        raise OtherState(f"offload_adam: {folders[0]!r} holds the optimizer state of another "
                          f"model or optimizer: {'; '.join(diff)}"
                          f"{_bucket_mb_hint(StateSpec.from_json(stored), spec)}. "
                          "Point the optimizer at a "
@@ -884,7 +891,8 @@ def _reusable(folders: List[str], body: dict, spec: StateSpec) -> bool:
 
 def _bucket_mb_hint(found: StateSpec, wanted: StateSpec) -> str:
     """Why the buckets may differ where the model does not: bucket_mb lays them out."""
-    if found.state_format != wanted.state_format or found.extra != wanted.extra:
+    if (found.state_format != wanted.state_format or found.extra != wanted.extra
+            or set(param_names(found)) != set(param_names(wanted))):
         return ""
     tensors = [[t for b in s.buckets for t in b.tensors] for s in (found, wanted)]
     if tensors[0] == tensors[1]:
@@ -1020,13 +1028,23 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
                     offsets=ring.first_offsets(), heads=ring.first_heads(), log_sizes=logs,
                     intent=None, done=[], loading=False)
     # the free space of each filesystem against what all its directories need (two
-    # directories on one drive share its free bytes)
+    # directories on one drive share its free bytes). The first also holds the spec and
+    # the manifest, which a commit writes anew beside the old one before the rename, and
+    # whose checksums and (compact) intent grow it by up to ~96 B a bucket (a disk with
+    # room for the data files but not those failed the first step's commit; found from
+    # outside)
+    meta = (2 * round_up(len(manifest.pack(body)) + 96 * len(spec.buckets), ALIGN)
+            + round_up(len(manifest.pack(spec.to_json())), ALIGN))
     drives: Dict[int, list] = {}
-    for folder, size, log in zip(folders, sizes, logs):
-        drives.setdefault(os.stat(folder).st_dev, []).append((folder, size + log))
+    for k, (folder, size, log) in enumerate(zip(folders, sizes, logs)):
+        drives.setdefault(os.stat(folder).st_dev, []).append(
+            (folder, size + log + (meta if k == 0 else 0)))
     for on_drive in drives.values():
         folder = on_drive[0][0]
-        free = shutil.disk_usage(folder).free
+        usage = shutil.disk_usage(folder)
+        if usage.total == 0:   # a filesystem that says nothing of its size (ramfs, some
+            continue           # FUSE ones): a full one fails at the reservation below
+        free = usage.free
         for other, _ in on_drive:
             for name in (DATA_FILE, redo.LOG_FILE):
                 old = os.path.join(other, name)
