@@ -251,6 +251,10 @@ class _Block:
         self.forwarding = False   # in its forward (not a recompute): _post_forward not run yet
         self.inputs_need_grad = False   # ... a grad flows back through its inputs
         self.ticket: list = [None]   # ... the backward use its inputs' grads end
+        # ... the first autograd node its forward may make, and its inputs' nodes: where
+        # the walk of _guard_nodes stops
+        self.first_node = 0
+        self.input_nodes: set = set()
         self.stale = False        # its host copies were written since its last fetch
         self.awaiting = False     # used in backward, not all stepped (param files' cache)
         self.unstepped = 0        # ... its trainable elements the step has not written yet
@@ -959,6 +963,8 @@ class ParamStreamer:
         # then leaves the block on the device (`ticket`: the backward use it ends).
         inputs, _ = _grad_tensors((args, kwargs))
         block.inputs_need_grad = bool(inputs)
+        block.first_node = _next_node_number()
+        block.input_nodes = {t.grad_fn for t in inputs if t.grad_fn is not None}
         block.ticket = ticket = [None]   # (set by _post_forward's hook: _pre_backward)
         if inputs:   # (none: nothing flows back through them, end of backward releases it)
             entry = [None, False, 0]
@@ -988,6 +994,39 @@ class ParamStreamer:
     def _fetch_hook(self, block: _Block, outs: List[torch.Tensor], ticket: list):
         return torch.autograd.graph.register_multi_grad_hook(
             outs, _weakly(self, "_pre_backward", block, ticket), mode="any")
+
+    def _guard_nodes(self, block: _Block, outs: List[torch.Tensor]) -> None:
+        """A pre-hook on each autograd node the block's forward made that leads to its
+        outputs: backward can reach those nodes by another way than the outputs, whose
+        hook fetches the block (a KV cache made with grad and read by a later forward,
+        a loss on the attention maps a forward hook took out), and the first of them to
+        run fetches the block instead (it read the released params: torch's 'setStorage:
+        ... out of bounds for storage of size 0', found from outside). Costs a walk of
+        the block's nodes at each forward (a Llama layer's 78: ~0.25 ms) and a check as
+        each runs."""
+        hook = _weakly(self, "_node_fetch", block, block.ticket)
+        first, stop = block.first_node, block.input_nodes
+        seen = set()
+        stack = [t.grad_fn for t in outs]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in stop:
+                continue
+            seen.add(node)
+            number = node._sequence_nr()
+            if number < first or number == _LEAF_NODE:   # made before, or a param's
+                continue
+            node.register_prehook(hook)
+            stack.extend(n for n, _ in node.next_functions)
+
+    def _node_fetch(self, block: _Block, ticket: list) -> None:
+        """A node of the block's forward is about to run in backward (_guard_nodes): the
+        block is fetched for it unless this backward has it on the device already."""
+        if self._closed or (block.state == "here" and block.backward_task is not None
+                            and block.backward_task == torch._C._current_graph_task_id()):
+            return
+        block.hook_fetched = False   # (a fetch of this backward's, released since)
+        self._hook_fetch(block)
 
     def _backward_done(self, block: _Block, ticket: list) -> None:
         if ticket[0] is None or ticket[0] == block.backward_use:
@@ -1020,6 +1059,8 @@ class ParamStreamer:
                 self._fetch_hooks.append([block, [weakref.ref(t) for t in outs],
                                           block.ticket,
                                           self._fetch_hook(block, outs, block.ticket)])
+                self._guard_nodes(block, outs)
+        block.input_nodes = set()
         block.forwarding = False
         written = block.written_in_use()
         self._release(block)
@@ -1639,6 +1680,19 @@ class _AllGrads:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+_LEAF_NODE = 2 ** 64 - 1   # the sequence number of a leaf's AccumulateGrad node
+
+
+def _next_node_number() -> int:
+    """The sequence number the next autograd node made on this thread gets (each
+    thread numbers its nodes in the order they are made)."""
+    with torch.enable_grad():
+        return _PROBE.view(()).grad_fn._sequence_nr() + 1
+
+
+_PROBE = torch.zeros((), requires_grad=True)
 
 
 def _weakly(streamer: "ParamStreamer", method: str, block: _Block, ticket: list,

@@ -254,6 +254,37 @@ def test_a_forward_on_another_thread_while_one_is_in_a_block_is_refused(device):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("files,step_in_backward", [(False, False), (False, True),
+                                                    (True, False), (True, True)])
+def test_a_backward_into_a_block_by_a_way_other_than_its_outputs(device, tmp_path, files,
+                                                                  step_in_backward):
+    """A loss on what a forward hook took out of a block (attention maps; a KV cache made
+    with grad and read by a later forward), not on the block's output: backward ran the
+    block's nodes without its outputs' hook fetching it, and they read the released
+    params (torch's 'setStorage: ... out of bounds for storage of size 0', found from
+    outside). Trained bit for bit as resident; the last block's output gets no grad,
+    and block 3 none at all."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=4, frozen=())
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=2, **(
+                {"param_dirs": tmp_path / "p", "param_cache_mb": 1} if files else {}))
+        side = []
+        for i in (1, 2):
+            model.layers[i].q.register_forward_hook(lambda m, a, out: side.append(out))
+        opt = offload_adam.AdamW(model.parameters(), **OPTS, step_in_backward=step_in_backward)
+        for it in range(3):
+            side.clear()
+            tokens = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(it))
+            model(tokens)
+            sum(o.float().square().mean() for o in side).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
 class _TransposedBlock(torch.nn.Module):
     def __init__(self, seed):
         super().__init__()
