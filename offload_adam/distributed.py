@@ -124,6 +124,14 @@ def sharded(params: Iterable[torch.Tensor], process_group=None) -> bool:
                 and dist.get_world_size() > 1)
 
 
+def replicated(params: Iterable[torch.Tensor], process_group=None) -> bool:
+    """Whether the params are one rank's replica of a run over several ranks: plain
+    tensors and no process_group (DistributedDataParallel, whose hooks average the grads
+    across ranks after autograd accumulated them)."""
+    return bool(process_group is None and dist is not None and dist.is_initialized()
+                and dist.get_world_size() > 1 and not any(is_dtensor(p) for p in params))
+
+
 def rank_dirs(dirs: Tuple[str, ...], params: Iterable[torch.Tensor],
               process_group=None) -> Tuple[str, ...]:
     """state_dirs= for this process: under several ranks, a folder "rank<R>" of each

@@ -38,6 +38,7 @@ protocol (grad_scaling.py).
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import os
 import threading
@@ -206,6 +207,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         }
         _check_modes(defaults, "constructor argument")
         super().__init__(params, defaults)
+        self._replicas()
         self._same_on_every_rank()
         self._build()
         if defer_blocks and not any(home_of(p) is not None for g in self.param_groups
@@ -349,6 +351,35 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         whose frozen params the store has the engine take then (_enroll)."""
         return [p for p in params if self._in_engine(p) and not _untrainable(p)
                 and (p.requires_grad or p.grad is not None)]
+
+    def _replicas(self) -> None:
+        """Each rank a replica (DistributedDataParallel: plain params over several ranks,
+        no process_group): DDP averages the grads across ranks after autograd has
+        accumulated them, which is where a copy during backward takes them. That copy
+        was of the rank's own grads: stepped in backward, the ranks drifted apart
+        (step_in_backward), or DDP's averaging read a freed grad (free_grads_after_copy),
+        or the copy was made again at step() (overlap: twice the D2H bytes, and a
+        race with DDP's in-place division of its buckets); found from outside. So the
+        grads are copied at step() (overlap off) and the options that need them in
+        backward are refused."""
+        o = self._options
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not distributed.replicated(params, o.process_group):
+            return
+        for name in ("step_in_backward", "free_grads_after_copy"):
+            if getattr(o, name):
+                raise ValueError(
+                    f"offload_adam: {name}=True with {torch.distributed.get_world_size()} "
+                    "ranks whose params are plain tensors (each rank a replica, as under "
+                    "DistributedDataParallel): DDP averages the grads across the ranks "
+                    "after backward has made them, and this option takes each rank's own "
+                    "grads in backward (the ranks would step apart). Use it with FSDP2 "
+                    "(fully_shard), or leave it off; ranks that each train params of "
+                    "their own (nothing averaged) pass process_group=, a group of the "
+                    "rank alone (torch.distributed.new_group)")
+        if o.overlap:
+            self._options = dataclasses.replace(o, overlap=False)
+            self._routing = Routing.of(self._options)
 
     def _same_on_every_rank(self) -> None:
         """Under several ranks (FSDP2, process_group=) the options that decide which

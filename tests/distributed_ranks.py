@@ -279,6 +279,51 @@ def clip_norm(variant):
             "theirs_placements": str(getattr(theirs, "placements", None))}
 
 
+@scenario("inplace", "engine")
+def ddp(variant):
+    """DistributedDataParallel (each rank a replica, plain params): the grads are copied
+    at step(), after DDP averaged them (overlap off: no param hooked), so the ranks stay
+    bitwise equal and follow torch; step_in_backward and free_grads_after_copy, which
+    took each rank's own grads in backward (the ranks drifted apart; DDP read a freed
+    grad), are refused when built."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    eng = Engine(variant == "engine")
+
+    def make():
+        torch.manual_seed(0)
+        return DDP(torch.nn.Sequential(torch.nn.Linear(8, 15), torch.nn.Tanh(),
+                                       torch.nn.Linear(15, 1)))
+    ours, ref = make(), make()
+    if eng.sim is not None:
+        from offload_adam.testing import simulated
+        with simulated(eng.sim):
+            opt = offload_adam.AdamW(ours.parameters(), lr=LR, weight_decay=WD)
+    else:
+        opt = offload_adam.AdamW(ours.parameters(), lr=LR, weight_decay=WD)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    with eng.watch():
+        for it in range(3):
+            for model, o in ((ours, opt), (ref, theirs)):
+                model(batch(it)).float().pow(2).mean().backward()
+                o.step()
+                o.zero_grad()
+    refused = {}
+    for name in ("step_in_backward", "free_grads_after_copy"):
+        try:
+            offload_adam.AdamW(ours.parameters(), **{name: True})
+        except ValueError as e:
+            refused[name] = str(e)
+    flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+    both = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(both, flat)
+    out = {"ranks_equal": all(torch.equal(both[0], b) for b in both),
+           "hooked": any(hooked(p) for p in ours.parameters()), "refused": refused,
+           **diff(list(ours.parameters()), list(ref.parameters()))}
+    opt.close()
+    eng.close()
+    return out
+
+
 @scenario()
 def clip_process_group():
     """Plain params a user sharded by hand: process_group= sums over the ranks."""

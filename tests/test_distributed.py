@@ -305,3 +305,15 @@ def test_fsdp2_ranks_killed_between_their_commits_resume_one_step(kernels, tmp_p
     assert not r0["warned"] and len(r1["warned"]) == 1, (r0, r1)
     for res in (r0, r1):
         assert res["resumed_bitwise"] and res["trained_on_bitwise"], res
+
+
+@pytest.mark.parametrize("variant", ["inplace", "engine"])
+def test_ddp_replicas_take_the_averaged_grads(ranks, variant):
+    """distributed_ranks.ddp: under DistributedDataParallel the ranks stay bitwise
+    equal and follow torch; the options that took each rank's own grads in backward
+    are refused by name (found from outside: the ranks stepped apart)."""
+    for res in result(ranks, f"ddp_{variant}"):
+        assert res["ranks_equal"] and not res["hooked"], res
+        assert res["max_rel"] < 1e-5, res
+        assert sorted(res["refused"]) == ["free_grads_after_copy", "step_in_backward"], res
+        assert all("as under DistributedDataParallel" in m for m in res["refused"].values())
