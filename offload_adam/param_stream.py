@@ -1108,6 +1108,7 @@ class ParamStreamer:
         block.early = False   # (a hook between the global fetch and the block's raised)
         if not block.forwarding or threading.get_ident() != self._forward_thread:
             return   # (not its forward: another thread's, this one's refused)
+        block.input_nodes = set()   # (nor the graph behind them kept till the next)
         block.forwarding = False
         for b in self.blocks:
             self._release(b)
@@ -1293,6 +1294,15 @@ class ParamStreamer:
         _refuse_assign)."""
         if meta and meta.get("assign_to_params_buffers") and loaded:
             self._refuse_assign(block.name, loaded)(block.module, set(loaded), "", meta)
+        if block.state == "here" and not block.loading:
+            # (its params were released under its own computation, which then read the
+            # placeholders: NaN, stepped into every param; found from outside)
+            raise RuntimeError(
+                f"offload_adam.stream_params: load_state_dict into block {block.name} "
+                f"({type(block.module).__name__}) while it computes (from a hook of its own "
+                "forward or backward): its params are on the device for this use, which "
+                "the load would not reach. Load it before its forward or after its "
+                "backward; nothing was loaded")
         block.loading += 1
         if block.loading > 1:
             return

@@ -763,3 +763,46 @@ def test_a_kernel_failing_between_the_parts_of_a_param_is_not_stepped_on(sim, mo
     ref_opt = offload_adam.AdamW(ref.parameters(), step_in_backward=early, **MLP_OPTS)
     run(ref, ref_opt, 3, loss=_wide_loss)
     assert_same((model, opt), (ref, ref_opt))
+
+
+def test_a_param_written_between_backward_and_step_is_said(path):
+    """A model's load_state_dict between backward and step() after the params' steps
+    began in backward from their values before: the params were written at step() from
+    their masters, the load lost silently (found from outside). In RAM it is refused,
+    saying the values written are replaced by the step's (a load of the same values,
+    a whole checkpoint, then changes nothing). With the state in files nothing is
+    committed before step(): nothing is stepped, and the values written are kept."""
+    def load(model):
+        zeros = torch.zeros_like(model.head.weight)
+        model.load_state_dict({**model.state_dict(), "head.weight": zeros})
+
+    model, opt, _ = _in_second_backward()
+    # (the files' pass in backward may still be reading params to check their masters
+    # on the worker, a read the load would race on a GPU: its result is abandoned with
+    # the pass here, but the simulated device reports any race, so the load waits)
+    settle(opt)
+    load(model)
+    if path.files:
+        with pytest.raises(RuntimeError, match=r"was written \(a load_state_dict of the "
+                                               r"model, an in-place edit\) after its step "
+                                               r"began in backward from its values before; "
+                                               r".*Nothing was stepped: .* and so are the "
+                                               r"params but those written since backward"):
+            opt.step()
+        assert not model.head.weight.any()
+        opt.zero_grad()
+        backward(model, 2)
+        opt.step()
+        return
+    with pytest.raises(RuntimeError, match=r"param group \d, param \d+ \(shape .*\) was "
+                                           r"written \(a load_state_dict of the model, an "
+                                           r"in-place edit\) after its step began in backward "
+                                           r"from its values before: the values written are "
+                                           r"replaced by the step's"):
+        opt.step()
+    after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
+    assert torch.equal(states(opt)[model.head.weight]["master_param"], after[model.head.weight])
+    assert_param_is_master_rounded(opt, model)
+    opt.zero_grad()
+    backward(model, 2)
+    opt.step()

@@ -285,6 +285,67 @@ def test_a_backward_into_a_block_by_a_way_other_than_its_outputs(device, tmp_pat
     assert_same_training(*runs)
 
 
+@pytest.mark.parametrize("target", ["block", "submodule"])
+def test_a_load_into_a_block_from_its_own_forward_is_refused(device, target):
+    """load_state_dict into a block from its own forward pre-hook released its params
+    under its computation, which read the placeholders: NaN, stepped into every param,
+    silently (found from outside; a submodule's load was 'called outside its block').
+    Refused by name, nothing loaded; the model trains on."""
+    model = make_llama(layers=3, frozen=())
+    offload_adam.stream_params(model, Block, prefetch=1)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    layer = model.layers[1]
+    new = {k: torch.zeros_like(v) for k, v in layer.state_dict().items()}
+    if target == "block":
+        hook = layer.register_forward_pre_hook(lambda m, a: m.load_state_dict(new) and None)
+    else:
+        hook = layer.register_forward_pre_hook(
+            lambda m, a: m.q.load_state_dict({"weight": new["q.weight"]}) and None)
+    before = values(model)
+    with pytest.raises(RuntimeError, match=r"load_state_dict into block layers.1 \(Block\) "
+                                           r"while it computes .* nothing was loaded"):
+        llama_loss(model, 0).backward()
+    hook.remove()
+    after = values(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    opt.zero_grad()
+    train(model, opt, 2)
+    assert all(bool(v.isfinite().all()) for v in values(model).values())
+
+
+@pytest.mark.parametrize("files", [False, True])
+def test_a_streamed_param_loaded_between_backward_and_step_is_said(device, tmp_path, files):
+    """step_in_backward: the step wrote the host copy in backward, a load then wrote
+    over it, and step() kept the load with the update lost (its master followed the
+    load at the next step), silently (found from outside). In RAM the step's values
+    win and it is said; with the state in files (two generations: the pass in
+    backward) nothing is stepped and the values written are kept, said too."""
+    model = make_llama(layers=3, frozen=())
+    offload_adam.stream_params(model, Block, prefetch=1)
+    kw = {"state_dirs": tmp_path} if files else {}
+    opt = offload_adam.AdamW(model.parameters(), **{**OPTS, "step_in_backward": True}, **kw)
+    train(model, opt, 1)
+    llama_loss(model, 1).backward()
+    q = model.layers[1].q
+    q.load_state_dict({"weight": torch.zeros_like(q.weight)})
+    with pytest.raises(RuntimeError, match=r"was written \(a load_state_dict of the model, an "
+                                           r"in-place edit\) after its step began in backward"
+                                           + (r".*Nothing was stepped: .* but those written "
+                                              r"since backward, which keep the values written"
+                                              if files else r".*replaced by the step's")):
+        opt.step()
+    weight = values(model)["layers.1.q.weight"]
+    if files:
+        assert not weight.any()
+    else:
+        assert weight.any()
+        master = opt.state[q.weight]["master_param"]
+        assert torch.equal(weight, master.to(BF16))
+    opt.zero_grad()
+    train(model, opt, 2, start=2)
+    assert all(bool(v.isfinite().all()) for v in values(model).values())
+
+
 class _TransposedBlock(torch.nn.Module):
     def __init__(self, seed):
         super().__init__()

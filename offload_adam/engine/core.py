@@ -1326,7 +1326,10 @@ class EngineStep:
         if idle:
             with torch.no_grad():
                 _lend(idle, views)
-                follow_masters(self.engine.device, idle, self.engine.marks)
+                # (after the step's fence: a param written since the last step, a
+                # model's load, is read back for the comparison; without it the read
+                # raced the write, an ordering violation found by a test of loads)
+                follow_masters(self.engine.device, idle, self.engine.marks, self.fence)
                 _lend(idle, None)
             self._parts.update((id(e.rec), e.rec) for e in idle if e.part)
         if todo:

@@ -148,6 +148,7 @@ class DiskEarly(FileBucketsInBackward):
         self.order: Optional[List[int]] = list(reversed(range(len(files)))) if guess else None
         self._before: Optional[set] = None       # the buckets completed in the last one
         self.unrestored = 0   # streamed params the last abandoned pass could not put back
+        self.written: set = set()   # recs the user wrote since their step began (abandon)
         super().__init__(engine, early, pipeline, files, edited)
         self._reset()
 
@@ -278,8 +279,9 @@ class DiskEarly(FileBucketsInBackward):
         finally:
             stepped = list(self._stepped_files)
             kept = self._kept
+            written, self.written = self.written, set()
             self._reset()   # (closes the pass)
-            self._restore(engine, stepped, kept)
+            self._restore(engine, stepped, kept, written)
             if self.unrestored:
                 # their first values are not kept: a next step would start their masters
                 # from the values stepped here (a script that skips a batch whose backward
@@ -294,11 +296,13 @@ class DiskEarly(FileBucketsInBackward):
                 # from it again)
                 engine.marks.forget(rec.param for rec in engine.recs)
 
-    def _restore(self, engine, stepped, kept: Dict[int, Optional[torch.Tensor]]) -> None:
+    def _restore(self, engine, stepped, kept: Dict[int, Optional[torch.Tensor]],
+                 written: set = frozenset()) -> None:
         """The streamed params of the abandoned pass's buckets (their kernel wrote their
         host copies) go back to their last completed step: the committed master rounded,
         or the value kept before the step (whose master rule then applies again). A param
-        in its first step has neither: it stays stepped (counted in `unrestored`)."""
+        in its first step has neither: it stays stepped (counted in `unrestored`). One
+        the user wrote since its step began (`written`: rec ids) keeps what was written."""
         changed = []
         self.unrestored = 0
         with torch.no_grad():
@@ -307,6 +311,9 @@ class DiskEarly(FileBucketsInBackward):
                 for rec, name, pieces in self.files[i]:
                     if rec.home is None:
                         continue   # its update waits in staging: nothing was written
+                    if id(rec) in written:
+                        changed.append(rec.param)   # (its master follows it next step)
+                        continue
                     if id(rec) in kept and kept[id(rec)] is None:
                         self.unrestored += 1
                         continue

@@ -50,6 +50,7 @@ import torch
 from .. import distributed
 from ..freed_grad import is_freed
 from ..kernel_step import Hyper
+from ..params import write_values
 from ..state_format import MASTER_KEY
 from .grads import start_check
 
@@ -82,6 +83,9 @@ class EarlyStart:
         self._held_blocks: set = set()           # ids of the blocks they step
         self._holding = True                     # False once a block beyond them came
         self._replaced = False                   # the state they step was replaced
+        self._written: list = []   # streamed recs written since their step began
+        self._versions: Dict[int, int] = {}   # rec id -> its param's version at begin()
+        self._written_files = False   # one of them, in the files' pass (two generations)
         # Why the grads held now cannot be stepped: a step() that failed after the
         # steps of some params ran in backward (those are stepped with them: a retry
         # would step them twice). Cleared by zero_grad() and the next backward's grads.
@@ -209,6 +213,7 @@ class EarlyStart:
             if rec.group not in self._hyper:
                 self._hyper[rec.group] = Hyper.of(owner.param_groups[rec.group])
             self._started[id(rec)] = rec.copy
+            self._versions[id(rec)] = rec.param._version
         return True
 
     def interrupted(self, reason: str) -> None:
@@ -416,6 +421,9 @@ class EarlyStart:
         same = {id(r) for r in kept
                 if r.copy.is_of(r.param.grad) or r.copy.fingerprint is not None}
         edited = {id(r) for r, _, _ in check.changed()} if check is not None else set()
+        # (the files' pass in backward wrote these params' host copies: two generations)
+        early_files = ({id(r) for r in self.files.stepped} if self.files is not None
+                       else set())
         for rec in early:
             grad = rec.param.grad
             if grad is None or is_freed(grad):   # freed by us: its scale() guards edits
@@ -425,7 +433,32 @@ class EarlyStart:
                 return (f"the grad of {rec.label()} changed after it was copied during "
                         "backward (edited in place, replaced, clipped or scaled)")
             if engine.state_on_disk:   # load_state_dict abandons the pass itself
+                if (id(rec) in early_files
+                        and rec.param._version != self._versions.get(id(rec))):
+                    # (a streamed param written in backward, then loaded over: its
+                    # update lost; a resident one written at step() over the load: the
+                    # load lost; found from outside. The pass is abandoned: fail)
+                    self._written_files = True
+                    self.files.written = {id(r) for r in early if id(r) in early_files and
+                                          r.param._version != self._versions.get(id(r))}
+                    return (f"{rec.label()} was written (a load_state_dict of the model, "
+                            "an in-place edit) after its step began in backward from its "
+                            "values before")
                 continue
+            if rec.param._version != self._versions.get(id(rec)):
+                # written (a model's load_state_dict, an in-place edit: the param's own
+                # counter, which the engine bumps only when step() ends) after its step
+                # began from the values before: resident params are written from their
+                # masters at step() (the load lost), streamed ones were written in
+                # backward and then loaded over (the update lost), silently (found from
+                # outside). Now the step's values win in both, and it is said: a load of
+                # the same values (a whole checkpoint) then changes nothing
+                self._written = [r for r in early if r.home is not None
+                                 and r.param._version != self._versions.get(id(r))]
+                return (f"{rec.label()} was written (a load_state_dict of the model, an "
+                        "in-place edit) after its step began in backward from its values "
+                        "before: the values written are replaced by the step's (write "
+                        "them again after step())")
             st = state[rec.param]
             if (st.get("exp_avg") is not rec.exp_avg or st.get(MASTER_KEY) is not rec.master
                     or st.get("step") is not rec.step_t):
@@ -455,6 +488,7 @@ class EarlyStart:
         engine taken over by a newer one writes nothing: the params are not its own."""
         self._engine().check_open()
         replaced, self._replaced = self._replaced, False
+        written_files, self._written_files = self._written_files, False
         stepped = (self.commit(write=not replaced)
                    if (self.error is not None or self._started) else 0)
         if replaced:
@@ -466,6 +500,10 @@ class EarlyStart:
                     f"params, but {self.files.unrestored} streamed params in their first "
                     "step, which ran during backward and wrote them (their first values "
                     "are not kept): load the model's weights again to start over")
+        elif self.files is not None and written_files:
+            what = ("Nothing was stepped: the state files are those of the last completed "
+                    "step, and so are the params but those written since backward, which "
+                    "keep the values written (their masters follow them at the next step)")
         elif self.files is not None:
             what = ("Nothing was stepped: the state files and the params are those of "
                     "the last completed step")
@@ -504,6 +542,12 @@ class EarlyStart:
                        if id(p) in self._stepped} if write else set()
             if write:
                 engine.write_stepped(self._stepped)
+                owner = self._owner()
+                for rec in self._written:   # (streamed: their host copies loaded over)
+                    master = owner.state[rec.param].get(MASTER_KEY)
+                    if master is not None:   # (an fp32 one's is the host copy itself)
+                        write_values(rec.param, master)
+            self._written = []
             engine.forget_read(self._stepped)
             self.new_iteration()
         return len(stepped)
@@ -577,6 +621,7 @@ class EarlyStart:
         self._expected, self._waiting = None, {}
         self.error = self._step_refused = None
         self._hooked, self._started, self._stepped, self._hyper = {}, {}, set(), {}
+        self._versions = {}
         self._counted = set()
         # (a failed step drops the held jobs unrun: those params are not stepped)
         self._held, self._held_ids, self._held_blocks, self._holding = [], set(), set(), True
