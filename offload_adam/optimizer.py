@@ -652,6 +652,17 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         with self._busy(), torch.inference_mode(False):
             return self._step(closure)
 
+    def _closure_raised(self, e: BaseException) -> None:
+        """A closure that raised after its backward started steps (step_in_backward):
+        the error says so, as the next zero_grad()'s would without naming the closure
+        (found from outside)."""
+        early = self._engine.early if self._engine is not None else None
+        if early is not None and early.pending() and hasattr(e, "add_note"):
+            e.add_note("offload_adam: the closure raised after its backward had started the "
+                       "step of some params (step_in_backward=True); this step() stepped "
+                       "nothing more. The next zero_grad() or backward says what stays of "
+                       "those steps")
+
     def _step(self, closure):
         if self.__dict__.get("_closed"):
             raise RuntimeError("offload_adam: this optimizer was closed (close()): build a "
@@ -660,7 +671,11 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         loss = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                try:
+                    loss = closure()
+                except BaseException as e:
+                    self._closure_raised(e)
+                    raise
         problem = None
         try:
             check_grad_dtypes(self.param_groups)

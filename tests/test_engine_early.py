@@ -806,3 +806,21 @@ def test_a_param_written_between_backward_and_step_is_said(path):
     opt.zero_grad()
     backward(model, 2)
     opt.step()
+
+
+@pytest.mark.skipif(not hasattr(Exception, "add_note"), reason="exception notes: Python 3.11")
+def test_a_closure_that_raises_after_its_backward_says_steps_began(path):
+    """step(closure) whose closure raised after its backward started steps passed the
+    error on with nothing said; the next zero_grad() then spoke of a backward without
+    a step() to follow (found from outside). The closure's error carries a note."""
+    model, opt = make(True)
+
+    def closure():
+        backward(model, 0)
+        raise ValueError("the data loader failed")
+    with pytest.raises(ValueError, match="the data loader failed") as err:
+        opt.step(closure)
+    assert any("the closure raised after its backward had started the step of some params"
+               in note for note in getattr(err.value, "__notes__", ())), err.value
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        opt.zero_grad()
