@@ -96,15 +96,14 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     _say_threads_refused()
 
 
-_refused_seen = [0]
+_said_refused = [False]
 
 
 def _say_threads_refused() -> None:
     """Once a process: the kernels asked for threads the system refused to start, and
     ran on those there were (csrc/thread_pool.h: the same results, more slowly)."""
-    refused = kernels().threads_refused()
-    if refused and not _refused_seen[0]:
-        _refused_seen[0] = refused
+    if not _said_refused[0] and kernels().threads_refused():
+        _said_refused[0] = True
         warnings.warn(
             "offload_adam: the system refused to start some of the CPU step's threads (a "
             "limit on processes, threads or memory: ulimit -u, -v or -s, a cgroup's "

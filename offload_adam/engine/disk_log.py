@@ -37,6 +37,7 @@ class DiskLog(FileBucketsInBackward):
         self.state = pipeline.state
         self.unrestored = 0   # (nothing is stepped in backward: nothing to put back)
         self.stepped: List[ParamRec] = []
+        self.written: set = set()   # (nothing stepped in backward is written over either)
         super().__init__(engine, early, pipeline, files, edited)
         self._reset()
 

@@ -85,7 +85,6 @@ class EarlyStart:
         self._replaced = False                   # the state they step was replaced
         self._written: list = []   # streamed recs written since their step began
         self._versions: Dict[int, int] = {}   # rec id -> its param's version at begin()
-        self._written_files = False   # one of them, in the files' pass (two generations)
         # Why the grads held now cannot be stepped: a step() that failed after the
         # steps of some params ran in backward (those are stepped with them: a retry
         # would step them twice). Cleared by zero_grad() and the next backward's grads.
@@ -421,9 +420,17 @@ class EarlyStart:
         same = {id(r) for r in kept
                 if r.copy.is_of(r.param.grad) or r.copy.fingerprint is not None}
         edited = {id(r) for r, _, _ in check.changed()} if check is not None else set()
-        # (the files' pass in backward wrote these params' host copies: two generations)
-        early_files = ({id(r) for r in self.files.stepped} if self.files is not None
-                       else set())
+        # Params written (a model's load_state_dict, an in-place edit) after their step
+        # began in backward from their values before: their own counters, which the
+        # engine bumps only when step() ends. Resident params were then written from
+        # their masters at step() (the load lost), streamed ones written in backward and
+        # loaded over (the update lost), silently (found from outside)
+        written = [r for r in early if r.param._version != self._versions.get(id(r))]
+        wrote = {id(r) for r in written}
+        # (with the state in files, those whose host copies the pass in backward wrote:
+        # two generations)
+        written_files = ({id(r) for r in self.files.stepped} & wrote
+                         if self.files is not None else set())
         for rec in early:
             grad = rec.param.grad
             if grad is None or is_freed(grad):   # freed by us: its scale() guards edits
@@ -433,28 +440,16 @@ class EarlyStart:
                 return (f"the grad of {rec.label()} changed after it was copied during "
                         "backward (edited in place, replaced, clipped or scaled)")
             if engine.state_on_disk:   # load_state_dict abandons the pass itself
-                if (id(rec) in early_files
-                        and rec.param._version != self._versions.get(id(rec))):
-                    # (a streamed param written in backward, then loaded over: its
-                    # update lost; a resident one written at step() over the load: the
-                    # load lost; found from outside. The pass is abandoned: fail)
-                    self._written_files = True
-                    self.files.written = {id(r) for r in early if id(r) in early_files and
-                                          r.param._version != self._versions.get(id(r))}
+                if id(rec) in written_files:   # (abandoned by fail: the values stay)
+                    self.files.written = written_files
                     return (f"{rec.label()} was written (a load_state_dict of the model, "
                             "an in-place edit) after its step began in backward from its "
                             "values before")
                 continue
-            if rec.param._version != self._versions.get(id(rec)):
-                # written (a model's load_state_dict, an in-place edit: the param's own
-                # counter, which the engine bumps only when step() ends) after its step
-                # began from the values before: resident params are written from their
-                # masters at step() (the load lost), streamed ones were written in
-                # backward and then loaded over (the update lost), silently (found from
-                # outside). Now the step's values win in both, and it is said: a load of
-                # the same values (a whole checkpoint) then changes nothing
-                self._written = [r for r in early if r.home is not None
-                                 and r.param._version != self._versions.get(id(r))]
+            if id(rec) in wrote:
+                # the step's values win (in RAM), and it is said: a load of the same
+                # values (a whole checkpoint) then changes nothing
+                self._written = [r for r in written if r.home is not None]
                 return (f"{rec.label()} was written (a load_state_dict of the model, an "
                         "in-place edit) after its step began in backward from its values "
                         "before: the values written are replaced by the step's (write "
@@ -488,7 +483,8 @@ class EarlyStart:
         engine taken over by a newer one writes nothing: the params are not its own."""
         self._engine().check_open()
         replaced, self._replaced = self._replaced, False
-        written_files, self._written_files = self._written_files, False
+        # (read before commit(), whose abandon() clears it)
+        written_files = self.files is not None and bool(self.files.written)
         stepped = (self.commit(write=not replaced)
                    if (self.error is not None or self._started) else 0)
         if replaced:

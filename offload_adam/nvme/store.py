@@ -768,14 +768,13 @@ class NvmeState:
             # limit, and at 13,000 params of 5 tensors, 8-bit moments, the kernel's 65,530
             # mappings a process). Each tensor has a storage of its own.
             got = map_copy(f.fileno(), first, e.nbytes)
-        if got is not None:
-            region, at = got
-            for t, o in zip(b.tensors, b.offsets()):
-                out[t.name] = (torch.frombuffer(bytes_of(region, at + o, t.nbytes),
-                                                dtype=t.dtype).view(t.shape)
-                               if t.nbytes else torch.empty(t.shape, dtype=t.dtype))
-            return out
-        with open(self.paths[e.file], "rb") as f:
+            if got is not None:
+                region, at = got
+                for t, o in zip(b.tensors, b.offsets()):
+                    out[t.name] = (torch.frombuffer(bytes_of(region, at + o, t.nbytes),
+                                                    dtype=t.dtype).view(t.shape)
+                                   if t.nbytes else torch.empty(t.shape, dtype=t.dtype))
+                return out
             for t, o in zip(b.tensors, b.offsets()):
                 start = first + o
                 page = start - start % mmap.ALLOCATIONGRANULARITY
