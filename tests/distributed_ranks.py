@@ -313,6 +313,17 @@ def ddp(variant):
             offload_adam.AdamW(ours.parameters(), **{name: True})
         except ValueError as e:
             refused[name] = str(e)
+    # The same state_dirs on both ranks: refused on each (was: one rank refused at the
+    # lock, the other dying later in a collective); a folder of each rank's is taken.
+    shared = os.path.join(OUT_DIR, f"ddp_shared_{variant}")
+    os.makedirs(shared, exist_ok=True)
+    try:
+        offload_adam.AdamW(ours.parameters(), state_dirs=shared).close()
+    except ValueError as e:
+        refused["state_dirs"] = str(e)
+    own = os.path.join(shared, f"rank{dist.get_rank()}")
+    os.makedirs(own, exist_ok=True)
+    offload_adam.AdamW(ours.parameters(), state_dirs=own).close()
     flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
     both = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(both, flat)

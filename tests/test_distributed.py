@@ -311,9 +311,12 @@ def test_fsdp2_ranks_killed_between_their_commits_resume_one_step(kernels, tmp_p
 def test_ddp_replicas_take_the_averaged_grads(ranks, variant):
     """distributed_ranks.ddp: under DistributedDataParallel the ranks stay bitwise
     equal and follow torch; the options that took each rank's own grads in backward
-    are refused by name (found from outside: the ranks stepped apart)."""
+    are refused by name (found from outside: the ranks stepped apart), and so is one
+    state_dirs given to both ranks, on both (one died in gloo)."""
     for res in result(ranks, f"ddp_{variant}"):
         assert res["ranks_equal"] and not res["hooked"], res
         assert res["max_rel"] < 1e-5, res
+        shared = res["refused"].pop("state_dirs", None)
+        assert shared and "of rank 0 and" in shared and "of rank 1 are the same" in shared, res
         assert sorted(res["refused"]) == ["free_grads_after_copy", "step_in_backward"], res
         assert all("as under DistributedDataParallel" in m for m in res["refused"].values())
