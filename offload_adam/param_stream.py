@@ -503,6 +503,7 @@ class ParamStreamer:
             raise ValueError(f"offload_adam.stream_params: prefetch must be an int >= 0, "
                              f"got {prefetch!r}")
         param_dirs = _check_files(param_dirs, param_cache_mb)
+        blocks = _module_names(model, blocks)
         blocks = _names_of(blocks) or blocks   # (an iterator of names: read once)
         self.model, self.prefetch = model, prefetch
         self.device, self.torch_device = _device_of(model, device)
@@ -1445,8 +1446,10 @@ def stream_params(model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
             memory, the rest to the device. Converting it afterwards (model.to(dtype),
             .half(), .cpu()) is refused.
         blocks: which modules stream: a module class or tuple of classes (e.g. the
-            decoder layer), an iterable of module names, or a predicate
-            f(name, module) -> bool. A matching module inside another streams with it.
+            decoder layer), an iterable of module names, the modules themselves (a
+            list of them, or a ModuleList or Sequential such as model.layers: each
+            child a block), or a predicate f(name, module) -> bool. A matching module
+            inside another streams with it.
         prefetch: how many uses ahead to fetch (k).
         device: where the blocks compute (default: the current CUDA device).
         param_dirs: a directory or a list of them (one per drive) for the host copies:
@@ -1881,12 +1884,43 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
     return out
 
 
+def _module_names(model: torch.nn.Module, spec):
+    """blocks= given as the modules themselves (a list of them, or a ModuleList or
+    Sequential of the model such as its decoder layers, each child a block; names may
+    be mixed in): the list of their names in the model. Another spec as it is."""
+    if isinstance(spec, (torch.nn.ModuleList, torch.nn.Sequential)):
+        items = list(spec)
+    elif isinstance(spec, (list, tuple)) and any(isinstance(m, torch.nn.Module) for m in spec):
+        items = list(spec)
+    else:
+        return spec
+    names = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), name)
+    out = []
+    for m in items:
+        if isinstance(m, str):
+            out.append(m)
+        elif not isinstance(m, torch.nn.Module):
+            raise TypeError(f"offload_adam.stream_params: blocks= lists {m!r}, neither a "
+                            "module nor a module name")
+        elif id(m) not in names or m is model:
+            raise ValueError(
+                f"offload_adam.stream_params: blocks= lists a module ({type(m).__name__}) "
+                f"that is {'the model itself' if m is model else 'not in the model'}: "
+                "give modules of the model (or their names, named_modules())")
+        else:
+            out.append(names[id(m)])
+    return out
+
+
 def _names_of(spec: BlockSpec) -> Optional[frozenset]:
     """The module names a block spec lists; None for a class, classes or a predicate."""
     if isinstance(spec, torch.nn.Module):   # (callable: it would be taken for a predicate)
         raise TypeError(f"offload_adam.stream_params: blocks= got a module "
                         f"({type(spec).__name__}), not a spec: give its class, its name in "
-                        "the model (named_modules()) or a predicate (name, module) -> bool")
+                        "the model (named_modules()), a list of modules or a predicate "
+                        "(name, module) -> bool")
     if isinstance(spec, type) or (isinstance(spec, tuple) and spec
                                   and all(isinstance(c, type) for c in spec)):
         return None
@@ -1899,9 +1933,9 @@ def _names_of(spec: BlockSpec) -> Optional[frozenset]:
     except TypeError:
         names = None
     if names is None or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"offload_adam.stream_params: blocks= must be a module class, a "
-                        "tuple of classes, a module name or names, or a predicate "
-                        f"(name, module) -> bool; got {spec!r}")
+        raise TypeError("offload_adam.stream_params: blocks= must be a module class, a "
+                        "tuple of classes, a module name or names, modules (a list, a "
+                        f"ModuleList), or a predicate (name, module) -> bool; got {spec!r}")
     return frozenset(names)
 
 

@@ -1388,6 +1388,31 @@ def test_a_container_or_an_unknown_name_as_block_is_refused(device):
     offload_adam.stream_params(model, ["layers.0", "layers.1", "layers.2"])   # unchanged
 
 
+def test_blocks_given_as_modules_are_those_modules(device):
+    """blocks= as the modules themselves, as FSDP2 users name what they shard: a
+    ModuleList (model.layers: each child a block), a list of modules, names mixed in.
+    A module of another model, or the model itself, is refused by name."""
+    for spec, want in ((lambda m: m.layers, ["layers.0", "layers.1", "layers.2"]),
+                       (lambda m: [m.layers[2], m.layers[0]], ["layers.0", "layers.2"]),
+                       (lambda m: (m.layers[1], "layers.2"), ["layers.1", "layers.2"])):
+        model = make_llama(layers=3, frozen=())
+        streamer = offload_adam.stream_params(model, spec(model))
+        assert sorted(b.name for b in streamer.blocks) == want
+        streamed = {id(p) for b in streamer.blocks for p in b.params}
+        for name, p in model.named_parameters():
+            inside = any(name.startswith(w + ".") for w in want)
+            assert (id(p) in streamed) == inside, name
+        streamer.close()
+    model = make_llama(layers=3, frozen=())
+    with pytest.raises(ValueError, match=r"lists a module \(Block\) that is not in the model"):
+        offload_adam.stream_params(model, [make_llama(layers=1, frozen=()).layers[0]])
+    with pytest.raises(ValueError, match=r"that is the model itself"):
+        offload_adam.stream_params(model, [model])
+    with pytest.raises(TypeError, match=r"lists 3, neither a module nor a module name"):
+        offload_adam.stream_params(model, [model.layers[0], 3])
+    assert all(p.numel() and not torch.isnan(p).any() for p in model.parameters())
+
+
 def test_a_submodules_state_dict_and_params_tied_inside_a_block_show_the_host_copies(device):
     """state_dict()/load_state_dict() of a submodule inside a block (block.up) go through
     the host copies as the model's and the block's do; so does a param tied inside a
