@@ -59,6 +59,7 @@ from .engine.host_memory import unpin_when_dropped
 from .engine.worker import WORKER_NAME
 from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, bytes_of, crc32, map_copy,
                              map_file, open_direct, wait, warn_buffered)
+from .nvme.fd_limit import open_fd
 from .nvme.layout import ALIGN, round_up
 from .nvme.manifest import lock_exclusive
 
@@ -178,7 +179,7 @@ class ParamFiles:
                 self._made += _make_dirs(d)
                 # One streamer per directory at a time (a second would clobber the first's
                 # blocks): locked before the file is cut to its new size.
-                lock = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+                lock = open_fd(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0))
                 try:
                     lock_exclusive(lock)
                 except BlockingIOError:

@@ -818,6 +818,48 @@ def test_a_state_dict_of_many_tensors_passes_a_low_open_files_limit(kernels, tmp
     assert out.stdout.split() == ["ok", "200", "256"], out.stdout
 
 
+_MANY_DIRS = """
+import os, resource, sys, torch, offload_adam
+dirs = [os.path.join(sys.argv[1], f"d{i}") for i in range(int(sys.argv[2]))]
+for d in dirs:
+    os.makedirs(d)
+params = [torch.nn.Parameter(torch.randn(64)) for _ in range(40)]
+try:
+    opt = offload_adam.AdamW(params, state_dirs=dirs, bucket_mb=0.0002)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    print("ok", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+except OSError as e:
+    print("refused", e.errno, e)
+"""
+
+
+@pytest.mark.parametrize("soft,hard", [(48, 48), (48, 4096)])
+def test_state_dirs_past_the_open_files_limit_raise_it_or_say_so(kernels, tmp_path, soft, hard):
+    """24 state directories (3 descriptors each) under a soft limit of 48 open files:
+    below a higher hard limit the soft one is raised to it and the step runs; at the hard
+    limit the error names the limit (was a bare "Too many open files" naming whichever file
+    came next: found from outside)."""
+    import resource
+    import subprocess
+    import sys
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < hard:
+        pytest.skip(f"this process's hard limit of open files is under {hard}")
+    out = subprocess.run([sys.executable, "-c", _MANY_DIRS, str(tmp_path), "24"],
+                         capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(__file__)),
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                               (soft, hard)))
+    assert out.returncode == 0, out.stderr
+    if hard > soft:
+        assert out.stdout.split() == ["ok", str(hard)], out.stdout
+    else:
+        assert out.stdout.startswith("refused 24 [Errno 24] offload_adam: too many open files (48 at "
+                                     "most, hard limit 48): opening "), out.stdout
+        assert "keeps open (3, or 4 compact, in each state directory)" in out.stdout
+
+
 def test_an_optimizer_dropped_as_garbage_lets_the_next_one_have_its_files(kernels, tmp_path):
     """An optimizer over state files dropped without close() but not yet collected (in a
     reference cycle) holds the directory's lock: the next optimizer over it collects the

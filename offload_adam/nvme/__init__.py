@@ -5,6 +5,7 @@ ring of host buffers at the disk's speed, and crash-safe.
   layout.py    what a bucket holds, where its two slots lie in the files, the fingerprint
   direct_io.py aligned buffers, O_DIRECT (buffered fallback), a pool of pread/pwrite threads
   manifest.py  the checksummed manifest committed atomically each step; the directory lock
+  fd_limit.py  the open-files limit: raised to the hard one when reached, else said
   store.py     NvmeState: open/create the files (never over a state), read/write a bucket
                (each slot checksummed), commit, roll back one step, mmap views
   circular.py  compact states: one copy per bucket in a ring per file with 4 spare extents

@@ -23,16 +23,13 @@ import os
 import threading
 import warnings
 
-try:   # (imported here: at EMFILE, importing it would need a descriptor itself)
-    import resource
-except ImportError:   # (not Unix)
-    resource = None
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import List, Optional, Tuple
 
 import torch
 
+from .fd_limit import open_fd, at_limit
 from .layout import ALIGN, SUM_BYTES, round_up
 
 # One pread/pwrite: large enough for the drive's bandwidth; each is checksummed on its own.
@@ -74,23 +71,10 @@ def map_file(fd: int, length: int, offset: int) -> mmap.mmap:
     2,000 for a 70B model). Past a soft limit of open files, the limit is raised to the
     hard one (the process may, and nothing else changes), and where that is not enough
     the error says why so many are open."""
-    try:
-        return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
-    except OSError as e:
-        if e.errno != errno.EMFILE or resource is None:
-            raise
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or hard > soft:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-                return mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
-            except (OSError, ValueError):
-                pass
-        raise OSError(errno.EMFILE, f"offload_adam: too many open files ({soft} at most, "
-                      f"hard limit {hard}): a state_dict() of state in files, and a "
-                      "streamed model's state_dict() with param files, map each tensor from "
-                      "its file, one descriptor each while the dict is alive. Raise the "
-                      "limit (ulimit -n), or drop the dicts already saved") from e
+    return at_limit(lambda: mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset),
+                    "a state_dict() of state in files, and a streamed model's state_dict() "
+                    "with param files, map each tensor from its file, one descriptor each "
+                    "while the dict is alive (drop the dicts already saved)")
 
 
 _MAP_FIXED = 0x10   # Linux's: replace the pages at that address (within our own range)
@@ -182,7 +166,7 @@ def open_direct(path: str, create: bool, size: int = 0) -> Tuple[int, bool]:
     direct = getattr(os, "O_DIRECT", 0)
     for mode in ((flags | direct, True), (flags, False)) if direct else ((flags, False),):
         try:
-            fd = os.open(path, mode[0], 0o644)
+            fd = open_fd(path, mode[0])
         except OSError as e:
             if e.errno == errno.EINVAL and mode[1]:
                 continue

@@ -26,6 +26,8 @@ import struct
 import zlib
 from typing import List, Optional, Tuple
 
+from .fd_limit import open_fd
+
 MANIFEST = "offload_adam_state.manifest"
 SPEC = "offload_adam_state.spec"   # the fingerprint: written once, the manifest names its sha256
 LOCK = "offload_adam_state.lock"
@@ -54,7 +56,7 @@ def lock_exclusive(fd: int) -> None:
 
 
 def fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = open_fd(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
     finally:
@@ -93,7 +95,7 @@ def commit(folder: str, body: dict, name: str = MANIFEST) -> None:
     fsync dir."""
     path = os.path.join(folder, name)
     tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         try:
             raw = pack(body)
@@ -137,7 +139,7 @@ class DirLocks:
 
     def _lock(self, folder: str) -> None:
         path = os.path.join(folder, LOCK)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = open_fd(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0))
         try:
             lock_exclusive(fd)
         except OSError as e:
@@ -170,9 +172,11 @@ class DirLocks:
         flock on a directory (NFS emulates flock with fcntl locks, which need a file open
         for writing), the lock file's is all there is."""
         try:
-            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+            fd = open_fd(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
                          | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
+        except OSError as e:
+            if e.errno == errno.EMFILE:   # (the limit, not the filesystem: not unlocked)
+                raise
             return
         try:
             lock_exclusive(fd)

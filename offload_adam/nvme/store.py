@@ -66,6 +66,7 @@ from .direct_io import (AlignedBuffer, IOPool, NvmeError, address_of, bytes_of, 
                         map_at, map_copy, map_file, open_direct, wait, warn_buffered)
 from . import redo
 from .circular import SPARES, Circular
+from .fd_limit import open_fd
 from .layout import (ALIGN, HEADER_BYTES, RENAMED, SLOTS, SUM_BYTES, Extent, StateSpec,
                      differences, param_names, place, round_up, slot_checksum)
 
@@ -100,7 +101,7 @@ def _check_folder(folder: str) -> str:
         raise error(f"offload_adam: the NVMe state directory {folder!r} {what}{hint}")
     probe = os.path.join(folder, manifest.LOCK)
     try:
-        os.close(os.open(probe, os.O_RDWR | os.O_CREAT, 0o644))
+        os.close(open_fd(probe, os.O_RDWR | os.O_CREAT))
     except PermissionError as e:
         raise PermissionError(f"offload_adam: the NVMe state directory {folder!r} is not "
                               f"writable by this process ({e.strerror})") from None
