@@ -141,6 +141,13 @@ class GradScaling:
             self._drop_clip()
             return None
         grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None and float(grad_scale) == 0.0:
+            raise ValueError(
+                "offload_adam: the loss scale (GradScaler's, as grad_scale) is 0: halved at "
+                "each step that found inf/NaN grads until it underflowed, so the grads "
+                "cannot be unscaled (torch's AdamW would step NaN into every param). "
+                "Nothing was stepped; look for what makes the loss or grads inf/NaN, or "
+                "give GradScaler a larger init_scale or backoff_factor")
         inv_scale = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
         if found_inf is not None and grad_scale is None and self._engine is not None:
             # GradScaler.unscale_ ran: it divides the grads in place without

@@ -652,7 +652,21 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         # makes, the engine's host state at its first step, would be inference tensors,
         # which its worker thread, outside that mode, cannot write: found from outside)
         with self._busy(), torch.inference_mode(False):
-            return self._step(closure)
+            try:
+                return self._step(closure)
+            except BaseException:
+                self._forget_loss_scale()
+                raise
+
+    def _forget_loss_scale(self) -> None:
+        """A step() that raised inside GradScaler.step: its grad_scale and found_inf go,
+        as GradScaler removes them after a step that returns. Left on, the next
+        GradScaler.step multiplied the old scale into the new one (the grads divided by
+        the scale squared, silently), and plain step()s after it took them for a
+        GradScaler's (found from outside)."""
+        if "found_inf" in self.__dict__:
+            del self.found_inf
+            self.__dict__.pop("grad_scale", None)
 
     def _closure_raised(self, e: BaseException) -> None:
         """A closure that raised after its backward started steps (step_in_backward):

@@ -468,6 +468,54 @@ def test_grad_scaler_matches_torch_fused(kernels, clip):
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
 
 
+def test_a_refused_grad_scaler_step_leaves_no_loss_scale_behind(kernels):
+    """A step() that raised inside GradScaler.step (a refusal: the grads changed after
+    opt.clip_grad_norm_) removes the grad_scale/found_inf GradScaler set, as GradScaler
+    does after a step that returns: left on, the next GradScaler.step multiplied the old
+    scale into the new one and the grads were divided by the scale squared, silently, and
+    plain step()s were taken for a GradScaler's (found from outside). A loss scale that
+    underflowed to 0 is refused by name (was a ZeroDivisionError)."""
+    def run(refuse):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        g = torch.Generator().manual_seed(1)
+        for it in range(4):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+            loss = lambda: torch.nn.functional.mse_loss(model(x), y)   # noqa: E731
+            scaler.scale(loss()).backward()
+            if it == 1:
+                if refuse:
+                    opt.clip_grad_norm_(1e9)
+                    scaler.scale(loss()).backward()   # grads changed after the clip
+                    with pytest.raises(RuntimeError, match="clip_grad_norm_"):
+                        scaler.step(opt)
+                    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+                else:
+                    scaler.unscale_(opt)   # the same iteration dropped, nothing refused
+                opt.zero_grad()
+                scaler.update()
+                continue
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return model, opt
+    refused, opt = run(True)
+    dropped, _ = run(False)
+    for p, q in zip(refused.parameters(), dropped.parameters()):
+        assert torch.equal(p, q)
+    p = next(refused.parameters())
+    p.grad = torch.ones_like(p)
+    opt.step()   # a plain step after: no GradScaler's attributes in the way
+    assert opt.state[p]["step"].item() == 4
+    opt.grad_scale, opt.found_inf = torch.tensor(0.0), torch.tensor(0.0)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"the loss scale .* is 0: halved"):
+        opt.step()
+    assert torch.equal(p, before) and opt.state[p]["step"].item() == 4
+
+
 def test_grad_scale_attribute_unscales(kernels):
     ps, qs = make_twins()
     opt, ref = offload_adam.AdamW(ps, lr=0.01), offload_adam.AdamW(qs, lr=0.01)
