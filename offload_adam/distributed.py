@@ -221,30 +221,34 @@ def _rank_folders_with_state(folder) -> list:
 
 
 def refuse_together(problem: Optional[str], params: Iterable[torch.Tensor],
-                    process_group=None) -> None:
+                    process_group=None, replicas: bool = False) -> None:
     """Under several ranks each says what it cannot go on with (None: nothing; every rank
     must call it): a rank with nothing to say raises the first other rank's problem, so
     that none goes on into a collective that a rank which raised never joins (it would
-    wait, then fail on a closed connection). The caller raises its own."""
-    other = other_refusal(problem, params, process_group)
+    wait, then fail on a closed connection). The caller raises its own. (`replicas`:
+    every_rank's.)"""
+    other = other_refusal(problem, params, process_group, replicas)
     if other is not None:
         raise ValueError(f"offload_adam: rank {other[0]} refused its state files, so every "
                          f"rank does: {other[1]}")
 
 
 def other_refusal(problem: Optional[str], params: Iterable[torch.Tensor],
-                  process_group=None) -> Optional[Tuple[int, str]]:
+                  process_group=None, replicas: bool = False) -> Optional[Tuple[int, str]]:
     """Each rank says what it cannot go on with (None: nothing; every rank must call it):
     for a rank with nothing to say, the first other rank's (rank, problem); else None."""
-    problems = every_rank(problem, params, process_group)
+    problems = every_rank(problem, params, process_group, replicas)
     bad = [(r, p) for r, p in enumerate(problems or ()) if p is not None]
     return bad[0] if problem is None and bad else None
 
 
-def every_rank(value, params: Iterable[torch.Tensor], process_group=None) -> Optional[list]:
+def every_rank(value, params: Iterable[torch.Tensor], process_group=None,
+               replicas: bool = False) -> Optional[list]:
     """`value` of every rank of a sharded run (in rank order; each rank must call it), or
-    None under one rank. The NVMe tier's ranks agree on the step to resume with it."""
-    if not sharded(params, process_group):
+    None under one rank; `replicas`: of a replicated run's ranks too (DDP). The NVMe
+    tier's ranks agree on the step to resume with it."""
+    if not (sharded(params, process_group)
+            or (replicas and replicated(params, process_group))):
         return None
     out = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(out, value, group=process_group)

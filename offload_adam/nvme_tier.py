@@ -223,6 +223,16 @@ def _lay_out(param_groups, params, recs, limit: float, split: bool, raw: bool = 
     return buckets, specs
 
 
+def _loaded_since(now: tuple, then: tuple) -> bool:
+    """Whether a param's mark `now` (master_rule.mark) is not the one `then` it had when
+    the restore set it, its bytes written since: a plain or DTensor param in host memory
+    whose bytes checksum and address are as then was written with the same values."""
+    if now == then:
+        return False
+    plain = len(now) == len(then) == 4 and now[3] != -1
+    return not (plain and now[2:] == then[2:])
+
+
 class FileStore:
     """The state of `params` (a list per group) in files under `dirs`: the file store of
     state_store.py. `engine`: the offload engine stepping some of them (its records name
@@ -296,10 +306,10 @@ class FileStore:
             budget, records = self._open_layout(layouts(), dirs, files_name, budget_mb,
                                                 bucket_mb, compact, params, process_group)
         except Exception as e:   # (the other ranks raise too: distributed.refuse_together)
-            distributed.refuse_together(str(e), flat, process_group)
+            distributed.refuse_together(str(e), flat, process_group, replicas=True)
             raise
         try:
-            distributed.refuse_together(None, flat, process_group)
+            distributed.refuse_together(None, flat, process_group, replicas=True)
         except BaseException:
             self.state.close(discard=True)
             raise
@@ -313,8 +323,11 @@ class FileStore:
         self._shapes = {pid: tuple(local(where[0][1].param).shape)
                         for pid, where in self._where.items()}
         flat = [p for group in params for p in group]
-        self._ranks = ((flat, process_group)   # compact under several ranks: who steps
-                       if compact and distributed.sharded(flat, process_group) else None)
+        # compact under several ranks, sharded or replicas (DDP: each rank resumes with
+        # the others, whose params DDP's broadcast makes its own): who steps
+        several = (distributed.sharded(flat, process_group)
+                   or distributed.replicated(flat, process_group))
+        self._ranks = (flat, process_group) if compact and several else None
         try:
             self._agree_on_step(params, process_group)
             if pickled_step is not None:
@@ -441,16 +454,19 @@ class FileStore:
             "state's values) rather than the optimizer object. Nothing was changed")
 
     def _agree_on_step(self, params, process_group) -> None:
-        """Under several ranks (FSDP2, or process_group=): every rank resumes from the same
+        """Under several ranks (FSDP2, process_group=, or DDP's replicas, whose first
+        broadcast gives every rank rank 0's params): every rank resumes from the same
         step. A rank killed between the others' commit of a step and its own is one step
         behind; the others go back to its step, which their files still hold (the other
-        slots, checked whole first). Ranks that cannot agree all raise the same error."""
+        slots, checked whole first). Ranks that cannot agree all raise the same error.
+        (Replicas resumed from their own steps failed at the first step, the one behind
+        refusing the broadcast params as changed: found from outside.)"""
         flat = [p for group in params for p in group]
         mine = (self.state.step, self.state.previous)
         if self.state.compact:
             self._agree_compact(flat, process_group)
             return
-        ranks = distributed.every_rank(mine, flat, process_group)
+        ranks = distributed.every_rank(mine, flat, process_group, replicas=True)
         if ranks is None:
             return
         target = min(step for step, _ in ranks)
@@ -466,7 +482,7 @@ class FileStore:
                 self.state.rollback()
             except NvmeError as e:
                 problem = str(e)
-        problems = distributed.every_rank(problem, flat, process_group)
+        problems = distributed.every_rank(problem, flat, process_group, replicas=True)
         bad = [(r, p) for r, p in enumerate(problems) if p is not None]
         if bad:
             raise ValueError(
@@ -486,7 +502,8 @@ class FileStore:
         moved a bucket of a later one (dropping what they began); anything else is not
         the files of one run."""
         st = self.state
-        ranks = distributed.every_rank((st.step, st.intent_step, st.moved), flat, process_group)
+        ranks = distributed.every_rank((st.step, st.intent_step, st.moved), flat, process_group,
+                                       replicas=True)
         if ranks is None:
             return
         ahead = max(max(s, i or 0) for s, i, _ in ranks)
@@ -514,7 +531,7 @@ class FileStore:
         that ranks killed at any instant can all go forward, or all back
         (`_agree_compact`)."""
         if self._ranks is not None:
-            distributed.every_rank(True, self._ranks[0], self._ranks[1])
+            distributed.every_rank(True, self._ranks[0], self._ranks[1], replicas=True)
 
     def _restore_params(self) -> None:
         """A resumed state gives the params their values of its last completed step:
@@ -1259,12 +1276,20 @@ class FileStore:
         its moments. Refused before anything is written when a param still as the restore
         set it is not the loaded state's: its master does not round to it, or (no master:
         an fp32 param stepped in place) its step count is not the files'. Params loaded
-        again since the restore are the user's to match, as in RAM."""
+        again since the restore are the user's to match, as in RAM: a master is compared
+        with the param as it is all the same (a model and optimizer state of one
+        checkpoint agree), only a step count is not. (Told by the param's mark, whose
+        version counters DDP's first broadcast bumps, writing every rank's params with
+        rank 0's same values: a CPU param's bytes tell, and the master compared. Under
+        DDP every param counted as loaded again, and a checkpoint of another step was
+        taken over the restored params: found from outside.)"""
         for e, now, step in self._resumed.values():
             saved = saved_of(e)
-            if not saved or mark(e.param) != now:
+            if not saved:
                 continue
             master = self._local_saved(e, saved).get(MASTER_KEY) if e.has_master else None
+            if not isinstance(master, torch.Tensor) and _loaded_since(mark(e.param), now):
+                continue
             if isinstance(master, torch.Tensor):
                 same = rounds_to(master.detach().to("cpu", torch.float32),
                                  param_values(e.param).to("cpu"))

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -332,6 +333,64 @@ def ddp(variant):
            **diff(list(ours.parameters()), list(ref.parameters()))}
     opt.close()
     eng.close()
+    return out
+
+
+@scenario("two_generations", "compact")
+def ddp_resume(footprint):
+    """DistributedDataParallel, each rank its own state_dirs: with two generations, ranks
+    whose files are at different steps (rank 0 stepped once more alone: a kill between
+    the ranks' commits) resume from one step, as FSDP2's ranks do, rank 0 going back (rank
+    1 refused DDP's broadcast params as changed, rank 0 died in gloo: found from outside);
+    compact ranks resume together. And an optimizer state of another step loaded after
+    the resume is refused on every rank although DDP's broadcast wrote the params (it was
+    taken: two steps mixed)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank = dist.get_rank()
+    folder = os.path.join(OUT_DIR, f"ddp_resume_{footprint}", f"rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 15), torch.nn.Tanh(),
+                                   torch.nn.Linear(15, 1)).to(BF16)
+    kw = dict(lr=LR, weight_decay=WD, bucket_mb=0.0005, state_footprint=footprint)
+    model = make()
+    opt = offload_adam.AdamW(model.parameters(), state_dirs=folder, **kw)
+    net = DDP(model)
+    saved = None
+    for it in range(3):
+        net(batch(it).to(BF16)).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if it == 0:
+            saved = copy.deepcopy(opt.state_dict())
+    at_three = [p.detach().clone() for p in model.parameters()]
+    if rank == 0 and footprint == "two_generations":   # one step more, alone (no DDP):
+        model(batch(3).to(BF16)).float().pow(2).mean().backward()   # its files at step 4
+        opt.step()   # (compact steps in step with the other ranks: a collective each step)
+    opt.close()
+    out = {}
+    again = make()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ropt = offload_adam.AdamW(again.parameters(), state_dirs=folder, state_resume=True,
+                                      **kw)
+        out["warned"] = [str(w.message) for w in seen if "resume from step" in str(w.message)]
+    except ValueError as e:
+        out["refused_resume"] = str(e)
+        dist.barrier()
+        return out
+    out["step_count"] = ropt.step_count
+    DDP(again)   # (its broadcast writes rank 0's params into every rank's)
+    out["at_three"] = all(torch.equal(p, q) for p, q in zip(again.parameters(), at_three))
+    try:
+        ropt.load_state_dict(saved)
+        out["mixed_loaded"] = True
+    except ValueError as e:
+        out["mixed_loaded"] = str(e)
+    ropt.close()
     return out
 
 

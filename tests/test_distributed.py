@@ -307,6 +307,22 @@ def test_fsdp2_ranks_killed_between_their_commits_resume_one_step(kernels, tmp_p
         assert res["resumed_bitwise"] and res["trained_on_bitwise"], res
 
 
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_ddp_replicas_resume_from_one_step(ranks, footprint):
+    """distributed_ranks.ddp_resume: replicas whose files are a step apart resume from one
+    step (two generations: rank 0 goes back to rank 1's step, with a warning; compact
+    ranks step together), and an optimizer state of another step loaded after is refused
+    on both although DDP's broadcast wrote the params (found from outside: taken, two
+    steps mixed)."""
+    r0, r1 = result(ranks, f"ddp_resume_{footprint}")
+    assert r0["step_count"] == r1["step_count"] == 3, (r0, r1)
+    assert len(r0["warned"]) == (footprint == "two_generations") and not r1["warned"], (r0, r1)
+    for res in (r0, r1):
+        assert res["at_three"], res
+        assert "state_resume=True set the params to the state files' step 3" in str(
+            res["mixed_loaded"]), res
+
+
 @pytest.mark.parametrize("variant", ["inplace", "engine"])
 def test_ddp_replicas_take_the_averaged_grads(ranks, variant):
     """distributed_ranks.ddp: under DistributedDataParallel the ranks stay bitwise
