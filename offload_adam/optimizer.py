@@ -151,6 +151,10 @@ def _scalar_beta(b):
     return b.reshape(()) if isinstance(b, torch.Tensor) else b
 
 
+# what the checks of a state read between backward and step() call a copy or pickle
+_PICKLED = "the optimizer's __getstate__ (copy.deepcopy, pickle, torch.save of it)"
+
+
 class Adam(GradScaling, TorchStateDict, Optimizer):
     """torch.optim.Adam's interface, stepped by offload_adam's fused CPU kernels.
 
@@ -224,6 +228,32 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
     def __getstate__(self):
         # The engine (threads, hooks, pinned memory) is not pickled: an unpickled
         # optimizer starts its own, with the same options, for its own params.
+        # (Checked and locked as state_dict() is: a copy or pickle between backward and
+        # step() with step_in_backward held some params' state a step ahead, even one
+        # param's moments of the next step beside its step count of this one; found from
+        # outside. The steps deferred past step() are waited for by `state`.)
+        with self._busy("__getstate__"):
+            early = self._engine.early if self.__dict__.get("_engine") is not None else None
+            if early is not None:
+                early.check_saving(what=_PICKLED)
+                begun = early.begun
+            state = self._pickled_state()
+            if early is not None:
+                early.check_saving(since=begun, what=_PICKLED)
+            return state
+
+    def _pickled_state(self) -> dict:
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if home_of(p) is not None:
+                    raise RuntimeError(
+                        f"offload_adam: param {param_label(group, gi, i, p)} is streamed "
+                        "(stream_params): between uses it shows a placeholder, its values "
+                        "being the streamer's host copies, which a copy or pickle of the "
+                        "optimizer (copy.deepcopy, pickle, torch.save of it) does not take: "
+                        "its params were NaN (found from outside). Save opt.state_dict() "
+                        "with model.state_dict(), and load them into an optimizer built "
+                        "over the streamed model")
         state = super().__getstate__()
         state["_options"] = self._options   # less its process group
         state.pop("_store", None)    # (files and a lock): opened again when unpickled

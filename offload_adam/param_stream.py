@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import math
 import os
 import threading
@@ -68,7 +69,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .byte_view import byte_view
 from .distributed import is_dtensor
-from .engine.device import current_host_stand_in, make_device
+from .engine.device import current_host_stand_in, make_device, outside_transforms
 from .engine.host_memory import unpin_when_dropped
 from .nvme.layout import ALIGN, round_up
 from .options import positive_number
@@ -79,6 +80,17 @@ __all__ = ["ParamStreamer", "stream_params"]
 
 BlockSpec = Union[type, Tuple[type, ...], Iterable[str], Callable[[str, torch.nn.Module], bool]]
 _ALIGN = 64   # bytes: each host copy starts on a cache line
+
+
+def _outside_transforms(method):
+    """`method` (a block's fetch, release, placeholders shown) outside torch.func's
+    transforms (engine/device.py's outside_transforms): called from a hook inside one,
+    its views of the host copies were the transform's tensors, without storage."""
+    @functools.wraps(method)
+    def plain(*args, **kwargs):
+        with outside_transforms():
+            return method(*args, **kwargs)
+    return plain
 
 
 class Home:
@@ -353,12 +365,15 @@ class _Block:
                         "torch.func.grad swapping tensors in): a streamed block computes "
                         "with its own params only. Call it with tensors for params outside "
                         "the streamed blocks, or on the model without streaming")
+                if _parametrized(module, attr):
+                    raise _parametrized_error(f"param {self.name}.{name} of a streamed block")
                 raise RuntimeError(
                     f"offload_adam.stream_params: param {self.name}.{name} of a streamed block "
                     "was replaced after stream_params (assigned, or tied to another param); "
                     "the streamer and the optimizer hold the old one. Replace or tie params "
                     "before stream_params, or close() the streamer first")
 
+    @_outside_transforms
     def show(self, tensors: List[torch.Tensor]) -> None:
         """Each param shows its tensor in `tensors` (device copies, host copies or
         placeholders)."""
@@ -418,6 +433,11 @@ class _Block:
         names = [self.names[k] for k in (assigned or written)]
         which = (f"param {self.name}.{names[0]}"
                  f"{f' (and {len(names) - 1} more)' if len(names) > 1 else ''} of a streamed block")
+        para = [f"{self.name}.{path + '.' if path else ''}{attr}"
+                for module, path, attr, k in self.holders
+                if k in (assigned or written) and _parametrized(module, attr)]
+        if para:   # (register_parametrization wrote the placeholder with set_)
+            raise _parametrized_error(f"param {para[0]} of a streamed block")
         if assigned:
             raise RuntimeError(
                 f"offload_adam.stream_params: {which} was assigned (p.data = t) between its "
@@ -517,7 +537,7 @@ class ParamStreamer:
         self.files: Optional[ParamFiles] = None
         if param_dirs is not None:
             sizes = [_offsets([p for _, p in ps])[1] for _, _, ps in found]
-            largest = max(round_up(size, ALIGN) for size in sizes)
+            largest = max(round_up(max(size, 1), ALIGN) for size in sizes)
             cache = (param_cache_mb * 2**20 if param_cache_mb is not None
                      else default_cache_slots(prefetch) * largest)
             self.files = ParamFiles(param_dirs, sizes, cache, prefetch, self.device,
@@ -1126,7 +1146,8 @@ class ParamStreamer:
                 f"offload_adam.stream_params: a backward with create_graph=True reached "
                 f"streamed block {block.name}: the graph of the grads it would build reads "
                 "the block's params after the block gave them back, and nothing fetches "
-                "them for its backward (a double backward, a gradient penalty). Keep the "
+                "them for its backward (a double backward, a gradient penalty; "
+                "torch.func.grad, vjp and jacrev build that graph). Keep the "
                 "modules such a backward goes through out of the streamed blocks")
         self._note_backward()
         self._use(block, "b")
@@ -1171,6 +1192,7 @@ class ParamStreamer:
 
     # ---- fetch, use, release --------------------------------------------------------
 
+    @_outside_transforms
     def _use(self, block: _Block, phase: str) -> None:
         """The block is about to compute: its params on the device, published to the
         current stream; the next uses in the recorded order fetched ahead."""
@@ -1249,6 +1271,7 @@ class ParamStreamer:
         block.state = "coming"
         self.fetched_bytes += block.nbytes
 
+    @_outside_transforms
     def _release(self, block: _Block) -> None:
         if block.state == "away":
             return
@@ -1398,6 +1421,25 @@ class ParamStreamer:
                     f"an optimizer stepping in backward (step_in_backward=True) has "
                     f"stepped block {block.name} and steps the other params at step(). "
                     "Call step() first; nothing was closed")
+        # A param written in place between uses (its write dropped) is refused before
+        # any block goes back: given back block by block, the others' hooks stayed on
+        # blocks without host copies (forward failing inside, state_dict() blaming an
+        # assignment the user never made: found from outside). Every block is checked,
+        # so that one close() again gives them all back.
+        refused = []
+        for block in self.blocks:
+            if not getattr(block, "given_back", False):
+                try:
+                    block.check_unwritten(values=True)
+                except RuntimeError as e:
+                    refused.append((block.name, e))
+        if refused:
+            e = refused[0][1]
+            others = f" (and in blocks {[n for n, _ in refused[1:]]})" if len(refused) > 1 else ""
+            e.add_note(f"offload_adam.stream_params: close() found this{others}; nothing was "
+                       "closed, the writes are dropped, and close() again gives the params "
+                       "back with their host copies' values")
+            raise e
         # Every block that can be is given back, then the first error raised: a block
         # whose host copy cannot be read (a damaged param file) leaves the others' params
         # on the device and the streaming (hooks, files) as it was for that one, and a
@@ -1701,7 +1743,7 @@ _LEAF_NODE = 2 ** 64 - 1   # the sequence number of a leaf's AccumulateGrad node
 def _next_node_number() -> int:
     """The sequence number the next autograd node made on this thread gets (each
     thread numbers its nodes in the order they are made)."""
-    with torch.enable_grad():
+    with torch.enable_grad(), outside_transforms():   # (inside torch.func.grad: no node)
         return _PROBE.view(()).grad_fn._sequence_nr() + 1
 
 
@@ -1882,6 +1924,24 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
                              f"{block}'s too (tied weights): keep it out of the streamed "
                              "blocks")
     return out
+
+
+def _parametrized_error(which: str) -> RuntimeError:
+    return RuntimeError(
+        f"offload_adam.stream_params: {which} was parametrized after stream_params "
+        "(register_parametrization, weight_norm, spectral_norm): its original moved under "
+        "parametrizations, out of the streamer's reach, and what the parametrization made "
+        "of it was computed from the placeholder. Parametrize before stream_params (the "
+        "parametrization's params then stream), or close() the streamer first")
+
+
+def _parametrized(module: torch.nn.Module, attr: str) -> bool:
+    """Whether `attr` of `module` is parametrized now (torch.nn.utils.parametrize, as
+    parametrizations.weight_norm does) or by the older hooks (nn.utils.weight_norm,
+    spectral_norm: `attr`_orig / `attr`_g beside it)."""
+    from torch.nn.utils import parametrize
+    return (parametrize.is_parametrized(module, attr)
+            or any(n in module._parameters for n in (attr + "_orig", attr + "_g")))
 
 
 def _module_names(model: torch.nn.Module, spec):

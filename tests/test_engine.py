@@ -1246,7 +1246,8 @@ def test_an_optimizer_taken_over_in_part_says_what_it_left(sim):
     new.add_param_group({"params": [params[0]]})
     with pytest.raises(RuntimeError, match=r"\(param group 0, param 0 \(shape \(16, 8\)\), of "
                        r"its 3\) were taken over by a newer offload_adam optimizer \(built over "
-                       r"them, or given them by add_param_group\).* Its 2 other params are "
+                       r"them, given them by add_param_group, or a copy.copy or an unpickled "
+                       r"copy of this one over the same params\).* Its 2 other params are "
                        r"stepped by no optimizer now"):
         old.step()
 

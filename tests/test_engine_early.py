@@ -13,6 +13,7 @@ no param stepped, and says so.
 """
 import copy
 import gc
+import pickle
 import re
 import weakref
 
@@ -530,6 +531,13 @@ def test_state_dict_between_backward_and_step(path):
         with pytest.raises(RuntimeError, match=r"state_dict\(\) was called between backward "
                                                r"and step\(\) with step_in_backward=True"):
             opt.state_dict()
+        # a copy or pickle of the optimizer likewise (it copied some params' state a
+        # step ahead, one param's moments of the next step beside its count of this one:
+        # found from outside)
+        for copy_of in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
+            with pytest.raises(RuntimeError, match=r"__getstate__ \(copy.deepcopy, pickle, "
+                                                   r"torch.save of it\) was called between"):
+                copy_of(opt)
     opt.step()
     after = _reference_after_plain_step(path, 1)
     held = states(opt)

@@ -194,6 +194,33 @@ def test_functional_call_with_other_tensors_for_streamed_params_is_refused_as_su
     assert torch.equal(functional_call(model, {"embed.weight": head}, (x,)), before)
 
 
+def test_torch_func_grad_through_a_streamed_block_is_refused_by_name(device):
+    """torch.func.grad through a streamed block (for a resident param, or a block's
+    input): the block's fetch inside the transform failed in torch ("mutate a captured
+    Tensor", or "no storage" from the views of its host copies; found from outside). The
+    fetch runs outside the transform; what torch.func.grad then builds, a graph of the
+    grads through the block (create_graph), is refused naming the block and torch.func;
+    the model trains on as the unstreamed one."""
+    from torch.func import functional_call, grad
+    model = make_llama(layers=2, frozen=())
+    plain = copy.deepcopy(model)
+    offload_adam.stream_params(model, Block, prefetch=1)
+    x = torch.arange(8).view(1, 8)
+    calls = (lambda: grad(lambda w: functional_call(model, {"embed.weight": w}, (x,))
+                          .float().sum())(model.embed.weight.detach()),
+             lambda: grad(lambda e: model.layers[0](e).float().sum())(model.embed(x).detach()))
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"create_graph=True reached streamed block "
+                                               r"layers\.\d.*torch\.func\.grad"):
+            call()
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    ref = offload_adam.AdamW(plain.parameters(), **OPTS)
+    train(model, opt, 2)
+    train(plain, ref, 2)
+    for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
 @pytest.mark.parametrize("how", ["close", "take_over"])
 def test_an_optimizer_closed_between_backward_and_step_lets_the_streamer_close(device, how):
     """step_in_backward, state in RAM: the optimizer closed (or taken over by a newer one)
@@ -668,6 +695,65 @@ def test_close_puts_the_params_back_and_the_old_optimizer_refuses(device):
     for name, p in model.named_parameters():
         assert torch.equal(p, trained[name]), name
     copy.deepcopy(model)   # closed: an ordinary model again
+
+
+def test_a_close_refused_for_a_dropped_write_closes_nothing(device):
+    """close() after writes that did not reach the host copies (p.data.fill_ in one
+    block, a parametrization registered on another's weight) refuses before any block
+    goes back, naming the parametrization where there is one: it gave the other blocks
+    back with their hooks on (forward failing inside, state_dict() blaming an
+    assignment nobody made: found from outside). The model trains on, and close()
+    again gives every param back with the trained values."""
+    from torch.nn.utils import parametrize
+
+    class Same(torch.nn.Module):
+        def forward(self, x):
+            return x
+    model = make_llama(layers=3, frozen=())
+    streamer = offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 1)
+    model.layers[2].up.weight.data.fill_(0.5)
+    with pytest.raises(RuntimeError, match=r"layers\.2\.up\.weight .* written in place") as e:
+        streamer.close()
+    assert "nothing was closed" in "".join(getattr(e.value, "__notes__", []))
+    assert all(b.homes for b in streamer.blocks)   # nothing given back
+    train(model, opt, 1, start=1)
+    trained = values(model)
+    weight = model.layers[0].up.weight
+    parametrize.register_parametrization(model.layers[0].up, "weight", Same())
+    with pytest.raises(RuntimeError, match=r"layers\.0\.up\.weight of a streamed block was "
+                                           r"parametrized after stream_params"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match=r"was parametrized after stream_params"):
+        streamer.close()
+    streamer.close()
+    assert torch.equal(model.layers[0].up.parametrizations.weight.original, trained[
+        "layers.0.up.weight"]) and model.layers[0].up.parametrizations.weight.original is weight
+    for name, p in model.named_parameters():
+        if "parametrizations" not in name:
+            assert torch.equal(p, trained[name]), name
+
+
+def test_an_optimizer_of_streamed_params_is_not_pickled(device, tmp_path):
+    """torch.save/deepcopy of the optimizer object pickled each streamed param's
+    placeholder: the copy's params were NaN, refused nowhere (found from outside). Refused
+    when pickled, naming the param; the optimizer trains on as the unstreamed one."""
+    model = make_llama(layers=2, frozen=())
+    plain = copy.deepcopy(model)
+    offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    ref = offload_adam.AdamW(plain.parameters(), **OPTS)
+    train(model, opt, 1)
+    train(plain, ref, 1)
+    for copy_of in (copy.deepcopy, lambda o: torch.save(o, tmp_path / "opt.pt")):
+        with pytest.raises(RuntimeError, match=r"param .* is streamed \(stream_params\).* "
+                                               r"Save opt.state_dict\(\)"):
+            copy_of(opt)
+    train(model, opt, 1, start=1)
+    train(plain, ref, 1, start=1)
+    for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(p, q), name
 
 
 @pytest.mark.parametrize("files", [False, True], ids=["ram", "files"])

@@ -510,7 +510,8 @@ class OffloadEngine:
         self._taken_over = (
             f"offload_adam: this optimizer's params ({first.label()}{others}, of its "
             f"{len(self.recs)}) were taken over by a newer offload_adam optimizer (built "
-            "over them, or given them by add_param_group), which now takes their grads; "
+            "over them, given them by add_param_group, or a copy.copy or an unpickled "
+            "copy of this one over the same params), which now takes their grads; "
             "this one let go of its hooks, worker and host memory and cannot step, zero, "
             "clip or unscale any more (its state stays readable): use the new optimizer."
             + rest)

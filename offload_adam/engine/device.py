@@ -89,6 +89,15 @@ def as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def outside_transforms():
+    """The engine's and the streamer's own copies (a block's params fetched, grads
+    taken) run outside torch.func's transforms: called from a module hook inside
+    torch.func.grad or vjp, a fetch's copy into the device buffers was taken for the
+    user's function mutating a captured tensor, and refused (found from outside). They
+    are bookkeeping, not part of the function being differentiated."""
+    return torch._C._DisableFuncTorch()
+
+
 class HostDevice:
     """bf16/fp16 CPU params in the engine (step_in_backward, free_grads_after_copy):
     the "device copy" is the param, every transfer a plain copy done on the spot."""
@@ -101,8 +110,9 @@ class HostDevice:
 
     def _copy(self, dsts, srcs) -> Transfer:
         t0 = time.perf_counter()
-        for d, s in zip(as_list(dsts), as_list(srcs)):
-            d.copy_(s)
+        with outside_transforms():
+            for d, s in zip(as_list(dsts), as_list(srcs)):
+                d.copy_(s)
         return Transfer(t0, time.perf_counter())
 
     def d2h(self, dsts, srcs, after=None) -> Transfer:
@@ -208,7 +218,8 @@ class CudaDevice:
             end = torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
             start.record(stream)
-            body()
+            with outside_transforms():
+                body()
             end.record(stream)
 
         def seconds():

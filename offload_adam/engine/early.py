@@ -548,7 +548,7 @@ class EarlyStart:
             self.new_iteration()
         return len(stepped)
 
-    def check_saving(self, since: Optional[int] = None) -> None:
+    def check_saving(self, since: Optional[int] = None, what: str = "state_dict()") -> None:
         """state_dict() between backward and step(): with the state in host RAM the
         steps started in backward write it in place, so it would hold the next step's
         state beside the model's weights of this one (a checkpoint that resumes wrong).
@@ -558,13 +558,13 @@ class EarlyStart:
         another thread, read into it half (found from outside: a dict of two steps)."""
         if self.files is None and since is not None and self.begun != since:
             raise RuntimeError(
-                "offload_adam: state_dict() read the state while a backward (in another "
+                f"offload_adam: {what} read the state while a backward (in another "
                 "thread) started the step of some params with step_in_backward=True: the "
                 "dict would hold state of two steps. Save the optimizer's state between "
                 "step() and the next backward")
         if self.files is None and self._started:
             raise RuntimeError(
-                "offload_adam: state_dict() was called between backward and step() with "
+                f"offload_adam: {what} was called between backward and step() with "
                 "step_in_backward=True: the step of some params already ran in backward, "
                 "so their state is the next step's while the model's weights are not yet. "
                 "Save the optimizer's state after step() (or before backward), with the "

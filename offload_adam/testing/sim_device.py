@@ -84,7 +84,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..byte_view import byte_view
 from ..distributed import local
-from ..engine.device import Transfer, as_list, storage_bytes
+from ..engine.device import Transfer, as_list, outside_transforms, storage_bytes
 from ..engine.packed_copy import plan_copy, run_plan
 from ..params import byte_span
 
@@ -137,7 +137,7 @@ def _temporary(like: torch.Tensor) -> torch.Tensor:
 
 
 def _poison(t: torch.Tensor) -> None:
-    with _unchecked():
+    with _unchecked(), outside_transforms():
         if t.is_floating_point():
             t.fill_(float("nan"))
         else:
