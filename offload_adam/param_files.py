@@ -95,7 +95,7 @@ def cache_slots(cache_bytes: float, slot_bytes: int, prefetch: int,
         # the bound printed must be one that works when given)
         mib = lambda n: f"{math.ceil(n / 1024) / 1024:.10g}"
         raise ValueError(
-            f"param_cache_mb={mib(cache_bytes)} holds {count} of the largest block "
+            f"param_cache_mb={cache_bytes / 2**20:.10g} holds {count} of the largest block "
             f"({mib(slot_bytes)} MiB); prefetch={prefetch} needs {need} "
             f"(param_cache_mb >= {mib(need * slot_bytes)})")
     return count
@@ -148,7 +148,8 @@ class ParamFiles:
                  threads: int = 4):
         dirs = [os.fspath(d) for d in dirs]   # (stream_params refused an empty list)
         self.dirs, self.sizes = dirs, [int(s) for s in sizes]
-        self.slot_bytes = round_up(max(self.sizes), ALIGN)
+        # (a block of no bytes, its params all of 0 elements, still has a slot: one block)
+        self.slot_bytes = round_up(max(max(self.sizes), 1), ALIGN)
         try:
             count = cache_slots(cache_bytes, self.slot_bytes, prefetch, len(self.sizes))
         except ValueError as e:
@@ -378,6 +379,8 @@ class ParamFiles:
         cache, which then serves the mapping): a changed file is an error, not a value."""
         self.flush(i)
         fd, offset, size = self._extent(i)
+        if size == 0:   # (params of 0 elements: nothing to map, mmap refuses 0 bytes)
+            return torch.empty(0, dtype=torch.uint8)
         have = os.fstat(fd).st_size
         if have < offset + size:   # (cut short since it was written: mmap would refuse it)
             raise NvmeError(errno.EIO, f"offload_adam: block {i}'s params in {self._path(i)} "

@@ -15,6 +15,16 @@ def test_host_memory_check_names_both_numbers():
     check_host_memory(10, available=1000)
 
 
+def test_host_memory_check_names_the_largest_parts():
+    """The roles that take the most are named, the grad ring with its option (a
+    grad_ring_mb= given too large was blamed on the master weights: found from outside)."""
+    parts = {"master": 3 << 30, "grad ring": 40 << 30, "exp_avg": 2 << 30, "staging": 1 << 30}
+    with pytest.raises(MemoryError, match=r"the most: grad ring 40\.00 GiB, master 3\.00 GiB, "
+                                          r"exp_avg 2\.00 GiB \(the grad ring's size is "
+                                          r"grad_ring_mb=\), but only"):
+        check_host_memory(46 << 30, available=10 << 30, parts=parts)
+
+
 def test_available_host_bytes_unreadable_or_missing(monkeypatch):
     """No /proc/meminfo (or no MemAvailable line): unknown, so no check."""
     def unreadable(*args, **kwargs):

@@ -70,6 +70,46 @@ def test_params_in_files_train_as_resident(device, tmp_path, prefetch, slots,
         assert streamer.files.read_bytes > 0 and streamer.files.written_bytes > 0
 
 
+class _Empty(torch.nn.Module):
+    """A block whose only param has 0 elements (a rank-0 adapter, a pruned head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.z = torch.nn.Parameter(torch.zeros(0, 8, dtype=BF16))
+
+    def forward(self, x):
+        return x + self.z.sum()
+
+
+@pytest.mark.parametrize("where", ["between", "every"])
+def test_blocks_of_no_bytes_stream_from_param_files(device, tmp_path, where):
+    """Streamed blocks whose params hold no bytes (0 elements), with param files: between
+    other blocks, model.state_dict() failed on mapping 0 bytes after training; every
+    block so, stream_params divided by a slot of 0 bytes (found from outside). They train
+    and save as resident."""
+    def make():
+        torch.manual_seed(0)
+        lin = lambda: torch.nn.Linear(8, 8).to(BF16)   # noqa: E731
+        return (torch.nn.Sequential(lin(), _Empty(), lin()) if where == "between"
+                else torch.nn.Sequential(lin(), _Empty(), _Empty()))
+    blocks = (lambda n, m: n in ("0", "1", "2")) if where == "between" else _Empty
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(BF16)
+    runs = []
+    for streamed in (False, True):
+        model = make()
+        if streamed:
+            offload_adam.stream_params(model, blocks, param_dirs=tmp_path / "p")
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        for _ in range(3):
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(model.state_dict())
+    assert runs[0].keys() == runs[1].keys()
+    for k in runs[0]:
+        assert torch.equal(runs[0][k], runs[1][k]), k
+
+
 @pytest.mark.parametrize("early", [False, True], ids=["at-step", "in-backward"])
 def test_a_bucket_of_more_blocks_than_the_cache_has_slots(device, tmp_path, early):
     """With the default bucket_mb (32) one bucket holds the params of all 6 blocks, and
@@ -227,6 +267,11 @@ def test_param_files_errors_name_the_problem(device, tmp_path):
     with pytest.raises(ValueError, match="holds 4 of the largest block"):
         offload_adam.stream_params(meta, Block, param_dirs=tmp_path / "m",
                                    param_cache_mb=slots_mb(six, 4))
+    # the value given as given (it was shown rounded up to the bound it fell short of)
+    short = slots_mb(six, 5) - 1e-6
+    with pytest.raises(ValueError, match=rf"param_cache_mb={short:.10g} holds 4 .* needs 5 "
+                                         rf"\(param_cache_mb >= {slots_mb(six, 5):.10g}\)"):
+        offload_adam.stream_params(meta, Block, param_dirs=tmp_path / "m", param_cache_mb=short)
     assert all(p.is_meta for p in meta.parameters())
     first = make_llama(layers=2, frozen=())
     offload_adam.stream_params(first, Block, param_dirs=tmp_path / "p")

@@ -136,14 +136,24 @@ def _least(meminfo: Optional[int], cgroup: Optional[Tuple[int, int]], i: int
     return min(got) if got else None
 
 
-def check_host_memory(needed: int, available: Optional[int] = None) -> None:
+def check_host_memory(needed: int, available: Optional[int] = None,
+                      parts: Optional[Dict[str, int]] = None) -> None:
+    """A MemoryError when `needed` bytes are more than the host has available; `parts`:
+    the bytes of each role, the largest named (a grad_ring_mb= given too large was
+    blamed on the master weights and moments: found from outside)."""
     if available is None:
         available = available_host_bytes()
     if available is not None and needed > available:
+        most = ""
+        if parts:
+            top = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+            most = "; the most: " + ", ".join(f"{role} {n / 2**30:.2f} GiB" for role, n in top)
+            if "grad ring" in dict(top):
+                most += " (the grad ring's size is grad_ring_mb=)"
         raise MemoryError(
             f"offload_adam: the optimizer needs {needed / 2**30:.2f} GiB "
             f"({needed} bytes) of host memory for master weights, moments and "
-            f"transfer buffers, but only {available / 2**30:.2f} GiB "
+            f"transfer buffers{most}, but only {available / 2**30:.2f} GiB "
             f"({available} bytes) is available")
 
 
@@ -213,7 +223,9 @@ class HostArenas:
                  pin: Optional[Iterable[str]] = None) -> None:
         """Allocates every reserved role; `pin`: the roles a device copy reads or
         writes, to page-lock (None: all)."""
-        check_host_memory(self.nbytes(), available)
+        check_host_memory(self.nbytes(), available, {
+            role: n * torch.empty((), dtype=d).element_size()
+            for role, (d, n) in self._sizes.items()})
         for i, (role, (dtype, n)) in enumerate(self._sizes.items()):
             size = torch.empty((), dtype=dtype).element_size()
             skew = (i * _SKEW_LINES * _LINE) % _PAGE
