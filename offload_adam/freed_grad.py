@@ -122,7 +122,19 @@ class FreedGrad(torch.Tensor):
             "copy. Do not read grads between backward and step() with this option; or "
             "use free_grads_after_copy=False. (If another library's optimizer steps these "
             "params now, close() the offload_adam one: while it lives its hooks take "
-            "their grads)")
+            "their grads)" + _replicas_hint())
+
+
+def _replicas_hint() -> str:
+    """Under DDP (replicas) the option is refused when the optimizer is built; one built
+    before the process group was not: DDP's reducer then reads the freed grads."""
+    from .distributed import replicated
+    if not replicated(()):
+        return ""
+    return (". Under DistributedDataParallel, whose reducer averages the grads after "
+            "backward, free_grads_after_copy is refused: this optimizer was built before "
+            "torch.distributed's process group. Build it after init_process_group (after "
+            "TrainingArguments or Accelerator)")
 
 
 def _inf_check(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

@@ -413,6 +413,30 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._options = dataclasses.replace(o, overlap=False)
             self._routing = Routing.of(self._options)
 
+    def _replicas_since(self) -> None:
+        """_replicas for an optimizer built before torch.distributed's process group (a
+        script building it before TrainingArguments or Accelerator, which make the
+        group): the options that take each rank's own grads in backward were accepted,
+        and failed later with messages that named neither DDP nor the order (found from
+        outside). Refused at step(), saying so."""
+        o = self._options
+        names = [n for n in ("step_in_backward", "free_grads_after_copy") if getattr(o, n)]
+        if not names or not distributed.replicated(self._params(), o.process_group):
+            return
+        raise ValueError(
+            f"offload_adam: {names[0]}=True, and the optimizer was built before "
+            "torch.distributed's process group, which now has "
+            f"{torch.distributed.get_world_size()} ranks whose params are plain tensors "
+            "(each rank a replica, as under DistributedDataParallel). DDP averages the "
+            "grads after backward has made them, and this option takes each rank's own in "
+            "backward"
+            + (": the steps begun in the backward just run used them, so this rank's "
+               "optimizer state may differ from the others'" if names[0] == "step_in_backward"
+               else "")
+            + ". Build the optimizer after init_process_group (after TrainingArguments "
+            "or Accelerator), where such options are refused at once; use FSDP2 "
+            "(fully_shard) for them, or leave them off")
+
     def _same_on_every_rank(self) -> None:
         """Under several ranks (FSDP2, process_group=) the options that decide which
         collectives a step runs must be every rank's: a rank clipping (max_grad_norm=) or
@@ -724,6 +748,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                     raise
         problem = None
         try:
+            self._replicas_since()
             check_grad_dtypes(self.param_groups)
             self._addresses.check(self.param_groups)
             for group in self.param_groups:   # (refused before any group steps)

@@ -325,6 +325,22 @@ def ddp(variant):
     own = os.path.join(shared, f"rank{dist.get_rank()}")
     os.makedirs(own, exist_ok=True)
     offload_adam.AdamW(ours.parameters(), state_dirs=own).close()
+    if eng.sim is not None:   # built before the process group (seen as one process):
+        from unittest import mock   # refused at step(), saying so
+        from offload_adam.testing import simulated
+        late_model = make()
+        with simulated(eng.sim), mock.patch.object(dist, "is_initialized", lambda: False):
+            late = offload_adam.AdamW(late_model.parameters(), lr=LR, step_in_backward=True)
+        late_model(batch(0)).float().pow(2).mean().backward()
+        try:
+            late.step()
+        except ValueError as e:
+            refused["built before the process group"] = str(e)
+        try:   # (says what stays of the steps begun in backward)
+            late.zero_grad()
+        except RuntimeError:
+            pass
+        late.close()
     flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
     both = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(both, flat)

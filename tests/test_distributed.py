@@ -332,6 +332,10 @@ def test_ddp_replicas_take_the_averaged_grads(ranks, variant):
     for res in result(ranks, f"ddp_{variant}"):
         assert res["ranks_equal"] and not res["hooked"], res
         assert res["max_rel"] < 1e-5, res
+        late = res["refused"].pop("built before the process group", None)
+        assert (late is not None) == (variant == "engine"), res
+        assert late is None or "the optimizer was built before torch.distributed's process " \
+                               "group" in late, late
         shared = res["refused"].pop("state_dirs", None)
         assert shared and "of rank 0 and" in shared and "of rank 1 are the same" in shared, res
         assert sorted(res["refused"]) == ["free_grads_after_copy", "step_in_backward"], res

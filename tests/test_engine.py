@@ -13,6 +13,7 @@ import copy
 import math
 import gc
 import time
+import unittest.mock
 import weakref
 
 import pytest
@@ -472,8 +473,14 @@ def test_torch_clipping_of_freed_grads(path, dtype, max_norm, foreach):
     if dtype != BF16 or max_norm > 1:
         return
     mlp_loss(freed, 9).backward()
-    with pytest.raises(RuntimeError, match=r"shape \(16, 8\).*freed in backward.*cannot use it"):
+    with pytest.raises(RuntimeError, match=r"shape \(16, 8\).*freed in backward.*cannot use it"
+                                           r".*their grads\)$"):
         freed[0].weight.grad.sum()
+    from offload_adam import distributed   # as under DDP, the optimizer built before its group
+    with unittest.mock.patch.object(distributed, "replicated", lambda *a, **k: True):
+        with pytest.raises(RuntimeError, match=r"cannot use it.* Under DistributedDataParallel"
+                                               r".*built before torch.distributed's process "):
+            freed[0].weight.grad.sum()
     mlp_loss(freed, 10).backward()   # another micro-batch: added to the host copies
     torch.nn.utils.clip_grad_norm_(freed.parameters(), 0.1)
     with pytest.raises(RuntimeError, match=r"multiplied \(clipped or unscaled\) and then "
