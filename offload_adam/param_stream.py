@@ -58,6 +58,7 @@ import dataclasses
 import enum
 import functools
 import math
+import operator
 import os
 import threading
 import warnings
@@ -519,9 +520,14 @@ class ParamStreamer:
 
     def __init__(self, model: torch.nn.Module, blocks: BlockSpec, prefetch: int = 2,
                  device=None, param_dirs=None, param_cache_mb=None):
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        try:   # (any integer type: a numpy int from a config, as torch takes them)
+            count = operator.index(prefetch) if not isinstance(prefetch, bool) else -1
+        except TypeError:
+            count = -1
+        if count < 0:
             raise ValueError(f"offload_adam.stream_params: prefetch must be an int >= 0, "
                              f"got {prefetch!r}")
+        prefetch = int(count)
         param_dirs = _check_files(param_dirs, param_cache_mb)
         blocks = _module_names(model, blocks)
         blocks = _names_of(blocks) or blocks   # (an iterator of names: read once)
@@ -1250,7 +1256,11 @@ class ParamStreamer:
         # (a step deferred past step() still writing its host copies: waited for)
         if not block.wait_steps(ahead):
             return
-        block.check_unwritten()
+        try:
+            block.check_unwritten()
+        except RuntimeError as e:
+            self._dropped_elsewhere(block, e)
+            raise
         block.settle()   # (its last copies read the same host memory: done long ago)
         for t in block.device_tensors:
             self.device.materialize(t)
@@ -1270,6 +1280,23 @@ class ParamStreamer:
         # found from outside)
         block.state = "coming"
         self.fetched_bytes += block.nbytes
+
+    def _dropped_elsewhere(self, block: _Block, error: RuntimeError) -> None:
+        """A write refused in one block's params (check_unwritten) was often one across
+        the model (model.apply(init), vector_to_parameters): the other blocks are checked
+        too, their writes dropped alike and named in `error`, so that one error says it
+        all (it took a forward a block: found from outside)."""
+        others = []
+        for b in self.blocks:
+            if b is block or getattr(b, "given_back", False):
+                continue
+            try:
+                b.check_unwritten()
+            except RuntimeError:
+                others.append(b.name)
+        if others:
+            error.add_note(f"offload_adam.stream_params: the params of blocks {others} were "
+                           "written so too, and their writes dropped alike")
 
     @_outside_transforms
     def _release(self, block: _Block) -> None:

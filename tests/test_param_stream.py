@@ -217,8 +217,7 @@ def test_torch_func_grad_through_a_streamed_block_is_refused_by_name(device):
     ref = offload_adam.AdamW(plain.parameters(), **OPTS)
     train(model, opt, 2)
     train(plain, ref, 2)
-    for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values()):
-        assert torch.equal(p, q), name
+    _assert_same_values(model, plain)
 
 
 @pytest.mark.parametrize("how", ["close", "take_over"])
@@ -482,8 +481,14 @@ def test_setup_errors_name_the_problem(device):
     model = make_llama(layers=2, frozen=())
     with pytest.raises(ValueError, match="no module of the model matches"):
         offload_adam.stream_params(model, torch.nn.GRU)
-    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
-        offload_adam.stream_params(model, Block, prefetch=-1)
+    for bad in (-1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+            offload_adam.stream_params(model, Block, prefetch=bad)
+    class Index:   # an integer of another type (numpy's, from a config): taken as torch does
+        def __index__(self):
+            return 1
+    other = make_llama(layers=2, frozen=())
+    assert offload_adam.stream_params(other, Block, prefetch=Index()).prefetch == 1
     tied = make_llama(layers=2, frozen=())
     tied.layers[1].q.weight = tied.layers[0].q.weight
     with pytest.raises(ValueError, match="layers.1.q.weight is shared with block layers.0"):
@@ -697,6 +702,42 @@ def test_close_puts_the_params_back_and_the_old_optimizer_refuses(device):
     copy.deepcopy(model)   # closed: an ordinary model again
 
 
+def _streamed_beside_plain(layers):
+    """A streamed model and its unstreamed twin, each with its optimizer, one step
+    trained: (model, opt, plain, ref)."""
+    model = make_llama(layers=layers, frozen=())
+    plain = copy.deepcopy(model)
+    offload_adam.stream_params(model, Block)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    ref = offload_adam.AdamW(plain.parameters(), **OPTS)
+    train(model, opt, 1)
+    train(plain, ref, 1)
+    return model, opt, plain, ref
+
+
+def _assert_same_values(model, plain):
+    for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_a_write_across_blocks_is_refused_once_naming_them_all(device):
+    """model.apply(init) after stream_params writes every block's placeholders: refused at
+    the first block's fetch, naming the other blocks, whose writes are dropped alike (it
+    took a forward a block: found from outside); the next forward goes through and the
+    model trains on as the unstreamed one."""
+    model, opt, plain, ref = _streamed_beside_plain(layers=3)
+    with torch.no_grad():
+        for block in model.layers:
+            block.up.weight.zero_()
+    with pytest.raises(RuntimeError, match=r"layers\.0\.up\.weight .* written in place") as e:
+        llama_loss(model, 1)
+    assert "blocks ['layers.1', 'layers.2'] were written so too" in "".join(e.value.__notes__)
+    model.zero_grad()
+    train(model, opt, 1, start=1)
+    train(plain, ref, 1, start=1)
+    _assert_same_values(model, plain)
+
+
 def test_a_close_refused_for_a_dropped_write_closes_nothing(device):
     """close() after writes that did not reach the host copies (p.data.fill_ in one
     block, a parametrization registered on another's weight) refuses before any block
@@ -739,21 +780,14 @@ def test_an_optimizer_of_streamed_params_is_not_pickled(device, tmp_path):
     """torch.save/deepcopy of the optimizer object pickled each streamed param's
     placeholder: the copy's params were NaN, refused nowhere (found from outside). Refused
     when pickled, naming the param; the optimizer trains on as the unstreamed one."""
-    model = make_llama(layers=2, frozen=())
-    plain = copy.deepcopy(model)
-    offload_adam.stream_params(model, Block)
-    opt = offload_adam.AdamW(model.parameters(), **OPTS)
-    ref = offload_adam.AdamW(plain.parameters(), **OPTS)
-    train(model, opt, 1)
-    train(plain, ref, 1)
+    model, opt, plain, ref = _streamed_beside_plain(layers=2)
     for copy_of in (copy.deepcopy, lambda o: torch.save(o, tmp_path / "opt.pt")):
         with pytest.raises(RuntimeError, match=r"param .* is streamed \(stream_params\).* "
                                                r"Save opt.state_dict\(\)"):
             copy_of(opt)
     train(model, opt, 1, start=1)
     train(plain, ref, 1, start=1)
-    for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values()):
-        assert torch.equal(p, q), name
+    _assert_same_values(model, plain)
 
 
 @pytest.mark.parametrize("files", [False, True], ids=["ram", "files"])
