@@ -144,6 +144,12 @@ def _lr(model, opt):
     opt.param_groups[1]["lr"] *= 0.5  # as an LR scheduler stepped too early would
 
 
+def _popped(model, opt):
+    # its params are no longer stepped (found from outside: they were); put back after
+    # the refusal (torch's state_dict() cannot save the state of a param in no group)
+    opt.popped = opt.param_groups.pop(1)
+
+
 def _reloaded(model, opt):
     # a state saved before this backward (state_dict() between backward and step() is
     # itself refused with the state in RAM: test_state_dict_between_backward_and_step)
@@ -158,6 +164,8 @@ CHANGES = {
     "dropped": (_dropped, "was dropped"),
     "torch clip": (_torch_clip, "changed after it was copied"),
     "lr": (_lr, r"param group 1's hyperparameters changed after its step started \(lr 0.01 -> 0.005"),
+    "group popped": (_popped, r"param group 1, param \d \(shape .*\) was taken out of "
+                              "param_groups after its step began in backward"),
     # (in files, load_state_dict replaces the whole state: no param named)
     "load_state_dict": (_reloaded, r"state (of .* )?was replaced \(load_state_dict\??\) after its "
                                    "step started"),
@@ -262,6 +270,8 @@ def test_a_change_after_backward_is_an_error(path, change):
     if not path.files and change != "load_state_dict":
         assert re.search(r"The Adam step of [1-9]\d* params already ran", message), message
     assert re.search(pattern, message), message
+    if hasattr(opt, "popped"):
+        opt.param_groups.insert(1, opt.popped)
     after = dict(zip(model.parameters(), _reference_after_plain_step(path, 1)))
     _check_left_state(opt, model, before, after, message, path.files)
     # training goes on: the next iterations run (and start early again)

@@ -409,6 +409,13 @@ class EarlyStart:
         if grad_scale != 1.0:
             return (f"step() scales the grads by {grad_scale!r} (a clipping "
                     "coefficient or 1/loss scale), but they were stepped unscaled")
+        # A param taken out of param_groups since (a group popped, a list edited) is not
+        # stepped by this step(), as a plain step would not step it: in RAM and two
+        # generations its step in backward was kept all the same (found from outside)
+        for rec in early:
+            if id(rec) in engine._absent:   # (follow_groups just read them)
+                return (f"{rec.label()} was taken out of param_groups after its step began "
+                        "in backward")
         # The grad copied, still p.grad: unchanged when its version is, and its values
         # (fingerprint) are. A version bumped alone is not an edit when the values are
         # as copied: grads that are views of one flat buffer (DDP's
