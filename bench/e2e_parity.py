@@ -11,8 +11,8 @@ difference it prints the mean loss over the last 500 steps.
         --optimizers offload_adam,offload_adam_8bit_state --out bench/results/e2e_cpu_parity_3000
     python bench/e2e_parity.py bench/results/e2e_cpu_parity_3000/results.json [OTHER_BUILD_8BIT_RESULTS.json]
 """
+import argparse
 import json
-import sys
 
 import numpy as np
 
@@ -22,11 +22,16 @@ def losses(path):
 
 
 def main():
-    runs = losses(sys.argv[1])
+    ap = argparse.ArgumentParser(description="Loss parity of the 8-bit moments over a long "
+                                 "end-to-end run (see the module's docstring for the run)")
+    ap.add_argument("results", help="the end-to-end benchmark's results.json")
+    ap.add_argument("other", nargs="?", help="another build's results.json, for its 8-bit curve")
+    args = ap.parse_args()
+    runs = losses(args.results)
     ref = runs["offload_adam"]
     curves = [("8-bit", runs["offload_adam_8bit_state"])]
-    if len(sys.argv) > 2:
-        curves.append(("8-bit, other build", losses(sys.argv[2])["offload_adam_8bit_state"]))
+    if args.other:
+        curves.append(("8-bit, other build", losses(args.other)["offload_adam_8bit_state"]))
     print(f"{len(ref)} steps; against offload_adam (fp32 moments)")
     for name, curve in curves:
         rel = np.abs(curve - ref) / ref

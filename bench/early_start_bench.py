@@ -23,6 +23,7 @@ the first iterations are warm-up (the first step learns the buckets).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -86,6 +87,8 @@ def main() -> None:
                     help="with --state-dirs: the tier's host memory budget")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.state_dirs:   # (made if missing, as the command in bench/README gives it)
+        os.makedirs(args.state_dirs, exist_ok=True)
     nparams = sum(p.numel() for p in make_model(args.dim, args.layers).parameters())
     times = {False: [], True: []}
     limits = []

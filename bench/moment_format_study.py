@@ -34,7 +34,6 @@ exact one, where m rounded to nearest stalls short of the grad (why m is stochas
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -400,6 +399,11 @@ def closed_loop(seed, lr=1e-3, steps=T):
 
 
 def main():
+    import argparse
+    ap = argparse.ArgumentParser(description="Moment storage formats against a float64 "
+                                 f"reference; the table is written to {KEEP} unless --no-write")
+    ap.add_argument("--no-write", action="store_true", help="print the table only")
+    args = ap.parse_args()
     lines = []
 
     def say(s=""):
@@ -430,7 +434,7 @@ def main():
     ratios = [steady(noise, b1) for b1, noise in cases]
     for f in STEADY:
         say(f"{f.name:<56} " + " ".join(f"{r[f.name]:>13.3f}" for r in ratios))
-    if "--no-write" not in sys.argv:
+    if not args.no_write:
         KEEP.parent.mkdir(parents=True, exist_ok=True)
         KEEP.write_text("\n".join(lines) + "\n")
         print(f"\nwrote {KEEP}")

@@ -214,6 +214,13 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         self._replicas()
         self._same_on_every_rank()
         self._build()
+        if self._options.step_in_backward and self._engine is None:
+            warnings.warn(
+                "offload_adam: step_in_backward=True, but none of these params is stepped "
+                "by the offload engine, which is what steps in backward: fp32 params in "
+                "host memory are stepped in place at step(), and nothing between backward "
+                "and step() is checked (the option applies to params on a GPU and to "
+                "bf16/fp16 params in host memory)", UserWarning, stacklevel=2)
         if defer_blocks and not any(home_of(p) is not None for g in self.param_groups
                                     for p in g["params"]):
             warnings.warn(

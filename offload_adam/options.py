@@ -57,7 +57,10 @@ documented here and nowhere else.
     soon as every param of it that got a grad in the previous backward has its
     grad on the host (in the first backward: every param of it that requires
     grad), instead of at step(); the first backward steps too. Needs
-    overlap=True; max_grad_norm= cannot be used with it. A grad edited during
+    overlap=True; max_grad_norm= cannot be used with it. It applies to the
+    params the offload engine steps (on a GPU, or bf16/fp16 in host memory):
+    fp32 params in host memory are stepped in place at step() (a warning says
+    so when none is the engine's). A grad edited during
     backward by a post-accumulate-grad hook registered on its param after the
     optimizer was built (p.grad.mul_, .data, a new p.grad) is stepped as
     edited, exactly as by a plain step: the engine copies such a grad, and
