@@ -132,48 +132,6 @@ def replicated(params: Iterable[torch.Tensor], process_group=None) -> bool:
                 and dist.get_world_size() > 1 and not any(is_dtensor(p) for p in params))
 
 
-def _dir_key(d: str) -> tuple:
-    """What tells two ranks' directories apart: an existing one's device and inode on
-    this boot of this machine (two containers of one host mounting the same disk's
-    folder are told alike), else its real path on this host."""
-    import os
-    import socket
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            machine = f.read().strip()
-    except OSError:
-        machine = socket.gethostname()
-    try:
-        st = os.stat(d)
-        return ("inode", machine, st.st_dev, st.st_ino)
-    except OSError:
-        return ("path", socket.gethostname(), os.path.realpath(d))
-
-
-def refuse_shared_dirs(dirs: Tuple[str, ...]) -> None:
-    """Replicas (DistributedDataParallel) keep each rank's whole state in that rank's
-    own state_dirs, as a one-process run does. Given the same directory, one rank was
-    refused at its files' lock while the other went on and died in its next collective
-    (found from outside): every rank is refused here instead, naming the ranks. (A
-    collective: each rank's optimizer is built once.)"""
-    import os
-    mine = [(d, _dir_key(d)) for d in dirs]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
-    seen = {}
-    for rank, pairs in enumerate(out):
-        for d, key in pairs:
-            first = seen.setdefault(key, (rank, d))
-            if first[0] != rank:
-                raise ValueError(
-                    f"offload_adam: state_dirs {first[1]!r} of rank {first[0]} and {d!r} of "
-                    f"rank {rank} are the same directory. Under DistributedDataParallel "
-                    "(plain params over several ranks) each rank keeps its own copy of the "
-                    "state, so each needs its own directories: e.g. "
-                    f"state_dirs=os.path.join({os.path.dirname(first[1]) or '.'!r}, "
-                    "f\"rank{torch.distributed.get_rank()}\")")
-
-
 def rank_dirs(dirs: Tuple[str, ...], params: Iterable[torch.Tensor],
               process_group=None) -> Tuple[str, ...]:
     """state_dirs= for this process: under several ranks, a folder "rank<R>" of each

@@ -306,10 +306,10 @@ class FileStore:
             budget, records = self._open_layout(layouts(), dirs, files_name, budget_mb,
                                                 bucket_mb, compact, params, process_group)
         except Exception as e:   # (the other ranks raise too: distributed.refuse_together)
-            distributed.refuse_together(str(e), flat, process_group, replicas=True)
+            distributed.refuse_together(str(e), flat, process_group, replicas=resume)
             raise
         try:
-            distributed.refuse_together(None, flat, process_group, replicas=True)
+            distributed.refuse_together(None, flat, process_group, replicas=resume)
         except BaseException:
             self.state.close(discard=True)
             raise
@@ -323,13 +323,10 @@ class FileStore:
         self._shapes = {pid: tuple(local(where[0][1].param).shape)
                         for pid, where in self._where.items()}
         flat = [p for group in params for p in group]
-        # compact under several ranks, sharded or replicas (DDP: each rank resumes with
-        # the others, whose params DDP's broadcast makes its own): who steps
-        several = (distributed.sharded(flat, process_group)
-                   or distributed.replicated(flat, process_group))
-        self._ranks = (flat, process_group) if compact and several else None
+        self._ranks = ((flat, process_group)   # compact under several ranks: who steps
+                       if compact and distributed.sharded(flat, process_group) else None)
         try:
-            self._agree_on_step(params, process_group)
+            self._agree_on_step(params, process_group, resume)
             if pickled_step is not None:
                 self._refuse_moved_on(pickled_step, dirs)
             if (self.state.step or self.state.pending) and not resume:
@@ -453,20 +450,23 @@ class FileStore:
             "them); for checkpoints to go back to, save opt.state_dict() (it holds the "
             "state's values) rather than the optimizer object. Nothing was changed")
 
-    def _agree_on_step(self, params, process_group) -> None:
+    def _agree_on_step(self, params, process_group, resume: bool) -> None:
         """Under several ranks (FSDP2, process_group=, or DDP's replicas, whose first
         broadcast gives every rank rank 0's params): every rank resumes from the same
         step. A rank killed between the others' commit of a step and its own is one step
         behind; the others go back to its step, which their files still hold (the other
         slots, checked whole first). Ranks that cannot agree all raise the same error.
         (Replicas resumed from their own steps failed at the first step, the one behind
-        refusing the broadcast params as changed: found from outside.)"""
+        refusing the broadcast params as changed: found from outside. Replicas agree
+        when they resume, `resume`: a collective, which every rank's optimizer joins then;
+        a replica's optimizer is otherwise built with no collective, as one a single rank
+        builds for itself may be.)"""
         flat = [p for group in params for p in group]
         mine = (self.state.step, self.state.previous)
         if self.state.compact:
-            self._agree_compact(flat, process_group)
+            self._agree_compact(flat, process_group, resume)
             return
-        ranks = distributed.every_rank(mine, flat, process_group, replicas=True)
+        ranks = distributed.every_rank(mine, flat, process_group, replicas=resume)
         if ranks is None:
             return
         target = min(step for step, _ in ranks)
@@ -482,7 +482,7 @@ class FileStore:
                 self.state.rollback()
             except NvmeError as e:
                 problem = str(e)
-        problems = distributed.every_rank(problem, flat, process_group, replicas=True)
+        problems = distributed.every_rank(problem, flat, process_group, replicas=resume)
         bad = [(r, p) for r, p in enumerate(problems) if p is not None]
         if bad:
             raise ValueError(
@@ -494,7 +494,7 @@ class FileStore:
                           f"another rank's at step {target} (killed before it committed step "
                           f"{mine[0]}): all ranks resume from step {target}", RuntimeWarning)
 
-    def _agree_compact(self, flat, process_group) -> None:
+    def _agree_compact(self, flat, process_group, resume: bool) -> None:
         """_agree_on_step for compact files, which keep no step before the last but may
         hold a step begun (its redo records durable): every rank's step begun is durable
         before any rank moves a bucket (`_all_ranks_logged`). So the ranks go forward to the
@@ -503,7 +503,7 @@ class FileStore:
         the files of one run."""
         st = self.state
         ranks = distributed.every_rank((st.step, st.intent_step, st.moved), flat, process_group,
-                                       replicas=True)
+                                       replicas=resume)
         if ranks is None:
             return
         ahead = max(max(s, i or 0) for s, i, _ in ranks)
@@ -531,7 +531,7 @@ class FileStore:
         that ranks killed at any instant can all go forward, or all back
         (`_agree_compact`)."""
         if self._ranks is not None:
-            distributed.every_rank(True, self._ranks[0], self._ranks[1], replicas=True)
+            distributed.every_rank(True, self._ranks[0], self._ranks[1])
 
     def _restore_params(self) -> None:
         """A resumed state gives the params their values of its last completed step:

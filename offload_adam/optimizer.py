@@ -414,8 +414,6 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                     "(fully_shard), or leave it off; ranks that each train params of "
                     "their own (nothing averaged) pass process_group=, a group of the "
                     "rank alone (torch.distributed.new_group)")
-        if o.state_dirs:
-            distributed.refuse_shared_dirs(o.state_dirs)
         if o.overlap:
             self._options = dataclasses.replace(o, overlap=False)
             self._routing = Routing.of(self._options)

@@ -314,14 +314,19 @@ def ddp(variant):
             offload_adam.AdamW(ours.parameters(), **{name: True})
         except ValueError as e:
             refused[name] = str(e)
-    # The same state_dirs on both ranks: refused on each (was: one rank refused at the
-    # lock, the other dying later in a collective); a folder of each rank's is taken.
+    # The same state_dirs on both ranks: one rank holds them, the other is refused at
+    # their lock, saying each rank needs its own (no collective when built: a replica's
+    # optimizer may be one rank's own); a folder of each rank's is taken.
     shared = os.path.join(OUT_DIR, f"ddp_shared_{variant}")
     os.makedirs(shared, exist_ok=True)
+    held = None
     try:
-        offload_adam.AdamW(ours.parameters(), state_dirs=shared).close()
-    except ValueError as e:
+        held = offload_adam.AdamW(ours.parameters(), state_dirs=shared)
+    except RuntimeError as e:
         refused["state_dirs"] = str(e)
+    dist.barrier()   # (both tried while the first held them)
+    if held is not None:
+        held.close()
     own = os.path.join(shared, f"rank{dist.get_rank()}")
     os.makedirs(own, exist_ok=True)
     offload_adam.AdamW(ours.parameters(), state_dirs=own).close()

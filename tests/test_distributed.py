@@ -327,9 +327,11 @@ def test_ddp_replicas_resume_from_one_step(ranks, footprint):
 def test_ddp_replicas_take_the_averaged_grads(ranks, variant):
     """distributed_ranks.ddp: under DistributedDataParallel the ranks stay bitwise
     equal and follow torch; the options that took each rank's own grads in backward
-    are refused by name (found from outside: the ranks stepped apart), and so is one
-    state_dirs given to both ranks, on both (one died in gloo)."""
-    for res in result(ranks, f"ddp_{variant}"):
+    are refused by name (found from outside: the ranks stepped apart); one state_dirs
+    given to both ranks is refused on one, saying each rank needs its own."""
+    both = result(ranks, f"ddp_{variant}")
+    assert sum("state_dirs" in res["refused"] for res in both) == 1, both   # one held them
+    for res in both:
         assert res["ranks_equal"] and not res["hooked"], res
         assert res["max_rel"] < 1e-5, res
         late = res["refused"].pop("built before the process group", None)
@@ -337,6 +339,6 @@ def test_ddp_replicas_take_the_averaged_grads(ranks, variant):
         assert late is None or "the optimizer was built before torch.distributed's process " \
                                "group" in late, late
         shared = res["refused"].pop("state_dirs", None)
-        assert shared and "of rank 0 and" in shared and "of rank 1 are the same" in shared, res
+        assert shared is None or "give each optimizer (and each rank) its own" in shared, res
         assert sorted(res["refused"]) == ["free_grads_after_copy", "step_in_backward"], res
         assert all("as under DistributedDataParallel" in m for m in res["refused"].values())
