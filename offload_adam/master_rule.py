@@ -62,6 +62,18 @@ def mark(p: torch.Tensor) -> Mark:
     return p._version, t._version, t.data_ptr(), bytes_sum(t)
 
 
+def written_since(now: Mark, then: Mark) -> bool:
+    """Whether a param whose mark was `then` and is `now` was written with other values
+    since: a param in host memory whose address and bytes' checksum are as then was
+    written with the same ones (DDP's first broadcast of rank 0's params bumps every
+    rank's version counters); one on a device (no checksum) or streamed, whenever its
+    mark moved."""
+    if now == then:
+        return False
+    summed = len(now) == len(then) == 4 and now[3] != -1   # (plain or DTensor, on the host)
+    return not (summed and now[2:] == then[2:])
+
+
 def bytes_sum(t: torch.Tensor):
     """A checksum of tensor t's bytes in host memory: their CRC32C, on the calling
     thread (~12-17 GB/s; a pool of Python threads over pieces of it was slower on

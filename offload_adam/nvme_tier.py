@@ -74,7 +74,7 @@ from .engine.disk_early import DiskEarly
 from .engine.disk_log import DiskLog
 from .engine.layout import Entry, state_slice
 from .kernel_state import kernel_state
-from .master_rule import MasterMarks, mark, take_from_param
+from .master_rule import MasterMarks, mark, take_from_param, written_since
 from .cpu_step import calls_by_dtype, contiguous_grad
 from .kernel_step import Hyper, KernelArgs
 from .state_store import Lent, Loaded
@@ -221,16 +221,6 @@ def _lay_out(param_groups, params, recs, limit: float, split: bool, raw: bool = 
             specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
             buckets.append(bucket)
     return buckets, specs
-
-
-def _loaded_since(now: tuple, then: tuple) -> bool:
-    """Whether a param's mark `now` (master_rule.mark) is not the one `then` it had when
-    the restore set it, its bytes written since: a plain or DTensor param in host memory
-    whose bytes checksum and address are as then was written with the same values."""
-    if now == then:
-        return False
-    plain = len(now) == len(then) == 4 and now[3] != -1
-    return not (plain and now[2:] == then[2:])
 
 
 class FileStore:
@@ -1288,7 +1278,7 @@ class FileStore:
             if not saved:
                 continue
             master = self._local_saved(e, saved).get(MASTER_KEY) if e.has_master else None
-            if not isinstance(master, torch.Tensor) and _loaded_since(mark(e.param), now):
+            if not isinstance(master, torch.Tensor) and written_since(mark(e.param), now):
                 continue
             if isinstance(master, torch.Tensor):
                 same = rounds_to(master.detach().to("cpu", torch.float32),

@@ -151,6 +151,9 @@ def _scalar_beta(b):
     return b.reshape(()) if isinstance(b, torch.Tensor) else b
 
 
+# the options that take each rank's own grads in backward (refused for DDP's replicas)
+_IN_BACKWARD = ("step_in_backward", "free_grads_after_copy")
+
 # what the checks of a state read between backward and step() call a copy or pickle
 _PICKLED = "the optimizer's __getstate__ (copy.deepcopy, pickle, torch.save of it)"
 
@@ -400,10 +403,9 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         grads are copied at step() (overlap off) and the options that need them in
         backward are refused."""
         o = self._options
-        params = [p for g in self.param_groups for p in g["params"]]
-        if not distributed.replicated(params, o.process_group):
+        if not distributed.replicated(self._params(), o.process_group):
             return
-        for name in ("step_in_backward", "free_grads_after_copy"):
+        for name in _IN_BACKWARD:
             if getattr(o, name):
                 raise ValueError(
                     f"offload_adam: {name}=True with {torch.distributed.get_world_size()} "
@@ -425,7 +427,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         and failed later with messages that named neither DDP nor the order (found from
         outside). Refused at step(), saying so."""
         o = self._options
-        names = [n for n in ("step_in_backward", "free_grads_after_copy") if getattr(o, n)]
+        names = [n for n in _IN_BACKWARD if getattr(o, n)]
         if not names or not distributed.replicated(self._params(), o.process_group):
             return
         raise ValueError(

@@ -527,7 +527,7 @@ class ParamStreamer:
         if count < 0:
             raise ValueError(f"offload_adam.stream_params: prefetch must be an int >= 0, "
                              f"got {prefetch!r}")
-        prefetch = int(count)
+        prefetch = count
         param_dirs = _check_files(param_dirs, param_cache_mb)
         blocks = _module_names(model, blocks)
         blocks = _names_of(blocks) or blocks   # (an iterator of names: read once)
@@ -1259,7 +1259,10 @@ class ParamStreamer:
         try:
             block.check_unwritten()
         except RuntimeError as e:
-            self._dropped_elsewhere(block, e)
+            others = [name for name, _ in self._unwritten(besides=block)]
+            if others:
+                e.add_note(f"offload_adam.stream_params: the params of blocks {others} were "
+                           "written so too, and their writes dropped alike")
             raise
         block.settle()   # (its last copies read the same host memory: done long ago)
         for t in block.device_tensors:
@@ -1281,22 +1284,22 @@ class ParamStreamer:
         block.state = "coming"
         self.fetched_bytes += block.nbytes
 
-    def _dropped_elsewhere(self, block: _Block, error: RuntimeError) -> None:
-        """A write refused in one block's params (check_unwritten) was often one across
-        the model (model.apply(init), vector_to_parameters): the other blocks are checked
-        too, their writes dropped alike and named in `error`, so that one error says it
-        all (it took a forward a block: found from outside)."""
-        others = []
+    def _unwritten(self, values: bool = False, besides: Optional[_Block] = None
+                   ) -> List[Tuple[str, RuntimeError]]:
+        """check_unwritten of every block not given back (but `besides`): (name, error) of
+        each whose params were written between uses, their writes dropped. A write
+        refused in one block was often one across the model (model.apply(init),
+        vector_to_parameters): one error names them all (it took a forward a block, and
+        close() gave the other blocks back: found from outside)."""
+        refused = []
         for b in self.blocks:
-            if b is block or getattr(b, "given_back", False):
+            if b is besides or getattr(b, "given_back", False):
                 continue
             try:
-                b.check_unwritten()
-            except RuntimeError:
-                others.append(b.name)
-        if others:
-            error.add_note(f"offload_adam.stream_params: the params of blocks {others} were "
-                           "written so too, and their writes dropped alike")
+                b.check_unwritten(values)
+            except RuntimeError as e:
+                refused.append((b.name, e))
+        return refused
 
     @_outside_transforms
     def _release(self, block: _Block) -> None:
@@ -1453,13 +1456,7 @@ class ParamStreamer:
         # blocks without host copies (forward failing inside, state_dict() blaming an
         # assignment the user never made: found from outside). Every block is checked,
         # so that one close() again gives them all back.
-        refused = []
-        for block in self.blocks:
-            if not getattr(block, "given_back", False):
-                try:
-                    block.check_unwritten(values=True)
-                except RuntimeError as e:
-                    refused.append((block.name, e))
+        refused = self._unwritten(values=True)
         if refused:
             e = refused[0][1]
             others = f" (and in blocks {[n for n, _ in refused[1:]]})" if len(refused) > 1 else ""
@@ -1476,8 +1473,7 @@ class ParamStreamer:
             for block in self.blocks:
                 if getattr(block, "given_back", False):
                     continue
-                try:
-                    block.check_unwritten(values=True)
+                try:   # (its writes checked above, with every block's)
                     self._release(block)
                     block.wait_steps()
                     block.writing_done()
@@ -1975,17 +1971,15 @@ def _module_names(model: torch.nn.Module, spec):
     """blocks= given as the modules themselves (a list of them, or a ModuleList or
     Sequential of the model such as its decoder layers, each child a block; names may
     be mixed in): the list of their names in the model. Another spec as it is."""
-    if isinstance(spec, (torch.nn.ModuleList, torch.nn.Sequential)):
-        items = list(spec)
-    elif isinstance(spec, (list, tuple)) and any(isinstance(m, torch.nn.Module) for m in spec):
-        items = list(spec)
-    else:
+    if not (isinstance(spec, (torch.nn.ModuleList, torch.nn.Sequential))
+            or (isinstance(spec, (list, tuple))
+                and any(isinstance(m, torch.nn.Module) for m in spec))):
         return spec
     names = {}
     for name, m in model.named_modules(remove_duplicate=False):
         names.setdefault(id(m), name)
     out = []
-    for m in items:
+    for m in spec:
         if isinstance(m, str):
             out.append(m)
         elif not isinstance(m, torch.nn.Module):
