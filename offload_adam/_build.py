@@ -33,7 +33,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -82,12 +81,9 @@ def _import_ahead_of_time() -> ModuleType | None:
         return None
     except ImportError as e:
         # Typically an AOT build made against another torch (undefined symbols).
-        warnings.warn(
-            f"offload_adam: the prebuilt extension offload_adam._C does not load ({e}); "
-            "building the kernels just in time instead",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        from .warn import warn
+        warn(f"offload_adam: the prebuilt extension offload_adam._C does not load ({e}); "
+             "building the kernels just in time instead", RuntimeWarning)
         return None
 
 
@@ -112,14 +108,11 @@ def _stale_ahead_of_time() -> bool:
         return False
     if built_from == _sources.sources_digest(csrc):
         return False
-    warnings.warn(
-        f"offload_adam: the prebuilt extension {spec.origin} was built from other C++ sources "
-        f"than those in {csrc} now (edited since?); building the kernels just in time "
-        "instead (build it again with OFFLOAD_ADAM_BUILD_EXT=1 pip install "
-        "--no-build-isolation -e ., or delete it)",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+    from .warn import warn
+    warn(f"offload_adam: the prebuilt extension {spec.origin} was built from other C++ sources "
+         f"than those in {csrc} now (edited since?); building the kernels just in time "
+         "instead (build it again with OFFLOAD_ADAM_BUILD_EXT=1 pip install "
+         "--no-build-isolation -e ., or delete it)", RuntimeWarning)
     return True
 
 

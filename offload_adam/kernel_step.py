@@ -9,11 +9,12 @@ compared as a whole by step_in_backward (engine/early.py).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
+
+from .warn import warn
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -104,11 +105,10 @@ def _say_threads_refused() -> None:
     ran on those there were (csrc/thread_pool.h: the same results, more slowly)."""
     if not _said_refused[0] and kernels().threads_refused():
         _said_refused[0] = True
-        warnings.warn(
-            "offload_adam: the system refused to start some of the CPU step's threads (a "
-            "limit on processes, threads or memory: ulimit -u, -v or -s, a cgroup's "
-            "pids.max); the step ran on those there were, with the same results, more "
-            "slowly. Ask for fewer with num_threads=", RuntimeWarning, stacklevel=3)
+        warn("offload_adam: the system refused to start some of the CPU step's threads (a "
+             "limit on processes, threads or memory: ulimit -u, -v or -s, a cgroup's "
+             "pids.max); the step ran on those there were, with the same results, more "
+             "slowly. Ask for fewer with num_threads=", RuntimeWarning)
 
 
 class KernelArgs:

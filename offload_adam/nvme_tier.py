@@ -59,9 +59,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
-import sys
-import warnings
 import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -86,6 +83,7 @@ from .nvme.pipeline import AHEAD
 from .nvme.store import STATE_FILES, OtherState
 from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, STATE_KEYS, float32_moment,
                            state_format, stored_key, stored_state)
+from .warn import warn
 
 _MB = 2 ** 20
 # (a shard's shape, so its state's layout, depends on the number of ranks)
@@ -349,9 +347,8 @@ class FileStore:
             elif resume and not self.state.pending:
                 # Not an error (one script can pass state_resume=True from its first run
                 # on), but said: a mistyped directory would otherwise start afresh unseen.
-                warnings.warn(f"offload_adam: state_resume=True, but state_dirs={list(dirs)} "
-                              "hold no completed step of this state: starting at step 0",
-                              RuntimeWarning)
+                warn(f"offload_adam: state_resume=True, but state_dirs={list(dirs)} "
+                     "hold no completed step of this state: starting at step 0", RuntimeWarning)
         except BaseException:
             if self.pipeline is not None:
                 self.pipeline.close()
@@ -480,9 +477,9 @@ class FileStore:
                 f"(rank order); going back to step {target} failed on rank {bad[0][0]}: "
                 f"{bad[0][1]}")
         if target != mine[0]:
-            warnings.warn(f"offload_adam: this rank's state files were at step {mine[0]}, "
-                          f"another rank's at step {target} (killed before it committed step "
-                          f"{mine[0]}): all ranks resume from step {target}", RuntimeWarning)
+            warn(f"offload_adam: this rank's state files were at step {mine[0]}, "
+                 f"another rank's at step {target} (killed before it committed step "
+                 f"{mine[0]}): all ranks resume from step {target}", RuntimeWarning)
 
     def _agree_compact(self, flat, process_group, resume: bool) -> None:
         """_agree_on_step for compact files, which keep no step before the last but may
@@ -511,9 +508,8 @@ class FileStore:
                 "cannot be brought to one step: they are not the files of one run. Give "
                 "the directories of one run, or remove the state files to start afresh")
         if began is not None and target != began:
-            warnings.warn(f"offload_adam: this rank began step {began} in its state files, "
-                          f"and another rank did not: all ranks resume from step {target}",
-                          RuntimeWarning)
+            warn(f"offload_adam: this rank began step {began} in its state files, "
+                 f"and another rank did not: all ranks resume from step {target}", RuntimeWarning)
 
     def _all_ranks_logged(self) -> None:
         """Compact, several ranks: no rank moves a bucket of a step before every rank's
@@ -564,15 +560,13 @@ class FileStore:
         self.marks.agree(e.param for e, _, _ in self._resumed.values())
         if unknown:
             names = sorted(unknown)
-            warnings.warn(
-                f"offload_adam: state_resume=True: the state files hold a state loaded with "
-                f"load_state_dict at step {self.state.step} and no step since, whose dict "
-                f"held no master for {len(names)} params (first: {names[0]}; torch's state "
-                "dicts hold none): the files took them from the params as they were at that "
-                "load, and the params were set to them. If that run loaded the model's weights "
-                "after the optimizer's state dict, load them again now: each master follows "
-                "its param at the next step",
-                RuntimeWarning, stacklevel=4)
+            warn(f"offload_adam: state_resume=True: the state files hold a state loaded with "
+                 f"load_state_dict at step {self.state.step} and no step since, whose dict "
+                 f"held no master for {len(names)} params (first: {names[0]}; torch's state "
+                 "dicts hold none): the files took them from the params as they were at that "
+                 "load, and the params were set to them. If that run loaded the model's weights "
+                 "after the optimizer's state dict, load them again now: each master follows "
+                 "its param at the next step", RuntimeWarning)
 
     def _found_before_restore(self) -> None:
         """state_resume=True sets the params to the files' last step. A model checkpoint
@@ -589,22 +583,19 @@ class FileStore:
             self._warn_both(step, previous)
             return
         self.state.rollback()
-        warnings.warn(
-            f"offload_adam: state_resume=True: the params were those of step {previous} "
-            f"when the optimizer was built (a model checkpoint saved before the last step, "
-            f"loaded first?), which the state files hold beside their last step {step}: "
-            f"the optimizer state went back to step {previous} to match them "
-            f"(opt.step_count). To continue from step {step} instead, build the optimizer "
-            "on a freshly made model", RuntimeWarning, stacklevel=5)
+        warn(f"offload_adam: state_resume=True: the params were those of step {previous} "
+             f"when the optimizer was built (a model checkpoint saved before the last step, "
+             f"loaded first?), which the state files hold beside their last step {step}: "
+             f"the optimizer state went back to step {previous} to match them "
+             f"(opt.step_count). To continue from step {step} instead, build the optimizer "
+             "on a freshly made model", RuntimeWarning)
 
     def _warn_both(self, step: int, previous: int) -> None:
-        warnings.warn(
-            f"offload_adam: state_resume=True: the params are those of step {step} and of "
-            f"step {previous} alike (a step that moved no param: lr 0, a warmup's first?), "
-            f"so they cannot say which step a checkpoint of yours is: the state is at step "
-            f"{step} (opt.step_count); continue from there (a loop that goes on from step "
-            f"{previous} would take step {step}'s batch twice in the moments)",
-            RuntimeWarning, stacklevel=5)
+        warn(f"offload_adam: state_resume=True: the params are those of step {step} and of "
+             f"step {previous} alike (a step that moved no param: lr 0, a warmup's first?), "
+             f"so they cannot say which step a checkpoint of yours is: the state is at step "
+             f"{step} (opt.step_count); continue from there (a loop that goes on from step "
+             f"{previous} would take step {step}'s batch twice in the moments)", RuntimeWarning)
 
     def _check_resumed(self, stepping: bool) -> None:
         """Before the first step after state_resume=True (and the state dict's views): the
@@ -629,14 +620,13 @@ class FileStore:
             if previous is not None and self._params_match(older, previous=True):
                 self.state.rollback()
                 self._restore_params()   # (the same values: they are the params)
-                warnings.warn(
-                    f"offload_adam: the params were changed after state_resume=True set them "
-                    f"to the state files' step {step}, and they are the params of step "
-                    f"{previous}, which the files hold too (a model checkpoint saved before "
-                    f"the last step?): the optimizer state went back to step {previous} to "
-                    "match them. To continue from the files' last step instead, do not load "
-                    "the model after building the optimizer with state_resume=True",
-                    RuntimeWarning, stacklevel=4)
+                warn(f"offload_adam: the params were changed after state_resume=True set them "
+                     f"to the state files' step {step}, and they are the params of step "
+                     f"{previous}, which the files hold too (a model checkpoint saved before "
+                     f"the last step?): the optimizer state went back to step {previous} to "
+                     "match them. To continue from the files' last step instead, do not load "
+                     "the model after building the optimizer with state_resume=True",
+                     RuntimeWarning)
             else:
                 held = f"step {step}" + (
                     f" or {previous}" if previous is not None and not self._previous_gone
@@ -1061,12 +1051,11 @@ class FileStore:
             self._held_warned = True
             when = ("before the next step()" if self.compact
                     else "before the second step() after")
-            warnings.warn(
-                f"offload_adam: {len(held)} tensors of a state_dict() taken at step {step} are "
-                "still held, and this step rewrites their place in the state files (they are "
-                f"mapped from them, not copied): save or copy what state_dict() gives {when} "
-                "(state_footprint=" f"{'compact' if self.compact else 'two_generations'}), "
-                "and drop it after (said once)", RuntimeWarning, stacklevel=_user_level())
+            warn(f"offload_adam: {len(held)} tensors of a state_dict() taken at step {step} are "
+                 "still held, and this step rewrites their place in the state files (they are "
+                 f"mapped from them, not copied): save or copy what state_dict() gives {when} "
+                 "(state_footprint=" f"{'compact' if self.compact else 'two_generations'}), "
+                 "and drop it after (said once)", RuntimeWarning)
 
     def _check_format(self, gi: int, param_groups) -> None:
         group = param_groups[gi]
@@ -1413,17 +1402,6 @@ def _follow_param(st: ParamState, p: torch.Tensor) -> None:
     from it unless it is still its rounding."""
     if take_from_param(float(st.step), False, lambda: not rounds_to(st.master, p)):
         st.master.copy_(p)
-
-
-def _user_level() -> int:
-    """warnings.warn's stacklevel, for its caller, of the first frame outside offload_adam
-    and torch: the user's line (step() runs under torch's no_grad wrapper and hooks)."""
-    prefixes = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
-                os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
-    frame, level = sys._getframe(2), 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(prefixes):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _check_grad(e: _Param, group: dict) -> None:

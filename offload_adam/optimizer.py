@@ -42,7 +42,6 @@ import dataclasses
 import contextlib
 import os
 import threading
-import warnings
 import weakref
 from typing import Optional
 
@@ -65,6 +64,7 @@ from .routing import Routing
 from .state_store import open_store
 from .state_format import state_format
 from .torch_state_dict import TorchStateDict
+from .warn import warn
 
 __all__ = ["Adam", "AdamW"]
 
@@ -218,19 +218,17 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         self._same_on_every_rank()
         self._build()
         if self._options.step_in_backward and self._engine is None:
-            warnings.warn(
-                "offload_adam: step_in_backward=True, but none of these params is stepped "
-                "by the offload engine, which is what steps in backward: fp32 params in "
-                "host memory are stepped in place at step(), and nothing between backward "
-                "and step() is checked (the option applies to params on a GPU and to "
-                "bf16/fp16 params in host memory)", UserWarning, stacklevel=2)
+            warn("offload_adam: step_in_backward=True, but none of these params is stepped "
+                 "by the offload engine, which is what steps in backward: fp32 params in "
+                 "host memory are stepped in place at step(), and nothing between backward "
+                 "and step() is checked (the option applies to params on a GPU and to "
+                 "bf16/fp16 params in host memory)", UserWarning)
         if defer_blocks and not any(home_of(p) is not None for g in self.param_groups
                                     for p in g["params"]):
-            warnings.warn(
-                f"offload_adam: defer_blocks={defer_blocks} defers the CPU steps of blocks "
-                "streamed by stream_params, and none of these params is streamed (call "
-                "offload_adam.stream_params(model, ...) before building the optimizer): "
-                "nothing is deferred", UserWarning, stacklevel=2)
+            warn(f"offload_adam: defer_blocks={defer_blocks} defers the CPU steps of blocks "
+                 "streamed by stream_params, and none of these params is streamed (call "
+                 "offload_adam.stream_params(model, ...) before building the optimizer): "
+                 "nothing is deferred", UserWarning)
         # GradScaler then hands us grad_scale/found_inf instead of unscaling
         # the grads itself: the kernel folds 1/scale into its single pass.
         self._step_supports_amp_scaling = True

@@ -61,7 +61,6 @@ import math
 import operator
 import os
 import threading
-import warnings
 import weakref
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -76,6 +75,7 @@ from .nvme.layout import ALIGN, round_up
 from .options import positive_number
 from .param_files import ParamFiles, default_cache_slots
 from .params import home_of, set_home
+from .warn import warn
 
 __all__ = ["ParamStreamer", "stream_params"]
 
@@ -764,13 +764,12 @@ class ParamStreamer:
         if self._mapped_warned:
             return
         self._mapped_warned = True
-        warnings.warn(
-            f"offload_adam.stream_params: {held} tensors of block {block.name} from a "
-            "model.state_dict() are still held, and the step writes the block: with "
-            "param_dirs= they are mapped from the param files (not copied) and would show "
-            "part of the model at one step and part at another. Save or copy what "
-            "model.state_dict() gives before the next step(), and drop it after (said once)",
-            RuntimeWarning, stacklevel=2)
+        warn(f"offload_adam.stream_params: {held} tensors of block {block.name} from a "
+             "model.state_dict() are still held, and the step writes the block: with "
+             "param_dirs= they are mapped from the param files (not copied) and would show "
+             "part of the model at one step and part at another. Save or copy what "
+             "model.state_dict() gives before the next step(), and drop it after (said once)",
+             RuntimeWarning)
 
     @staticmethod
     def _fetch_first(block: _Block) -> None:

@@ -53,7 +53,6 @@ import contextlib
 import functools
 import os
 import time
-import warnings
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -68,6 +67,7 @@ from ..param_state import ROLES, ParamState
 from ..options import Options
 from ..params import check_dense, groups_now, home_of, one_device
 from ..state_format import state_format
+from ..warn import warn
 from .device import HostDevice, current_host_stand_in, make_device
 from .host_memory import HostArenas
 from .early import EarlyStart, format_changed, steps_kept
@@ -483,10 +483,9 @@ class OffloadEngine:
             return
         stepped = early.commit()
         if stepped:
-            warnings.warn(
-                "offload_adam: this optimizer was closed (or taken over by a newer one) "
-                "between backward and step() with step_in_backward=True. "
-                + steps_kept(stepped), RuntimeWarning, stacklevel=4)
+            warn("offload_adam: this optimizer was closed (or taken over by a newer one) "
+                 "between backward and step() with step_in_backward=True. "
+                 + steps_kept(stepped), RuntimeWarning)
 
     def lend_pins(self, holder) -> None:
         """`holder` (with release()) pinned buffers through this engine's device for its

@@ -33,10 +33,11 @@ the pageable memory: transfers still work, only slower and less asynchronous.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
+
+from ..warn import warn
 
 _LINE = 64
 _PAGE = 4096
@@ -157,10 +158,10 @@ def check_host_memory(needed: int, available: Optional[int] = None,
             f"({available} bytes) is available")
 
 
-def pin_all(device, tensors, pinned: list, what: str, stacklevel: int) -> bool:
+def pin_all(device, tensors, pinned: list, what: str) -> bool:
     """Pins each of `tensors` through `device`, appending it to `pinned` (what unpin_all
     lets go); whether all were. A refused pin unpins those pinned before it and warns
-    (`what` names the memory; `stacklevel` as the caller's own warning would have it):
+    (`what` names the memory, the warning the user's line that asked for it):
     the memory stays usable, pageable."""
     try:
         for t in tensors:
@@ -169,8 +170,8 @@ def pin_all(device, tensors, pinned: list, what: str, stacklevel: int) -> bool:
         return True
     except Exception as e:  # noqa: BLE001 -- any failure means "not pinned"
         unpin_all(device, pinned)
-        warnings.warn(f"offload_adam: could not pin {what} ({e}); using pageable memory, "
-                      "transfers will be slower", RuntimeWarning, stacklevel=stacklevel + 1)
+        warn(f"offload_adam: could not pin {what} ({e}); using pageable memory, "
+             "transfers will be slower", RuntimeWarning)
         return False
 
 
@@ -242,7 +243,7 @@ class HostArenas:
         """Pins `roles`; whether they all were (True when none was asked)."""
         return pin_all(self.device, [t for role, t in self._arenas.items()
                                      if t.numel() and role in roles],
-                       self._pinned, f"{self.nbytes()} bytes of host memory", stacklevel=4)
+                       self._pinned, f"{self.nbytes()} bytes of host memory")
 
     def release(self) -> None:
         unpin_all(self.device, self._pinned)

@@ -21,7 +21,6 @@ import functools
 import mmap
 import os
 import threading
-import warnings
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -29,6 +28,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..warn import warn
 from .fd_limit import open_fd, at_limit
 from .layout import ALIGN, SUM_BYTES, round_up
 
@@ -201,11 +201,10 @@ def _reads_aligned(fd: int) -> bool:
 def warn_buffered(folders: List[str]) -> None:
     """The one warning of an open whose `folders` refused O_DIRECT."""
     if folders:
-        warnings.warn(f"offload_adam: {', '.join(map(repr, folders))} "
-                      f"{'does' if len(folders) == 1 else 'do'} not support direct I/O "
-                      "(O_DIRECT); the optimizer state files there use buffered I/O through "
-                      "the page cache (slower, and the cache takes host RAM)",
-                      RuntimeWarning, stacklevel=4)
+        warn(f"offload_adam: {', '.join(map(repr, folders))} "
+             f"{'does' if len(folders) == 1 else 'do'} not support direct I/O "
+             "(O_DIRECT); the optimizer state files there use buffered I/O through "
+             "the page cache (slower, and the cache takes host RAM)", RuntimeWarning)
 
 
 def _upto(op, fd: int, view: memoryview, offset: int) -> int:

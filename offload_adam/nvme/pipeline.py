@@ -80,7 +80,7 @@ class StepPipeline:
         self._pinned: list = []
         self.pinned = self._device is None or pin_all(
             self._device, [b.tensor for b in self.buffers], self._pinned,
-            "the state files' ring buffers", stacklevel=2)
+            "the state files' ring buffers")
 
     def release(self) -> None:
         """Unpins the buffers (the engine that copies to and from them went: its copies
