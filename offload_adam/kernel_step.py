@@ -9,6 +9,7 @@ compared as a whole by step_in_backward (engine/early.py).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
@@ -29,6 +30,55 @@ def kernels():
     return load_kernels()
 
 
+def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:
+    """The checks torch.optim.Adam's constructor makes, with its messages, in its order
+    (less its foreach restrictions: foreach is ignored here), and the types it assumes
+    (a string lr, betas that are no pair: a TypeError of its comparison, or none);
+    `where` ends each message (at step(): which param group; there betas of a float and
+    an int, which the constructor refuses as torch's does, step as torch's step does)."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element{where}")
+    elif isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(f"lr must be a float or a 1-element tensor, not "
+                        f"{type(lr).__name__} {lr!r}{where}")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}{where}")
+    if isinstance(eps, bool) or not isinstance(eps, (numbers.Real, torch.Tensor)):
+        raise TypeError(f"eps must be a float, not {type(eps).__name__} {eps!r}{where}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}{where}")
+    if isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), not {betas!r}{where}")
+    for i, b in enumerate(betas):
+        if isinstance(b, bool) or not isinstance(b, (numbers.Real, torch.Tensor)):
+            raise TypeError(f"betas[{i}] must be a float or a 1-element tensor, not "
+                            f"{type(b).__name__} {b!r}{where}")
+        if isinstance(b, torch.Tensor) and b.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element{where}")
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}{where}")
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay,
+                                                        (numbers.Real, torch.Tensor)):
+        raise TypeError(f"weight_decay must be a float, not {type(weight_decay).__name__} "
+                        f"{weight_decay!r}{where}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}{where}")
+    both_floats = all(isinstance(b, float) for b in betas)
+    both_tensors = all(isinstance(b, torch.Tensor) for b in betas)
+    if not (both_floats or both_tensors or where):
+        raise ValueError(f"betas must be either both floats or both Tensors{where}")
+
+
+def refuse_modes(group: dict, where: str) -> None:
+    """capturable and differentiable, in the constructor's arguments, a group added or one
+    set since: the kernels run on the host, outside autograd and CUDA graphs."""
+    for key in ("capturable", "differentiable"):
+        if group.get(key, False):
+            raise ValueError(f"offload_adam does not support {key}=True ({where}); "
+                             f"use torch.optim.Adam/AdamW for {key} mode")
+
+
 @dataclass(frozen=True)
 class Hyper:
     lr: float
@@ -41,7 +91,14 @@ class Hyper:
     amsgrad: bool
 
     @classmethod
-    def of(cls, group: dict) -> "Hyper":
+    def of(cls, group: dict, index: Optional[int] = None) -> "Hyper":
+        """The group's values for the kernel, refused as torch's constructor would refuse
+        them (a scheduler's NaN lr, a beta set to 1: every param NaN, and with state files
+        committed so), or as the kernel cannot take them."""
+        where = f"param group {index}" if index is not None else "a param group"
+        check_hyperparameters(group["lr"], group["betas"], group["eps"],
+                              group["weight_decay"], f" ({where}, at step())")
+        refuse_modes(group, f"{where}, at step()")
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
         # The kernel's step size, lr / (1 - beta1^t), is a float32, largest at the first

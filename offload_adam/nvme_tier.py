@@ -904,7 +904,7 @@ class FileStore:
                         # (an error raised here, between two of its kernel calls, a
                         # Ctrl-C, has moved the params of the calls that ran: `current`)
                         current = calls
-                        yield Lent(Hyper.of(param_groups[bucket[0].group]) if calls else None,
+                        yield Lent(Hyper.of(param_groups[bucket[0].group], bucket[0].group) if calls else None,
                                    calls, (lambda engine=engine, t=t: run.lent(engine, t))
                                    if run is not None and engine else None)
                         lent = lent or steps   # (stepped: its params moved)
@@ -951,7 +951,7 @@ class FileStore:
         logged = early.logged if early is not None else {}
         records = {i: self._record(i, run) for i in range(len(self.buckets)) if i not in logged}
         groups = sorted({b[0].group for b in self.buckets})
-        meta = {"hypers": {str(g): dataclasses.asdict(Hyper.of(param_groups[g]))
+        meta = {"hypers": {str(g): dataclasses.asdict(Hyper.of(param_groups[g], g))
                            for g in groups},
                 "scale": grad_scale,
                 "engine_scale": run.grad_scale if run is not None else grad_scale,

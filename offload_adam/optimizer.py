@@ -54,7 +54,7 @@ from .cpu_step import step_on_cpu
 from .engine import OffloadEngine, let_go_of
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
-from .kernel_step import Hyper
+from .kernel_step import Hyper, check_hyperparameters, refuse_modes
 from .master_rule import MasterMarks
 from .freed_grad import check_freed_grads
 from .params import (SUPPORTED_DTYPES, Addresses, check_grad_dtypes, home_of, one_device,
@@ -70,38 +70,8 @@ __all__ = ["Adam", "AdamW"]
 
 
 
-def _check_hyperparameters(lr, betas, eps, weight_decay):
-    """The checks torch.optim.Adam's constructor makes, with its messages, in its
-    order (less its foreach restrictions: foreach is ignored here)."""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    both_floats = isinstance(betas[0], float) and isinstance(betas[1], float)
-    both_tensors = isinstance(betas[0], torch.Tensor) and isinstance(betas[1], torch.Tensor)
-    if not (both_floats or both_tensors):
-        raise ValueError("betas must be either both floats or both Tensors")
-    for i, b in enumerate(betas):
-        if isinstance(b, torch.Tensor) and b.numel() != 1:
-            raise ValueError(f"Tensor betas[{i}] must be 1-element")
-
-
 def _check_modes(group_or_defaults, where):
-    # The kernels run on the host outside autograd and CUDA graphs.
-    for key in ("capturable", "differentiable"):
-        if group_or_defaults.get(key, False):
-            raise ValueError(
-                f"offload_adam does not support {key}=True ({where}); "
-                f"use torch.optim.Adam/AdamW for {key} mode"
-            )
+    refuse_modes(group_or_defaults, where)
     fmt = state_format(group_or_defaults.get("state_dtype", "float32"))
     group_or_defaults["state_dtype"] = fmt.name
     fmt.check_amsgrad(group_or_defaults.get("amsgrad", False), where)
@@ -184,7 +154,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                  verify_grads=True, state_dtype=torch.float32, process_group=None,
                  state_dirs=None, state_budget_mb=None, state_resume=False,
                  state_footprint="two_generations", grad_ring_mb=None, defer_blocks=0):
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+        check_hyperparameters(lr, betas, eps, weight_decay)
         self._engine = None
         self._store = None
         self._forget_groups()
@@ -756,8 +726,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             self._replicas_since()
             check_grad_dtypes(self.param_groups)
             self._addresses.check(self.param_groups)
-            for group in self.param_groups:   # (refused before any group steps)
-                Hyper.of(group)
+            for index, group in enumerate(self.param_groups):   # (before any steps)
+                Hyper.of(group, index)
             if self._engine is not None:
                 self._engine.check_open()   # (taken over: said first, the grads are the new one's)
             check_freed_grads(self.param_groups, self._engine)   # (free_grads_after_copy=)

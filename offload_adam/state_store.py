@@ -78,7 +78,7 @@ class RamStore:
         for index, group in enumerate(param_groups):
             calls = self._inplace.lend(index, group, state)
             if calls:
-                yield Lent(Hyper.of(group), calls)
+                yield Lent(Hyper.of(group, index), calls)
 
     def grads(self, param_groups) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         return self._inplace.grads(param_groups)

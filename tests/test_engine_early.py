@@ -172,24 +172,32 @@ CHANGES = {
 }
 
 
-def test_a_nan_hyperparameter_kept_is_no_change(path):
-    """A diverged schedule's NaN lr, set before backward and kept: step() steps (to NaN
-    params, as the default and torch do), where NaN != NaN said the lr had changed at
-    every step (found from outside)."""
+def test_a_nan_lr_is_refused_at_step_and_the_step_taken_once_undone(path):
+    """A diverged schedule's NaN lr, set before backward: step() refuses it as torch's
+    constructor does (torch's step made every param NaN, and with state files committed
+    them so), with and without step_in_backward, nothing stepped (in backward neither:
+    its hooks start no step of a group step() refuses); the lr set back, step() takes
+    the same backward's grads, and both runs are the same."""
     runs = []
     for early in (False, True):
         model, opt = make(early)
         backward(model, 0)
         opt.step()
         opt.zero_grad()
+        lr = opt.param_groups[1]["lr"]
         opt.param_groups[1]["lr"] = float("nan")
         backward(model, 1)
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"Invalid learning rate: nan \(param group 1, "
+                                             r"at step\(\)\)"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        opt.param_groups[1]["lr"] = lr
         opt.step()
         opt.zero_grad()
-        runs.append([p.detach().float() for p in model.parameters()])
-    for a, b in zip(*runs):
-        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
-    assert any(bool(a.isnan().any()) for a in runs[1])
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not any(bool(a.float().isnan().any()) for a in runs[1])
 
 
 def _snapshot(opt, model):

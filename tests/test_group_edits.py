@@ -87,6 +87,43 @@ def test_step_in_backward_follows_the_param_groups_as_edited(sim, edit):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("key,value,error,message", [
+    ("lr", -0.01, ValueError, r"Invalid learning rate: -0.01 \(param group 1, at step\(\)\)"),
+    ("lr", float("nan"), ValueError, r"Invalid learning rate: nan \(param group 1"),
+    ("lr", "0.01", TypeError, r"lr must be a float or a 1-element tensor, not str '0.01' "
+                              r"\(param group 1"),
+    ("lr", torch.tensor([0.1, 0.2]), ValueError, r"Tensor lr must be 1-element \(param group 1"),
+    ("eps", float("nan"), ValueError, r"Invalid epsilon value: nan \(param group 1"),
+    ("betas", (0.9, 1.5), ValueError, r"Invalid beta parameter at index 1: 1.5 \(param group 1"),
+    ("betas", (0.9,), ValueError, r"betas must be a pair \(beta1, beta2\), not \(0.9,\) "
+                                  r"\(param group 1"),
+    ("weight_decay", -0.1, ValueError, r"Invalid weight_decay value: -0.1 \(param group 1"),
+    ("capturable", True, ValueError, r"does not support capturable=True \(param group 1, at "
+                                     r"step\(\)\)"),
+    ("differentiable", True, ValueError, r"does not support differentiable=True"),
+], ids=["lr<0", "lr_nan", "lr_str", "lr_tensor2", "eps_nan", "beta2>1", "betas1",
+        "wd<0", "capturable", "differentiable"])
+def test_a_value_torch_refuses_set_later_is_refused_at_step(path, key, value, error, message):
+    """What torch's constructor refuses, set in a group after it (a scheduler's NaN, a
+    typo): torch's step takes most of them (NaN params, an ascent) or fails on its own
+    arithmetic; step() refuses them on every path, naming the group and the value,
+    before any param moves, and steps once the value is set right."""
+    ps = [p.clone().requires_grad_() for p in _params()]
+    opt = offload_adam.AdamW(_groups(ps), bucket_mb=0.0001)
+    for p, g in zip(ps, _grads(0)):
+        p.grad = g.clone()
+    opt.step()
+    good = opt.param_groups[1].get(key, False)
+    opt.param_groups[1][key] = value
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(error, match=message):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(ps, before))
+    opt.param_groups[1][key] = good
+    opt.step()
+    assert opt.step_count == 2 and not any(torch.equal(p, b) for p, b in zip(ps, before))
+
+
 def test_a_param_put_into_a_group_directly_is_refused_by_name(path):
     # The engine and the files lay out their memory for the params added through the
     # optimizer: one appended to a group's list is an error naming it, nothing stepped
@@ -168,10 +205,22 @@ def _bf16_state(opt, ps):   # one group's state_dtype changed after building
     opt.param_groups[1]["state_dtype"] = "bfloat16"
 
 
-@pytest.mark.parametrize("edit", [_swap, _bf16_state], ids=["split", "state_dtype"])
+def _inf_lr(opt, ps):   # past the kernel's float32 step size
+    opt.param_groups[1]["lr"] = float("inf")
+
+
+def _beta_one(opt, ps):   # torch's constructor refuses it too
+    opt.param_groups[0]["betas"] = (1.0, 0.999)
+
+
+@pytest.mark.parametrize("edit", [_swap, _bf16_state, _inf_lr, _beta_one],
+                         ids=["split", "state_dtype", "lr", "betas"])
 def test_an_edit_that_step_refuses_steps_nothing_in_backward(path, edit):
     """step_in_backward with an edit of the groups that step() refuses (a group split
-    over two, one group's state_dtype changed): backward steps none of the buckets, so
+    over two, one group's state_dtype changed, an lr or a beta step() refuses): backward
+    steps none of the buckets, and raises nothing (an lr refused from the first grad hook
+    stopped backward with one grad made, and step() after the edit was undone stepped that
+    param alone, silently: found from outside), so
     the refusal leaves every param and its state at the last step; undone before step()
     is called again, the training is bit for bit the one never edited. (Found from
     outside: the other group's buckets stepped in backward, and step() then refused
@@ -180,19 +229,22 @@ def test_an_edit_that_step_refuses_steps_nothing_in_backward(path, edit):
     if not path.engine:
         pytest.skip("step_in_backward runs on the engine")
     def undone(opt, ps):
-        saved = ([list(g["params"]) for g in opt.param_groups],
-                 [g["state_dtype"] for g in opt.param_groups])
+        saved = [dict(g, params=list(g["params"])) for g in opt.param_groups]
         edit(opt, ps)
         sum((p * g).sum() for p, g in zip(ps, _grads(1))).backward()
+        assert all(p.grad is not None for p in ps)
         before = [p.detach().clone() for p in ps]
         with pytest.raises((RuntimeError, ValueError),
-                           match="is now in param group|state_dtype changed"):
+                           match="is now in param group|state_dtype changed|lr=inf|cannot "
+                                 "change with state_dirs=|"
+                                 r"Invalid beta parameter at index 0: 1\.0 \(param group 0"):
             opt.step()
         assert all(torch.equal(p, b) for p, b in zip(ps, before))
         steps = lambda: [float(st["step"]) for st in opt.state_dict()["state"].values()]
         assert steps() == [1.0] * N
-        for g, params, fmt in zip(opt.param_groups, *saved):
-            g["params"][:], g["state_dtype"] = params, fmt
+        for g, was in zip(opt.param_groups, saved):
+            g["params"][:] = was.pop("params")
+            g.update(was)
         opt.step()   # the grads of the backward above, stepped now
         opt.zero_grad()
         assert steps() == [2.0] * N

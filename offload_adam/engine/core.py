@@ -898,7 +898,7 @@ class OffloadEngine:
                 if changed is not None:
                     raise ValueError(changed)
                 if b.group not in hypers:
-                    hypers[b.group] = Hyper.of(group)
+                    hypers[b.group] = Hyper.of(group, b.group)
                 job = self._bucket_job(b, todo, hypers[b.group], grad_scale, threads, fence,
                                       checks.get(b.index), grad_mul)
                 jobs.append((job, todo[0].start > 0))
@@ -1378,7 +1378,7 @@ class EngineStep:
 
     def _hyper(self, group: int) -> Hyper:
         if group not in self._hypers:   # one per group per step, as in the arenas
-            self._hypers[group] = Hyper.of(self.param_groups[group])
+            self._hypers[group] = Hyper.of(self.param_groups[group], group)
         return self._hypers[group]
 
 

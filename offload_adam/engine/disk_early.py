@@ -115,8 +115,8 @@ class FileBucketsInBackward:
             if not todo:
                 return None   # accumulated before its bucket started: counted once
             first = not self._parts_in
-            if first:
-                self._skipped = self._edited()
+            if first:   # (a group's step() refuses: nothing of this backward steps either)
+                self._skipped = self._edited() or self._early.refusal(engine)
             for i in todo:
                 if piece is not None and any(id(p) not in rec.copy.sent_ids
                                              for p in self._entry_of[i, id(rec)].pieces):

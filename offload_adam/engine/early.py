@@ -71,7 +71,7 @@ class EarlyStart:
         self.begun = 0   # begin() calls ever (a state_dict() read across one: check_saving)
         self._stepped: set = set()               # ids of the pieces whose kernel ran
         self._counted: set = set()               # ids of the pieces counted in one by one
-        self._refused = False   # step() will refuse the groups: no step starts (_refusal)
+        self._refused = False   # step() will refuse the groups: no step starts (refusal)
         self._step_refused: Optional[str] = None   # why step() refused, the steps pending
         self._hyper: Dict[int, Hyper] = {}       # group index -> what its steps used
         self.files = None   # the files' pass (disk_early.py) when the state is in files
@@ -180,9 +180,9 @@ class EarlyStart:
         self._expected = set(expected)
         self._waiting = {b.index: sum(1 for p in b.pieces if id(p.rec) in expected)
                          for b in engine.buckets}
-        self._refused = self._refusal(engine)
+        self._refused = self.refusal(engine)
 
-    def _refusal(self, engine) -> bool:
+    def refusal(self, engine) -> bool:
         """At the iteration's first grad: whether step() will refuse the param groups as
         they are now (a group's state_dtype changed, a group's params split over two
         groups by hand). Then no step starts in this backward: the refusal leaves every
@@ -197,8 +197,10 @@ class EarlyStart:
             groups = owner.param_groups
         except RuntimeError:
             return True   # a group split
-        return any(b.group < len(groups) and groups[b.group] is not None
-                   and format_changed(groups, b) is not None for b in engine.buckets)
+        used = {b.group for b in engine.buckets if b.group < len(groups)
+                and groups[b.group] is not None}
+        return (any(format_changed(groups, b) is not None for b in engine.buckets
+                    if b.group in used) or any(_refused_hyper(groups[g]) for g in used))
 
     def begin(self, recs) -> bool:
         """recs' steps start now, from their grad copies and their groups'
@@ -210,7 +212,7 @@ class EarlyStart:
         self.begun += 1
         for rec in recs:
             if rec.group not in self._hyper:
-                self._hyper[rec.group] = Hyper.of(owner.param_groups[rec.group])
+                self._hyper[rec.group] = Hyper.of(owner.param_groups[rec.group], rec.group)
             self._started[id(rec)] = rec.copy
             self._versions[id(rec)] = rec.param._version
         return True
@@ -241,7 +243,7 @@ class EarlyStart:
         if engine.torn is not None:
             return  # a state of no step: step() refuses it (OffloadEngine.step)
         if self._refused:
-            return  # step() refuses the groups: nothing steps before it (_refusal)
+            return  # step() refuses the groups: nothing steps before it (refusal)
         pieces = [p for p in bucket.pieces if id(p.rec) in self._hooked]
         if format_changed(owner.param_groups, bucket) is not None:
             return  # stepped by nothing: step() refuses the group's state_dtype changed
@@ -476,7 +478,7 @@ class EarlyStart:
             if changed is not None:
                 return changed
             if b.group not in now:
-                now[b.group] = Hyper.of(param_groups[b.group])
+                now[b.group] = Hyper.of(param_groups[b.group], b.group)
             changes = used.changes(now[b.group])
             if changes:
                 return (f"param group {b.group}'s hyperparameters changed after "
@@ -638,6 +640,18 @@ def steps_kept(stepped: int) -> str:
             "the previous state is kept): those params and their state are stepped, the "
             "other params are not (and step_count, the largest of their steps, counts this "
             "one). Restore a checkpoint to continue exactly")
+
+
+def _refused_hyper(group: dict) -> bool:
+    """Whether step() refuses the group's hyperparameters (kernel_step.Hyper.of: an lr set
+    to NaN or past float32's step size, a beta set to 1, capturable=True): raised from a
+    grad hook instead, it stopped backward with some grads made, and step() after the edit
+    was undone stepped those only, silently (found from outside)."""
+    try:
+        Hyper.of(group)
+    except (TypeError, ValueError):
+        return True
+    return False
 
 
 def format_changed(param_groups, bucket) -> Optional[str]:
