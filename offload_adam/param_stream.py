@@ -47,8 +47,9 @@ the end of its backward; each forward of the model starts it anew, so inference 
 before it are not part of it) and the prefetch follows it; a use off the recorded order is
 fetched on demand, never wrong. Device memory for params is at most (k + 2) x the largest
 block beyond the resident params (those outside the blocks: embeddings, norms, a tied
-head; and a block's params of an integer or bool dtype, which can have no grad): the block
-in use, k ahead, and one given back whose compute may still be queued.
+head; a block's params of an integer or bool dtype, which can have no grad, and its
+one-element ones, _find_blocks): the block in use, k ahead, and one given back whose
+compute may still be queued.
 """
 
 from __future__ import annotations
@@ -255,6 +256,7 @@ class _Block:
                 seen.add((id(holder), attr))
                 self.holders.append((holder, path, attr, index[id(p)]))
         self.loading = 0          # nested load_state_dict hooks running (submodules')
+        self.loading_root: Optional[torch.nn.Module] = None   # the outermost one's module
         self.versions: Optional[List[int]] = None   # the params' counters while away
         # param k -> every (block, index) of a param sharing its version counter, k's
         # too (views of one tensor: a flat buffer's); absent: its counter is its own
@@ -731,11 +733,18 @@ class ParamStreamer:
                 module._register_state_dict_hook(lambda mod, sd, prefix, meta, b=block, e=entries:
                                                  self._state_dict(b, sd, prefix, e)),
                 module._register_load_state_dict_pre_hook(
-                    lambda sd, prefix, meta, *rest, b=block, e=entries: self._before_load(
-                        b, meta, [prefix + a for a, _ in e if prefix + a in sd])),
+                    lambda sd, prefix, meta, *rest, b=block, e=entries, mod=module:
+                    self._before_load(b, meta, [prefix + a for a, _ in e if prefix + a in sd],
+                                      mod)),
                 module.register_load_state_dict_post_hook(
                     lambda mod, keys, b=block: self._after_load(b)),
             ]
+            # First of the module's: a hook of the user's registered before stream_params
+            # sees the host copies, not the placeholders (its result was overwritten by
+            # ours, or it read NaN: found from outside)
+            for hooks, handle in ((module._state_dict_hooks, self._handles[-3]),
+                                  (module._load_state_dict_pre_hooks, self._handles[-2])):
+                hooks.move_to_end(handle.id, last=False)
             if module is not m:
                 self._handles.append(module.register_forward_pre_hook(
                     lambda mod, args, b=block, path=path: self._inner_use(b, mod, path)))
@@ -1247,6 +1256,7 @@ class ParamStreamer:
     def _fetch(self, block: _Block, ahead: bool = False) -> None:
         """Starts the copies of the block's params to the device (`ahead` of its use: not
         a block the CPU step left half written, whose use, if it comes, refuses it)."""
+        self._end_abandoned_load(block)
         if block.stale:   # the step wrote its host copies while it was on the device
             block.stale = False
             self._release(block)
@@ -1323,8 +1333,14 @@ class ParamStreamer:
         block.wait_steps()
         block.writing_done()   # (views of the host copies: see the README on step_in_backward)
         block.check_unwritten(values=True)
-        homes = (block.homes if self.files is None
-                 else block.views(self.files.mapped(block.index)))
+        if self.files is None:
+            homes = block.homes
+        elif block.loading:   # (a load's writes are in the cache slot until it ends: a
+            # state_dict() from a hook inside it, or after one abandoned; the slot is
+            # given to other blocks later, the files' mapping is not, so: copies)
+            homes = [t.clone() for t in block.host_views()]
+        else:
+            homes = block.views(self.files.mapped(block.index))
         for attr, k in entries:
             key, home = prefix + attr, _own_storage(homes[k])
             if self.files is None and home is not homes[k]:   # (Home.mark)
@@ -1338,7 +1354,8 @@ class ParamStreamer:
                     block.mapped_out.add(sd[key])
 
     def _before_load(self, block: _Block, meta: Optional[dict] = None,
-                     loaded: Sequence[str] = ()) -> None:
+                     loaded: Sequence[str] = (), module: Optional[torch.nn.Module] = None
+                     ) -> None:
         """load_state_dict copies into the host copies (the params show them meanwhile;
         with param files the block stays in its cache slot until loaded). The hooks of
         the block's submodules nest inside the block's: the outermost one acts. A load
@@ -1347,6 +1364,11 @@ class ParamStreamer:
         _refuse_assign)."""
         if meta and meta.get("assign_to_params_buffers") and loaded:
             self._refuse_assign(block.name, loaded)(block.module, set(loaded), "", meta)
+        root = block.loading_root
+        if block.loading and (module is root or not any(m is module for m in root.modules())):
+            # (a load nests only inside its outermost module's: this one is a new load,
+            # the last one raised between its hooks)
+            self._end_abandoned_load(block)
         if block.state == "here" and not block.loading:
             # (its params were released under its own computation, which then read the
             # placeholders: NaN, stepped into every param; found from outside)
@@ -1359,6 +1381,7 @@ class ParamStreamer:
         block.loading += 1
         if block.loading > 1:
             return
+        block.loading_root = module
         try:
             block.check_held()
             block.wait_steps()
@@ -1378,6 +1401,19 @@ class ParamStreamer:
             return
         block.show(block.placeholders)
         block.unhold(dirty=True)
+
+    def _end_abandoned_load(self, block: _Block) -> None:
+        """A load_state_dict that raised between the block's load hooks (a hook of the
+        user's refusing a checkpoint) left it loading: its params showing the host copies,
+        held in the param files' cache, and the next load, taken for one nested in it,
+        wrote into the placeholders (torch's overlap error, at every load after the next
+        forward: found from outside). Ended at the block's next fetch, the next load that
+        is not inside the first one's module, or close() (a load of a submodule of that
+        module in between goes into the host copies with the rest); what the load wrote
+        before it raised stays written, as torch's load leaves it."""
+        if block.loading:
+            block.loading = 1
+            self._after_load(block)
 
     # ---- the rest -----------------------------------------------------------------------
 
@@ -1473,6 +1509,7 @@ class ParamStreamer:
                 if getattr(block, "given_back", False):
                     continue
                 try:   # (its writes checked above, with every block's)
+                    self._end_abandoned_load(block)
                     self._release(block)
                     block.wait_steps()
                     block.writing_done()
@@ -1917,9 +1954,13 @@ def _find_blocks(model: torch.nn.Module, spec: BlockSpec):
     for name, m in found:
         # A param that can take no grad (an integer or bool dtype: an index table) has no
         # state to step, and its placeholder would read as zeros, not NaN (a read between
-        # uses wrong without a word): it stays resident.
+        # uses wrong without a word): it stays resident. So does a one-element one (a
+        # learned scale, a gate): a write through p.data that leaves NaN NaN
+        # (`logit_scale.data.clamp_(0, 4.6)`) would be lost unseen in its placeholder,
+        # where a larger param's fails at the call (the placeholder is one element
+        # expanded), and it costs the device nothing.
         params = [(n, p) for n, p in m.named_parameters(remove_duplicate=True)
-                  if p.is_floating_point() or p.is_complex()]
+                  if (p.is_floating_point() or p.is_complex()) and p.numel() > 1]
         for pname, p in params:
             if id(p) in owner and owner[id(p)] != name:
                 raise ValueError(f"offload_adam.stream_params: param {name}.{pname} is "

@@ -477,6 +477,122 @@ def test_state_dict_round_trip_through_the_host_copies(device):
     torch.testing.assert_close(llama_loss(model, 3), llama_loss(other, 3), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("files", [False, True])
+@pytest.mark.parametrize("between", ["nothing", "forward", "close", "submodule"])
+def test_a_load_that_raised_inside_a_block_leaves_it_loadable(device, tmp_path, files, between):
+    """A hook of the user's refusing a checkpoint (a load pre-hook on a submodule of a
+    block) raised between the block's own load hooks, which left the block loading: the
+    next load, taken for one nested in it, wrote into the placeholders (torch's overlap
+    error at every load after the next forward; found from outside). What the failed load
+    wrote before it raised stays written, as torch's load leaves it; the next load, a
+    forward and close() then see the checkpoint loaded (a load of a submodule of the
+    block in between too: state_dict() reads it before the load is ended)."""
+    def refuse_inf(module, sd, prefix, *rest):
+        w = sd.get(prefix + "weight")
+        if w is not None and not torch.isfinite(w.float()).all():
+            raise ValueError(f"non-finite values at {prefix}weight")
+
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=3, frozen=())
+        streamer = offload_adam.stream_params(model, Block, **(
+            {"param_dirs": tmp_path / "p", "param_cache_mb": 1} if files else {})) if streamed else None
+        model.layers[1].up._register_load_state_dict_pre_hook(refuse_inf, with_module=True)
+        bad = make_llama(seed=1, layers=3, frozen=()).state_dict()
+        bad["layers.1.up.weight"] = torch.full_like(bad["layers.1.up.weight"], math.inf)
+        with pytest.raises(ValueError, match=r"non-finite values at layers\.1\.up\.weight"):
+            model.load_state_dict(bad)
+        got = [values(model)]
+        if between == "forward":
+            with torch.no_grad():
+                llama_loss(model, 0)
+        elif between == "close" and streamed:
+            streamer.close()
+        good = make_llama(seed=2, layers=3, frozen=()).state_dict()
+        if between == "submodule":   # (inside the failed load's block: taken as nested)
+            model.layers[1].q.load_state_dict({"weight": good["layers.1.q.weight"]})
+            got.append(values(model))
+        model.load_state_dict(good)
+        got.append(values(model))
+        got.append(float(llama_loss(model, 1)))
+        if streamed:
+            assert torch.isnan(model.layers[1].up.weight).all() == (between != "close")
+            streamer.close()
+        got.append(values(model))
+        runs.append(got)
+    for a, b in zip(*runs):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        else:
+            assert a == b
+
+
+def test_hooks_of_the_users_registered_before_streaming_see_the_host_copies(device):
+    """A state_dict hook on a submodule of a block registered before stream_params (save a
+    weight in fp32, add its norm) ran before the streamer's, which then replaced its entry
+    with the bf16 host copy, and the norm it added was of the placeholder's NaN; a load
+    pre-hook reading the weight it loads over read NaN (found from outside). Both now see
+    what they see unstreamed."""
+    def fp32_and_norm(module, sd, prefix, meta):
+        sd[prefix + "weight"] = sd[prefix + "weight"].float()
+        sd[prefix + "weight_norm"] = sd[prefix + "weight"].norm()
+
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=3, frozen=())
+        seen = []
+        up = model.layers[1].up
+        up._register_state_dict_hook(fp32_and_norm)
+        up._register_load_state_dict_pre_hook(
+            lambda module, sd, prefix, *rest: seen.append(module.weight.detach().clone()),
+            with_module=True)
+        if streamed:
+            offload_adam.stream_params(model, Block)
+        sd = model.state_dict()
+        model.load_state_dict({k: v for k, v in sd.items() if not k.endswith("_norm")})
+        runs.append((sd, seen))
+    (a, seen_a), (b, seen_b) = runs
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert b["layers.1.up.weight"].dtype == torch.float32
+    assert torch.isfinite(b["layers.1.up.weight_norm"])
+    assert len(seen_b) == 1 and torch.equal(seen_a[0], seen_b[0])
+
+
+class _ScaledBlock(Block):
+    """A block with a learned one-element scale (a layer scale, a gate)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__(dim, hidden)
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return x + (super().forward(x) - x) * self.scale
+
+
+def test_a_one_element_param_of_a_block_stays_resident_and_takes_data_writes(device):
+    """`scale.data.clamp_(0, 1)` (CLIP's logit_scale clamp) between steps: on a streamed
+    one-element param it clamped the placeholder's NaN, which stays NaN, so the write was
+    lost without a word (found from outside); such a param stays resident, and the
+    training is the unstreamed one with the clamp."""
+    runs = []
+    for streamed in (False, True):
+        model = make_llama(layers=3, frozen=(), block=_ScaledBlock)
+        if streamed:
+            streamer = offload_adam.stream_params(model, _ScaledBlock)
+            assert all(id(l.scale) not in {id(p) for b in streamer.blocks for p in b.params}
+                       for l in model.layers)
+        opt = offload_adam.AdamW(model.parameters(), lr=0.1)
+        train(model, opt, 1)
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.scale.data.clamp_(0, 1)
+        assert all(float(l.scale) == 1.0 for l in model.layers)
+        assert torch.isnan(model.layers[1].up.weight).all() == streamed
+        train(model, opt, 2, start=1)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
 def test_setup_errors_name_the_problem(device):
     model = make_llama(layers=2, frozen=())
     with pytest.raises(ValueError, match="no module of the model matches"):
