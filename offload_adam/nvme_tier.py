@@ -675,7 +675,16 @@ class FileStore:
         return True
 
     def step_count(self, state=None) -> int:
-        """The completed steps the files hold (the last commit)."""
+        """The completed steps the files hold (the last commit), or the one before when a
+        model checkpoint of that step was loaded after state_resume=True (_check_resumed,
+        which went back to it only at the next step() or state_dict(): a loop that read
+        step_count between the load and those set its schedule and data a step ahead of
+        the state, without a word; found from outside). Params of no step the files hold
+        are refused by those, not here: the state is at the files' step meanwhile."""
+        try:
+            self._check_resumed(stepping=False)
+        except RuntimeError:
+            pass
         return self.state.step
 
     def _mark(self, state) -> None:
