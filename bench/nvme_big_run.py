@@ -22,7 +22,7 @@ max(limit, cpu). --footprint compact: state_footprint="compact" (one copy + 4 sp
 redo log of the grads, 2 B/param written per step).
 
     flock /tmp/offload_bench.lock python bench/nvme_big_run.py          # 2.7 B params, ~6 min
-    python bench/nvme_big_run.py --params-b 0.05 --out /tmp/x              # smoke run
+    python bench/nvme_big_run.py --params-b 0.05 --limit-gb 0.25 --out /tmp/x   # smoke run
 
 Writes results/nvme/nvme_big_run_<tag>.json and .log.
 """

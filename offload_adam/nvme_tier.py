@@ -59,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -938,7 +939,7 @@ class FileStore:
                     # their params, and a retry stepped them twice, silently)
                     lent = lent or any(call.ran for call, _ in current)
                     if lent or any(r.home is not None for r in stepped_early):
-                        self.state.params_ahead()
+                        self.state.params_ahead(sys.exc_info()[1])
                     elif self.compact and early is None:   # a step begun whose pass
                         self.state.abandon_pass(lent=False)   # never ran is dropped
                 if run is not None:

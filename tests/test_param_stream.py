@@ -593,6 +593,28 @@ def test_a_one_element_param_of_a_block_stays_resident_and_takes_data_writes(dev
     assert_same_training(*runs)
 
 
+def test_the_refusal_after_a_grad_scaler_with_step_in_backward_names_it(device, tmp_path):
+    """GradScaler with step_in_backward and state files: the first scaler.step is refused
+    (its skip comes after the step that ran in backward), and the next step() is refused
+    because the streamed params in their first step moved: that refusal read as a disk's
+    failure ("a step of the state files failed"), the GradScaler unnamed (found from
+    outside). It names what stopped the step now."""
+    model = make_llama(layers=3, frozen=())
+    offload_adam.stream_params(model, Block, prefetch=2)
+    opt = offload_adam.AdamW(model.parameters(), lr=3e-3, bucket_mb=0.008,
+                             step_in_backward=True, state_dirs=[tmp_path])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler.scale(llama_loss(model, 0)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler.step was used"):
+        scaler.step(opt)
+    opt.zero_grad()
+    scaler.scale(llama_loss(model, 1)).backward()
+    with pytest.raises(RuntimeError, match=r"a step of the state files failed \(GradScaler\.step "
+                                           r"was used: .*\) after it had stepped some params"):
+        scaler.step(opt)
+    opt.close()
+
+
 def test_setup_errors_name_the_problem(device):
     model = make_llama(layers=2, frozen=())
     with pytest.raises(ValueError, match="no module of the model matches"):

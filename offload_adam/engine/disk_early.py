@@ -38,6 +38,7 @@ step_in_backward (nvme_tier.py, NvmeState.params_ahead).
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -268,10 +269,11 @@ class DiskEarly(FileBucketsInBackward):
         self._gen = self._pending = None
         return rest
 
-    def abandon(self) -> None:
+    def abandon(self, cause: Optional[str] = None) -> None:
         """Stops the pass, with nothing committed (the files stay at the last completed
         step), once the worker is idle; the next backward starts afresh (in the order
-        learned before)."""
+        learned before). `cause`: why (step_in_backward's refusal), else the error
+        propagating, if any: what a refused step() says after (params_ahead)."""
         engine = self._engine()
         try:
             if engine is not None and self.busy:
@@ -286,7 +288,7 @@ class DiskEarly(FileBucketsInBackward):
                 # their first values are not kept: a next step would start their masters
                 # from the values stepped here (a script that skips a batch whose backward
                 # raised goes on, silently off): refused until the model is loaded again
-                self.pipeline.state.params_ahead()
+                self.pipeline.state.params_ahead(cause or sys.exc_info()[1])
             if engine is not None:
                 engine.forget_grads()   # the next step copies its grads again
                 # The pass made masters follow their params (a first step's: from the

@@ -494,7 +494,7 @@ class EarlyStart:
         replaced, self._replaced = self._replaced, False
         # (read before commit(), whose abandon() clears it)
         written_files = self.files is not None and bool(self.files.written)
-        stepped = (self.commit(write=not replaced)
+        stepped = (self.commit(write=not replaced, cause=reason)
                    if (self.error is not None or self._started) else 0)
         if replaced:
             what = ("The steps that ran in backward stepped the state that was replaced, "
@@ -527,16 +527,16 @@ class EarlyStart:
             "(the default) to clip, scale, edit or accumulate grads or change "
             "hyperparameters between backward and step().")
 
-    def commit(self, write: bool = True) -> int:
+    def commit(self, write: bool = True, cause: Optional[str] = None) -> int:
         """Writes the params of the early steps that ran, forgets them and starts
         a new iteration. Returns how many params were stepped (with the state in
-        files: none, the pass is abandoned, see disk_early.py). write=False: the
-        state they stepped was replaced (load_state_dict): their params are not
-        written, and none counts."""
+        files: none, the pass is abandoned, see disk_early.py, for `cause`).
+        write=False: the state they stepped was replaced (load_state_dict): their
+        params are not written, and none counts."""
         engine = self._engine()
         if self.files is not None:
             try:
-                self.files.abandon()
+                self.files.abandon(cause)
             finally:
                 self.new_iteration()
             return 0

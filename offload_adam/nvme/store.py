@@ -622,17 +622,25 @@ class NvmeState:
                 "buckets stepped moved) and build the optimizer anew over these directories "
                 "(a state never committed is made anew)")
 
-    def params_ahead(self) -> None:
+    def params_ahead(self, cause=None) -> None:
         """A pass that had stepped some params failed (its caller says so: the params it
-        stepped moved, the files did not). No step may run on them: a resume sets them
-        from the files, or (no step completed) they are the user's to set. (A compact
-        state once committed needs nothing here: its step is finished by a resume, from
-        its redo log, abandon_pass; a new one's first pass has no log.)"""
+        stepped moved, the files did not), with `cause`, what stopped it (an error or its
+        message), named in the refusals after (a GradScaler used with step_in_backward read
+        as a disk's failure without it: found from outside). No step may run on them: a
+        resume sets them from the files, or (no step completed) they are the user's to set.
+        (A compact state once committed needs nothing here: its step is finished by a
+        resume, from its redo log, abandon_pass; a new one's first pass has no log.)"""
         if (self.compact and self._body["written"]) or self._moved_on:
             return
+        why = ""
+        if cause is not None:
+            first = (str(cause).splitlines() or [""])[0]
+            first = first[:300] + ("..." if len(first) > 300 else "")
+            why = (f" ({first})" if isinstance(cause, str)
+                   else f" ({type(cause).__name__}: {first})")
         self._moved_on = (
-            "offload_adam: a step of the state files failed after it had stepped some params, "
-            f"which are now ahead of the files (they hold step {self.step}). " + (
+            f"offload_adam: a step of the state files failed{why} after it had stepped some "
+            f"params, which are now ahead of the files (they hold step {self.step}). " + (
                 f"Build the optimizer again with state_resume=True to continue from step "
                 f"{self.step}: it sets the params from the files" if self.step else
                 "No step was completed: set the params again (load the model) and build "
