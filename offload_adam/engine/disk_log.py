@@ -125,9 +125,9 @@ class DiskLog(FileBucketsInBackward):
         return self.pipeline.buckets(ahead=lambda i: self.state.record_ahead(i)
                                      if i in logged else None)
 
-    def abandon(self) -> None:
-        """The step will not run (verify refused it, zero_grad, a load): the records
-        are forgotten, nothing was stepped."""
+    def abandon(self, cause: Optional[str] = None) -> None:
+        """The step will not run (verify refused it, zero_grad, a load: `cause`, unused,
+        as DiskEarly.abandon takes it): the records are forgotten, nothing was stepped."""
         engine = self._engine()
         try:
             if engine is not None and self._kicked:
