@@ -1059,11 +1059,17 @@ class OffloadEngine:
         itself)."""
         if not self._tail or self._worker.on_worker():
             return
-        number, self._tail = self._tail, 0
         try:
-            self._worker.wait_for(number)
-        finally:
-            self._tail_pieces = []
+            self._worker.wait_for(self._tail)
+        except KeyboardInterrupt:
+            # (the wait was interrupted, not the steps: they still run, and the next
+            # reader waits for them again; cleared first, a state_dict() retried from a
+            # Ctrl-C handler read them half done, silently: found from outside)
+            raise
+        except BaseException:
+            self._tail, self._tail_pieces = 0, []   # (one raised: they are done)
+            raise
+        self._tail, self._tail_pieces = 0, []
 
     @property
     def tail_pending(self) -> bool:
