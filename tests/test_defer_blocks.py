@@ -179,15 +179,20 @@ def test_without_the_fetchs_wait_the_next_forward_reads_old_values(kernels, late
     assert violations or differ
 
 
+def _streamed(defer, layers=6):
+    """A streamed model of `layers` blocks and its optimizer deferring `defer` blocks."""
+    model = make_llama(layers=layers)
+    offload_adam.stream_params(model, Block)
+    return model, offload_adam.AdamW(model.parameters(), **KW, defer_blocks=defer)
+
+
 def test_checkpoints_saved_and_loaded_while_deferred_steps_run(device, late):
     """The optimizer's and the model's state dicts saved right after step() (deferred
     steps running), and loaded right after another step(), give the run without deferral,
     bit for bit: both wait for the deferred steps first."""
     runs = []
     for defer in (0, 2):
-        model = make_llama(layers=6)
-        offload_adam.stream_params(model, Block)
-        opt = offload_adam.AdamW(model.parameters(), **KW, defer_blocks=defer)
+        model, opt = _streamed(defer)
         for it in range(5):
             llama_loss(model, it).backward()
             opt.step()
@@ -219,9 +224,7 @@ def test_a_ctrl_c_in_the_wait_for_deferred_steps_leaves_them_waited_for(device, 
         return real(self, number)
     runs = []
     for defer in (0, 2):
-        model = make_llama(layers=6)
-        offload_adam.stream_params(model, Block)
-        opt = offload_adam.AdamW(model.parameters(), **KW, defer_blocks=defer)
+        model, opt = _streamed(defer)
         for it in range(3):
             llama_loss(model, it).backward()
             opt.step()
