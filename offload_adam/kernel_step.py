@@ -30,12 +30,13 @@ def kernels():
     return load_kernels()
 
 
-def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:
+def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "",
+                          at_step: bool = False) -> None:
     """The checks torch.optim.Adam's constructor makes, with its messages, in its order
     (less its foreach restrictions: foreach is ignored here), and the types it assumes
     (a string lr, betas that are no pair: a TypeError of its comparison, or none);
-    `where` ends each message (at step(): which param group; there betas of a float and
-    an int, which the constructor refuses as torch's does, step as torch's step does)."""
+    `where` ends each message. `at_step`: the checks of step(), where betas of a float and
+    an int, which the constructor refuses as torch's does, step as torch's step does."""
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element{where}")
@@ -66,7 +67,7 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
         raise ValueError(f"Invalid weight_decay value: {weight_decay}{where}")
     both_floats = all(isinstance(b, float) for b in betas)
     both_tensors = all(isinstance(b, torch.Tensor) for b in betas)
-    if not (both_floats or both_tensors or where):
+    if not (both_floats or both_tensors or at_step):
         raise ValueError(f"betas must be either both floats or both Tensors{where}")
 
 
@@ -97,7 +98,7 @@ class Hyper:
         committed so), or as the kernel cannot take them."""
         where = f"param group {index}" if index is not None else "a param group"
         check_hyperparameters(group["lr"], group["betas"], group["eps"],
-                              group["weight_decay"], f" ({where}, at step())")
+                              group["weight_decay"], f" ({where}, at step())", at_step=True)
         refuse_modes(group, f"{where}, at step()")
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])

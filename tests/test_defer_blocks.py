@@ -225,10 +225,7 @@ def test_a_ctrl_c_in_the_wait_for_deferred_steps_leaves_them_waited_for(device, 
     runs = []
     for defer in (0, 2):
         model, opt = _streamed(defer)
-        for it in range(3):
-            llama_loss(model, it).backward()
-            opt.step()
-            opt.zero_grad()
+        test_param_stream.train(model, opt, 3)
         if defer:
             assert opt._engine.tail_pending
             with monkeypatch.context() as m:
