@@ -61,7 +61,7 @@ import dataclasses
 import math
 import sys
 import weakref
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -356,10 +356,10 @@ class FileStore:
             self.state.close(discard=True)
             raise
         # the tensors the last state_dict() mapped from the files, while alive (weakly),
-        # and the files' step then (`_warn_held`); at first those of a closed optimizer's
-        # over these files, still held: this one's steps rewrite their place too
-        self._handed: Optional[Tuple[int, weakref.WeakSet]] = _HELD_AFTER_CLOSE.pop(
-            self.state.uuid, None)
+        # the files' step and (two generations) slots then (`_warn_held`); at first those
+        # of a closed optimizer's over these files, still held: this one's writes rewrite
+        # their place too
+        self._handed: Optional[_Handed] = _HELD_AFTER_CLOSE.pop(self.state.uuid, None)
         self._held_warned = False   # (_warn_held: once, not at every step of a loop)
         self._early = None   # step_in_backward: the pass that starts in backward
         files = [[e.entry() for e in b] if all(e.rec is not None for e in b) else None
@@ -849,7 +849,7 @@ class FileStore:
         if self.pipeline is not None:
             self._abandon_early("the optimizer was closed")
             self.pipeline.close()
-            if self._handed is not None and len(self._handed[1]):
+            if self._handed is not None and len(self._handed.held):
                 _HELD_AFTER_CLOSE[self.state.uuid] = self._handed
             self.state.close()
             self.pipeline = None
@@ -893,7 +893,7 @@ class FileStore:
             if stepping:   # (refused before the redo log: nothing of the step is written)
                 for gi in range(len(param_groups)):
                     self._check_format(gi, param_groups)
-                self._warn_held()
+                self._warn_held("this step")
             if self.compact:   # before any bucket moves: the redo log, on every rank
                 if stepping:
                     self._log_step(param_groups, grad_scale, run, early)
@@ -1043,29 +1043,32 @@ class FileStore:
             self.engine.early.interrupted(reason)
             self._early.abandon()
 
-    def _warn_held(self) -> None:
-        """A RuntimeWarning when this step rewrites the place in the files of tensors that
-        the last state_dict() mapped and someone still holds (a checkpoint saved in the
-        background, a state dict kept to save later): they would show other bytes. Two
-        generations: the step writes the slot of the step before last; compact: the
-        step moves the buckets within their ring."""
+    def _warn_held(self, writer: str) -> None:
+        """A RuntimeWarning when this step (or load_state_dict: `writer`) rewrites the place
+        in the files of tensors that the last state_dict() mapped and someone still holds (a
+        checkpoint saved in the background, a state dict kept to save later): they would
+        show other bytes. Two generations: a write goes to each bucket's slot that is not
+        current, the held one once any bucket's current slot changed since the state_dict()
+        (a step, a load, a rollback: told by the slots, not the step count, which a load
+        sets back); compact: every write moves buckets within their ring."""
         if self._handed is None:
             return
-        step, held = self._handed
-        if not len(held):
+        handed = self._handed
+        if not len(handed.held):
             self._handed = None
-        elif self.compact or self.state.step > step:
+        elif self.compact or handed.slots != list(self.state.slots):
             self._handed = None   # (once per state_dict())
             if self._held_warned:   # (a loop that keeps the last state dict: said once)
                 return
             self._held_warned = True
-            when = ("before the next step()" if self.compact
-                    else "before the second step() after")
-            warn(f"offload_adam: {len(held)} tensors of a state_dict() taken at step {step} are "
-                 "still held, and this step rewrites their place in the state files (they are "
-                 f"mapped from them, not copied): save or copy what state_dict() gives {when} "
-                 "(state_footprint=" f"{'compact' if self.compact else 'two_generations'}), "
-                 "and drop it after (said once)", RuntimeWarning)
+            when = ("before the next step() or load_state_dict()" if self.compact
+                    else "before the second step() or load_state_dict() after")
+            warn(f"offload_adam: {len(handed.held)} tensors of a state_dict() taken at step "
+                 f"{handed.step} are still held, and {writer} rewrites their place in the "
+                 "state files (they are mapped from them, not copied): save or copy what "
+                 f"state_dict() gives {when} (state_footprint="
+                 f"{'compact' if self.compact else 'two_generations'}), and drop it after "
+                 "(said once)", RuntimeWarning)
 
     def _check_format(self, gi: int, param_groups) -> None:
         group = param_groups[gi]
@@ -1145,7 +1148,8 @@ class FileStore:
                     continue
                 state[saved_id] = _with_edits(st, entry or {})
                 held.update(v for v in st.values() if isinstance(v, torch.Tensor))
-        self._handed = (self.state.step, held)
+        self._handed = _Handed(self.state.step,
+                               None if self.compact else list(self.state.slots), held)
         return {**sd, "state": state}
 
     def _joined(self, param, parts: List[ParamState]) -> ParamState:
@@ -1238,6 +1242,7 @@ class FileStore:
             {e.name for b in self.buckets for e in b
              if float(saved_of(e).get("step") or 0) > 0
              and stored_state(saved_of(e)).get(MASTER_KEY) is None})
+        self._warn_held("this load_state_dict()")
         self.pipeline.load(fill, step=step)
         self._stepped = stepped
         for p, own in extras.items():   # (_mark takes them into a stepped param's entry)
@@ -1347,9 +1352,16 @@ class FileStore:
             st.master.copy_(e.of(param_values(e.param)).to("cpu", torch.float32))
 
 
-# state uuid -> (step, the tensors of the last state_dict() of a closed optimizer over
-# those files, held weakly): handed to the next optimizer that opens them
-_HELD_AFTER_CLOSE: Dict[str, Tuple[int, "weakref.WeakSet"]] = {}
+class _Handed(NamedTuple):
+    """The tensors the last state_dict() mapped from the files, held weakly, and when."""
+    step: int                     # the files' step count then
+    slots: Optional[List[int]]    # two generations: each bucket's current slot then
+    held: "weakref.WeakSet"
+
+
+# state uuid -> the last state_dict()'s tensors of a closed optimizer over those files:
+# handed to the next optimizer that opens them
+_HELD_AFTER_CLOSE: Dict[str, _Handed] = {}
 
 
 class InFiles(dict):

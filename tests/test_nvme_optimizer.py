@@ -2,6 +2,7 @@
 the optimizer with its state in host RAM, checkpoints across the two tiers both ways, and the
 errors of bad input. Small sizes under tmp_path; bucket_mb is tiny so that every run has
 several buckets and the pipeline reads ahead."""
+import copy
 import gc
 import io
 import os
@@ -753,6 +754,48 @@ def test_a_step_that_rewrites_a_held_state_dict_warns(kernels, tmp_path, footpri
     for _ in range(3):   # a loop that keeps the last state dict: said once, not each step
         sd = opt.state_dict()
         step()
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+@pytest.mark.parametrize("then", ["load", "step"])
+def test_a_load_state_dict_that_rewrites_a_held_state_dict_warns(kernels, tmp_path,
+                                                                 footprint, then):
+    """A load_state_dict writes the files as a step does: a state dict held across a load
+    and a second load or a step showed the other state's values, and its step count, without
+    a word (found from outside: the warning counted steps, which a load sets back). Two
+    generations: the held values stay through the load, and the write after warns; compact:
+    the load warns."""
+    params = [torch.nn.Parameter(torch.randn(64, 64)) for _ in range(3)]
+    opt = offload_adam.AdamW(params, state_dirs=[tmp_path], state_footprint=footprint,
+                             bucket_mb=0.02)
+    other = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params])
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    for p in other.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    other.step()
+    sd = opt.state_dict()
+    then_values = copy.deepcopy(sd["state"])
+    loads = 0
+    if footprint == "two_generations":
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.load_state_dict(other.state_dict())   # quiet: into the other slots
+        loads = 1
+        assert all(torch.equal(then_values[i][k], sd["state"][i][k])
+                   for i in then_values for k in then_values[i])
+    writer = "step" if loads and then == "step" else "load_state_dict"
+    with pytest.warns(RuntimeWarning, match=r"tensors of a state_dict\(\) taken at step 3 "
+                                            f"are still held, and this {writer}"):
+        if then == "load" or not loads:
+            opt.load_state_dict(other.state_dict())
+        if then == "step":   # (compact: after the load that warned, said once)
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+    assert sd["state"]
 
 
 @pytest.mark.parametrize("footprint", ["two_generations", "compact"])
