@@ -57,8 +57,8 @@ from .grad_scaling import GradScaling
 from .kernel_step import Hyper, check_hyperparameters, refuse_modes
 from .master_rule import MasterMarks
 from .freed_grad import check_freed_grads
-from .params import (SUPPORTED_DTYPES, Addresses, check_grad_dtypes, home_of, one_device,
-                     param_label)
+from .params import (SUPPORTED_DTYPES, Addresses, check_grad_dtypes, check_listed_once,
+                     home_of, one_device, param_label)
 from .options import Options
 from .routing import Routing
 from .state_store import open_store
@@ -725,6 +725,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         try:
             self._replicas_since()
             check_grad_dtypes(self.param_groups)
+            check_listed_once(self.param_groups)
             self._addresses.check(self.param_groups)
             for index, group in enumerate(self.param_groups):   # (before any steps)
                 Hyper.of(group, index)

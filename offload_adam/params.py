@@ -210,6 +210,22 @@ class Addresses:
         self.record(p for _, p in moved)
 
 
+def check_listed_once(param_groups) -> None:
+    """A ValueError naming a param listed twice in param_groups (appended by hand since
+    the optimizer was built: torch steps it twice a step, the engine and the state files
+    would once; the constructor and add_param_group refuse it too)."""
+    seen: dict = {}
+    for gi, group in enumerate(param_groups):
+        for i, p in enumerate(group["params"]):
+            if seen.setdefault(id(p), (gi, i)) != (gi, i):
+                g0, i0 = seen[id(p)]
+                raise ValueError(
+                    f"offload_adam: param {param_label(group, gi, i, p)} is the same tensor "
+                    f"as param {param_label(param_groups[g0], g0, i0, p)}: listed twice in "
+                    "param_groups (appended by hand since the optimizer was built?); list "
+                    "each param once. Nothing was stepped")
+
+
 def rounds_to(master: torch.Tensor, t: torch.Tensor) -> bool:
     """Whether fp32 `master` rounds to the CPU tensor `t` bit for bit (NaN to NaN):
     a loaded master that does not is stale and is started again from the param."""

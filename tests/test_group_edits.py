@@ -169,6 +169,31 @@ def test_a_param_put_into_a_named_group_is_named_by_its_place(path):
         opt.step()
 
 
+@pytest.mark.parametrize("into", [0, 1])
+def test_a_param_listed_twice_by_hand_is_refused_by_name(path, into):
+    """A param appended again by hand to a group's list (its own or another's): torch
+    steps it twice a step; in place it raised a bare TypeError from inside, and the
+    engine and the files stepped it once, silently (found from outside). Refused on
+    every path, naming both places, nothing stepped; taken out again, training goes on."""
+    ps = [p.clone().requires_grad_() for p in _params()]
+    opt = offload_adam.AdamW(_groups(ps), bucket_mb=0.0001)
+    for step in range(2):
+        for p, g in zip(ps, _grads(step)):
+            p.grad = g.clone()
+        opt.step()
+        if step == 0:
+            opt.param_groups[into]["params"].append(ps[1])
+            before = [p.detach().clone() for p in ps]
+            place = f"param group {into}, param {len(opt.param_groups[into]['params']) - 1}"
+            with pytest.raises(ValueError, match=place + r" \(shape \(4, 3\)\) is the same "
+                                                 r"tensor as param group 0, param 1 .*listed "
+                                                 "twice in param_groups"):
+                opt.step()
+            assert all(torch.equal(p, b) for p, b in zip(ps, before))
+            opt.param_groups[into]["params"].pop()
+    assert [float(st["step"]) for st in opt.state_dict()["state"].values()] == [2.0] * N
+
+
 def test_a_param_moved_to_another_group_is_refused_by_name(path):
     """A param of group 0 moved into group 1's list by hand: stepped with group 1's
     hyperparameters in place (as torch does); the engine and the files, which step a
@@ -213,8 +238,12 @@ def _beta_one(opt, ps):   # torch's constructor refuses it too
     opt.param_groups[0]["betas"] = (1.0, 0.999)
 
 
-@pytest.mark.parametrize("edit", [_swap, _bf16_state, _inf_lr, _beta_one],
-                         ids=["split", "state_dtype", "lr", "betas"])
+def _twice(opt, ps):   # a param appended again by hand
+    opt.param_groups[1]["params"].append(ps[0])
+
+
+@pytest.mark.parametrize("edit", [_swap, _bf16_state, _inf_lr, _beta_one, _twice],
+                         ids=["split", "state_dtype", "lr", "betas", "twice"])
 def test_an_edit_that_step_refuses_steps_nothing_in_backward(path, edit):
     """step_in_backward with an edit of the groups that step() refuses (a group split
     over two, one group's state_dtype changed, an lr or a beta step() refuses): backward
@@ -236,7 +265,7 @@ def test_an_edit_that_step_refuses_steps_nothing_in_backward(path, edit):
         before = [p.detach().clone() for p in ps]
         with pytest.raises((RuntimeError, ValueError),
                            match="is now in param group|state_dtype changed|lr=inf|cannot "
-                                 "change with state_dirs=|"
+                                 "change with state_dirs=|listed twice|"
                                  r"Invalid beta parameter at index 0: 1\.0 \(param group 0"):
             opt.step()
         assert all(torch.equal(p, b) for p, b in zip(ps, before))

@@ -50,7 +50,7 @@ import torch
 from .. import distributed
 from ..freed_grad import is_freed
 from ..kernel_step import Hyper
-from ..params import write_values
+from ..params import check_listed_once, write_values
 from ..state_format import MASTER_KEY
 from .grads import start_check
 
@@ -185,7 +185,7 @@ class EarlyStart:
     def refusal(self, engine) -> bool:
         """At the iteration's first grad: whether step() will refuse the param groups as
         they are now (a group's state_dtype changed, a group's params split over two
-        groups by hand). Then no step starts in this backward: the refusal leaves every
+        groups by hand, a param listed twice, a refused hyperparameter). Then no step starts in this backward: the refusal leaves every
         param and its state at the last step, and undoing the edit before step() steps
         them all there (the other groups' buckets stepping in backward left the
         optimizer half a step ahead, which state_dict() and zero_grad() refuse)."""
@@ -200,7 +200,8 @@ class EarlyStart:
         used = {b.group for b in engine.buckets if b.group < len(groups)
                 and groups[b.group] is not None}
         return (any(format_changed(groups, b) is not None for b in engine.buckets
-                    if b.group in used) or any(_refused_hyper(groups[g]) for g in used))
+                    if b.group in used) or any(_refused_hyper(groups[g]) for g in used)
+                or _listed_twice(groups))
 
     def begin(self, recs) -> bool:
         """recs' steps start now, from their grad copies and their groups'
@@ -640,6 +641,15 @@ def steps_kept(stepped: int) -> str:
             "the previous state is kept): those params and their state are stepped, the "
             "other params are not (and step_count, the largest of their steps, counts this "
             "one). Restore a checkpoint to continue exactly")
+
+
+def _listed_twice(groups) -> bool:
+    """Whether step() refuses a param listed twice in the groups (check_listed_once)."""
+    try:
+        check_listed_once(groups)
+    except ValueError:
+        return True
+    return False
 
 
 def _refused_hyper(group: dict) -> bool:
