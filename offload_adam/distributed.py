@@ -225,33 +225,49 @@ def refuse_differing(ranks: list, when: str) -> None:
 
 
 def agree_to_step(options: Callable[[], dict], problem: Optional[BaseException],
-                  param_groups, process_group=None) -> None:
+                  param_groups, process_group=None,
+                  started: int = 0) -> Tuple[Optional[BaseException], List[int]]:
     """Under several ranks, before a step's first collective (every rank's step() calls
     it): each rank's options that decide the step's collectives, and whether its own
     checks refused the step. A rank whose step was refused (its caller raises that error)
     while the others went on, or an option set on one rank after the optimizers were built
     (opt.max_grad_norm = None), left the others waiting in a collective it never joined:
-    a hang until the process group's timeout. Every rank raises instead, nothing stepped
-    on any: the refused rank its own error, the others naming it. (One process: nothing
-    built, a step's hot path.)"""
+    a hang until the process group's timeout. Every rank raises instead: the refused rank
+    its own error, the others the error returned here, naming it. `started`: how many
+    params' steps of this iteration ran in backward on this rank and stay (step_in_backward,
+    the state in RAM); returned with the error, the other ranks where some did: a rank whose
+    own refusal started none in backward (an edit made before it) while another's did is
+    then a step behind unless step() is called again (optimizer.zero_grad says so). (One
+    process: nothing built, a step's hot path.)"""
     if dist is None or not dist.is_initialized():
-        return
+        return None, []
     params = [p for g in param_groups for p in g["params"]]
     if not sharded(params, process_group):
-        return
+        return None, []
     said = None if problem is None else f"{type(problem).__name__}: {problem}"
-    ranks = every_rank((options(), said), params, process_group)
+    ranks = every_rank((options(), said, started), params, process_group)
+    me = dist.get_rank(process_group)
+    ahead = [r for r, (_, _, n) in enumerate(ranks) if n and r != me]
     if problem is not None:
-        return
-    bad = [(r, p) for r, (_, p) in enumerate(ranks) if p is not None]
+        return None, ahead
+    bad = [(r, p) for r, (_, p, _) in enumerate(ranks) if p is not None]
     if bad:
-        raise RuntimeError(f"offload_adam: rank {bad[0][0]}'s step() was refused, so every "
-                           "rank's is, nothing stepped (its collectives would wait for that "
-                           f"rank): {bad[0][1]}")
-    refuse_differing([o for o, _ in ranks],
-                     " at step(), set on some ranks since the optimizers were built: every "
-                     "rank's optimizer must step with the same options (a step's collectives "
-                     "depend on them); nothing was stepped")
+        stepped = ("nothing stepped" if not started else
+                   f"nothing more stepped (the step of {started} params ran during backward "
+                   "on this rank and stays: the state is in RAM, it cannot be undone; mended, "
+                   f"step() called again on every rank steps these grads on rank {bad[0][0]} "
+                   "too)")
+        return RuntimeError(f"offload_adam: rank {bad[0][0]}'s step() was refused, so every "
+                            f"rank's is, {stepped} (its collectives would wait for that "
+                            f"rank): {bad[0][1]}"), ahead
+    try:
+        refuse_differing([o for o, _, _ in ranks],
+                         " at step(), set on some ranks since the optimizers were built: "
+                         "every rank's optimizer must step with the same options (a step's "
+                         "collectives depend on them); nothing was stepped")
+    except ValueError as e:
+        return e, ahead
+    return None, ahead
 
 
 # ---- clipping: the norm over all shards --------------------------------------

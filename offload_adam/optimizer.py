@@ -70,6 +70,15 @@ __all__ = ["Adam", "AdamW"]
 
 
 
+def _format_name(value):
+    """A group's state_dtype as the ranks compare it: torch.float32 and "float32" (or
+    "fp32") are one format; a value no format has stays as it is (its own rank refuses it)."""
+    try:
+        return state_format(value).name
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _check_modes(group_or_defaults, where):
     refuse_modes(group_or_defaults, where)
     fmt = state_format(group_or_defaults.get("state_dtype", "float32"))
@@ -433,7 +442,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                 **({"state_resume": o.state_resume} if resume else {}),
                 "step_in_backward": o.step_in_backward, "bucket_mb": o.bucket_mb,
                 "the number of param groups": len(self.param_groups),
-                "state_dtype": [g["state_dtype"] for g in self.param_groups],
+                "state_dtype": [_format_name(g["state_dtype"]) for g in self.param_groups],
                 "amsgrad": [g["amsgrad"] for g in self.param_groups]}
 
     def _build(self, resume: bool = False, pickled_step: Optional[int] = None) -> None:
@@ -657,6 +666,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
 
     @torch.compiler.disable
     def zero_grad(self, set_to_none=True):
+        self._check_behind()
         if self._engine is not None:
             self._engine.drop_freed_grads(zeros=not set_to_none)
             self._engine.after_raised_backward()   # (its copies read what is zeroed)
@@ -664,6 +674,26 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         self._drop_clip()
         if self._engine is not None:
             self._engine.zero_grad()
+
+    def _check_behind(self) -> None:
+        """Under several ranks with step_in_backward (state in RAM): this rank's step() was
+        refused by its own edit, made before backward (so no step started in it here),
+        while other ranks' steps of these grads had run in backward and stay. Dropping
+        the grads left this rank's shards a step behind theirs without a word (found from
+        outside); said once, the grads kept: step() again, mended, steps them here."""
+        behind = self.__dict__.pop("_behind", None)
+        if behind is None or not any(p.grad is not None for g in self.param_groups
+                                     for p in g["params"]):
+            return
+        ranks, cause = behind
+        raise RuntimeError(
+            f"offload_adam: zero_grad() after this rank's step() was refused ({cause}), "
+            f"while the step of these grads had already run during backward on rank"
+            f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (step_in_backward, "
+            "the state in RAM: it cannot be undone there). Dropped, they would leave this "
+            "rank's shards a step behind: mend the cause and call step() again on every "
+            "rank, which steps them here. The grads are kept; a second zero_grad() drops "
+            "them")
 
     # ---- step ---------------------------------------------------------------
     # (torch.compile(opt.step) runs it as it is: the step is the C++ kernel's and host
@@ -737,16 +767,23 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             problem = e
         # (under several ranks: a rank refused, or an option set on one, would leave the
         # others waiting in the step's collectives)
+        early = self._engine.early if self._engine is not None else None
+        started = early.started_in_ram() if early is not None else 0
+        ahead: list = []
         try:
-            distributed.agree_to_step(self._rank_options, problem, self.param_groups,
-                                      self._options.process_group)
-        except Exception as e:   # noqa: BLE001 -- another rank's refusal: raised below
+            error, ahead = distributed.agree_to_step(
+                self._rank_options, problem, self.param_groups, self._options.process_group,
+                started)
+            problem = problem or error
+        except Exception as e:   # noqa: BLE001 -- a collective that failed: raised below
             problem = problem or e
         if problem is not None:
-            early = self._engine.early if self._engine is not None else None
             if early is not None:   # (what zero_grad() does next with the steps pending)
                 early.step_refused(problem)
+            if ahead and not started:   # (zero_grad() says what dropping the grads does)
+                self.__dict__["_behind"] = (ahead, f"{type(problem).__name__}: {problem}")
             raise problem
+        self.__dict__.pop("_behind", None)
         scale = self._step_scale()   # grad_scaling.py
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped
             return loss

@@ -125,6 +125,7 @@ class TorchStateDict:
         step_in_backward, before the param's step starts in backward).
         """
         self._settle_tail()   # no step deferred past step() may write the state replaced
+        self.__dict__.pop("_behind", None)   # (a state loaded: no rank is a step behind)
         seen = {}
 
         def capture(optimizer, sd):   # what can be refused, before anything changes

@@ -774,6 +774,61 @@ def early_step_refused_on_one_rank(variant):
 
 
 @scenario()
+def state_dtype_spelled_two_ways():
+    """One format named two ways on the two ranks (torch.float32 set on rank 1, the name
+    "float32" the constructor keeps on rank 0; torch.bfloat16 / "bf16"): was refused at
+    every step() as differing between the ranks (found from outside). Both step."""
+    model = build()
+    opt = offload_adam.AdamW(model.parameters(), lr=LR, state_dtype="bfloat16")
+    opt.param_groups[0]["state_dtype"] = torch.bfloat16 if dist.get_rank() else "bf16"
+    train(model, opt, 2)
+    return {"count": opt.step_count}
+
+
+@scenario("retry", "zero_grad")
+def early_refused_before_backward_on_one_rank(variant):
+    """step_in_backward, state in RAM: rank 1 sets a beta its step() refuses before
+    backward, so its backward starts no step, while rank 0's steps run in backward and
+    stay. Both step()s raise; rank 1 mends the beta. "retry": step() again on both, which
+    steps the grads on rank 1. "zero_grad": rank 1's zero_grad() used to drop the grads
+    without a word, its shards a step behind rank 0's from then on (found from outside);
+    it raises, keeping them, and step() steps them. Either way the ranks end at one step,
+    bitwise the training without the edit."""
+    kw = {"lr": LR, "weight_decay": WD, "step_in_backward": True, "bucket_mb": 0.0005}
+    ref = build(BF16)
+    ref_opt = offload_adam.AdamW(ref.parameters(), **kw)
+    train(ref, ref_opt, 4)
+    model = build(BF16)
+    opt = offload_adam.AdamW(model.parameters(), **kw)
+    train(model, opt, 2)
+    if dist.get_rank() == 1:
+        opt.param_groups[0]["betas"] = (1.5, 0.999)
+    backward(model, 2)
+    out = {"zero_grad": None}
+    try:
+        opt.step()
+        out["step"] = None
+    except (RuntimeError, ValueError) as e:
+        out["step"] = f"{type(e).__name__}: {e}"
+    opt.param_groups[0]["betas"] = (0.9, 0.999)
+    if variant == "zero_grad":
+        try:
+            opt.zero_grad()
+        except RuntimeError as e:
+            out["zero_grad"] = str(e)
+    opt.step()
+    opt.zero_grad()
+    train(model, opt, 1, start=3)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, opt.step_count)
+    out["counts"] = counts
+    out["same"] = all(torch.equal(p.full_tensor(), q.full_tensor())
+                      for p, q in zip(model.parameters(), ref.parameters()))
+    dist.barrier()
+    return out
+
+
+@scenario()
 def early_accumulation_refused():
     """step_in_backward under FSDP2, a second backward before step() (accumulation): its
     grads' hook runs inside FSDP2's own step of backward, and raising there left the

@@ -236,6 +236,36 @@ def test_a_step_refused_after_steps_in_backward_is_refused_on_every_rank(ranks, 
         assert rank0["counts"] == [3, 3]
 
 
+def test_a_state_dtype_named_two_ways_is_one_format_on_every_rank(ranks):
+    """distributed_ranks.state_dtype_spelled_two_ways: torch.bfloat16 on one rank and "bf16"
+    on the other were refused as differing (found from outside); they step."""
+    for res in result(ranks, "state_dtype_spelled_two_ways"):
+        assert res["count"] == 2, res
+
+
+@pytest.mark.parametrize("variant", ["retry", "zero_grad"])
+def test_an_edit_before_backward_on_one_rank_leaves_no_rank_a_step_behind(ranks, variant):
+    """distributed_ranks.early_refused_before_backward_on_one_rank: with step_in_backward
+    (state in RAM), rank 1's edit before backward made its step() refuse and its backward
+    start no step, while rank 0's ran in backward. Rank 0's error said "nothing stepped",
+    and rank 1's zero_grad() dropped the grads silently: the ranks a step apart from then on
+    (found from outside). Rank 0's error says what ran; rank 1's zero_grad() raises keeping
+    the grads; step() again steps them; both end bitwise the training without the edit."""
+    rank0, rank1 = result(ranks, f"early_refused_before_backward_on_one_rank_{variant}")
+    assert rank1["step"].startswith("ValueError: Invalid beta parameter at index 0: 1.5"), rank1
+    assert rank0["step"].startswith(
+        "RuntimeError: offload_adam: rank 1's step() was refused, so every rank's is, nothing "
+        "more stepped (the step of 6 params ran during backward on this rank and stays"), rank0
+    if variant == "zero_grad":
+        assert rank1["zero_grad"].startswith(
+            "offload_adam: zero_grad() after this rank's step() was refused (ValueError: "
+            "Invalid beta parameter"), rank1
+        assert "had already run during backward on rank 0" in rank1["zero_grad"], rank1
+        assert "cannot be undone" in rank0["zero_grad"], rank0
+    for res in (rank0, rank1):
+        assert res["counts"] == [4, 4] and res["same"], res
+
+
 def test_accumulation_with_steps_in_backward_is_refused_at_step(ranks):
     """distributed_ranks.early_accumulation_refused: a second backward before step() with
     step_in_backward, under FSDP2. Refused inside FSDP2's backward, it left the modules

@@ -587,6 +587,11 @@ class EarlyStart:
             self.error = ("the backward in which the step of some params started raised "
                           "(an error or KeyboardInterrupt inside it)")
 
+    def started_in_ram(self) -> int:
+        """How many params' steps of this iteration ran (or run) in backward and stay:
+        the state in RAM (a pass over state files commits nothing before step())."""
+        return len(self._started) if self.files is None else 0
+
     def step_refused(self, problem: BaseException) -> None:
         """step() refused before its pass (a check: a bad lr, a param not of its
         optimizer...), the steps started in backward still pending: a step() after the
