@@ -108,11 +108,19 @@ def _check_param(p, label):
     # on its copy stream after step() had returned. (A streamed param's placeholder is one
     # element expanded: its values are its home's.)
     if torch._debug_has_internal_overlap(p) == 1 and home_of(p) is None:
+        # (one NaN expanded is what a streamed block's params hold between uses: a param
+        # made from one, a parametrization registered after stream_params)
+        placeholder = (p.is_floating_point() and all(s == 0 for s in p.stride())
+                       and bool(p.detach().reshape(-1)[:1].isnan().all()))
         raise ValueError(
             f"offload_adam: param {label()} (strides {list(p.stride())}) has elements "
             "that share memory (an expand() or "
             "as_strided view): no optimizer can step them one by one. Give the optimizer "
-            "a tensor that owns its elements (.contiguous(), or the tensor it expands)")
+            "a tensor that owns its elements (.contiguous(), or the tensor it expands)"
+            + ("; its one value is NaN, as a streamed block's placeholder: was it made from "
+               "a param of a block streamed by stream_params (a parametrization such as "
+               "weight_norm registered after stream_params)? Parametrize before "
+               "stream_params" if placeholder else ""))
 
 
 def _option(name: str) -> property:

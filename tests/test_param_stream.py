@@ -876,6 +876,21 @@ def test_a_write_across_blocks_is_refused_once_naming_them_all(device):
     _assert_same_values(model, plain)
 
 
+def test_an_optimizer_over_a_param_made_from_a_placeholder_says_so(device):
+    """weight_norm registered after stream_params, then the optimizer built (the usual
+    order of a script): its v is the block's placeholder, one NaN expanded, which the
+    constructor refused as an expand() naming neither weight_norm nor stream_params (found
+    from outside); the error says where such a param comes from."""
+    from torch.nn.utils.parametrizations import weight_norm
+    model = make_llama(layers=2, frozen=())
+    offload_adam.stream_params(model, Block)
+    weight_norm(model.layers[0].up)
+    with pytest.raises(ValueError, match=r"has elements that share memory .* its one value is "
+                                         r"NaN, as a streamed block's placeholder: .*weight_norm "
+                                         r"registered after stream_params"):
+        offload_adam.AdamW(model.parameters(), **OPTS)
+
+
 def test_a_close_refused_for_a_dropped_write_closes_nothing(device):
     """close() after writes that did not reach the host copies (p.data.fill_ in one
     block, a parametrization registered on another's weight) refuses before any block
