@@ -80,6 +80,7 @@ from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .byte_view import byte_view
 from .nvme.direct_io import crc32
+from .nvme.layout import shown
 from .nvme.pipeline import AHEAD
 from .nvme.store import STATE_FILES, OtherState
 from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, STATE_KEYS, float32_moment,
@@ -563,7 +564,7 @@ class FileStore:
             names = sorted(unknown)
             warn(f"offload_adam: state_resume=True: the state files hold a state loaded with "
                  f"load_state_dict at step {self.state.step} and no step since, whose dict "
-                 f"held no master for {len(names)} params (first: {names[0]}; torch's state "
+                 f"held no master for {len(names)} params (first: {shown(names[0])}; torch's state "
                  "dicts hold none): the files took them from the params as they were at that "
                  "load, and the params were set to them. If that run loaded the model's weights "
                  "after the optimizer's state dict, load them again now: each master follows "

@@ -417,7 +417,7 @@ def test_a_load_then_a_kill_before_the_next_step_resumes_with_the_models_weights
     opt.close()   # (killed here: no step since the load)
     rs = make_params(seed=7)
     with pytest.warns(RuntimeWarning, match=r"load_state_dict at step 3 and no step since.*"
-                                            r"load them again now"):
+                                            r"\(first: group 0's param 0; .*load them again now"):
         again = offload_adam.AdamW(groups(rs), lr=0.01, state_dirs=dirs, state_resume=True,
                                    state_footprint=footprint, **NVME)
     assert again.step_count == 3

@@ -155,7 +155,7 @@ def differences(found: StateSpec, wanted: StateSpec, limit: int = 3) -> List[str
             only = [n for n in mine if n not in other]
             if only:
                 more = f" and {len(only) - 3} more" if len(only) > 3 else ""
-                out.append(f"params {side}: {', '.join(map(_shown, only[:3]))}{more}")
+                out.append(f"params {side}: {', '.join(map(shown, only[:3]))}{more}")
         if out:
             return out[:limit]
     if len(found.buckets) != len(wanted.buckets):
@@ -191,10 +191,10 @@ def param_names(spec: StateSpec) -> List[str]:
 
 def _first_other(found: List[str], wanted: List[str]) -> str:
     a, b = next(((a, b) for a, b in zip(found, wanted) if a != b), (found[0], wanted[0]))
-    return f"{_shown(a)} in the files, {_shown(b)} here"
+    return f"{shown(a)} in the files, {shown(b)} here"
 
 
-def _shown(name: str) -> str:
+def shown(name: str) -> str:
     """A param's spec name ("group:name", or "group:position" where given unnamed) as said."""
     group, colon, rest = name.partition(":")
     if not colon:
