@@ -213,6 +213,30 @@ def every_rank(value, params: Iterable[torch.Tensor], process_group=None,
     return out
 
 
+def refused_on_one_rank(error: BaseException, params: List[torch.Tensor],
+                        process_group=None) -> None:
+    """This rank's optimizer refused while being built, before the ranks compared their
+    options (optimizer._same_on_every_rank, a collective): the others wait there. Joined
+    with the error in place of the options, they raise naming it (refuse_refused)."""
+    if not sharded(params, process_group):
+        return
+    try:
+        every_rank((None, f"{type(error).__name__}: {error}"), params, process_group)
+    except Exception:   # noqa: BLE001 -- the error raised is this rank's own
+        pass
+
+
+def refuse_refused(ranks: list) -> None:
+    """A RuntimeError naming the first rank whose optimizer was refused while being built
+    (refused_on_one_rank): each rank's (options, error) in rank order."""
+    for r, (_, error) in enumerate(ranks):
+        if error is not None:
+            raise RuntimeError(
+                f"offload_adam: rank {r}'s optimizer was refused while being built, so every "
+                "rank's is (the ranks compare their options as they build it, and would "
+                f"wait for that rank): {error}")
+
+
 def refuse_differing(ranks: list, when: str) -> None:
     """A ValueError naming the first option whose value differs between the ranks (each
     rank's dict of them, in rank order), followed by `when`."""

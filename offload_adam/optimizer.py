@@ -79,6 +79,35 @@ def _format_name(value):
         return repr(value)
 
 
+def _listed(params):
+    """The constructor's params as a list where they are an iterator (a generator is read
+    once, and a refused construction reads them again: _tensors_in); as given otherwise
+    (a lone tensor, which torch refuses by name)."""
+    if isinstance(params, (torch.Tensor, list, tuple, dict)):
+        return params
+    try:
+        return list(params)
+    except TypeError:
+        return params   # (torch's constructor says what it wanted)
+
+
+def _tensors_in(params) -> list:
+    """The tensors among the constructor's params as given (tensors, (name, tensor) pairs,
+    group dicts with a list of either), those it can tell without reading an iterator."""
+    out = []
+    items = params if isinstance(params, (list, tuple)) else ()
+    for item in items:
+        if isinstance(item, dict):
+            inner = item.get("params")
+            inner = [inner] if isinstance(inner, torch.Tensor) else inner
+            out.extend(_tensors_in(inner) if isinstance(inner, (list, tuple)) else [])
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            out.append(item[1])
+        elif isinstance(item, torch.Tensor):
+            out.append(item)
+    return out
+
+
 def _check_modes(group_or_defaults, where):
     refuse_modes(group_or_defaults, where)
     fmt = state_format(group_or_defaults.get("state_dtype", "float32"))
@@ -171,37 +200,31 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                  verify_grads=True, state_dtype=torch.float32, process_group=None,
                  state_dirs=None, state_budget_mb=None, state_resume=False,
                  state_footprint="two_generations", grad_ring_mb=None, defer_blocks=0):
-        check_hyperparameters(lr, betas, eps, weight_decay)
         self._engine = None
         self._store = None
-        self._forget_groups()
-        self._options = Options(
-            overlap=overlap, bucket_mb=bucket_mb, free_grads_after_copy=free_grads_after_copy,
-            num_threads=num_threads, max_grad_norm=max_grad_norm, process_group=process_group,
-            verify_grads=verify_grads, step_in_backward=step_in_backward,
-            state_dirs=state_dirs, state_budget_mb=state_budget_mb,
-            state_resume=state_resume, state_footprint=state_footprint,
-            grad_ring_mb=grad_ring_mb, defer_blocks=defer_blocks)
-        self._routing = Routing.of(self._options)
-        self._marks = MasterMarks()   # when each param last agreed with its master
-        self._clip_coef = None
-        defaults = {
-            "lr": lr,
-            "betas": tuple(_scalar_beta(b) for b in betas),
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "amsgrad": amsgrad,
-            "maximize": maximize,
-            "foreach": foreach,
-            "capturable": capturable,
-            "differentiable": differentiable,
-            "fused": fused,
-            "decoupled_weight_decay": decoupled_weight_decay,
-            "state_dtype": state_format(state_dtype).name,
-        }
-        _check_modes(defaults, "constructor argument")
-        super().__init__(params, defaults)
-        self._replicas()
+        params = _listed(params)   # (read again below when the constructor is refused)
+        try:
+            self._construct(params, lr, betas, eps, weight_decay, dict(   # (torch's order)
+                amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                differentiable=differentiable, fused=fused,
+                decoupled_weight_decay=decoupled_weight_decay, state_dtype=state_dtype),
+                dict(overlap=overlap, bucket_mb=bucket_mb,
+                     free_grads_after_copy=free_grads_after_copy, num_threads=num_threads,
+                     max_grad_norm=max_grad_norm, process_group=process_group,
+                     verify_grads=verify_grads, step_in_backward=step_in_backward,
+                     state_dirs=state_dirs, state_budget_mb=state_budget_mb,
+                     state_resume=state_resume, state_footprint=state_footprint,
+                     grad_ring_mb=grad_ring_mb, defer_blocks=defer_blocks))
+        except Exception as e:
+            # under several ranks the others wait in _same_on_every_rank's comparison:
+            # told there, they raise naming this rank's cause (found from outside: they
+            # waited for the process group's timeout, then raised gloo's "Connection
+            # closed by peer", naming nothing)
+            groups = getattr(self, "param_groups", None)
+            flat = ([p for g in groups for p in g["params"]] if groups
+                    else _tensors_in(params))
+            distributed.refused_on_one_rank(e, flat, process_group)
+            raise
         self._same_on_every_rank()
         self._build()
         if self._options.step_in_backward and self._engine is None:
@@ -429,6 +452,24 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             "or Accelerator), where such options are refused at once; use FSDP2 "
             "(fully_shard) for them, or leave them off")
 
+    def _construct(self, params, lr, betas, eps, weight_decay, modes: dict,
+                   options: dict) -> None:
+        """Everything of the constructor that one rank may refuse on its own (its
+        arguments, its params) before the ranks compare their options."""
+        check_hyperparameters(lr, betas, eps, weight_decay)
+        self._forget_groups()
+        self._options = Options(**options)
+        self._routing = Routing.of(self._options)
+        self._marks = MasterMarks()   # when each param last agreed with its master
+        self._clip_coef = None
+        defaults = {"lr": lr, "betas": tuple(_scalar_beta(b) for b in betas), "eps": eps,
+                    "weight_decay": weight_decay,
+                    **{k: v for k, v in modes.items() if k != "state_dtype"},
+                    "state_dtype": state_format(modes["state_dtype"]).name}
+        _check_modes(defaults, "constructor argument")
+        super().__init__(params, defaults)
+        self._replicas()
+
     def _same_on_every_rank(self) -> None:
         """Under several ranks (FSDP2, process_group=) the options that decide which
         collectives a step runs must be every rank's: a rank clipping (max_grad_norm=) or
@@ -436,10 +477,14 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         join. Compared when the optimizers are built (every rank builds its own: a
         collective too), a difference is refused on every rank, naming it."""
         params = [p for g in self.param_groups for p in g["params"]]
-        ranks = distributed.every_rank(self._rank_options(resume=True), params,
+        ranks = distributed.every_rank((self._rank_options(resume=True), None), params,
                                        self._options.process_group)
-        distributed.refuse_differing(ranks, ": every rank's optimizer must be built with the "
-                                     "same options (a step's collectives depend on them)")
+        if ranks is None:
+            return
+        distributed.refuse_refused(ranks)
+        distributed.refuse_differing([o for o, _ in ranks], ": every rank's optimizer must be "
+                                     "built with the same options (a step's collectives "
+                                     "depend on them)")
 
     def _rank_options(self, resume: bool = False) -> dict:
         """The options that decide which collectives a step runs (_same_on_every_rank;

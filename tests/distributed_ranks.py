@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import sys
+import time
 import traceback
 import warnings
 from contextlib import nullcontext
@@ -770,6 +771,34 @@ def early_step_refused_on_one_rank(variant):
     out["counts"] = counts
     opt.close()
     dist.barrier()
+    return out
+
+
+@scenario()
+def constructor_refused_on_one_rank():
+    """Rank 1's optimizer refused while being built (a state_dirs that is a file, a negative
+    lr): rank 0 waited in the ranks' comparison of options until the process group's
+    timeout, then raised gloo's "Connection closed by peer" (found from outside). Both
+    raise at once, rank 0 naming rank 1's cause; built again right, both train."""
+    model = build()
+    bad_dir = os.path.join(OUT_DIR, "not_a_dir")
+    if dist.get_rank() == 0:
+        open(bad_dir, "w").close()
+    dist.barrier()
+    out = {"errors": []}
+    for kw in ({"state_dirs": bad_dir}, {"lr": -1.0}):
+        if dist.get_rank() == 0:
+            kw = {}
+        started = time.monotonic()
+        try:
+            offload_adam.AdamW((p for p in model.parameters()), **{"lr": LR, **kw})
+            out["errors"].append(None)
+        except (ValueError, RuntimeError) as e:
+            out["errors"].append(f"{type(e).__name__}: {e}")
+        out.setdefault("seconds", []).append(time.monotonic() - started)
+    opt = offload_adam.AdamW(model.parameters(), lr=LR)
+    train(model, opt, 2)
+    out["count"] = opt.step_count
     return out
 
 

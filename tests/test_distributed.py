@@ -236,6 +236,23 @@ def test_a_step_refused_after_steps_in_backward_is_refused_on_every_rank(ranks, 
         assert rank0["counts"] == [3, 3]
 
 
+def test_an_optimizer_refused_on_one_rank_is_refused_on_every_rank(ranks):
+    """distributed_ranks.constructor_refused_on_one_rank: rank 1's constructor refused
+    (state_dirs a file, a negative lr) left rank 0 waiting in the ranks' comparison of
+    options until the group's timeout (found from outside). Both raise at once, rank 0
+    naming rank 1's cause; built right, both train."""
+    rank0, rank1 = result(ranks, "constructor_refused_on_one_rank")
+    assert rank1["errors"][0].startswith("ValueError: state_dirs: ") and "is not a directory" in \
+        rank1["errors"][0], rank1
+    assert rank1["errors"][1] == "ValueError: Invalid learning rate: -1.0", rank1
+    for mine, theirs in zip(rank0["errors"], rank1["errors"]):
+        assert mine == ("RuntimeError: offload_adam: rank 1's optimizer was refused while "
+                        "being built, so every rank's is (the ranks compare their options as "
+                        f"they build it, and would wait for that rank): {theirs}"), rank0
+    for res in (rank0, rank1):
+        assert max(res["seconds"]) < 30 and res["count"] == 2, res
+
+
 def test_a_state_dtype_named_two_ways_is_one_format_on_every_rank(ranks):
     """distributed_ranks.state_dtype_spelled_two_ways: torch.bfloat16 on one rank and "bf16"
     on the other were refused as differing (found from outside); they step."""
