@@ -1,8 +1,10 @@
 """The engine's worker thread and Ctrl-C handling (offload_adam/engine/worker.py)."""
 import _thread
+import gc
 import signal
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -129,3 +131,32 @@ def test_a_cancelled_step_finishes_a_param_it_started():
         w.drain()
     assert ran == ["a1", "a2"]
     w.close()
+
+
+def test_a_jobs_error_keeps_nothing_of_the_job_alive():
+    """The worker keeps a job's error until its caller re-raises it, and the thread holds
+    the worker: the error's traceback held the job's frames, each its function, and so
+    the engine (found from outside: a streamed model's optimizer dropped after a backward
+    whose job failed left its engine, state and thread alive for good). The error keeps
+    the worker's stack as a note; what the job held is freed, and its finalizer, closing
+    the worker on the worker's own thread, does not wait for the worker's lock."""
+    class Held:
+        pass
+    worker = Worker()
+    held = Held()
+    gone = weakref.ref(held)
+    weakref.finalize(held, worker.close)   # (as the engine's finalizer closes its worker)
+
+    def job(h=held):
+        raise RuntimeError("a job failed (test)")
+    worker.submit(job)
+    del job, held
+    deadline = time.monotonic() + 10
+    while gone() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert gone() is None
+    with pytest.raises(RuntimeError, match="a job failed") as e:
+        worker.drain()
+    assert "worker thread" in "".join(getattr(e.value, "__notes__", ["worker thread"]))
+    worker.join()   # (closed by the finalizer: the thread ends)

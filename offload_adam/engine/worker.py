@@ -19,6 +19,7 @@ import queue
 import signal
 import sys
 import threading
+import traceback
 import weakref
 from typing import Callable, Iterator, Optional
 
@@ -67,6 +68,8 @@ class Worker:
         return number
 
     def _done(self, error: Optional[BaseException]) -> None:
+        if error is not None:   # (not under the lock: the traceback dropped may free the
+            error = _kept(error)   # engine, whose finalizer closes this worker)
         with self._lock:
             if error is not None and self._error is None:
                 self._error = error
@@ -205,6 +208,26 @@ def interrupts_deferred(hold_all: Optional[str] = None) -> Iterator[bool]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if held:
         raise KeyboardInterrupt
+
+
+def _kept(error: BaseException) -> BaseException:
+    """A job's error as the Worker keeps it until its caller re-raises it: its worker
+    stack as a note (3.11+), its traceback dropped, and those of the errors it chains.
+    The thread holds the Worker, so whatever the error holds is held for good: a frame
+    holds its function, whose closure held the bucket's job and the engine, which then
+    outlived its optimizer and model with its state and thread, its finalizer never run
+    (found from outside: a streamed model's optimizer dropped after a backward whose
+    job failed for the streamer gone first)."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            if hasattr(e, "add_note"):
+                e.add_note("(raised on offload_adam's worker thread:\n"
+                           + "".join(traceback.format_tb(e.__traceback__)).rstrip() + ")")
+            e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return error
 
 
 def _run(jobs: "queue.Queue", worker: Worker, context) -> None:
