@@ -41,6 +41,18 @@ from . import _sources
 _lock = threading.Lock()
 _module: ModuleType | None = None
 
+
+def _unlock_in_child() -> None:
+    """A child forked while another thread of its parent loaded the kernels inherits the
+    lock held by a thread it does not have: its first step waited for good (found from
+    outside). It loads them itself, under a lock of its own."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_unlock_in_child)
+
 # Shown in the one line printed when a compile actually happens (2 cores: ~1 min).
 _EXPECTED_COMPILE_CPU_SECONDS = 120
 

@@ -400,3 +400,42 @@ def test_a_build_waiting_on_another_says_so(built_module_path, tmp_path):
     out, err = child.communicate(timeout=900)
     assert child.returncode == 0, err
     assert Path(out.splitlines()[0]).parent == build_dir
+
+
+def test_a_child_forked_while_the_kernels_load_takes_the_lock(kernels):
+    """A child forked while another thread of its parent held the kernels' load lock
+    (its first step, loading them) inherited the lock held by a thread it does not have,
+    and its first step waited for good (found from outside). The child's lock is its own."""
+    import threading
+    import time
+    import warnings
+    from offload_adam import _build
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _build._lock:
+            held.set()
+            release.wait()
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)   # (3.12: fork with threads)
+        pid = os.fork()
+    if pid == 0:   # the child: the module loaded, under a lock no thread holds
+        free = _build._lock.acquire(timeout=5)
+        if free:
+            _build._lock.release()
+        os._exit(0 if free and _build.load_kernels() is not None else 1)
+    release.set()
+    thread.join()
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not done:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done and os.waitstatus_to_exitcode(status) == 0
