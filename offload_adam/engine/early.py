@@ -185,9 +185,9 @@ class EarlyStart:
     def refusal(self, engine) -> bool:
         """At the iteration's first grad: whether step() will refuse the param groups as
         they are now (a group's state_dtype changed, a group's params split over two
-        groups by hand, a param listed twice, a refused hyperparameter). Then no step starts in this backward: the refusal leaves every
-        param and its state at the last step, and undoing the edit before step() steps
-        them all there (the other groups' buckets stepping in backward left the
+        groups by hand, a param listed twice, a refused hyperparameter). Then no step
+        starts in this backward: the refusal leaves every param and its state at the last
+        step, and undoing the edit before step() steps them all there (the other groups' buckets stepping in backward left the
         optimizer half a step ahead, which state_dict() and zero_grad() refuse)."""
         owner = self._owner()
         if owner is None:
