@@ -41,8 +41,10 @@ from __future__ import annotations
 import dataclasses
 import contextlib
 import os
+import pickle
 import threading
 import weakref
+from multiprocessing.reduction import ForkingPickler
 from typing import Optional
 
 import torch
@@ -282,6 +284,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         state.pop("_closed", None)    # an unpickled one is open
         state.pop("_constructing", None)
         state.pop("_busy_lock", None)
+        state.pop("_busy_pid", None)
         state.pop("_passing", None)   # (a thread id of this process)
         state.pop("_clip_grads", None)   # (weak references) a clip pending holds for the
         if self._routing.store != "ram":  # grads as unpickled
@@ -662,6 +665,10 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         that runs the step's pass, inside it: a signal handler's (SIGTERM's, saving a
         checkpoint), which the lock lets in and which saved some params' state a step
         ahead of the others' (found from outside)."""
+        lock = self.__dict__.setdefault("_busy_lock", threading.RLock())
+        pid = self.__dict__.setdefault("_busy_pid", os.getpid())
+        if pid != os.getpid():
+            _refuse_held_at_fork(lock, pid, what)
         if what is not None and self.__dict__.get("_passing") == threading.get_ident():
             raise RuntimeError(
                 f"offload_adam: {what}() was called inside step(), on the thread running "
@@ -669,7 +676,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                 f"params a step ahead of the others. Have the handler set a flag and call "
                 f"{what}() after step() returns (from another thread, {what}() waits "
                 "for the step)")
-        return self.__dict__.setdefault("_busy_lock", threading.RLock())
+        return lock
 
     def host_bytes(self):
         """Host memory the optimizer's state holds: the engine's (master, moments
@@ -886,6 +893,49 @@ class AdamW(Adam):
         # As torch's AdamW: whatever was loaded, AdamW decouples weight decay.
         for group in self.param_groups:
             group["decoupled_weight_decay"] = True
+
+
+def _to_another_process(opt: Adam):
+    """How multiprocessing (torch.multiprocessing's ForkingPickler: a Process's args, a
+    Queue, spawn and forkserver children) sends an optimizer. torch's shares the params
+    and the state tensors, moved to shared memory, so both processes train one model;
+    the in-place path's state is such tensors, and goes as torch's does. The engine's
+    state (pinned arenas, its threads) and the files' cannot be shared: the params went
+    shared and the state copied, and each process trained on with moments of its own,
+    silently (found from outside). Refused, naming why."""
+    if opt.__dict__.get("_engine") is not None or opt._routing.store != "ram":
+        where = ("in state files (state_dirs=)" if opt._routing.store != "ram"
+                 else "in the offload engine's host memory (bf16/fp16 or GPU params)")
+        raise RuntimeError(
+            f"offload_adam: this optimizer was sent to another process through "
+            f"multiprocessing (a Process's args, a Queue): its state lives {where}, which "
+            "cannot be shared, while the params would be (moved to shared memory), so the "
+            "two processes would train one model with moments of their own. Build the "
+            "optimizer in the process that trains (from a state_dict() sent along, if it "
+            "must go on from this one's)")
+    return opt.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+
+
+for _cls in (Adam, AdamW):
+    ForkingPickler.register(_cls, _to_another_process)
+
+
+def _refuse_held_at_fork(lock: threading.RLock, pid: int, what: Optional[str]) -> None:
+    """In a child forked from process `pid`: a step (or close, state_dict) that another
+    thread of the parent was inside at the fork holds the lock for good here (os.fork
+    copies the calling thread only), and left the state half stepped in the child's
+    memory. Waiting for it hung (found from outside: a fork-based async checkpoint
+    while a thread trained); refused instead. The lock is free once probed here."""
+    if lock.acquire(blocking=False):
+        lock.release()
+        return
+    raise RuntimeError(
+        f"offload_adam: {what or 'step'}() in a child (pid {os.getpid()}) forked from "
+        f"process {pid} while another thread of it was inside this optimizer's step() "
+        "(or close(), state_dict()): that thread is not in the child, and the state it "
+        "was stepping is half stepped in the child's copy of the memory. Fork when no "
+        "thread is inside step() (say from the training thread, between steps), or save "
+        "in the parent")
 
 
 def _close_in(pid: int, close) -> None:

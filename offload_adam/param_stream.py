@@ -72,6 +72,7 @@ from .byte_view import byte_view
 from .distributed import is_dtensor
 from .engine.device import current_host_stand_in, make_device, outside_transforms
 from .engine.host_memory import unpin_when_dropped
+from .engine.worker import ForkedChildError
 from .nvme.layout import ALIGN, round_up
 from .options import positive_number
 from .param_files import ParamFiles, default_cache_slots
@@ -321,7 +322,14 @@ class _Block:
         which may never come: the blocks run in another order than recorded) returns
         False instead of raising."""
         while self.deferred:
-            self.deferred.pop(0)()
+            try:
+                self.deferred[0]()
+            except (KeyboardInterrupt, ForkedChildError):
+                raise   # (the step still runs, or never ends here: the next read waits again)
+            except BaseException:
+                self.deferred.pop(0)   # (it ran, and raised: done)
+                raise
+            self.deferred.pop(0)
         for early in list(self.step_checks.keys()):
             if early.holds(self):   # a step held for after step() (defer_blocks=)
                 if ahead:

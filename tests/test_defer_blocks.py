@@ -57,6 +57,28 @@ def late(monkeypatch):
     return Log
 
 
+@pytest.fixture
+def held(monkeypatch):
+    """Deferred steps start only once `held.release` is set (cleared at each use): what
+    a reader in between does is certain to meet them running."""
+    import threading
+    real = OffloadEngine.run_tail
+
+    class Held:
+        release = threading.Event()
+
+        def __init__(self, job):
+            self.job, self.pieces = job, job.pieces
+
+        def kernel(self):
+            assert Held.release.wait(120)
+            self.job.kernel()
+    monkeypatch.setattr(OffloadEngine, "run_tail",
+                        lambda self, jobs: real(self, [Held(j) for j in jobs]))
+    yield Held
+    Held.release.set()
+
+
 def _run(defer, steps=4, streamed=True, layers=16, read=True, **kw):
     """Trains `steps` steps (one micro-batch each, as step_in_backward asks); after each
     step(), before anything waited, reads a deferred block's moments through opt.state
@@ -208,37 +230,87 @@ def test_checkpoints_saved_and_loaded_while_deferred_steps_run(device, late):
     assert_same_training(*runs)
 
 
-def test_a_ctrl_c_in_the_wait_for_deferred_steps_leaves_them_waited_for(device, late,
-                                                                        monkeypatch):
-    """Ctrl-C while opt.state_dict() waits for the deferred steps, then the state_dict()
-    retried (a save-on-Ctrl-C handler): the engine had forgotten the steps before its wait,
-    so the retry read them half done, without a word (found from outside). They are
-    waited for again, and the dict is the one without deferral."""
+@pytest.mark.parametrize("read", ["optimizer", "model"])
+def test_a_ctrl_c_in_the_wait_for_deferred_steps_leaves_them_waited_for(device, held,
+                                                                        monkeypatch, read):
+    """Ctrl-C while opt.state_dict() or model.state_dict() waits for the deferred steps,
+    then the state_dict() retried (a save-on-Ctrl-C handler): the engine, or the block,
+    had forgotten the steps before its wait, so the retry read them half done, without a
+    word (found from outside). They are waited for again, and the dict is the one without
+    deferral, bit for bit."""
     from offload_adam.engine.worker import Worker
-    real, interrupts = Worker.wait_for, [1]
+    interrupts = [1]
 
-    def wait_for(self, number):
+    def interrupted(self):   # (called in each turn of a wait for a job not done)
         if interrupts:
             interrupts.pop()
             raise KeyboardInterrupt
-        return real(self, number)
     runs = []
     for defer in (0, 2):
+        held.release.set()
         model, opt = _streamed(defer)
-        test_param_stream.train(model, opt, 3)
+        test_param_stream.train(model, opt, 2)
+        opt.state   # (waits for the steps deferred so far: the next ones are held)
+        held.release.clear()
+        test_param_stream.train(model, opt, 1, start=2)
+        saved = (lambda: opt.state_dict()["state"]) if read == "optimizer" else model.state_dict
         if defer:
             assert opt._engine.tail_pending
             with monkeypatch.context() as m:
-                m.setattr(Worker, "wait_for", wait_for)
+                m.setattr(Worker, "_refuse_in_child", interrupted)
                 with pytest.raises(KeyboardInterrupt):
-                    opt.state_dict()
+                    saved()
             assert opt._engine.tail_pending and not interrupts
-        runs.append(copy.deepcopy(opt.state_dict()))
+            held.release.set()
+        runs.append(copy.deepcopy(saved()))
     (a, b) = runs
-    assert a["state"].keys() == b["state"].keys()
-    for i in a["state"]:
-        for k, v in a["state"][i].items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][i][k])), (i, k)
+    assert a.keys() == b.keys()
+    for i in a:
+        for k, v in (a[i].items() if read == "optimizer" else [(None, a[i])]):
+            w = b[i][k] if read == "optimizer" else b[i]
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(w)), (i, k)
+
+
+def test_a_child_forked_while_deferred_steps_run_is_refused(device, held):
+    """A child forked right after step() while deferred steps still run on the parent's
+    worker thread (a fork-based checkpoint): its opt.state_dict() and model.state_dict()
+    waited for that thread, which the child lacks, for good (found from outside). They
+    are refused naming both processes, as often as asked (what those steps write is half
+    written in the child), the child's exit waits on nothing, and the parent's training
+    is the run's without a fork, bit for bit. (The child leaves the simulated device's
+    watch, which refuses its ops first, as CUDA would for device tensors: the model's
+    state_dict() reads its host copies on the CPU.)"""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from offload_adam.engine import worker
+    from forked import in_child, refused_in_child
+
+    def unwatched(call):
+        def run():
+            with _disable_current_modes():
+                return call()
+        return run
+    runs = []
+    for fork in (False, True):
+        held.release.set()
+        model, opt = _streamed(2)
+        test_param_stream.train(model, opt, 2)
+        opt.state   # (waits for the steps deferred so far: the next ones are held)
+        held.release.clear()
+        test_param_stream.train(model, opt, 1, start=2)
+        if fork:
+            assert opt._engine.tail_pending
+            try:
+                said = in_child([unwatched(f) for f in (
+                    opt.state_dict, model.state_dict, opt.state_dict, worker._join_closed)])
+            finally:
+                held.release.set()
+            assert len(said) == 4 and said[3] == "ran", said
+            for line in said[:3]:
+                assert refused_in_child(line) and "never ends here" in line, line
+        held.release.set()
+        test_param_stream.train(model, opt, 1, start=3)
+        runs.append((model, opt))
+    assert_same_training(*runs)
 
 
 @pytest.mark.parametrize("defer", [1, 2])

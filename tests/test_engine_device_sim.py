@@ -55,6 +55,25 @@ def test_a_copy_that_raises_is_reported_and_its_waiters_go_on(dev):
     assert "device->host copy #1 (4 elements) raised RuntimeError" in _violations(dev)
 
 
+def test_a_forked_child_is_refused_the_device_not_hung(dev):
+    """A child forked while a copy was in flight (its stream's thread the parent's)
+    waited for it for good, in an op under the watch or at wait_host (found from
+    outside); refused instead, as CUDA refuses a forked child. The parent goes on."""
+    from forked import in_child
+    grad, host = torch.ones(4), torch.zeros(4)
+    with dev.watch():
+        t = dev.d2h(host, grad)
+        said = in_child([lambda: grad.add(1), lambda: dev.wait_host(t),
+                         lambda: dev.d2h(host, grad)])
+        assert len(said) == 3
+        for line in said:
+            assert "AsyncSimDevice: this simulated device is process" in line, line
+            assert "it cannot be used in a forked child" in line, line
+        dev.wait_host(t)
+    assert torch.equal(host, grad)
+    dev.check()
+
+
 def test_host_read_before_the_copy_landed_sees_poison(dev):
     host = torch.zeros(4)
     dev.d2h(host, torch.ones(4))

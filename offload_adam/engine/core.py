@@ -78,7 +78,7 @@ from .layout import (Bucket, Entry, ParamRec, Piece, allocate_state, allocate_tr
                      local, make_buckets, state_roles)
 from .profile import StepProfile
 from .state import bind_state, follow_masters, is_bound, read_params
-from .worker import Worker, interrupts_deferred
+from .worker import ForkedChildError, Worker, interrupts_deferred
 
 _ACC_SLOTS = 4   # the accumulation ring: pieces in flight to the host before one is added
 
@@ -465,7 +465,7 @@ class OffloadEngine:
                    + self._ring_arenas)
 
     def close(self) -> None:
-        if self._finalizer.alive:
+        if self._finalizer.alive and os.getpid() == self._pid:
             self.settle_tail()   # (a deferred step still writes host memory)
             self._close_between_backward_and_step()
         self._finalizer()
@@ -1061,10 +1061,11 @@ class OffloadEngine:
             return
         try:
             self._worker.wait_for(self._tail)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, ForkedChildError):
             # (the wait was interrupted, not the steps: they still run, and the next
             # reader waits for them again; cleared first, a state_dict() retried from a
-            # Ctrl-C handler read them half done, silently: found from outside)
+            # Ctrl-C handler read them half done, silently: found from outside. In a
+            # forked child they never end: each reader is refused)
             raise
         except BaseException:
             self._tail, self._tail_pieces = 0, []   # (one raised: they are done)
@@ -1772,13 +1773,18 @@ def _worker_busy(engine_ref):
 
 def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
               acc_arenas, ring_arenas, lent_pins, pid: int) -> None:
-    if os.getpid() != pid:
-        return   # a forked child's exit: the threads and copies are its parent's
     for rec in recs:
         if rec.hook is not None:
             rec.hook.remove()
             rec.pre_hook.remove()
             rec.hook = rec.pre_hook = None
+    if os.getpid() != pid:
+        # a forked child (its close(), a newer optimizer built over the params, its
+        # exit): the threads, copies and pinned memory are its parent's; only the hooks
+        # on the child's params are its own, which left there refused every backward
+        # in the child for good, a new optimizer or close() notwithstanding (found from
+        # outside)
+        return
     if worker is not None:
         worker.close()   # (its queued jobs run on; the exit waits for them: worker.py)
     # No copy may still read or write the memory about to be unpinned and freed.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import queue
 import signal
 import sys
@@ -27,6 +28,23 @@ _STOP = object()
 
 
 WORKER_NAME = "offload_adam-worker"   # (its thread's name: param_files tells its holds by it)
+
+
+class ForkedChildError(RuntimeError):
+    """A child forked from the worker's process waited for a job of the worker: the
+    child has no thread that would run it (os.fork copies the calling thread only).
+    Nothing is given up by it: each wait in the child raises it again."""
+
+
+def forked_child_error(pid: int, what: str) -> ForkedChildError:
+    """The refusal in a child of process `pid`, naming both as the engine's own does
+    (core._check_pid); `what` says what would never end there."""
+    return ForkedChildError(
+        f"offload_adam: this optimizer's engine (its threads, pinned memory and device "
+        f"copies) is process {pid}'s, and this is a child it forked (pid {os.getpid()}), "
+        f"which has none of them: {what}. Fork once the steps are done (reading opt.state "
+        "in the parent waits for them), build the optimizer in the child, or start it "
+        "with the 'spawn' method")
 
 
 class Worker:
@@ -44,6 +62,7 @@ class Worker:
         self._idle = threading.Condition(self._lock)
         self.cancelled = False
         self._closed = False
+        self._pid = os.getpid()   # (a forked child has no thread of it: _forked)
         # called on the worker after each job is counted done (the grad ring's nudge: a
         # hook waiting for room while the worker was busy looks again once it is not)
         self.after_job: Optional[Callable[[], None]] = None
@@ -57,6 +76,9 @@ class Worker:
         what the job before it started (the rest of a param cut in pieces), so a
         cancellation lets it run when that one ran: a param is stepped whole or not at
         all."""
+        if os.getpid() != self._pid:
+            raise forked_child_error(self._pid, "its worker thread would never run this "
+                                     "step here; nothing was stepped")
         with self._lock:
             if self._closed:  # no thread would ever run it: drain() would wait forever
                 raise RuntimeError("offload_adam: this optimizer's engine was closed; "
@@ -86,7 +108,7 @@ class Worker:
         error or a cancellation)."""
         with self._lock:
             return (self._pending > 0 and self._error is None and not self.cancelled
-                    and not self._closed)
+                    and not self._closed and os.getpid() == self._pid)
 
     def raise_pending(self) -> None:
         with self._lock:
@@ -123,6 +145,7 @@ class Worker:
         then it does not wait."""
         with self._lock:
             while self._finished < number and not self._closed:
+                self._refuse_in_child()
                 self._idle.wait(0.1)
         if raises:
             self.raise_pending()
@@ -130,7 +153,25 @@ class Worker:
     def _wait(self) -> None:
         with self._lock:
             while self._pending:
+                self._refuse_in_child()
                 self._idle.wait(0.1)
+
+    def _refuse_in_child(self) -> None:
+        """A job not done in a forked child is never done there: its wait hung (found
+        from outside: a fork right after step() with defer_blocks=, then state_dict()
+        in the child). What it writes (params, state) is half written in the child."""
+        if os.getpid() != self._pid:
+            raise forked_child_error(
+                self._pid, "a step its worker thread was running or had queued when this "
+                "child was forked (deferred past step() by defer_blocks=, or in flight) "
+                "never ends here, and what it writes (params, state) is half written in "
+                "this child's copy of the memory")
+
+    def _forked(self) -> None:
+        """In a forked child: the thread may have held the lock at the fork, which no
+        thread of the child would ever release."""
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
 
     def _wait_once_more(self) -> bool:
         """True when every job finished, False when interrupted again."""
@@ -148,11 +189,13 @@ class Worker:
         the process aborted ("terminate called without an active exception")."""
         with self._lock:
             self._closed = True
-        self._jobs.put(_STOP)
+        if os.getpid() == self._pid:   # (in a forked child no thread reads the queue, whose
+            self._jobs.put(_STOP)      # own lock the thread may have held at the fork)
 
     def join(self) -> None:
-        """Waits until the thread of a closed worker ended (not on the worker itself)."""
-        if not self.on_worker():
+        """Waits until the thread of a closed worker ended (not on the worker itself,
+        nor in a forked child, which has no thread of it)."""
+        if not self.on_worker() and os.getpid() == self._pid:
             self._thread.join()
 
 
@@ -165,8 +208,8 @@ def _join_closed() -> None:
     one's thread is joined, an open one's (its optimizer alive: its finalizer closes it
     later, at exit too) waited for until idle."""
     for worker in list(_workers):
-        if worker.on_worker():
-            continue
+        if worker.on_worker() or os.getpid() != worker._pid:
+            continue   # (a forked child's exit: the thread and its jobs are its parent's)
         if worker._closed:
             worker.join()
         else:
@@ -208,6 +251,15 @@ def interrupts_deferred(hold_all: Optional[str] = None) -> Iterator[bool]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if held:
         raise KeyboardInterrupt
+
+
+def _forked_in_child() -> None:
+    for worker in list(_workers):
+        worker._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked_in_child)
 
 
 def _kept(error: BaseException) -> BaseException:

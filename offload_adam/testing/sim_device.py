@@ -71,6 +71,7 @@ as they do CUDA params.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
@@ -256,8 +257,9 @@ class AsyncSimDevice:
         if latency not in ("random", "latest"):
             raise ValueError(f"latency must be 'random' or 'latest', got {latency!r}")
         self.device = device
-        self.lock = threading.RLock()
-        self.progress = threading.Condition(self.lock)
+        self._lock = threading.RLock()
+        self._pid = os.getpid()   # (a forked child has none of the streams' threads: lock)
+        self.progress = threading.Condition(self._lock)
         self._rng = random.Random(seed)
         self._latency, self._max_delay = latency, max_delay
         self._copies: List[_Copy] = []       # copies that may still conflict with something
@@ -277,18 +279,36 @@ class AsyncSimDevice:
         self._streams = {"d2h": _Stream(self, "d2h"), "h2d": _Stream(self, "h2d")}
         self._deferred: list = []   # finalizers that asked to wait while the lock was held
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The device's lock, which every op and copy takes. In a child forked from
+        the process that made the device, refused: the streams' threads, which run the
+        copies, are the parent's (a stream thread may even hold the lock at the fork),
+        and waiting on them hung; a CUDA context cannot be used in a forked child either
+        (torch raises "Cannot re-initialize CUDA in forked subprocess")."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"AsyncSimDevice: this simulated device is process {self._pid}'s, and this "
+                f"is a child it forked (pid {os.getpid()}), which has none of its streams' "
+                "threads: as a CUDA device, it cannot be used in a forked child (start the "
+                "child with 'spawn', or leave sim.watch() and simulated() there)")
+        return self._lock
+
     def defer_while_locked(self, fn) -> bool:
         """Whether `fn` (a finalizer that waits for the copies: unpin_when_dropped) was
         put off because this thread holds the lock: the garbage collector ran it inside
         an op's check, where waiting for the stream threads, which need the lock,
         would never end (a test hung so). Run once the op's check has let go of it."""
+        if os.getpid() != self._pid:
+            return True   # (a forked child's garbage: its copies are the parent's)
         if not self.lock._is_owned():
             return False
         self._deferred.append(fn)
         return True
 
     def _run_deferred(self) -> None:
-        while self._deferred and not self.lock._is_owned():
+        while (self._deferred and os.getpid() == self._pid
+               and not self.lock._is_owned()):
             self._deferred.pop(0)()
 
     # ---- the device interface ---------------------------------------------------
