@@ -1783,6 +1783,7 @@ class _AllGrads:
         lock = threading.Lock()   # (autograd runs a device's hooks on its own thread)
 
         def one(k: int):
+            @torch.utils.hooks.unserializable_hook   # (a saved activation: no warning of it)
             def hook(grad):
                 task = torch._C._current_graph_task_id()
                 with lock:
@@ -1825,7 +1826,8 @@ def _weakly(streamer: "ParamStreamer", method: str, block: _Block, ticket: list,
     `entry`: the streamer's [handle, fired, ...] of the hook, marked fired."""
     me, index = weakref.ref(streamer), block.index
 
-    def hook(*grads):
+    @torch.utils.hooks.unserializable_hook   # (on a block's outputs: torch.save of one
+    def hook(*grads):                         # kept, a hidden state, warned of it)
         if entry is not None:
             entry[1] = True
         s = me()

@@ -706,3 +706,33 @@ def test_a_state_missing_step_or_a_moment_is_refused_before_any_change(path, sta
     assert 1 not in dst.state_dict()["state"]
     run(other, dst, 1, start=2, loss=mlp_loss)
     assert float(states(dst)[list(other.parameters())[1]]["step"]) == 1.0
+
+
+def test_saving_a_param_or_a_hidden_state_warns_of_no_hook_of_ours(kernels):
+    """torch.save of a plain-tensor param the engine steps (its tensor hook), or of a
+    streamed block's input saved from forward (the streamer's hook on it: a hidden state
+    kept, output_hidden_states), warned "backward hook ... will not be serialized" of a
+    hook the user never registered (found from outside); torch's optimizer gives none."""
+    import io
+    import warnings
+    from offload_adam.testing import AsyncSimDevice, simulated
+    from test_param_stream import Block, llama_loss, make_llama
+    w = torch.randn(4, 3, dtype=BF16, requires_grad=True)
+    opt = offload_adam.AdamW([w], step_in_backward=True)   # (the engine, on the CPU)
+    (w.float() ** 2).sum().backward()
+    opt.step()
+    hidden = []
+    sim = AsyncSimDevice(seed=0)
+    with simulated(sim), sim.watch():
+        model = make_llama(layers=2, frozen=())
+        offload_adam.stream_params(model, Block)
+        model.layers[1].register_forward_pre_hook(lambda m, args: hidden.append(args[0]))
+        loss = llama_loss(model, 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for obj in (w, opt, hidden[0]):
+                torch.save(obj, io.BytesIO())
+        loss.backward()
+    sim.check()
+    sim.close()
+    opt.close()

@@ -1738,7 +1738,10 @@ def _hook(engine_ref, rec):
 
 
 def _before_grad(engine_ref):
-    """A param's tensor hook: runs before autograd adds the grad into p.grad."""
+    """A param's tensor hook: runs before autograd adds the grad into p.grad. (Marked
+    unserializable: torch.save of a plain-tensor param warned of a hook the user never
+    registered; found from outside.)"""
+    @torch.utils.hooks.unserializable_hook
     @torch.compiler.disable
     def hook(grad):
         engine = engine_ref()
