@@ -186,7 +186,7 @@ def test_state_resume_with_no_state_there_says_it_starts_afresh(kernels, tmp_pat
     del opt
     gc.collect()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")   # a state to resume: no warning
+        warnings.simplefilter("error", RuntimeWarning)   # a state to resume: no warning of it
         opt = offload_adam.AdamW(groups(make_params(seed=3)), lr=0.01, state_dirs=tmp_path,
                                  state_resume=True, state_footprint=footprint, **NVME)
     assert opt.step_count == 1
@@ -382,6 +382,37 @@ def test_the_state_of_another_model_is_refused(kernels, tmp_path):
     with pytest.raises(ValueError, match=r"buckets in the files, .* bucket_mb=0.05 here; resume "
                                          "with the one they were made with"):
         offload_adam.AdamW(ps, state_dirs=tmp_path, bucket_mb=0.05)
+    # (two groups resumed as one was "amsgrad = [False, False] in the files, [False] here":
+    # found from outside)
+    with pytest.raises(ValueError, match=r"another model or optimizer: 1 param groups in the "
+                                         r"files, 2 here \(one amsgrad each: amsgrad = \[False\] "
+                                         r"in the files, \[False, False\] here\)"):
+        offload_adam.AdamW([{"params": ps[:1]}, {"params": ps[1:]}], state_dirs=tmp_path,
+                           **NVME)
+
+
+def test_a_stripe_put_back_alone_names_the_first_directory_too(kernels, tmp_path):
+    """Striped over two directories, the first (its manifest, which holds every file's
+    checksums) put back from an earlier step and the second left as it is: the resume
+    refused, naming the second directory's intact file as damaged and no more (found from
+    outside). It names the first directory as the other possibility."""
+    import shutil
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    ps = make_params()
+    opt = offload_adam.AdamW(ps, state_dirs=[str(a), str(b)], **NVME)
+    train(opt, ps, 0, 2)
+    shutil.copytree(a, tmp_path / "a_then")
+    train(opt, ps, 2, 2)
+    opt.close()
+    shutil.rmtree(a)
+    shutil.copytree(tmp_path / "a_then", a)
+    with pytest.raises(OSError, match=rf"in {b}.* is damaged.* or the first directory "
+                                      rf"\({a}\), whose manifest holds the checksums, was put "
+                                      "back from another step"):
+        offload_adam.AdamW(make_params(), state_dirs=[str(a), str(b)], state_resume=True,
+                           **NVME)
 
 
 def test_named_params_identify_the_files_by_name(kernels, tmp_path):

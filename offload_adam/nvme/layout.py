@@ -124,6 +124,17 @@ class StateSpec:
         return sum(b.nbytes for b in self.buckets)
 
 
+def _extra_differs(key: str, found, wanted) -> str:
+    """One `extra` value that differs. A list of another length (amsgrad: one per param
+    group) said only "amsgrad = [False, False] in the files, [False] here" when the run
+    had two groups and the resume one (found from outside): the count is said first."""
+    said = f"{key} = {found!r} in the files, {wanted!r} here"
+    if isinstance(found, list) and isinstance(wanted, list) and len(found) != len(wanted):
+        return (f"{len(found)} param groups in the files, {len(wanted)} here (one {key} "
+                f"each: {said})")
+    return said
+
+
 def differences(found: StateSpec, wanted: StateSpec, limit: int = 3) -> List[str]:
     """What differs between the files' spec (`found`) and this optimizer's, first ones first."""
     out = []
@@ -132,7 +143,7 @@ def differences(found: StateSpec, wanted: StateSpec, limit: int = 3) -> List[str
                    f"{wanted.state_format!r} here")
     if found.extra != wanted.extra:
         keys = sorted(set(found.extra) | set(wanted.extra))
-        out += [f"{k} = {found.extra.get(k)!r} in the files, {wanted.extra.get(k)!r} here"
+        out += [_extra_differs(k, found.extra.get(k), wanted.extra.get(k))
                 for k in keys if found.extra.get(k) != wanted.extra.get(k)]
     if out:
         return out[:limit]

@@ -357,7 +357,19 @@ class NvmeState:
                             f"{self._at(i, slot)}) do not match the checksum committed "
                             f"with them ({SUM_ALGO} {got:#010x}, {want:#010x} expected). The file "
                             "was changed outside offload_adam, or the disk returned wrong "
-                            "data; the state cannot be trusted", path)
+                            f"data{self._stale_hint(path)}; the state cannot be trusted", path)
+
+    def _stale_hint(self, path: str) -> str:
+        """A file of a directory other than the first one checked against the manifest
+        there: the manifest's directory may be the one put back from another time (a
+        stripe restored alone), the file intact; said, not only the file blamed (found
+        from outside)."""
+        first = self.folders[0]
+        if os.path.dirname(os.path.abspath(path)) == os.path.abspath(first):
+            return ""
+        return (f", or the first directory ({first}), whose manifest holds the checksums, "
+                "was put back from another step than this one (the directories of a state "
+                "are restored together)")
 
     def _raise(self, e: Optional[BaseException], what: str, path: str) -> None:
         if e is None:
