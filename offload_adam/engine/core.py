@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
 import weakref
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -169,6 +170,11 @@ class OffloadEngine:
         self._profile = StepProfile()
         self._last_profile: Optional[StepProfile] = None
         self._worker = Worker(context=self.device.on_thread) if self.overlap else None
+        # Held by each hook's and backward-end callback's work, and by close(): a close()
+        # from another thread (a watchdog) during a backward lets the hook running finish,
+        # then the hooks are gone; it tore the records down under a hook (AttributeError
+        # in the training thread: found from outside)
+        self._hooks_lock = threading.RLock()
         self._taken_over: Optional[str] = None   # why a newer engine took the params (_claim)
         # A step that raised after some kernels ran (a param file's write failed: ENOSPC,
         # EIO) leaves each param in RAM stepped or not, state and value together, and
@@ -465,12 +471,21 @@ class OffloadEngine:
                    + self._ring_arenas)
 
     def close(self) -> None:
-        if self._finalizer.alive and os.getpid() == self._pid:
-            self.settle_tail()   # (a deferred step still writes host memory)
-            self._close_between_backward_and_step()
-        self._finalizer()
+        with self._hooks_lock:
+            if self._finalizer.alive and os.getpid() == self._pid:
+                self.settle_tail()   # (a deferred step still writes host memory)
+                self._close_between_backward_and_step()
+            self._finalizer()
         if self._worker is not None:
             self._worker.join()   # (its thread ended: nothing of it runs on at exit)
+
+    def in_hook(self, work: Callable[[], None]) -> None:
+        """A hook's or backward-end callback's `work`, unless the engine was closed (from
+        another thread, during this backward: the hooks are gone, the rest of it fills
+        p.grad as without an optimizer, and step() says closed)."""
+        with self._hooks_lock:
+            if self._finalizer.alive:
+                work()
 
     def _close_between_backward_and_step(self) -> None:
         """Closed (or taken over) with steps begun in backward and no step() yet: in host
@@ -697,7 +712,7 @@ class OffloadEngine:
             engine = ref()
             if engine is not None:
                 engine._unended.discard(task)   # (it ended: a backward inside it ran)
-                engine._backward_done()
+                engine.in_hook(engine._backward_done)
         torch.autograd.Variable._execution_engine.queue_callback(done)
 
     def _take_deferred(self) -> None:
@@ -1733,7 +1748,7 @@ def _hook(engine_ref, rec):
     def hook(param):
         engine = engine_ref()
         if engine is not None:
-            engine._on_grad(rec)
+            engine.in_hook(lambda: engine._on_grad(rec))
     return hook
 
 
@@ -1746,7 +1761,7 @@ def _before_grad(engine_ref):
     def hook(grad):
         engine = engine_ref()
         if engine is not None:
-            engine.after_raised_backward()
+            engine.in_hook(engine.after_raised_backward)
     return hook
 
 
