@@ -277,18 +277,9 @@ def test_a_child_forked_while_deferred_steps_run_is_refused(device, held):
     waited for that thread, which the child lacks, for good (found from outside). They
     are refused naming both processes, as often as asked (what those steps write is half
     written in the child), the child's exit waits on nothing, and the parent's training
-    is the run's without a fork, bit for bit. (The child leaves the simulated device's
-    watch, which refuses its ops first, as CUDA would for device tensors: the model's
-    state_dict() reads its host copies on the CPU.)"""
-    from torch.utils._python_dispatch import _disable_current_modes
+    is the run's without a fork, bit for bit."""
     from offload_adam.engine import worker
     from forked import in_child, refused_in_child
-
-    def unwatched(call):
-        def run():
-            with _disable_current_modes():
-                return call()
-        return run
     runs = []
     for fork in (False, True):
         held.release.set()
@@ -300,8 +291,8 @@ def test_a_child_forked_while_deferred_steps_run_is_refused(device, held):
         if fork:
             assert opt._engine.tail_pending
             try:
-                said = in_child([unwatched(f) for f in (
-                    opt.state_dict, model.state_dict, opt.state_dict, worker._join_closed)])
+                said = in_child([opt.state_dict, model.state_dict, opt.state_dict,
+                                 worker._join_closed])
             finally:
                 held.release.set()
             assert len(said) == 4 and said[3] == "ran", said

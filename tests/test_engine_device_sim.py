@@ -58,15 +58,17 @@ def test_a_copy_that_raises_is_reported_and_its_waiters_go_on(dev):
 def test_a_forked_child_is_refused_the_device_not_hung(dev):
     """A child forked while a copy was in flight (its stream's thread the parent's)
     waited for it for good, in an op under the watch or at wait_host (found from
-    outside); refused instead, as CUDA refuses a forked child. The parent goes on."""
+    outside). The device's calls are refused instead, as CUDA refuses a forked child,
+    and the child's ops run unwatched (a DataLoader's worker); the parent goes on."""
     from forked import in_child
     grad, host = torch.ones(4), torch.zeros(4)
     with dev.watch():
         t = dev.d2h(host, grad)
-        said = in_child([lambda: grad.add(1), lambda: dev.wait_host(t),
-                         lambda: dev.d2h(host, grad)])
-        assert len(said) == 3
-        for line in said:
+        said = in_child([lambda: str(float(grad.add(1).sum())), lambda: dev.wait_host(t),
+                         lambda: dev.d2h(host, grad), dev.synchronize])
+        assert said[0] == "ran: 8.0", said
+        assert len(said) == 4
+        for line in said[1:]:
             assert "AsyncSimDevice: this simulated device is process" in line, line
             assert "it cannot be used in a forked child" in line, line
         dev.wait_host(t)

@@ -281,17 +281,18 @@ class AsyncSimDevice:
 
     @property
     def lock(self) -> threading.RLock:
-        """The device's lock, which every op and copy takes. In a child forked from
+        """The device's lock, which every copy and wait takes. In a child forked from
         the process that made the device, refused: the streams' threads, which run the
         copies, are the parent's (a stream thread may even hold the lock at the fork),
         and waiting on them hung; a CUDA context cannot be used in a forked child either
-        (torch raises "Cannot re-initialize CUDA in forked subprocess")."""
+        (torch raises "Cannot re-initialize CUDA in forked subprocess"). The child's ops
+        run unwatched (_Watch)."""
         if os.getpid() != self._pid:
             raise RuntimeError(
                 f"AsyncSimDevice: this simulated device is process {self._pid}'s, and this "
                 f"is a child it forked (pid {os.getpid()}), which has none of its streams' "
                 "threads: as a CUDA device, it cannot be used in a forked child (start the "
-                "child with 'spawn', or leave sim.watch() and simulated() there)")
+                "child with 'spawn')")
         return self._lock
 
     def defer_while_locked(self, fn) -> bool:
@@ -753,6 +754,10 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if os.getpid() != self.sim._pid:
+            # A forked child (a DataLoader's worker): its ops run unwatched, as a CUDA
+            # process's child runs CPU ops; the device's own calls are refused (`lock`)
+            return func(*args, **kwargs)
         if not getattr(_local, "inside", False) and func not in _NO_DATA:
             reads, writes = [], []
             schema = func._schema.arguments
