@@ -1230,10 +1230,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.json:   # opened first: a path that cannot be written is said before the work
             if os.path.isdir(args.json):
                 raise ValueError(f"--json {args.json!r}: a directory")
-            # (written beside it, then put in its place: a failure leaves no truncated file)
-            tmp = f"{args.json}.{os.getpid()}.tmp"
+            # A file: written beside it, then put in its place (a failure leaves no truncated
+            # file), through a symlink beside its target (the link stays). Anything else (a
+            # FIFO, /dev/stdout, a device) is written into: put in its place, a regular
+            # file replaced it, and as root even a device node (found from outside)
+            final = os.path.realpath(args.json)
+            direct = os.path.exists(args.json) and not os.path.isfile(args.json)
+            tmp = None if direct else f"{final}.{os.getpid()}.tmp"
             try:
-                out = open(tmp, "w")
+                out = open(args.json if direct else tmp, "w")
             except OSError as e:
                 raise ValueError(f"--json {args.json!r}: {e.strerror}") from None
     except ValueError as e:
@@ -1248,7 +1253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 with out:
                     json.dump({"machine": asdict(machine), "run": asdict(run), "plans": plans},
                               out, indent=1)
-                os.replace(tmp, args.json)
+                if tmp is not None:
+                    os.replace(tmp, final)
             except OSError as e:   # (the disk filled, say)
                 print(f"offload_adam.plan: --json {args.json!r}: {e}", file=sys.stderr)
                 return 2

@@ -476,6 +476,29 @@ def test_shape_flags_apply_over_a_preset_or_a_config(tmp_path):
                          layers=2, heads=16, kv_heads=4, tied=True, head_dim=256)
 
 
+def test_json_goes_through_a_symlink_and_into_a_fifo(tmp_path):
+    """--json wrote beside the path and renamed onto it: a symlink became a regular file
+    (its target left as it was), a FIFO's reader got nothing, and as root a device node
+    was replaced (found from outside: /dev/full). A link is written through (the link
+    stays, its target takes the plan), a FIFO written into."""
+    import stat
+    import threading
+    target, link, fifo = tmp_path / "target.json", tmp_path / "link.json", tmp_path / "pipe"
+    target.write_text("old")
+    link.symlink_to(target.name)
+    args = ["llama-3-8b", "--state-dtype", "8bit", "--json"]
+    assert planner.main(args + [str(link)]) == 0
+    assert link.is_symlink() and json.loads(target.read_text())["plans"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "target.json"]
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    assert planner.main(args + [str(fifo)]) == 0
+    reader.join(60)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and json.loads(got[0])["plans"]
+
+
 def test_here_says_what_it_did_not_measure(tmp_path, capsys):
     """--machine here keeps the desktop preset's figures for what it did not measure or
     was not given, and says which; a GPU it cannot see is said on stderr."""
