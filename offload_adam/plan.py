@@ -1058,7 +1058,10 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m offload_adam.plan",
         description="Where every byte of a training run would live (GPU, host RAM, SSD) for "
-                    "each layout, the per-step lower bounds, and the largest model that fits.")
+                    "each layout, the per-step lower bounds, and the largest model that fits. "
+                    "It plans bf16 (or fp16) params, every one trained, one state_dtype for "
+                    "all: fp32 params, or a state in two formats, take more than planned; "
+                    "frozen blocks less.")
     ap.add_argument("model", nargs="?", help=f"a preset ({', '.join(PRESETS)}), a config.json "
                     "or its directory, or a Hugging Face config name; or give the shape:")
     for flag in ("layers", "hidden", "intermediate", "vocab", "heads", "kv-heads", "head-dim"):
