@@ -428,8 +428,7 @@ class FileStore:
         whose state is many buckets made the spares 4x its state: an 8-bit 4M-param
         embedding with bucket_mb=1 took 31 B/param on disk where two generations take 12
         (found from outside). Said when the files open, with the way out."""
-        sizes = [_bucket_spec(b, self._formats[b[0].group].name, self._amsgrad[b[0].group]).nbytes
-                 for b in self.buckets]   # (a bucket never spans two groups)
+        sizes = [b.nbytes for b in self.state.spec.buckets]
         largest = max(range(len(sizes)), key=sizes.__getitem__, default=None)
         total = sum(sizes)
         if largest is None or 4 * sizes[largest] <= total:

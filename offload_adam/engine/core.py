@@ -79,7 +79,7 @@ from .layout import (Bucket, Entry, ParamRec, Piece, allocate_state, allocate_tr
                      local, make_buckets, state_roles)
 from .profile import StepProfile
 from .state import bind_state, follow_masters, is_bound, read_params
-from .worker import ForkedChildError, Worker, interrupts_deferred
+from .worker import ForkedChildError, Worker, forked_child_error, interrupts_deferred
 
 _ACC_SLOTS = 4   # the accumulation ring: pieces in flight to the host before one is added
 
@@ -550,11 +550,7 @@ class OffloadEngine:
         """Refuses a forked child: the worker and I/O threads, the device's copies and
         the pinned memory are the parent's; waiting on them in the child hung."""
         if os.getpid() != self._pid:
-            raise RuntimeError(
-                f"offload_adam: this optimizer's engine (its threads, pinned memory and "
-                f"device copies) is process {self._pid}'s, and this is a child it forked "
-                f"(pid {os.getpid()}), which has none of them: build the optimizer in the "
-                "child, or start it with the 'spawn' method; nothing was stepped")
+            raise forked_child_error(self._pid, "nothing was stepped")
 
     # ---- 1. backward: each grad streams to the host as it is produced ------------
 

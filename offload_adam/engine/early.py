@@ -187,8 +187,9 @@ class EarlyStart:
         they are now (a group's state_dtype changed, a group's params split over two
         groups by hand, a param listed twice, a refused hyperparameter). Then no step
         starts in this backward: the refusal leaves every param and its state at the last
-        step, and undoing the edit before step() steps them all there (the other groups' buckets stepping in backward left the
-        optimizer half a step ahead, which state_dict() and zero_grad() refuse)."""
+        step, and undoing the edit before step() steps them all there (the other groups'
+        buckets stepping in backward left the optimizer half a step ahead, which
+        state_dict() and zero_grad() refuse)."""
         owner = self._owner()
         if owner is None:
             return False

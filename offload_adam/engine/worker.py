@@ -37,8 +37,8 @@ class ForkedChildError(RuntimeError):
 
 
 def forked_child_error(pid: int, what: str) -> ForkedChildError:
-    """The refusal in a child of process `pid`, naming both as the engine's own does
-    (core._check_pid); `what` says what would never end there."""
+    """The refusal in a child of process `pid`, naming both (the worker's waits, and the
+    engine's own: core._check_pid); `what` says what would never end there."""
     return ForkedChildError(
         f"offload_adam: this optimizer's engine (its threads, pinned memory and device "
         f"copies) is process {pid}'s, and this is a child it forked (pid {os.getpid()}), "
