@@ -1050,7 +1050,9 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
               "least the largest. est: the step as the code schedules it (forward with the "
               "CPU idle, then backward with the CPU step inside, then step()'s copies).",
               "Host and disk bytes are the code's own layouts; GPU activations and times are "
-              "estimates (offload_adam/plan.py says how)."]
+              "estimates (offload_adam/plan.py says how). Disk bytes are the data files: the "
+              "small files beside the state's (its spec, manifest and lock, ~0.25 KB per "
+              "tensor or part) are not counted."]
     return "\n".join(lines), out
 
 
@@ -1127,8 +1129,9 @@ def _model(args) -> ModelShape:
         if missing:
             raise ValueError("give a model (a preset, a config.json or a config name) or "
                              f"its shape: {', '.join(missing)} missing")
+        kv = shape["kv-heads"]   # (left out: as many as heads; 0 is refused, as with a preset)
         return ModelShape("custom", shape["vocab"], shape["hidden"], shape["intermediate"],
-                          shape["layers"], shape["heads"], shape["kv-heads"] or shape["heads"],
+                          shape["layers"], shape["heads"], shape["heads"] if kv is None else kv,
                           args.tied, shape["head-dim"] or 0)
     model = load_model(args.model)
     given = {_SHAPE_FLAGS[k]: v for k, v in shape.items() if v is not None}

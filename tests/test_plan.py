@@ -138,6 +138,14 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
         assert disk_total == data + log
     else:
         assert disk_total == 0
+    # what the plan leaves out, as its footer says: the small files beside the state's
+    # data (spec, manifest, lock), ~0.25 KB per tensor or part
+    if state != "ram":
+        tensors = sum(1 for _ in shape.tensors())
+        for f in folders:
+            small = sum(os.path.getsize(f / name) for name in os.listdir(f)
+                        if not name.endswith((".bin", ".redo")))
+            assert 0 < small <= 4096 + 256 * tensors, (f, small, tensors)
 
 
 def test_unaligned_shapes_are_bounded_by_a_line_per_piece(kernels):
@@ -462,6 +470,16 @@ def test_bad_input_is_named(argv, message, capsys, tmp_path, monkeypatch):
     assert planner.main(argv) == 2
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []   # (no plan written, no probe left)
+
+
+def test_zero_kv_heads_is_refused_with_shape_flags_as_with_a_preset():
+    """--kv-heads 0 is no count of heads: refused whether the shape comes from flags or
+    from a preset (it was read as 'as many as heads' with flags only)."""
+    flags = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--vocab", "100",
+             "--heads", "4", "--kv-heads", "0"]
+    for argv in (flags, ["llama-2-7b", "--kv-heads", "0"]):
+        with pytest.raises(ValueError, match="kv_heads must be a positive int, got 0"):
+            planner._model(planner._parser().parse_args(argv))
 
 
 def test_shape_flags_apply_over_a_preset_or_a_config(tmp_path):
