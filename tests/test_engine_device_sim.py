@@ -233,6 +233,45 @@ def test_the_intact_engine_passes(dev, kernels):
     dev.check()
 
 
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_a_model_built_on_one_thread_and_trained_on_another(dev, kernels, synchronized):
+    """The device gives each thread a compute stream of its own (as CUDA does to
+    threads on streams of their own): the model and optimizer made on the main thread
+    are another stream's work to the training thread, and the engine's first copies
+    are ordered after it only once the host waited for every stream (synchronize(), as
+    torch.cuda.synchronize() waits for every stream); so are the main thread's reads of
+    the params after the other's last step. Found from outside: the device's
+    synchronize() waited for its copies only, so that no call the user could make
+    ordered the two threads' work, and such a run reported violations however written."""
+    with simulated(dev), dev.watch():
+        model = make_mlp()
+        opt = offload_adam.AdamW(model.parameters(), **{**OPTS, "bucket_mb": 0.0001})
+        errors = []
+
+        def train():
+            try:
+                with dev.watch():
+                    if synchronized:
+                        dev.synchronize()
+                    run(model, opt, 3, loss=mlp_loss)
+            except BaseException as e:   # (reported below, not lost with the thread)
+                errors.append(e)
+        worker = threading.Thread(target=train)
+        worker.start()
+        worker.join()
+        assert not errors, errors
+        if synchronized:   # (and back: the main thread reads what the other's step wrote)
+            dev.synchronize()
+        params = [p.detach().clone() for p in model.parameters()]
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(params, _reference()))
+    if synchronized:
+        dev.check()
+    else:
+        assert "is not ordered after the compute work that produced its source" in (
+            _violations(dev))
+
+
 def test_without_waiting_for_the_grads_the_kernel_reads_poison(dev, kernels, monkeypatch):
     # (without verify_grads, nor the check of the params' bits (engine/param_check.py):
     # waiting for either's result also waits, through the compute stream, for the copies

@@ -22,7 +22,8 @@ same interface on CPU tensors the way CUDA would, and is hostile about timing:
 Compute streams: as on CUDA, each host thread has its own current stream (a
 thread that never chooses one runs on the default stream, not on the user's):
 the work a thread queues is ordered after its own earlier work, and after
-another thread's only through an event, a publish or a host wait. On CPU that
+another thread's only through an event, a publish or a host wait (`synchronize()`,
+as torch.cuda.synchronize(), waits for every stream). On CPU that
 work executes at once, so the device watches it instead: a TorchDispatchMode
 (entered by `watch()` on the caller's thread, and by `on_thread()` on every
 other thread that issues device work, e.g. the engine's worker) sees each aten
@@ -264,6 +265,7 @@ class AsyncSimDevice:
         self._latency, self._max_delay = latency, max_delay
         self._copies: List[_Copy] = []       # copies that may still conflict with something
         self._epoch = 0                      # compute work so far (one per aten op)
+        self._synced_all = -1                # epoch up to which the host waited for every stream
         self._last_access: dict = {}         # device storage -> {stream: (last read, last write epoch)}
         self._synced: dict = {}              # stream -> epoch up to which the host waited for it
         self._freed: list = []               # spans of unpinned host buffers
@@ -454,12 +456,20 @@ class AsyncSimDevice:
                 self._host_waited(op)
 
     def synchronize(self) -> None:
-        """The host waits for every copy (torch.cuda.synchronize)."""
+        """The host waits for every copy and for every thread's compute work so far
+        (torch.cuda.synchronize waits for every stream of the device): what any thread
+        queues afterwards is ordered after all of it. A model built on one thread and
+        trained on another is such a case: on CUDA, with the threads on streams of their
+        own, its params' initialization is ordered before the training only so (or by
+        an event the training stream waits for)."""
         self._run_deferred()
         with self.lock:
             ops = list(self._in_flight())
+            upto = self._epoch
         for op in ops:
             self.wait_host(op.transfer)
+        with self.lock:
+            self._synced_all = max(self._synced_all, upto)
 
     def publish(self, transfers) -> None:
         stream = _compute_stream()
@@ -658,7 +668,7 @@ class AsyncSimDevice:
     def _ordered(self, stream: int, epoch: int, after: SimEvent) -> bool:
         """Whether compute work at `epoch` on `stream` is ordered before `after`."""
         return ((stream == after.stream and epoch <= after.epoch)
-                or self._synced.get(stream, -1) >= epoch)
+                or max(self._synced.get(stream, -1), self._synced_all) >= epoch)
 
     def _before(self, op: _Copy) -> List[_Copy]:
         """`op`, the earlier copies of its stream (FIFO) and what it waited for,
