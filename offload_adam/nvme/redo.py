@@ -41,6 +41,7 @@ from ..byte_view import byte_view
 from . import direct_io
 from .direct_io import AlignedBuffer, NvmeError, open_direct
 from .layout import _DTYPES, ALIGN, TENSOR_ALIGN, round_up
+from .manifest import fsync_dir
 
 LOG_FILE = "offload_adam_state.redo"
 MAGIC = b"OAREDO1\n"
@@ -101,6 +102,12 @@ class RedoLog:
                         "other state files): the state cannot be trusted. Restore it, or "
                         "remove the state's files to start afresh") from None
                 self.fds.append(fd)
+                if create:
+                    # its size and its name durable now: a power loss after the first
+                    # commit must not leave a state whose log is missing or short (the
+                    # commits fsync only the first directory; found from outside)
+                    os.fsync(fd)
+                    fsync_dir(os.path.dirname(path))
         except BaseException:
             self.close()
             raise

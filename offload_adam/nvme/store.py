@@ -962,6 +962,25 @@ def _header(body: dict, index: int) -> bytes:
     return data
 
 
+def _unmark(path: str) -> None:
+    """Zeroes the header of data file `path`, durably, where there is one (a state never
+    committed, about to be made anew: _create's callers refuse any other state's)."""
+    try:
+        fd = open_fd(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            os.pwrite(fd, bytes(min(HEADER_BYTES, size)), 0)
+            os.fsync(fd)
+    except OSError as e:
+        raise NvmeError(e.errno, f"offload_adam: could not make the optimizer state file "
+                        f"{path} anew: {e.strerror or e}", path) from e
+    finally:
+        os.close(fd)
+
+
 def _read_header(path: str):
     """The header of data file `path` as a dict, "damaged" when it is not one,
     "unwritten" when it is all zero (reserved by a creation cut short), or None when
@@ -1077,6 +1096,12 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
             raise NvmeError(errno.ENOSPC, f"offload_adam: the optimizer state needs "
                             f"{size_text(need)} in {where} ({len(spec.buckets)} "
                             f"buckets, {what}), only {size_text(free)} is free", folder)
+    # a state never committed, made anew here: its data files' headers go first, so that
+    # a crash after the new manifest and before the new headers leaves files that are
+    # unwritten (made anew at the next open), not another state's (refused at every open
+    # since: found from outside, a power loss simulated at that instant)
+    for folder in folders:
+        _unmark(os.path.join(folder, DATA_FILE))
     # the manifest (nothing committed) first: a crash before the spec is down leaves a
     # state never committed that does not fit its spec, made anew at the next open
     for name, what in ((manifest.MANIFEST, body), (manifest.SPEC, spec.to_json())):
