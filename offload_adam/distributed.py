@@ -148,7 +148,7 @@ def rank_dirs(dirs: Tuple[str, ...], params: Iterable[torch.Tensor],
                 f"{world} ranks, each of which keeps its shard's state in "
                 f"{os.path.join(d, 'rank<R>')!r}: resume it in one process, or give this run "
                 "other directories")
-        old = [n for n in _rank_folders_with_state(d) if world == 1 or n >= world]
+        old = [n for n in rank_folders_with_state(d) if world == 1 or n >= world]
         if old:
             what = ("a sharded run's (FSDP2)" if world == 1 else
                     f"rank {max(old)}'s, so at least {max(old) + 1} ranks')")
@@ -166,7 +166,7 @@ def rank_dirs(dirs: Tuple[str, ...], params: Iterable[torch.Tensor],
     return out
 
 
-def _rank_folders_with_state(folder) -> list:
+def rank_folders_with_state(folder) -> list:
     """The ranks R whose folder "rank<R>" in `folder` holds a state's manifest."""
     import os
     from .nvme.manifest import MANIFEST
@@ -178,6 +178,16 @@ def _rank_folders_with_state(folder) -> list:
             and os.path.exists(os.path.join(folder, n, MANIFEST))]
 
 
+def told(error: BaseException) -> BaseException:
+    """Marks `error` as said to the other ranks (refuse_together): a caller further out
+    must not say it again, in a collective the others never join."""
+    try:
+        error._offload_adam_told = True
+    except Exception:   # noqa: BLE001 -- (an exception without a __dict__: said twice at worst)
+        pass
+    return error
+
+
 def refuse_together(problem: Optional[str], params: Iterable[torch.Tensor],
                     process_group=None, replicas: bool = False) -> None:
     """Under several ranks each says what it cannot go on with (None: nothing; every rank
@@ -186,9 +196,25 @@ def refuse_together(problem: Optional[str], params: Iterable[torch.Tensor],
     wait, then fail on a closed connection). The caller raises its own. (`replicas`:
     every_rank's.)"""
     other = other_refusal(problem, params, process_group, replicas)
-    if other is not None:
-        raise ValueError(f"offload_adam: rank {other[0]} refused its state files, so every "
-                         f"rank does: {other[1]}")
+    if other is not None:   # (said here: `told`, not said again further out)
+        raise told(ValueError(f"offload_adam: rank {other[0]} refused its state files, so "
+                              f"every rank does: {other[1]}"))
+
+
+def tell_others(error: BaseException, params: Iterable[torch.Tensor], process_group=None,
+                replicas: bool = False) -> None:
+    """This rank raises `error` where the other ranks next say in a collective what they
+    cannot go on with (refuse_together, the state files' pass: every_rank of a problem or
+    None): joined there with it, they raise naming it instead of waiting for this rank
+    (found from outside: an engine refused after the ranks compared their options, a
+    directory missing on one DDP replica resuming, a state file truncated on one rank
+    mid-run). Nothing where it was said already (`told`) or where no rank would wait."""
+    if getattr(error, "_offload_adam_told", False):
+        return
+    try:
+        refuse_together(f"{type(error).__name__}: {error}", params, process_group, replicas)
+    except Exception:   # noqa: BLE001 -- the error raised is this rank's own
+        pass
 
 
 def other_refusal(problem: Optional[str], params: Iterable[torch.Tensor],

@@ -296,11 +296,13 @@ class FileStore:
             budget, records = self._open_layout(layouts(), dirs, files_name, budget_mb,
                                                 bucket_mb, compact, params, process_group)
         except Exception as e:   # (the other ranks raise too: distributed.refuse_together)
-            distributed.refuse_together(str(e), flat, process_group, replicas=resume)
+            distributed.refuse_together(str(distributed.told(e)), flat, process_group,
+                                        replicas=resume)
             raise
         try:
             distributed.refuse_together(None, flat, process_group, replicas=resume)
-        except BaseException:
+        except BaseException as e:
+            distributed.told(e)   # (another rank's refusal, said there)
             self.state.close(discard=True)
             raise
         if compact:
@@ -315,44 +317,57 @@ class FileStore:
         self._shapes = {pid: tuple(local(where[0][1].param).shape)
                         for pid, where in self._where.items()}
         flat = [p for group in params for p in group]
-        self._ranks = ((flat, process_group)   # compact under several ranks: who steps
-                       if compact and distributed.sharded(flat, process_group) else None)
+        self._group = ((flat, process_group)   # several ranks: who steps (after_pass)
+                       if distributed.sharded(flat, process_group) else None)
+        self._ranks = self._group if compact else None   # (compact: _all_ranks_logged)
         try:
             self._agree_on_step(params, process_group, resume)
-            if pickled_step is not None:
-                self._refuse_moved_on(pickled_step, dirs)
-            if (self.state.step or self.state.pending) and not resume:
-                cut = " and a step cut short" if self.state.pending else ""
-                raise ValueError(
-                    f"state_dirs={list(dirs)} already hold this optimizer's state at step "
-                    f"{self.state.step}{cut} (an earlier run, or one that crashed). To continue "
-                    "from it, pass state_resume=True (the params are then set from it too). "
-                    "To start afresh, or from a checkpoint of your own (a model and an "
-                    "optimizer state_dict, e.g. Trainer's resume_from_checkpoint), remove its "
-                    f"files ({', '.join(STATE_FILES)}) or give other directories: a state is "
-                    "never overwritten unasked")
-            self.pipeline = StepPipeline(self.state, budget,
-                                         engine.device if engine is not None else None)
-            if engine is not None:
-                engine.lend_pins(self.pipeline)
-            if self.state.pending:   # compact: a step cut short, finished from its log
-                for i, t in self.pipeline.buckets(ahead=self.state.record_ahead):
-                    self._redo_bucket(i, t)
-            self._stepped: set = set()   # ids of the params whose files hold a stepped state
-            # The params state_resume=True restored: id -> (entry, how the param was then,
-            # the step it was restored from); checked at the next step (_check_resumed)
-            self._resumed: Dict[int, Tuple[_Param, tuple, float]] = {}
-            self._previous_gone = self._both_warned = False
-            self._resumed_prints: Dict[int, List[Tuple[int, int]]] = {}
-            if self.state.step:
-                if not self._ranks and not distributed.sharded(flat, process_group):
-                    self._found_before_restore()
-                self._restore_params()   # (a damaged slot raises here)
-            elif resume and not self.state.pending:
-                # Not an error (one script can pass state_resume=True from its first run
-                # on), but said: a mistyped directory would otherwise start afresh unseen.
-                warn(f"offload_adam: state_resume=True, but state_dirs={list(dirs)} "
-                     "hold no completed step of this state: starting at step 0", RuntimeWarning)
+            # what refuses from here on (a damaged slot that the restore reads, a step cut
+            # short on a rank that was not given state_resume=True) is refused on every
+            # rank: the others would go on into their first step's collectives and wait
+            # there for this one (found from outside: gloo's timeout, naming nothing)
+            try:
+                if pickled_step is not None:
+                    self._refuse_moved_on(pickled_step, dirs)
+                if (self.state.step or self.state.pending) and not resume:
+                    cut = " and a step cut short" if self.state.pending else ""
+                    raise ValueError(
+                        f"state_dirs={list(dirs)} already hold this optimizer's state at "
+                        f"step {self.state.step}{cut} (an earlier run, or one that crashed). To "
+                        "continue from it, pass state_resume=True (the params are then set "
+                        "from it too). To start afresh, or from a checkpoint of your own (a "
+                        "model and an optimizer state_dict, e.g. Trainer's "
+                        "resume_from_checkpoint), remove its files "
+                        f"({', '.join(STATE_FILES)}) or give other directories: a state is "
+                        "never overwritten unasked")
+                self.pipeline = StepPipeline(self.state, budget,
+                                             engine.device if engine is not None else None)
+                if engine is not None:
+                    engine.lend_pins(self.pipeline)
+                if self.state.pending:   # compact: a step cut short, finished from its log
+                    for i, t in self.pipeline.buckets(ahead=self.state.record_ahead):
+                        self._redo_bucket(i, t)
+                self._stepped: set = set()   # ids of the params whose files hold a stepped one
+                # The params state_resume=True restored: id -> (entry, how the param was then,
+                # the step it was restored from); checked at the next step (_check_resumed)
+                self._resumed: Dict[int, Tuple[_Param, tuple, float]] = {}
+                self._previous_gone = self._both_warned = False
+                self._resumed_prints: Dict[int, List[Tuple[int, int]]] = {}
+                if self.state.step:
+                    if not self._ranks and not distributed.sharded(flat, process_group):
+                        self._found_before_restore()
+                    self._restore_params()   # (a damaged slot raises here)
+                elif resume and not self.state.pending:
+                    # Not an error (one script can pass state_resume=True from its first run
+                    # on), but said: a mistyped directory would otherwise start afresh unseen.
+                    warn(f"offload_adam: state_resume=True, but state_dirs={list(dirs)} "
+                         "hold no completed step of this state: starting at step 0"
+                         f"{_other_ranks_hint(dirs)}", RuntimeWarning)
+            except Exception as e:
+                distributed.tell_others(e, flat, process_group, resume)
+                distributed.told(e)
+                raise
+            distributed.refuse_together(None, flat, process_group, replicas=resume)
         except BaseException:
             if self.pipeline is not None:
                 self.pipeline.close()
@@ -546,7 +561,34 @@ class FileStore:
         that ranks killed at any instant can all go forward, or all back
         (`_agree_compact`)."""
         if self._ranks is not None:
-            distributed.every_rank(True, self._ranks[0], self._ranks[1])
+            ranks = distributed.every_rank(None, self._ranks[0], self._ranks[1])
+            bad = [(r, v) for r, v in enumerate(ranks) if v is not None]
+            if bad:   # (a rank whose pass failed before its log, said in after_pass)
+                raise distributed.told(RuntimeError(
+                    f"offload_adam: rank {bad[0][0]}'s step() failed before it logged the "
+                    f"step, so every rank's is, nothing stepped: {bad[0][1]}"))
+
+    def after_pass(self, error: Optional[BaseException]) -> None:
+        """Under several ranks (FSDP2, process_group=), after each step's pass, every rank
+        says whether its pass failed (error: an I/O error, a state file truncated or its
+        lock removed, on one rank alone): the others raise naming it instead of going on
+        into the next forward's collectives, where they waited for that rank until the
+        process group's timeout (found from outside). Their steps stay committed: the
+        ranks resume from one step with state_resume=True (_agree_on_step)."""
+        if self._group is None:
+            return
+        if error is not None:
+            distributed.tell_others(error, *self._group)
+            return
+        ranks = distributed.every_rank(None, *self._group)
+        bad = [(r, v) for r, v in enumerate(ranks) if v is not None]
+        if bad:
+            raise RuntimeError(
+                f"offload_adam: rank {bad[0][0]}'s step() failed part way, so every rank's "
+                f"raises: this rank's step completed (its files hold step "
+                f"{self.step_count()}), rank {bad[0][0]}'s did not. Build every rank's "
+                "optimizer again with state_resume=True: the ranks resume from one step. "
+                f"Rank {bad[0][0]}'s error: {bad[0][1]}")
 
     def _restore_params(self) -> None:
         """A resumed state gives the params their values of its last completed step:
@@ -1464,6 +1506,23 @@ def _check_grad(e: _Param, group: dict) -> None:
     if g.dtype is not p.dtype or tuple(g.shape) != tuple(p.shape):
         raise RuntimeError(f"param {param_label(group, e.group, e.index, p)}: its grad is "
                            f"{g.dtype} {tuple(g.shape)}, the param {p.dtype}")
+
+
+def _other_ranks_hint(dirs) -> str:
+    """Where a rank's folder (rank<R>) holds no state and its siblings do: the
+    directories were likely given to other ranks than before (per-rank directories after
+    a restart that mapped the ranks anew; found from outside)."""
+    import os
+    found = []
+    for d in dirs:
+        parent, name = os.path.split(os.path.normpath(d))
+        if name.startswith("rank") and name[4:].isdigit():
+            found += [os.path.join(parent, f"rank{r}")
+                      for r in distributed.rank_folders_with_state(parent) if r != int(name[4:])]
+    if not found:
+        return ""
+    return (f"; beside it, {found} hold the state of other ranks: if this run's directories "
+            "were given to other ranks than before, give each rank the directories it had")
 
 
 def _recs_by_param(engine) -> dict:

@@ -226,9 +226,19 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
             flat = ([p for g in groups for p in g["params"]] if groups
                     else _tensors_in(params))
             distributed.refused_on_one_rank(e, flat, process_group)
+            if state_dirs and state_resume and distributed.replicated(flat, process_group):
+                # (DDP's replicas that resume meet first in the files' refuse_together)
+                distributed.tell_others(e, flat, process_group, replicas=True)
             raise
         self._same_on_every_rank()
-        self._build()
+        try:
+            self._build()
+        except Exception as e:
+            if state_dirs and self._store is None:   # (the others wait in the files' first)
+                flat = [p for g in self.param_groups for p in g["params"]]
+                distributed.tell_others(e, flat, process_group,
+                                                     replicas=bool(state_resume))
+            raise
         if self._options.step_in_backward and self._engine is None:
             warn("offload_adam: step_in_backward=True, but none of these params is stepped "
                  "by the offload engine, which is what steps in backward: fp32 params in "
@@ -860,8 +870,12 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                         step_on_cpu(lent.calls, lent.hyper, scale, num_threads, self._marks)
                         if lent.engine is not None:
                             lent.engine()
+        except Exception as e:
+            self._store.after_pass(e)   # (under several ranks: the others raise, naming it)
+            raise
         finally:
             self.__dict__["_passing"] = None
+        self._store.after_pass(None)   # (... and this one, where another rank's failed)
         return loss
 
 

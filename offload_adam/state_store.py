@@ -20,8 +20,8 @@ Both answer the optimizer and its mixins (optimizer.py, torch_state_dict.py,
 grad_scaling.py) through the same methods: `pass_`, `grads` (clipping's norm of the
 in-place params), `add_state` / `check_load` / `load` (the state dict), `take_edits`
 (optimizer.state edited where it does not hold the state), `add_group`, `reset`,
-`step_count`, `host_bytes`, `pinned`, `close`, `interrupt_note` (the engine, a stepper, answers for its
-own memory). Nothing outside the stores asks which one it is. `open_store` builds the
+`step_count`, `host_bytes`, `pinned`, `close`, `interrupt_note`, `after_pass` (the engine, a
+stepper, answers for its own memory). Nothing outside the stores asks which one it is. `open_store` builds the
 one the routing names.
 """
 
@@ -82,6 +82,9 @@ class RamStore:
 
     def grads(self, param_groups) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         return self._inplace.grads(param_groups)
+
+    def after_pass(self, error) -> None:
+        pass   # (a step in RAM has no I/O to fail on one rank alone)
 
     def add_state(self, sd: dict) -> dict:
         if self.engine is not None and self.engine.torn is not None:

@@ -625,20 +625,34 @@ def nvme(variant):
     return out
 
 
+def step_counts(opt) -> list:
+    """Every rank's opt.step_count, in rank order."""
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, opt.step_count)
+    return counts
+
+
+def _files_of_a_run(name: str, steps: int) -> list:
+    """[the directory] every rank's state files are in after `steps` steps of build()'s
+    model (each rank's in its rank<R> folder), the optimizer closed."""
+    base = [os.path.join(OUT_DIR, name)]
+    dist.broadcast_object_list(base, src=0)
+    os.makedirs(base[0], exist_ok=True)
+    model = build()
+    opt = offload_adam.AdamW(model.parameters(), lr=LR, bucket_mb=0.0005, state_dirs=base[0])
+    train(model, opt, steps)
+    opt.close()
+    dist.barrier()
+    return base
+
+
 @scenario()
 def nvme_one_rank_refused():
     """Rank 0's folder holds a state of another layout (without amsgrad), rank 1's none
     (as when resuming with more ranks than made the files): rank 0 refuses its files,
     and rank 1 raises too, naming rank 0's refusal, instead of waiting in a collective
     that rank 0 never joins."""
-    base = [os.path.join(OUT_DIR, "nvme_one_rank_refused")]
-    dist.broadcast_object_list(base, src=0)
-    os.makedirs(base[0], exist_ok=True)
-    model = build()
-    opt = offload_adam.AdamW(model.parameters(), lr=LR, bucket_mb=0.0005, state_dirs=base[0])
-    train(model, opt, 1)
-    opt.close()
-    dist.barrier()
+    base = _files_of_a_run("nvme_one_rank_refused", 1)
     if dist.get_rank() == 1:
         mine = os.path.join(base[0], "rank1")
         for name in os.listdir(mine):
@@ -652,6 +666,113 @@ def nvme_one_rank_refused():
     except ValueError as e:
         out["error"] = str(e)
     dist.barrier()   # (both ranks here: the next scenario's collectives line up)
+    return out
+
+
+@scenario()
+def nvme_damaged_on_one_rank():
+    """Rank 1's data file is damaged after the run (every byte past its header flipped):
+    the resume's restore, which runs after the ranks agreed on the step, finds it there.
+    Rank 1 raises, and rank 0 too, naming rank 1's refusal, instead of going on into its
+    first step's collectives (found from outside: gloo's timeout, naming nothing)."""
+    base = _files_of_a_run("nvme_damaged_on_one_rank", 2)
+    if dist.get_rank() == 1:
+        with open(os.path.join(base[0], "rank1", "offload_adam_state.bin"), "r+b") as f:
+            f.seek(4096)
+            data = f.read()
+            f.seek(4096)
+            f.write(bytes(b ^ 0xFF for b in data))
+    dist.barrier()
+    out = {}
+    try:
+        offload_adam.AdamW(build().parameters(), lr=LR, bucket_mb=0.0005, state_dirs=base[0],
+                           state_resume=True)
+        out["error"] = None
+    except Exception as e:   # noqa: BLE001 -- reported
+        out["error"] = f"{type(e).__name__}: {e}"
+    dist.barrier()   # (both ranks here: the next scenario's collectives line up)
+    return out
+
+
+@scenario()
+def resume_refused_before_the_files():
+    """Refusals on rank 1 before its state files were opened, where rank 0 goes on to open
+    its own and waits there: DDP replicas resuming (plain params) with rank 1's directory
+    missing, and params sharded by hand (process_group=) whose engine rank 1 cannot make
+    after the ranks compared their options. Rank 0 raises naming rank 1's refusal
+    (found from outside: it waited for the process group's timeout, or got gloo's
+    'Connection closed by peer')."""
+    base = [os.path.join(OUT_DIR, "resume_refused_before_the_files")]
+    dist.broadcast_object_list(base, src=0)
+    rank = dist.get_rank()
+    out = {}
+    mine = os.path.join(base[0], f"replica{rank}")
+    if rank == 0:
+        os.makedirs(mine, exist_ok=True)
+    plain = lambda dtype=torch.float32: torch.nn.Linear(8, 3).to(dtype)   # noqa: E731
+    try:   # (plain params under several ranks, no process_group=: replicas)
+        offload_adam.AdamW(plain().parameters(), lr=LR, state_dirs=mine, state_resume=True)
+        out["ddp"] = None
+    except (ValueError, RuntimeError) as e:
+        out["ddp"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    os.makedirs(base[0], exist_ok=True)
+    real = offload_adam.optimizer.OffloadEngine
+
+    def refused(*args, **kw):
+        raise RuntimeError("no page-locked memory left (as cudaHostAlloc says)")
+    if rank == 1:
+        offload_adam.optimizer.OffloadEngine = refused
+    try:
+        offload_adam.AdamW(plain(BF16).parameters(), lr=LR, state_dirs=base[0],
+                           process_group=dist.group.WORLD,
+                           step_in_backward=True)   # (bf16 on the CPU, early: the engine)
+        out["engine"] = None
+    except (ValueError, RuntimeError) as e:
+        out["engine"] = f"{type(e).__name__}: {e}"
+    finally:
+        offload_adam.optimizer.OffloadEngine = real
+    dist.barrier()
+    return out
+
+
+@scenario("two_generations", "compact")
+def step_failed_on_one_rank(footprint):
+    """Rank 1's lock file removed between steps (its files refuse to commit the next): its
+    step() raises, and rank 0's too, naming it, instead of going on to the next forward's
+    collectives, where it waited for rank 1 (found from outside). Both build again with
+    state_resume=True and resume from one step."""
+    base = [os.path.join(OUT_DIR, f"step_failed_on_one_rank_{footprint}")]
+    dist.broadcast_object_list(base, src=0)
+    os.makedirs(base[0], exist_ok=True)
+    kw = dict(lr=LR, bucket_mb=0.0005, state_dirs=base[0], process_group=dist.group.WORLD,
+              state_footprint=footprint)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    opt = offload_adam.AdamW(model.parameters(), **kw)
+
+    def steps(start, n):   # (a plain model: train() syncs FSDP2's grads)
+        for it in range(start, start + n):
+            backward(model, it)
+            opt.step()
+            opt.zero_grad()
+    steps(0, 2)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.remove(os.path.join(base[0], "rank1", "offload_adam_state.lock"))
+    dist.barrier()
+    out = {}
+    try:
+        steps(2, 1)
+        out["error"] = None
+    except Exception as e:   # noqa: BLE001 -- reported
+        out["error"] = f"{type(e).__name__}: {e}"
+    opt.close()
+    dist.barrier()
+    opt = offload_adam.AdamW(model.parameters(), state_resume=True, **kw)
+    out["resumed"] = step_counts(opt)
+    opt.close()
+    dist.barrier()
     return out
 
 
@@ -766,9 +887,7 @@ def early_step_refused_on_one_rank(variant):
     opt.param_groups[0]["lr"] = LR
     opt.zero_grad()
     train(model, opt, 2, start=2)
-    counts = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, opt.step_count)
-    out["counts"] = counts
+    out["counts"] = step_counts(opt)
     opt.close()
     dist.barrier()
     return out
@@ -915,9 +1034,13 @@ def _kill(*args, **kw):
 def _last_step(name, model, opt):
     """Phase 1's last step, in which ranks are killed; a rank that lives writes its result
     and exits at once (the other is gone)."""
-    train(model, opt, 1, start=KILLED_STEPS)
+    try:
+        train(model, opt, 1, start=KILLED_STEPS)
+        error = None
+    except Exception as e:   # noqa: BLE001 -- the ranks' word after the pass finds one gone
+        error = f"{type(e).__name__}: {e}"
     with open(os.path.join(OUT_DIR, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({name: {"ok": True, "step": opt.step_count}}, f)
+        json.dump({name: {"ok": True, "step": opt.step_count, "error": error}}, f)
     os._exit(0)
 
 

@@ -184,6 +184,61 @@ def test_a_rank_refusing_its_state_files_is_refused_by_every_rank(ranks):
     assert "of another model or optimizer" in rank1["error"], rank1
 
 
+def test_a_state_damaged_on_one_rank_is_refused_by_every_rank(ranks):
+    """distributed_ranks.nvme_damaged_on_one_rank: the resume's restore finds rank 1's
+    files damaged after the ranks agreed on the step: both raise, rank 0 naming rank 1."""
+    rank0, rank1 = result(ranks, "nvme_damaged_on_one_rank")
+    assert rank1["error"] is not None and "damaged" in rank1["error"], rank1
+    assert rank0["error"] is not None and rank0["error"].startswith(
+        "ValueError: offload_adam: rank 1 refused its state files, so every rank does: "), rank0
+    assert "damaged" in rank0["error"], rank0
+
+
+def test_a_refusal_before_the_files_is_refused_by_every_rank(ranks):
+    """distributed_ranks.resume_refused_before_the_files: rank 1 refused before opening
+    its files (a DDP replica's directory missing; an engine not made after the options
+    were compared): rank 0 raises naming it, instead of waiting for rank 1 in its files'
+    first collective."""
+    rank0, rank1 = result(ranks, "resume_refused_before_the_files")
+    assert "does not exist" in rank1["ddp"], rank1
+    assert rank0["ddp"].startswith("ValueError: offload_adam: rank 1 refused its state "
+                                   "files, so every rank does: ValueError: "), rank0
+    assert "does not exist" in rank0["ddp"], rank0
+    assert "no page-locked memory left" in rank1["engine"], rank1
+    assert rank0["engine"].startswith("ValueError: offload_adam: rank 1 refused its state "
+                                      "files, so every rank does: RuntimeError: no "
+                                      "page-locked"), rank0
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_a_step_failed_on_one_rank_raises_on_every_rank(ranks, footprint):
+    """distributed_ranks.step_failed_on_one_rank: rank 1's files refuse its step part way:
+    both ranks' step() raise, rank 0 naming rank 1's error; rebuilt with state_resume=True
+    they resume from one step."""
+    rank0, rank1 = result(ranks, f"step_failed_on_one_rank_{footprint}")
+    assert rank1["error"] is not None and "lock" in rank1["error"], rank1
+    assert rank0["error"] is not None and "offload_adam: rank 1's step() failed" in (
+        rank0["error"]), rank0
+    assert "lock" in rank0["error"], rank0
+    assert rank0["resumed"] == rank1["resumed"] and rank0["resumed"][0] in (2, 3), rank0
+
+
+def test_a_rank_folder_without_state_beside_others_with_state_is_hinted(tmp_path):
+    """A resume that finds no step in its rank's folder while the folders of other ranks
+    beside it hold state (per-rank directories given to other ranks after a restart) says
+    so in its warning, naming them (found from outside: both ranks started afresh with a
+    warning that named nothing)."""
+    from offload_adam.nvme.manifest import MANIFEST
+    from offload_adam.nvme_tier import _other_ranks_hint
+    for r in (0, 1, 2):
+        (tmp_path / f"rank{r}").mkdir()
+    (tmp_path / "rank1" / MANIFEST).write_bytes(b"x")
+    hint = _other_ranks_hint([str(tmp_path / "rank0")])
+    assert str(tmp_path / "rank1") in hint and "rank2" not in hint, hint
+    assert _other_ranks_hint([str(tmp_path / "rank1")]) == ""   # (its own state: not named)
+    assert _other_ranks_hint([str(tmp_path)]) == ""   # (not a rank folder)
+
+
 def test_a_one_process_state_given_to_ranks_is_refused(ranks):
     """distributed_ranks.nvme_one_process_state: a one-process state resumed by two ranks
     is refused on each, naming it (it started at step 0 beside it), and no rank folder is
@@ -346,6 +401,8 @@ def test_fsdp2_ranks_killed_between_their_commits_resume_one_step(kernels, tmp_p
     (code0, _), (code1, phase1) = launch(tmp_path, [f"nvme_kill_{variant}"])
     assert code0 == -9 and code1 == 0
     assert phase1[f"nvme_kill_{variant}"]["step"] == 3   # rank 1 committed step 3
+    # ... and its step() raised, the ranks' word after the pass finding rank 0 gone
+    assert phase1[f"nvme_kill_{variant}"]["error"] is not None
     after = [res for _, res in launch(tmp_path, [f"nvme_after_kill_{variant}"])]
     r0, r1 = result(after, f"nvme_after_kill_{variant}")
     assert r0["resumed_step"] == r1["resumed_step"] == 2
