@@ -446,8 +446,11 @@ class FileStore:
         sizes = [b.nbytes for b in self.state.spec.buckets]
         largest = max(range(len(sizes)), key=sizes.__getitem__, default=None)
         total = sum(sizes)
-        if largest is None or 4 * sizes[largest] <= total:
-            return   # (the footprint is still the smaller one)
+        if largest is None or 4 * sizes[largest] <= total or sizes[largest] <= bucket_mb * _MB:
+            # (the footprint is still the smaller one; or no bucket is larger than
+            # bucket_mb: a small state, under 4 buckets, whose spares are the design's,
+            # was warned of, blaming a small param: found from outside)
+            return
         e = max(self.buckets[largest], key=lambda e: e.numel)
         if e.rec is not None:
             return

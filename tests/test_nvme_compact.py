@@ -497,6 +497,15 @@ def test_a_param_stepped_whole_whose_spares_outgrow_the_state_is_said(kernels, t
     assert "step_in_backward=True" in spares[False][0]
     assert size[False] > 5 * state   # (the state, and 4 spares of it)
     assert not spares[True] and size[True] < 3 * state
+    # a small state (under 4 buckets: spares as the design's, whatever the footprint) is
+    # no whole param's doing, and not warned of (it was, blaming a small param)
+    ps = make_params(shapes=[(50,)] * 4, dtypes=[torch.float32] * 4)
+    (tmp_path / "small").mkdir()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        offload_adam.AdamW(ps, state_dirs=str(tmp_path / "small"),
+                           state_footprint="compact").close()
+    assert not [w for w in said if "spare extents" in str(w.message)], said
 
 
 def small_layers(streamed, blocks):
