@@ -275,8 +275,8 @@ def refuse_differing(ranks: list, when: str) -> None:
 
 
 def agree_to_step(options: Callable[[], dict], problem: Optional[BaseException],
-                  param_groups, process_group=None,
-                  started: int = 0) -> Tuple[Optional[BaseException], List[int]]:
+                  param_groups, process_group=None, started: int = 0,
+                  skipping: bool = False) -> Tuple[Optional[BaseException], List[int], bool]:
     """Under several ranks, before a step's first collective (every rank's step() calls
     it): each rank's options that decide the step's collectives, and whether its own
     checks refused the step. A rank whose step was refused (its caller raises that error)
@@ -288,19 +288,23 @@ def agree_to_step(options: Callable[[], dict], problem: Optional[BaseException],
     the state in RAM); returned with the error, the other ranks where some did: a rank whose
     own refusal started none in backward (an edit made before it) while another's did is
     then a step behind unless step() is called again (optimizer.zero_grad says so). (One
-    process: nothing built, a step's hot path.)"""
+    process: nothing built, a step's hot path.) `skipping`: GradScaler found inf/NaN in
+    this rank's grads; returned: whether any rank's did, so that every rank skips the
+    step (a rank stepping alone waited for the others in its state files' collectives;
+    torch's ShardedGradScaler agrees on found_inf likewise)."""
     if dist is None or not dist.is_initialized():
-        return None, []
+        return None, [], skipping
     params = [p for g in param_groups for p in g["params"]]
     if not sharded(params, process_group):
-        return None, []
+        return None, [], skipping
     said = None if problem is None else f"{type(problem).__name__}: {problem}"
-    ranks = every_rank((options(), said, started), params, process_group)
+    ranks = every_rank((options(), said, started, skipping), params, process_group)
     me = dist.get_rank(process_group)
-    ahead = [r for r, (_, _, n) in enumerate(ranks) if n and r != me]
+    ahead = [r for r, (_, _, n, _) in enumerate(ranks) if n and r != me]
+    skip = any(s for _, _, _, s in ranks)
     if problem is not None:
-        return None, ahead
-    bad = [(r, p) for r, (_, p, _) in enumerate(ranks) if p is not None]
+        return None, ahead, skip
+    bad = [(r, p) for r, (_, p, _, _) in enumerate(ranks) if p is not None]
     if bad:
         stepped = ("nothing stepped" if not started else
                    f"nothing more stepped (the step of {started} params ran during backward "
@@ -309,15 +313,15 @@ def agree_to_step(options: Callable[[], dict], problem: Optional[BaseException],
                    "too)")
         return RuntimeError(f"offload_adam: rank {bad[0][0]}'s step() was refused, so every "
                             f"rank's is, {stepped} (its collectives would wait for that "
-                            f"rank): {bad[0][1]}"), ahead
+                            f"rank): {bad[0][1]}"), ahead, skip
     try:
-        refuse_differing([o for o, _, _ in ranks],
+        refuse_differing([o for o, _, _, _ in ranks],
                          " at step(), set on some ranks since the optimizers were built: "
                          "every rank's optimizer must step with the same options (a step's "
                          "collectives depend on them); nothing was stepped")
     except ValueError as e:
-        return e, ahead
-    return None, ahead
+        return e, ahead, skip
+    return None, ahead, skip
 
 
 # ---- clipping: the norm over all shards --------------------------------------

@@ -126,9 +126,10 @@ class GradScaling:
         self._mark_clipped(clip_coefficient(norm, max_norm) * pending)
         return distributed.norm_tensor(norm, self._params())
 
-    def _step_scale(self) -> Optional[float]:
+    def _step_scale(self, skip: bool = False) -> Optional[float]:
         """The factor this step multiplies the grads by, or None when GradScaler
-        found inf/NaN and the step is skipped. Uses up the clip coefficient."""
+        found inf/NaN and the step is skipped (`skip`: found on this rank or another,
+        distributed.agree_to_step). Uses up the clip coefficient."""
         # Set by GradScaler.step (as for torch's fused Adam): skip the whole step
         # when it found inf/NaN; otherwise the grads are still scaled by grad_scale.
         found_inf = getattr(self, "found_inf", None)
@@ -137,7 +138,7 @@ class GradScaling:
             self._engine.early.fail(
                 "GradScaler.step was used: the loss scale and found_inf are known "
                 "only at step(), and a skipped step cannot be undone")
-        if found_inf is not None and float(found_inf) != 0.0:
+        if skip or (found_inf is not None and float(found_inf) != 0.0):
             self._drop_clip()
             return None
         grad_scale = getattr(self, "grad_scale", None)

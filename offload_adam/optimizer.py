@@ -236,8 +236,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         except Exception as e:
             if state_dirs and self._store is None:   # (the others wait in the files' first)
                 flat = [p for g in self.param_groups for p in g["params"]]
-                distributed.tell_others(e, flat, process_group,
-                                                     replicas=bool(state_resume))
+                distributed.tell_others(e, flat, process_group, replicas=bool(state_resume))
             raise
         if self._options.step_in_backward and self._engine is None:
             warn("offload_adam: step_in_backward=True, but none of these params is stepped "
@@ -840,10 +839,12 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         early = self._engine.early if self._engine is not None else None
         started = early.started_in_ram() if early is not None else 0
         ahead: list = []
+        found_inf = getattr(self, "found_inf", None)   # (GradScaler.step's)
+        skip = found_inf is not None and float(found_inf) != 0.0
         try:
-            error, ahead = distributed.agree_to_step(
+            error, ahead, skip = distributed.agree_to_step(
                 self._rank_options, problem, self.param_groups, self._options.process_group,
-                started)
+                started, skip)
             problem = problem or error
         except Exception as e:   # noqa: BLE001 -- a collective that failed: raised below
             problem = problem or e
@@ -854,7 +855,7 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
                 self.__dict__["_behind"] = (ahead, f"{type(problem).__name__}: {problem}")
             raise problem
         self.__dict__.pop("_behind", None)
-        scale = self._step_scale()   # grad_scaling.py
+        scale = self._step_scale(skip)   # grad_scaling.py
         if scale is None:   # GradScaler found inf/NaN: the whole step is skipped
             return loss
         num_threads = self._inplace_threads()

@@ -776,6 +776,33 @@ def step_failed_on_one_rank(footprint):
     return out
 
 
+@scenario("ram", "two_generations", "compact")
+def found_inf_on_one_rank(footprint):
+    """GradScaler found inf/NaN in rank 1's grads only (its shards'): every rank skips the
+    step, as torch's ShardedGradScaler makes them (a rank stepping alone waited in its
+    state files' collectives for the others), and the next step steps on every rank."""
+    base = [os.path.join(OUT_DIR, f"found_inf_on_one_rank_{footprint}")]
+    dist.broadcast_object_list(base, src=0)
+    os.makedirs(base[0], exist_ok=True)
+    kw = ({} if footprint == "ram" else
+          dict(state_dirs=base[0], state_footprint=footprint))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3)
+    opt = offload_adam.AdamW(model.parameters(), lr=LR, bucket_mb=0.0005,
+                             process_group=dist.group.WORLD, **kw)
+    out = {}
+    for step, inf in enumerate((dist.get_rank() == 1, False)):
+        backward(model, step)
+        opt.found_inf = torch.tensor(float(inf))   # (as GradScaler.step sets it)
+        opt.step()
+        del opt.found_inf
+        opt.zero_grad()
+        out[f"after_{step}"] = step_counts(opt)
+    opt.close()
+    dist.barrier()
+    return out
+
+
 @scenario()
 def nvme_one_process_state():
     """A one-process run's state (its manifest in the directory itself) given to two ranks

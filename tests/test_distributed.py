@@ -239,6 +239,14 @@ def test_a_rank_folder_without_state_beside_others_with_state_is_hinted(tmp_path
     assert _other_ranks_hint([str(tmp_path)]) == ""   # (not a rank folder)
 
 
+@pytest.mark.parametrize("footprint", ["ram", "two_generations", "compact"])
+def test_inf_found_on_one_rank_skips_every_ranks_step(ranks, footprint):
+    """distributed_ranks.found_inf_on_one_rank: GradScaler's found_inf on rank 1 alone:
+    both ranks skip that step, then both step."""
+    for res in result(ranks, f"found_inf_on_one_rank_{footprint}"):
+        assert res["after_0"] == [0, 0] and res["after_1"] == [1, 1], res
+
+
 def test_a_one_process_state_given_to_ranks_is_refused(ranks):
     """distributed_ranks.nvme_one_process_state: a one-process state resumed by two ranks
     is refused on each, naming it (it started at step 0 beside it), and no rank folder is
