@@ -496,13 +496,15 @@ class FileStore:
         a replica's optimizer is otherwise built with no collective, as one a single rank
         builds for itself may be.)"""
         flat = [p for group in params for p in group]
-        mine = (self.state.step, self.state.previous)
+        mine = (self.state.step, self.state.previous, self.state.run, self.state.uuid)
         if self.state.compact:
             self._agree_compact(flat, process_group, resume)
             return
         ranks = distributed.every_rank(mine, flat, process_group, replicas=resume)
         if ranks is None:
             return
+        self._same_run([r[2:] for r in ranks])
+        ranks = [r[:2] for r in ranks]
         target = min(step for step, _ in ranks)
         if any(step != target and previous != target for step, previous in ranks):
             raise ValueError(
@@ -523,10 +525,27 @@ class FileStore:
                 f"offload_adam: the ranks' state files are at steps {[s for s, _ in ranks]} "
                 f"(rank order); going back to step {target} failed on rank {bad[0][0]}: "
                 f"{bad[0][1]}")
-        if target != mine[0]:
+        if target != mine[0]:   # (mine: step, previous, run, uuid)
             warn(f"offload_adam: this rank's state files were at step {mine[0]}, "
                  f"another rank's at step {target} (killed before it committed step "
                  f"{mine[0]}): all ranks resume from step {target}", RuntimeWarning)
+
+    def _same_run(self, ranks: List[tuple]) -> None:
+        """Each rank's (run, uuid) of its files: files of two runs (a rank's folder put
+        back from another run at the same step) are refused, not resumed together (found
+        from outside: each rank trained on from its own run, silently); files that keep no
+        run yet take the first rank's uuid as theirs (new files, or made before runs were
+        kept). Every rank raises alike (they see the same list)."""
+        runs = sorted({run for run, _ in ranks if run is not None})
+        if len(runs) > 1:
+            which = ", ".join(f"rank {r}: {run[:8] if run else '-'}"
+                              for r, (run, _) in enumerate(ranks))
+            raise ValueError(
+                f"offload_adam: the ranks' state files are of different runs ({which}): a "
+                "rank's directory was put back from another run. Give every rank the "
+                "directories of one run, or remove the state files to start afresh")
+        if self.state.run is None:
+            self.state.join_run(runs[0] if runs else ranks[0][1])
 
     def _agree_compact(self, flat, process_group, resume: bool) -> None:
         """_agree_on_step for compact files, which keep no step before the last but may
@@ -536,10 +555,12 @@ class FileStore:
         moved a bucket of a later one (dropping what they began); anything else is not
         the files of one run."""
         st = self.state
-        ranks = distributed.every_rank((st.step, st.intent_step, st.moved), flat, process_group,
-                                       replicas=resume)
+        ranks = distributed.every_rank((st.step, st.intent_step, st.moved, st.run, st.uuid),
+                                       flat, process_group, replicas=resume)
         if ranks is None:
             return
+        self._same_run([r[3:] for r in ranks])
+        ranks = [r[:3] for r in ranks]
         ahead = max(max(s, i or 0) for s, i, _ in ranks)
         behind = min(s for s, _, _ in ranks)
         began = st.intent_step

@@ -17,6 +17,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -799,6 +800,42 @@ def found_inf_on_one_rank(footprint):
         opt.zero_grad()
         out[f"after_{step}"] = step_counts(opt)
     opt.close()
+    dist.barrier()
+    return out
+
+
+@scenario("two_generations", "compact")
+def files_of_two_runs(footprint):
+    """Two runs at the same step, rank 1's folder of the first put back from the second:
+    the resume is refused on every rank, naming the runs (found from outside: each rank
+    trained on from its own run, silently)."""
+    base = [os.path.join(OUT_DIR, f"files_of_two_runs_{footprint}")]
+    dist.broadcast_object_list(base, src=0)
+    kw = dict(bucket_mb=0.0005, process_group=dist.group.WORLD, state_footprint=footprint)
+    for run, lr in (("a", LR), ("b", 3 * LR)):
+        os.makedirs(os.path.join(base[0], run), exist_ok=True)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 3)
+        opt = offload_adam.AdamW(model.parameters(), lr=lr,
+                                 state_dirs=os.path.join(base[0], run), **kw)
+        for it in range(2):
+            backward(model, it)
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        mine = os.path.join(base[0], "a", "rank1")
+        shutil.rmtree(mine)
+        shutil.copytree(os.path.join(base[0], "b", "rank1"), mine)
+    dist.barrier()
+    out = {}
+    try:
+        offload_adam.AdamW(torch.nn.Linear(8, 3).parameters(), lr=LR, state_resume=True,
+                           state_dirs=os.path.join(base[0], "a"), **kw)
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
     dist.barrier()
     return out
 

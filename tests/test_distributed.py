@@ -247,6 +247,14 @@ def test_inf_found_on_one_rank_skips_every_ranks_step(ranks, footprint):
         assert res["after_0"] == [0, 0] and res["after_1"] == [1, 1], res
 
 
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_files_of_two_runs_are_refused_on_every_rank(ranks, footprint):
+    """distributed_ranks.files_of_two_runs: rank 1's folder from another run at the same
+    step: refused on both ranks, naming it."""
+    for res in result(ranks, f"files_of_two_runs_{footprint}"):
+        assert res["error"] is not None and "are of different runs" in res["error"], res
+
+
 def test_a_one_process_state_given_to_ranks_is_refused(ranks):
     """distributed_ranks.nvme_one_process_state: a one-process state resumed by two ranks
     is refused on each, naming it (it started at step 0 beside it), and no rank folder is

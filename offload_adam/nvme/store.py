@@ -261,6 +261,17 @@ class NvmeState:
         return self._body["uuid"]
 
     @property
+    def run(self) -> Optional[str]:
+        """The run whose ranks made these files: the first rank's uuid, agreed on by the
+        ranks of a sharded run when they first opened them (nvme_tier._same_run), or None
+        (one process, or files made before it was kept)."""
+        return self._body.get("run")
+
+    def join_run(self, run: str) -> None:
+        """Records `run` (see `run`), in the manifest from the next commit on."""
+        self._body["run"] = run
+
+    @property
     def slots(self) -> List[int]:
         return list(self._body["slots"])
 
