@@ -208,13 +208,15 @@ def tell_others(error: BaseException, params: Iterable[torch.Tensor], process_gr
     None): joined there with it, they raise naming it instead of waiting for this rank
     (found from outside: an engine refused after the ranks compared their options, a
     directory missing on one DDP replica resuming, a state file truncated on one rank
-    mid-run). Nothing where it was said already (`told`) or where no rank would wait."""
+    mid-run). Nothing where it was said already (`told`, which it marks) or where no rank
+    would wait."""
     if getattr(error, "_offload_adam_told", False):
         return
     try:
         refuse_together(f"{type(error).__name__}: {error}", params, process_group, replicas)
     except Exception:   # noqa: BLE001 -- the error raised is this rank's own
         pass
+    told(error)
 
 
 def other_refusal(problem: Optional[str], params: Iterable[torch.Tensor],

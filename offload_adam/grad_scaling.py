@@ -126,10 +126,11 @@ class GradScaling:
         self._mark_clipped(clip_coefficient(norm, max_norm) * pending)
         return distributed.norm_tensor(norm, self._params())
 
-    def _step_scale(self, skip: bool = False) -> Optional[float]:
-        """The factor this step multiplies the grads by, or None when GradScaler
-        found inf/NaN and the step is skipped (`skip`: found on this rank or another,
-        distributed.agree_to_step). Uses up the clip coefficient."""
+    def _step_scale(self, skip: bool) -> Optional[float]:
+        """The factor this step multiplies the grads by, or None when the step is skipped
+        (`skip`: GradScaler found inf/NaN, on this rank or another: step() reads found_inf
+        once, and distributed.agree_to_step tells the ranks). Uses up the clip
+        coefficient."""
         # Set by GradScaler.step (as for torch's fused Adam): skip the whole step
         # when it found inf/NaN; otherwise the grads are still scaled by grad_scale.
         found_inf = getattr(self, "found_inf", None)
@@ -138,7 +139,7 @@ class GradScaling:
             self._engine.early.fail(
                 "GradScaler.step was used: the loss scale and found_inf are known "
                 "only at step(), and a skipped step cannot be undone")
-        if skip or (found_inf is not None and float(found_inf) != 0.0):
+        if skip:
             self._drop_clip()
             return None
         grad_scale = getattr(self, "grad_scale", None)

@@ -302,7 +302,7 @@ class FileStore:
         try:
             distributed.refuse_together(None, flat, process_group, replicas=resume)
         except BaseException as e:
-            distributed.told(e)   # (another rank's refusal, said there)
+            distributed.told(e)   # (said there, or the collective failed: nothing to add)
             self.state.close(discard=True)
             raise
         if compact:
@@ -319,7 +319,6 @@ class FileStore:
         flat = [p for group in params for p in group]
         self._group = ((flat, process_group)   # several ranks: who steps (after_pass)
                        if distributed.sharded(flat, process_group) else None)
-        self._ranks = self._group if compact else None   # (compact: _all_ranks_logged)
         try:
             self._agree_on_step(params, process_group, resume)
             # what refuses from here on (a damaged slot that the restore reads, a step cut
@@ -354,7 +353,7 @@ class FileStore:
                 self._previous_gone = self._both_warned = False
                 self._resumed_prints: Dict[int, List[Tuple[int, int]]] = {}
                 if self.state.step:
-                    if not self._ranks and not distributed.sharded(flat, process_group):
+                    if self._group is None:
                         self._found_before_restore()
                     self._restore_params()   # (a damaged slot raises here)
                 elif resume and not self.state.pending:
@@ -365,7 +364,6 @@ class FileStore:
                          f"{_other_ranks_hint(dirs)}", RuntimeWarning)
             except Exception as e:
                 distributed.tell_others(e, flat, process_group, resume)
-                distributed.told(e)
                 raise
             distributed.refuse_together(None, flat, process_group, replicas=resume)
         except BaseException:
@@ -584,13 +582,12 @@ class FileStore:
         redo records of it are durable (a collective at each step, stepping or not), so
         that ranks killed at any instant can all go forward, or all back
         (`_agree_compact`)."""
-        if self._ranks is not None:
-            ranks = distributed.every_rank(None, self._ranks[0], self._ranks[1])
-            bad = [(r, v) for r, v in enumerate(ranks) if v is not None]
-            if bad:   # (a rank whose pass failed before its log, said in after_pass)
+        if self.compact and self._group is not None:
+            bad = distributed.other_refusal(None, *self._group)
+            if bad is not None:   # (a rank whose pass failed before its log: after_pass)
                 raise distributed.told(RuntimeError(
-                    f"offload_adam: rank {bad[0][0]}'s step() failed before it logged the "
-                    f"step, so every rank's is, nothing stepped: {bad[0][1]}"))
+                    f"offload_adam: rank {bad[0]}'s step() failed before it logged the "
+                    f"step, so every rank's is, nothing stepped: {bad[1]}"))
 
     def after_pass(self, error: Optional[BaseException]) -> None:
         """Under several ranks (FSDP2, process_group=), after each step's pass, every rank
@@ -604,15 +601,14 @@ class FileStore:
         if error is not None:
             distributed.tell_others(error, *self._group)
             return
-        ranks = distributed.every_rank(None, *self._group)
-        bad = [(r, v) for r, v in enumerate(ranks) if v is not None]
-        if bad:
+        bad = distributed.other_refusal(None, *self._group)
+        if bad is not None:
             raise RuntimeError(
-                f"offload_adam: rank {bad[0][0]}'s step() failed part way, so every rank's "
+                f"offload_adam: rank {bad[0]}'s step() failed part way, so every rank's "
                 f"raises: this rank's step completed (its files hold step "
-                f"{self.step_count()}), rank {bad[0][0]}'s did not. Build every rank's "
+                f"{self.step_count()}), rank {bad[0]}'s did not. Build every rank's "
                 "optimizer again with state_resume=True: the ranks resume from one step. "
-                f"Rank {bad[0][0]}'s error: {bad[0][1]}")
+                f"Rank {bad[0]}'s error: {bad[1]}")
 
     def _restore_params(self) -> None:
         """A resumed state gives the params their values of its last completed step:
