@@ -34,8 +34,13 @@ void check_tensor(const Bucket& b, int64_t index, bool amsgrad) {
     throw std::invalid_argument(name + " has first_index " + std::to_string(t.first_index) +
                                 "; it must be a non-negative multiple of " + std::to_string(kChunk));
   if (t.numel == 0) return;
+  const bool split = t.master_lo != nullptr || t.master_tie != nullptr;
+  if (split && (t.master_lo == nullptr || t.master_tie == nullptr || t.param != nullptr))
+    throw std::invalid_argument(name + ": a split master needs master_lo and master_tie both, and no fp32 param");
+  if (split && (t.param_lp == nullptr || b.lp_dtype != DType::bf16))
+    throw std::invalid_argument(name + ": a split master keeps its high half in param_lp, which must be bf16");
   const bool q8 = b.state_dtype == StateDType::q8;
-  const bool missing = t.param == nullptr || t.grad == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr ||
+  const bool missing = (t.param == nullptr && !split) || t.grad == nullptr || t.exp_avg == nullptr || t.exp_avg_sq == nullptr ||
                        (amsgrad && t.max_exp_avg_sq == nullptr) ||
                        (q8 && (t.exp_avg_scale == nullptr || t.exp_avg_sq_scale == nullptr));
   if (missing) throw std::invalid_argument(name + " has a null buffer");
@@ -78,6 +83,8 @@ std::vector<Chunk> make_chunks(const Bucket& b, Fill fill) {
       c.exp_avg_sq_scale = at(t.exp_avg_sq_scale, off / kQuantBlock * 4);
       c.grad = static_cast<const char*>(t.grad) + off * gsize;
       c.param_lp = at(t.param_lp, off * 2);
+      c.master_lo = at(t.master_lo, off * 2);
+      c.master_tie = at(t.master_tie, off / 8);
       c.n = std::min(kChunk, t.numel - off);
       c.tensor = k;
       // A chunk never crosses a multiple of 2^32 (first_index and off are multiples of kChunk).
@@ -119,12 +126,26 @@ void adam_step(const Bucket& b, const AdamHyper& h, int num_threads) {
   parallel_for(static_cast<int64_t>(chunks.size()), num_threads, [&](int64_t i) {
     const Chunk& c = chunks[i];
     const int li = c.param_lp ? static_cast<int>(b.lp_dtype) : 0;
-    kernels.adam[si][gi][li][h.amsgrad ? 1 : 0][l2 ? 1 : 0](c, s);
+    const AdamChunkFn step = kernels.adam[si][gi][li][h.amsgrad ? 1 : 0][l2 ? 1 : 0];
+    if (c.master_lo == nullptr) return step(c, s);
+    // A split master: decoded into this thread's scratch (128 KiB, cache-resident), stepped
+    // there, its low halves and tie bits encoded back; the kernel writes the bf16 half.
+    thread_local std::vector<float> scratch;
+    scratch.resize(kChunk);
+    Chunk whole = c;
+    whole.param = scratch.data();
+    kernels.split_decode(static_cast<const uint16_t*>(c.param_lp), c.master_lo, c.master_tie, c.n, whole.param);
+    step(whole, s);
+    kernels.split_encode(whole.param, c.n, c.master_lo, c.master_tie);
   });
 }
 
 void stream_limit(const Bucket& b, int num_threads) {
   check_bucket(b, false);
+  for (int64_t k = 0; k < b.count; ++k)
+    if (b.tensors[k].master_lo != nullptr)
+      throw std::invalid_argument("offload_adam: stream_limit models fp32 masters; tensor " + std::to_string(k) +
+                                  " has a split one");
   const IsaKernels& kernels = active_kernels();
   const std::vector<Chunk> chunks = make_chunks(b, [](const AdamTensor&, Chunk&) {});
   const int si = static_cast<int>(b.state_dtype), gi = static_cast<int>(b.grad_dtype);
@@ -148,6 +169,25 @@ void q8_decode(const uint8_t* codes, const float* scales, int64_t n, bool second
   parallel_for((n + kChunk - 1) / kChunk, num_threads, [&](int64_t i) {
     const int64_t off = i * kChunk;
     fn(codes + off, scales + off / kQuantBlock, std::min(kChunk, n - off), values + off);
+  });
+}
+
+void split_master_encode(const float* masters, int64_t n, uint16_t* params, uint16_t* lo, uint8_t* tie,
+                         int num_threads) {
+  const IsaKernels& kernels = active_kernels();
+  parallel_for((n + kChunk - 1) / kChunk, num_threads, [&](int64_t i) {
+    const int64_t off = i * kChunk, m = std::min(kChunk, n - off);
+    for (int64_t k = 0; k < m; ++k) params[off + k] = float_to_bf16(masters[off + k]);
+    kernels.split_encode(masters + off, m, lo + off, tie + off / 8);
+  });
+}
+
+void split_master_decode(const uint16_t* params, const uint16_t* lo, const uint8_t* tie, int64_t n,
+                         float* masters, int num_threads) {
+  const IsaKernels& kernels = active_kernels();
+  parallel_for((n + kChunk - 1) / kChunk, num_threads, [&](int64_t i) {
+    const int64_t off = i * kChunk;
+    kernels.split_decode(params + off, lo + off, tie + off / 8, std::min(kChunk, n - off), masters + off);
   });
 }
 

@@ -18,7 +18,8 @@ namespace offload_adam {
 // Element types the kernels read or write besides fp32.
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
 
-// How exp_avg and exp_avg_sq (and max_exp_avg_sq) are stored; the master is always fp32.
+// How exp_avg and exp_avg_sq (and max_exp_avg_sq) are stored; the master is fp32, kept
+// as a float or split (AdamTensor::master_lo, split_master.h).
 // Per param: bytes one step moves (bf16 grads in, bf16 param copy out) / bytes held
 // (master + moments):
 //   f32   4-byte floats                                                  28 B / 12 B
@@ -57,7 +58,13 @@ enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, neon = 3 };
 
 // One tensor of a bucket. All pointers refer to `numel` contiguous elements.
 struct AdamTensor {
-  float* param = nullptr;           // fp32 master (or the fp32 param itself), updated in place
+  float* param = nullptr;           // fp32 master (or the fp32 param itself), updated in place;
+                                    // null for a split master
+  // A split master (split_master.h): the master is (param_lp, master_lo, master_tie), all
+  // three read and written in place: param_lp's bf16 values (lp_dtype must be bf16), the
+  // low 16 bits of each, and ceil(numel / 8) bytes of tie bits. Both null otherwise.
+  uint16_t* master_lo = nullptr;
+  uint8_t* master_tie = nullptr;
   void* exp_avg = nullptr;          // first moment in Bucket::state_dtype, updated in place
   void* exp_avg_sq = nullptr;       // second moment in Bucket::state_dtype, updated in place
   void* max_exp_avg_sq = nullptr;   // running max of exp_avg_sq, same format; amsgrad only, else null
@@ -119,6 +126,14 @@ void grad_sq_sums(const Bucket& bucket, double* out, int num_threads);
 void q8_encode(const float* values, int64_t n, bool second, uint8_t* codes, float* scales, int num_threads);
 void q8_decode(const uint8_t* codes, const float* scales, int64_t n, bool second, float* values,
                int num_threads);
+
+// fp32 masters to split masters (the bf16 values rounded to nearest even, the low
+// halves, ceil(n / 8) bytes of tie bits) and back, exactly (split_master.h; a NaN decodes
+// to a NaN). For checkpoints and for making a split state from fp32 masters.
+void split_master_encode(const float* masters, int64_t n, uint16_t* params, uint16_t* lo, uint8_t* tie,
+                         int num_threads);
+void split_master_decode(const uint16_t* params, const uint16_t* lo, const uint8_t* tie, int64_t n,
+                         float* masters, int num_threads);
 
 // CRC32C (Castagnoli) of n bytes at data, continuing crc (0 to start; a result passed
 // back continues it, as zlib's crc32 does): the standard CRC32C, the same number on every

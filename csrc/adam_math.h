@@ -612,5 +612,7 @@ IsaKernels make_kernels() {
   k.q8_encode[1] = &q8_encode_values<V, true>;
   k.q8_decode[0] = &q8_decode_values<V, false>;
   k.q8_decode[1] = &q8_decode_values<V, true>;
+  k.split_decode = &split_master_decode_values;
+  k.split_encode = &split_master_encode_values;
   return k;
 }

@@ -99,23 +99,23 @@ oa::StateDType moment_format(const std::vector<std::pair<const TensorList*, cons
 
 // q8 scales: one float32 tensor of quant_blocks(numel) elements per param, for each
 // moment; none for the other formats.
-void check_scales(const TensorList& scales, const char* list, const TensorList& params, oa::StateDType d) {
+void check_scales(const TensorList& scales, const char* list, const std::vector<int64_t>& numels, oa::StateDType d) {
   if (d != oa::StateDType::q8) {
     if (!scales.empty()) fail_value(std::string(list) + " are only for 8-bit (uint8) moments; leave it empty");
     return;
   }
-  if (scales.size() != params.size())
+  if (scales.size() != numels.size())
     fail_value(std::string(list) + " has " + std::to_string(scales.size()) + " tensors, params has " +
-               std::to_string(params.size()) + ": 8-bit moments need one float32 tensor of ceil(numel / " +
+               std::to_string(numels.size()) + ": 8-bit moments need one float32 tensor of ceil(numel / " +
                std::to_string(oa::kQuantBlock) + ") block scales per param");
   for (size_t i = 0; i < scales.size(); ++i) {
     check_cpu_contiguous(scales[i], list, i);
     if (scales[i].scalar_type() != at::kFloat)
       fail_type(where(list, i) + " must be float32, got " + std::string(c10::toString(scales[i].scalar_type())));
-    const int64_t want = oa::quant_blocks(params[i].numel());
+    const int64_t want = oa::quant_blocks(numels[i]);
     if (scales[i].numel() != want)
       fail_value(where(list, i) + " has " + std::to_string(scales[i].numel()) + " elements; its param's " +
-                 std::to_string(params[i].numel()) + " elements need ceil(numel / " +
+                 std::to_string(numels[i]) + " elements need ceil(numel / " +
                  std::to_string(oa::kQuantBlock) + ") = " + std::to_string(want));
   }
 }
@@ -126,11 +126,36 @@ struct BucketView {
   oa::Bucket bucket;
 };
 
+// A split master (split_master.h: master_los and master_ties given) has no fp32 params:
+// params is empty, lp_params holds the bf16 halves and says each tensor's size.
 BucketView make_bucket(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                        const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs,
                        const TensorList& lp_params, const TensorList& exp_avg_scales,
-                       const TensorList& exp_avg_sq_scales, const std::vector<int64_t>& first_indices) {
-  const size_t n = params.size();
+                       const TensorList& exp_avg_sq_scales, const std::vector<int64_t>& first_indices,
+                       const TensorList& master_los = {}, const TensorList& master_ties = {}) {
+  const bool split = !master_los.empty() || !master_ties.empty();
+  if (split && !params.empty())
+    fail_value("params must be empty with master_los and master_ties: a split master has no fp32 copy");
+  if (split && lp_params.empty()) fail_value("a split master needs lp_params: they hold its bf16 halves");
+  const TensorList& sized = split ? lp_params : params;
+  const size_t n = sized.size();
+  std::vector<int64_t> numels(n);
+  for (size_t i = 0; i < n; ++i) numels[i] = sized[i].numel();
+  if (split) {
+    check_same_length(n, master_los, "master_los", false);
+    check_same_length(n, master_ties, "master_ties", false);
+    for (size_t i = 0; i < n; ++i) {
+      if (lp_params[i].scalar_type() != at::kBFloat16)
+        fail_type(where("lp_params", i) + " must be bfloat16 with a split master, got " +
+                  std::string(c10::toString(lp_params[i].scalar_type())));
+      check_cpu_contiguous(master_los[i], "master_los", i);
+      check_cpu_contiguous(master_ties[i], "master_ties", i);
+      if (master_los[i].scalar_type() != at::kShort || master_ties[i].scalar_type() != at::kByte)
+        fail_type(where("master_los", i) + " must be int16 and " + where("master_ties", i) + " uint8");
+      check_numel(master_los[i], "master_los", i, numels[i]);
+      check_numel(master_ties[i], "master_ties", i, (numels[i] + 7) / 8);
+    }
+  }
   check_same_length(n, grads, "grads", false);
   check_same_length(n, exp_avgs, "exp_avgs", false);
   check_same_length(n, exp_avg_sqs, "exp_avg_sqs", false);
@@ -146,10 +171,10 @@ BucketView make_bucket(const TensorList& params, const TensorList& grads, const 
                                  {&grads, "grads"}, {&lp_params, "lp_params"}})
     for (size_t i = 0; i < ts->size(); ++i) {
       check_cpu_contiguous((*ts)[i], list, i);
-      check_numel((*ts)[i], list, i, params[i].numel());
+      check_numel((*ts)[i], list, i, numels[i]);
     }
-  check_scales(exp_avg_scales, "exp_avg_scales", params, fmt);
-  check_scales(exp_avg_sq_scales, "exp_avg_sq_scales", params, fmt);
+  check_scales(exp_avg_scales, "exp_avg_scales", numels, fmt);
+  check_scales(exp_avg_sq_scales, "exp_avg_sq_scales", numels, fmt);
   if (!first_indices.empty()) {
     if (first_indices.size() != n)
       fail_value("first_indices has " + std::to_string(first_indices.size()) + " entries, params has " +
@@ -167,7 +192,11 @@ BucketView make_bucket(const TensorList& params, const TensorList& grads, const 
   v.tensors.resize(n);
   for (size_t i = 0; i < n; ++i) {
     oa::AdamTensor& t = v.tensors[i];
-    t.param = params[i].data_ptr<float>();
+    t.param = split ? nullptr : params[i].data_ptr<float>();
+    if (split) {
+      t.master_lo = static_cast<uint16_t*>(master_los[i].data_ptr());
+      t.master_tie = master_ties[i].data_ptr<uint8_t>();
+    }
     t.exp_avg = exp_avgs[i].data_ptr();
     t.exp_avg_sq = exp_avg_sqs[i].data_ptr();
     t.max_exp_avg_sq = max_exp_avg_sqs.empty() ? nullptr : max_exp_avg_sqs[i].data_ptr();
@@ -177,7 +206,7 @@ BucketView make_bucket(const TensorList& params, const TensorList& grads, const 
     }
     t.grad = grads[i].data_ptr();
     t.param_lp = lp_params.empty() ? nullptr : lp_params[i].data_ptr();
-    t.numel = params[i].numel();
+    t.numel = numels[i];
     t.first_index = first_indices.empty() ? 0 : first_indices[i];
   }
   v.bucket.tensors = v.tensors.data();
@@ -195,10 +224,11 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                const TensorList& steps, double lr, double beta1, double beta2, double eps, double weight_decay,
                bool decoupled, bool maximize, double grad_scale, int64_t num_threads,
                const TensorList& exp_avg_scales, const TensorList& exp_avg_sq_scales,
-               const std::vector<int64_t>& first_indices, double grad_mul) {
+               const std::vector<int64_t>& first_indices, double grad_mul, const TensorList& master_los,
+               const TensorList& master_ties) {
   BucketView v = make_bucket(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, lp_params, exp_avg_scales,
-                             exp_avg_sq_scales, first_indices);
-  check_same_length(params.size(), steps, "steps", false);
+                             exp_avg_sq_scales, first_indices, master_los, master_ties);
+  check_same_length(v.tensors.size(), steps, "steps", false);
   // torch keeps the step count as a float32 0-dim tensor per param; the kernel
   // counts this step (+1) and writes the counts back only when it succeeded.
   // Read and written through the raw pointer: item()/fill_() would cost a
@@ -303,6 +333,42 @@ void q8_decode(const at::Tensor& codes, const at::Tensor& scales, const at::Tens
                 values.data_ptr<float>(), threads);
 }
 
+// fp32 masters <-> split masters (split_master.h): bf16 halves, int16 low halves, uint8
+// tie bits (ceil(n / 8)).
+void check_split(const at::Tensor& masters, const at::Tensor& params, const at::Tensor& lo, const at::Tensor& tie) {
+  const std::pair<const at::Tensor*, const char*> all[] = {
+      {&masters, "masters"}, {&params, "params"}, {&lo, "lo"}, {&tie, "tie"}};
+  for (const auto& [t, name] : all) check_cpu_contiguous(*t, name, 0);
+  if (masters.scalar_type() != at::kFloat) fail_type("masters must be float32");
+  if (params.scalar_type() != at::kBFloat16) fail_type("params must be bfloat16");
+  if (lo.scalar_type() != at::kShort) fail_type("lo must be int16");
+  if (tie.scalar_type() != at::kByte) fail_type("tie must be uint8");
+  const int64_t n = masters.numel();
+  if (params.numel() != n || lo.numel() != n || tie.numel() != (n + 7) / 8)
+    fail_value("masters has " + std::to_string(n) + " elements: params and lo need as many, tie ceil(n / 8) = " +
+               std::to_string((n + 7) / 8) + "; got " + std::to_string(params.numel()) + ", " +
+               std::to_string(lo.numel()) + ", " + std::to_string(tie.numel()));
+}
+
+void split_master_encode(const at::Tensor& masters, const at::Tensor& params, const at::Tensor& lo,
+                         const at::Tensor& tie, int64_t num_threads) {
+  check_split(masters, params, lo, tie);
+  const int threads = check_threads(num_threads);
+  py::gil_scoped_release no_gil;
+  oa::split_master_encode(masters.data_ptr<float>(), masters.numel(), static_cast<uint16_t*>(params.data_ptr()),
+                          static_cast<uint16_t*>(lo.data_ptr()), tie.data_ptr<uint8_t>(), threads);
+}
+
+void split_master_decode(const at::Tensor& params, const at::Tensor& lo, const at::Tensor& tie,
+                         const at::Tensor& masters, int64_t num_threads) {
+  check_split(masters, params, lo, tie);
+  const int threads = check_threads(num_threads);
+  py::gil_scoped_release no_gil;
+  oa::split_master_decode(static_cast<const uint16_t*>(params.data_ptr()),
+                          static_cast<const uint16_t*>(lo.data_ptr()), tie.data_ptr<uint8_t>(), masters.numel(),
+                          masters.data_ptr<float>(), threads);
+}
+
 // oa::crc32c of a contiguous buffer: bytes, or a memoryview (the NVMe tier's I/O threads
 // hold slices of an mmap); a non-contiguous one is a BufferError. The buffer is held
 // (an mmap cannot close under it) and the GIL released while it runs, so the I/O threads
@@ -335,7 +401,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lp_params"), py::arg("steps"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("decoupled"), py::arg("maximize"), py::arg("grad_scale"),
         py::arg("num_threads"), py::arg("exp_avg_scales") = TensorList{}, py::arg("exp_avg_sq_scales") = TensorList{},
-        py::arg("first_indices") = std::vector<int64_t>{}, py::arg("grad_mul") = 1.0);
+        py::arg("first_indices") = std::vector<int64_t>{}, py::arg("grad_mul") = 1.0,
+        py::arg("master_los") = TensorList{}, py::arg("master_ties") = TensorList{});
   m.def("stream_limit", &stream_limit, "The loads and stores of adam_step without its arithmetic",
         py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("lp_params"),
         py::arg("num_threads"), py::arg("exp_avg_scales") = TensorList{},
@@ -345,6 +412,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("values"), py::arg("codes"), py::arg("scales"), py::arg("second_moment"), py::arg("num_threads") = 1);
   m.def("q8_decode", &q8_decode, "8-bit codes and block scales -> fp32 moment", py::arg("codes"), py::arg("scales"),
         py::arg("values"), py::arg("second_moment"), py::arg("num_threads") = 1);
+  // A split master (csrc/split_master.h): the bf16 param, the master's low 16 bits (int16)
+  // and tie bits (uint8, 8 per byte); adam_step takes one with master_los/master_ties.
+  m.def("split_master_encode", &split_master_encode, "fp32 masters -> bf16 params, low halves, tie bits",
+        py::arg("masters"), py::arg("params"), py::arg("lo"), py::arg("tie"), py::arg("num_threads") = 1);
+  m.def("split_master_decode", &split_master_decode, "bf16 params, low halves, tie bits -> fp32 masters",
+        py::arg("params"), py::arg("lo"), py::arg("tie"), py::arg("masters"), py::arg("num_threads") = 1);
   m.def("grad_sq_sums", &grad_sq_sums, "Per-tensor sum of squares, accumulated in double", py::arg("grads"),
         py::arg("num_threads"));
   m.def("crc32c", &crc32c_of_buffer, "CRC32C (Castagnoli) of a buffer, continuing value; the GIL is released",

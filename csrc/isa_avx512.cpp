@@ -14,6 +14,7 @@
 namespace offload_adam {
 namespace {
 #include "float_bits.h"
+#include "split_master.h"
 #include "simd_scalar.h"
 #include "simd_avx512.h"
 #include "adam_math.h"

@@ -21,6 +21,8 @@ struct Chunk {
   float* exp_avg_sq_scale;
   const void* grad;
   void* param_lp;          // may be null
+  uint16_t* master_lo;     // a split master's low halves and tie bits (split_master.h), or
+  uint8_t* master_tie;     // null; the driver decodes them into `param` and encodes back
   int64_t n;
   int64_t tensor;          // index of its tensor in the bucket
   float step_size;         // lr / (1 - beta1^t)
@@ -48,6 +50,9 @@ using SqSumFn = double (*)(const void* grad, int64_t n);
 // q8 <-> fp32 over whole blocks (n may end in a partial block); scales: one per block.
 using Q8EncodeFn = void (*)(const float* values, int64_t n, uint8_t* codes, float* scales);
 using Q8DecodeFn = void (*)(const uint8_t* codes, const float* scales, int64_t n, float* values);
+// A split master (split_master.h) to fp32 and back, n elements; tie bits 8 per byte.
+using SplitDecodeFn = void (*)(const uint16_t* p, const uint16_t* lo, const uint8_t* tie, int64_t n, float* out);
+using SplitEncodeFn = void (*)(const float* m, int64_t n, uint16_t* lo, uint8_t* tie);
 // CRC32C of n bytes continuing crc (crc32c.h).
 using Crc32cFn = uint32_t (*)(uint32_t crc, const void* data, int64_t n);
 
@@ -59,6 +64,8 @@ struct IsaKernels {
   SqSumFn sq_sum[3];
   Q8EncodeFn q8_encode[2];  // [0] exp_avg, [1] exp_avg_sq
   Q8DecodeFn q8_decode[2];
+  SplitDecodeFn split_decode;
+  SplitEncodeFn split_encode;
   Crc32cFn crc32c;          // the SSE4.2 instruction (x86 variants) or the table step
 };
 

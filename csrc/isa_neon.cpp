@@ -15,6 +15,7 @@
 namespace offload_adam {
 namespace {
 #include "float_bits.h"
+#include "split_master.h"
 #include "simd_scalar.h"
 #include "simd_neon.h"
 #include "adam_math.h"

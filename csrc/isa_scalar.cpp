@@ -9,6 +9,7 @@
 namespace offload_adam {
 namespace {  // internal linkage: each ISA unit keeps its own copy of the inline code
 #include "float_bits.h"
+#include "split_master.h"
 #include "simd_scalar.h"
 #include "adam_math.h"
 #include "crc32c.h"

@@ -130,7 +130,9 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               steps: Sequence[torch.Tensor], hyper: Hyper, grad_scale: float,
               num_threads: int, exp_avg_scales: Sequence[torch.Tensor] = (),
               exp_avg_sq_scales: Sequence[torch.Tensor] = (),
-              first_indices: Sequence[int] = (), grad_mul: float = 1.0) -> None:
+              first_indices: Sequence[int] = (), grad_mul: float = 1.0,
+              master_los: Sequence[torch.Tensor] = (),
+              master_ties: Sequence[torch.Tensor] = ()) -> None:
     """One fused Adam/AdamW step of a list of tensors (csrc/binding.cpp).
 
     params: fp32 tensors updated in place (a param, or the master of a bf16/fp16
@@ -144,14 +146,16 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     their format (state_format.py): 8-bit ones come with their block scales;
     first_indices: where each tensor starts in its param (a piece of a param cut
     in ranges), so that stochastic rounding draws the same bits however a param
-    is cut. The GIL is released."""
+    is cut. master_los, master_ties: split masters (split_master.py), params then empty
+    and lp_params the bf16 halves, read and written. The GIL is released."""
     kernels().adam_step(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
         list(max_exp_avg_sqs) if hyper.amsgrad else [], list(lp_params), list(steps),
         hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
         hyper.decoupled_weight_decay, hyper.maximize, float(grad_scale), int(num_threads),
         exp_avg_scales=list(exp_avg_scales), exp_avg_sq_scales=list(exp_avg_sq_scales),
-        first_indices=[int(i) for i in first_indices], grad_mul=float(grad_mul))
+        first_indices=[int(i) for i in first_indices], grad_mul=float(grad_mul),
+        master_los=list(master_los), master_ties=list(master_ties))
     _say_threads_refused()
 
 
