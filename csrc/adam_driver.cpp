@@ -4,6 +4,7 @@
 // here once, in double or in integers.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -130,10 +131,11 @@ void adam_step(const Bucket& b, const AdamHyper& h, int num_threads) {
     if (c.master_lo == nullptr) return step(c, s);
     // A split master: decoded into this thread's scratch (128 KiB, cache-resident), stepped
     // there, its low halves and tie bits encoded back; the kernel writes the bf16 half.
+    // (aligned to a cache line, as the tensors: no vector load splits a line)
     thread_local std::vector<float> scratch;
-    scratch.resize(kChunk);
+    scratch.resize(kChunk + 16);
     Chunk whole = c;
-    whole.param = scratch.data();
+    whole.param = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
     kernels.split_decode(static_cast<const uint16_t*>(c.param_lp), c.master_lo, c.master_tie, c.n, whole.param);
     step(whole, s);
     kernels.split_encode(whole.param, c.n, c.master_lo, c.master_tie);

@@ -180,7 +180,8 @@ class KernelArgs:
     grads, in the same order."""
 
     __slots__ = ("work", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "lp_params", "steps",
-                 "exp_avg_scales", "exp_avg_sq_scales", "first_indices")
+                 "exp_avg_scales", "exp_avg_sq_scales", "first_indices", "master_los",
+                 "master_ties")
 
     def __init__(self):
         self.work: List[torch.Tensor] = []    # fp32, updated: a param, or a param's master
@@ -192,9 +193,11 @@ class KernelArgs:
         self.exp_avg_scales: List[torch.Tensor] = []   # 8-bit moments' block scales
         self.exp_avg_sq_scales: List[torch.Tensor] = []
         self.first_indices: List[int] = []
+        self.master_los: List[torch.Tensor] = []    # split masters (all or none of a call)
+        self.master_ties: List[torch.Tensor] = []
 
     def __len__(self) -> int:
-        return len(self.work)
+        return len(self.steps)
 
     def add(self, state: ParamState, out: Optional[torch.Tensor] = None,
             first_index: int = 0) -> None:
@@ -202,18 +205,31 @@ class KernelArgs:
         one, `out`: an fp32 param that is its own master), with its moments and step
         count, and writes the master rounded into `out` when it has both (a bf16/fp16
         param or its staging: all or none of a call's); `first_index`: where it starts
-        in its param (a piece of a param cut in ranges)."""
-        work = state.master if state.master is not None else out
-        if work is None:
-            raise ValueError("offload_adam: internal error: a state without a master "
-                             "needs the param it steps")
-        self.work.append(work)
+        in its param (a piece of a param cut in ranges). A split master (master_lo and
+        master_tie) steps with `out` as its high half: its bf16 param, read and written."""
+        split = state.master_lo is not None
+        if len(self) and split != bool(self.master_los):
+            raise ValueError("offload_adam: internal error: the masters of one kernel call "
+                             "are all split or none")
+        if split:
+            if out is None or out.dtype != torch.bfloat16 or state.master is not None:
+                raise ValueError("offload_adam: internal error: a split master steps with "
+                                 "its bf16 param as its high half")
+            self.master_los.append(state.master_lo)
+            self.master_ties.append(state.master_tie)
+            self.lp_params.append(out)
+        else:
+            work = state.master if state.master is not None else out
+            if work is None:
+                raise ValueError("offload_adam: internal error: a state without a master "
+                                 "needs the param it steps")
+            self.work.append(work)
         self.exp_avgs.append(state.exp_avg)
         self.exp_avg_sqs.append(state.exp_avg_sq)
         self.steps.append(state.step)
         if state.max_exp_avg_sq is not None:
             self.max_exp_avg_sqs.append(state.max_exp_avg_sq)
-        if state.master is not None and out is not None:
+        if state.master is not None and out is not None and not split:
             self.lp_params.append(out)
         if state.exp_avg_scale is not None:
             self.exp_avg_scales.append(state.exp_avg_scale)
@@ -224,12 +240,16 @@ class KernelArgs:
             num_threads: int, work: Optional[Sequence[torch.Tensor]] = None,
             lp_params: Optional[Sequence[torch.Tensor]] = None, grad_mul: float = 1.0) -> None:
         """adam_step over the tensors added, with `grads` in their order; `work` and
-        `lp_params` replace the lists added (stepping some through copies)."""
+        `lp_params` replace the lists added (stepping some through copies; not split
+        masters, whose param is their high half)."""
+        if self.master_los and (work is not None or lp_params is not None):
+            raise ValueError("offload_adam: internal error: split masters step in place")
         adam_step(self.work if work is None else work, grads, self.exp_avgs, self.exp_avg_sqs,
                   self.max_exp_avg_sqs, self.lp_params if lp_params is None else lp_params,
                   self.steps, hyper, grad_scale, num_threads, self.exp_avg_scales,
                   self.exp_avg_sq_scales,
-                  self.first_indices if any(self.first_indices) else (), grad_mul)
+                  self.first_indices if any(self.first_indices) else (), grad_mul,
+                  self.master_los, self.master_ties)
 
 
 def grad_sq_sums(grads: Sequence[torch.Tensor], num_threads: int) -> List[float]:

@@ -10,6 +10,10 @@ The state of a param (or of a piece of one) is a few tensors, each with a role:
     max_exp_avg_sq    amsgrad only
     exp_avg_scale,    8-bit moments only: one fp32 scale per block of 256
     exp_avg_sq_scale
+    master_lo,        a split master (split_master.py): its low 16 bits (int16) and tie
+    master_tie        bits (uint8, 8 per byte), the high half being the bf16 param the
+                      kernel is given as its output, read and written; master is None.
+                      (Kernel-ready; no store holds one yet: they are not in ROLES.)
 
 Every store holds them its own way: optimizer.state[p] (a dict under torch's keys,
 inplace.py), the engine's host arenas (a piece's slices of them, engine/layout.py), a
@@ -45,6 +49,8 @@ class ParamState:
     max_exp_avg_sq: Optional[torch.Tensor] = None
     exp_avg_scale: Optional[torch.Tensor] = None
     exp_avg_sq_scale: Optional[torch.Tensor] = None
+    master_lo: Optional[torch.Tensor] = None
+    master_tie: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, get: Callable[[str], Optional[torch.Tensor]]) -> "ParamState":

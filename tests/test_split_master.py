@@ -193,3 +193,61 @@ def test_the_step_benchmark_runs_and_prints_every_variant():
     from offload_adam.kernel_step import kernels
     assert len(rows) == 4 * len(kernels().supported_isas()), out.stdout
     assert all(float(r[3]) > 0 for r in rows), out.stdout
+
+
+def test_kernel_args_step_split_states_as_fp32_masters_bitwise():
+    """kernel_step.KernelArgs, what every stepper calls the kernel through: records with a
+    split master (param_state.ParamState's master_lo/master_tie, the bf16 param as the
+    output) step bit for bit as records with the fp32 master, parts of a param included
+    (first_index: the rounding's element indices, the tie bits' byte)."""
+    from offload_adam.kernel_step import Hyper, KernelArgs
+    from offload_adam.param_state import ParamState
+    gen = torch.Generator().manual_seed(4)
+    sizes, cut = [1000, 70001], 32768
+    masters0 = [torch.randn(n, generator=gen) * 0.02 for n in sizes]
+    grads = [[(torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16) for n in sizes]
+             for _ in range(3)]
+    hyper = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=False,
+                  maximize=False, decoupled_weight_decay=True)
+    out = {}
+    for split in (False, True):
+        ms = [m.clone() for m in masters0]
+        mom = [(torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16))
+               for n in sizes]
+        steps = [torch.tensor(0.0), torch.tensor(0.0), torch.tensor(0.0)]
+        if split:
+            coded = [split_master.encode(m) for m in ms]
+        lps = [c[0] for c in coded] if split else [torch.empty(n, dtype=torch.bfloat16)
+                                                  for n in sizes]
+        # pieces: param 0 whole; param 1 in two parts [0, cut) and [cut, n)
+        pieces = [(0, 0, sizes[0]), (1, 0, cut), (1, cut, sizes[1])]
+        for g in grads:
+            args = KernelArgs()
+            for k, (i, a, b) in enumerate(pieces):
+                st = ParamState(steps[k], mom[i][0][a:b], mom[i][1][a:b])
+                if split:
+                    st.master_lo = coded[i][1][a:b]
+                    st.master_tie = coded[i][2][a // 8:(b + 7) // 8]
+                else:
+                    st.master = ms[i][a:b]
+                args.add(st, lps[i][a:b], a)
+            args.run([g[i][a:b] for i, a, b in pieces], hyper, 1.0, 2)
+        if split:
+            ms = [split_master.decode(*c) for c in coded]
+        out[split] = (ms, lps, mom)
+    for x, y in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    for (a, b), (c, d) in zip(out[False][2], out[True][2]):
+        assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+        assert torch.equal(b.view(torch.uint8), d.view(torch.uint8))
+    # one call's masters are all split or none; a split one needs its bf16 param
+    lo_st = ParamState(torch.tensor(0.0), torch.zeros(8), torch.zeros(8),
+                       master_lo=torch.zeros(8, dtype=torch.int16),
+                       master_tie=torch.zeros(1, dtype=torch.uint8))
+    args = KernelArgs()
+    args.add(ParamState(torch.tensor(0.0), torch.zeros(8), torch.zeros(8), torch.zeros(8)),
+             torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="all split or none"):
+        args.add(lo_st, torch.zeros(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16 param as its high half"):
+        KernelArgs().add(lo_st, torch.zeros(8, dtype=torch.float16))
