@@ -79,7 +79,7 @@ def held(monkeypatch):
     Held.release.set()
 
 
-def _run(defer, steps=4, streamed=True, layers=16, read=True, **kw):
+def _run(defer, steps=4, streamed=True, layers=16, read=True, clip_inf=False, **kw):
     """Trains `steps` steps (one micro-batch each, as step_in_backward asks); after each
     step(), before anything waited, reads a deferred block's moments through opt.state
     and the model's values through its state_dict (both must wait). Returns the model,
@@ -92,6 +92,8 @@ def _run(defer, steps=4, streamed=True, layers=16, read=True, **kw):
     reads, pending = [], []
     for it in range(steps):
         llama_loss(model, it).backward()
+        if clip_inf:   # what HF Trainer does with max_grad_norm=0: a norm, grads times 1
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         opt.step()
         pending.append(opt._engine.tail_pending)
         if read:
@@ -128,6 +130,20 @@ def test_deferred_blocks_train_bitwise_as_without(device, late, defer):
     _same_reads(resident[2], deferred[2])
     assert_same_training(plain[:2], deferred[:2])
     assert_same_training(resident[:2], deferred[:2])
+
+
+@pytest.mark.parametrize("defer", [0, 3])
+def test_grads_multiplied_by_one_after_backward_train_as_untouched(device, late, defer):
+    """clip_grad_norm_ at max_norm inf between backward and step() (HF Trainer calls it
+    every step with max_grad_norm=0) multiplies every grad by 1 in place: their versions
+    move, their values do not, and step() accepts them. It then copied them to the host
+    again, into the ring room the deferred steps read after step() (their blocks came out
+    NaN on the simulated device, whose late copies read as poison; found from outside;
+    without deferral the copy was only wasted): trained bit for bit as without the call."""
+    untouched = _run(defer, steps=3)
+    clipped = _run(defer, steps=3, clip_inf=True)
+    _same_reads(untouched[2], clipped[2])
+    assert_same_training(untouched[:2], clipped[:2])
 
 
 def test_the_ring_holds_the_deferred_blocks_grads(device):

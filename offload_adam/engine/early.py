@@ -471,6 +471,13 @@ class EarlyStart:
                 self._replaced = True
                 return (f"the optimizer state of {rec.label()} was replaced "
                         "(load_state_dict?) after its step started")
+        # A grad whose version moved with its values as copied (clip_grad_norm_ at inf
+        # multiplies by 1; Trainer calls it every step) is its copy's grad as it is now:
+        # said so, or step() would copy it again, into ring room that the steps deferred
+        # past step() read before it lands (found from outside)
+        for r in kept:
+            if id(r) in same and id(r) not in edited:
+                r.copy.version = r.param.grad._version
         now: Dict[int, Hyper] = {}
         for b in engine.buckets:
             used = self._hyper.get(b.group)
