@@ -1372,6 +1372,12 @@ class ParamStreamer:
         _refuse_assign)."""
         if meta and meta.get("assign_to_params_buffers") and loaded:
             self._refuse_assign(block.name, loaded)(block.module, set(loaded), "", meta)
+        if self._graph_task is not None and not _in_backward():
+            # the last backward raised (a Ctrl-C, an out-of-memory, a hook's error): its
+            # end never ran, and the blocks it fetched still showed as computing, so a
+            # checkpoint's load (the way back) was refused until a forward and backward
+            # ran through (found from outside). As at the next forward: released now
+            self._end_of_backward(completed=False)
         root = block.loading_root
         if block.loading and (module is root or not any(m is module for m in root.modules())):
             # (a load nests only inside its outermost module's: this one is a new load,

@@ -1784,6 +1784,41 @@ def test_a_backward_that_raised_leaves_no_block_on_the_device(device, when):
     assert_same_training(*runs)
 
 
+def test_a_checkpoint_loads_after_a_backward_that_raised(device):
+    """A backward that raised inside block 4 (a Ctrl-C, an out-of-memory error) left the
+    blocks it fetched showing as computing until a forward ran: model.load_state_dict(),
+    the way back to a checkpoint (HF Trainer's resume in the same process), was refused
+    as a load from the block's own hooks (found from outside). Loaded now, the values are
+    the checkpoint's, no block stays on the device, and training goes on as the resident
+    model's loaded from the same checkpoint, bit for bit."""
+    runs, failing = [], []
+    for streamed in (False, True):
+        model = make_llama(layers=6)
+        if streamed:
+            offload_adam.stream_params(model, Block, prefetch=2)
+        model.layers[4].mlp_norm.register_forward_hook(
+            lambda m, args, out: _RaiseInBackward.apply(out) if failing else out)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        train(model, opt, 1)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        opt_saved = opt.state_dict()
+        train(model, opt, 1, start=1)
+        failing.append(True)
+        with pytest.raises(ValueError, match="raised in backward"):
+            llama_loss(model, 7).backward()
+        failing.clear()
+        opt.zero_grad()
+        model.load_state_dict(saved)
+        opt.load_state_dict(opt_saved)
+        if streamed:
+            assert device.counters()["materialized_bytes"] == 0
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+        train(model, opt, 2, start=1)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
 def _train_on_after_a_raise(device, model, opt, streamer, prefetch):
     """Three steps of two micro-batches after a forward or backward of make_llama(layers=6)
     that raised; `streamer` (None: resident), then: the first step's micro-batches move
