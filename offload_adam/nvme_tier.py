@@ -1298,7 +1298,9 @@ class FileStore:
 
         self._refuse_a_mix(saved_of)
         self._abandon_early("the optimizer state was replaced (load_state_dict) after "
-                            "its step started during backward")
+                            "its step started during backward (a load after an exception "
+                            "between backward and step(), a Ctrl-C: opt.step() finishes "
+                            "that step and opt.zero_grad() drops it, before the load)")
         stepped: set = set()
 
         # a param in parts: its state converted once for all its parts, kept until its last

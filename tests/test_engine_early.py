@@ -598,6 +598,27 @@ def test_accumulation_is_an_error(path):
     _check_left_state(opt, model, before, after, str(err.value), path.files)
 
 
+def test_a_load_after_a_step_that_never_came_says_how_to_go_on(path):
+    """An exception between backward and step() (a Ctrl-C; HF Trainer's resume in the same
+    process then loads a checkpoint and trains): the steps that started in backward were
+    neither finished nor dropped, and the refusal (at the next backward in RAM, at step()
+    with the files, whose load abandons the pass) named accumulation or a replaced state
+    only (found from outside). It says what to call; calling it, training goes on."""
+    model, opt, before = _in_second_backward()
+    opt.load_state_dict(opt.saved_before_backward)
+    with pytest.raises(RuntimeError, match=r"opt.step\(\) finishes that step and "
+                                           r"opt.zero_grad\(\) drops it"):
+        backward(model, 2)
+        opt.step()
+    model, opt, before = _in_second_backward()
+    opt.step()   # what the message says: the step finished, then the checkpoint loaded
+    opt.zero_grad()
+    opt.load_state_dict(opt.saved_before_backward)
+    backward(model, 2)
+    opt.step()
+    assert {float(st["step"]) for st in opt.state_dict()["state"].values()} == {2.0}
+
+
 # ---- less travelled branches ------------------------------------------------------------
 # bucket_mb this small puts every param of the MLP in a bucket of its own.
 

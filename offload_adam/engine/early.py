@@ -112,8 +112,11 @@ class EarlyStart:
                 self.backward_raised()    # takes no grad of a param stepped in that one)
             self.error = self.error or (
                 "a grad arrived again for a param whose step already started during "
-                "backward (gradient accumulation over micro-batches, or a param used "
-                "again after its grad was final)")
+                "backward (gradient accumulation over micro-batches, a param used "
+                "again after its grad was final, or no step() after the backward that "
+                "started it: an exception between backward and step(), a Ctrl-C, before "
+                "a checkpoint's load and this backward; there, opt.step() finishes that "
+                "step and opt.zero_grad() drops it, saying what stays stepped)")
             msg = self.error
             if distributed.is_dtensor(rec.param):
                 # FSDP2 runs this hook inside its own step of backward (after the
