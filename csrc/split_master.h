@@ -29,17 +29,18 @@
 // (adam_driver.cpp), so the fp32 master never goes to DRAM.
 //
 // No #includes: ISA translation units include this inside their anonymous namespace
-// after float_bits.h. Plain loops over one tie byte (8 elements): the compiler vectorizes
-// them with the unit's flags; the formula is the scalar reference for every variant.
+// after float_bits.h. Plain element-wise loops (the tie bits unpacked to bytes first): the
+// compiler vectorizes them with the unit's flags; the formula is written once, below.
 #pragma once
 
-inline float split_master_value(uint16_t p, uint16_t lo, bool tie) {
-  const uint32_t up = (lo > 0x8000u || (lo == 0x8000u && tie)) ? 1u : 0u;
-  const uint32_t hi = (static_cast<uint32_t>(p) - up) & 0xFFFFu;
-  return float_of((hi << 16) | lo);
+// The formula, element by element (both branch-free, so that the loops below, which
+// call them, vectorize): the master's bits from (p, lo, tie 0 or 1), and m's tie bit.
+inline uint32_t split_master_bits(uint32_t p, uint32_t lo, uint32_t tie) {
+  const uint32_t up = static_cast<uint32_t>(lo > 0x8000u) | (static_cast<uint32_t>(lo == 0x8000u) & tie);
+  return (p - up) << 16 | lo;
 }
 
-inline bool split_master_tie(uint32_t m) { return (m & 0xFFFFu) == 0x8000u && ((m >> 16) & 1u); }
+inline uint32_t split_master_tie(uint32_t m) { return static_cast<uint32_t>((m & 0xFFFFu) == 0x8000u) & (m >> 16); }
 
 // Eight tie bits <-> eight bytes of 0 or 1 (element k in byte k), so that the loops over
 // elements are plain element-wise ones the compiler vectorizes: unpacking keeps bit k of
@@ -67,11 +68,7 @@ void split_master_decode_values(const uint16_t* p, const uint16_t* lo, const uin
     const uint16_t* pb = p + b0;
     const uint16_t* lb = lo + b0;
     float* ob = out + b0;
-    for (int64_t k = 0; k < m; ++k) {
-      const uint32_t l = lb[k];
-      const uint32_t up = static_cast<uint32_t>(l > 0x8000u) | (static_cast<uint32_t>(l == 0x8000u) & t[k]);
-      ob[k] = float_of((static_cast<uint32_t>(pb[k]) - up) << 16 | l);
-    }
+    for (int64_t k = 0; k < m; ++k) ob[k] = float_of(split_master_bits(pb[k], lb[k], t[k]));
   }
 }
 
@@ -86,7 +83,7 @@ void split_master_encode_values(const float* m, int64_t n, uint16_t* lo, uint8_t
     for (int64_t k = 0; k < c; ++k) {
       const uint32_t u = bits_of(mb[k]);
       lb[k] = static_cast<uint16_t>(u);
-      t[k] = static_cast<uint8_t>(static_cast<uint32_t>((u & 0xFFFFu) == 0x8000u) & (u >> 16));
+      t[k] = static_cast<uint8_t>(split_master_tie(u));
     }
     for (int64_t k = c; k % 8; ++k) t[k] = 0;  // the last byte's unused bits
     for (int64_t j = 0; j < (c + 7) / 8; ++j) {

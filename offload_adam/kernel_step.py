@@ -229,7 +229,7 @@ class KernelArgs:
         self.steps.append(state.step)
         if state.max_exp_avg_sq is not None:
             self.max_exp_avg_sqs.append(state.max_exp_avg_sq)
-        if state.master is not None and out is not None and not split:
+        if state.master is not None and out is not None:
             self.lp_params.append(out)
         if state.exp_avg_scale is not None:
             self.exp_avg_scales.append(state.exp_avg_scale)

@@ -950,8 +950,7 @@ class ParamStreamer:
                 self._use(block, "b")
         else:
             self._one_thread_forwards(block)
-            if self._graph_task is not None:   # the last backward raised: its end never ran
-                self._end_of_backward(completed=False)
+            self._end_raised_backward()
             self._use(block, "f")
 
     def _one_thread_forwards(self, block: Optional[_Block]) -> None:
@@ -1182,6 +1181,12 @@ class ParamStreamer:
             self._graph_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    def _end_raised_backward(self) -> None:
+        """Outside backward: the last backward raised (a Ctrl-C, an out-of-memory error, a
+        hook's): its end never ran, the blocks it fetched are still here; ended now."""
+        if self._graph_task is not None and not _in_backward():
+            self._end_of_backward(completed=False)
+
     def _end_of_backward(self, completed: bool = True) -> None:
         """`completed=False`: at the next forward after a backward that raised (in a hook,
         a custom Function's backward). Autograd runs the callbacks queued on a backward
@@ -1372,12 +1377,9 @@ class ParamStreamer:
         _refuse_assign)."""
         if meta and meta.get("assign_to_params_buffers") and loaded:
             self._refuse_assign(block.name, loaded)(block.module, set(loaded), "", meta)
-        if self._graph_task is not None and not _in_backward():
-            # the last backward raised (a Ctrl-C, an out-of-memory, a hook's error): its
-            # end never ran, and the blocks it fetched still showed as computing, so a
-            # checkpoint's load (the way back) was refused until a forward and backward
-            # ran through (found from outside). As at the next forward: released now
-            self._end_of_backward(completed=False)
+        # (the blocks a backward that raised fetched showed as computing, so a checkpoint's
+        # load, the way back, was refused until a forward ran: found from outside)
+        self._end_raised_backward()
         root = block.loading_root
         if block.loading and (module is root or not any(m is module for m in root.modules())):
             # (a load nests only inside its outermost module's: this one is a new load,
