@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import sys
 import weakref
@@ -79,12 +80,12 @@ from .state_store import Lent, Loaded
 from .param_state import ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .byte_view import byte_view
-from .nvme.direct_io import crc32
+from .nvme.direct_io import crc32, written_pages
 from .nvme.layout import shown
 from .nvme.pipeline import AHEAD
 from .nvme.store import STATE_FILES, OtherState
-from .state_format import (MASTER_KEY, MOMENT_KEYS, SCALE_KEYS, STATE_KEYS, float32_moment,
-                           state_format, stored_key, stored_state)
+from .state_format import (MASTER_KEY, MOMENT_KEYS, Q8_FORMAT, Q8_FORMAT_KEY, SCALE_KEYS,
+                           STATE_KEYS, float32_moment, state_format, stored_key, stored_state)
 from .warn import warn
 
 _MB = 2 ** 20
@@ -376,6 +377,7 @@ class FileStore:
         # of a closed optimizer's over these files, still held: this one's writes rewrite
         # their place too
         self._handed: Optional[_Handed] = _HELD_AFTER_CLOSE.pop(self.state.uuid, None)
+        self._serial = next(_SERIALS)   # (whose state_dict() a load is given: _own_unchanged)
         self._held_warned = False   # (_warn_held: once, not at every step of a loop)
         self._early = None   # step_in_backward: the pass that starts in backward
         files = [[e.entry() for e in b] if all(e.rec is not None for e in b) else None
@@ -1202,6 +1204,7 @@ class FileStore:
                      for i, p in zip(saved["params"], g["params"])}
         parts: Dict[int, List[ParamState]] = {}   # a param in parts: those seen so far
         held: weakref.WeakSet = weakref.WeakSet()
+        by_param: Dict[int, Dict[str, weakref.ref]] = {}
         for i, bucket in enumerate(self.buckets):
             views = self.state.views(i)
             for e in bucket:
@@ -1238,8 +1241,10 @@ class FileStore:
                     continue
                 state[saved_id] = _with_edits(st, entry or {})
                 held.update(v for v in st.values() if isinstance(v, torch.Tensor))
+                by_param[id(e.param)] = {k: weakref.ref(v) for k, v in st.items()}
         self._handed = _Handed(self.state.step,
-                               None if self.compact else list(self.state.slots), held)
+                               None if self.compact else list(self.state.slots), held,
+                               (self._serial, self.state.commits), by_param)
         return {**sd, "state": state}
 
     def _joined(self, param, parts: List[ParamState]) -> ParamState:
@@ -1282,7 +1287,8 @@ class FileStore:
         """Writes a loaded state dict into the files, bucket by bucket: for each param its
         saved state converted to its group's format (state_format.py), or a fresh one.
         `loaded`: (its key in `saved_state`, param, group) each; optimizer `state` keeps
-        an empty entry per param stepped (`_mark`)."""
+        an empty entry per param stepped (`_mark`). This store's own last state_dict(),
+        untouched, is the files' already: nothing is written (_own_unchanged)."""
         saved_ids = {id(p): saved_id for saved_id, p, _ in loaded}
         # the loaded entries' keys of the user's own (torch loaded them into `state`): they
         # stay in RAM, beside the state in the files, as torch's optimizers keep them
@@ -1296,11 +1302,18 @@ class FileStore:
         def saved_of(e: _Param) -> dict:
             return saved_state.get(saved_ids.get(id(e.param))) or {}
 
-        self._refuse_a_mix(saved_of)
+        unchanged = self._own_unchanged(saved_of)
+        if not unchanged:
+            self._refuse_a_mix(saved_of)
         self._abandon_early("the optimizer state was replaced (load_state_dict) after "
                             "its step started during backward (a load after an exception "
                             "between backward and step(), a Ctrl-C: opt.step() finishes "
                             "that step and opt.zero_grad() drops it, before the load)")
+        if unchanged:   # the files hold it already: as if nothing was loaded
+            for p, mine in extras.items():
+                state[p] = mine
+            self._mark(state)
+            return
         stepped: set = set()
 
         # a param in parts: its state converted once for all its parts, kept until its last
@@ -1345,6 +1358,36 @@ class FileStore:
         # the params still as state_resume=True set them were checked to be the loaded
         # state's (_refuse_a_mix): they stay to check at the next step
         self._resumed = {k: v for k, v in self._resumed.items() if mark(v[0].param) == v[1]}
+
+    def _own_unchanged(self, saved_of) -> bool:
+        """Whether the state dict being loaded is this store's last state_dict() as it
+        handed it: each param's entry holds the very tensors mapped from the files (and no
+        other state), none written into since (their pages still the files', pagemap),
+        and the files have committed nothing since. Loading it would write the files'
+        own bytes back: a whole pass over the state (minutes for a 70B one), which
+        Accelerate asks at every start (its AcceleratedOptimizer loads the optimizer's
+        own state_dict()), and a warning that those tensors are still held (the load
+        holds them). Anything else (a copy, a torch.load, an edit) is loaded."""
+        handed = self._handed
+        if handed is None or handed.when != (self._serial, self.state.commits):
+            return False
+        tensors = []
+        for e in {id(e.param): e for b in self.buckets for e in b}.values():
+            saved = saved_of(e)
+            mine = handed.by_param.get(id(e.param), {})
+            if mine and int(saved.get(Q8_FORMAT_KEY, Q8_FORMAT)) != Q8_FORMAT:
+                return False
+            # (the dict's keys: 8-bit moments as codes, beside their format)
+            ours = {stored_key(k): v for k, v in saved.items()
+                    if k in STATE_KEYS and k != Q8_FORMAT_KEY}
+            if ours.keys() != mine.keys():
+                return False
+            for k, ref in mine.items():
+                if ours[k] is not ref() or not isinstance(ours[k], torch.Tensor):
+                    return False
+                tensors.append(ours[k])
+        return all(written_pages(t.data_ptr(), t.numel() * t.element_size()) is False
+                   for t in tensors)
 
     def _local_saved(self, e: _Param, saved: dict) -> dict:
         """Param e's state in a state dict, under the state's keys, as this rank's shard."""
@@ -1449,11 +1492,16 @@ class _Handed(NamedTuple):
     step: int                     # the files' step count then
     slots: Optional[List[int]]    # two generations: each bucket's current slot then
     held: "weakref.WeakSet"
+    # which store handed them, at which manifest (NvmeState.commits: the files' bytes
+    # since unchanged while it is the same), and each param's (by id) {key: tensor}
+    when: Tuple[int, int] = (-1, -1)
+    by_param: Dict[int, Dict[str, "weakref.ref"]] = {}
 
 
 # state uuid -> the last state_dict()'s tensors of a closed optimizer over those files:
 # handed to the next optimizer that opens them
 _HELD_AFTER_CLOSE: Dict[str, _Handed] = {}
+_SERIALS = itertools.count()
 
 
 class InFiles(dict):

@@ -856,6 +856,73 @@ def test_a_held_state_dict_of_a_closed_optimizer_warns_at_the_next_ones_rewrite(
     again.close()
 
 
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "8bit"])
+def test_loading_its_own_untouched_state_dict_writes_nothing(kernels, tmp_path, footprint, fmt):
+    """Accelerate's AcceleratedOptimizer loads the optimizer's own state_dict() when it
+    wraps it, at every start (found from outside: after state_resume=True that warned
+    that the dict's tensors were still held, the user holding none, and rewrote the whole
+    state). That dict, untouched, writes nothing, says nothing and trains on as without
+    the load; a copy of it is loaded, and so is the dict edited in place (its tensors are
+    copy-on-write maps of the files: the edit is the state loaded)."""
+    from offload_adam.nvme.manifest import MANIFEST
+    from offload_adam.nvme.store import DATA_FILE
+    key = "exp_avg_codes" if fmt == "8bit" else "exp_avg"
+
+    def run(how, resume=False):
+        folder = tmp_path / f"{how}{resume}"
+        folder.mkdir()
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(64, 64, generator=gen).bfloat16())
+                  for _ in range(3)]
+        kw = dict(state_dirs=[folder], state_footprint=footprint, state_dtype=fmt,
+                  bucket_mb=0.02)
+        opt = offload_adam.AdamW(params, **kw)
+
+        def step():
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            opt.step()
+        step()
+        step()
+        if resume:   # (the Trainer's resume under Accelerate)
+            opt.close()
+            opt = offload_adam.AdamW(params, state_resume=True, **kw)
+        files = [os.stat(folder / name) for name in (MANIFEST, DATA_FILE)]
+        sd = opt.state_dict()
+        if how in ("copy", "edited copy"):   # (the mapped dict dropped: not held)
+            sd = copy.deepcopy(sd)
+            gc.collect()
+        if how in ("edit", "edited copy"):
+            sd["state"][1][key].zero_()
+        with warnings.catch_warnings():
+            # (an edited dict is loaded from its maps: compact warns that they are held)
+            warnings.simplefilter("ignore" if how == "edit" else "error")
+            opt.load_state_dict(sd)
+        now = [os.stat(folder / name) for name in (MANIFEST, DATA_FILE)]
+        written = [(a.st_ino, a.st_mtime_ns) != (b.st_ino, b.st_mtime_ns)
+                   for a, b in zip(files, now)]
+        del sd
+        step()
+        step()
+        opt.close()
+        return written, [p.detach().clone() for p in params]
+
+    _, plain = run("none")
+    for resume in (False, True):
+        written, got = run("own", resume)
+        assert written == [False, False]
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    written, got = run("copy")
+    assert written == [True, True]
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    written, edited = run("edit")
+    assert written == [True, True]
+    _, wanted = run("edited copy")
+    assert all(torch.equal(a, b) for a, b in zip(edited, wanted))
+    assert not torch.equal(edited[1], plain[1]) and torch.equal(edited[0], plain[0])
+
+
 # (the limits set by the parent before exec: the child imports no `resource` of its own,
 # which offload_adam must have imported before it runs out of descriptors)
 _MANY_TENSORS = """

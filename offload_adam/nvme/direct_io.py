@@ -128,6 +128,38 @@ def map_copy(fd: int, offset: int, nbytes: int) -> Optional[Tuple[mmap.mmap, int
     return region, offset - lo
 
 
+# /proc/self/pagemap's flags of a page (Documentation/admin-guide/mm/pagemap.rst): 8 bytes
+# a page; readable without privileges (the frame numbers are not, and not needed)
+_PRESENT, _SWAPPED, _FILE_PAGE = 63, 62, 61
+_PAGEMAP_READ = 1 << 20   # entries read at a time (8 MiB: 4 GiB of mappings)
+
+
+def written_pages(address: int, nbytes: int) -> Optional[bool]:
+    """Whether this process wrote into the copy-on-write file mapping [address, address +
+    nbytes) (map_copy, map_file): a page written is anonymous since (present but no
+    longer the file's page, or swapped out); one never written is the file's, or not
+    present (never read, or dropped: the file still has it). None where the kernel's
+    pagemap cannot be read (not Linux): the caller assumes written. ~nbytes / 512 bytes read."""
+    if nbytes <= 0:
+        return False
+    page = mmap.PAGESIZE
+    first, last = address // page, (address + nbytes - 1) // page
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            for at in range(first, last + 1, _PAGEMAP_READ):
+                count = min(_PAGEMAP_READ, last + 1 - at)
+                raw = os.pread(f.fileno(), count * 8, at * 8)
+                if len(raw) != count * 8:
+                    return None
+                flags = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+                bit = lambda k: (flags >> k) & 1   # noqa: E731
+                if bool(((bit(_PRESENT) & (1 - bit(_FILE_PAGE))) | bit(_SWAPPED)).any()):
+                    return True
+    except OSError:
+        return None
+    return False
+
+
 def bytes_of(region: mmap.mmap, at: int, nbytes: int):
     """`nbytes` of `region` from `at`, as a buffer of their own that keeps the region
     (torch.frombuffer of it: a storage of just those bytes, which torch.save writes)."""

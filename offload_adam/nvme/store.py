@@ -145,6 +145,9 @@ class NvmeState:
         self._hint: Optional[str] = None
         self._moved_on: Optional[str] = None   # why no pass may run: params moved (two slots)
         self._sums: Dict[int, int] = {}      # checksums of the slots written, to commit
+        # manifests written by this open: the committed bytes change only with one (a
+        # write goes to a slot or extent no manifest names until it commits)
+        self.commits = 0
         # the params whose masters the next commit holds as made from the params (a load
         # of a state dict without them): recorded in it, so that a resume does not take
         # them for the step's params (`from_params`)
@@ -702,6 +705,7 @@ class NvmeState:
             self._unsure = f"{what} to {path} failed ({e.strerror or e})"
             self._raise(e, what, path)
         self._body = body
+        self.commits += 1
 
     def _check_in_place(self) -> None:
         """The data files at their paths are the ones open here: a manifest committed
