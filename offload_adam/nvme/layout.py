@@ -81,15 +81,40 @@ class TensorSpec:
 @dataclass(frozen=True)
 class BucketSpec:
     tensors: Tuple[TensorSpec, ...]
+    # The first `head` tensors are a region of their own, read alone (store.read_head)
+    # and checked by a checksum of their own: the params of a streamed block kept in
+    # their state's bucket, which a forward reads without the state. It starts the
+    # extent and ends on ALIGN (O_DIRECT), so that its requests are the slot's first.
+    head: int = 0
 
     def offsets(self) -> List[int]:
         """Byte offset of each tensor in the bucket's extent."""
         out, at = [], 0
-        for t in self.tensors:
-            at = round_up(at, t.align)
+        for k, t in enumerate(self.tensors):
+            at = round_up(at, ALIGN if self.head and k == self.head else t.align)
             out.append(at)
             at = round_up(at + t.nbytes, TENSOR_ALIGN)
         return out
+
+    @property
+    def head_bytes(self) -> int:
+        """The head region's bytes (0: none)."""
+        if not self.head:
+            return 0
+        if self.head >= len(self.tensors):
+            return self.nbytes
+        return self.offsets()[self.head]
+
+    def to_json(self):
+        """(A bucket without a head as before heads existed: its fingerprint unchanged.)"""
+        tensors = [t.to_json() for t in self.tensors]
+        return {"head": self.head, "tensors": tensors} if self.head else tensors
+
+    @classmethod
+    def from_json(cls, v) -> "BucketSpec":
+        if isinstance(v, dict):
+            return cls(tuple(TensorSpec.from_json(t) for t in v["tensors"]), int(v["head"]))
+        return cls(tuple(TensorSpec.from_json(t) for t in v))
 
     @functools.cached_property   # (frozen: computed once; the planner asks it millions of times)
     def nbytes(self) -> int:
@@ -108,12 +133,12 @@ class StateSpec:
 
     def to_json(self) -> dict:
         return {"state_format": self.state_format, "extra": self.extra,
-                "buckets": [[t.to_json() for t in b.tensors] for b in self.buckets]}
+                "buckets": [b.to_json() for b in self.buckets]}
 
     @classmethod
     def from_json(cls, v: dict) -> "StateSpec":
-        return cls(tuple(BucketSpec(tuple(TensorSpec.from_json(t) for t in b))
-                         for b in v["buckets"]), v["state_format"], dict(v["extra"]))
+        return cls(tuple(BucketSpec.from_json(b) for b in v["buckets"]), v["state_format"],
+                   dict(v["extra"]))
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()
@@ -176,6 +201,9 @@ def differences(found: StateSpec, wanted: StateSpec, limit: int = 3) -> List[str
             out.append(f"bucket {i}: {len(a.tensors)} tensors in the files, "
                        f"{len(b.tensors)} here")
             continue
+        if a.head != b.head:
+            out.append(f"bucket {i}: its first {a.head} tensors kept apart (params in their "
+                       f"state's files) in the files, {b.head} here")
         for x, y in zip(a.tensors, b.tensors):
             if x != y:
                 out.append(f"bucket {i}: {x.name} {str(x.dtype)[6:]} {list(x.shape)} in the "

@@ -6,6 +6,7 @@
     state.tensors(i, buf)              # {name: tensor} views of the buffer, as the spec says
     req = state.write(i, buf)          # into bucket i's other slot
     state.commit([i, ...])             # fsync the files, then the manifest names the new slots
+    state.finish_head(state.read_head(i, buf))   # bucket i's head region alone (BucketSpec.head)
     state.views(i)                     # read-only (copy-on-write) mmap views of the committed slot
 
 The pipeline (pipeline.py) drives these; nothing here keeps state in RAM.
@@ -25,6 +26,12 @@ write it, recorded in the manifest when the step commits, and verified whenever 
 read: by the pipeline's read-ahead, by `views` (state_dict(), a resume), and before a
 rollback. A flipped bit in the files is an error naming the bucket and the file, never a
 silently wrong state. A manifest whose checksums are of another algorithm is refused.
+
+Head regions (layout.BucketSpec.head): a bucket's first tensors (the params of a streamed
+block, kept in their state's bucket) can be read alone (`read_head`), by a forward on
+another thread while a pass steps the state: their requests are the slot's first, so the
+manifest keeps their checksum too ("head_sums"), and the range a head read has in flight
+is pinned: a write into it (compact: room a commit freed meanwhile) waits for the read.
 
 Two generations: the manifest keeps both slots' checksums and the step the other slot held
 when it was last current (`previous`), so that a state can be set back one step
@@ -51,10 +58,12 @@ the optimizer is built anew (abandon_pass).
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import mmap
 import os
 import shutil
+import threading
 import uuid
 import warnings
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
@@ -128,6 +137,14 @@ class Request(NamedTuple):
     futures: list
 
 
+class HeadRead(NamedTuple):
+    """A read of a bucket's head region in flight (read_head)."""
+    bucket: int
+    want: Optional[int]   # its committed checksum (None: a state never written)
+    futures: list
+    pin: int              # its key in the pins (NvmeState._pins)
+
+
 class NvmeState:
     """The state files of one optimizer (one rank): see the module's docstring."""
 
@@ -145,6 +162,13 @@ class NvmeState:
         self._hint: Optional[str] = None
         self._moved_on: Optional[str] = None   # why no pass may run: params moved (two slots)
         self._sums: Dict[int, int] = {}      # checksums of the slots written, to commit
+        self._head_sums: Dict[int, int] = {}   # (and of their head regions)
+        # Head reads in flight (read_head, on another thread than the pass): key -> (file,
+        # offset, bytes, futures). A write into a range one reads waits for it; the lock
+        # makes "which copy is committed" and "pinned" one fact for both threads.
+        self._pins: Dict[int, tuple] = {}
+        self._pin_keys = itertools.count()
+        self._lock = threading.Lock()
         # manifests written by this open: the committed bytes change only with one (a
         # write goes to a slot or extent no manifest names until it commits)
         self.commits = 0
@@ -311,13 +335,70 @@ class NvmeState:
         """Bucket i's committed copy: its file, offset and size."""
         return Extent(self.extents[i].file, self._at(i), self.extents[i].nbytes)
 
+    def _runs(self, i: int) -> List[Tuple[int, int]]:
+        """Bucket i's extent as the runs [a, b) its requests are cut from (each into chunks
+        of sum_bytes): a head region on its own first, so that the checksums of its
+        chunks are its own too (read_head checks it alone)."""
+        n, head = self.extents[i].nbytes, self.spec.buckets[i].head_bytes
+        return [(0, head), (head, n)] if 0 < head < n else [(0, n)]
+
+    def _submit(self, how, i: int, buf: AlignedBuffer, at: int) -> list:
+        fd = self._fds[self.extents[i].file]
+        return [f for a, b in self._runs(i) for f in how(fd, buf.view[a:b], at + a)]
+
     def read(self, i: int, buf: AlignedBuffer) -> Request:
         """Starts reading bucket i's committed copy into `buf`."""
         self._check_stepping()
-        e = self.extents[i]
         slot = 0 if self.compact else self.slots[i]
-        return Request("reading", i, slot,
-                       self._io.read(self._fds[e.file], buf.view[:e.nbytes], self._at(i)))
+        return Request("reading", i, slot, self._submit(self._io.read, i, buf, self._at(i)))
+
+    def read_head(self, i: int, buf: AlignedBuffer) -> HeadRead:
+        """Starts reading the head region of bucket i's committed copy (BucketSpec.head: a
+        streamed block's params, without their state) into `buf`; finish_head checks it.
+        Safe beside a pass on another thread: the range read is pinned until the read is
+        done, and a write into it (compact: its room freed by a commit meanwhile; two
+        slots: the next pass's) waits for the read first (`_wait_pins`)."""
+        self._check_sure()
+        n = self.spec.buckets[i].head_bytes
+        if not n:
+            raise RuntimeError(f"offload_adam: internal error: bucket {i} has no head region")
+        e = self.extents[i]
+        with self._lock:
+            at = self._at(i)
+            slot = 0 if self.compact else self.slots[i]
+            sums = self._body.get("head_sums", {}).get(str(i))
+            futures = self._io.read(self._fds[e.file], buf.view[:n], at)
+            key = next(self._pin_keys)
+            self._pins[key] = (e.file, at, n, futures)
+        return HeadRead(i, sums[slot] if sums else None, futures, key)
+
+    def finish_head(self, req: HeadRead) -> None:
+        """Waits for `req`; an I/O error, or bytes that do not match the head's committed
+        checksum, raise naming the bucket and the file."""
+        path = self.paths[self.extents[req.bucket].file]
+        try:
+            self._raise(wait(req.futures), f"reading the params of bucket {req.bucket}", path)
+        finally:
+            with self._lock:
+                self._pins.pop(req.pin, None)
+        got = slot_checksum([f.result() for f in req.futures])
+        if req.want is not None and got != req.want:
+            raise NvmeError(errno.EIO, f"offload_adam: the params kept in bucket {req.bucket} "
+                            f"of the optimizer state in {path} are damaged: their bytes do "
+                            f"not match the checksum committed with them ({SUM_ALGO} "
+                            f"{got:#010x}, {req.want:#010x} expected). The file was changed "
+                            "outside offload_adam, or the disk returned wrong data"
+                            f"{self._stale_hint(path)}; the state cannot be trusted", path)
+
+    def _wait_pins(self, file: int, at: int, nbytes: int) -> None:
+        """Waits for the head reads in flight of any of [at, at + nbytes) of `file`."""
+        with self._lock:
+            for key in [k for k, pin in self._pins.items() if all(f.done() for f in pin[3])]:
+                del self._pins[key]   # (done: finish_head may never be called for them)
+            busy = [f for file_, start, n, futures in self._pins.values()
+                    if file_ == file and start < at + nbytes and at < start + n
+                    for f in futures]
+        wait(busy)
 
     def write(self, i: int, buf: AlignedBuffer) -> Optional[Request]:
         """Starts writing `buf` as bucket i's next copy: into its other slot, or (compact)
@@ -327,8 +408,8 @@ class NvmeState:
         e = self.extents[i]
         if not self.compact:
             slot = 1 - self.slots[i]
-            return Request("writing", i, slot,
-                           self._io.write(self._fds[e.file], buf.view[:e.nbytes], e.at(slot)))
+            self._wait_pins(e.file, e.at(slot), e.nbytes)
+            return Request("writing", i, slot, self._submit(self._io.write, i, buf, e.at(slot)))
         if not self._body["written"]:
             at = self._body["offsets"][i]   # a new state: in place (a crash makes it anew)
             self._in_place.append(i)
@@ -341,8 +422,8 @@ class NvmeState:
                 return None
             self._heads[e.file] = at + e.nbytes
         self._live[i] = at
-        return Request("writing", i, 0, self._io.write(self._fds[e.file],
-                                                       buf.view[:e.nbytes], HEADER_BYTES + at))
+        self._wait_pins(e.file, HEADER_BYTES + at, e.nbytes)
+        return Request("writing", i, 0, self._submit(self._io.write, i, buf, HEADER_BYTES + at))
 
     def finish(self, req: Request) -> None:
         """Waits for `req`. An I/O error becomes an NvmeError naming the bucket, the file,
@@ -350,9 +431,14 @@ class NvmeState:
         committed checksum is one too. A write's checksum is kept for the commit."""
         path = self.paths[self.extents[req.bucket].file]
         self._raise(wait(req.futures), f"{req.kind} bucket {req.bucket}", path)
-        got = slot_checksum([f.result() for f in req.futures])
+        crcs = [f.result() for f in req.futures]
+        got = slot_checksum(crcs)
         if req.kind == "writing":
             self._sums[req.bucket] = got
+            head = self.spec.buckets[req.bucket].head_bytes
+            if head:
+                self._head_sums[req.bucket] = slot_checksum(
+                    crcs[:-(-head // self._body["sum_bytes"])])
         else:
             self._verify(req.bucket, req.slot, got, path)
 
@@ -440,9 +526,14 @@ class NvmeState:
         body = dict(self._body)
         slots = list(body["slots"])
         sums = [list(s) for s in body["sums"]]
+        head_sums = {k: list(v) for k, v in body.get("head_sums", {}).items()}
         for i in written:
             slots[i] = 1 - slots[i]
             sums[i][slots[i]] = self._sums.pop(i)
+            if i in self._head_sums:
+                head_sums.setdefault(str(i), [None] * SLOTS)[slots[i]] = self._head_sums.pop(i)
+        if head_sums:
+            body["head_sums"] = head_sums
         # the old slots are a whole earlier step only when every bucket moved on, and
         # only a committed one with checksums (not the zeros of a new state)
         whole = (len(set(written)) == len(slots) and self._body["written"]
@@ -461,11 +552,16 @@ class NvmeState:
         offsets, heads = list(body["offsets"]), list(body["heads"])
         sums = [list(s) for s in body["sums"]]
         done = set(body["done"])
+        head_sums = {k: list(v) for k, v in body.get("head_sums", {}).items()}
         for i in sorted(written):   # (in the pass's order: the last one is the head)
             offsets[i] = self._live.pop(i)
             sums[i][0] = self._sums.pop(i)
+            if i in self._head_sums:
+                head_sums.setdefault(str(i), [None] * SLOTS)[0] = self._head_sums.pop(i)
             heads[self.extents[i].file] = offsets[i] + self.extents[i].nbytes
             done.add(i)
+        if head_sums:
+            body["head_sums"] = head_sums
         body.update(offsets=offsets, heads=heads, sums=sums, done=sorted(done))
         return body
 
@@ -604,7 +700,7 @@ class NvmeState:
         again). A load cut short is said to be one. A new state's first pass (step or
         load) that wrote a bucket in place has nothing to finish it from: every later
         pass, and state_dict(), is refused until the optimizer is built anew."""
-        self._sums = {}
+        self._sums, self._head_sums = {}, {}
         if self.compact:
             self._ahead = {}
             self._new_pass()
@@ -704,7 +800,8 @@ class NvmeState:
             # here, and writing either could overwrite the committed ones
             self._unsure = f"{what} to {path} failed ({e.strerror or e})"
             self._raise(e, what, path)
-        self._body = body
+        with self._lock:   # (read_head: which copy is committed, and its checksum)
+            self._body = body
         self.commits += 1
 
     def _check_in_place(self) -> None:
@@ -770,12 +867,13 @@ class NvmeState:
         crcs = []
         start = self._at(i, slot)
         with open(path, "rb", buffering=0) as f:
-            for at in range(0, e.nbytes, chunk):
-                data = os.pread(f.fileno(), min(chunk, e.nbytes - at), start + at)
-                if len(data) != min(chunk, e.nbytes - at):
-                    self._raise(OSError(errno.EIO, "unexpected end of file"),
-                                f"reading bucket {i}", path)
-                crcs.append(direct_io.crc32(data))
+            for a, b in self._runs(i):
+                for at in range(a, b, chunk):
+                    data = os.pread(f.fileno(), min(chunk, b - at), start + at)
+                    if len(data) != min(chunk, b - at):
+                        self._raise(OSError(errno.EIO, "unexpected end of file"),
+                                    f"reading bucket {i}", path)
+                    crcs.append(direct_io.crc32(data))
         self._verify(i, slot, slot_checksum(crcs), path)
 
     def views(self, i: int, previous: bool = False) -> Dict[str, torch.Tensor]:
