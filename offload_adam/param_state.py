@@ -13,7 +13,8 @@ The state of a param (or of a piece of one) is a few tensors, each with a role:
     master_lo,        a split master (split_master.py): its low 16 bits (int16) and tie
     master_tie        bits (uint8, 8 per byte), the high half being the bf16 param the
                       kernel is given as its output, read and written; master is None.
-                      (Kernel-ready; no store holds one yet: they are not in ROLES.)
+                      (Kernel-ready, and laid out in files by adam_bucket(split=True);
+                      no store steps one yet: they are not in ROLES.)
 
 Every store holds them its own way: optimizer.state[p] (a dict under torch's keys,
 inplace.py), the engine's host arenas (a piece's slices of them, engine/layout.py), a
@@ -80,26 +81,37 @@ def file_key(name: str, role: str) -> str:
     return f"{name}.{role}"
 
 
-def adam_bucket(prefix_shapes: Sequence[tuple], fmt_name: str, amsgrad: bool = False):
+def adam_bucket(prefix_shapes: Sequence[tuple], fmt_name: str, amsgrad: bool = False,
+                split: bool = False):
     """The layout (nvme.layout.BucketSpec) of a bucket of the NVMe tier's files holding
     the states of the params named and shaped as given ((name, shape), or (name, shape,
     part): True for a part of a param, whose master and moments start on a page, so
     that its parts map side by side), in format `fmt_name` (state_format.py): per param
     its fp32 master, the moments in the format (+ max_exp_avg_sq), the 8-bit block
-    scales, and its step (fp32, 0-dim as torch's)."""
+    scales, and its step (fp32, 0-dim as torch's). `split` (bf16 params whose values the
+    files keep: streamed blocks'): the params' values first, as the bucket's head (read
+    alone by a forward: layout.BucketSpec.head), and in each master's place its low half
+    (int16) and tie bits (uint8, 8 a byte): the master split (split_master.py), stepped
+    with its param as the high half (kernel_step.KernelArgs.add), 4.125 B beside the
+    state instead of 2 + 4 in param and master files."""
     from .nvme.layout import ALIGN, TENSOR_ALIGN, BucketSpec, TensorSpec
     from .state_format import scale_len
     fmt = state_format(fmt_name)
-    out = []
+    out, head = [], []
     for name, shape, *part in prefix_shapes:
         shape = tuple(int(s) for s in shape)
         numel = TensorSpec("", torch.float32, shape).numel
         align = ALIGN if part and part[0] else TENSOR_ALIGN
-        out.append(TensorSpec(file_key(name, "master"), torch.float32, shape, align))
+        if split:
+            head.append(TensorSpec(file_key(name, "param"), torch.bfloat16, shape, align))
+            out += [TensorSpec(file_key(name, "master_lo"), torch.int16, shape, align),
+                    TensorSpec(file_key(name, "master_tie"), torch.uint8, ((numel + 7) // 8,))]
+        else:
+            out.append(TensorSpec(file_key(name, "master"), torch.float32, shape, align))
         for role in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()):
             out.append(TensorSpec(file_key(name, role), fmt.moment_dtype, shape, align))
         if fmt.blockwise:
             out += [TensorSpec(file_key(name, SCALE_KEYS[k]), torch.float32, (scale_len(numel),))
                     for k in ("exp_avg", "exp_avg_sq")]
         out.append(TensorSpec(file_key(name, "step"), torch.float32, ()))
-    return BucketSpec(tuple(out))
+    return BucketSpec(tuple(head + out), head=len(head))

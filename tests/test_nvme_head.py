@@ -58,11 +58,12 @@ def one_step(state, pipe, seed, step):
 
 
 def read_head(state, i):
+    """Bucket i's head read alone: {name: tensor} of its head tensors."""
     b = state.spec.buckets[i]
     buf = AlignedBuffer(b.head_bytes, pin=False)
     state.finish_head(state.read_head(i, buf))
-    t = b.tensors[0]
-    return buf.tensor[:t.nbytes].view(t.dtype).clone()
+    return {t.name: buf.tensor[o:o + t.nbytes].view(t.dtype).view(t.shape).clone()
+            for t, o in zip(b.tensors[:b.head], b.offsets())}
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["two_generations", "compact"])
@@ -76,12 +77,13 @@ def test_a_head_reads_alone_what_the_step_committed_also_after_a_reopen(tmp_path
         for s in range(3):
             one_step(state, pipe, 0, s)
             for i in range(3):
-                assert torch.equal(read_head(state, i), state.views(i)[f"b{i}.param"])
+                assert torch.equal(read_head(state, i)[f"b{i}.param"],
+                                   state.views(i)[f"b{i}.param"])
         pipe.close()
         want = [state.views(i)[f"b{i}.param"].clone() for i in range(3)]
     with open_state(tmp_path, spec, compact) as state:   # (the checksums: the manifest's)
         assert state.step == 3
-        assert all(torch.equal(read_head(state, i), want[i]) for i in range(3))
+        assert all(torch.equal(read_head(state, i)[f"b{i}.param"], want[i]) for i in range(3))
         pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
         one_step(state, pipe, 0, 3)   # (its full reads check the slots as before)
         pipe.close()
@@ -182,3 +184,78 @@ def test_a_head_read_in_flight_holds_back_the_write_that_reuses_its_room(tmp_pat
         assert torch.equal(buf.tensor[:t.nbytes].view(t.dtype), before)
         assert state.step == 1 and not state.pending
         pipe.close()
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["two_generations", "compact"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "8bit"])
+def test_a_split_bucket_steps_in_files_as_its_fp32_master_bucket(tmp_path, compact, fmt):
+    """param_state.adam_bucket(split=True): the params' bf16 values as the head, each
+    master's low half and tie bits in its place. Stepped through the pipeline with each
+    param's head as its high half (KernelArgs), it is bit for bit the bucket of fp32
+    masters stepped with the params beside it; the head read alone is the params."""
+    from offload_adam import split_master
+    from offload_adam.kernel_step import Hyper, KernelArgs
+    from offload_adam.param_state import ParamState, adam_bucket
+    shapes = [[("a", (3000,)), ("b", (70001,))], [("c", (5, 7))]]
+    gen = torch.Generator().manual_seed(3)
+    masters = {n: torch.randn(s, generator=gen) * 0.02 for b in shapes for n, s in b}
+    grads = [{n: (torch.randn(m.shape, generator=gen) * 1e-3).bfloat16()
+              for n, m in masters.items()} for _ in range(3)]
+    hyper = Hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                  amsgrad=False, maximize=False, decoupled_weight_decay=True)
+    got = {}
+    for split in (False, True):
+        spec = StateSpec(tuple(adam_bucket(b, fmt, split=split) for b in shapes), fmt)
+        assert [b.head for b in spec.buckets] == ([2, 1] if split else [0, 0])
+        params = {n: split_master.encode(m)[0] for n, m in masters.items()}   # (beside)
+
+        def fill(i, t):
+            for v in t.values():
+                v.zero_()
+            for n, _ in shapes[i]:
+                if split:
+                    p, lo, tie = split_master.encode(masters[n])
+                    t[f"{n}.param"].copy_(p)
+                    t[f"{n}.master_lo"].copy_(lo.view(t[f"{n}.master_lo"].shape))
+                    t[f"{n}.master_tie"].copy_(tie)
+                else:
+                    t[f"{n}.master"].copy_(masters[n])
+
+        def step(k):
+            def fn(i, t):
+                args = KernelArgs()
+                for n, _ in shapes[i]:
+                    args.add(ParamState.in_bucket(t, n), t[f"{n}.param"] if split else params[n])
+                args.run([grads[k][n] for n, _ in shapes[i]], hyper, 1.0, 2)
+            return fn
+        folder = tmp_path / str(split)
+        folder.mkdir()
+        with open_state(folder, spec, compact) as state:
+            pipe = StepPipeline(state, 3 * max(b.nbytes for b in spec.buckets))
+            pipe.load(fill, step=0)
+            for k in range(3):
+                if compact:
+                    state.begin(state.step + 1, {i: ({"k": k}, []) for i in range(2)})
+                pipe.step(step(k))
+            pipe.close()
+            out = {}
+            for i, b in enumerate(shapes):
+                v = state.views(i)
+                for n, _ in b:
+                    if split:
+                        assert torch.equal(read_head(state, i)[f"{n}.param"], v[f"{n}.param"])
+                        master = split_master.decode(v[f"{n}.param"], v[f"{n}.master_lo"],
+                                                     v[f"{n}.master_tie"])
+                        params[n] = v[f"{n}.param"].clone()
+                    else:
+                        master = v[f"{n}.master"].clone()
+                    out[n] = (master, params[n], {k: x.clone() for k, x in v.items()
+                                                  if k.startswith(n + ".exp_avg")})
+        got[split] = out
+    for n in masters:
+        (m0, p0, s0), (m1, p1, s1) = got[False][n], got[True][n]
+        assert torch.equal(m0.view(torch.int32), m1.view(torch.int32)), n
+        assert torch.equal(p0.view(torch.int16), p1.view(torch.int16)), n
+        assert s0.keys() == s1.keys() and all(torch.equal(s0[k].view(torch.uint8),
+                                                          s1[k].view(torch.uint8)) for k in s0)
+        assert not torch.equal(m0, masters[n])   # (it stepped)

@@ -42,7 +42,7 @@ SUM_BYTES = 4 << 20   # a slot's checksum is over chunks of this size (an I/O re
 
 _DTYPES = {str(d).replace("torch.", ""): d
            for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float64,
-                     torch.int32, torch.int64)}
+                     torch.int16, torch.int32, torch.int64)}
 
 
 def round_up(n: int, to: int) -> int:
