@@ -1204,7 +1204,7 @@ class FileStore:
                      for i, p in zip(saved["params"], g["params"])}
         parts: Dict[int, List[ParamState]] = {}   # a param in parts: those seen so far
         held: weakref.WeakSet = weakref.WeakSet()
-        by_param: Dict[int, Dict[str, weakref.ref]] = {}
+        by_param: Dict[int, Dict[str, tuple]] = {}
         for i, bucket in enumerate(self.buckets):
             views = self.state.views(i)
             for e in bucket:
@@ -1241,7 +1241,7 @@ class FileStore:
                     continue
                 state[saved_id] = _with_edits(st, entry or {})
                 held.update(v for v in st.values() if isinstance(v, torch.Tensor))
-                by_param[id(e.param)] = {k: weakref.ref(v) for k, v in st.items()}
+                by_param[id(e.param)] = {k: _handed_as(v) for k, v in st.items()}
         self._handed = _Handed(self.state.step,
                                None if self.compact else list(self.state.slots), held,
                                (self._serial, self.state.commits), by_param)
@@ -1361,9 +1361,10 @@ class FileStore:
 
     def _own_unchanged(self, saved_of) -> bool:
         """Whether the state dict being loaded is this store's last state_dict() as it
-        handed it: each param's entry holds the very tensors mapped from the files (and no
-        other state), none written into since (their pages still the files', pagemap),
-        and the files have committed nothing since. Loading it would write the files'
+        handed it: each param's entry holds the very tensors it handed (and no other
+        state), none written into since (a map of the files: its pages still the files',
+        pagemap; a copy: its checksum, _handed_as), and the files have committed nothing
+        since. Loading it would write the files'
         own bytes back: a whole pass over the state (minutes for a 70B one), which
         Accelerate asks at every start (its AcceleratedOptimizer loads the optimizer's
         own state_dict()), and a warning that those tensors are still held (the load
@@ -1382,12 +1383,13 @@ class FileStore:
                     if k in STATE_KEYS and k != Q8_FORMAT_KEY}
             if ours.keys() != mine.keys():
                 return False
-            for k, ref in mine.items():
+            for k, (ref, crc) in mine.items():
                 if ours[k] is not ref() or not isinstance(ours[k], torch.Tensor):
                     return False
-                tensors.append(ours[k])
+                tensors.append((ours[k], crc))
         return all(written_pages(t.data_ptr(), t.numel() * t.element_size()) is False
-                   for t in tensors)
+                   if crc is None else crc32(byte_view(t.contiguous())) == crc
+                   for t, crc in tensors)
 
     def _local_saved(self, e: _Param, saved: dict) -> dict:
         """Param e's state in a state dict, under the state's keys, as this rank's shard."""
@@ -1493,9 +1495,18 @@ class _Handed(NamedTuple):
     slots: Optional[List[int]]    # two generations: each bucket's current slot then
     held: "weakref.WeakSet"
     # which store handed them, at which manifest (NvmeState.commits: the files' bytes
-    # since unchanged while it is the same), and each param's (by id) {key: tensor}
+    # since unchanged while it is the same), and each param's (by id) {key: _handed_as}
     when: Tuple[int, int] = (-1, -1)
-    by_param: Dict[int, Dict[str, "weakref.ref"]] = {}
+    by_param: Dict[int, Dict[str, tuple]] = {}
+
+
+def _handed_as(t: torch.Tensor) -> tuple:
+    """A tensor state_dict() hands, to know it again untouched (FileStore._own_unchanged):
+    (a weak reference, None) for a map of the files, whose pages tell a write; (a weak
+    reference, its checksum) for a copy (a param in parts' 8-bit scales, joined end to end;
+    parts that cannot be mapped side by side)."""
+    mapped = written_pages(t.data_ptr(), t.numel() * t.element_size()) is False
+    return weakref.ref(t), None if mapped else crc32(byte_view(t.contiguous()))
 
 
 # state uuid -> the last state_dict()'s tensors of a closed optimizer over those files:

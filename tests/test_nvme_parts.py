@@ -8,6 +8,7 @@ joins the parts and loads into parts, a resume from the files, and files laid ou
 parts existed still resumed."""
 import gc
 import os
+import warnings
 
 import pytest
 import torch
@@ -199,6 +200,16 @@ def mapped_file(t):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+def trained_8bit(folder, footprint):
+    """The wide model and its optimizer (8-bit state in `folder`) after two steps."""
+    m = wide()
+    opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=BUCKET_MB,
+                             state_dtype="8bit", state_dirs=str(folder),
+                             state_footprint=footprint)
+    train([(m, opt)], 0, 2)
+    return m, opt
+
+
 @pytest.mark.parametrize("footprint", ["two_generations", "compact"])
 def test_the_state_dict_maps_a_param_in_parts_from_the_files(kernels, tmp_path, footprint):
     """A param in parts shows its master and moments in state_dict() as one tensor whose
@@ -208,11 +219,7 @@ def test_the_state_dict_maps_a_param_in_parts_from_the_files(kernels, tmp_path, 
     sim = AsyncSimDevice(seed=2)
     try:
         with simulated(sim), sim.watch():
-            m = wide()
-            opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=BUCKET_MB,
-                                     state_dtype="8bit", state_dirs=str(tmp_path),
-                                     state_footprint=footprint)
-            train([(m, opt)], 0, 2)
+            m, opt = trained_8bit(tmp_path, footprint)
             data = os.path.realpath(str(tmp_path / "offload_adam_state.bin"))
             sd = opt.state_dict()
             st = sd["state"][3]   # the embedding, in 3 parts
@@ -227,6 +234,38 @@ def test_the_state_dict_maps_a_param_in_parts_from_the_files(kernels, tmp_path, 
             again = opt.state_dict()["state"][3]
             assert torch.equal(again["exp_avg_codes"], before)
             assert torch.equal(again["master_param"].to(torch.bfloat16), m.embed.weight.detach())
+            opt.close()
+        sim.check()
+    finally:
+        sim.close()
+
+
+@pytest.mark.parametrize("edit", [None, "scale", "codes"])
+def test_its_own_state_dict_of_parts_loads_without_a_write_unless_edited(kernels, tmp_path,
+                                                                         edit):
+    """Accelerate loads the optimizer's own state_dict() at every start: untouched, a
+    param in parts' too (its moments mapped from the files side by side, its 8-bit scales
+    a copy joined end to end) writes nothing; an edit of either, in place, is loaded."""
+    sim = AsyncSimDevice(seed=2)
+    try:
+        with simulated(sim), sim.watch():
+            m, opt = trained_8bit(tmp_path, "compact")
+            before = contents(tmp_path)
+            sd = opt.state_dict()
+            st = sd["state"][3]   # the embedding, in 3 parts
+            if edit == "scale":
+                st["exp_avg_scale"].mul_(2)
+            elif edit == "codes":
+                st["exp_avg_codes"].view(-1)[70000] += 1
+            with warnings.catch_warnings():
+                if edit is None:
+                    warnings.simplefilter("error")
+                opt.load_state_dict(sd)
+            assert (contents(tmp_path) == before) == (edit is None)
+            if edit is not None:
+                again = opt.state_dict()["state"][3]
+                key = "exp_avg_scale" if edit == "scale" else "exp_avg_codes"
+                assert torch.equal(again[key], st[key])
             opt.close()
         sim.check()
     finally:
