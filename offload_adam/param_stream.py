@@ -520,6 +520,25 @@ class _Block:
             self.streamer.files.unhold(self.index, dirty, unwritten, written)
 
 
+def _refuse_compiled() -> None:
+    """A streamed model (or block) run by torch.compile (Hugging Face's torch_compile=True
+    compiles the model): the streamer's hooks move each block's params between calls,
+    which a compiled graph does not follow. inductor failed in the forward and aot_eager in
+    backward, with torch's errors from deep inside, and the eager backend trained on
+    other values than uncompiled, silently (found from outside). Refused in any compiled
+    region: while dynamo traces the hook, and when it runs the hook uncompiled after a
+    graph break (its frame callback still set)."""
+    frames = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    callback = getattr(frames, "get_eval_frame_callback", lambda: None)()
+    if torch.compiler.is_compiling() or callback is not None:
+        raise RuntimeError(
+            "offload_adam: torch.compile of a model streamed by stream_params (or of its "
+            "streamed blocks) is not supported: the streamer's hooks move each block's "
+            "params between calls, which a compiled graph does not follow. Stream the "
+            "model uncompiled (Hugging Face's Trainer: torch_compile=False), or compile it "
+            "without streaming; torch.compile(opt.step) runs")
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -929,6 +948,7 @@ class ParamStreamer:
         anew from here, so that it is the last pass's before that backward (a training
         micro-batch's), not that of the inference passes before it (their recording
         kept, it grew with each, and prefetch fetched ahead what the pass did not use)."""
+        _refuse_compiled()
         if not _in_backward():
             self._one_thread_forwards(None)
             self._fetch_hooks = []
@@ -988,6 +1008,7 @@ class ParamStreamer:
             block.early = True
 
     def _pre_forward(self, block: _Block, args, kwargs):
+        _refuse_compiled()
         if block.early:   # (the global pre-hook fetched it for this call)
             block.early = False
         else:

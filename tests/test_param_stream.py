@@ -194,6 +194,37 @@ def test_functional_call_with_other_tensors_for_streamed_params_is_refused_as_su
     assert torch.equal(functional_call(model, {"embed.weight": head}, (x,)), before)
 
 
+@pytest.mark.parametrize("what", ["model", "block"])
+def test_torch_compile_of_a_streamed_model_or_block_is_refused_by_name(device, what):
+    """torch.compile of a streamed model (Hugging Face's torch_compile=True) or of a
+    streamed block: inductor failed in the forward and aot_eager in backward with torch's
+    errors, and the eager backend trained on other values than uncompiled, silently
+    (found from outside). Refused naming it, by every backend; the model trains on
+    uncompiled as if the refused call had not been made."""
+    runs = []
+    for refused in (False, True):
+        model = make_llama(layers=4)
+        offload_adam.stream_params(model, Block, prefetch=1)
+        opt = offload_adam.AdamW(model.parameters(), **OPTS)
+        if refused:
+            for backend in ("eager", "aot_eager"):
+                torch._dynamo.reset()
+                if what == "model":
+                    f = torch.compile(model, backend=backend)
+                else:
+                    model.layers[1].compile(backend=backend)
+                    f = model
+                with pytest.raises(RuntimeError, match="torch.compile of a model streamed by "
+                                                       "stream_params .* is not supported"):
+                    llama_loss(f, 0).backward()
+                if what == "block":
+                    del model.layers[1]._compiled_call_impl
+            opt.zero_grad()
+        train(model, opt, 2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+
+
 def test_torch_func_grad_through_a_streamed_block_is_refused_by_name(device):
     """torch.func.grad through a streamed block (for a resident param, or a block's
     input): the block's fetch inside the transform failed in torch ("mutate a captured
