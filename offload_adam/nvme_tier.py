@@ -83,7 +83,8 @@ from .byte_view import byte_view
 from .nvme.direct_io import crc32, written_pages
 from .nvme.layout import shown
 from .nvme.pipeline import AHEAD
-from .nvme.store import STATE_FILES, OtherState
+from .nvme.store import OPEN_HELD, STATE_FILES, OtherState
+from .engine.worker import interrupts_deferred
 from .state_format import (MASTER_KEY, MOMENT_KEYS, Q8_FORMAT, Q8_FORMAT_KEY, SCALE_KEYS,
                            STATE_KEYS, float32_moment, state_format, stored_key, stored_state)
 from .warn import warn
@@ -300,6 +301,10 @@ class FileStore:
             distributed.refuse_together(str(distributed.told(e)), flat, process_group,
                                         replicas=resume)
             raise
+        except BaseException:   # a Ctrl-C held while the files opened, raised once open
+            if getattr(self, "state", None) is not None:
+                self.state.close(discard=True)
+            raise
         try:
             distributed.refuse_together(None, flat, process_group, replicas=resume)
         except BaseException as e:
@@ -417,8 +422,9 @@ class FileStore:
             records = [redo.record_reserve([e.numel * e.dtype.itemsize for e in b])
                        for b in self.buckets]
             try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
-                self.state = NvmeState.open(list(dirs), spec, compact=compact,
-                                            log_bytes=records, rank=rank)
+                with interrupts_deferred(hold_all=OPEN_HELD):   # (kept as it opens)
+                    self.state = NvmeState.open(list(dirs), spec, compact=compact,
+                                                log_bytes=records, rank=rank)
                 break
             except OtherState as e:
                 following = next(tries, None)

@@ -756,3 +756,82 @@ def test_buckets_laid_out_by_another_bucket_mb_are_said_to_be(tmp_path):
                                          "in other buckets: this optimizer's bucket_mb is "
                                          "not the one the state was made with"):
         NvmeState.open([tmp_path], regrouped)
+
+
+def _fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["two_generations", "compact"])
+@pytest.mark.parametrize("at", ["lock", "folder lock", "open"])
+def test_a_ctrl_c_while_the_files_open_leaves_nothing_locked_or_open(kernels, tmp_path,
+                                                                    monkeypatch, compact, at):
+    """A Ctrl-C while an optimizer with state_dirs= was built (the slow constructor of a
+    large model, where a user presses it) could land between a descriptor's open and its
+    keeping: the lock file's descriptor leaked still locked, and every later build on the
+    directory in this process was refused as in use by another optimizer, naming this
+    process (found from outside). A KeyboardInterrupt after the flocks and once the state
+    is open (held there, raised when it is kept) leaves nothing open and the directory
+    free; so do real SIGINTs at random instants of the construction."""
+    import signal
+    import gc
+    import random
+    import torch
+    import offload_adam
+    spec = make_spec("fp32", buckets=3, numel=5000)
+    real = manifest.lock_exclusive
+    calls = []
+
+    def interrupted(fd):   # the signal arrives just after the flock
+        real(fd)
+        calls.append(fd)
+        if len(calls) == {"lock": 1, "folder lock": 2}.get(at):
+            raise KeyboardInterrupt
+    monkeypatch.setattr(manifest, "lock_exclusive", interrupted)
+    if at == "open":   # a SIGINT held while the files open: raised once they are
+        real_open = NvmeState._open
+
+        def opened(*args):
+            state = real_open(*args)
+            signal.raise_signal(signal.SIGINT)
+            return state
+        monkeypatch.setattr(NvmeState, "_open", staticmethod(opened))
+    before = _fds()
+    with pytest.raises(KeyboardInterrupt):
+        NvmeState.open([tmp_path], spec, compact=compact, log_bytes=[4 << 20] * 3)
+    assert _fds() == before
+    monkeypatch.undo()
+    with NvmeState.open([tmp_path], spec, compact=compact, log_bytes=[4 << 20] * 3) as state:
+        assert state.step == 0   # (the directory free, and a state made anew)
+    # real SIGINTs, at random instants of a construction
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).bfloat16()
+    footprint = "compact" if compact else "two_generations"
+    rng = random.Random(0)
+    main = threading.main_thread().ident
+    before = _fds()
+    for _ in range(15):
+        timer = threading.Timer(rng.uniform(0, 0.004), signal.pthread_kill,
+                                (main, signal.SIGINT))
+        opt = None
+        try:
+            timer.start()
+            opt = offload_adam.AdamW(model.parameters(), state_dirs=[tmp_path],
+                                     state_footprint=footprint, state_resume=True)
+            timer.join()
+        except KeyboardInterrupt:
+            pass
+        while timer.is_alive():
+            try:
+                timer.join()
+            except KeyboardInterrupt:
+                pass
+        if opt is not None:
+            opt.close()
+        opt = None
+        gc.collect()
+        again = offload_adam.AdamW(model.parameters(), state_dirs=[tmp_path],
+                                   state_footprint=footprint, state_resume=True)
+        again.close()
+        del again
+    gc.collect()
+    assert _fds() == before

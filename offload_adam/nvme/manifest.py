@@ -139,12 +139,15 @@ class DirLocks:
 
     def _lock(self, folder: str) -> None:
         path = os.path.join(folder, LOCK)
-        fd = open_fd(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0))
+        # kept before it is locked: whatever raises from here (a KeyboardInterrupt after
+        # the flock too) finds it in _fds, unlocked and closed by release()
+        self._fds.append(open_fd(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)))
+        fd = self._fds[-1]
         try:
             lock_exclusive(fd)
         except OSError as e:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+            os.close(self._fds.pop())
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise RuntimeError(
                     f"offload_adam: the NVMe state directory {folder!r} is in use by another "
@@ -153,7 +156,6 @@ class DirLocks:
                     "holds it); to train another model, give each optimizer (and each rank) "
                     "its own directory") from None
             raise
-        self._fds.append(fd)   # (from here a failure unlocks and closes it: __init__)
         self._held.append((folder, path, _file_id(os.fstat(fd))))
         pid = str(os.getpid()).encode()
         try:
@@ -172,16 +174,17 @@ class DirLocks:
         flock on a directory (NFS emulates flock with fcntl locks, which need a file open
         for writing), the lock file's is all there is."""
         try:
-            fd = open_fd(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-                         | getattr(os, "O_CLOEXEC", 0))
+            self._fds.append(open_fd(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                                     | getattr(os, "O_CLOEXEC", 0)))
         except OSError as e:
             if e.errno == errno.EMFILE:   # (the limit, not the filesystem: not unlocked)
                 raise
             return
+        fd = self._fds[-1]   # (kept before it is locked, as _lock's)
         try:
             lock_exclusive(fd)
         except OSError as e:
-            os.close(fd)
+            os.close(self._fds.pop())
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise RuntimeError(
                     f"offload_adam: the NVMe state directory {folder!r} is in use by another "
@@ -193,8 +196,6 @@ class DirLocks:
                     "optimizer again with state_resume=True to continue from the step on "
                     "disk; to train another model, give each optimizer (and each rank) its "
                     "own directory") from None
-            return
-        self._fds.append(fd)
 
     def lost(self) -> Optional[Tuple[str, str]]:
         """(folder, why) for a lock file held that is no longer at its path (removed, or

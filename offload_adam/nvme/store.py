@@ -66,6 +66,7 @@ import shutil
 import threading
 import uuid
 import warnings
+import weakref
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -75,6 +76,7 @@ from .direct_io import (AlignedBuffer, IOPool, NvmeError, address_of, bytes_of, 
                         map_at, map_copy, map_file, open_direct, wait, warn_buffered)
 from . import redo
 from .circular import SPARES, Circular
+from ..engine.worker import interrupts_deferred
 from .fd_limit import open_fd
 from .layout import (ALIGN, HEADER_BYTES, RENAMED, SLOTS, SUM_BYTES, Extent, StateSpec,
                      differences, param_names, place, round_up, slot_checksum)
@@ -84,6 +86,8 @@ _HEADER_MAGIC = b"OFFLOAD_ADAM_NVME_STATE_1\n"
 FORMAT = 2   # the manifest's: 2 adds the slots' checksums, `previous` and `written`
 # What the requests' checksums are (direct_io.crc32): the standard CRC32C (csrc/crc32c.h).
 SUM_ALGO = "crc32c"
+OPEN_HELD = ("offload_adam: Ctrl-C held until the state files are open (a moment: they "
+              "are being locked and opened, or created). To stop at once, kill the process")
 # The tier's files in a directory (the lock is not state: any open makes one).
 STATE_FILES = (DATA_FILE, manifest.MANIFEST, manifest.SPEC, redo.LOG_FILE)
 
@@ -194,6 +198,10 @@ class NvmeState:
             # records being read ahead of the pass (record_ahead), by bucket: the future
             # and where it reads, so that it serves only the record it was asked for
             self._ahead: Dict[int, Tuple[tuple, object]] = {}
+        # dropped unclosed (a construction interrupted once this was open), its files and
+        # locks are let go when it is collected, not held to the process's end
+        self._let_go = weakref.finalize(self, _let_go, io, fds, self._log, locks)
+        self._let_go.atexit = False   # (at exit as before: the process's end lets go)
 
     # -- opening -------------------------------------------------------------------------
 
@@ -217,6 +225,21 @@ class NvmeState:
         if len(set(folders)) != len(folders):
             raise ValueError(f"offload_adam: an NVMe state directory is named twice: {folders}")
         direct_io.load_checksum()   # here: a failed build raises now, not in an I/O thread
+        # Ctrl-C held while the files are locked and opened (a moment): one between a
+        # descriptor's open and its keeping leaked it, and a lock file's kept the state
+        # locked by this process until it ended (found from outside)
+        state = None
+        try:
+            with interrupts_deferred(hold_all=OPEN_HELD):
+                state = cls._open(folders, spec, io_threads, compact, log_bytes, spares, rank)
+        except BaseException:   # (a Ctrl-C held: raised once the state is open)
+            if state is not None:
+                state.close(discard=True)
+            raise
+        return state
+
+    @classmethod
+    def _open(cls, folders, spec, io_threads, compact, log_bytes, spares, rank):
         locks = manifest.DirLocks(folders)
         fds: List[int] = []
         io = None
@@ -258,6 +281,7 @@ class NvmeState:
         again (a refused construction leaves the directories as it found them)."""
         if self._io is None:
             return
+        self._let_go.detach()
         self._io.close()
         for fd in self._fds:
             os.close(fd)
@@ -1234,6 +1258,16 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
             raise NvmeError(e.errno, f"offload_adam: could not create the redo logs in "
                             f"{folders} ({logs} bytes): {e.strerror}", folders[0]) from e
     return body, fds
+
+
+def _let_go(io: IOPool, fds: List[int], log, locks: manifest.DirLocks) -> None:
+    """What close() lets go of, for a state collected unclosed (its finalizer)."""
+    io.close()
+    for fd in fds:
+        os.close(fd)
+    if log is not None:
+        log.close()
+    locks.release()
 
 
 def _check_layout(folder: str, body: dict, compact: bool) -> None:
