@@ -267,6 +267,7 @@ class AsyncSimDevice:
         self._epoch = 0                      # compute work so far (one per aten op)
         self._synced_all = -1                # epoch up to which the host waited for every stream
         self._last_access: dict = {}         # device storage -> {stream: (last read, last write epoch)}
+        self._prune_at = 4096                # (_forget_ordered: its size when next pruned)
         self._synced: dict = {}              # stream -> epoch up to which the host waited for it
         self._freed: list = []               # spans of unpinned host buffers
         self._freed_tensors: list = []
@@ -665,6 +666,19 @@ class AsyncSimDevice:
     def _sync(self, stream: int, epoch: int) -> None:
         self._synced[stream] = max(self._synced.get(stream, -1), epoch)
 
+    def _forget_ordered(self) -> None:
+        """Drops the accesses the host has waited past (ordered before any copy to come:
+        _ordered), and the storages left with none. The compute work's temporaries are
+        freed by torch, unseen here, so their entries piled up (~65 a step of a small
+        model, without end: found from outside); pruned when the table doubled."""
+        for storage, by_stream in list(self._last_access.items()):
+            for s, (read, write) in list(by_stream.items()):
+                if max(self._synced.get(s, -1), self._synced_all) >= max(read, write):
+                    del by_stream[s]
+            if not by_stream:
+                del self._last_access[storage]
+        self._prune_at = max(4096, 2 * len(self._last_access))
+
     def _ordered(self, stream: int, epoch: int, after: SimEvent) -> bool:
         """Whether compute work at `epoch` on `stream` is ordered before `after`."""
         return ((stream == after.stream and epoch <= after.epoch)
@@ -741,6 +755,8 @@ class AsyncSimDevice:
                             f"tensor that {op.name()} {'writes' if op_writes else 'reads'}, "
                             "with nothing ordering the two (no publish/wait)")
                 if not host:
+                    if len(self._last_access) > self._prune_at:
+                        self._forget_ordered()
                     by_stream = self._last_access.setdefault(span[0], {})
                     read, write = by_stream.get(stream, (-1, -1))
                     by_stream[stream] = (read, self._epoch) if is_write else (self._epoch, write)
