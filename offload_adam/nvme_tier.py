@@ -1211,6 +1211,7 @@ class FileStore:
         parts: Dict[int, List[ParamState]] = {}   # a param in parts: those seen so far
         held: weakref.WeakSet = weakref.WeakSet()
         by_param: Dict[int, Dict[str, tuple]] = {}
+        exact = True   # the dict is the files' state, no edit of the user's over it
         for i, bucket in enumerate(self.buckets):
             views = self.state.views(i)
             for e in bucket:
@@ -1234,23 +1235,28 @@ class FileStore:
                     st[MASTER_KEY] = rec.master
                 saved_id = saved_ids.get(id(e.param))
                 if saved_id is None:   # taken out of param_groups since
+                    exact = False
                     continue
                 entry = sd["state"].get(saved_id)
                 if id(e.param) in self._stepped and not (type(entry) is InFiles
                                                          and not entry.cleared):
                     # its entry removed, replaced or cleared: that is its state now, as
                     # in torch's optimizers (none, or what the user put there)
+                    exact = False
                     if entry:
                         state[saved_id] = dict(entry)
                     else:
                         state.pop(saved_id, None)
                     continue
                 state[saved_id] = _with_edits(st, entry or {})
+                exact = exact and not any(stored_key(k) in STATE_KEYS for k in entry or {})
                 held.update(v for v in st.values() if isinstance(v, torch.Tensor))
                 by_param[id(e.param)] = {k: _handed_as(v) for k, v in st.items()}
+        # (a dict that shows the user's edits is not the files': _own_unchanged loads it)
         self._handed = _Handed(self.state.step,
                                None if self.compact else list(self.state.slots), held,
-                               (self._serial, self.state.commits), by_param)
+                               (self._serial, self.state.commits) if exact else (-1, -1),
+                               by_param)
         return {**sd, "state": state}
 
     def _joined(self, param, parts: List[ParamState]) -> ParamState:
