@@ -1251,7 +1251,9 @@ class FileStore:
                 state[saved_id] = _with_edits(st, entry or {})
                 exact = exact and not any(stored_key(k) in STATE_KEYS for k in entry or {})
                 held.update(v for v in st.values() if isinstance(v, torch.Tensor))
-                by_param[id(e.param)] = {k: _handed_as(v) for k, v in st.items()}
+                handed = {k: _handed_as(v) for k, v in st.items()}
+                exact = exact and None not in handed.values()
+                by_param[id(e.param)] = handed
         # (a dict that shows the user's edits is not the files': _own_unchanged loads it)
         self._handed = _Handed(self.state.step,
                                None if self.compact else list(self.state.slots), held,
@@ -1512,13 +1514,17 @@ class _Handed(NamedTuple):
     by_param: Dict[int, Dict[str, tuple]] = {}
 
 
-def _handed_as(t: torch.Tensor) -> tuple:
+def _handed_as(t: torch.Tensor) -> Optional[tuple]:
     """A tensor state_dict() hands, to know it again untouched (FileStore._own_unchanged):
     (a weak reference, None) for a map of the files, whose pages tell a write; (a weak
     reference, its checksum) for a copy (a param in parts' 8-bit scales, joined end to end;
-    parts that cannot be mapped side by side)."""
-    mapped = written_pages(t.data_ptr(), t.numel() * t.element_size()) is False
-    return weakref.ref(t), None if mapped else crc32(byte_view(t.contiguous()))
+    parts that cannot be mapped side by side). None where the pages cannot be told (no
+    pagemap: not Linux): the dict is then loaded as any, rather than each state_dict()
+    reading the whole state to checksum it."""
+    written = written_pages(t.data_ptr(), t.numel() * t.element_size())
+    if written is None:
+        return None
+    return weakref.ref(t), crc32(byte_view(t.contiguous())) if written else None
 
 
 # state uuid -> the last state_dict()'s tensors of a closed optimizer over those files:

@@ -1090,3 +1090,21 @@ def test_an_unpickled_optimizer_goes_on_only_from_its_own_step(kernels, tmp_path
     train(back["opt"], back["params"], 5, 2)
     assert_same(ps, back["params"], ram, back["opt"])
     back["opt"].close()
+
+
+def test_without_a_pagemap_its_own_state_dict_is_loaded_as_any(kernels, tmp_path, monkeypatch):
+    """Where the pages of the maps cannot be told (no /proc/self/pagemap: not Linux), the
+    dict is not recognized (no state_dict() reads the whole state to checksum it): its
+    load rewrites the files, as before the recognition."""
+    from offload_adam import nvme_tier
+    from offload_adam.nvme.manifest import MANIFEST
+    monkeypatch.setattr(nvme_tier, "written_pages", lambda address, nbytes: None)
+    params = [torch.nn.Parameter(torch.randn(64, 64).bfloat16()) for _ in range(2)]
+    opt = offload_adam.AdamW(params, state_dirs=[tmp_path], bucket_mb=0.02)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    before = os.stat(tmp_path / MANIFEST).st_ino
+    opt.load_state_dict(opt.state_dict())
+    assert os.stat(tmp_path / MANIFEST).st_ino != before
+    opt.close()

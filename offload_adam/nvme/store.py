@@ -550,14 +550,10 @@ class NvmeState:
         body = dict(self._body)
         slots = list(body["slots"])
         sums = [list(s) for s in body["sums"]]
-        head_sums = {k: list(v) for k, v in body.get("head_sums", {}).items()}
         for i in written:
             slots[i] = 1 - slots[i]
             sums[i][slots[i]] = self._sums.pop(i)
-            if i in self._head_sums:
-                head_sums.setdefault(str(i), [None] * SLOTS)[slots[i]] = self._head_sums.pop(i)
-        if head_sums:
-            body["head_sums"] = head_sums
+        self._add_head_sums(body, {i: slots[i] for i in written})
         # the old slots are a whole earlier step only when every bucket moved on, and
         # only a committed one with checksums (not the zeros of a new state)
         whole = (len(set(written)) == len(slots) and self._body["written"]
@@ -576,18 +572,24 @@ class NvmeState:
         offsets, heads = list(body["offsets"]), list(body["heads"])
         sums = [list(s) for s in body["sums"]]
         done = set(body["done"])
-        head_sums = {k: list(v) for k, v in body.get("head_sums", {}).items()}
         for i in sorted(written):   # (in the pass's order: the last one is the head)
             offsets[i] = self._live.pop(i)
             sums[i][0] = self._sums.pop(i)
-            if i in self._head_sums:
-                head_sums.setdefault(str(i), [None] * SLOTS)[0] = self._head_sums.pop(i)
             heads[self.extents[i].file] = offsets[i] + self.extents[i].nbytes
             done.add(i)
-        if head_sums:
-            body["head_sums"] = head_sums
+        self._add_head_sums(body, {i: 0 for i in written})
         body.update(offsets=offsets, heads=heads, sums=sums, done=sorted(done))
         return body
+
+    def _add_head_sums(self, body: dict, slots: Dict[int, int]) -> None:
+        """Into manifest `body`: the head checksums of the buckets written (bucket -> the
+        slot it was written to), kept only where buckets have heads."""
+        head_sums = {k: list(v) for k, v in body.get("head_sums", {}).items()}
+        for i, slot in slots.items():
+            if i in self._head_sums:
+                head_sums.setdefault(str(i), [None] * SLOTS)[slot] = self._head_sums.pop(i)
+        if head_sums:
+            body["head_sums"] = head_sums
 
     def commit_some(self, written: Iterable[int]) -> None:
         """Compact: buckets `written` (finished) are at their new copies from now on, and
