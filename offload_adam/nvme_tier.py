@@ -77,7 +77,8 @@ from .master_rule import MasterMarks, mark, take_from_param, written_since
 from .cpu_step import calls_by_dtype, contiguous_grad
 from .kernel_step import Hyper, KernelArgs
 from .state_store import Lent, Loaded
-from .param_state import ParamState, adam_bucket, file_key
+from . import split_master
+from .param_state import FILE_ROLE, ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .byte_view import byte_view
 from .nvme.direct_io import crc32, written_pages
@@ -108,15 +109,16 @@ class _Param:
     "<name>#<first element>"; so a bucket, its spare room in a compact ring and the
     pipeline's buffers stay about bucket_mb whatever the largest param (a 70B model's
     embedding alone is 6 GB of 8-bit state)."""
-    __slots__ = ("group", "index", "param", "base", "name", "dtype", "rec", "pieces")
+    __slots__ = ("group", "index", "param", "base", "name", "dtype", "rec", "pieces", "split")
 
     def __init__(self, group: int, index: int, param: torch.Tensor, name: str, rec=None,
-                 pieces=None):
+                 pieces=None, split: bool = False):
         self.group, self.index, self.param, self.base = group, index, param, name
         self.dtype = param.dtype
         self.rec = rec
         self.pieces = tuple(pieces) if pieces is not None else None
         self.name = name if pieces is None else f"{name}#{pieces[0].start}"
+        self.split = split   # its master split, its value the bucket's head (HEADS)
 
     @property
     def part(self) -> bool:
@@ -154,7 +156,26 @@ class _Param:
 
 
 def _bucket_spec(entries: List[_Param], fmt: str, amsgrad: bool) -> BucketSpec:
-    return adam_bucket([(e.name, e.shape, e.part) for e in entries], fmt, amsgrad)
+    return adam_bucket([(e.name, e.shape, e.part) for e in entries], fmt, amsgrad,
+                       split=bool(entries) and entries[0].split)
+
+
+# Design R2 of the smaller footprint (issue 28), internal until the forward reads the
+# heads: the params streamed from param files are laid out as the heads of their state's
+# buckets, each master split (param_state.adam_bucket(split=True)), a bucket holding one
+# block's params; files laid out before are still resumed in their layout.
+HEADS = False
+
+
+def _head_block(p, rec):
+    """The streamed block whose params a split bucket may hold with p's, or None where p's
+    master stays whole: p is a bf16 param streamed from param files (its value is in
+    files anyway: the head keeps it once), stepped by the engine, in one flat piece run."""
+    home = rec.home if rec is not None else None
+    if (home is None or rec.dtype is not torch.bfloat16 or not rec.flat
+            or home.block.streamer.files is None):
+        return None
+    return home.block
 
 
 def runs_within(items: Sequence, size: Callable[[list], float], limit: float) -> List[list]:
@@ -190,12 +211,15 @@ def _spec_name(name: str, raw: bool) -> str:
     return name if raw else name.replace("_orig_mod.", "")
 
 
-def _lay_out(param_groups, params, recs, limit: float, split: bool, raw: bool = False):
+def _lay_out(param_groups, params, recs, limit: float, split: bool, raw: bool = False,
+             heads: bool = False):
     """The file buckets (lists of _Param) and their specs: every param of every group, in
     order, dealt into buckets of about `limit` bytes of state (a bucket never spans two
     groups); with `split`, an engine param whose state is larger than `limit` is cut into
     parts (_Param), runs of its pieces of at most `limit` bytes each (one piece at least).
-    (split=False: the layout of files made before parts existed, still resumed.)"""
+    (split=False: the layout of files made before parts existed, still resumed.) With
+    `heads` (HEADS), the params streamed from param files (_head_block) have split
+    masters, their values the heads of buckets that hold one block's params each."""
     buckets, specs = [], []
     for gi, (group, mine) in enumerate(zip(param_groups, params)):
         fmt = state_format(group["state_dtype"])
@@ -206,22 +230,30 @@ def _lay_out(param_groups, params, recs, limit: float, split: bool, raw: bool = 
         def nbytes(e):
             return _bucket_spec([e], fmt.name, amsgrad).nbytes
 
-        entries = []
+        # runs of entries in order, each dealt on its own: (with `heads`) a run of one
+        # block's split entries, or of unsplit ones
+        runs: List[Tuple[object, list]] = []
         for i, p in enumerate(group["params"]):
             if id(p) not in keep:
                 continue
             name = f"{gi}:{_spec_name(names[i], raw) if names else i}"
             rec = recs.get(id(p))
-            whole = _Param(gi, i, p, name, rec)
+            block = _head_block(p, rec) if heads else None
+            whole = _Param(gi, i, p, name, rec, split=block is not None)
             if (split and rec is not None and rec.flat and len(rec.pieces) > 1
                     and nbytes(whole) > limit):
-                entries += [_Param(gi, i, p, name, rec, run) for run in runs_within(
-                    rec.pieces, lambda run: nbytes(_Param(gi, i, p, name, rec, run)), limit)]
+                entries = [_Param(gi, i, p, name, rec, run, split=whole.split)
+                           for run in runs_within(rec.pieces, lambda run: nbytes(
+                               _Param(gi, i, p, name, rec, run, split=whole.split)), limit)]
             else:
-                entries.append(whole)
-        for bucket in deal(entries, nbytes, limit):
-            specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
-            buckets.append(bucket)
+                entries = [whole]
+            if not runs or runs[-1][0] is not block:
+                runs.append((block, []))
+            runs[-1][1].extend(entries)
+        for _, entries in runs:
+            for bucket in deal(entries, nbytes, limit):
+                specs.append(_bucket_spec(bucket, fmt.name, amsgrad))
+                buckets.append(bucket)
     return buckets, specs
 
 
@@ -285,6 +317,11 @@ class FileStore:
                     engine = self.engine = enroll(floats)
                     recs = _recs_by_param(engine)
                 for raw in (False, True) if compiled_names else (False,):
+                    if HEADS:   # (first: files made so; else those made before)
+                        heads = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True,
+                                         raw=raw, heads=True)
+                        if any(e.split for b in heads[0] for e in b):
+                            yield heads
                     split = _lay_out(param_groups, mine, recs, bucket_mb * _MB, True, raw=raw)
                     yield split
                     if any(e.part for b in split[0] for e in b):
@@ -647,7 +684,7 @@ class FileStore:
                     st = ParamState.in_bucket(views, e.name)
                     step = float(st.step)
                     if step > 0 or self.state.step > 0:
-                        write_values(e.param, st.master, e.start if e.part else None)
+                        write_values(e.param, st.rounded, e.start if e.part else None)
                         if step > 0:
                             self._stepped.add(id(e.param))
                         if e.name not in unknown:
@@ -769,7 +806,7 @@ class FileStore:
                     st = ParamState.in_bucket(views, e.name)
                     if float(st.step) == 0:
                         continue
-                    if not rounds_to(st.master, e.of(param_values(e.param)).to("cpu")):
+                    if not rounds_to(st.rounded, e.of(param_values(e.param)).to("cpu")):
                         return False
         return True
 
@@ -1122,13 +1159,13 @@ class FileStore:
         for e in self.buckets[i]:
             st = ParamState.in_bucket(t, e.name)
             if ("p", e.name) in parts:
-                _follow_param(st, whole("p", e.name, st.master))
+                _follow_param(st, whole("p", e.name, st.rounded))
             if ("g", e.name) in parts:
-                g = whole("g", e.name, st.master)
+                g = whole("g", e.name, st.rounded)
                 scale, mul = ((step_meta["scale"], 1.0) if e.name in meta["in_place"]
                               else engine_scales)
                 args, grads = calls.setdefault((g.dtype, scale, mul), (KernelArgs(), []))
-                args.add(st, None, e.start)   # (a part's rounding: its elements' indices)
+                args.add(st, st.head, e.start)   # (a part's rounding: its elements' indices)
                 grads.append(g)
         for (_, scale, mul), (args, grads) in calls.items():
             args.run(grads, hyper, scale, max(1, torch.get_num_threads()), grad_mul=mul)
@@ -1231,8 +1268,8 @@ class FileStore:
                     scale = SCALE_KEYS.get(key)
                     if scale is not None and getattr(rec, scale) is not None:
                         st[scale] = getattr(rec, scale)
-                if e.has_master:   # (not an fp32 param stepped in place, as in RAM)
-                    st[MASTER_KEY] = rec.master
+                if e.has_master:   # (not an fp32 param stepped in place, as in RAM; a
+                    st[MASTER_KEY] = rec.exported_master()   # split one: decoded, a copy)
                 saved_id = saved_ids.get(id(e.param))
                 if saved_id is None:   # taken out of param_groups since
                     exact = False
@@ -1274,11 +1311,13 @@ class FileStore:
                 return None
             flat = None
             if role not in SCALE_KEYS.values():
-                flat = self.state.joined([(i, file_key(e.name, role)) for i, e in where],
+                flat = self.state.joined([(i, file_key(e.name, FILE_ROLE.get(role, role)))
+                                          for i, e in where],
                                          verified=True)   # (add_state's views() did)
             if flat is None:
                 flat = torch.cat([t.reshape(-1) for t in ts])
-            return flat if role in SCALE_KEYS.values() else flat.view(shape)
+            return flat if role in SCALE_KEYS.values() or role == "master_tie" \
+                else flat.view(shape)
         return ParamState(parts[0].step, *[join(f.name, [getattr(st, f.name) for st in parts])
                                            for f in dataclasses.fields(ParamState)
                                            if f.name != "step"])
@@ -1497,10 +1536,15 @@ class FileStore:
         st.step.fill_(got.step)
         for key, value in got.moments.items():
             getattr(st, key).copy_(_part_of(e, key, value))
-        if got.master is not None:
+        if got.master is not None and st.head is not None:   # a split master: encoded
+            head, lo, tie = split_master.encode(e.of(got.master).reshape(st.head.shape))
+            st.head.copy_(head)
+            st.master_lo.copy_(lo.view(st.master_lo.shape))
+            st.master_tie.copy_(tie)
+        elif got.master is not None:
             st.master.copy_(e.of(got.master))
         else:
-            st.master.copy_(e.of(param_values(e.param)).to("cpu", torch.float32))
+            st.restart(e.of(param_values(e.param)).to("cpu", torch.float32))
 
 
 class _Handed(NamedTuple):
@@ -1591,8 +1635,8 @@ def _follow_param(st: ParamState, p: torch.Tensor) -> None:
     """The master rule (master_rule.py) for a files' master `st.master` whose param
     changed, the param being `p` now (or as the redo log kept it): the master starts again
     from it unless it is still its rounding."""
-    if take_from_param(float(st.step), False, lambda: not rounds_to(st.master, p)):
-        st.master.copy_(p)
+    if take_from_param(float(st.step), False, lambda: not rounds_to(st.rounded, p)):
+        st.restart(p)
 
 
 def _check_grad(e: _Param, group: dict) -> None:

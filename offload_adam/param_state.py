@@ -11,10 +11,12 @@ The state of a param (or of a piece of one) is a few tensors, each with a role:
     exp_avg_scale,    8-bit moments only: one fp32 scale per block of 256
     exp_avg_sq_scale
     master_lo,        a split master (split_master.py): its low 16 bits (int16) and tie
-    master_tie        bits (uint8, 8 per byte), the high half being the bf16 param the
-                      kernel is given as its output, read and written; master is None.
-                      (Kernel-ready, and laid out in files by adam_bucket(split=True);
-                      no store steps one yet: they are not in ROLES.)
+    master_tie,       bits (uint8, 8 per byte), the high half being the bf16 param the
+    head              kernel is given as its output, read and written: in the files the
+                      bucket's head (adam_bucket(split=True), the file tensor
+                      "<name>.param"), the values the param is restored from; master is
+                      None. (The NVMe tier lays them out for params streamed from param
+                      files: nvme_tier.HEADS.)
 
 Every store holds them its own way: optimizer.state[p] (a dict under torch's keys,
 inplace.py), the engine's host arenas (a piece's slices of them, engine/layout.py), a
@@ -35,8 +37,12 @@ from .state_format import MASTER_KEY, SCALE_KEYS, state_format
 # The roles besides "step", in the order a bucket of the files lays them out.
 ROLES = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_scale",
          "exp_avg_sq_scale")
-# A role's key in optimizer.state[p] and in a state dict, where it is not the role's name.
-_DICT_KEY = {"master": MASTER_KEY}
+# A role's key in optimizer.state[p] and in a state dict, where it is not the role's name
+# (None: a role no dict holds); its name in a bucket of the files, likewise.
+_DICT_KEY = {"master": MASTER_KEY, "master_lo": None, "master_tie": None, "head": None}
+FILE_ROLE = {"head": "param"}
+# A split master's roles besides the moments (an engine record's attributes when lent).
+SPLIT_ROLES = ("master_lo", "master_tie", "head")
 
 
 @dataclass
@@ -52,6 +58,32 @@ class ParamState:
     exp_avg_sq_scale: Optional[torch.Tensor] = None
     master_lo: Optional[torch.Tensor] = None
     master_tie: Optional[torch.Tensor] = None
+    head: Optional[torch.Tensor] = None
+
+    @property
+    def rounded(self) -> Optional[torch.Tensor]:
+        """What the param is the rounding of: the master, or a split master's head (the
+        bf16 value itself); None for an fp32 param stepped in place."""
+        return self.master if self.master is not None else self.head
+
+    def restart(self, values: torch.Tensor) -> None:
+        """The master started again from the param's `values` (any shape of its
+        elements): a split one as the bf16 value with zero low half and tie bits (the
+        value exactly, as an fp32 master copied from a bf16 param is)."""
+        if self.master is not None:
+            self.master.copy_(values.reshape(self.master.shape))
+        else:
+            self.head.copy_(values.reshape(self.head.shape))
+            self.master_lo.zero_()
+            self.master_tie.zero_()
+
+    def exported_master(self) -> Optional[torch.Tensor]:
+        """The fp32 master as a state dict shows it: the master itself, or a split
+        one decoded (a copy, shaped as the head)."""
+        if self.master is not None or self.head is None:
+            return self.master
+        from .split_master import decode
+        return decode(self.head, self.master_lo, self.master_tie)
 
     @classmethod
     def of(cls, get: Callable[[str], Optional[torch.Tensor]]) -> "ParamState":
@@ -62,13 +94,13 @@ class ParamState:
     @classmethod
     def in_dict(cls, st: Mapping[str, torch.Tensor]) -> "ParamState":
         """The record of optimizer.state[p] as inplace.ready_state leaves it."""
-        return cls(*[st.get(key) for key in _DICT_KEYS])
+        return cls(*[st.get(key) if key is not None else None for key in _DICT_KEYS])
 
     @classmethod
     def in_bucket(cls, views: Mapping[str, torch.Tensor], name: str) -> "ParamState":
         """The record of param `name` in a bucket of the NVMe tier's files (its
         tensors `views`, by file_key)."""
-        return cls(*[views.get(file_key(name, role)) for role in _FIELDS])
+        return cls(*[views.get(file_key(name, FILE_ROLE.get(f, f))) for f in _FIELDS])
 
 
 # (its fields in order, and their keys in optimizer.state: a step builds many records)

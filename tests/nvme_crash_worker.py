@@ -9,6 +9,7 @@ running while the lock is held."""
 import torch
 
 import offload_adam
+from offload_adam import nvme_tier
 from nvme_adam import adam_fn, compact_step, fill_initial, make_spec
 from nvme_model import groups, make_params, train
 from offload_adam.kernel_step import kernels
@@ -227,9 +228,11 @@ def engine_worker(state_dir, until, streamed, compact, progress):
     """As optimizer_worker, for the engine with step_in_backward on the simulated device
     (`compact`: on compact files; streamed="files": the layers' params in param files
     beside the state); the model starts from its init, and the files restore it."""
+    nvme_tier.HEADS = streamed == "heads"   # (the split buckets: internal)
     sim = AsyncSimDevice(seed=until % 7)
     with simulated(sim), sim.watch():
         m = engine_model(seed=11, streamed=bool(streamed),
-                         param_dir=state_dir + "-params" if streamed == "files" else None)
+                         param_dir=state_dir + "-params" if streamed in ("files", "heads")
+                         else None)
         opt = engine_optimizer(m, state_dir, compact)
         steps_until(opt, lambda k: engine_train(m, opt, k, 1), until, progress)

@@ -26,6 +26,7 @@ from nvme_crash_worker import (SEED, committed_step, compact_optimizer_worker, c
                                engine_train, engine_values, engine_worker, model_params, optimizer,
                                optimizer_worker, spec_of, worker)
 from nvme_model import assert_same, train
+from offload_adam import nvme_tier
 from offload_adam.nvme import NvmeState, StepPipeline, manifest
 from offload_adam.testing import AsyncSimDevice, simulated
 
@@ -247,11 +248,11 @@ ENGINE_KILLS = 10
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["step_in_backward", "compact"])
-@pytest.mark.parametrize("streamed", [False, True, "files"],
-                         ids=["resident", "streamed", "param-files"])
+@pytest.mark.parametrize("streamed", [False, True, "files", "heads"],
+                         ids=["resident", "streamed", "param-files", "split-buckets"])
 def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp_path,
                                                                     forkserver, streamed,
-                                                                    compact):
+                                                                    compact, monkeypatch):
     """The same for the engine with step_in_backward on the simulated device, where the
     files' pass writes its buckets during backward (engine/disk_early.py) and commits at
     step(): killed anywhere (forward, backward's pass, the commit), the files hold a
@@ -259,7 +260,10 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
     plain run in host RAM. `streamed`: the layers' params streamed per block (issue 27):
     the files restore their host copies, and the reference is the same model resident;
     "files": the host copies in param files (issue 28), a cache of 4 blocks of 8, the
-    worker's files left as the kill left them and the resumed model's made anew."""
+    worker's files left as the kill left them and the resumed model's made anew;
+    "heads": so, the state's buckets laid out with the params as their heads and split
+    masters (nvme_tier.HEADS, internal)."""
+    monkeypatch.setattr(nvme_tier, "HEADS", streamed == "heads")
     rng = random.Random(8642)
     state_dir = tmp_path / "state"
     begun = []
@@ -274,12 +278,14 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
             def reopened():
                 nonlocal ram_step
                 param_dir = (str(tmp_path / f"params{len(steps_seen)}")
-                             if streamed == "files" else None)
+                             if streamed in ("files", "heads") else None)
                 m = engine_model(seed=11, blocks=bool(streamed), streamed=bool(streamed),
                                  param_dir=param_dir)   # the state files restore it
                 if compact:
                     begun.append(mid_step(state_dir))
                 opt = engine_optimizer(m, str(state_dir), compact)
+                assert any(e.split for b in opt._store.buckets for e in b) == (
+                    streamed == "heads")
                 step = committed_step(opt)
                 assert last_done <= step <= last_done + 1, (last_done, step)
                 engine_train(ref, ram, ram_step, step - ram_step)

@@ -64,7 +64,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..freed_grad import Stepped, freed_grad, is_freed
 from ..kernel_step import Hyper, KernelArgs
 from ..master_rule import MasterMarks
-from ..param_state import ROLES, ParamState
+from ..param_state import ROLES, SPLIT_ROLES, ParamState
 from ..options import Options
 from ..params import check_dense, groups_now, home_of, one_device
 from ..state_format import state_format
@@ -1463,7 +1463,7 @@ def _lend(entries: Sequence[Entry], views: Optional[Dict[str, torch.Tensor]]) ->
             for piece in e.pieces:
                 piece.lent, piece.lent_start = st, e.start
         else:
-            for role in ROLES:
+            for role in ROLES + SPLIT_ROLES:
                 setattr(e.rec, role, getattr(st, role) if st is not None else None)
         if st is not None:
             for piece in e.pieces:
@@ -1535,13 +1535,22 @@ class BucketJob:
                     writes.enter_context(home.writing([(p.start, p.stop) for p in mine],
                                                       stepped=sum(p.numel for p in mine)))
                     engine._profile.add_wait("home", bucket.index, t0, time.perf_counter())
-                args = KernelArgs()
-                for p in group:
-                    args.add(p.param_state(), p.staging if bucket.low_precision else None,
-                             p.start)
+                # (a split master, lent by the files, steps its head as its high half: one
+                # kernel call for those, one for the others; then its head is the update)
+                split = [p for p in group if p.split]
                 t0 = time.perf_counter()   # (the profile's CPU step: not the holds' waits)
-                args.run([p.grad for p in group], hyper, self.grad_scale, self.threads,
-                         grad_mul=self.grad_mul)
+                for run in (split, [p for p in group if not p.split]):
+                    if not run:
+                        continue
+                    args = KernelArgs()
+                    for p in run:
+                        st = p.param_state()
+                        args.add(st, st.head if st.head is not None else
+                                 p.staging if bucket.low_precision else None, p.start)
+                    args.run([p.grad for p in run], hyper, self.grad_scale, self.threads,
+                             grad_mul=self.grad_mul)
+                for p in split:
+                    p.staging.view(-1).copy_(p.state("head"))
                 self.ran += group
                 engine._ran.update(id(p) for p in group)
                 if not bucket.low_precision:

@@ -324,7 +324,7 @@ class DiskEarly(FileBucketsInBackward):
                     if old is None:
                         if views is None:
                             views = self.pipeline.state.views(i)
-                        old = ParamState.in_bucket(views, name).master.reshape(-1)
+                        old = ParamState.in_bucket(views, name).rounded.reshape(-1)
                     else:
                         changed.append(rec.param)
                         old = old.reshape(-1)[a:b]

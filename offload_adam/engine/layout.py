@@ -66,6 +66,9 @@ class ParamRec:
         # whole-param host views: what optimizer.state[param] shows
         self.master = self.exp_avg = self.exp_avg_sq = self.max_exp_avg_sq = None
         self.exp_avg_scale = self.exp_avg_sq_scale = None  # 8-bit moments only
+        # a split master's (param_state.py: lent by the files, nvme_tier.HEADS): its low
+        # halves, tie bits and head (the bf16 value the kernel reads and writes)
+        self.master_lo = self.master_tie = self.head = None
         self.step_t: Optional[torch.Tensor] = None
         self.copy = None                    # grads.GradCopy of its grad, or None
         self.freed = False                  # free_grads_after_copy dropped p.grad
@@ -167,15 +170,24 @@ class Piece:
             a, b = self.start, self.stop
         return state_slice(t, role, a, b) if t is not None else None
 
+    @property
+    def split(self) -> bool:
+        """Whether its master is split (lent so by the files: param_state.py)."""
+        st = self.lent if self.lent is not None else self.rec
+        return st.master_lo is not None
+
     def param_state(self) -> ParamState:
         """The piece's state as the kernel steps it (param_state.py): its slices of
         the param's buffers that exist, and its own step count."""
         blockwise = self.rec.fmt.blockwise
+        split = self.split
         return ParamState(
-            self.step_t, self.state("exp_avg"), self.state("exp_avg_sq"), self.state("master"),
-            self.state("max_exp_avg_sq"),
+            self.step_t, self.state("exp_avg"), self.state("exp_avg_sq"),
+            None if split else self.state("master"), self.state("max_exp_avg_sq"),
             self.state("exp_avg_scale") if blockwise else None,
-            self.state("exp_avg_sq_scale") if blockwise else None)
+            self.state("exp_avg_sq_scale") if blockwise else None,
+            *((self.state("master_lo"), self.state("master_tie"), self.state("head"))
+              if split else ()))
 
 
 class Bucket:
@@ -199,7 +211,10 @@ def piece_length(numel: int, itemsize: int, bucket_bytes: int) -> int:
 
 def state_slice(t: torch.Tensor, role: str, a: int, b: int) -> torch.Tensor:
     """Elements [a, b) of a flat param's state tensor `t` in `role` (of an 8-bit scale
-    array: the scales of their blocks; `a` starts a block)."""
+    array: the scales of their blocks; `a` starts a block; of a split master's tie bits:
+    their bytes)."""
+    if role == "master_tie":   # eight elements a byte (`a` starts a piece: a multiple)
+        return t[a // 8:(b + 7) // 8]
     if role not in SCALE_KEYS.values():
         return t.view(-1)[a:b]
     return t[a // QUANT_BLOCK:scale_len(b)]

@@ -127,7 +127,7 @@ def _masters_from_params(device, pieces: Sequence, after=None) -> None:
     for p in pieces:
         if p.rec.low_precision:
             with _held(p):
-                p.state("master").copy_(p.staging)
+                p.param_state().restart(p.staging)
 
 
 def follow_masters(device, entries: Sequence[Entry], marks: MasterMarks, after=None) -> None:
@@ -154,7 +154,7 @@ def follow_masters(device, entries: Sequence[Entry], marks: MasterMarks, after=N
         if not p.rec.low_precision:
             return True
         with _held(p):
-            return not rounds_to(p.state("master"), p.staging)
+            return not rounds_to(p.param_state().rounded, p.staging)
 
     take = [p for e in changed for p in e.pieces
             if take_from_param(float(p.step_t), False, lambda p=p: stale(p))]

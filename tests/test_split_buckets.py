@@ -1,0 +1,168 @@
+"""Design R2 of the smaller footprint (nvme_tier.HEADS, internal): the params streamed
+from param files laid out as the heads of their state's buckets, each master split
+(param_state.adam_bucket(split=True)). Stepped, saved, loaded and resumed, it is bit for
+bit the layout with whole fp32 masters, on the simulated asynchronous device."""
+import pytest
+import torch
+
+import offload_adam
+from offload_adam import nvme_tier, split_master
+from test_param_files import slots_mb
+from test_param_stream import OPTS, Block, assert_same_training, make_llama, train
+import test_param_stream
+
+device = test_param_stream.device   # the fixture: the simulated devices, checked at the end
+
+
+def build(tmp_path, tag, heads, monkeypatch, parts=False, **options):
+    """A 6-block streamed model, its params in files through a cache of 4 blocks, and its
+    optimizer with the state in files (`heads`: split buckets). `parts`: its MLP weights
+    of 2 engine pieces each, larger than a file bucket: kept in parts."""
+    monkeypatch.setattr(nvme_tier, "HEADS", heads)
+    model = make_llama(layers=6, **(dict(dim=64, hidden=1024) if parts else {}))
+    offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / f"p{tag}",
+                               param_cache_mb=slots_mb(model, 4))
+    (tmp_path / f"s{tag}").mkdir(exist_ok=True)
+    opt = offload_adam.AdamW(model.parameters(), **{**OPTS, "state_dirs": str(tmp_path / f"s{tag}"),
+                                                    **options})
+    return model, opt
+
+
+def split_entries(opt):
+    return [e for b in opt._store.buckets for e in b if e.split]
+
+
+def check_layout(opt):
+    """Every split bucket holds one block's params, all split, each a bf16 param streamed
+    from files; the unsplit ones none of those."""
+    buckets = opt._store.buckets
+    assert any(e.split for b in buckets for e in b)
+    for b in buckets:
+        if b[0].split:
+            assert all(e.split for e in b)
+            assert len({id(e.rec.home.block) for e in b}) == 1
+        else:
+            assert not any(e.rec is not None and e.rec.home is not None for e in b)
+
+
+CASES = [dict(), dict(state_dtype="8bit"), dict(state_footprint="compact"),
+         dict(step_in_backward=True), dict(step_in_backward=True, state_footprint="compact",
+                                           state_dtype="8bit"),
+         dict(parts=True, state_dtype="8bit", state_footprint="compact")]
+IDS = ["bf16", "8bit", "compact", "in-backward", "in-backward-compact-8bit",
+       "parts-8bit-compact"]
+
+
+@pytest.mark.parametrize("options", CASES, ids=IDS)
+def test_split_buckets_train_as_whole_masters(device, tmp_path, monkeypatch, options):
+    """Trained 4 steps (accumulating 2 micro-batches but stepped in backward), split
+    buckets are bit for bit the whole-master layout: params and every state tensor."""
+    micro = 1 if options.get("step_in_backward") else 2
+    runs = []
+    for heads in (False, True):
+        model, opt = build(tmp_path, int(heads), heads, monkeypatch, **options)
+        assert bool(split_entries(opt)) == heads
+        if heads:
+            check_layout(opt)
+        if options.get("parts"):
+            assert any(e.part for e in split_entries(opt)) == heads
+        train(model, opt, 4, micro=micro)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+    # the heads hold the params' values; the master decoded is the state dict's
+    model, opt = runs[1]
+    store = opt._store
+    for i, b in enumerate(store.buckets):
+        views = store.state.views(i)
+        for e in b:
+            if e.split:
+                head = views[f"{e.name}.param"]
+                assert torch.equal(head.view(-1), e.of(e.rec.home.values()).reshape(-1))
+                master = split_master.decode(head, views[f"{e.name}.master_lo"],
+                                             views[f"{e.name}.master_tie"])
+                assert torch.equal(master.to(torch.bfloat16), head)
+
+
+def test_split_buckets_resume_and_load_as_whole_masters(device, tmp_path, monkeypatch):
+    """Closed after 3 steps and resumed (state_resume=True) on a freshly made model: the
+    params are restored from the heads, and training on is bit for bit the whole-master
+    layout's."""
+    runs = []
+    for heads in (False, True):
+        model, opt = build(tmp_path, f"{heads}a", heads, monkeypatch)
+        train(model, opt, 3)
+        opt.close()
+        monkeypatch.setattr(nvme_tier, "HEADS", heads)
+        model2 = make_llama(layers=6)
+        with torch.no_grad():   # (a model of other values: the restore sets the trained)
+            for p in model2.parameters():
+                if p.requires_grad:
+                    p.add_(1.0)
+        offload_adam.stream_params(model2, Block, prefetch=1, param_dirs=tmp_path / f"p{heads}b",
+                                   param_cache_mb=slots_mb(model2, 4))
+        opt2 = offload_adam.AdamW(model2.parameters(), **{**OPTS, "state_resume": True,
+                                                          "state_dirs": str(tmp_path / f"s{heads}a")})
+        assert bool(split_entries(opt2)) == heads
+        for k, v in model.state_dict().items():   # restored (from the heads)
+            assert torch.equal(model2.state_dict()[k], v), k
+        train(model2, opt2, 2, start=3)
+        runs.append((model2, opt2))
+    assert_same_training(*runs)
+
+
+def test_a_state_dict_loads_into_split_buckets(device, tmp_path, monkeypatch):
+    """A state dict of the whole-master layout loaded into split buckets (its masters
+    encoded; one that is not its param's rounding is kept as loaded) trains on bit for
+    bit as when loaded into the whole-master layout."""
+    model, opt = build(tmp_path, "src", False, monkeypatch)
+    train(model, opt, 2)
+    sd = opt.state_dict()
+    sd = {"state": {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()},
+          "param_groups": sd["param_groups"]}
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    # a streamed param's master nudged off its param's rounding (restarted from the param
+    # at the step), another's left out (torch's dicts hold none: made from the param)
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    sd["state"][index["layers.0.q.weight"]]["master_param"].add_(1e-3)
+    del sd["state"][index["layers.1.up.weight"]]["master_param"]
+    runs = []
+    for heads in (False, True):
+        m, o = build(tmp_path, f"{heads}d", heads, monkeypatch)
+        m.load_state_dict(weights)
+        o.load_state_dict(sd)
+        train(m, o, 2, start=2)
+        runs.append((m, o))
+    assert_same_training(*runs)
+
+
+
+def resumed(tmp_path, tag, heads, monkeypatch):
+    monkeypatch.setattr(nvme_tier, "HEADS", heads)
+    m = make_llama(layers=6)
+    offload_adam.stream_params(m, Block, prefetch=1, param_dirs=tmp_path / f"p{tag}-again",
+                               param_cache_mb=slots_mb(m, 4))
+    return m, offload_adam.AdamW(m.parameters(), **{**OPTS, "state_resume": True,
+                                                    "state_dirs": str(tmp_path / f"s{tag}")})
+
+
+def test_files_resume_in_the_layout_they_were_made_with(device, tmp_path, monkeypatch):
+    """Files made with whole masters resume so with HEADS on (its layout is tried first,
+    then theirs) and train on; files of split buckets are refused without HEADS (its
+    layout is not tried), as files of another layout are, nothing written."""
+    model, opt = build(tmp_path, "whole", False, monkeypatch)
+    train(model, opt, 2)
+    opt.close()
+    m, o = resumed(tmp_path, "whole", True, monkeypatch)
+    assert not split_entries(o) and o.step_count == 2
+    train(m, o, 1, start=2)
+    o.close()
+    model, opt = build(tmp_path, "split", True, monkeypatch)
+    train(model, opt, 2)
+    opt.close()
+    before = {f.name: f.read_bytes() for f in (tmp_path / "ssplit").iterdir()}
+    with pytest.raises(ValueError, match="bucket_mb"):
+        resumed(tmp_path, "split", False, monkeypatch)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "ssplit").iterdir()} == before
+    m, o = resumed(tmp_path, "split", True, monkeypatch)
+    assert split_entries(o) and o.step_count == 2
+    o.close()
