@@ -53,6 +53,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import offload_adam  # noqa: E402
+from offload_adam import nvme_tier  # noqa: E402
+from offload_adam.nvme.direct_io import allocated_bytes  # noqa: E402
 from offload_adam.engine.device import HostDevice  # noqa: E402
 from offload_adam.testing import ring_buffers, simulated, state_files  # noqa: E402
 from bench.machine import load_average, machine_info, one_line  # noqa: E402
@@ -166,6 +168,10 @@ def main():
                     help="state_budget_mb= (the state ring: 12 of the largest bucket, one param)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "8bit"))
+    ap.add_argument("--heads", action="store_true",
+                    help="design R2 (nvme_tier.HEADS, internal): the blocks' params kept as "
+                         "the heads of their state's buckets, masters split, their param "
+                         "file extents given back once a step committed them")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--limit-gb", type=float, default=8.0)
@@ -215,6 +221,7 @@ def main():
                      f"{streamer.files.cache_bytes / 2**20:.0f} MiB = {len(streamer.files.slots)} blocks")
             state_dir = os.path.join(args.dir, "state")
             os.makedirs(state_dir)
+            nvme_tier.HEADS = args.heads
             opt = offload_adam.AdamW(model.parameters(), lr=1e-4, num_threads=args.threads,
                                      state_dirs=state_dir, state_footprint="compact",
                                      step_in_backward=True, free_grads_after_copy=True,
@@ -262,6 +269,9 @@ def main():
             grad_ring = opt._engine.ring.nbytes if getattr(opt._engine, "ring", None) else 0
             disk = {name: sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
                     for name, d in (("state", state_dir), ("params", param_dir))}
+            # (what the files take: a hole, a block's extent given back, takes nothing)
+            allocated = {name: sum(allocated_bytes(os.path.join(d, f)) for f in os.listdir(d))
+                         for name, d in (("state", state_dir), ("params", param_dir))}
             row["state_files"] = {f: os.path.getsize(os.path.join(state_dir, f))
                                   for f in sorted(os.listdir(state_dir))}
             row["largest_bucket_bytes"] = max(b.nbytes for b in files.spec.buckets)
@@ -288,6 +298,11 @@ def main():
                              if b) + f", params {disk['params'] / n:.3f}; largest bucket "
                  f"{row['largest_bucket_bytes'] / 2**20:.1f} MiB); RAM "
                  f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.1f} GiB")
+        log(out, f"allocated on disk after the last step (st_blocks; holes not counted): state "
+                 f"{allocated['state'] / 1e9:.2f} GB + params {allocated['params'] / 1e9:.2f} GB = "
+                 f"{(allocated['state'] + allocated['params']) / n:.2f} B/param"
+                 + (" (--heads: the blocks in the heads have their param file extents given "
+                    "back)" if args.heads else ""))
         log(out, f"bytes per iteration (median of 2..): read {med_read / 1e9:.2f} GB (expected at "
                  f"most {expect_read / 1e9:.2f}: state {gen_bytes / 1e9:.2f} + log {log_bytes / 1e9:.2f} "
                  f"+ param misses in forward and backward {2 * miss / 1e9:.2f}), written {med_write / 1e9:.2f} GB (expected "
@@ -339,6 +354,7 @@ def main():
                      f"{at_peak['mmapped_bytes'] / 2**20:.0f} MiB")
         row.update(params=n, streamed=n_streamed, block_bytes=block_bytes, cache_bytes=cache,
                    state_ring_bytes=ring, grad_ring_bytes=grad_ring, disk_bytes=disk,
+                   disk_allocated_bytes=allocated, heads=args.heads,
                    generation_bytes=gen_bytes, log_bytes=log_bytes, expected_read=expect_read,
                    expected_write=expect_write, traffic=traffic, step_seconds=steps,
                    phase_seconds=phases, step_traffic=step_traffic,

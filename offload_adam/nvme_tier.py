@@ -60,6 +60,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import os
 import sys
 import weakref
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -77,7 +78,7 @@ from .master_rule import MasterMarks, mark, take_from_param, written_since
 from .cpu_step import calls_by_dtype, contiguous_grad
 from .kernel_step import Hyper, KernelArgs
 from .state_store import Lent, Loaded
-from . import split_master
+from . import nvme_heads, split_master
 from .param_state import FILE_ROLE, ParamState, adam_bucket, file_key
 from .nvme import BucketSpec, NvmeError, NvmeState, StateSpec, StepPipeline, redo, ring_size
 from .byte_view import byte_view
@@ -160,11 +161,12 @@ def _bucket_spec(entries: List[_Param], fmt: str, amsgrad: bool) -> BucketSpec:
                        split=bool(entries) and entries[0].split)
 
 
-# Design R2 of the smaller footprint (issue 28), internal until the forward reads the
-# heads: the params streamed from param files are laid out as the heads of their state's
-# buckets, each master split (param_state.adam_bucket(split=True)), a bucket holding one
-# block's params; files laid out before are still resumed in their layout.
-HEADS = False
+# Design R2 of the smaller footprint (issue 28), internal for now (OFFLOAD_ADAM_HEADS=1
+# turns it on, for a test run): the params streamed from param files are laid out as the
+# heads of their state's buckets, each master split (param_state.adam_bucket(split=True)),
+# a bucket holding one block's params, and the blocks are loaded from the heads once a
+# step committed them (nvme_heads.py); files laid out before resume in their layout.
+HEADS = os.environ.get("OFFLOAD_ADAM_HEADS") == "1"
 
 
 def _head_block(p, rec):
@@ -437,6 +439,15 @@ class FileStore:
             engine.early.use_files(self._early)
         if state is not None:
             self._mark(state)
+        # design R2: the streamed blocks whose values the split buckets' heads keep are
+        # loaded from them once a step committed them (nvme_heads.py); back in their
+        # files when this store closes (the optimizer's close, or its finalizer)
+        self._heads = nvme_heads.link(self.buckets, self.state) if HEADS else []
+        if self._heads:
+            links = list(self._heads)
+            self.state.on_commit = lambda written: [h.committed(written) for h in links]
+            if self._early is not None:   # (its buckets lent in backward)
+                self._early.on_lend = lambda i: [h.lent(i) for h in links]
 
     def _open_layout(self, tries, dirs, files_name: str, budget_mb, bucket_mb: float,
                      compact: bool, params, process_group) -> Tuple[int, List[int]]:
@@ -984,6 +995,7 @@ class FileStore:
         if self.pipeline is not None:
             self._abandon_early("the optimizer was closed")
             self.pipeline.close()
+            _heads_out(self._heads)   # (the blocks in the heads back in their files)
             if self._handed is not None and len(self._handed.held):
                 _HELD_AFTER_CLOSE[self.state.uuid] = self._handed
             self.state.close()
@@ -1040,6 +1052,8 @@ class FileStore:
                     # not hand those on): an error here commits nothing
                     for i, t in passes:
                         bucket = self.buckets[i]
+                        for link in self._heads:   # (its blocks' edits, before it reads them)
+                            link.lent(i)
                         if early is not None and i in getattr(early, "logged", ()):
                             self._grads_from_log(i)
                         calls, follow = self._lend_in_place(
@@ -1080,6 +1094,8 @@ class FileStore:
                 if run is not None:
                     run.end(completed)
             finally:
+                for link in self._heads:
+                    link.end_pass()
                 self._mark(state)
 
     # ---- compact: the redo log ----------------------------------------------------------
@@ -1401,6 +1417,8 @@ class FileStore:
              if float(saved_of(e).get("step") or 0) > 0
              and stored_state(saved_of(e)).get(MASTER_KEY) is None})
         self._warn_held("this load_state_dict()")
+        for link in self._heads:   # (the heads take the loaded masters' high halves)
+            link.out(unlink=False)
         self.pipeline.load(fill, step=step)
         self._stepped = stepped
         for p, own in extras.items():   # (_mark takes them into a stepped param's entry)
@@ -1623,6 +1641,12 @@ def _moment_print(fp32: torch.Tensor) -> int:
     """A moment's fp32 values (float32_moment of any stored form) as a CRC32C of their
     bytes."""
     return crc32(byte_view(fp32.contiguous()))
+
+
+def _heads_out(links) -> None:
+    """The blocks in the heads of a store closing (or dropped) back in their files."""
+    for link in links:
+        link.out(unlink=True)
 
 
 def _part_of(e: _Param, key: str, value: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,11 @@ stepped param from its committed master, here into the param files, so a file ho
 step cut short is never read again. Each block's bytes are
 checksummed (CRC32C per I/O request) when written and checked when read back.
 
+With the state in files laid out with heads (nvme_heads.py, internal: nvme_tier.HEADS), a
+block whose params all live in the state's buckets is, once a step committed them, loaded
+from those heads (`in_heads`: its file extent given back, a hole); a write by other than the
+CPU step, or a state dict's map of it, puts it back in its file.
+
 Bytes per step, per streamed param: forward and backward each read what the cache does not
 hold (2 B/param each at most), the step writes 2 B/param: a block goes back to its file in
 whole I/O requests (4 MiB, each checksummed on its own), only those holding bytes the step
@@ -58,7 +63,7 @@ from .byte_view import byte_view
 from .engine.host_memory import unpin_when_dropped
 from .engine.worker import WORKER_NAME
 from .nvme.direct_io import (AlignedBuffer, IOPool, NvmeError, bytes_of, crc32, map_copy,
-                             map_file, open_direct, wait, warn_buffered)
+                             map_file, open_direct, punch_hole, wait, warn_buffered)
 from .nvme.fd_limit import open_fd
 from .nvme.layout import ALIGN, round_up
 from .nvme.manifest import lock_exclusive
@@ -120,6 +125,8 @@ class _Slot:
         # reads of the file's requests that hold missing bytes, in flight (read ahead):
         # (scratch buffer, its byte range in the block, futures), applied by _finish
         self.completing: list = []
+        # its block's load from the state's heads in flight (HeadSource.read), or None
+        self.heading = None
 
     @property
     def dirty(self) -> bool:
@@ -128,7 +135,8 @@ class _Slot:
     @property
     def busy(self) -> bool:
         """I/O in flight: a read, a write back, or a completion's reads."""
-        return bool(self.loading or self.writing or self.completing)
+        return bool(self.loading or self.writing or self.completing
+                    or self.heading is not None)
 
     def pending(self) -> list:
         """Every future of the slot's I/O in flight."""
@@ -242,6 +250,19 @@ class ParamFiles:
                                        [slot.buffer.tensor for slot in self.slots])
         self.slot_of: Dict[int, _Slot] = {}
         self.sums: Dict[int, List[int]] = {}   # block -> its requests' CRC32Cs, as written
+        # Design R2 (nvme_tier.HEADS): a file store that keeps the blocks' values as the
+        # heads of its buckets links itself here (`heads`, a HeadSource). A block whose
+        # values its committed heads hold (`in_heads`) gives its file extent back (a hole)
+        # and is loaded from them; written by other than the CPU step, or mapped by a
+        # state dict, it goes back to its file. `edits`: per block, the writes that were
+        # not the CPU step's (a store's step compares them across its pass).
+        self.heads = None
+        self.in_heads: set = set()
+        self.on_file: set = set(range(len(self.sizes)))   # extents holding their bytes
+        self.edits: Dict[int, int] = {}
+        self.heads_read_bytes = 0
+        # per block, weak references to the maps of its file mapped() handed out
+        self._maps: Dict[int, list] = {}
 
     @property
     def cache_bytes(self) -> int:
@@ -315,13 +336,17 @@ class ParamFiles:
 
     def unhold(self, i: int, dirty: bool,
                unwritten: Sequence[Tuple[int, int]] = (),
-               written: Optional[Sequence[Tuple[int, int]]] = None) -> None:
+               written: Optional[Sequence[Tuple[int, int]]] = None,
+               by_step: bool = False) -> None:
         """Ends a hold; `dirty`: the caller wrote the byte ranges `written` (None: any);
         `unwritten`: ranges hold_to_write claimed that the caller did not write after all
-        (its write failed): the slot reads them from the file again."""
+        (its write failed): the slot reads them from the file again. `by_step`: the
+        writer was the CPU step (else an edit: counted in `edits`)."""
         with self.lock:
             slot = self.slot_of[i]
             slot.holds -= 1
+            if dirty and not by_step:
+                self.edits[i] = self.edits.get(i, 0) + 1
             if dirty:
                 slot.dirty_ranges = _union(slot.dirty_ranges, [(0, self.sizes[i])]
                                            if written is None else written)
@@ -363,8 +388,11 @@ class ParamFiles:
                 self._load(i, slot)
 
     def flush(self, i: Optional[int] = None) -> None:
-        """Writes block i (every block: None) back to its file if the cache has newer."""
+        """Writes block i (every block: None) back to its file if the cache has newer;
+        (a block in the heads: to its file from them)."""
         with self.lock:
+            for k in sorted(self.in_heads) if i is None else [i] if i in self.in_heads else []:
+                self._to_file(k)
             for slot in self.slots:
                 if slot.block is not None and (i is None or slot.block == i):
                     self._finish(slot)
@@ -377,6 +405,10 @@ class ParamFiles:
         stay in it): what model.state_dict() shows without reading a model into RAM. Its
         bytes are checked against the block's sums as written (a read through the page
         cache, which then serves the mapping): a changed file is an error, not a value."""
+        with self.lock:   # (no commit gives its extent back between the flush and the map)
+            return self._mapped(i)
+
+    def _mapped(self, i: int) -> torch.Tensor:
         self.flush(i)
         fd, offset, size = self._extent(i)
         if size == 0:   # (params of 0 elements: nothing to map, mmap refuses 0 bytes)
@@ -394,8 +426,11 @@ class ParamFiles:
             # (mmap's offset: a multiple of the allocation granularity, 64 KiB on some
             # arm64 kernels, where the extents are on 4 KiB)
             page = offset - offset % mmap.ALLOCATIONGRANULARITY
-            m = map_file(fd, size + offset - page, page)
-            data = torch.frombuffer(m, dtype=torch.uint8)[offset - page:offset - page + size]
+            region = map_file(fd, size + offset - page, page)
+            data = torch.frombuffer(region, dtype=torch.uint8)[offset - page:offset - page + size]
+        # (alive while a tensor over it is: heads_current asks)
+        self._maps[i] = [r for r in self._maps.get(i, []) if r() is not None]
+        self._maps[i].append(weakref.ref(region))
         if i in self.sums:
             step = self.pool.request_bytes
             view = byte_view(data)
@@ -488,6 +523,12 @@ class ParamFiles:
     def _load(self, i: int, slot: _Slot) -> None:
         slot.block = i
         self.slot_of[i] = slot
+        if i in self.in_heads:   # (from the state's heads: its file extent is a hole)
+            slot.heading = self.heads.read(i)
+            slot.loading = list(slot.heading.futures)
+            slot.dirty_ranges, slot.missing = [], []
+            self.heads_read_bytes += slot.heading.nbytes
+            return
         fd, offset, size = self._extent(i)
         slot.loading = self.pool.read(fd, slot.buffer.view[:size], offset)
         slot.dirty_ranges, slot.missing = [], []
@@ -498,6 +539,16 @@ class ParamFiles:
         checked against the block's sums."""
         if slot.completing:
             self._finish_completion(slot)
+        if slot.heading is not None:
+            reads, slot.heading, slot.loading = slot.heading, None, []
+            try:
+                reads.finish(slot.buffer.tensor[:self.sizes[slot.block]])
+            except BaseException:
+                self._drop(slot)
+                raise
+            finally:
+                reads.close()
+            return
         if not slot.loading:
             return
         futures, slot.loading = slot.loading, []
@@ -516,6 +567,9 @@ class ParamFiles:
         the requests the step wrote whole)."""
         i = slot.block
         fd, offset, size = self._extent(i)
+        if i in self.in_heads:   # from the heads (its extent a hole), now: every byte missing
+            self._complete_from_heads(slot)
+            return
         if runs is None:
             runs = self._runs(i, slot.missing, size)
         for a, b in runs:
@@ -589,6 +643,12 @@ class ParamFiles:
         first where the slot lacks some of a request it writes."""
         i = slot.block
         fd, offset, size = self._extent(i)
+        if i in self.in_heads:   # its extent a hole: the whole block goes to it
+            if slot.missing:
+                self._complete_from_heads(slot)
+            slot.dirty_ranges = [(0, self.sizes[i])]
+            self.in_heads.discard(i)
+        self.on_file.add(i)
         runs = self._runs(i, slot.dirty_ranges, size)
         if _overlap(slot.missing, runs):
             if runs == [(0, size)]:
@@ -599,6 +659,77 @@ class ParamFiles:
                         for f in self.pool.write(fd, slot.buffer.view[a:b], offset + a)]
         slot.written, slot.dirty_ranges = runs, []
         self.written_bytes += sum(b - a for a, b in runs)
+
+    def _complete_from_heads(self, slot: _Slot) -> None:
+        """The slot's missing bytes of a block in the heads read from them, now."""
+        i = slot.block
+        scratch = AlignedBuffer(self.sizes[i], pin=False)
+        reads = self.heads.read(i)
+        try:
+            wait(reads.futures)
+            reads.finish(scratch.tensor[:self.sizes[i]])
+            for a, b in slot.missing:
+                slot.buffer.tensor[a:b].copy_(scratch.tensor[a:b])
+            slot.missing = []
+            self.heads_read_bytes += reads.nbytes
+        finally:
+            reads.close()
+            scratch.close()
+
+    def _to_file(self, i: int) -> None:
+        """Block i, in the heads, written to its file (for a map of it, or before the
+        heads change: a load, the store closed): loaded into a slot, all of it dirty."""
+        slot = self.slot_of.get(i)
+        if slot is None:
+            slot = self._take_slot(i)
+            self._load(i, slot)
+        wait(slot.pending())
+        self._finish(slot)
+        self._write(slot)
+        self._finish_writes(slot)
+
+    def mapped_alive(self, i: int) -> bool:
+        """Whether a map of block i's file that mapped() handed out is still alive."""
+        maps = self._maps.get(i)
+        return bool(maps) and any(r() is not None for r in maps)
+
+    def heads_current(self, blocks: Dict[int, int]) -> None:
+        """The linked store committed the heads of these blocks, their values then the
+        slots' (or the files'): block -> its `edits` count when the store first read it in
+        the pass. Each not written by other than the CPU step since (nor mapped by a state
+        dict: a map of its file would read the hole) is in the heads from now on: its
+        extent given back, its slot clean."""
+        # (called by the store's commit, once its manifest is stored: nothing here may
+        # raise into it; a block that cannot go to the heads now stays in its file)
+        with self.lock:
+            for i, count in blocks.items():
+                if self.edits.get(i, 0) != count or self.mapped_alive(i):
+                    continue
+                slot = self.slot_of.get(i)
+                try:
+                    if slot is not None:
+                        if slot.holds or slot.loading or slot.completing:
+                            continue   # (in use now: its next commit takes it)
+                        self._finish_writes(slot)
+                    if i in self.on_file:
+                        fd, offset, size = self._extent(i)
+                        punch_hole(fd, offset, size)
+                except OSError:   # (a write back that failed is dirty again: written
+                    continue      # at eviction; a hole refused: the bytes stay)
+                if slot is not None:
+                    slot.dirty_ranges = []
+                self.on_file.discard(i)
+                self.sums.pop(i, None)
+                self.in_heads.add(i)
+
+    def heads_out(self, unlink: bool) -> None:
+        """Every block in the heads written to its file (the linked store is about to
+        rewrite them); `unlink`: and the heads unlinked (the store is closing)."""
+        with self.lock:
+            for i in sorted(self.in_heads):
+                self._to_file(i)
+            if unlink:
+                self.heads = None
 
     def _runs(self, i: int, ranges: Sequence[Tuple[int, int]], size: int
               ) -> List[Tuple[int, int]]:
@@ -651,10 +782,14 @@ class ParamFiles:
     def close(self) -> None:
         """Lets go of the slots and removes the files (scratch: see the module docstring)."""
         with self.lock:
+            self.heads, self.in_heads = None, set()   # (the streamer read its blocks back)
             for slot in self.slots:
                 wait(slot.pending())
                 _close_parts(slot.completing)
                 slot.completing = []
+                if slot.heading is not None:
+                    slot.heading.close()
+                    slot.heading = None
                 if slot.block is not None:
                     self.settle(slot.block)
             self._unpin()

@@ -517,7 +517,8 @@ class _Block:
             self.awaiting = self.awaiting and self.unstepped > 0
             self.trained = True
         if self.streamer.files is not None:
-            self.streamer.files.unhold(self.index, dirty, unwritten, written)
+            self.streamer.files.unhold(self.index, dirty, unwritten, written,
+                                       by_step=bool(stepped))
 
 
 def _refuse_compiled() -> None:

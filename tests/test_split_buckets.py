@@ -1,13 +1,19 @@
 """Design R2 of the smaller footprint (nvme_tier.HEADS, internal): the params streamed
 from param files laid out as the heads of their state's buckets, each master split
-(param_state.adam_bucket(split=True)). Stepped, saved, loaded and resumed, it is bit for
-bit the layout with whole fp32 masters, on the simulated asynchronous device."""
+(param_state.adam_bucket(split=True)), and the blocks loaded from the committed heads, their
+param file extents given back (nvme_heads.py). Stepped, saved, loaded and resumed, it is bit
+for bit the layout with whole fp32 masters, on the simulated asynchronous device."""
+import gc
+import os
+
 import pytest
 import torch
 
 import offload_adam
 from offload_adam import nvme_tier, split_master
-from test_param_files import slots_mb
+from offload_adam.nvme.direct_io import allocated_bytes, punch_hole
+from offload_adam.params import home_of
+from test_param_files import _streamer, slots_mb
 from test_param_stream import OPTS, Block, assert_same_training, make_llama, train
 import test_param_stream
 
@@ -68,9 +74,11 @@ def test_split_buckets_train_as_whole_masters(device, tmp_path, monkeypatch, opt
             assert any(e.part for e in split_entries(opt)) == heads
         train(model, opt, 4, micro=micro)
         runs.append((model, opt))
-    assert_same_training(*runs)
+    assert_same_training(*runs)   # (model.state_dict(): each block mapped from its file)
     # the heads hold the params' values; the master decoded is the state dict's
     model, opt = runs[1]
+    files = _streamer(model).files
+    assert files.heads_read_bytes > 0   # the cache (4 slots of 6 blocks) read blocks from them
     store = opt._store
     for i, b in enumerate(store.buckets):
         views = store.state.views(i)
@@ -166,3 +174,130 @@ def test_files_resume_in_the_layout_they_were_made_with(device, tmp_path, monkey
     m, o = resumed(tmp_path, "split", True, monkeypatch)
     assert split_entries(o) and o.step_count == 2
     o.close()
+
+
+
+def holes_supported(tmp_path) -> bool:
+    path = tmp_path / "probe"
+    path.write_bytes(b"x" * 65536)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+        return punch_hole(fd, 0, 65536) and allocated_bytes(str(path)) < 65536
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_blocks_in_the_heads_leave_their_files(device, tmp_path, monkeypatch, footprint):
+    """Once a step committed them, the blocks whose params all live in split buckets are
+    loaded from the heads and their param file extents given back (a hole, where the file
+    system has them); the frozen block keeps its file. A state dict of the model maps each
+    block from its file (written from the heads first), a model load puts the blocks it
+    writes back in their files, and closing the optimizer puts every block back: through
+    all of it, bit for bit the whole-master run doing the same."""
+    runs = []
+    for heads in (False, True):
+        model, opt = build(tmp_path, f"{heads}h", heads, monkeypatch,
+                           state_footprint=footprint)
+        train(model, opt, 2, micro=2)
+        if heads:
+            files = _streamer(model).files
+            frozen = 3   # (make_llama's)
+            assert files.in_heads == {0, 1, 2, 4, 5} and files.on_file == {frozen}
+            if holes_supported(tmp_path):
+                path = files.paths[0]
+                assert allocated_bytes(path) <= files.slot_bytes < os.path.getsize(path)
+        snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+        if heads:
+            assert not files.in_heads   # (mapped from their files)
+        train(model, opt, 1, micro=2, start=2)
+        if heads:
+            assert files.in_heads == {0, 1, 2, 4, 5}
+        edits = dict(files.edits) if heads else {}
+        model.load_state_dict(snapshot)   # back a step: every block written (an edit: a
+        if heads:   # block's slot holds it, and its file when the slot is given away)
+            assert all(files.edits[b] > edits.get(b, 0) for b in (0, 1, 2, 4, 5))
+        train(model, opt, 2, micro=2, start=3)
+        if heads:
+            assert files.in_heads == {0, 1, 2, 4, 5}
+        runs.append((model, opt))
+    assert_same_training(*runs)
+    for model, opt in runs:   # closed: each block in its file again, its values kept
+        values = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.close()
+        after = model.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in values.items())
+    assert not _streamer(runs[1][0]).files.in_heads
+
+
+def test_an_optimizer_dropped_puts_its_blocks_back_in_their_files(device, tmp_path,
+                                                                  monkeypatch):
+    """An optimizer dropped without close() (collected) puts the blocks in its heads back
+    in their files first: the model keeps its values and trains with a new optimizer."""
+    model, opt = build(tmp_path, "drop", True, monkeypatch, state_footprint="compact")
+    train(model, opt, 2)
+    files = _streamer(model).files
+    assert files.in_heads
+    train(model, opt, 1, start=2)
+    values = {k: home_of(p).values() if home_of(p) is not None else p.detach().clone()
+              for k, p in model.named_parameters()}   # (read: the blocks stay in the heads)
+    assert files.in_heads
+    del opt
+    gc.collect()
+    assert not files.in_heads and files.heads is None
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in values.items())
+    del after
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 1, start=4)
+
+
+def host_values(model):
+    """Each param's values, read without moving a block out of the heads."""
+    return {k: home_of(p).values() if home_of(p) is not None else p.detach().clone()
+            for k, p in model.named_parameters()}
+
+
+def test_a_held_state_dict_keeps_its_blocks_in_their_files(device, tmp_path, monkeypatch):
+    """model.state_dict() maps each block from its file: while what it gave is held, a
+    step's commit leaves the blocks in their files (a hole would show zeros through the
+    map); each tensor shows its block before or after the step (as with param files, the
+    step warns), and once dropped the next commit takes the blocks to the heads."""
+    model, opt = build(tmp_path, "held", True, monkeypatch, state_footprint="compact")
+    train(model, opt, 2)
+    files = _streamer(model).files
+    before = host_values(model)
+    held = model.state_dict()
+    with pytest.warns(RuntimeWarning, match="still held"):
+        train(model, opt, 1, start=2)
+    assert not files.in_heads
+    after = host_values(model)
+    for k, p in model.named_parameters():
+        assert torch.equal(held[k], before[k]) or torch.equal(held[k], after[k]), k
+    del held
+    train(model, opt, 1, start=3)
+    assert files.in_heads == {0, 1, 2, 4, 5}
+
+
+@pytest.mark.parametrize("footprint", ["two_generations", "compact"])
+def test_an_optimizer_load_keeps_the_blocks_in_the_heads_values(device, tmp_path, monkeypatch,
+                                                                 footprint):
+    """The optimizer's state dict of an earlier step loaded (the params left as they are):
+    the heads take the loaded masters' high halves, so the blocks in the heads go back to
+    their files first; training on is bit for bit the whole-master run's."""
+    runs = []
+    for heads in (False, True):
+        model, opt = build(tmp_path, f"{heads}l", heads, monkeypatch, state_footprint=footprint)
+        train(model, opt, 2)
+        sd = opt.state_dict()
+        sd = {"state": {i: {k: v.clone() for k, v in st.items()}
+                        for i, st in sd["state"].items()},
+              "param_groups": sd["param_groups"]}
+        train(model, opt, 2, start=2)
+        if heads:
+            assert _streamer(model).files.in_heads
+        opt.load_state_dict(sd)
+        train(model, opt, 2, start=4)
+        runs.append((model, opt))
+    assert_same_training(*runs)

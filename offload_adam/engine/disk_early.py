@@ -71,6 +71,9 @@ class FileBucketsInBackward:
         self.pipeline = pipeline
         self.files = files
         self._edited = edited
+        # called with each file bucket lent to be stepped here, before its params are read
+        # (the file store's heads: nvme_heads.py)
+        self.on_lend: Callable[[int], None] = lambda i: None
         self._files_of: Dict[int, List[int]] = {}   # id(rec) -> its file buckets
         self._entry_of: Dict[Tuple[int, int], Entry] = {}   # (file bucket, id(rec)) -> entry
         for i, entries in enumerate(files):
@@ -229,6 +232,7 @@ class DiskEarly(FileBucketsInBackward):
                 self._pending = next(self._gen)
             while self._pending is not None and self._pending[0] in self._ready:
                 i, views = self._pending
+                self.on_lend(i)
                 engine.step_lent_early(self.files[i], views, self._early.hyper, self._kept,
                                        self._after.get(i))
                 self._stepped_files.append(i)

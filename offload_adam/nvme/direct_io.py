@@ -160,6 +160,44 @@ def written_pages(address: int, nbytes: int) -> Optional[bool]:
     return False
 
 
+# fallocate(2)'s FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE: a range's disk blocks given
+# back, the file's size kept
+_PUNCH_HOLE = 0x02 | 0x01
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_fallocate():
+    try:
+        f = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return None
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return f
+
+
+def punch_hole(fd: int, offset: int, nbytes: int) -> bool:
+    """Gives the disk blocks of bytes [offset, offset + nbytes) of file `fd` back to the file
+    system (they read as zeros after; the file's size stays): True when it did; False where
+    it cannot (no fallocate, or a file system without holes), the bytes then staying. A
+    scratch file whose bytes live elsewhere for a while (param files: a block whose values
+    the state's heads hold) so stops taking their room on the disk."""
+    f = _libc_fallocate()
+    if f is None or nbytes <= 0:
+        return False
+    if f(fd, _PUNCH_HOLE, offset, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, f"punching a hole of {nbytes} bytes at {offset}: {os.strerror(err)}")
+
+
+def allocated_bytes(path: str) -> int:
+    """The disk bytes file `path` takes (its blocks: a hole takes none)."""
+    return os.stat(path).st_blocks * 512
+
+
 def bytes_of(region: mmap.mmap, at: int, nbytes: int):
     """`nbytes` of `region` from `at`, as a buffer of their own that keeps the region
     (torch.frombuffer of it: a storage of just those bytes, which torch.save writes)."""

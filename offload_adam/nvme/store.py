@@ -67,7 +67,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -165,6 +165,9 @@ class NvmeState:
         self._unsure: Optional[str] = None
         self._hint: Optional[str] = None
         self._moved_on: Optional[str] = None   # why no pass may run: params moved (two slots)
+        # called with the buckets each commit made current (whole or some), once the
+        # manifest is stored: the file store's heads (nvme_tier._HeadLink)
+        self.on_commit: Optional[Callable[[List[int]], None]] = None
         self._sums: Dict[int, int] = {}      # checksums of the slots written, to commit
         self._head_sums: Dict[int, int] = {}   # (and of their head regions)
         # Head reads in flight (read_head, on another thread than the pass): key -> (file,
@@ -546,6 +549,7 @@ class NvmeState:
             self._live = {}
             self._in_place, self._in_place_load = [], False
             self.forget_log()
+            self._committed(written)
             return
         body = dict(self._body)
         slots = list(body["slots"])
@@ -563,6 +567,11 @@ class NvmeState:
                     previous=self.step if whole else None, from_params=self.from_params_next)
         self._store(body, "committing the step")
         self.from_params_next = []
+        self._committed(written)
+
+    def _committed(self, written: List[int]) -> None:
+        if self.on_commit is not None and written:
+            self.on_commit(written)
 
     # -- compact: the redo log, committing as the pass goes -------------------------------
 
@@ -599,6 +608,7 @@ class NvmeState:
             return   # a new state's first pass: in place, committed whole at its end
         self._flush(written)
         self._store(self._moved(written), "committing buckets")
+        self._committed(written)
 
     def log_record(self, i: int, record: "redo.Record") -> None:
         """Compact: writes bucket i's redo record of the coming step now (step_in_backward:

@@ -1,0 +1,168 @@
+"""Streamed blocks' values kept once, as the heads of the file store's buckets (design R2).
+
+With nvme_tier.HEADS, the params streamed from param files are laid out as the heads of
+their state's buckets, each master split (param_state.adam_bucket(split=True)): the bf16
+value is the master's high half, committed with the state. A block whose params all live
+so then needs its param file only until a step commits its heads: from then on its values
+are the heads' (`ParamFiles.in_heads`), its file extent is given back to the file system
+(a hole), and the cache loads the block from the heads (NvmeState.read_head: checksummed,
+safe beside a pass) instead of from its file. On disk per param: the head 2 + low half 2
++ tie bit 1/8 + the moments, instead of the param file's 2 + the fp32 master's 4.
+
+    step's pass: bucket i lent   -> `lent(i)`: each of its blocks' edit count noted
+    a commit (whole, or compact's `commit_some`) made buckets current
+                                 -> `committed`: a block whose buckets are all current
+                                    and that nothing but the CPU step wrote since its
+                                    first was lent is in the heads (ParamFiles.heads_current)
+    a write by other than the step (a model load, the resume's restore), a state dict's
+    map of the block, the heads about to change (an optimizer state load), the store
+    closing                      -> the block back in its file (ParamFiles._to_file)
+
+A block evicted before its buckets commit goes to its file as before (and is given back at
+the commit); the compact state commits a few buckets at a time, so most blocks are in the
+heads by the time the cache gives their slots away. Crash safety is the state's: the param
+files are scratch, a resume restores every param from the committed heads.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from .nvme.direct_io import AlignedBuffer, wait
+from .param_state import file_key
+
+__all__ = ["link"]
+
+
+class _HeadReads:
+    """One block's heads being read (one request per bucket it spans): `futures`, then
+    finish(into) checks each head and copies the block's bytes from it."""
+
+    def __init__(self, state, parts: List[Tuple[int, List[Tuple[str, int, int]]]]):
+        self.state, self.reads, self.nbytes = state, [], 0
+        try:
+            for i, copies in parts:
+                spec = state.spec.buckets[i]
+                buf = AlignedBuffer(spec.head_bytes, pin=False)
+                self.reads.append((state.read_head(i, buf), buf, i, copies))
+                self.nbytes += spec.head_bytes
+        except BaseException:
+            self.close()
+            raise
+        self.futures = [f for req, _, _, _ in self.reads for f in req.futures]
+
+    def finish(self, into: torch.Tensor) -> None:
+        """Waits; each head checked against its committed checksum (an NvmeError naming
+        the bucket), then its params' bytes copied to their places in the block."""
+        for req, buf, i, copies in self.reads:
+            self.state.finish_head(req)
+            for key, at, offset, n in copies:
+                into[offset:offset + n].copy_(buf.tensor[at:at + n])
+
+    def close(self) -> None:
+        for req, buf, _, _ in self.reads:
+            wait(req.futures)   # (a request still reading into the buffer)
+            buf.close()
+        self.reads = []
+
+
+class _HeadLink:
+    """A file store's heads as the source of one streamer's param files (`files.heads`)."""
+
+    def __init__(self, state, files, blocks: Dict[int, List[Tuple[int, list]]]):
+        self.state, self.files, self.blocks = state, files, blocks
+        self.buckets_of = {b: {i for i, _ in parts} for b, parts in blocks.items()}
+        self.blocks_of: Dict[int, List[int]] = {}
+        for b, buckets in self.buckets_of.items():
+            for i in buckets:
+                self.blocks_of.setdefault(i, []).append(b)
+        # the blocks the step's pass lent a bucket of (in step() or, step_in_backward, in
+        # backward), each with its edit count when it was first; the buckets committed
+        self.seen: Dict[int, int] = {}
+        self.current: set = set()
+
+    def read(self, block: int) -> _HeadReads:
+        return _HeadReads(self.state, self.blocks[block])
+
+    @property
+    def linked(self) -> bool:
+        return self.files.heads is self
+
+    def lent(self, i: int) -> None:
+        """The step's pass lent bucket i (before its params are read: the master rule)."""
+        for b in self.blocks_of.get(i, ()):
+            self.seen.setdefault(b, self.files.edits.get(b, 0))
+
+    def committed(self, written: List[int]) -> None:
+        """NvmeState.on_commit: buckets `written` are current."""
+        if not self.seen or not self.linked:
+            return
+        self.current.update(written)
+        ready = {b: n for b, n in self.seen.items() if self.buckets_of[b] <= self.current}
+        for b in ready:
+            del self.seen[b]
+        if ready:
+            self.files.heads_current(ready)
+
+    def end_pass(self) -> None:
+        """The step's pass is over (committed or not): what it lent is forgotten."""
+        self.seen, self.current = {}, set()
+
+    def out(self, unlink: bool) -> None:
+        """Every block in the heads back to its file (the heads about to change, or the
+        store closing: `unlink`, after which the files no longer read them)."""
+        self.end_pass()
+        if self.linked:
+            self.files.heads_out(unlink)
+
+
+def link(buckets, state) -> List[_HeadLink]:
+    """Links the file store's split buckets (`buckets`: lists of nvme_tier._Param) to the
+    param files of their streamers, one link per streamer, for the blocks whose every
+    param is laid out split in them (a block with a frozen param keeps its file); a
+    streamer another store links already is left to it."""
+    found: Dict[int, tuple] = {}   # id(files) -> (files, streamer, {block: parts}, covered)
+    for i, bucket in enumerate(buckets):
+        for e in bucket:
+            if not e.split:
+                continue
+            home = e.rec.home
+            block = home.block
+            files = block.streamer.files
+            _, _, parts, covered = found.setdefault(
+                id(files), (files, block.streamer, {}, {}))
+            size = e.rec.dtype.itemsize
+            at = _head_offset(state.spec.buckets[i], file_key(e.name, "param"))
+            parts.setdefault(block.index, {}).setdefault(i, []).append(
+                (file_key(e.name, "param"), at, block.offsets[home.k] + e.start * size,
+                 e.numel * size))
+            whole = covered.setdefault(block.index, {})
+            whole[home.k] = whole.get(home.k, 0) + e.numel
+    links = []
+    for files, streamer, parts, covered in found.values():
+        if files.heads is not None:
+            continue
+        numel = {}
+        for bucket in buckets:
+            for e in bucket:
+                if e.split:
+                    numel[(e.rec.home.block.index, e.rec.home.k)] = e.rec.numel
+        blocks = {b: sorted(by_bucket.items()) for b, by_bucket in parts.items()
+                  if all(covered[b].get(k, 0) == numel.get((b, k), -1)
+                         for k in range(len(streamer.blocks[b].params)))}
+        if not blocks:
+            continue
+        one = _HeadLink(state, files, blocks)
+        files.heads = one
+        links.append(one)
+    return links
+
+
+def _head_offset(spec, key: str) -> int:
+    """Where tensor `key` of a bucket's head region starts in it."""
+    for t, at in zip(spec.tensors[:spec.head], spec.offsets()):
+        if t.name == key:
+            return at
+    raise KeyError(key)
