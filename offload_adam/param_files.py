@@ -567,8 +567,9 @@ class ParamFiles:
         the requests the step wrote whole)."""
         i = slot.block
         fd, offset, size = self._extent(i)
-        if i in self.in_heads:   # from the heads (its extent a hole), now: every byte missing
-            self._complete_from_heads(slot)
+        if i in self.in_heads:   # from the heads (its extent a hole), now
+            if slot.missing:
+                self._complete_from_heads(slot)
             return
         if runs is None:
             runs = self._runs(i, slot.missing, size)

@@ -301,3 +301,31 @@ def test_an_optimizer_load_keeps_the_blocks_in_the_heads_values(device, tmp_path
         train(model, opt, 2, start=4)
         runs.append((model, opt))
     assert_same_training(*runs)
+
+
+def test_blocks_in_the_heads_are_read_as_often_and_written_less(device, tmp_path, monkeypatch):
+    """Per step, the cache reads from the heads what it read from the files (a block whose
+    slot lacks nothing is not read again: a reader's hold read every such block from the
+    heads, 4 x the bytes, until fixed), and writes to the files only the blocks given away
+    before their step committed (those in the heads need no write back)."""
+    moved = {}
+    for heads in (False, True):
+        monkeypatch.setattr(nvme_tier, "HEADS", heads)
+        model = make_llama(layers=6, frozen=())
+        s = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / f"p{heads}",
+                                       param_cache_mb=slots_mb(model, 4))
+        (tmp_path / f"s{heads}").mkdir()
+        opt = offload_adam.AdamW(model.parameters(), **{
+            **OPTS, "state_dirs": str(tmp_path / f"s{heads}"), "state_footprint": "compact",
+            "step_in_backward": True})
+        train(model, opt, 1)
+        files = s.files
+        read0, written0 = files.read_bytes + files.heads_read_bytes, files.written_bytes
+        train(model, opt, 3, start=1)
+        moved[heads] = (files.read_bytes + files.heads_read_bytes - read0,
+                        files.written_bytes - written0)
+        assert bool(files.in_heads) == heads
+        opt.close()
+    (read_whole, written_whole), (read_heads, written_heads) = moved[False], moved[True]
+    assert read_heads <= read_whole + 3 * files.slot_bytes, moved
+    assert written_heads < written_whole, moved
