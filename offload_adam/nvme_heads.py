@@ -112,10 +112,33 @@ class _HeadLink:
 
     def out(self, unlink: bool) -> None:
         """Every block in the heads back to its file (the heads about to change, or the
-        store closing: `unlink`, after which the files no longer read them)."""
+        store closing: `unlink`, after which the files no longer read them). Closing, a
+        block whose heads cannot be read (a step cut short left the state files unsure:
+        NvmeState._check_sure) stays in the heads, and reading it says why (_Lost)."""
         self.end_pass()
-        if self.linked:
+        if not self.linked:
+            return
+        try:
             self.files.heads_out(unlink)
+        except Exception as e:   # noqa: BLE001 -- said at each read of such a block
+            if not unlink:
+                raise
+            self.files.heads = _Lost(str(e))
+
+
+class _Lost:
+    """The heads of a closed store that could not be read back into the param files:
+    reading a block still in them raises (never the zeros of its file's hole)."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def read(self, block: int):
+        raise RuntimeError(
+            f"offload_adam.stream_params: block {block}'s params were kept in the optimizer's "
+            f"state files (their buckets' heads), which could not be read back when it was "
+            f"closed ({self.why}). Build the optimizer again with state_resume=True on those "
+            "files: it restores the params from them")
 
 
 def link(buckets, state) -> List[_HeadLink]:

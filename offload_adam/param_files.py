@@ -524,7 +524,11 @@ class ParamFiles:
         slot.block = i
         self.slot_of[i] = slot
         if i in self.in_heads:   # (from the state's heads: its file extent is a hole)
-            slot.heading = self.heads.read(i)
+            try:
+                slot.heading = self.heads.read(i)
+            except BaseException:   # (the heads cannot be read: the slot holds nothing)
+                self._drop(slot)
+                raise
             slot.loading = list(slot.heading.futures)
             slot.dirty_ranges, slot.missing = [], []
             self.heads_read_bytes += slot.heading.nbytes

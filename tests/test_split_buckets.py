@@ -329,3 +329,42 @@ def test_blocks_in_the_heads_are_read_as_often_and_written_less(device, tmp_path
     (read_whole, written_whole), (read_heads, written_heads) = moved[False], moved[True]
     assert read_heads <= read_whole + 3 * files.slot_bytes, moved
     assert written_heads < written_whole, moved
+
+
+def test_blocks_a_failed_step_left_in_the_heads_say_so(device, tmp_path, monkeypatch):
+    """A step cut short by a full disk (the param files' writes) leaves the compact state
+    unsure, its heads unreadable until a resume: closing the optimizer leaves the blocks
+    still in the heads there, and reading one (model.state_dict()) raises naming
+    state_resume=True, never the zeros of its file's hole; the resume restores the model
+    as the files' step."""
+    from offload_adam.nvme import direct_io
+    monkeypatch.setattr(nvme_tier, "HEADS", True)
+    model = make_llama(layers=6, frozen=())
+    s = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
+                                   param_cache_mb=slots_mb(model, 4))
+    (tmp_path / "s").mkdir()
+    opts = dict(OPTS, state_dirs=str(tmp_path / "s"), step_in_backward=True,
+                state_footprint="compact")
+    opt = offload_adam.AdamW(model.parameters(), **opts)
+    train(model, opt, 2)
+    assert s.files.in_heads
+    params, real = set(s.files.fds), direct_io._write
+
+    def full(fd, view, offset):
+        if fd in params:
+            raise OSError(28, os.strerror(28))
+        return real(fd, view, offset)
+    monkeypatch.setattr(direct_io, "_write", full)
+    with pytest.raises(OSError, match="No space left"):
+        train(model, opt, 1, start=2)
+    monkeypatch.setattr(direct_io, "_write", real)
+    opt.close()
+    assert s.files.in_heads
+    with pytest.raises(RuntimeError, match="state_resume=True"):
+        model.state_dict()
+    model2 = make_llama(layers=6, frozen=())
+    offload_adam.stream_params(model2, Block, prefetch=1, param_dirs=tmp_path / "p2",
+                               param_cache_mb=slots_mb(model2, 4))
+    opt2 = offload_adam.AdamW(model2.parameters(), **dict(opts, state_resume=True))
+    assert opt2.step_count in (2, 3)
+    train(model2, opt2, 1, start=opt2.step_count)
