@@ -40,7 +40,7 @@ class _HeadReads:
     """One block's heads being read (one request per bucket it spans): `futures`, then
     finish(into) checks each head and copies the block's bytes from it."""
 
-    def __init__(self, state, parts: List[Tuple[int, List[Tuple[str, int, int]]]]):
+    def __init__(self, state, parts: List[Tuple[int, List[Tuple[str, int, int, int]]]]):
         self.state, self.reads, self.nbytes = state, [], 0
         try:
             for i, copies in parts:
@@ -147,6 +147,7 @@ def link(buckets, state) -> List[_HeadLink]:
     param is laid out split in them (a block with a frozen param keeps its file); a
     streamer another store links already is left to it."""
     found: Dict[int, tuple] = {}   # id(files) -> (files, streamer, {block: parts}, covered)
+    numel: Dict[tuple, int] = {}   # (id(files), block, param in it) -> its elements
     for i, bucket in enumerate(buckets):
         for e in bucket:
             if not e.split:
@@ -163,17 +164,13 @@ def link(buckets, state) -> List[_HeadLink]:
                  e.numel * size))
             whole = covered.setdefault(block.index, {})
             whole[home.k] = whole.get(home.k, 0) + e.numel
+            numel[(id(files), block.index, home.k)] = e.rec.numel
     links = []
     for files, streamer, parts, covered in found.values():
         if files.heads is not None:
             continue
-        numel = {}
-        for bucket in buckets:
-            for e in bucket:
-                if e.split:
-                    numel[(e.rec.home.block.index, e.rec.home.k)] = e.rec.numel
         blocks = {b: sorted(by_bucket.items()) for b, by_bucket in parts.items()
-                  if all(covered[b].get(k, 0) == numel.get((b, k), -1)
+                  if all(covered[b].get(k, 0) == numel.get((id(files), b, k), -1)
                          for k in range(len(streamer.blocks[b].params)))}
         if not blocks:
             continue

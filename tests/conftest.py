@@ -19,6 +19,7 @@ a long soak is `OFFLOAD_ADAM_SIM_SEEDS=50 bash scripts/run_tests.sh tests/test_e
 `SIMS` (the seeds and "latest") is also the streaming tests' `device` fixture.
 """
 import contextlib
+import errno
 import os
 
 import pytest
@@ -96,6 +97,20 @@ def disk_full_at(monkeypatch, module, n):
         return real(path, create=create, size=size)
     monkeypatch.setattr(module, "open_direct", open_direct)
     return opened
+
+
+def writes_fail_on(monkeypatch, fds):
+    """direct_io._write raises ENOSPC for the descriptors `fds` (a disk full for those
+    files alone); returns the real _write, to put back."""
+    from offload_adam.nvme import direct_io
+    real = direct_io._write
+
+    def full(fd, view, offset):
+        if fd in fds:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, view, offset)
+    monkeypatch.setattr(direct_io, "_write", full)
+    return real
 
 
 def sim_path(name, files_root=None):

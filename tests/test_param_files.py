@@ -16,7 +16,7 @@ import torch
 import offload_adam
 from offload_adam.nvme.direct_io import NvmeError
 from offload_adam.param_files import FILE_NAME, ParamFiles
-from conftest import disk_full_at
+from conftest import disk_full_at, writes_fail_on
 from test_param_stream import BF16, OPTS, Block, assert_same_training, llama_loss, make_llama, train
 import test_param_stream
 
@@ -877,7 +877,6 @@ def test_a_disk_error_on_the_param_files_loses_no_step(device, tmp_path, monkeyp
     (a block given back in forward or backward, or in the step): an OSError, and the state
     files hold a completed step; a new streamer with state_resume=True restores the params
     from them, bitwise the resident training of that many steps, and trains on."""
-    from offload_adam.nvme import direct_io
 
     def streamed(folder):
         model = make_llama(layers=6, frozen=())
@@ -892,14 +891,7 @@ def test_a_disk_error_on_the_param_files_loses_no_step(device, tmp_path, monkeyp
     with pytest.warns(RuntimeWarning, match="hold no completed step"):   # (nothing yet)
         model, streamer, opt = streamed(tmp_path / "p")
     train(model, opt, 2)
-    params = set(streamer.files.fds)
-    real = direct_io._write
-
-    def full(fd, view, offset):
-        if fd in params:
-            raise OSError(28, os.strerror(28))
-        return real(fd, view, offset)
-    monkeypatch.setattr(direct_io, "_write", full)
+    writes_fail_on(monkeypatch, set(streamer.files.fds))
     with pytest.raises(OSError, match="No space left"):
         train(model, opt, 1, start=2)
     monkeypatch.undo()
@@ -924,21 +916,14 @@ def test_a_disk_error_in_a_step_of_a_state_in_ram_steps_each_param_or_not(
     of some blocks ran. The step raises, noting how many params it stepped; each param
     is stepped (its state and its values, kept in the cache until its block's write
     succeeds) or not at all, and training goes on."""
-    from offload_adam.nvme import direct_io
     opts = {**{k: v for k, v in OPTS.items() if k != "bucket_mb"}, "step_in_backward": early}
     model = make_llama(layers=6, frozen=())
     streamer = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
                                           param_cache_mb=slots_mb(model, 4))
     opt = offload_adam.AdamW(model.parameters(), **opts)
     train(model, opt, 2)
-    params, real = set(streamer.files.fds), direct_io._write
-
-    def full(fd, view, offset):
-        if fd in params:
-            raise OSError(28, os.strerror(28))
-        return real(fd, view, offset)
     llama_loss(model, 20).backward()
-    monkeypatch.setattr(direct_io, "_write", full)
+    writes_fail_on(monkeypatch, set(streamer.files.fds))
     with pytest.raises(OSError, match="No space left") as failed:
         opt.step()
     monkeypatch.undo()

@@ -13,6 +13,7 @@ import offload_adam
 from offload_adam import nvme_tier, split_master
 from offload_adam.nvme.direct_io import allocated_bytes, punch_hole
 from offload_adam.params import home_of
+from conftest import writes_fail_on
 from test_param_files import _streamer, slots_mb
 from test_param_stream import OPTS, Block, assert_same_training, make_llama, train
 import test_param_stream
@@ -348,13 +349,7 @@ def test_blocks_a_failed_step_left_in_the_heads_say_so(device, tmp_path, monkeyp
     opt = offload_adam.AdamW(model.parameters(), **opts)
     train(model, opt, 2)
     assert s.files.in_heads
-    params, real = set(s.files.fds), direct_io._write
-
-    def full(fd, view, offset):
-        if fd in params:
-            raise OSError(28, os.strerror(28))
-        return real(fd, view, offset)
-    monkeypatch.setattr(direct_io, "_write", full)
+    real = writes_fail_on(monkeypatch, set(s.files.fds))
     with pytest.raises(OSError, match="No space left"):
         train(model, opt, 1, start=2)
     monkeypatch.setattr(direct_io, "_write", real)
