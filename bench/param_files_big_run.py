@@ -278,6 +278,7 @@ def main():
             row_peak = peak_rss()
             at_peak = watch.stop()
             cache = streamer.files.cache_bytes
+            head_buffers = streamer.files.head_buffers_peak
             opt.close()
             streamer.close()
         shutil.rmtree(state_dir)
@@ -341,12 +342,20 @@ def main():
                                                  for p in per)
                 + f"; median {ratio:.3f} ({'met' if ratio <= 1.15 else 'MISSED'}: <= 1.15)")
         device_peak = (args.prefetch + 2) * block_bytes
-        bound = cache + ring + grad_ring + device_peak + 2**30
+        # --heads: a block over several buckets is read from its heads through buffers
+        # beside the cache's slots, about a block's worth at a time (ParamFiles.read_ahead)
+        head_bound = 2 * block_bytes if args.heads else 0
+        bound = cache + ring + grad_ring + device_peak + head_bound + 2**30
         log(out, f"peak RSS {row_peak / 2**30:.2f} GiB ({(row_peak - rss_start) / 2**30:.2f} above "
                  f"the start's {rss_start / 2**30:.2f}); bound: param cache {cache / 2**20:.0f} MiB + "
                  f"state ring {ring / 2**20:.0f} MiB + grad ring {grad_ring / 2**20:.0f} MiB + device "
-                 f"blocks {device_peak / 2**20:.0f} MiB + 1 GiB = {bound / 2**30:.2f} GiB above the "
+                 f"blocks {device_peak / 2**20:.0f} MiB"
+                 + (f" + head reads {head_bound / 2**20:.0f} MiB" if args.heads else "")
+                 + f" + 1 GiB = {bound / 2**30:.2f} GiB above the "
                  f"start: {'within' if row_peak - rss_start <= bound else 'ABOVE'}")
+        if args.heads:
+            log(out, f"head reads' buffers beside the cache: at most {head_buffers / 2**20:.0f} MiB "
+                     "at once")
         if "heap_bytes" in at_peak:
             log(out, f"at the peak (sampled {at_peak['rss'] / 2**30:.2f} GiB, in {at_peak['phase']}): "
                      f"glibc heap {at_peak['heap_bytes'] / 2**20:.0f} MiB, of it free "
@@ -355,6 +364,7 @@ def main():
         row.update(params=n, streamed=n_streamed, block_bytes=block_bytes, cache_bytes=cache,
                    state_ring_bytes=ring, grad_ring_bytes=grad_ring, disk_bytes=disk,
                    disk_allocated_bytes=allocated, heads=args.heads,
+                   head_buffers_peak=head_buffers,
                    generation_bytes=gen_bytes, log_bytes=log_bytes, expected_read=expect_read,
                    expected_write=expect_write, traffic=traffic, step_seconds=steps,
                    phase_seconds=phases, step_traffic=step_traffic,

@@ -26,7 +26,7 @@ files are scratch, a resume restores every param from the committed heads.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,14 +38,23 @@ __all__ = ["link"]
 
 class _HeadReads:
     """One block's heads being read (one request per bucket it spans): `futures`, then
-    finish(into) checks each head and copies the block's bytes from it."""
+    finish(into) checks each head and copies the block's bytes from it. A block laid out
+    in its bucket's head as in its host copy (one bucket, each param at its own offset:
+    the usual case, _HeadLink.direct) is read straight into `direct`, the slot that is
+    to hold it: no buffer beside it (a read-ahead of many blocks would hold one each)."""
 
-    def __init__(self, state, parts: List[Tuple[int, List[Tuple[str, int, int, int]]]]):
-        self.state, self.reads, self.nbytes = state, [], 0
+    def __init__(self, state, parts: List[Tuple[int, List[Tuple[str, int, int, int]]]],
+                 direct: Optional[AlignedBuffer] = None):
+        self.state, self.reads, self.nbytes, self.direct = state, [], 0, direct
+        self.own = 0   # the bytes of the buffers it made (ParamFiles.read_ahead caps them)
         try:
             for i, copies in parts:
                 spec = state.spec.buckets[i]
-                buf = AlignedBuffer(spec.head_bytes, pin=False)
+                if direct is not None and direct.nbytes >= spec.head_bytes:
+                    buf, copies = direct, []   # (its bytes already in place)
+                else:
+                    buf = AlignedBuffer(spec.head_bytes, pin=False)
+                    self.own += buf.nbytes
                 self.reads.append((state.read_head(i, buf), buf, i, copies))
                 self.nbytes += spec.head_bytes
         except BaseException:
@@ -64,7 +73,8 @@ class _HeadReads:
     def close(self) -> None:
         for req, buf, _, _ in self.reads:
             wait(req.futures)   # (a request still reading into the buffer)
-            buf.close()
+            if buf is not self.direct:   # (a buffer of its own, not the slot's)
+                buf.close()
         self.reads = []
 
 
@@ -82,9 +92,15 @@ class _HeadLink:
         # backward), each with its edit count when it was first; the buckets committed
         self.seen: Dict[int, int] = {}
         self.current: set = set()
+        # the blocks whose one bucket's head holds each param at its offset in the block
+        self.direct = {b: len(parts) == 1 and all(at == offset for _, at, offset, _ in parts[0][1])
+                       for b, parts in blocks.items()}
 
-    def read(self, block: int) -> _HeadReads:
-        return _HeadReads(self.state, self.blocks[block])
+    def read(self, block: int, into: Optional[AlignedBuffer] = None) -> _HeadReads:
+        """Starts reading block's heads; `into`: the buffer the block is to be in (read
+        straight into it where its layout allows, else copied there by finish)."""
+        return _HeadReads(self.state, self.blocks[block],
+                          into if self.direct[block] else None)
 
     @property
     def linked(self) -> bool:
@@ -133,7 +149,7 @@ class _Lost:
     def __init__(self, why: str):
         self.why = why
 
-    def read(self, block: int):
+    def read(self, block: int, into=None):
         raise RuntimeError(
             f"offload_adam.stream_params: block {block}'s params were kept in the optimizer's "
             f"state files (their buckets' heads), which could not be read back when it was "

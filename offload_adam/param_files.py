@@ -261,6 +261,7 @@ class ParamFiles:
         self.on_file: set = set(range(len(self.sizes)))   # extents holding their bytes
         self.edits: Dict[int, int] = {}
         self.heads_read_bytes = 0
+        self.head_buffers_peak = 0   # the most bytes of _head_buffers() at once
         # per block, weak references to the maps of its file mapped() handed out
         self._maps: Dict[int, list] = {}
 
@@ -372,20 +373,39 @@ class ParamFiles:
         a slot's block must be above to be taken for it (default: the block's own). A
         block the cache holds in part (the CPU step wrote the rest: hold_to_write) has
         the requests holding its missing bytes read now, as a load would be, instead
-        of by its reader under the lock (_complete)."""
+        of by its reader under the lock (_complete). A block in the heads read through
+        buffers of its own (nvme_heads._HeadReads) waits while a block's worth of such
+        reads is in flight: the read-ahead of the whole cache would otherwise hold a
+        buffer beside each of its slots (those whose reads are done are put in their
+        slots first, their buffers freed)."""
         with self.lock:
+            for slot in self.slots:
+                if slot.heading is not None and slot.heading.own \
+                        and all(f.done() for f in slot.heading.futures):
+                    try:
+                        self._finish(slot)
+                    except Exception:   # noqa: BLE001 -- the slot dropped: its reader reads
+                        pass            # the block again and is told
             for k, i in enumerate(blocks):
                 slot = self.slot_of.get(i)
                 if slot is not None:
                     if slot.missing and not slot.holds and not slot.busy:
                         self._start_completion(slot)
                     continue
+                if i in self.in_heads and not getattr(self.heads, "direct", {}).get(i, True) \
+                        and self._head_buffers() >= max(self.sizes):
+                    return   # (read into buffers of their own: a block's worth at a time)
                 slot = self._victim(sooner_than=i, wait=False,
                                     floor=None if floors is None else floors[k])
                 if slot is None:
                     return
                 self._evict(slot)
                 self._load(i, slot)
+
+    def _head_buffers(self) -> int:
+        """The bytes of the buffers beside the slots that reads from the heads in flight
+        hold (a block spanning several buckets: nvme_heads._HeadReads)."""
+        return sum(s.heading.own for s in self.slots if s.heading is not None)
 
     def flush(self, i: Optional[int] = None) -> None:
         """Writes block i (every block: None) back to its file if the cache has newer;
@@ -525,13 +545,15 @@ class ParamFiles:
         self.slot_of[i] = slot
         if i in self.in_heads:   # (from the state's heads: its file extent is a hole)
             try:
-                slot.heading = self.heads.read(i)
+                slot.heading = self.heads.read(i, slot.buffer)
             except BaseException:   # (the heads cannot be read: the slot holds nothing)
                 self._drop(slot)
                 raise
             slot.loading = list(slot.heading.futures)
             slot.dirty_ranges, slot.missing = [], []
             self.heads_read_bytes += slot.heading.nbytes
+            if slot.heading.own:
+                self.head_buffers_peak = max(self.head_buffers_peak, self._head_buffers())
             return
         fd, offset, size = self._extent(i)
         slot.loading = self.pool.read(fd, slot.buffer.view[:size], offset)
@@ -669,7 +691,7 @@ class ParamFiles:
         """The slot's missing bytes of a block in the heads read from them, now."""
         i = slot.block
         scratch = AlignedBuffer(self.sizes[i], pin=False)
-        reads = self.heads.read(i)
+        reads = self.heads.read(i, scratch)
         try:
             wait(reads.futures)
             reads.finish(scratch.tensor[:self.sizes[i]])

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import offload_adam
-from offload_adam import nvme_tier, split_master
-from offload_adam.nvme.direct_io import allocated_bytes, punch_hole
+from offload_adam import nvme_heads, nvme_tier, split_master
+from offload_adam.nvme.direct_io import AlignedBuffer, allocated_bytes, punch_hole
 from offload_adam.params import home_of
 from conftest import writes_fail_on
 from test_param_files import _streamer, slots_mb
@@ -52,12 +52,32 @@ def check_layout(opt):
             assert not any(e.rec is not None and e.rec.home is not None for e in b)
 
 
+def head_buffers(monkeypatch) -> list:
+    """The bytes live in buffers that reads from the heads made beside the cache's slots,
+    after each buffer made or closed (nvme_heads._HeadReads)."""
+    own = []
+
+    class Counted(AlignedBuffer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            own.append((own[-1] if own else 0) + self.nbytes)
+
+        def close(self):
+            if self.view is not None:
+                own.append(own[-1] - self.nbytes)
+            super().close()
+
+    monkeypatch.setattr(nvme_heads, "AlignedBuffer", Counted)
+    return own
+
+
 CASES = [dict(), dict(state_dtype="8bit"), dict(state_footprint="compact"),
          dict(step_in_backward=True), dict(step_in_backward=True, state_footprint="compact",
                                            state_dtype="8bit"),
-         dict(parts=True, state_dtype="8bit", state_footprint="compact")]
+         dict(parts=True, state_dtype="8bit", state_footprint="compact"),
+         dict(bucket_mb=1)]
 IDS = ["bf16", "8bit", "compact", "in-backward", "in-backward-compact-8bit",
-       "parts-8bit-compact"]
+       "parts-8bit-compact", "a-bucket-a-block"]
 
 
 @pytest.mark.parametrize("options", CASES, ids=IDS)
@@ -65,6 +85,7 @@ def test_split_buckets_train_as_whole_masters(device, tmp_path, monkeypatch, opt
     """Trained 4 steps (accumulating 2 micro-batches but stepped in backward), split
     buckets are bit for bit the whole-master layout: params and every state tensor."""
     micro = 1 if options.get("step_in_backward") else 2
+    own = head_buffers(monkeypatch)
     runs = []
     for heads in (False, True):
         model, opt = build(tmp_path, int(heads), heads, monkeypatch, **options)
@@ -80,6 +101,11 @@ def test_split_buckets_train_as_whole_masters(device, tmp_path, monkeypatch, opt
     model, opt = runs[1]
     files = _streamer(model).files
     assert files.heads_read_bytes > 0   # the cache (4 slots of 6 blocks) read blocks from them
+    # a block in one bucket is read straight into its slot (a read-ahead of many blocks
+    # holds no buffer per block beside the cache); a block over several through buffers
+    one = "bucket_mb" in options
+    assert all(files.heads.direct.values()) == one and any(files.heads.direct.values()) == one
+    assert bool(own) != one
     store = opt._store
     for i, b in enumerate(store.buckets):
         views = store.state.views(i)
@@ -90,6 +116,30 @@ def test_split_buckets_train_as_whole_masters(device, tmp_path, monkeypatch, opt
                 master = split_master.decode(head, views[f"{e.name}.master_lo"],
                                              views[f"{e.name}.master_tie"])
                 assert torch.equal(master.to(torch.bfloat16), head)
+
+
+def test_reads_from_the_heads_hold_a_block_of_buffers(device, tmp_path, monkeypatch):
+    """A cache that reads many blocks ahead (12 blocks, 9 slots), their heads over
+    several buckets each: the buffers beside the slots hold about a block at a time (a
+    block's worth in flight, the next waits), not one per block read ahead; trained
+    as the whole-master layout."""
+    own = head_buffers(monkeypatch)
+    runs = []
+    for heads in (False, True):
+        monkeypatch.setattr(nvme_tier, "HEADS", heads)
+        model = make_llama(layers=12)
+        offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / f"p{heads}",
+                                   param_cache_mb=slots_mb(model, 9))
+        (tmp_path / f"s{heads}").mkdir()
+        opt = offload_adam.AdamW(model.parameters(),
+                                 **{**OPTS, "state_dirs": str(tmp_path / f"s{heads}")})
+        train(model, opt, 4)
+        runs.append((model, opt))
+    assert_same_training(*runs)
+    files = _streamer(runs[1][0]).files
+    assert files.heads_read_bytes > 4 * max(files.sizes) and not any(files.heads.direct.values())
+    bound = 2 * max(files.sizes) + 4096 * max(len(p) for p in files.heads.blocks.values())
+    assert 0 < max(own) <= bound, (max(own), bound)
 
 
 def test_split_buckets_resume_and_load_as_whole_masters(device, tmp_path, monkeypatch):
