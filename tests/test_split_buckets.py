@@ -5,6 +5,7 @@ param file extents given back (nvme_heads.py). Stepped, saved, loaded and resume
 for bit the layout with whole fp32 masters, on the simulated asynchronous device."""
 import gc
 import os
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 import offload_adam
 from offload_adam import nvme_heads, nvme_tier, split_master
 from offload_adam.nvme.direct_io import AlignedBuffer, allocated_bytes, punch_hole
+from offload_adam.param_files import ParamFiles
 from offload_adam.params import home_of
 from conftest import writes_fail_on
 from test_param_files import _streamer, slots_mb
@@ -118,28 +120,63 @@ def test_split_buckets_train_as_whole_masters(device, tmp_path, monkeypatch, opt
                 assert torch.equal(master.to(torch.bfloat16), head)
 
 
-def test_reads_from_the_heads_hold_a_block_of_buffers(device, tmp_path, monkeypatch):
-    """A cache that reads many blocks ahead (12 blocks, 9 slots), their heads over
-    several buckets each: the buffers beside the slots hold about a block at a time (a
-    block's worth in flight, the next waits), not one per block read ahead; trained
-    as the whole-master layout."""
-    own = head_buffers(monkeypatch)
-    runs = []
-    for heads in (False, True):
-        monkeypatch.setattr(nvme_tier, "HEADS", heads)
-        model = make_llama(layers=12)
-        offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / f"p{heads}",
-                                   param_cache_mb=slots_mb(model, 9))
-        (tmp_path / f"s{heads}").mkdir()
-        opt = offload_adam.AdamW(model.parameters(),
-                                 **{**OPTS, "state_dirs": str(tmp_path / f"s{heads}")})
-        train(model, opt, 4)
-        runs.append((model, opt))
-    assert_same_training(*runs)
-    files = _streamer(runs[1][0]).files
-    assert files.heads_read_bytes > 4 * max(files.sizes) and not any(files.heads.direct.values())
-    bound = 2 * max(files.sizes) + 4096 * max(len(p) for p in files.heads.blocks.values())
-    assert 0 < max(own) <= bound, (max(own), bound)
+class _FakeHeads:
+    """A heads source for ParamFiles alone: block i's bytes are i + 1, read through a
+    buffer of its own (or into the slot: `direct`) by requests the test completes."""
+
+    def __init__(self, n, direct):
+        self.direct = {i: direct for i in range(n)}
+        self.started = []
+
+    def read(self, i, into=None):
+        heads = self
+
+        class Reads:
+            futures = [Future()]
+            nbytes = 8192
+            own = 0 if heads.direct[i] else 8192
+
+            def finish(self, into):
+                into.fill_(i + 1)
+
+            def close(self):
+                pass
+        heads.started.append(i)
+        return Reads()
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["own-buffers", "into-the-slot"])
+def test_reading_ahead_from_the_heads_holds_a_block_of_buffers(tmp_path, direct):
+    """ParamFiles.read_ahead over blocks in the heads: those read through buffers of their
+    own (a block over several buckets) start while less than a block's worth of such
+    buffers is in flight, a done read is put in its slot to make room; those read into
+    their slots start as far as the cache has room. Every block reads back its bytes."""
+    from test_param_files import _Recorder
+    files = ParamFiles([tmp_path], [8192] * 8, 8 * 8192, prefetch=0, device=_Recorder(),
+                       settle=lambda i: None)
+    files.heads = heads = _FakeHeads(8, direct)
+    files.in_heads = set(range(8))
+    files.rank = lambda i: i
+    files.read_ahead(list(range(8)))
+    assert heads.started == (list(range(8)) if direct else [0])
+    assert files._head_buffers() == (0 if direct else 8192)
+    for k in range(1, 8):
+        for slot in files.slots:
+            if slot.heading is not None:
+                for f in slot.heading.futures:
+                    if not f.done():
+                        f.set_result(8192)
+        files.read_ahead(list(range(8)))
+        assert heads.started == (list(range(8)) if direct else list(range(k + 1)))
+        assert files._head_buffers() <= 8192
+    for i in range(8):
+        for f in files.slot_of[i].heading.futures if files.slot_of[i].heading else []:
+            if not f.done():
+                f.set_result(8192)
+        assert bool((files.hold(i)[:8192] == i + 1).all()), i
+        files.unhold(i, dirty=False)
+    files.heads, files.in_heads = None, set()
+    files.close()
 
 
 def test_split_buckets_resume_and_load_as_whole_masters(device, tmp_path, monkeypatch):
