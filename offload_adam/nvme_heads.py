@@ -18,9 +18,12 @@ safe beside a pass) instead of from its file. On disk per param: the head 2 + lo
     map of the block, the heads about to change (an optimizer state load), the store
     closing                      -> the block back in its file (ParamFiles._to_file)
 
-A block evicted before its buckets commit goes to its file as before (and is given back at
-the commit); the compact state commits a few buckets at a time, so most blocks are in the
-heads by the time the cache gives their slots away. Crash safety is the state's: the param
+A block the cache gives away before its buckets commit would go to its file (given back at
+the commit): the compact state commits only when its ring of spare buckets is full, and its
+pass at step() takes for each block it writes the slot of the one it wrote before. So the
+pass first commits what it wrote so far (`settle`: StepPipeline.settle, on the pass's own
+thread), which puts the block in the heads, its slot clean; elsewhere (two generations,
+commit at the end; another thread) the block goes to its file as before. Crash safety is the state's: the param
 files are scratch, a resume restores every param from the committed heads.
 """
 
@@ -83,6 +86,7 @@ class _HeadLink:
 
     def __init__(self, state, files, blocks: Dict[int, List[Tuple[int, list]]]):
         self.state, self.files, self.blocks = state, files, blocks
+        self.pipeline = lambda: None   # the store's StepPipeline (FileStore sets it)
         self.buckets_of = {b: {i for i, _ in parts} for b, parts in blocks.items()}
         self.blocks_of: Dict[int, List[int]] = {}
         for b, buckets in self.buckets_of.items():
@@ -110,6 +114,20 @@ class _HeadLink:
         """The step's pass lent bucket i (before its params are read: the master rule)."""
         for b in self.blocks_of.get(i, ()):
             self.seen.setdefault(b, self.files.edits.get(b, 0))
+
+    def pending(self, block: int) -> bool:
+        """Whether the step's pass lent `block`'s buckets and nothing but the step wrote it
+        since: a commit of them puts it in the heads."""
+        n = self.seen.get(block)
+        return n is not None and self.files.edits.get(block, 0) == n
+
+    def settle(self) -> None:
+        """Commits the buckets the pass wrote so far, if it is in flight on this thread
+        (ParamFiles._evict, about to write back a block pending: its commit puts it in
+        the heads instead, its slot clean)."""
+        pipeline = self.pipeline()
+        if pipeline is not None and pipeline.settle is not None:
+            pipeline.settle()
 
     def committed(self, written: List[int]) -> None:
         """NvmeState.on_commit: buckets `written` are current."""

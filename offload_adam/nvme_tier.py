@@ -446,6 +446,9 @@ class FileStore:
         if self._heads:
             links = list(self._heads)
             self.state.on_commit = lambda written: [h.committed(written) for h in links]
+            me = weakref.ref(self)
+            for h in links:
+                h.pipeline = lambda: getattr(me(), "pipeline", None)
             if self._early is not None:   # (its buckets lent in backward)
                 self._early.on_lend = lambda i: [h.lent(i) for h in links]
 

@@ -525,6 +525,10 @@ class ParamFiles:
             return
         self._finish(slot)
         self.settle(slot.block)
+        if slot.dirty and getattr(self.heads, "pending", lambda b: False)(slot.block):
+            # the step wrote it and its commit puts it in the heads: the pass commits
+            # what it wrote so far first (compact, on its thread), the slot then clean
+            self.heads.settle()
         if slot.dirty:
             self._write(slot)
         self._finish_writes(slot)

@@ -22,6 +22,7 @@ a bucket was lent to be stepped (before, nothing of it ran: its intent is droppe
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -78,6 +79,8 @@ class StepPipeline:
                 "bucket_mb") from None
         self._device = device if device is not None and device.pins_memory else None
         self._pinned: list = []
+        # a compact pass in flight: commits what it wrote so far (buckets' settle())
+        self.settle: Optional[Callable[[], bool]] = None
         self.pinned = self._device is None or pin_all(
             self._device, [b.tensor for b in self.buffers], self._pinned,
             "the state files' ring buffers")
@@ -144,9 +147,26 @@ class StepPipeline:
                                        "compact state's ring after a commit")
             writes[k] = req
 
+        def settle() -> bool:
+            """Commits the buckets written so far (compact, mid-pass: between two of its
+            writes), on the thread iterating the pass (its bookkeeping is this frame's);
+            False on another thread. (A new state's first pass commits only at its end.)"""
+            if threading.get_ident() != owner:
+                return False
+            for w in sorted(writes):
+                st.finish(writes.pop(w))
+                finished.append(order[w])
+            if finished:
+                st.commit_some(finished)
+                finished.clear()
+            return True
+
         if st.compact and not read:
             st.begin_load()
         completed = lent = False
+        owner = threading.get_ident()
+        if st.compact and read:
+            self.settle = settle
         try:
             for k in range(min(self.depth, n)):
                 start_read(k)
@@ -172,6 +192,7 @@ class StepPipeline:
             st.commit(order, step)
             completed = True
         finally:
+            self.settle = None
             # on an error: nothing may still write into the slots once we return
             for req in list(reads.values()) + list(writes.values()):
                 st.wait(req)
