@@ -80,7 +80,7 @@ class StepPipeline:
         self._device = device if device is not None and device.pins_memory else None
         self._pinned: list = []
         # a compact pass in flight: commits what it wrote so far (buckets' settle())
-        self.settle: Optional[Callable[[], bool]] = None
+        self.settle: Optional[Callable[[], None]] = None
         self.pinned = self._device is None or pin_all(
             self._device, [b.tensor for b in self.buffers], self._pinned,
             "the state files' ring buffers")
@@ -147,19 +147,18 @@ class StepPipeline:
                                        "compact state's ring after a commit")
             writes[k] = req
 
-        def settle() -> bool:
+        def settle() -> None:
             """Commits the buckets written so far (compact, mid-pass: between two of its
             writes), on the thread iterating the pass (its bookkeeping is this frame's);
-            False on another thread. (A new state's first pass commits only at its end.)"""
+            on another thread nothing. (A new state's first pass commits only at its end.)"""
             if threading.get_ident() != owner:
-                return False
+                return
             for w in sorted(writes):
                 st.finish(writes.pop(w))
                 finished.append(order[w])
             if finished:
                 st.commit_some(finished)
                 finished.clear()
-            return True
 
         if st.compact and not read:
             st.begin_load()
