@@ -583,11 +583,15 @@ def state_arena_bytes(shapes: Sequence[Tuple[int, ...]], state_dtype: str) -> in
 
 
 def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: float,
-                budget_mb: Optional[float], dirs: int = 1) -> dict:
+                budget_mb: Optional[float], dirs: int = 1,
+                blocks: Optional[Sequence[Optional[int]]] = None) -> dict:
     """The NVMe tier's layout for these params (one group, in order): the buckets as
     nvme_tier.FileStore cuts them, their data files (two slots each, nvme/layout.py) and
     the pipeline's ring of buffers; and the compact layout's (nvme/circular.py: one copy
-    and 4 spare buckets; the redo log reserved for the bf16 grads, nvme/redo.py)."""
+    and 4 spare buckets; the redo log reserved for the bf16 grads, nvme/redo.py).
+    `blocks` (the heads layout, nvme_heads.py): each shape's streamed block, or None for a
+    param whose master stays whole; a block's params have split masters, their values the
+    heads of buckets that hold that block's params alone (nvme_tier._lay_out)."""
     from .engine.grad_ring import ring_bytes
     from .nvme.circular import Circular
     from .nvme.layout import StateSpec, place
@@ -597,31 +601,38 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     from .nvme_tier import deal, runs_within
     limit = bucket_mb * _MB
 
+    # an entry: (name, shape, part, split); its state's bytes are its shape's (a model
+    # repeats few shapes)
     @functools.lru_cache(maxsize=None)
-    def one(shape, part):
-        return adam_bucket([("x", shape, part)], state_dtype).nbytes
+    def one(shape, part, split):
+        return adam_bucket([("x", shape, part)], state_dtype, split=split).nbytes
 
-    def nbytes(entry):   # a param's state bytes: its shape's (a model repeats few shapes)
-        return one(tuple(entry[1]), bool(entry[2]) if len(entry) > 2 else False)
+    def nbytes(entry):
+        return one(tuple(entry[1]), entry[2], entry[3])
 
-    entries = []
+    runs: List[Tuple[Optional[int], list]] = []   # runs of one block's params, or of others'
     for i, s in enumerate(shapes):
-        whole = (f"0:{i}", s)
+        block = blocks[i] if blocks is not None else None
+        split = block is not None
+        whole = (f"0:{i}", s, False, split)
         pieces = engine_pieces(math.prod(s), bucket_mb)
         if len(pieces) > 1 and nbytes(whole) > limit:   # in parts (nvme_tier._lay_out)
             starts = [0, *itertools.accumulate(pieces[:-1])]
-            entries += [(f"0:{i}#{run[0][0]}", (sum(n for _, n in run),), True)
-                        for run in runs_within(list(zip(starts, pieces)), lambda run: nbytes(
-                            ("x", (sum(n for _, n in run),), True)), limit)]
+            entries = [(f"0:{i}#{run[0][0]}", (sum(n for _, n in run),), True, split)
+                       for run in runs_within(list(zip(starts, pieces)), lambda run: nbytes(
+                           ("x", (sum(n for _, n in run),), True, split)), limit)]
         else:
-            entries.append(whole)
-    dealt = deal(entries, nbytes, limit)
+            entries = [whole]
+        if not runs or runs[-1][0] != block:
+            runs.append((block, []))
+        runs[-1][1].extend(entries)
+    dealt = [b for _, entries in runs for b in deal(entries, nbytes, limit)]
 
     @functools.lru_cache(maxsize=None)
     def layout(kinds):   # a bucket's layout by its entries' shapes (the names change nothing)
-        return adam_bucket([("x", shape, part) for shape, part in kinds], state_dtype)
-    buckets = [layout(tuple((tuple(e[1]), len(e) > 2 and bool(e[2])) for e in b))
-               for b in dealt]
+        return adam_bucket([("x", shape, part) for shape, part, _ in kinds], state_dtype,
+                           split=kinds[0][2])
+    buckets = [layout(tuple((tuple(e[1]), e[2], e[3]) for e in b)) for b in dealt]
     grads = [[2 * math.prod(e[1]) for e in b] for b in dealt]   # their bf16 grads
     spec = StateSpec(tuple(buckets), state_dtype)
     largest = max((b.nbytes for b in spec.buckets), default=0)
@@ -635,7 +646,12 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     records = [record_reserve(g) for g in grads]
     log = sum(log_sizes([e.file for e in extents], records,
                         dirs))   # each bucket's redo record's reserve, in whole blocks
-    return {"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
+    heads: Dict[int, int] = {}   # a block's buckets' heads, read to load it (nvme_heads.py)
+    for b, spec_b in zip(dealt, buckets):
+        if b[0][3]:
+            block = blocks[int(b[0][0].split(":")[1].split("#")[0])]
+            heads[block] = heads.get(block, 0) + spec_b.head_bytes
+    return {"block_head_bytes": heads,"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
             "compact_file_bytes": sum(compact), "redo_log_bytes": log,
             "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,
             "ring_refused": refused,   # why the code would refuse this budget (None: it takes it)
@@ -769,6 +785,9 @@ class Plan:
     seconds: Dict[str, float] = field(default_factory=dict)   # per-step lower bounds
     traffic: Dict[str, float] = field(default_factory=dict)   # bytes per step per link
     expected_s: float = 0.0   # the step as the code schedules it (`schedule`)
+    # disk bytes of `disk` given back once the first step commits (the heads: the param
+    # files' extents, holes from then on); `disk` is the peak, before it
+    freed: Dict[str, float] = field(default_factory=dict)
     refused: List[str] = field(default_factory=list)   # what the code would refuse to build
 
     @property
@@ -814,16 +833,28 @@ class Plan:
                 "gpu_total": self.gpu_total, "host_total": self.host_total,
                 "disk_total": self.disk_total, "fits": self.fits, "misfits": self.misfits(),
                 "seconds": self.seconds, "bound": self.bound, "step_s": self.step_s,
-                "expected_s": self.expected_s, "traffic_bytes": self.traffic}
+                "expected_s": self.expected_s, "traffic_bytes": self.traffic,
+                "disk_freed_bytes": self.freed}
 
 
 @functools.lru_cache(maxsize=64)
 def _model_files(model: ModelShape, state_dtype: str, bucket_mb: float,
-                 budget_mb: Optional[float], dirs: int) -> dict:
+                 budget_mb: Optional[float], dirs: int, heads: bool = False) -> dict:
     """state_files of the model's params, kept: a report asks the same for each layout of a
-    state_dtype, and its searches for the same models again (their cost is in these)."""
+    state_dtype, and its searches for the same models again (their cost is in these).
+    `heads`: the streamed blocks' values kept as the heads of their buckets."""
+    per = len(model.block_tensors())
+    blocks = ([None] + [k // per for k in range(model.layers * per)]
+              + [None] * (len(model.resident_tensors()) - 1)) if heads else None
     return state_files([s for _, s in model.tensors()], state_dtype, bucket_mb, budget_mb,
-                       dirs)
+                       dirs, blocks)
+
+
+def heads_layout(layout: Layout) -> bool:
+    """Whether the code lays this layout's state out with heads (nvme_tier.HEADS, internal
+    for now): the blocks streamed from param files, their state in files."""
+    from . import nvme_tier
+    return nvme_tier.HEADS and layout.params == "files" and layout.in_files
 
 
 def _seams(model: ModelShape, files: dict) -> bool:
@@ -838,10 +869,13 @@ def _seams(model: ModelShape, files: dict) -> bool:
 def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     from .param_files import cache_slots, min_slots
     check_size(model, run)
+    heads = heads_layout(layout)
     files = _model_files(replace(model, name=""), layout.state_dtype, run.bucket_mb,
-                         run.state_budget_mb, run.state_dirs)
+                         run.state_budget_mb, run.state_dirs, heads)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),
              _host(model, run, layout, files), _disk(model, layout, files))
+    if heads:
+        p.freed["param files"] = p.disk["param files"]
     if layout.in_files and files["ring_refused"]:
         p.refused.append(f"state_budget_mb {run.state_budget_mb:g}: {files['ring_refused']}")
     n, streamed = model.params, model.layers * model.block_params
@@ -888,21 +922,39 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
                 # record in the whole 4 KiB blocks around it (direct I/O): a block more
                 # each at most, as records share the blocks at their ends
                 ssd_read += files["redo_log_bytes"] + _FILE_ALIGN * files["buckets"]
-    if layout.params == "files":
+    if layout.params == "files" and heads:
+        # with the heads (nvme_heads.py) a block is read from its buckets' heads, whole
+        # heads each, and its new values are the state's, written with it: the compact
+        # pass commits what it wrote before the cache gives a block away
+        # (StepPipeline.settle), so no param file is written; the two generations commit
+        # at the pass's end, and the blocks it gave away before go to their files (a
+        # pass's misses), back in the heads at the commit
+        missed = max(0, model.layers - int(cache // slot))   # blocks a pass reads
+        forward_read = micro * missed * float(max(files["block_head_bytes"].values()))
+        params_read = 2 * forward_read
+        params_written = float(missed * slot) if layout.state == "files" else 0.0
+    elif layout.params == "files":
         extent = float(param_file_bytes(model))
         misses = max(0.0, extent - cache)   # a pass's reads
         forward_read = micro * misses
-        ssd_read += 2 * forward_read
         at_step = layout.state == "compact" or micro > 1
         held = 2 if layout.in_files and _seams(model, files) else 1
-        ssd_write += min(extent, 2 * misses + (held * slot if at_step and misses else 0.0))
+        params_read = 2 * forward_read
+        params_written = min(extent, 2 * misses + (held * slot if at_step and misses else 0.0))
+    else:
+        params_read = params_written = 0.0
+    ssd_read += params_read
+    ssd_write += params_written
     # GPU: 6 flops per param per token (+2 to recompute with checkpointing), and the
     # attention's score and value products, causal (6 s q per token per layer, q = heads x
     # head_dim, +2 likewise)
     k = 8 if run.checkpointing else 6
     flops = micro * run.tokens * (k * n + k * model.layers * run.seq * model.q_dim)
     p.traffic = {"h2d": h2d, "d2h": d2h, "dram": dram, "ssd_read": ssd_read,
-                 "ssd_write": ssd_write, "flops": float(flops)}
+                 "ssd_write": ssd_write, "flops": float(flops),
+                 # (of ssd_read and ssd_write: the params' share, from the param files or
+                 # the heads)
+                 "ssd_read_params": params_read, "ssd_write_params": params_written}
     p.seconds = {"gpu": flops / (m.gpu_tflops * 1e12),
                  "pcie": max(h2d, d2h) / (m.pcie_gbps * GB),
                  "cpu": dram / (m.dram_gbps * GB),
@@ -1024,6 +1076,9 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
             for tier, parts in (("GPU", p.gpu), ("host", p.host), ("disk", p.disk)):
                 for what, b in parts.items():
                     lines.append(f"    {tier:5s} {what:42s} {b / GB:10.3f} GB")
+            for what, b in p.freed.items():
+                lines.append(f"    disk  {what + ' after the first step':42s} "
+                             f"{(p.disk[what] - b) / GB:10.3f} GB (holes)")
             if not p.fits:
                 lines.append(f"    does not fit: {'; '.join(p.misfits())}")
         elif not p.fits:   # (said below the table: what a "no" is short of)

@@ -113,6 +113,20 @@ def writes_fail_on(monkeypatch, fds):
     return real
 
 
+def holes_supported(tmp_path) -> bool:
+    """Whether tmp_path's file system gives back a punched range (direct_io.punch_hole)."""
+    from offload_adam.nvme.direct_io import allocated_bytes, punch_hole
+    path = tmp_path / "probe"
+    path.write_bytes(b"x" * 65536)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+        return punch_hole(fd, 0, 65536) and allocated_bytes(str(path)) < 65536
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
 def sim_path(name, files_root=None):
     """A context yielding a Path for `name` (one of PATHS); a "+files" name keeps
     the state in new directories under `files_root`."""

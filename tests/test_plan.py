@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import offload_adam
-from offload_adam import plan as planner
+from offload_adam import nvme_tier, plan as planner
+from offload_adam.nvme.direct_io import allocated_bytes
 from offload_adam.param_files import FILE_NAME
 from offload_adam.testing import AsyncSimDevice, simulated
-from conftest import sim_path
+from conftest import holes_supported, sim_path
 
 transformers = pytest.importorskip(
     "transformers", reason="the planner's byte counts are checked on transformers' Llama "
@@ -58,18 +59,24 @@ def micro_batch(model, seed, config):
     model(input_ids=tokens, labels=tokens).loss.backward()
 
 
-@pytest.mark.parametrize("state_dtype", planner.STATE_DTYPES)
-@pytest.mark.parametrize("params", ["gpu", "ram", "files"])
-@pytest.mark.parametrize("state", ["ram", "ram+early", "files", "compact", "compact+2dirs"])
-def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dtype, params,
-                                                    state):
+STATES = ["ram", "ram+early", "files", "compact", "compact+2dirs"]
+
+
+@pytest.mark.parametrize("state_dtype,params,state", [
+    (d, p, s) for s in STATES for p in ("gpu", "ram", "files") for d in planner.STATE_DTYPES
+] + [(d, "files+heads", s) for s in STATES[2:] for d in planner.STATE_DTYPES])
+def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, monkeypatch, state_dtype,
+                                                    params, state):
     """host_bytes() (+ the streamer's host copies, or its param files' cache) and the
     state files and param files on disk, after a step, are the planner's to the byte; so
     are the bytes the simulated device moved per link in a step (grads freed once copied;
     with the state in RAM, 2 micro-batches accumulated on the host, or one stepped in
     backward; in files, one, stepped in backward; one micro-batch through the grad ring,
-    from the first backward on)."""
+    from the first backward on). "+heads": the state laid out with the blocks' values as
+    its buckets' heads (nvme_tier.HEADS, internal), the param files' extents given back."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    monkeypatch.setattr(nvme_tier, "HEADS", params.endswith("+heads"))
+    params = params.removesuffix("+heads")
     early = state == "ram+early"
     dirs = 2 if state == "compact+2dirs" else 1   # (4 spare buckets in each)
     state = state.removesuffix("+2dirs")
@@ -112,8 +119,12 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
             after = sim.counters()
             host = opt.host_bytes() + (streamer.host_bytes() if streamer else 0)
             if streamer is not None and streamer.files is not None:
-                param_files = os.path.getsize(tmp_path / "params" / FILE_NAME)
-                assert param_files == p.disk["param files"]
+                path = tmp_path / "params" / FILE_NAME
+                assert os.path.getsize(path) == p.disk["param files"]
+                # (with the heads, the blocks in them have given their extents back)
+                if holes_supported(tmp_path):
+                    assert allocated_bytes(str(path)) <= p.disk["param files"] - p.freed.get(
+                        "param files", 0)
                 assert len(streamer.files.slots) >= len(streamer.files.sizes)   # all cached
             if early and streamer is not None:
                 assert opt._engine.ring.nbytes > 4 * int(0.05 * 2**20)
@@ -139,13 +150,15 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, state_dty
     else:
         assert disk_total == 0
     # what the plan leaves out, as its footer says: the small files beside the state's
-    # data (spec, manifest, lock), ~0.25 KB per tensor or part
+    # data (spec, manifest, lock), ~0.25 KB per tensor or part (~0.4 with the heads: a
+    # split master's three tensors)
     if state != "ram":
         tensors = sum(1 for _ in shape.tensors())
+        per = 400 if planner.heads_layout(layout) else 256
         for f in folders:
             small = sum(os.path.getsize(f / name) for name in os.listdir(f)
                         if not name.endswith((".bin", ".redo")))
-            assert 0 < small <= 4096 + 256 * tensors, (f, small, tensors)
+            assert 0 < small <= 4096 + per * tensors, (f, small, tensors)
 
 
 def test_unaligned_shapes_are_bounded_by_a_line_per_piece(kernels):
@@ -255,14 +268,14 @@ def test_a_param_cache_given_sets_what_the_param_files_read():
 
 def _param_files_bytes_a_step(model, opt, files, micro, config):
     """The param files' (read, written) bytes in the 4th of 4 steps (the first learns the
-    order of uses)."""
+    order of uses); read: from the files, or from the state's heads (nvme_heads.py)."""
     for step in range(4):
-        r, w = files.read_bytes, files.written_bytes
+        r, w = files.read_bytes + files.heads_read_bytes, files.written_bytes
         for m in range(micro):
             micro_batch(model, 10 * step + m, config)
         opt.step()
         opt.zero_grad()
-    return files.read_bytes - r, files.written_bytes - w
+    return files.read_bytes + files.heads_read_bytes - r, files.written_bytes - w
 
 
 @pytest.mark.parametrize("cached", [5, 7])
@@ -295,17 +308,22 @@ def test_the_param_files_bytes_a_step_are_the_planned_ones(kernels, tmp_path, ca
         opt.close()
 
 
-@pytest.mark.parametrize("state,state_dtype,micro", [("compact", "float32", 1),
-                                                     ("compact", "8bit", 1),
-                                                     ("files", "8bit", 2)])
-def test_the_param_files_writes_with_the_state_in_files(kernels, tmp_path, state, state_dtype,
-                                                         micro):
-    """6 blocks, 4 in the cache, the state in files stepped by a pass at step(): the
-    param files' bytes are the planned ones. With 8-bit moments a file bucket holds the end
-    of one block and the start of the next (more params a bucket), the pass holds both
-    there and one more block goes back to its file a step, which the planner once missed
-    (found from outside: it planned 5 blocks written where 6 were)."""
+@pytest.mark.parametrize("heads", [False, True], ids=["whole", "heads"])
+@pytest.mark.parametrize("state,state_dtype,micro,blocks", [("compact", "float32", 1, 5),
+                                                            ("compact", "8bit", 1, 6),
+                                                            ("files", "8bit", 2, 6),
+                                                            ("files", "float32", 1, 4)])
+def test_the_param_files_writes_with_the_state_in_files(kernels, tmp_path, monkeypatch, state,
+                                                         state_dtype, micro, blocks, heads):
+    """6 blocks, 4 in the cache, the state in files stepped by a pass at step() (or in
+    backward): the param files' bytes are the planned ones, `blocks` written a step. With
+    8-bit moments a file bucket holds the end of one block and the start of the next (more
+    params a bucket), the pass holds both there and one more block goes back to its file a
+    step, which the planner once missed (found from outside: it planned 5 blocks written
+    where 6 were). With the heads (nvme_heads.py) the blocks are read from the state's
+    heads, and the compact pass writes no param file; the two generations, a pass's misses."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    monkeypatch.setattr(nvme_tier, "HEADS", heads)
     config = llama_config(num_hidden_layers=6)
     shape = shape_of(config, tmp_path / "cfg")
     run = planner.Run(batch=2, seq=8, micro=micro, prefetch=1, bucket_mb=0.05,
@@ -329,10 +347,14 @@ def test_the_param_files_writes_with_the_state_in_files(kernels, tmp_path, state
         read, written = _param_files_bytes_a_step(model, opt, files, micro, config)
         in_ram = planner.plan(shape, planner.MACHINES["desktop-24gb"], run,
                               planner.Layout("ram", state, state_dtype)).traffic
-        # (the param files' share of the plan: less the same layout's with params in RAM)
-        assert read == p.traffic["ssd_read"] - in_ram["ssd_read"]
-        assert written == p.traffic["ssd_write"] - in_ram["ssd_write"]
-        assert written // planner.param_slot_bytes(shape) == (6 if state_dtype == "8bit" else 5)
+        assert (read, written) == (p.traffic["ssd_read_params"], p.traffic["ssd_write_params"])
+        assert planner.heads_layout(p.layout) == heads
+        if heads:   # (the state's layout differs)
+            assert written == (2 * planner.param_slot_bytes(shape) if state == "files" else 0)
+        else:   # the params' share of the plan: less the same layout's with params in RAM
+            assert read == p.traffic["ssd_read"] - in_ram["ssd_read"]
+            assert written == p.traffic["ssd_write"] - in_ram["ssd_write"]
+            assert written // planner.param_slot_bytes(shape) == blocks
         opt.close()
 
 

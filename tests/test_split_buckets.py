@@ -12,10 +12,10 @@ import torch
 
 import offload_adam
 from offload_adam import nvme_heads, nvme_tier, split_master
-from offload_adam.nvme.direct_io import AlignedBuffer, allocated_bytes, punch_hole
+from offload_adam.nvme.direct_io import AlignedBuffer, allocated_bytes
 from offload_adam.param_files import ParamFiles
 from offload_adam.params import home_of
-from conftest import writes_fail_on
+from conftest import holes_supported, writes_fail_on
 from test_param_files import _streamer, slots_mb
 from test_param_stream import OPTS, Block, assert_same_training, make_llama, train
 import test_param_stream
@@ -258,17 +258,6 @@ def test_files_resume_in_the_layout_they_were_made_with(device, tmp_path, monkey
     assert split_entries(o) and o.step_count == 2
     o.close()
 
-
-
-def holes_supported(tmp_path) -> bool:
-    path = tmp_path / "probe"
-    path.write_bytes(b"x" * 65536)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.fsync(fd)
-        return punch_hole(fd, 0, 65536) and allocated_bytes(str(path)) < 65536
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("footprint", ["two_generations", "compact"])
