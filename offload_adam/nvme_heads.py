@@ -164,8 +164,13 @@ class _Lost:
     """The heads of a closed store that could not be read back into the param files:
     reading a block still in them raises (never the zeros of its file's hole)."""
 
+    direct: Dict[int, bool] = {}   # (no block read straight into its slot: none is read)
+
     def __init__(self, why: str):
         self.why = why
+
+    def pending(self, block: int) -> bool:
+        return False   # (no pass lends it buckets: the store is closed)
 
     def read(self, block: int, into=None):
         raise RuntimeError(

@@ -392,7 +392,7 @@ class ParamFiles:
                     if slot.missing and not slot.holds and not slot.busy:
                         self._start_completion(slot)
                     continue
-                if i in self.in_heads and not getattr(self.heads, "direct", {}).get(i, True) \
+                if i in self.in_heads and not self.heads.direct.get(i, True) \
                         and self._head_buffers() >= max(self.sizes):
                     return   # (read into buffers of their own: a block's worth at a time)
                 slot = self._victim(sooner_than=i, wait=False,
@@ -525,7 +525,7 @@ class ParamFiles:
             return
         self._finish(slot)
         self.settle(slot.block)
-        if slot.dirty and getattr(self.heads, "pending", lambda b: False)(slot.block):
+        if slot.dirty and self.heads is not None and self.heads.pending(slot.block):
             # the step wrote it and its commit puts it in the heads: the pass commits
             # what it wrote so far first (compact, on its thread), the slot then clean
             self.heads.settle()
