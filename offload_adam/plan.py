@@ -651,8 +651,9 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
         if b[0][3]:
             block = blocks[int(b[0][0].split(":")[1].split("#")[0])]
             heads[block] = heads.get(block, 0) + spec_b.head_bytes
-    return {"block_head_bytes": heads,"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
+    return {"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
             "compact_file_bytes": sum(compact), "redo_log_bytes": log,
+            "block_head_bytes": heads,
             "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,
             "ring_refused": refused,   # why the code would refuse this budget (None: it takes it)
             "buckets": len(buckets),
