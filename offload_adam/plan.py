@@ -646,20 +646,19 @@ def state_files(shapes: Sequence[Tuple[int, ...]], state_dtype: str, bucket_mb: 
     records = [record_reserve(g) for g in grads]
     log = sum(log_sizes([e.file for e in extents], records,
                         dirs))   # each bucket's redo record's reserve, in whole blocks
+    # each bucket's params, by index in `shapes` (the names: "0:<index>[#<start>]")
+    params = [sorted({int(e[0].split(":")[1].split("#")[0]) for e in b}) for b in dealt]
     heads: Dict[int, int] = {}   # a block's buckets' heads, read to load it (nvme_heads.py)
-    for b, spec_b in zip(dealt, buckets):
-        if b[0][3]:
-            block = blocks[int(b[0][0].split(":")[1].split("#")[0])]
-            heads[block] = heads.get(block, 0) + spec_b.head_bytes
+    for b, spec_b, mine in zip(dealt, buckets, params):
+        if b[0][3]:   # (split: one block's params)
+            heads[blocks[mine[0]]] = heads.get(blocks[mine[0]], 0) + spec_b.head_bytes
     return {"generation_bytes": spec.nbytes, "data_file_bytes": sum(sizes),
             "compact_file_bytes": sum(compact), "redo_log_bytes": log,
             "block_head_bytes": heads,
             "ring_bytes": ring * largest, "ring": ring, "largest_bucket_bytes": largest,
             "ring_refused": refused,   # why the code would refuse this budget (None: it takes it)
             "buckets": len(buckets),
-            # each bucket's params, by index in `shapes` (the pass steps them in this order)
-            "bucket_params": [sorted({int(e[0].split(":")[1].split("#")[0]) for e in b})
-                              for b in dealt],
+            "bucket_params": params,   # (the pass steps them in this order)
             # the compact pass's redo records in RAM: the one stepped, AHEAD read ahead
             "records_read_bytes": (AHEAD + 1) * max(records, default=0),
             "grad_ring_bytes": ring_bytes(max((sum(g) for g in grads), default=0),
