@@ -32,7 +32,15 @@ whose files are allocated whole when opened (10.26 B/param at 4.0 B params, 8.26
 a fresh store commits a step 0 at open, block by block (each bucket's range allocated, its heads
 written from the block, committed, the block's extent given back), and a resume marks the blocks
 it restores as in the heads without writing their files; a model on the meta device then never
-writes them at all.
+writes them at all. Reserving the heads lazily is not enough alone (tried: the 6-block test
+model's disk peaked at 839,680 bytes lazily against 835,584 reserved, 716,800 after): a new
+compact state's first pass writes in place and commits whole at its end (store.py), so every
+head is written before any block's extent can be given back. The step 0 must therefore be a
+fill of its own (masters from the params, moments zero) whose blocks leave their files as
+written (a crash in it makes the state anew, the params then streamed again from the model),
+after which the first pass is an ordinary compact one (intent, redo log, commits a few buckets
+at a time); what it must settle first: a disk full mid-fill (the blocks already given back
+are only in heads not committed), and an existing state at step 0 filled anew at open.
 """
 
 from __future__ import annotations
