@@ -117,10 +117,14 @@ class ModelShape:
         if not isinstance(hd, int) or isinstance(hd, bool) or hd < 0:
             raise ValueError(f"model {self.name!r}: head_dim must be an int >= 0 (0: hidden / "
                              f"heads), got {hd!r}")
-        if (not hd and self.hidden % self.heads) or self.heads % self.kv_heads:
-            raise ValueError(f"model {self.name!r}: hidden ({self.hidden}) must be a multiple "
-                             f"of heads ({self.heads}) unless head_dim is given, and heads "
-                             f"of kv_heads ({self.kv_heads})")
+        if not hd and self.hidden % self.heads:
+            raise ValueError(f"model {self.name!r}: hidden ({self.hidden}, a config's "
+                             f"hidden_size) must be a multiple of heads ({self.heads}, "
+                             "num_attention_heads) unless head_dim is given")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model {self.name!r}: heads ({self.heads}, a config's "
+                             "num_attention_heads) must be a multiple of kv_heads "
+                             f"({self.kv_heads}, num_key_value_heads)")
         if hd > MAX_WIDTH:
             raise ValueError(f"model {self.name!r}: head_dim {hd}; the planner plans head_dim "
                              f"up to {MAX_WIDTH}")
@@ -294,13 +298,20 @@ def load_model(spec: str) -> ModelShape:
                 cfg = json.load(f)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"model {spec!r}: {path} is not JSON ({e})") from None
+            except RecursionError:   # (nested past Python's stack: found from outside)
+                raise ValueError(f"model {spec!r}: {path} is not a config (JSON nested "
+                                 "too deep to read)") from None
         return ModelShape.from_config(cfg, spec)
     if (spec.endswith(".json") or os.path.isdir(spec) or spec.startswith((".", "~"))
-            or os.path.isabs(spec) or spec.count("/") > 1):   # a path, not a hub name
-        # (a hub name is org/name: one slash)
+            or os.path.isabs(spec) or spec.count("/") > 1
+            or ("/" in spec and os.path.isdir(spec.split("/")[0]))):   # a path, not a hub name
+        # (a hub name is org/name: one slash; one whose org is a directory here is a path
+        # mistyped, which the hub was asked for, half a minute offline: found from outside)
         raise ValueError(f"model {spec!r}: a directory without a config.json"
-                         if os.path.isdir(spec) else f"model {spec!r}: no such file or "
-                         "directory")
+                         if os.path.isdir(spec) else f"model {spec!r}: not a regular file"
+                         if os.path.exists(spec) else f"model {spec!r}: no such file or "
+                         "directory" + ("" if spec == os.path.expanduser(spec) else
+                                        " (~ is not expanded here: give the path)"))
     near = difflib.get_close_matches(spec.lower(), PRESETS, n=len(PRESETS), cutoff=0.75)
     if near and "/" not in spec:   # (a preset mistyped: the hub's Llama configs are org/name,
         # and asking it offline retries for half a minute)
@@ -320,7 +331,8 @@ def load_model(spec: str) -> ModelShape:
         cfg = AutoConfig.from_pretrained(spec)
     except Exception as e:   # noqa: BLE001 -- hub, cache and parse errors alike
         raise ValueError(f"model {spec!r}: not a preset ({', '.join(PRESETS)}) nor a "
-                         f"config.json, and transformers could not load it: {e}") from None
+                         f"config.json (no such file or directory here), and transformers "
+                         f"could not load it as a Hugging Face config name: {e}") from None
     return ModelShape.from_config(cfg.to_dict(), spec)   # (a text_config taken there)
 
 
@@ -353,6 +365,9 @@ class Machine:
 # a 64 GiB disk): PCIe 55 GB/s and DRAM ~137 GB/s as measured on its H200 sibling
 # (bench/results/NVIDIA_H200: transfer_bench, step_bench at 0.97 of the limit); its disk's
 # speeds were never measured (1 and 2 GB/s here are placeholders: give them).
+# The desktop's GPU and RAM are counted in GB as sold (24e9, 128e9 bytes), though a 24 GB
+# card and 128 GB of DIMMs hold GiB (25.8e9, 137.4e9): a margin of 7 % that the published
+# plans keep; the SSD is sold in 1e9 bytes. The lent machine's figures are as measured.
 MACHINES: Dict[str, Machine] = {m.name: m for m in (
     Machine("desktop-24gb", 24 * GB, 165.0, 25.0, 128 * GB, 80.0, 1000 * GB, 6.5, 5.0),
     Machine("lent-h100", 80 * GB, 989.0, 55.0, 128 * 2**30, 137.0, 64 * 2**30, 2.0, 1.0),
@@ -705,8 +720,9 @@ def _gpu(model: ModelShape, run: Run, layout: Layout) -> Dict[str, float]:
     if layout.streamed:
         # (k + 2) x the largest block at most: k prefetched, one computing, one whose
         # buffers wait for the compute that read them (the design's bound, checked on the
-        # simulated device); the resident params stay
-        out = {"streamed block buffers": float((run.prefetch + 2) * block),
+        # simulated device), and never more blocks than the model has; the resident
+        # params stay
+        out = {"streamed block buffers": float(min(run.prefetch + 2, model.layers) * block),
                "resident params": float(resident)}
     else:
         out = {"params": 2.0 * model.params}
@@ -761,10 +777,11 @@ def _ring(layout: Layout, run: Run) -> bool:
     return layout.in_files and run.micro == 1
 
 
-def _disk(model: ModelShape, layout: Layout, files: dict) -> Dict[str, float]:
+def _disk(model: ModelShape, layout: Layout, files: dict, dirs: int = 1) -> Dict[str, float]:
     out: Dict[str, float] = {}
     if layout.state == "compact":
-        out["state (1 copy + 4 spare buckets)"] = float(files["compact_file_bytes"])
+        spares = "4 spare buckets" + (f" in each of {dirs} directories" if dirs > 1 else "")
+        out[f"state (1 copy + {spares})"] = float(files["compact_file_bytes"])
         out["grad redo log"] = float(files["redo_log_bytes"])
     elif layout.state == "files":
         out["state (2 generations)"] = float(files["data_file_bytes"])
@@ -873,7 +890,7 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     files = _model_files(replace(model, name=""), layout.state_dtype, run.bucket_mb,
                          run.state_budget_mb, run.state_dirs, heads)
     p = Plan(model, machine, run, layout, _gpu(model, run, layout),
-             _host(model, run, layout, files), _disk(model, layout, files))
+             _host(model, run, layout, files), _disk(model, layout, files, run.state_dirs))
     if heads:
         p.freed["param files"] = p.disk["param files"]
     if layout.in_files and files["ring_refused"]:
@@ -1039,12 +1056,21 @@ def _gb(x: float) -> str:
     return f"{x / GB:8.1f}"
 
 
+def _count(n: float, width: int = 0) -> str:
+    """A count of params in B (billions), or M / K where that would print 0."""
+    scale, unit = next(((s, u) for s, u in ((1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= s),
+                       (1.0, ""))
+    digits = 2 if unit == "B" and not width else 1
+    return f"{n / scale:{width}.{digits}f} {unit}".rstrip()
+
+
 def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layout],
            detail: bool = False) -> Tuple[str, List[dict]]:
     m = machine
+    wide = max([34] + [len(str(layout)) for layout in layouts])   # (the names' column)
     lines = [
-        f"model {model.name}: {model.params / 1e9:.2f} B params ({model.layers} blocks of "
-        f"{model.block_params / 1e6:.0f} M, {model.resident_params / 1e6:.0f} M resident), "
+        f"model {model.name}: {_count(model.params)} params ({model.layers} blocks of "
+        f"{_count(model.block_params)}, {_count(model.resident_params)} resident), "
         f"batch {run.batch} x {run.seq}, {run.micro} micro-batch(es) per step, "
         f"checkpointing {'on' if run.checkpointing else 'off'}, prefetch {run.prefetch}",
         f"machine {m.name}: GPU {m.gpu_bytes / GB:.1f} GB at {m.gpu_tflops:.3g} TFLOPS, PCIe "
@@ -1055,7 +1081,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         + (f" (measured here: {', '.join(m.measured)})" if m.measured else "")
         + (f" (not measured, the preset's: {', '.join(m.assumed)})" if m.assumed else ""),
         "",
-        f"{'layout':34s} {'GPU GB':>8s} {'host GB':>8s} {'disk GB':>8s} {'fits':>4s} "
+        f"{'layout':{wide}s} {'GPU GB':>8s} {'host GB':>8s} {'disk GB':>8s} {'fits':>4s} "
         f"{'GPU s':>7s} {'PCIe s':>7s} {'CPU s':>7s} {'SSD s':>7s} {'bound':>5s} "
         f"{'est s':>7s} {'largest that fits':>18s}",
     ]
@@ -1067,10 +1093,10 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         name = str(layout)
         s = p.seconds
         lines.append(
-            f"{name:34s} {_gb(p.gpu_total)} {_gb(p.host_total)} {_gb(p.disk_total)} "
+            f"{name:{wide}s} {_gb(p.gpu_total)} {_gb(p.host_total)} {_gb(p.disk_total)} "
             f"{'yes' if p.fits else 'no':>4s} {s['gpu']:7.2f} {s['pcie']:7.2f} {s['cpu']:7.2f} "
             f"{s['ssd']:7.2f} {p.bound:>5s} {p.expected_s:7.2f} "
-            + (f"{'>=' if big.layers == most else '':>2s}{big.params / 1e9:9.1f} B "
+            + (f"{'>=' if big.layers == most else '':>2s}{_count(big.params, 9):>11s} "
                f"({big.layers})" if big else f"{'none':>18s}"))
         if detail:
             for tier, parts in (("GPU", p.gpu), ("host", p.host), ("disk", p.disk)):
@@ -1083,7 +1109,9 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
                 lines.append(f"    does not fit: {'; '.join(p.misfits())}")
         elif not p.fits:   # (said below the table: what a "no" is short of)
             why.append(f"  {name}: {'; '.join(p.misfits())}")
-        if "param cache" in p.host and run.param_cache_mb is None:
+        if "param cache" in p.host and run.param_cache_mb is None and not any(
+                w.startswith("host RAM") for w in p.misfits()):
+            # (host RAM short: none left for a cache, the least stream_params takes planned)
             # (rounded up: the cache of that many MiB holds the slots planned, not one fewer)
             caches.append(f"  {name}: param_cache_mb={math.ceil(p.host['param cache'] / 2**20)}")
         d = p.as_dict()
@@ -1120,13 +1148,18 @@ def _parser() -> argparse.ArgumentParser:
                     "all: fp32 params, or a state in two formats, take more than planned; "
                     "frozen blocks less.")
     ap.add_argument("model", nargs="?", help=f"a preset ({', '.join(PRESETS)}), a config.json "
-                    "or its directory, or a Hugging Face config name; or give the shape:")
-    for flag in ("layers", "hidden", "intermediate", "vocab", "heads", "kv-heads", "head-dim"):
-        ap.add_argument(f"--{flag}", type=int)
+                    "or its directory, or a Hugging Face config name; or leave it out and give "
+                    "the shape with the flags below (with a model, they change its shape)")
+    for flag, what in (("layers", "decoder blocks"), ("hidden", "hidden size"),
+                       ("intermediate", "the MLP's intermediate size"), ("vocab", "vocabulary"),
+                       ("heads", "attention heads"),
+                       ("kv-heads", "key/value heads (default: as many as --heads)"),
+                       ("head-dim", "each head's size (default: hidden / heads)")):
+        ap.add_argument(f"--{flag}", type=int, help=what)
     ap.add_argument("--tied", action="store_true", help="tied input and output embeddings")
     ap.add_argument("--machine", default="desktop-24gb",
                     help=f"{', '.join(MACHINES)}, or 'here' (the desktop's speeds, this "
-                         "machine's RAM, free disk and GPU memory)")
+                         "machine's RAM, free disk and GPU memory); default desktop-24gb")
     ap.add_argument("--state-dir", help="where the files would go (with 'here'; default .)")
     ap.add_argument("--measure", action="store_true",
                     help="with --machine here: probe DRAM, disk (in --state-dir) and PCIe "
@@ -1137,14 +1170,22 @@ def _parser() -> argparse.ArgumentParser:
                        ("ram-gb", "GB"), ("dram-gbps", "GB/s"), ("ssd-gb", "GB"),
                        ("ssd-read-gbps", "GB/s"), ("ssd-write-gbps", "GB/s"),
                        ("gpu-reserve-gb", "GB"), ("host-reserve-gb", "GB")):
-        ap.add_argument(f"--{flag}", type=float, help=f"override ({unit})")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--micro", type=int, default=1, help="micro-batches per step")
-    ap.add_argument("--no-checkpointing", action="store_true")
-    ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--bucket-mb", type=float, default=32.0)
-    ap.add_argument("--state-budget-mb", type=float)
+        ap.add_argument(f"--{flag}", type=float, help=f"override ({unit}" + (
+            ", 1e9 bytes: a card sold as 24 GB has 24 GiB, --gpu-gb 25.8)" if flag == "gpu-gb"
+            else ", 1e9 bytes)" if unit == "GB" else ")"))
+    ap.add_argument("--batch", type=int, default=4,
+                    help="sequences per micro-batch (default 4)")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    ap.add_argument("--micro", type=int, default=1,
+                    help="micro-batches per step (gradient accumulation; default 1)")
+    ap.add_argument("--no-checkpointing", action="store_true",
+                    help="no activation checkpointing (planned on by default)")
+    ap.add_argument("--prefetch", type=int, default=2,
+                    help="stream_params' prefetch: blocks fetched ahead (default 2)")
+    ap.add_argument("--bucket-mb", type=float, default=32.0,
+                    help="the optimizer's bucket_mb (default 32)")
+    ap.add_argument("--state-budget-mb", type=float,
+                    help="the optimizer's state_budget_mb (default: 4 file buckets)")
     ap.add_argument("--state-dirs", type=int, default=1,
                     help="the directories (drives) state_dirs= stripes the state over "
                          "(the compact layout keeps 4 spare buckets in each); the --ssd-* "
@@ -1192,6 +1233,12 @@ def _model(args) -> ModelShape:
     given = {_SHAPE_FLAGS[k]: v for k, v in shape.items() if v is not None}
     if args.tied:
         given["tied"] = True
+    changed = [f"--{k} {v}" for k, v in shape.items()
+               if v is not None and v != getattr(model, _SHAPE_FLAGS[k])]
+    if args.tied and not model.tied:
+        changed.append("--tied")
+    if changed:   # (named so: the preset's name alone said its shape, found from outside)
+        given["name"] = f"{model.name} with {' '.join(changed)}"
     return replace(model, **given) if given else model
 
 
@@ -1288,18 +1335,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .param_files import cache_slots
             cache_slots(args.param_cache_mb * 2**20, param_slot_bytes(model), args.prefetch,
                         model.layers)
-        if args.json:   # opened first: a path that cannot be written is said before the work
+        if args.json is not None:   # opened first: a path that cannot be written is said
+            if not args.json:       # before the work
+                raise ValueError("--json '': give a path (or /dev/stdout)")
             if os.path.isdir(args.json):
                 raise ValueError(f"--json {args.json!r}: a directory")
             # A file: written beside it, then put in its place (a failure leaves no truncated
             # file), through a symlink beside its target (the link stays). Anything else (a
-            # FIFO, /dev/stdout, a device) is written into: put in its place, a regular
-            # file replaced it, and as root even a device node (found from outside)
+            # FIFO, a device) is written into: put in its place, a regular file replaced
+            # it, and as root even a device node (found from outside). So is a stream of
+            # this process (/dev/stdout, /dev/fd/N, /proc/self/fd/N), appended to after the
+            # report: a shell's `> out.txt` behind it is a regular file, which was replaced
+            # by the JSON alone, the report and what the file held before lost (found from
+            # outside)
             final = os.path.realpath(args.json)
-            direct = os.path.exists(args.json) and not os.path.isfile(args.json)
+            stream = os.path.abspath(args.json).startswith(("/dev/", "/proc/"))
+            direct = os.path.exists(args.json) and (stream or not os.path.isfile(args.json))
             tmp = None if direct else f"{final}.{os.getpid()}.tmp"
             try:
-                out = open(args.json if direct else tmp, "w")
+                out = open(args.json if direct else tmp, "a" if direct else "w")
             except OSError as e:
                 raise ValueError(f"--json {args.json!r}: {e.strerror}") from None
     except ValueError as e:
@@ -1308,12 +1362,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         layouts = all_layouts(list(dict.fromkeys(args.state_dtype or STATE_DTYPES)))
         text, plans = report(model, machine, run, layouts, args.detail)
-        print(text)
+        print(text, flush=True)   # (before the JSON: --json may be this stream)
         if out is not None:
             try:
                 with out:
                     json.dump({"machine": asdict(machine), "run": asdict(run), "plans": plans},
                               out, indent=1)
+                    out.write("\n")
                 if tmp is not None:
                     os.replace(tmp, final)
             except OSError as e:   # (the disk filled, say)

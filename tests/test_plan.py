@@ -144,7 +144,9 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, monkeypat
     elif state == "compact":
         data = sum(os.path.getsize(f / "offload_adam_state.bin") for f in folders)
         log = sum(os.path.getsize(f / "offload_adam_state.redo") for f in folders)
-        assert data == p.disk["state (1 copy + 4 spare buckets)"]
+        spares = "4 spare buckets" + (f" in each of {len(folders)} directories"
+                                      if len(folders) > 1 else "")
+        assert data == p.disk[f"state (1 copy + {spares})"]
         assert log == p.disk["grad redo log"]   # (its records fit the reserve)
         assert disk_total == data + log
     else:
@@ -183,12 +185,14 @@ def test_unaligned_shapes_are_bounded_by_a_line_per_piece(kernels):
     assert 0 <= p.host_total - real < 2 * 64 * len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_the_simulated_device_peak_is_within_the_planned_block_buffers(kernels, prefetch):
+@pytest.mark.parametrize("layers,prefetch", [(6, 1), (6, 2), (2, 2)])
+def test_the_simulated_device_peak_is_within_the_planned_block_buffers(kernels, layers,
+                                                                      prefetch):
     """The streamer's device bytes at their peak over a step fill the planner's (k + 2)
-    block buffers at most, and more than k of them (the bound is not slack)."""
+    block buffers at most (never more blocks than the model has: a 2-block model was
+    planned 4, found from outside), and more than k of them (the bound is not slack)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    config = llama_config(num_hidden_layers=6)
+    config = llama_config(num_hidden_layers=layers)
     shape = planner.ModelShape.from_config(config.to_dict())
     run = planner.Run(batch=2, seq=8, prefetch=prefetch)
     p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run,
@@ -211,8 +215,8 @@ def test_the_simulated_device_peak_is_within_the_planned_block_buffers(kernels, 
     finally:
         sim.close()
     block = 2 * shape.block_params
-    assert p.gpu["streamed block buffers"] == (prefetch + 2) * block
-    assert prefetch * block < peak <= p.gpu["streamed block buffers"]
+    assert p.gpu["streamed block buffers"] == min(prefetch + 2, layers) * block
+    assert min(prefetch, layers - 1) * block < peak <= p.gpu["streamed block buffers"]
 
 
 def test_largest_fitting_is_the_edge_of_what_fits():
@@ -463,7 +467,12 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     # (a probe larger than the machine: 2 x 1000 GB of RAM asked for, the planner killed)
     (["llama-3-8b", "--machine", "here", "--measure", "--probe-gb", "1000"],
      "--probe-gb 1000: the memory probe holds 2 x 1000 GB, more than half of the"),
-    (["llama-3-8b", "--heads", "7"], "must be a multiple of heads (7)"),
+    (["llama-3-8b", "--heads", "7"], "must be a multiple of heads (7, num_attention_heads)"),
+    # which of the two conditions failed, by the config's keys too (one message named both)
+    (["llama-3-8b", "--kv-heads", "3"], "heads (32, a config's num_attention_heads) must be "
+     "a multiple of kv_heads (3, num_key_value_heads)"),
+    (["/dev/null"], "model '/dev/null': not a regular file"),
+    (["~/no-such-config.json"], "no such file or directory (~ is not expanded here"),
     # figures past any machine's overflowed to inf and nan (a traceback, and an empty --json)
     (["llama-3-8b", "--ram-gb", "1e300", "--json", "plan.json"],
      "--ram-gb: at most 1e+09 (GB), got 1e+300"),
@@ -494,6 +503,43 @@ def test_bad_input_is_named(argv, message, capsys, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []   # (no plan written, no probe left)
 
 
+def test_a_config_nested_too_deep_is_named_and_a_local_path_not_asked_of_the_hub(
+        tmp_path, capsys, monkeypatch):
+    """A config.json nested past Python's stack raised RecursionError, a traceback; a
+    mistyped path of one slash whose first part is a directory here went to the hub (half
+    a minute of retries offline): both found from outside, both now named."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    assert planner.main([str(deep)]) == 2
+    assert "is not a config (JSON nested too deep" in capsys.readouterr().err
+    (tmp_path / "checkpoints").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert planner.main(["checkpoints/llama3"]) == 2
+    assert "model 'checkpoints/llama3': no such file or directory" in capsys.readouterr().err
+
+
+def test_the_report_reads_right_for_any_model(capsys):
+    """Found from outside: the names of the compact float32/bfloat16 layouts overflowed
+    the table's first column, shifting their numbers; a small model printed as "0.00 B
+    params (2 blocks of 0 M)"; --state-dirs 4 said "4 spare buckets" of 16; and a layout
+    short of host RAM was advised a param cache that RAM did not have."""
+    assert planner.main(["llama-3-70b", "--detail", "--state-dirs", "4"]) == 0
+    text = capsys.readouterr().out
+    table = [line for line in text.splitlines() if line.startswith(("layout ", "params "))]
+    assert len(table) == 28
+    ends = {line.index("GPU GB") + len("GPU GB") if line.startswith("layout") else
+            re.match(r"params [a-z]+, state [a-z]+ [a-z0-9]+ +[0-9.]+", line).end()
+            for line in table}
+    assert len(ends) == 1   # (every row's first number ends under the header's)
+    assert "state (1 copy + 4 spare buckets in each of 4 directories)" in text
+    cache = text.split("Params in files:")[1].split("\n\n")[0]
+    assert "state files" in cache and "state ram" not in cache   # (those lack host RAM)
+    assert planner.main(["--layers", "2", "--hidden", "64", "--intermediate", "128",
+                         "--vocab", "100", "--heads", "4"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "model custom: 95.0 K params (2 blocks of 41.1 K, 12.9 K resident)" in head
+
+
 def test_zero_kv_heads_is_refused_with_shape_flags_as_with_a_preset():
     """--kv-heads 0 is no count of heads: refused whether the shape comes from flags or
     from a preset (it was read as 'as many as heads' with flags only)."""
@@ -506,14 +552,17 @@ def test_zero_kv_heads_is_refused_with_shape_flags_as_with_a_preset():
 
 def test_shape_flags_apply_over_a_preset_or_a_config(tmp_path):
     """Every shape flag given with a model replaces that model's field (before, only
-    --layers did and the rest were dropped without a word)."""
+    --layers did and the rest were dropped without a word), and the model's name says so
+    (it kept the preset's, whose shape it no longer has: found from outside)."""
     out = tmp_path / "plan.json"
     assert planner.main(["llama-3-8b", "--hidden", "2048", "--heads", "16", "--kv-heads", "4",
                          "--vocab", "1000", "--intermediate", "4096", "--layers", "2", "--tied",
                          "--head-dim", "256", "--state-dtype", "8bit", "--json", str(out)]) == 0
     model = json.loads(out.read_text())["plans"][0]["model"]
-    assert model == dict(name="llama-3-8b", vocab=1000, hidden=2048, intermediate=4096,
-                         layers=2, heads=16, kv_heads=4, tied=True, head_dim=256)
+    assert model == dict(name="llama-3-8b with --layers 2 --hidden 2048 --intermediate 4096 "
+                              "--vocab 1000 --heads 16 --kv-heads 4 --head-dim 256 --tied",
+                         vocab=1000, hidden=2048, intermediate=4096, layers=2, heads=16,
+                         kv_heads=4, tied=True, head_dim=256)
 
 
 def test_json_goes_through_a_symlink_and_into_a_fifo(tmp_path):
@@ -537,6 +586,25 @@ def test_json_goes_through_a_symlink_and_into_a_fifo(tmp_path):
     assert planner.main(args + [str(fifo)]) == 0
     reader.join(60)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and json.loads(got[0])["plans"]
+
+
+def test_json_to_this_process_stdout_follows_the_report(tmp_path):
+    """--json /dev/stdout with the shell's stdout a regular file (`> out.txt`, `>> log`):
+    the file was replaced by the JSON alone, the report and what it held before lost
+    (found from outside). Now the JSON is appended after the report; an empty path is
+    refused by name, not ignored."""
+    out = tmp_path / "out.txt"
+    out.write_text("BEFORE\n")
+    cmd = [sys.executable, "-m", "offload_adam.plan", "llama-3-8b", "--state-dtype", "8bit"]
+    with open(out, "a") as f:
+        subprocess.run(cmd + ["--json", "/dev/stdout"], stdout=f, check=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = out.read_text()
+    assert text.startswith("BEFORE\nmodel llama-3-8b")
+    report, _, rest = text.partition("\n{")
+    assert "largest" in report and json.loads("{" + rest)["plans"]
+    assert planner.main(["llama-3-8b", "--json", ""]) == 2
+    assert not any(tmp_path.glob("*.tmp"))
 
 
 def test_here_says_what_it_did_not_measure(tmp_path, capsys):
@@ -619,7 +687,7 @@ def test_a_tiny_width_stops_the_search_at_max_blocks():
     assert planner.largest_fitting(tiny, m, run, lay).layers == planner.MAX_BLOCKS
     text, plans = planner.report(tiny, m, run, [lay])
     assert plans[0]["largest_fitting"]["at_least"] is True
-    assert f">=      0.0 B ({planner.MAX_BLOCKS})" in text
+    assert re.search(rf">= +42\.1 M \({planner.MAX_BLOCKS}\)", text)   # (1024 x 41 K)
     # below the cap the edge is exact (the bisection) and not 'at least'
     small = planner.replace(m, ssd_bytes=planner.plan(tiny.with_layers(300), m, run,
                                                       lay).disk_total)
@@ -721,17 +789,19 @@ def test_the_param_cache_to_pass_is_said_and_plans_the_same(tmp_path, capsys):
     """The plan of params in files takes what host RAM has left as their cache, where
     stream_params' default is prefetch + 5 blocks (Llama-3-70B at batch 1: 217 s of SSD
     against 267 s): the report lists the param_cache_mb to pass for each such layout, and
-    planning with it gives the same plan. A state_dtype given twice is planned once."""
+    planning with it gives the same plan; none for a layout short of host RAM (the state
+    in RAM, here: it has none left for one). A state_dtype given twice is planned once."""
     argv = ["llama-3-70b", "--batch", "1", "--state-dtype", "8bit", "--state-dtype", "8bit"]
     assert planner.main(argv + ["--json", str(tmp_path / "a.json")]) == 0
     out = capsys.readouterr().out
     assert "(its default, prefetch + 5 blocks, is 11424 MiB here;" in out
     given = dict(re.findall(r"  (params files, state \w+ 8bit): param_cache_mb=(\d+)", out))
-    assert len(given) == 3
+    assert sorted(given) == ["params files, state compact 8bit", "params files, state files 8bit"]
+    assert re.search(r"params files, state ram 8bit: host RAM \S+ GB > ", out)
     plans = json.loads((tmp_path / "a.json").read_text())["plans"]
     assert len(plans) == 9
     for i, lay in enumerate(p["layout"] for p in plans):
-        if lay["params"] != "files":
+        if lay["params"] != "files" or lay["state"] == "ram":
             continue
         layout = f"params files, state {lay['state']} 8bit"
         assert planner.main(["llama-3-70b", "--batch", "1", "--state-dtype", "8bit",
