@@ -88,27 +88,30 @@ def disk_pass(pool, fds, buffers, size, write):
     """Seconds to write (or read) `size` bytes of each fd sequentially, one ring buffer per
     piece, all files at once, keeping len(buffers) - 1 pieces in flight."""
     piece = buffers[0].nbytes
-    pending = []
     t = time.perf_counter()
-    k = 0
-    for offset in range(0, size, piece):
-        for fd, w in zip(fds, write):
-            n = min(piece, size - offset)
-            op = pool.write if w else pool.read
-            pending.append(op(fd, buffers[k % len(buffers)].view[:n], offset))
-            k += 1
-            if len(pending) >= len(buffers) - 1:
-                e = wait(pending.pop(0))
-                if e:
-                    raise e
-    for f in pending:
-        e = wait(f)
-        if e:
-            raise e
+    run_pieces(pool, [(fd, w, offset, min(piece, size - offset))
+                      for offset in range(0, size, piece) for fd, w in zip(fds, write)], buffers)
     for fd, w in zip(fds, write):
         if w:
             os.fsync(fd)
     return time.perf_counter() - t
+
+
+def run_pieces(pool, pieces, buffers) -> None:
+    """Each (fd, write, offset, bytes) of `pieces` written from (or read into) the next of the
+    ring `buffers`, in order, len(buffers) - 1 of them in flight."""
+    pending = []
+    for k, (fd, w, offset, n) in enumerate(pieces):
+        op = pool.write if w else pool.read
+        pending.append(op(fd, buffers[k % len(buffers)].view[:n], offset))
+        if len(pending) >= len(buffers) - 1:
+            e = wait(pending.pop(0))
+            if e:
+                raise e
+    for f in pending:
+        e = wait(f)
+        if e:
+            raise e
 
 
 def read_through(fds, io_threads, piece=16 << 20, passes=2) -> list:

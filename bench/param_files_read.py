@@ -20,6 +20,9 @@ thread count just before and just after (nvme_bench.disk_limit: 4 MiB requests, 
     read through  after the iterations, the param files read start to end (nvme_bench.read_through):
                 the disk's rate for these bytes, which the probe's file, read just after it was
                 written, may overstate (a virtual disk's host cache)
+    block by block  the same files read block by block in ascending and in descending order
+                (read_blocks): forward's misses come in the first order, backward's in the
+                second, each phase set against the rate of its own
 
     flock /tmp/offload_bench.lock python bench/param_files_read.py     # 3 GiB of files, ~1 min
     python bench/param_files_read.py --blocks 6 --rows 1024 --probe-gb 0.25 --out /tmp/x   # smoke
@@ -44,7 +47,8 @@ import offload_adam  # noqa: E402
 from offload_adam.engine.device import HostDevice, Transfer, as_list  # noqa: E402
 from offload_adam.testing import simulated  # noqa: E402
 from bench.machine import load_average, machine_info, one_line  # noqa: E402
-from bench.nvme_bench import disk_limit, log, read_through  # noqa: E402
+from bench.nvme_bench import disk_limit, log, read_through, run_pieces  # noqa: E402
+from offload_adam.nvme.direct_io import AlignedBuffer, IOPool  # noqa: E402
 from bench.nvme_big_run import save_run  # noqa: E402
 from bench.param_files_big_run import io_bytes  # noqa: E402
 
@@ -84,6 +88,32 @@ class Stack(torch.nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x.float().pow(2).mean()
+
+
+def read_blocks(files, order, io_threads, piece=16 << 20, passes=2) -> list:
+    """The param files' blocks read whole in `order` (each block start to end, in pieces of
+    `piece` with 3 in flight, as read_through reads): GB/s per pass. Backward reads its misses
+    in the blocks' descending order, forward in ascending: a disk (or a virtual disk's host)
+    that reads ahead of an ascending stream serves the two at different rates, which the
+    read-through start to end alone does not show."""
+    ranges = []
+    for i in order:
+        fd, offset, size = files._extent(i)
+        ranges += [(fd, False, offset + at, min(piece, size - at)) for at in range(0, size, piece)]
+    total = sum(n for *_, n in ranges)
+    pool = IOPool(io_threads)
+    buffers = [AlignedBuffer(piece, pin=False) for _ in range(4)]
+    rates = []
+    try:
+        for _ in range(passes):
+            t = time.perf_counter()
+            run_pieces(pool, ranges, buffers)
+            rates.append(total / (time.perf_counter() - t))
+    finally:
+        pool.close()
+        for b in buffers:
+            b.close()
+    return rates
 
 
 def probe(args, out, when) -> dict:
@@ -171,6 +201,16 @@ def main():
             row["files_read"] = read_through(files.fds, args.io_threads)
             log(out, "the param files read through, start to end: " + ", ".join(
                 f"{r / 1e9:.3f}" for r in row["files_read"]) + " GB/s")
+            # (in turn, ABBA: the disk's rate drifts within a minute, and a pass just after
+            # another over the same bytes may find some in the host's cache)
+            blocks = list(range(args.blocks))
+            orders = {"ascending": blocks, "descending": blocks[::-1]}
+            for name in ("ascending", "descending", "descending", "ascending"):
+                row.setdefault(f"files_read_{name}", []).extend(
+                    read_blocks(files, orders[name], args.io_threads, passes=1))
+            for name in orders:
+                log(out, f"the param files read block by block, {name} (ABBA): " + ", ".join(
+                    f"{r / 1e9:.3f}" for r in row[f"files_read_{name}"]) + " GB/s")
             opt.close()
             streamer.close()
         after = probe(args, out, "after")
@@ -180,13 +220,16 @@ def main():
     files_rate = statistics.median(row["files_read"])
     later = phases[1:] or phases   # (the first forward reads every block: its cache is empty)
     row.update(before=before, after=after, phases=phases)
-    for name in ("forward", "backward"):
+    for name, order in (("forward", "ascending"), ("backward", "descending")):
         rate = statistics.median(b / s for s, b, _ in (p[name] for p in later))
+        ordered = statistics.median(row[f"files_read_{order}"])
         row[name] = {"median_Bps": rate, "ratio_to_probe": rate / disk,
-                     "ratio_to_files": rate / files_rate}
+                     "ratio_to_files": rate / files_rate, "ratio_to_order": rate / ordered}
         log(out, f"{name}: median {rate / 1e9:.2f} GB/s over iterations 2..: {rate / disk:.2f} x "
                  f"the probes' read rate (their mean, {disk / 1e9:.2f} GB/s), {rate / files_rate:.2f} "
-                 f"x the param files read through ({files_rate / 1e9:.2f} GB/s)")
+                 f"x the param files read through ({files_rate / 1e9:.2f} GB/s), "
+                 f"{rate / ordered:.2f} x them read block by block in its order, {order} "
+                 f"({ordered / 1e9:.2f} GB/s)")
     save_run(args.out, f"param_files_read_{args.tag}", row, out)
 
 
