@@ -119,15 +119,26 @@ def read_through(fds, io_threads, piece=16 << 20, passes=2) -> list:
     disk_pass reads: GB/s per file and pass. The disk's rate for bytes written a while ago
     and read since, where disk_limit's probe reads a file it has just written (a virtual
     disk's host may still cache it)."""
+    runs = []
+    for fd in fds:
+        size = os.fstat(fd).st_size // piece * piece
+        if size:
+            runs.append([(fd, False, offset, piece) for offset in range(0, size, piece)])
+    return read_rates(runs, io_threads, piece, passes)
+
+
+def read_rates(runs, io_threads, piece=16 << 20, passes=1) -> list:
+    """Each run of (fd, False, offset, bytes) pieces read in order through a ring of 4
+    buffers of `piece` bytes (run_pieces), `passes` times over: bytes/s per pass and run."""
     pool = IOPool(io_threads)
     buffers = [AlignedBuffer(piece, pin=False) for _ in range(4)]
     rates = []
     try:
         for _ in range(passes):
-            for fd in fds:
-                size = os.fstat(fd).st_size // piece * piece
-                if size:
-                    rates.append(size / disk_pass(pool, [fd], buffers, size, [False]))
+            for pieces in runs:
+                t = time.perf_counter()
+                run_pieces(pool, pieces, buffers)
+                rates.append(sum(n for *_, n in pieces) / (time.perf_counter() - t))
     finally:
         pool.close()
         for b in buffers:

@@ -47,8 +47,7 @@ import offload_adam  # noqa: E402
 from offload_adam.engine.device import HostDevice, Transfer, as_list  # noqa: E402
 from offload_adam.testing import simulated  # noqa: E402
 from bench.machine import load_average, machine_info, one_line  # noqa: E402
-from bench.nvme_bench import disk_limit, log, read_through, run_pieces  # noqa: E402
-from offload_adam.nvme.direct_io import AlignedBuffer, IOPool  # noqa: E402
+from bench.nvme_bench import disk_limit, log, read_rates, read_through  # noqa: E402
 from bench.nvme_big_run import save_run  # noqa: E402
 from bench.param_files_big_run import io_bytes  # noqa: E402
 
@@ -93,27 +92,14 @@ class Stack(torch.nn.Module):
 def read_blocks(files, order, io_threads, piece=16 << 20, passes=2) -> list:
     """The param files' blocks read whole in `order` (each block start to end, in pieces of
     `piece` with 3 in flight, as read_through reads): GB/s per pass. Backward reads its misses
-    in the blocks' descending order, forward in ascending: a disk (or a virtual disk's host)
-    that reads ahead of an ascending stream serves the two at different rates, which the
-    read-through start to end alone does not show."""
+    in the blocks' descending order, forward in ascending: each phase is set against the rate
+    of its own order, in case the disk (or a virtual disk's host, reading ahead of an
+    ascending stream) serves the two differently."""
     ranges = []
     for i in order:
         fd, offset, size = files._extent(i)
         ranges += [(fd, False, offset + at, min(piece, size - at)) for at in range(0, size, piece)]
-    total = sum(n for *_, n in ranges)
-    pool = IOPool(io_threads)
-    buffers = [AlignedBuffer(piece, pin=False) for _ in range(4)]
-    rates = []
-    try:
-        for _ in range(passes):
-            t = time.perf_counter()
-            run_pieces(pool, ranges, buffers)
-            rates.append(total / (time.perf_counter() - t))
-    finally:
-        pool.close()
-        for b in buffers:
-            b.close()
-    return rates
+    return read_rates([ranges], io_threads, piece, passes)
 
 
 def probe(args, out, when) -> dict:

@@ -819,17 +819,18 @@ class Plan:
     def disk_total(self) -> float:
         return sum(self.disk.values())
 
+    def short_of(self) -> List[Tuple[str, float, float]]:
+        """The tiers whose bytes do not fit: (tier, bytes used, bytes it has room for)."""
+        m = self.machine
+        return [(what, used, room) for what, used, room in (
+            ("GPU", self.gpu_total, m.gpu_bytes - m.gpu_reserve_bytes),
+            ("host RAM", self.host_total, m.host_bytes - m.host_reserve_bytes),
+            ("SSD", self.disk_total, m.ssd_bytes)) if used > room]
+
     def misfits(self) -> List[str]:
         """What does not fit, named ([] when everything does)."""
-        m = self.machine
-        out = []
-        for what, used, have, reserve in (("GPU", self.gpu_total, m.gpu_bytes, m.gpu_reserve_bytes),
-                                          ("host RAM", self.host_total, m.host_bytes,
-                                           m.host_reserve_bytes),
-                                          ("SSD", self.disk_total, m.ssd_bytes, 0.0)):
-            if used > have - reserve:
-                out.append(f"{what} {used / GB:.1f} GB > {(have - reserve) / GB:.1f} GB")
-        return out + self.refused
+        return [f"{what} {used / GB:.1f} GB > {room / GB:.1f} GB"
+                for what, used, room in self.short_of()] + self.refused
 
     @property
     def fits(self) -> bool:
@@ -1110,7 +1111,7 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
         elif not p.fits:   # (said below the table: what a "no" is short of)
             why.append(f"  {name}: {'; '.join(p.misfits())}")
         if "param cache" in p.host and run.param_cache_mb is None and not any(
-                w.startswith("host RAM") for w in p.misfits()):
+                what == "host RAM" for what, *_ in p.short_of()):
             # (host RAM short: none left for a cache, the least stream_params takes planned)
             # (rounded up: the cache of that many MiB holds the slots planned, not one fewer)
             caches.append(f"  {name}: param_cache_mb={math.ceil(p.host['param cache'] / 2**20)}")
