@@ -1480,32 +1480,66 @@ class ParamStreamer:
         farthest leaves first), so a block used sooner stays and is not read twice. Read
         ahead freely instead, the reads would take the slots of the blocks forward reads
         after a step at step() (which wrote the last blocks last) before forward gets to
-        them: every block read in that forward, the cache's worth more than needed."""
+        them: every block read in that forward, the cache's worth more than needed. A
+        block used in backward that step() writes next counts as next used then, at the
+        end of the order (_rank: the two agree, or the read-ahead is refused the slots
+        _rank gives away), ahead of _step_key's order among them: for the step, a block
+        given away costs a slot whichever it is, and a read only where the step does not
+        write it whole (which one block read ahead saves)."""
         cursor, order, gap = self._cursor, self._order, self._gap
+        n = len(order)
         floors: List[float] = []
         seen = -math.inf
-        for q in range(max(cursor - 1, 0), min(first + count, len(order))):
+        for q in range(max(cursor - 1, 0), min(first + count, n)):
             if q >= first:
                 floors.append(max(seen, float(q - cursor)))
-            seen = max(seen, float(q - cursor + gap[q]))
+            i, phase = order[q]
+            nxt = float(q - cursor + gap[q])
+            if phase == "b" and q + gap[q] >= n and self._stepped_at_step(self.blocks[i]):
+                # the step's start: whichever of them a read takes, the step writes it
+                # (the latest in _step_key's order is the current block's, whose slot
+                # its copies to the device keep busy: a floor at its rank refused all)
+                nxt = float(n - cursor - 1)
+            seen = max(seen, nxt)
         return floors
+
+    def _stepped_at_step(self, block: _Block) -> bool:
+        """The block trains and no optimizer steps it in backward: once backward used it,
+        step() writes it next."""
+        return block.trained and not block.step_checks
+
+    def _at_step(self, block: _Block, cursor: int) -> float:
+        """The rank of a block step() writes next, from `cursor` in backward: after every
+        use left in the recorded order, before the next forward's first (step() writes the
+        blocks in _step_key's order: the ones it writes first sooner)."""
+        return len(self._order) - cursor - 1 + min(_step_key(block), 2**20) / 2**21
 
     def _rank(self, index: int) -> Optional[float]:
         """How soon block `index` is used next (param files' cache): the uses until its
-        next one in the recorded order; before any, a block the CPU step is still to write
-        (used in backward: the step comes before the next forward; _step_key says when;
-        one it started writing before those it did not);
-        None before the order is recorded. (A block the step writes whole is not read for
-        it, but it needs a slot then all the same: it keeps its own meanwhile.)"""
+        next one in the recorded order. A block the CPU step is still to write (used in
+        backward) comes before its next forward: in backward, one step() writes is next
+        needed at the order's end, after the uses left in it (_at_step); outside backward
+        (step() is next, or another micro-batch's forward, whose blocks backward uses
+        again before step()), and when an optimizer steps it in backward, it is needed
+        before any use (_step_key says when; one the step started writing before those it
+        did not). None before the order is recorded. (A block the step writes whole is
+        not read for it, but it needs a slot then all the same: it keeps its own
+        meanwhile.)"""
         block = self.blocks[index]
-        if block.awaiting:   # a block the step started writing nearest of all: given
-            # away half written, its file's bytes would be read to complete it, written,
-            # and its slot taken again for the rest (a block spans buckets)
+        order, cursor = self._order, self._cursor
+        if block.awaiting:
+            if order is not None and cursor is not None and self._graph_task is not None \
+                    and not block.step_started and self._stepped_at_step(block):
+                n = len(order)
+                return min([float(q - cursor) for q in self._uses.get(index, ())
+                            if cursor <= q < n] + [self._at_step(block, cursor)])
+            # a block the step started writing nearest of all: given away half written,
+            # its file's bytes would be read to complete it, written, and its slot taken
+            # again for the rest (a block spans buckets)
             return float(_step_key(block) - (2**41 if block.step_started else 2**40))
-        order = self._order
         if order is None:
             return None
-        cursor = self._cursor or 0
+        cursor = cursor or 0
         n = len(order)
         return float(min(((q - cursor) % n for q in self._uses.get(index, ())), default=n))
 

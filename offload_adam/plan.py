@@ -926,11 +926,14 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     # param_files.hold_to_write; a block with a frozen param would be read): the blocks
     # that circulate through the cache, 2 x the misses of a pass, all at most (the blocks
     # at the turn of forward and backward stay; micro-batches after the first give away
-    # blocks read, already written). A pass at step() (compact files, micro-batches)
-    # writes one more: forward's first read ahead writes back the block in use, which the
-    # pass left in the cache with its new values, before it takes a slot (two more where a
-    # file bucket holds the end of one block and the start of the next: the pass holds
-    # both at that seam, and gives away the block before the one it is finishing)
+    # blocks read, already written). A pass of the state files at step() (compact, or
+    # micro-batches) writes one more: forward's first read ahead writes back the block in
+    # use, which the pass left in the cache with its new values, before it takes a slot
+    # (two more where a file bucket holds the end of one block and the start of the next:
+    # the pass holds both at that seam, and gives away the block before the one it is
+    # finishing). The state in RAM stepped at step() does not, since backward's read-ahead
+    # takes the slots of the blocks it used (ParamStreamer._rank): 2 x the misses, counted
+    # in tests/test_plan.py for 8-12 blocks, 5-8 slots, prefetch 1-2, 2-3 micro-batches
     ssd_read = ssd_write = forward_read = 0.0
     if layout.in_files:
         ssd_read, ssd_write = state_gen, state_gen
@@ -955,7 +958,7 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
         extent = float(param_file_bytes(model))
         misses = max(0.0, extent - cache)   # a pass's reads
         forward_read = micro * misses
-        at_step = layout.state == "compact" or micro > 1
+        at_step = layout.state == "compact" or (micro > 1 and layout.in_files)
         held = 2 if layout.in_files and _seams(model, files) else 1
         params_read = 2 * forward_read
         params_written = min(extent, 2 * misses + (held * slot if at_step and misses else 0.0))

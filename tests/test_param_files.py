@@ -510,6 +510,38 @@ def test_each_pass_reads_only_the_blocks_the_cache_lacks(device, tmp_path, in_ba
     assert files.hold_s["step"] == step
 
 
+def test_backward_reads_ahead_over_the_blocks_step_writes_next(device, tmp_path):
+    """Backward reads ahead as far as forward does: a block backward used is next needed
+    by step() (which writes it whole: nothing read for it), after the rest of backward,
+    so the read-ahead takes its slot for a block backward uses sooner. Kept for the step
+    instead (ranked before every use, and _floors counting it as next used in the next
+    forward), it held its slot, and backward read at most `prefetch` blocks ahead of its
+    use (8 blocks, 5 slots, prefetch 1: block 5 found [3, 4] read, now [0, 1, 2, 3, 4]). What
+    each pass reads stays 3 blocks, and step() reads none."""
+    model = make_llama(layers=8, frozen=())
+    s = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
+                                   param_cache_mb=slots_mb(model, 5))
+    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    train(model, opt, 2)
+    files, held = s.files, {}
+    use = s._use
+
+    def noted(block, phase):
+        use(block, phase)
+        if phase == "b":   # (read ahead or reading: a slot taken for it)
+            held[block.index] = sorted(i for i in files.slot_of if i < block.index)
+
+    s._use = noted
+    for it in range(2, 4):
+        held.clear()
+        llama_loss(model, it).backward()
+        r0 = files.read_bytes
+        opt.step()
+        opt.zero_grad()
+        assert files.read_bytes == r0, it
+        assert held == {j: list(range(max(j - 5, 0), j)) for j in range(8)}, (it, held)
+
+
 @pytest.mark.parametrize("state", ["two_generations", "compact"])
 def test_a_block_the_step_started_writing_is_not_given_away(device, tmp_path, state):
     """The step at step() over state files, each block's params in two buckets (a bucket

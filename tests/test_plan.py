@@ -282,26 +282,28 @@ def _param_files_bytes_a_step(model, opt, files, micro, config):
     return files.read_bytes + files.heads_read_bytes - r, files.written_bytes - w
 
 
-@pytest.mark.parametrize("cached", [5, 7])
-@pytest.mark.parametrize("micro", [1, 2])
-def test_the_param_files_bytes_a_step_are_the_planned_ones(kernels, tmp_path, cached, micro):
-    """8 blocks, `cached` of them in the cache, the state in RAM stepped in backward: the
-    param files' bytes read in a step are the misses of forward and backward of each
-    micro-batch, and those written the blocks the cache gave away with their new values
-    (2 x a pass's misses: the blocks at the turn of forward and backward stay; one more
-    with the pass at step(), micro-batches), as planned; the planner once counted every
-    block written each step."""
+@pytest.mark.parametrize("layers,cached,micro,prefetch", [
+    (8, 5, 1, 1), (8, 7, 1, 1), (8, 5, 2, 1), (8, 7, 2, 1), (12, 8, 3, 2)])
+def test_the_param_files_bytes_a_step_are_the_planned_ones(kernels, tmp_path, layers, cached,
+                                                          micro, prefetch):
+    """`layers` blocks, `cached` of them in the cache, the state in RAM (stepped in backward
+    with one micro-batch, at step() with more): the param files' bytes read in a step are
+    the misses of forward and backward of each micro-batch, and those written the blocks
+    the cache gave away with their new values (2 x a pass's misses: the blocks at the turn
+    of forward and backward stay), as planned; the planner once counted every block
+    written each step, and one more with micro-batches (the step at step() found the
+    blocks backward used in their slots, the read-ahead having been refused them)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    config = llama_config(num_hidden_layers=8)
+    config = llama_config(num_hidden_layers=layers)
     shape = shape_of(config, tmp_path / "cfg")
-    run = planner.Run(batch=2, seq=8, micro=micro, prefetch=1, bucket_mb=0.05,
+    run = planner.Run(batch=2, seq=8, micro=micro, prefetch=prefetch, bucket_mb=0.05,
                       param_cache_mb=(cached + 0.5) * planner.param_slot_bytes(shape) / 2**20)
     p = planner.plan(shape, planner.MACHINES["desktop-24gb"], run,
                      planner.Layout("files", "ram", "bfloat16"))
     with sim_path("sim-seed0"):   # (checked for ordering violations at its end)
         model = build(config)
         streamer = offload_adam.stream_params(
-            model, LlamaDecoderLayer, prefetch=1, param_dirs=tmp_path / "params",
+            model, LlamaDecoderLayer, prefetch=prefetch, param_dirs=tmp_path / "params",
             param_cache_mb=run.param_cache_mb)
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3, state_dtype="bfloat16",
                                  bucket_mb=0.05, step_in_backward=micro == 1)
