@@ -1325,20 +1325,38 @@ def _machine(args) -> Machine:
     return machine
 
 
+_RUN_FLAGS = ("batch", "seq", "micro", "prefetch", "bucket_mb", "state_budget_mb",
+              "param_cache_mb", "state_dirs")
+
+
+def _as_flags(message: str) -> str:
+    """An error of Run, check_size or param_files.cache_slots, which name the keywords
+    (`bucket_mb must be ...`, `prefetch=2 needs ...`), with the command line's flags
+    (`--bucket-mb must be ...`, `--prefetch 2 needs ...`)."""
+    for key in _RUN_FLAGS:
+        message = re.sub(rf"(?<![\w-]){key}(?![\w-])(=(?=\S))?",
+                         lambda m, k=key: f"--{k.replace('_', '-')}" + (" " if m.group(1) else ""),
+                         message)
+    return message
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     out = tmp = None
     try:
         model = _model(args)
         machine = _machine(args)
-        run = Run(args.batch, args.seq, args.micro, not args.no_checkpointing, args.prefetch,
-                  args.bucket_mb, args.state_budget_mb, param_cache_mb=args.param_cache_mb,
-                  state_dirs=args.state_dirs)
-        check_size(model, run)
-        if args.param_cache_mb is not None:   # (refused here, as stream_params would)
-            from .param_files import cache_slots
-            cache_slots(args.param_cache_mb * 2**20, param_slot_bytes(model), args.prefetch,
-                        model.layers)
+        try:   # (the API's errors, which name its keywords, told with the flags)
+            run = Run(args.batch, args.seq, args.micro, not args.no_checkpointing,
+                      args.prefetch, args.bucket_mb, args.state_budget_mb,
+                      param_cache_mb=args.param_cache_mb, state_dirs=args.state_dirs)
+            check_size(model, run)
+            if args.param_cache_mb is not None:   # (refused here, as stream_params would)
+                from .param_files import cache_slots
+                cache_slots(args.param_cache_mb * 2**20, param_slot_bytes(model),
+                            args.prefetch, model.layers)
+        except ValueError as e:
+            raise ValueError(_as_flags(str(e))) from None
         if args.json is not None:   # opened first: a path that cannot be written is said
             if not args.json:       # before the work
                 raise ValueError("--json '': give a path (or /dev/stdout)")

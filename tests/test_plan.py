@@ -446,19 +446,20 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
     (["--layers", "4"], "--hidden, --intermediate, --vocab, --heads missing"),
     (["llama-3-8b", "--machine", "laptop"], "--machine 'laptop'"),
     (["llama-3-8b", "--ram-gb", "-1"], "--ram-gb: must be a positive number, got -1"),
-    (["llama-3-8b", "--batch", "0"], "batch must be a whole number >= 1"),
-    (["llama-3-8b", "--prefetch", "-1"], "prefetch must be a whole number >= 0"),
+    (["llama-3-8b", "--batch", "0"], "--batch must be a whole number >= 1"),
+    (["llama-3-8b", "--prefetch", "-1"], "--prefetch must be a whole number >= 0"),
     (["llama-3-8b", "--layers", "100000"], "100000 layers; the planner plans models of up to 4096"),
-    (["llama-3-8b", "--state-dirs", "0"], "state_dirs must be a whole number >= 1"),
+    (["llama-3-8b", "--state-dirs", "0"], "--state-dirs must be a whole number >= 1"),
     (["llama-3-7b"], "not a preset; did you mean 'llama-2-7b'"),
     (["llama-3-700b"], "not a preset (presets: llama-2-7b, "),   # (not llama-3-70b)
     (["llama-2-70b"], "not a preset; did you mean 'llama-3-70b'"),   # (the same size)
-    (["llama-3-8b", "--param-cache-mb", "100"], "holds 0 of the largest block"),
+    (["llama-3-8b", "--param-cache-mb", "100"], "--param-cache-mb 100 holds 0 of the largest "
+     "block (416.015625 MiB); --prefetch 2 needs 5 (--param-cache-mb >= 2080.078125)"),
     (["llama-3-8b", "--gpu-gb", "nan"], "--gpu-gb: must be a positive number, got nan"),
     (["llama-3-8b", "--ram-gb", "inf"], "--ram-gb: must be a positive number, got inf"),
-    (["llama-3-8b", "--bucket-mb", "0"], "bucket_mb must be a positive number"),
-    (["llama-3-8b", "--bucket-mb", "-5"], "bucket_mb must be a positive number"),
-    (["llama-3-8b", "--state-budget-mb", "nan"], "state_budget_mb must be a positive number"),
+    (["llama-3-8b", "--bucket-mb", "0"], "--bucket-mb must be a positive number"),
+    (["llama-3-8b", "--bucket-mb", "-5"], "--bucket-mb must be a positive number"),
+    (["llama-3-8b", "--state-budget-mb", "nan"], "--state-budget-mb must be a positive number"),
     (["llama-3-8b", "--json", "./no-such/plan.json"], "--json './no-such/plan.json'"),
     (["llama-3-8b", "--state-dir", "."], "--state-dir is about this machine"),
     (["llama-3-8b", "--machine", "here", "--state-dir", "./no-such"],
@@ -480,8 +481,8 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
      "--ram-gb: at most 1e+09 (GB), got 1e+300"),
     (["llama-3-8b", "--pcie-gbps", "1e-300"], "--pcie-gbps: at least 0.001 (GB/s), got 1e-300"),
     (["llama-3-8b", "--gpu-tflops", "1e12"], "--gpu-tflops: at most 1e+09 (TFLOPS)"),
-    (["llama-3-8b", "--batch", str(10 ** 400)], "batch 1000"),
-    (["llama-3-8b", "--bucket-mb", "1e300"], "bucket_mb 1e+300: the planner plans up to"),
+    (["llama-3-8b", "--batch", str(10 ** 400)], "--batch 1000"),
+    (["llama-3-8b", "--bucket-mb", "1e300"], "--bucket-mb 1e+300: the planner plans up to"),
     (["--layers", "2", "--hidden", "2097152", "--intermediate", "8", "--vocab", "8", "--heads",
       "1"], "hidden 2097152; the planner plans hidden up to 1048576"),
     # a reserve of all the memory or more left a negative room in every plan
@@ -493,9 +494,9 @@ def test_command_line_prints_every_layout_and_writes_json(tmp_path):
      "--gpu-reserve-gb 80 is not below --gpu-gb 80 (lent-h100's)"),
     # the planner's time grows with the pieces and the directories: these took hours
     (["llama-3-8b", "--bucket-mb", "0.001", "--json", "plan.json"],
-     "bucket_mb 0.001 cuts model 'llama-3-8b' (8.03 B params) into 245121 pieces; the "
-     "planner plans up to 65536"),
-    (["llama-3-8b", "--state-dirs", "1000000"], "state_dirs 1000000: the planner plans up to 64"),
+     "--bucket-mb 0.001 cuts model 'llama-3-8b' (8.03 B params) into 245121 pieces; the "
+     "planner plans up to 65536 (its time grows with them): give a larger --bucket-mb"),
+    (["llama-3-8b", "--state-dirs", "1000000"], "--state-dirs 1000000: the planner plans up to 64"),
     (["llama-3-8b", "--json", "."], "--json '.': a directory"),
 ])
 def test_bad_input_is_named(argv, message, capsys, tmp_path, monkeypatch):
