@@ -640,7 +640,8 @@ class Adam(GradScaling, TorchStateDict, Optimizer):
         self._store = open_store(self._routing, self.param_groups, self.state, self._marks,
                                  self._engine, self._options, resume, enroll=self._enroll,
                                  pickled_step=pickled_step)
-        weakref.finalize(self, _close_in, os.getpid(), self._store.close)
+        weakref.finalize(self, _close_in, os.getpid(), self._store.close,
+                         getattr(self._engine, "device", None))
 
     # ---- offload engine: profile, memory ---------------------------------------
     @property
@@ -953,12 +954,16 @@ def _refuse_held_at_fork(lock: threading.RLock, pid: int, what: Optional[str]) -
         "in the parent")
 
 
-def _close_in(pid: int, close) -> None:
+def _close_in(pid: int, close, device=None) -> None:
     """The store's close() when the optimizer goes, in the process that built it only: a
     forked child (its exit, its garbage) inherits the files and their locks, which are
     the parent's to let go of (an flock's unlock through the child's copy of the
-    descriptor would unlock the parent's)."""
+    descriptor would unlock the parent's). On the simulated device, put off where its
+    waits would wait for themselves (testing/sim_device.py defer_while_locked)."""
     if os.getpid() != pid:
+        return
+    defer = getattr(device, "defer_while_locked", None)
+    if defer is not None and defer(lambda: _close_in(pid, close)):
         return
     try:
         close()

@@ -157,6 +157,33 @@ def test_a_finalizer_that_waits_inside_an_ops_check_is_put_off(dev):
     dev.check()
 
 
+def test_a_finalizer_run_on_a_copy_stream_is_put_off(dev):
+    """The same finalizer run by the garbage collector on a copy stream's own thread,
+    inside a copy (its checksum's bytes): its wait for the copies in flight waited for
+    the copy running it, and every thread waiting for that copy hung (a CI run, in
+    test_nvme_crash). Put off to a thread of the model's, then done."""
+    from offload_adam.engine.host_memory import unpin_when_dropped
+    host, other = torch.zeros(4), torch.zeros(4)
+    dev.pin(host)
+    dev.pin(other)
+    pinned = [other]
+    execute = dev._execute
+
+    def collected(op):   # (the collector, inside the copy)
+        dev._execute = execute
+        unpin_when_dropped(dev, pinned)
+        execute(op)
+    dev._execute = collected
+    t = dev.d2h(host, torch.ones(4))
+    done = threading.Event()
+    threading.Thread(target=lambda: (dev.wait_host(t), done.set()), daemon=True).start()
+    assert done.wait(10), "the finalizer on the copy's thread waited for that copy"
+    assert pinned == [other]   # not yet
+    dev.synchronize()
+    assert pinned == [] and torch.equal(host, torch.ones(4))
+    dev.check()
+
+
 def test_latest_holds_a_copy_until_it_is_needed(dev):
     host = torch.zeros(4)
     t = dev.d2h(host, torch.ones(4))

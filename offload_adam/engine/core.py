@@ -1808,6 +1808,11 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
         # in the child for good, a new optimizer or close() notwithstanding (found from
         # outside)
         return
+    defer = getattr(device, "defer_while_locked", None)   # (the simulated device: a wait
+    if defer is not None and defer(lambda: _shutdown(   # here would wait for itself)
+            device, worker, recs, buckets, state_arenas, transfer_arenas, acc_arenas,
+            ring_arenas, lent_pins, pid)):
+        return
     if worker is not None:
         worker.close()   # (its queued jobs run on; the exit waits for them: worker.py)
     # No copy may still read or write the memory about to be unpinned and freed.

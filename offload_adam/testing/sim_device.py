@@ -302,18 +302,30 @@ class AsyncSimDevice:
         """Whether `fn` (a finalizer that waits for the copies: unpin_when_dropped) was
         put off because this thread holds the lock: the garbage collector ran it inside
         an op's check, where waiting for the stream threads, which need the lock,
-        would never end (a test hung so). Run once the op's check has let go of it."""
+        would never end (a test hung so); or because this thread is one of the copy
+        streams': the garbage collector ran it inside a copy (its checksum's bytes), where
+        waiting for that stream waits for the copy running it (a CI run hung so: the h2d
+        stream in synchronize, every other thread waiting for that copy; a CUDA copy runs
+        no Python). Run once the op's check has let go of it, on a thread of the model's."""
         if os.getpid() != self._pid:
             return True   # (a forked child's garbage: its copies are the parent's)
-        if not self.lock._is_owned():
+        if not self.lock._is_owned() and not self._on_stream_thread():
             return False
         self._deferred.append(fn)
         return True
 
+    def _on_stream_thread(self) -> bool:
+        me = threading.current_thread()
+        return any(stream.thread is me for stream in self._streams.values())
+
     def _run_deferred(self) -> None:
         while (self._deferred and os.getpid() == self._pid
-               and not self.lock._is_owned()):
-            self._deferred.pop(0)()
+               and not self.lock._is_owned() and not self._on_stream_thread()):
+            try:
+                fn = self._deferred.pop(0)
+            except IndexError:   # (another thread took the last one)
+                return
+            fn()
 
     # ---- the device interface ---------------------------------------------------
 
