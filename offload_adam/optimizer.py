@@ -54,6 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import distributed
 from .cpu_step import step_on_cpu
 from .engine import OffloadEngine, let_go_of
+from .engine.host_memory import put_off
 from .engine.worker import interrupts_deferred
 from .grad_scaling import GradScaling
 from .kernel_step import Hyper, check_hyperparameters, refuse_modes
@@ -959,11 +960,10 @@ def _close_in(pid: int, close, device=None) -> None:
     forked child (its exit, its garbage) inherits the files and their locks, which are
     the parent's to let go of (an flock's unlock through the child's copy of the
     descriptor would unlock the parent's). On the simulated device, put off where its
-    waits would wait for themselves (testing/sim_device.py defer_while_locked)."""
+    waits would wait for themselves (put_off)."""
     if os.getpid() != pid:
         return
-    defer = getattr(device, "defer_while_locked", None)
-    if defer is not None and defer(lambda: _close_in(pid, close)):
+    if put_off(device, lambda: _close_in(pid, close)):
         return
     try:
         close()

@@ -1530,9 +1530,8 @@ class ParamStreamer:
         if block.awaiting:
             if order is not None and cursor is not None and self._graph_task is not None \
                     and not block.step_started and self._stepped_at_step(block):
-                n = len(order)
                 return min([float(q - cursor) for q in self._uses.get(index, ())
-                            if cursor <= q < n] + [self._at_step(block, cursor)])
+                            if q >= cursor] + [self._at_step(block, cursor)])
             # a block the step started writing nearest of all: given away half written,
             # its file's bytes would be read to complete it, written, and its slot taken
             # again for the rest (a block spans buckets)

@@ -70,7 +70,7 @@ from ..params import check_dense, groups_now, home_of, one_device
 from ..state_format import state_format
 from ..warn import warn
 from .device import HostDevice, current_host_stand_in, make_device
-from .host_memory import HostArenas
+from .host_memory import HostArenas, put_off
 from .early import EarlyStart, format_changed, steps_kept
 from .grad_ring import GradRing, block_grad_bytes, ring_bytes, trainable_bytes
 from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
@@ -1808,11 +1808,10 @@ def _shutdown(device, worker, recs, buckets, state_arenas, transfer_arenas,
         # in the child for good, a new optimizer or close() notwithstanding (found from
         # outside)
         return
-    defer = getattr(device, "defer_while_locked", None)   # (the simulated device: a wait
-    if defer is not None and defer(lambda: _shutdown(   # here would wait for itself)
-            device, worker, recs, buckets, state_arenas, transfer_arenas, acc_arenas,
-            ring_arenas, lent_pins, pid)):
-        return
+    if put_off(device, lambda: _shutdown(device, worker, recs, buckets, state_arenas,
+                                         transfer_arenas, acc_arenas, ring_arenas,
+                                         lent_pins, pid)):
+        return   # (the simulated device: a wait here would wait for itself)
     if worker is not None:
         worker.close()   # (its queued jobs run on; the exit waits for them: worker.py)
     # No copy may still read or write the memory about to be unpinned and freed.

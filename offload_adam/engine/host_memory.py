@@ -181,14 +181,21 @@ def unpin_all(device, pinned: list) -> None:
         device.unpin(pinned.pop())
 
 
+def put_off(device, fn) -> bool:
+    """Whether the device took `fn`, a finalizer that waits for it, to run later: the
+    simulated device does where the garbage collector ran it on a thread whose wait would
+    wait for itself (testing/sim_device.py defer_while_locked); a real one never."""
+    defer = getattr(device, "defer_while_locked", None)
+    return defer is not None and defer(fn)
+
+
 def unpin_when_dropped(device, pinned: list) -> None:
     """A finalizer's unpin_all: an object dropped without close() (a streamer whose
     forward was refused partway) may have copies in flight that nothing will wait for:
     the device is synchronized first (by the simulated device later if it cannot wait
-    now: testing/sim_device.py defer_while_locked)."""
+    now: put_off)."""
     if pinned:
-        defer = getattr(device, "defer_while_locked", None)
-        if defer is not None and defer(lambda: unpin_when_dropped(device, pinned)):
+        if put_off(device, lambda: unpin_when_dropped(device, pinned)):
             return
         device.synchronize()
     unpin_all(device, pinned)
