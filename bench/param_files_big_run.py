@@ -201,23 +201,29 @@ def main():
                 model = Stack(args.blocks, args.dim, args.hidden).to(torch.bfloat16)
             param_dir = os.path.join(args.dir, "params")
             t = time.perf_counter()
+            _, w_setup = io_bytes()
             streamer = offload_adam.stream_params(model, Block, prefetch=args.prefetch,
                                                   param_dirs=param_dir,
                                                   param_cache_mb=args.cache_mb)
             gen = torch.Generator().manual_seed(0)
-            for layer in model.layers:   # the weights, block by block (as a checkpoint's shards)
+            # the weights, block by block (as a checkpoint's shards; the keys and shapes from
+            # the params: a state_dict() of a block not loaded yet would write its NaNs first)
+            for layer in model.layers:
                 layer.load_state_dict({k: torch.empty(v.shape, dtype=v.dtype).normal_(
                     0, 0.02, generator=gen) if k != "norm.weight" else torch.ones(v.shape, dtype=v.dtype)
-                    for k, v in layer.state_dict().items()})
+                    for k, v in layer.named_parameters()})
             with torch.no_grad():
                 model.out.fill_(1.0)
             streamer.files.flush()
             n_streamed = sum(p.numel() for layer in model.layers for p in layer.parameters())
             n = n_streamed + model.out.numel()
             block_bytes = streamer.largest_block_bytes
+            # (the meta model's NaNs are not written: the load is the blocks' one write)
+            row["setup_written_bytes"] = io_bytes()[1] - w_setup
             log(out, f"{args.blocks} blocks of {block_bytes / 1e6:.0f} MB (dim {args.dim}, hidden "
                      f"{args.hidden}): {n / 1e9:.3f} B params, {2 * n_streamed / 1e9:.2f} GB of "
-                     f"param files written in {time.perf_counter() - t:.0f} s; cache "
+                     f"bf16 blocks; streamed and loaded in {time.perf_counter() - t:.0f} s, "
+                     f"{row['setup_written_bytes'] / 1e9:.2f} GB written; cache "
                      f"{streamer.files.cache_bytes / 2**20:.0f} MiB = {len(streamer.files.slots)} blocks")
             state_dir = os.path.join(args.dir, "state")
             os.makedirs(state_dir)

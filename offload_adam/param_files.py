@@ -18,7 +18,8 @@ order is known, the least recently used. A block that a step in backward will wr
 the block's copy to the device may still read it (the streamer's settle), while the CPU
 step writes it (`hold`), or while its read or write is in flight.
 
-Crash safety: the param files are scratch, written afresh when streaming starts and
+Crash safety: the param files are scratch, written afresh when streaming starts (but the
+blocks of a model built on the meta device: NaN until loaded, made where read, `blank`) and
 removed by close() (or by the finalizer of a streamer dropped, or alive at exit). What a
 kill must not lose is in the state files: `state_resume=True` (state_dirs=) writes every
 stepped param from its committed master, here into the param files, so a file holding a
@@ -259,6 +260,8 @@ class ParamFiles:
         self.heads = None
         self.in_heads: set = set()
         self.on_file: set = set(range(len(self.sizes)))   # extents holding their bytes
+        # blocks that hold no value yet (`blank`: a meta model's), made when read
+        self.blanks: Dict[int, Callable[[torch.Tensor], None]] = {}
         self.edits: Dict[int, int] = {}
         self.heads_read_bytes = 0
         self.head_buffers_peak = 0   # the most bytes of _head_buffers() at once
@@ -354,6 +357,16 @@ class ParamFiles:
             if unwritten:
                 slot.missing = _union(slot.missing, unwritten)
 
+    def blank(self, i: int, fill: Callable[[torch.Tensor], None]) -> None:
+        """Block i holds no value yet (a model built on the meta device: NaN until a state
+        dict is loaded): `fill(buffer)` makes its bytes (uint8, its size) wherever it is
+        read, and its file is written only once something writes the block (the load;
+        else a map of it: mapped()). Until then its extent is not read, nor written: a
+        meta model's blocks cost no disk traffic before their load writes them."""
+        with self.lock:
+            self.blanks[i] = fill
+            self.on_file.discard(i)
+
     def peek(self, i: int) -> torch.Tensor:
         """Block i's host copy as the slot holds it now, for a caller that holds it already
         (hold, or hold_to_write: its missing bytes are not read for this); else hold()'s."""
@@ -409,9 +422,10 @@ class ParamFiles:
 
     def flush(self, i: Optional[int] = None) -> None:
         """Writes block i (every block: None) back to its file if the cache has newer;
-        (a block in the heads: to its file from them)."""
+        (a block in the heads: to its file from them; a blank one: its fill)."""
         with self.lock:
-            for k in sorted(self.in_heads) if i is None else [i] if i in self.in_heads else []:
+            elsewhere = self.in_heads | set(self.blanks)   # (not in their extents yet)
+            for k in sorted(elsewhere) if i is None else [i] if i in elsewhere else []:
                 self._to_file(k)
             for slot in self.slots:
                 if slot.block is not None and (i is None or slot.block == i):
@@ -559,6 +573,10 @@ class ParamFiles:
             if slot.heading.own:
                 self.head_buffers_peak = max(self.head_buffers_peak, self._head_buffers())
             return
+        if i in self.blanks:   # (no value in its file yet: made here)
+            slot.loading, slot.dirty_ranges, slot.missing = [], [], []
+            self._fill_blank(i, slot.buffer.tensor)
+            return
         fd, offset, size = self._extent(i)
         slot.loading = self.pool.read(fd, slot.buffer.view[:size], offset)
         slot.dirty_ranges, slot.missing = [], []
@@ -600,6 +618,9 @@ class ParamFiles:
         if i in self.in_heads:   # from the heads (its extent a hole), now
             if slot.missing:
                 self._complete_from_heads(slot)
+            return
+        if i in self.blanks:   # made, not read
+            self._complete_from_blank(slot)
             return
         if runs is None:
             runs = self._runs(i, slot.missing, size)
@@ -679,6 +700,10 @@ class ParamFiles:
                 self._complete_from_heads(slot)
             slot.dirty_ranges = [(0, self.sizes[i])]
             self.in_heads.discard(i)
+        if i in self.blanks:   # nothing in its extent yet: the whole block goes to it
+            self._complete_from_blank(slot)
+            slot.dirty_ranges = [(0, self.sizes[i])]
+            del self.blanks[i]
         self.on_file.add(i)
         runs = self._runs(i, slot.dirty_ranges, size)
         if _overlap(slot.missing, runs):
@@ -706,6 +731,23 @@ class ParamFiles:
         finally:
             reads.close()
             scratch.close()
+
+    def _fill_blank(self, i: int, into: torch.Tensor) -> None:
+        """Block i's bytes as its blank fill makes them (the padding to its extent's
+        end zero: a block's requests are checksummed whole)."""
+        size = self._extent(i)[2]
+        into[:size].zero_()
+        self.blanks[i](into[:self.sizes[i]])
+
+    def _complete_from_blank(self, slot: _Slot) -> None:
+        """The slot's missing bytes of a blank block made by its fill."""
+        if not slot.missing:
+            return
+        scratch = torch.empty(self._extent(slot.block)[2], dtype=torch.uint8)
+        self._fill_blank(slot.block, scratch)
+        for a, b in slot.missing:
+            slot.buffer.tensor[a:b].copy_(scratch[a:b])
+        slot.missing = []
 
     def _to_file(self, i: int) -> None:
         """Block i, in the heads, written to its file (for a map of it, or before the
@@ -751,6 +793,7 @@ class ParamFiles:
                     slot.dirty_ranges = []
                 self.on_file.discard(i)
                 self.sums.pop(i, None)
+                self.blanks.pop(i, None)
                 self.in_heads.add(i)
 
     def heads_out(self, unlink: bool) -> None:

@@ -594,8 +594,12 @@ class ParamStreamer:
             raise
 
     def _set_up(self, model: torch.nn.Module, blocks: BlockSpec, found) -> None:
+        # the streamed params that were meta (NaN, one element expanded): a block of them
+        # alone is not written to its param file (ParamFiles.blank)
+        self._unset: set = set()
         if any(p.is_meta for p in model.parameters()):
-            _replace_meta(model, {id(p) for _, _, ps in found for _, p in ps}, self.torch_device)
+            self._unset = _replace_meta(model, {id(p) for _, _, ps in found for _, p in ps},
+                                        self.torch_device)
             found = _find_blocks(model, blocks)
         self.blocks = [_Block(self, i, name, m, params)
                        for i, (name, m, params) in enumerate(found)]
@@ -709,16 +713,25 @@ class ParamStreamer:
         """Copies the block's params into one host buffer (pinned), or into its param file
         through the cache, and leaves each param a placeholder and an empty device tensor
         for its fetches."""
+        # A block built on the meta device (every param NaN until a state dict is loaded)
+        # with param files: its NaNs are made when it is read, not written to its file
+        # (2 B/param, written again by the load that follows: a 70B model's 141 GB)
+        blank = (self.files is not None and bool(block.params)
+                 and all(id(p) in self._unset for p in block.params))
         if self.files is None:
             buffer = torch.empty(block.size, dtype=torch.uint8)
             if self.device.pin(buffer):
                 self._pinned.append(buffer)
+        elif blank:
+            self.files.blank(block.index, lambda into, b=block: _fill_nan(b.views(into)))
+            buffer = torch.empty(block.size, dtype=torch.uint8, device="meta")
         else:
             buffer = self.files.hold(block.index, read=False)
         try:
             with torch.no_grad():
                 for k, (p, home) in enumerate(zip(block.params, block.views(buffer))):
-                    home.copy_(p.detach())
+                    if not blank:
+                        home.copy_(p.detach())
                     if self.files is None:
                         block.homes.append(home)
                     real = _empty_as(p, self.torch_device)
@@ -731,7 +744,7 @@ class ParamStreamer:
                     set_home(p, block.home_of[-1])
             block.show(block.placeholders)
         finally:
-            if self.files is not None:
+            if self.files is not None and not blank:
                 self.files.unhold(block.index, dirty=True)
 
     def _hook(self, block: _Block) -> None:
@@ -1957,12 +1970,13 @@ def _model_as_it_is(model: torch.nn.Module):
     return params, data, buffers
 
 
-def _replace_meta(model: torch.nn.Module, streamed: set, device: torch.device) -> None:
+def _replace_meta(model: torch.nn.Module, streamed: set, device: torch.device) -> set:
     """A model built on the meta device gets real params, NaN until a state dict is
     loaded: the resident ones on `device`, the streamed ones as one NaN element expanded
     (their host copies take those NaNs, and nothing of their size is allocated on the
     device). A meta tensor cannot take other data (`p.data = ...` refuses), so each is a
-    new Parameter, set wherever the old one was (tied params stay tied)."""
+    new Parameter, set wherever the old one was (tied params stay tied). Returns the ids of
+    the streamed ones made."""
     new: dict = {}
     for module in model.modules():
         for key, p in list(module._parameters.items()):
@@ -1972,6 +1986,13 @@ def _replace_meta(model: torch.nn.Module, streamed: set, device: torch.device) -
                 new[id(p)] = torch.nn.Parameter(_nan(p, device, full=id(p) not in streamed),
                                                 requires_grad=p.requires_grad)
             module._parameters[key] = new[id(p)]
+    return {id(q) for old, q in new.items() if old in streamed}
+
+
+def _fill_nan(views: Sequence[torch.Tensor]) -> None:
+    """A blank block's params as a meta model's are streamed: NaN (ParamFiles.blank)."""
+    for v in views:
+        v.fill_(math.nan)
 
 
 def _device_of(model, device):

@@ -205,6 +205,16 @@ def test_the_cache_reads_what_it_does_not_hold(device, tmp_path):
         assert not (folder / FILE_NAME).exists()
 
 
+def loads_and_trains_as(meta, other):
+    """A streamed meta model loaded with other's weights trains bit for bit as other."""
+    meta.load_state_dict(other.state_dict())
+    opt1 = offload_adam.AdamW(meta.parameters(), **OPTS)
+    opt2 = offload_adam.AdamW(other.parameters(), **OPTS)
+    train(meta, opt1, 2)
+    train(other, opt2, 2)
+    assert_same_training((meta, opt1), (other, opt2))
+
+
 def test_state_dict_load_and_meta_with_param_files(device, tmp_path):
     """model.state_dict() shows the values (mapped from the files, flushed first), a
     load_state_dict writes them, and a model built on the meta device streams from files
@@ -224,12 +234,37 @@ def test_state_dict_load_and_meta_with_param_files(device, tmp_path):
         meta = make_llama(seed=1, layers=4, frozen=())
     offload_adam.stream_params(meta, Block, prefetch=1, param_dirs=tmp_path / "m",
                                param_cache_mb=slots_mb(other, 4))
-    meta.load_state_dict(other.state_dict())
-    opt1 = offload_adam.AdamW(meta.parameters(), **OPTS)
-    opt2 = offload_adam.AdamW(other.parameters(), **OPTS)
-    train(meta, opt1, 2)
-    train(other, opt2, 2)
-    assert_same_training((meta, opt1), (other, opt2))
+    loads_and_trains_as(meta, other)
+
+
+def test_a_meta_models_blocks_cost_no_disk_traffic_before_their_load(device, tmp_path):
+    """A model built on the meta device: its blocks' NaNs are made where read, not written
+    to the param files (a 70B model's would be 141 GB, written again by its load). Until
+    something writes a block nothing of it is read or written; a forward sees NaN, a map
+    of it (state_dict) writes it first (never the zeros of its file), a load of part of a
+    block keeps the rest NaN, and the model loaded trains as one built with its weights."""
+    other = make_llama(seed=1, layers=6, frozen=())
+    with torch.device("meta"):
+        meta = make_llama(seed=1, layers=6, frozen=())
+    s = offload_adam.stream_params(meta, Block, prefetch=1, param_dirs=tmp_path / "m",
+                                   param_cache_mb=slots_mb(other, 4))
+    files = s.files
+    assert (files.written_bytes, files.read_bytes) == (0, 0)
+    assert torch.isnan(llama_loss(meta, 3))   # (every block read through the 4 slots)
+    assert (files.written_bytes, files.read_bytes) == (0, 0)
+    size = -(-block_bytes(meta) // 4096) * 4096
+    shown = meta.layers[5].state_dict()   # mapped from its file: written first
+    assert all(torch.isnan(v).all() for v in shown.values())
+    assert files.written_bytes == size
+    w = other.layers[2].q.weight.detach().clone()
+    meta.load_state_dict({"layers.2.q.weight": w}, strict=False)
+    loaded = meta.state_dict()
+    assert torch.equal(loaded["layers.2.q.weight"], w)
+    assert torch.isnan(loaded["layers.2.k.weight"]).all()
+    assert torch.isnan(loaded["layers.0.q.weight"]).all()
+    del shown, loaded   # (maps of the files: not held across a step)
+    loads_and_trains_as(meta, other)
+    assert not files.blanks
 
 
 def test_param_files_errors_name_the_problem(device, tmp_path):
