@@ -26,13 +26,17 @@ thread), which puts the block in the heads, its slot clean; elsewhere (two gener
 commit at the end; another thread) the block goes to its file as before. Crash safety is the state's: the param
 files are scratch, a resume restores every param from the committed heads.
 
-Not yet (why it is not the default): the param files are written whole when streaming starts,
-and again by a resume's restore, so until a step commits they are on disk beside the state,
-whose files are allocated whole when opened (10.26 B/param at 4.0 B params, 8.26 after). One way:
-a fresh store commits a step 0 at open, block by block (each bucket's range allocated, its heads
-written from the block, committed, the block's extent given back), and a resume marks the blocks
-it restores as in the heads without writing their files; a model on the meta device then never
-writes them at all. Reserving the heads lazily is not enough alone (tried: the 6-block test
+A resume (state_resume=True) restores the linked blocks into the heads: their files are not
+written (ParamFiles.restore_in_heads: extents given back at once, the model's bytes a slot held
+dropped), and a model built on the meta device wrote none of them before (ParamFiles.blank),
+so its param files are only reserved when streamed, and given back as the optimizer is built.
+
+Not yet (why it is not the default): a fresh state's param files are reserved whole when
+streaming starts (and written by the model's load), and the state's files are allocated whole
+when opened, so until a step commits both are on disk (10.26 B/param at 4.0 B params, 8.26
+after). One way: a fresh store commits a step 0 at open, block by block (each bucket's range
+allocated, its heads written from the block, committed, the block's extent given back).
+Reserving the heads lazily is not enough alone (tried: the 6-block test
 model's disk peaked at 839,680 bytes lazily against 835,584 reserved, 716,800 after): a new
 compact state's first pass writes in place and commits whole at its end (store.py), so every
 head is written before any block's extent can be given back. The step 0 must therefore be a
@@ -52,7 +56,7 @@ import torch
 from .nvme.direct_io import AlignedBuffer, wait
 from .param_state import file_key
 
-__all__ = ["link"]
+__all__ = ["link", "linkable"]
 
 
 class _HeadReads:
@@ -196,11 +200,23 @@ class _Lost:
             "files: it restores the params from them")
 
 
-def link(buckets, state) -> List[_HeadLink]:
+def link(buckets, state, found: Optional[list] = None) -> List[_HeadLink]:
     """Links the file store's split buckets (`buckets`: lists of nvme_tier._Param) to the
     param files of their streamers, one link per streamer, for the blocks whose every
     param is laid out split in them (a block with a frozen param keeps its file); a
-    streamer another store links already is left to it."""
+    streamer another store links already is left to it. `found`: linkable()'s, if asked
+    before."""
+    links = []
+    for files, blocks in linkable(buckets, state) if found is None else found:
+        one = _HeadLink(state, files, blocks)
+        files.heads = one
+        links.append(one)
+    return links
+
+
+def linkable(buckets, state) -> List[Tuple[object, Dict[int, list]]]:
+    """What link() would link, nothing linked: (param files, {block: its heads' parts})
+    per streamer (a resume restores those blocks into the heads: nvme_tier)."""
     found: Dict[int, tuple] = {}   # id(files) -> (files, streamer, {block: parts}, covered)
     numel: Dict[tuple, int] = {}   # (id(files), block, param in it) -> its elements
     for i, bucket in enumerate(buckets):
@@ -220,19 +236,16 @@ def link(buckets, state) -> List[_HeadLink]:
             whole = covered.setdefault(block.index, {})
             whole[home.k] = whole.get(home.k, 0) + e.numel
             numel[(id(files), block.index, home.k)] = e.rec.numel
-    links = []
+    out = []
     for files, streamer, parts, covered in found.values():
         if files.heads is not None:
             continue
         blocks = {b: sorted(by_bucket.items()) for b, by_bucket in parts.items()
                   if all(covered[b].get(k, 0) == numel.get((id(files), b, k), -1)
                          for k in range(len(streamer.blocks[b].params)))}
-        if not blocks:
-            continue
-        one = _HeadLink(state, files, blocks)
-        files.heads = one
-        links.append(one)
-    return links
+        if blocks:
+            out.append((files, blocks))
+    return out
 
 
 def _head_offset(spec, key: str) -> int:

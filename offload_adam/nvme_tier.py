@@ -397,10 +397,16 @@ class FileStore:
                 self._resumed: Dict[int, Tuple[_Param, tuple, float]] = {}
                 self._previous_gone = self._both_warned = False
                 self._resumed_prints: Dict[int, List[Tuple[int, int]]] = {}
-                if self.state.step:
+                # design R2: the streamed blocks whose values the split buckets' heads keep
+                # (linked below), each as (its param files, block); a resume restores them
+                # into the heads, their files not written (ParamFiles.restore_in_heads)
+                found = nvme_heads.linkable(self.buckets, self.state) if HEADS else []
+                into_heads = {(id(f), b) for f, blocks in found for b in blocks}
+                restored = bool(self.state.step)
+                if restored:
                     if self._group is None:
                         self._found_before_restore()
-                    self._restore_params()   # (a damaged slot raises here)
+                    self._restore_params(into_heads)   # (a damaged slot raises here)
                 elif resume and not self.state.pending:
                     # Not an error (one script can pass state_resume=True from its first run
                     # on), but said: a mistyped directory would otherwise start afresh unseen.
@@ -442,7 +448,10 @@ class FileStore:
         # design R2: the streamed blocks whose values the split buckets' heads keep are
         # loaded from them once a step committed them (nvme_heads.py); back in their
         # files when this store closes (the optimizer's close, or its finalizer)
-        self._heads = nvme_heads.link(self.buckets, self.state) if HEADS else []
+        self._heads = nvme_heads.link(self.buckets, self.state, found) if HEADS else []
+        if restored:
+            for h in self._heads:
+                h.files.restore_in_heads(sorted(h.blocks))
         if self._heads:
             links = list(self._heads)
             self.state.on_commit = lambda written: [h.committed(written) for h in links]
@@ -669,7 +678,7 @@ class FileStore:
                 "optimizer again with state_resume=True: the ranks resume from one step. "
                 f"Rank {bad[0]}'s error: {bad[1]}")
 
-    def _restore_params(self) -> None:
+    def _restore_params(self, into_heads: frozenset = frozenset()) -> None:
         """A resumed state gives the params their values of its last completed step:
         each param takes its master from the files (rounded to a bf16/fp16 param), so
         that a crash loses nothing even between a step and the user's own checkpoint of
@@ -679,7 +688,9 @@ class FileStore:
         built again may hold another init, or NaN where it was built on the meta device
         and streamed). Files of no completed step set nothing. What each param is then
         is kept, to check at the next step that nothing loaded after mixes steps
-        (_check_resumed)."""
+        (_check_resumed). `into_heads`: the blocks (id of their param files, index) whose
+        values the heads keep (design R2), not written here: restored into the heads once
+        linked (ParamFiles.restore_in_heads)."""
         self._stepped, self._resumed = set(), {}
         # an fp32 param stepped in place is its own master: a state dict loaded over it
         # holds none to compare, so its first moment's values are (_refuse_a_mix)
@@ -698,7 +709,8 @@ class FileStore:
                     st = ParamState.in_bucket(views, e.name)
                     step = float(st.step)
                     if step > 0 or self.state.step > 0:
-                        write_values(e.param, st.rounded, e.start if e.part else None)
+                        if not (into_heads and _in_heads(e, into_heads)):
+                            write_values(e.param, st.rounded, e.start if e.part else None)
                         if step > 0:
                             self._stepped.add(id(e.param))
                         if e.name not in unknown:
@@ -1644,6 +1656,12 @@ def _moment_print(fp32: torch.Tensor) -> int:
     """A moment's fp32 values (float32_moment of any stored form) as a CRC32C of their
     bytes."""
     return crc32(byte_view(fp32.contiguous()))
+
+
+def _in_heads(e: _Param, blocks: set) -> bool:
+    """Whether entry e is a param of one of `blocks` ((id of param files, block index))."""
+    home = e.rec.home if e.split and e.rec is not None else None
+    return home is not None and (id(home.block.streamer.files), home.block.index) in blocks
 
 
 def _heads_out(links) -> None:

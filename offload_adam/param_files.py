@@ -28,8 +28,9 @@ checksummed (CRC32C per I/O request) when written and checked when read back.
 
 With the state in files laid out with heads (nvme_heads.py, internal: nvme_tier.HEADS), a
 block whose params all live in the state's buckets is, once a step committed them, loaded
-from those heads (`in_heads`: its file extent given back, a hole); a write by other than the
-CPU step, or a state dict's map of it, puts it back in its file.
+from those heads (`in_heads`: its file extent given back, a hole), and a resume puts it there
+at once, its file not written (`restore_in_heads`); a write by other than the CPU step, or a
+state dict's map of it, puts it back in its file.
 
 Bytes per step, per streamed param: forward and backward each read what the cache does not
 hold (2 B/param each at most), the step writes 2 B/param: a block goes back to its file in
@@ -795,6 +796,45 @@ class ParamFiles:
                 self.sums.pop(i, None)
                 self.blanks.pop(i, None)
                 self.in_heads.add(i)
+
+    def restore_in_heads(self, blocks: Sequence[int]) -> None:
+        """A resume of the linked store (state_resume=True): these blocks' values are its
+        committed heads, which the restore did not write to their files (2 B/param, and
+        the files' bytes on disk beside the state's until the first step): each is in the
+        heads from now on, its extent given back, what a slot held of it (the model as
+        streamed) dropped unwritten. One that a state dict's map of its file still shows,
+        or that a reader holds now, is written from the heads into its slot instead, as a
+        restore writes it (to its file when the slot is given away)."""
+        with self.lock:
+            for i in blocks:
+                slot = self.slot_of.get(i)
+                if slot is not None and not slot.holds:
+                    slot.dirty_ranges = []   # (the model as streamed: not written back)
+                    try:
+                        self._evict(slot)
+                    except Exception:   # noqa: BLE001 -- what failed was to be dropped
+                        pass
+                    slot = self.slot_of.get(i)
+                if slot is None and not self.mapped_alive(i):
+                    if i in self.on_file:
+                        fd, offset, size = self._extent(i)
+                        try:
+                            punch_hole(fd, offset, size)
+                        except OSError:   # (a hole refused: its old bytes stay, unread)
+                            pass
+                    self.on_file.discard(i)
+                    self.sums.pop(i, None)
+                    self.blanks.pop(i, None)
+                    self.in_heads.add(i)
+                    continue
+                if slot is None:
+                    slot = self._take_slot(i)
+                else:   # (held: no copy to the device may still read what is replaced)
+                    self.settle(i)
+                slot.missing = [(0, self.sizes[i])]
+                self._complete_from_heads(slot)
+                slot.dirty_ranges = [(0, self.sizes[i])]
+                self.edits[i] = self.edits.get(i, 0) + 1
 
     def heads_out(self, unlink: bool) -> None:
         """Every block in the heads written to its file (the linked store is about to

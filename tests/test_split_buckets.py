@@ -191,9 +191,14 @@ def test_split_buckets_resume_and_load_as_whole_masters(device, tmp_path, monkey
                     p.add_(1.0)
         offload_adam.stream_params(model2, Block, prefetch=1, param_dirs=tmp_path / f"p{heads}b",
                                    param_cache_mb=slots_mb(model2, 4))
+        files = _streamer(model2).files
+        written = files.written_bytes
         opt2 = offload_adam.AdamW(model2.parameters(), **{**OPTS, "state_resume": True,
                                                           "state_dirs": str(tmp_path / f"s{heads}a")})
         assert bool(split_entries(opt2)) == heads
+        if heads:   # restored into the heads, no file written (the frozen block: not restored)
+            assert files.in_heads == {0, 1, 2, 4, 5} and files.on_file == {3}
+            assert files.written_bytes == written
         for k, v in model.state_dict().items():   # restored (from the heads)
             assert torch.equal(model2.state_dict()[k], v), k
         train(model2, opt2, 2, start=3)
@@ -258,6 +263,69 @@ def test_files_resume_in_the_layout_they_were_made_with(device, tmp_path, monkey
     assert split_entries(o) and o.step_count == 2
     o.close()
 
+
+
+def test_a_resume_restores_a_held_block_through_its_file(device, tmp_path, monkeypatch):
+    """state_resume=True restores the blocks the heads keep into the heads, their files not
+    written; one that a held state dict maps (its hole would show zeros), or that a reader
+    holds, is written from the heads into its slot instead, as a restore writes it. The
+    values are the trained ones either way, and the next commit takes it to the heads."""
+    model, opt = build(tmp_path, "r", True, monkeypatch)
+    train(model, opt, 2)
+    trained = host_values(model)
+    opt.close()
+    model2 = make_llama(layers=6)
+    offload_adam.stream_params(model2, Block, prefetch=1, param_dirs=tmp_path / "p-again",
+                               param_cache_mb=slots_mb(model2, 4))
+    files = _streamer(model2).files
+    init = host_values(model2)
+    held = model2.layers[1].state_dict()
+    files.hold(4)
+    opt2 = offload_adam.AdamW(model2.parameters(), **{**OPTS, "state_resume": True,
+                                                      "state_dirs": str(tmp_path / "sr")})
+    files.unhold(4, dirty=False)
+    assert files.in_heads == {0, 2, 5}
+    shows = [torch.equal(v, init["layers.1." + k]) or torch.equal(v, trained["layers.1." + k])
+             for k, v in held.items()]
+    assert all(shows), shows   # (never the zeros of a hole)
+    del held
+    now = host_values(model2)
+    assert all(torch.equal(now[k], v) for k, v in trained.items())
+    train(model2, opt2, 1, start=2)
+    assert files.in_heads == {0, 1, 2, 4, 5}
+    opt2.close()
+
+
+def test_a_meta_model_resumes_from_the_heads_without_writing_its_files(device, tmp_path,
+                                                                        monkeypatch):
+    """A model built on the meta device, streamed from param files and resumed: its blocks
+    are neither written when streamed (made NaN where read) nor by the restore (into the
+    heads): nothing of the params is written or read before training goes on, bit for bit
+    the run that was not interrupted."""
+    monkeypatch.setattr(nvme_tier, "HEADS", True)
+    runs = []
+    for resume in (False, True):
+        model = make_llama(layers=6, frozen=())
+        offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / f"p{resume}",
+                                   param_cache_mb=slots_mb(model, 4))
+        (tmp_path / f"s{resume}").mkdir()
+        opts = {**OPTS, "state_dirs": str(tmp_path / f"s{resume}"),
+                "state_footprint": "compact"}
+        opt = offload_adam.AdamW(model.parameters(), **opts)
+        train(model, opt, 2)
+        if resume:
+            opt.close()
+            with torch.device("meta"):
+                model = make_llama(layers=6, frozen=())
+            offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "again",
+                                       param_cache_mb=slots_mb(model, 4))
+            files = _streamer(model).files
+            opt = offload_adam.AdamW(model.parameters(), **{**opts, "state_resume": True})
+            assert (files.written_bytes, files.read_bytes) == (0, 0)
+            assert files.in_heads == set(range(6)) and not files.blanks
+        train(model, opt, 2, start=2)
+        runs.append((model, opt))
+    assert_same_training(*runs)
 
 
 @pytest.mark.parametrize("footprint", ["two_generations", "compact"])
