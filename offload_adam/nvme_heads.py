@@ -14,7 +14,9 @@ safe beside a pass) instead of from its file. On disk per param: the head 2 + lo
                                  -> `committed`: a block whose buckets are all current
                                     and that nothing but the CPU step wrote since its
                                     first was lent is in the heads (ParamFiles.heads_current)
-    a write by other than the step (a model load, the resume's restore), a state dict's
+    a resume (state_resume=True) -> every linked block in the heads at once, its file
+                                    not written (ParamFiles.restore_in_heads)
+    a write by other than the step (a model load), a state dict's
     map of the block, the heads about to change (an optimizer state load), the store
     closing                      -> the block back in its file (ParamFiles._to_file)
 
@@ -45,6 +47,15 @@ written (a crash in it makes the state anew, the params then streamed again from
 after which the first pass is an ordinary compact one (intent, redo log, commits a few buckets
 at a time); what it must settle first: a disk full mid-fill (the blocks already given back
 are only in heads not committed), and an existing state at step 0 filled anew at open.
+Another way, without a fill (not tried): a first pass cut short loses nothing today (the state
+is made anew, the params streamed again from the model: the param files are scratch), so the
+first pass itself may give back each block's extent once the in-place writes of its buckets
+are done, the block read from those heads (checked against the sums the writes took, not yet
+committed) until the commit; with the data files and the redo log made sparse and reserved
+whole only after that commit, the disk then peaks at the state plus a block or so. Its
+open points: the free-space check at creation counting the extents to be given back, and a
+reservation or pass that fails for a full disk after blocks left their files (the heads
+copied back to them before the state's files go).
 """
 
 from __future__ import annotations
