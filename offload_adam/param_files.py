@@ -792,10 +792,7 @@ class ParamFiles:
                     continue      # at eviction; a hole refused: the bytes stay)
                 if slot is not None:
                     slot.dirty_ranges = []
-                self.on_file.discard(i)
-                self.sums.pop(i, None)
-                self.blanks.pop(i, None)
-                self.in_heads.add(i)
+                self._now_in_heads(i)
 
     def restore_in_heads(self, blocks: Sequence[int]) -> None:
         """A resume of the linked store (state_resume=True): these blocks' values are its
@@ -822,10 +819,7 @@ class ParamFiles:
                             punch_hole(fd, offset, size)
                         except OSError:   # (a hole refused: its old bytes stay, unread)
                             pass
-                    self.on_file.discard(i)
-                    self.sums.pop(i, None)
-                    self.blanks.pop(i, None)
-                    self.in_heads.add(i)
+                    self._now_in_heads(i)
                     continue
                 if slot is None:
                     slot = self._take_slot(i)
@@ -835,6 +829,14 @@ class ParamFiles:
                 self._complete_from_heads(slot)
                 slot.dirty_ranges = [(0, self.sizes[i])]
                 self.edits[i] = self.edits.get(i, 0) + 1
+
+    def _now_in_heads(self, i: int) -> None:
+        """Block i's values are the heads' from now on: its extent (given back, or its
+        bytes stale) is neither read nor checked again, nor is it blank."""
+        self.on_file.discard(i)
+        self.sums.pop(i, None)
+        self.blanks.pop(i, None)
+        self.in_heads.add(i)
 
     def heads_out(self, unlink: bool) -> None:
         """Every block in the heads written to its file (the linked store is about to

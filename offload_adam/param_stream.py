@@ -596,10 +596,10 @@ class ParamStreamer:
     def _set_up(self, model: torch.nn.Module, blocks: BlockSpec, found) -> None:
         # the streamed params that were meta (NaN, one element expanded): a block of them
         # alone is not written to its param file (ParamFiles.blank)
-        self._unset: set = set()
+        unset: set = set()
         if any(p.is_meta for p in model.parameters()):
-            self._unset = _replace_meta(model, {id(p) for _, _, ps in found for _, p in ps},
-                                        self.torch_device)
+            unset = _replace_meta(model, {id(p) for _, _, ps in found for _, p in ps},
+                                  self.torch_device)
             found = _find_blocks(model, blocks)
         self.blocks = [_Block(self, i, name, m, params)
                        for i, (name, m, params) in enumerate(found)]
@@ -638,7 +638,7 @@ class ParamStreamer:
         self._mapped_warned = False   # (_warn_mapped: once)
         self._move_resident()
         for block in self.blocks:
-            self._take(block)
+            self._take(block, unset)
             self._hook(block)
         self._handles.append(model.register_forward_pre_hook(lambda mod, args: self._new_pass()))
         self._guard_conversions()
@@ -709,28 +709,28 @@ class ParamStreamer:
                     if b is not None and b.device != self.torch_device:
                         m._buffers[key] = _moved(b, self.torch_device)
 
-    def _take(self, block: _Block) -> None:
+    def _take(self, block: _Block, unset: set) -> None:
         """Copies the block's params into one host buffer (pinned), or into its param file
         through the cache, and leaves each param a placeholder and an empty device tensor
-        for its fetches."""
+        for its fetches. `unset`: the ids of the params that were meta."""
         # A block built on the meta device (every param NaN until a state dict is loaded)
         # with param files: its NaNs are made when it is read, not written to its file
         # (2 B/param, written again by the load that follows: a 70B model's 141 GB)
         blank = (self.files is not None and bool(block.params)
-                 and all(id(p) in self._unset for p in block.params))
+                 and all(id(p) in unset for p in block.params))
         if self.files is None:
             buffer = torch.empty(block.size, dtype=torch.uint8)
             if self.device.pin(buffer):
                 self._pinned.append(buffer)
         elif blank:
             self.files.blank(block.index, lambda into, b=block: _fill_nan(b.views(into)))
-            buffer = torch.empty(block.size, dtype=torch.uint8, device="meta")
         else:
             buffer = self.files.hold(block.index, read=False)
+        homes = [None] * len(block.params) if blank else block.views(buffer)
         try:
             with torch.no_grad():
-                for k, (p, home) in enumerate(zip(block.params, block.views(buffer))):
-                    if not blank:
+                for k, (p, home) in enumerate(zip(block.params, homes)):
+                    if home is not None:
                         home.copy_(p.detach())
                     if self.files is None:
                         block.homes.append(home)
