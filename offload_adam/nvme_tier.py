@@ -400,7 +400,7 @@ class FileStore:
                 # design R2: the streamed blocks whose values the split buckets' heads keep
                 # (linked below), each as (its param files, block); a resume restores them
                 # into the heads, their files not written (ParamFiles.restore_in_heads)
-                found = nvme_heads.linkable(self.buckets, self.state) if HEADS else []
+                found = nvme_heads.linkable(self.buckets, self.state.spec) if HEADS else []
                 into_heads = {(id(f), b) for f, blocks in found for b in blocks}
                 restored = bool(self.state.step)
                 if restored:
@@ -483,8 +483,10 @@ class FileStore:
                        for b in self.buckets]
             try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
                 with interrupts_deferred(hold_all=OPEN_HELD):   # (kept as it opens)
+                    credit = (nvme_heads.given_back(nvme_heads.linkable(buckets, spec))
+                              if HEADS and not compact else None)
                     self.state = NvmeState.open(list(dirs), spec, compact=compact,
-                                                log_bytes=records, rank=rank)
+                                                log_bytes=records, rank=rank, credit=credit)
                 break
             except OtherState as e:
                 following = next(tries, None)

@@ -803,8 +803,10 @@ class Plan:
     traffic: Dict[str, float] = field(default_factory=dict)   # bytes per step per link
     expected_s: float = 0.0   # the step as the code schedules it (`schedule`)
     # disk bytes of `disk` given back once the first step commits (the heads: the param
-    # files' extents, holes from then on); `disk` is the peak, before it
+    # files' extents, holes from then on), and those reserved only then (two generations:
+    # the slots the second step writes); the peak is the larger of before and after
     freed: Dict[str, float] = field(default_factory=dict)
+    later: Dict[str, float] = field(default_factory=dict)
     refused: List[str] = field(default_factory=list)   # what the code would refuse to build
 
     @property
@@ -816,8 +818,18 @@ class Plan:
         return sum(self.host.values())
 
     @property
+    def disk_before_first(self) -> float:
+        """Disk bytes until the first step commits."""
+        return sum(self.disk.values()) - sum(self.later.values())
+
+    @property
+    def disk_after_first(self) -> float:
+        return sum(self.disk.values()) - sum(self.freed.values())
+
+    @property
     def disk_total(self) -> float:
-        return sum(self.disk.values())
+        """The disk's peak."""
+        return max(self.disk_before_first, self.disk_after_first)
 
     def short_of(self) -> List[Tuple[str, float, float]]:
         """The tiers whose bytes do not fit: (tier, bytes used, bytes it has room for)."""
@@ -852,7 +864,9 @@ class Plan:
                 "disk_total": self.disk_total, "fits": self.fits, "misfits": self.misfits(),
                 "seconds": self.seconds, "bound": self.bound, "step_s": self.step_s,
                 "expected_s": self.expected_s, "traffic_bytes": self.traffic,
-                "disk_freed_bytes": self.freed}
+                "disk_freed_bytes": self.freed, "disk_later_bytes": self.later,
+                "disk_before_first": self.disk_before_first,
+                "disk_after_first": self.disk_after_first}
 
 
 @functools.lru_cache(maxsize=64)
@@ -894,6 +908,8 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
              _host(model, run, layout, files), _disk(model, layout, files, run.state_dirs))
     if heads:
         p.freed["param files"] = p.disk["param files"]
+    if layout.state == "files":   # (NvmeState: the first pass writes one slot of each)
+        p.later["state (2 generations)"] = float(files["generation_bytes"])
     if layout.in_files and files["ring_refused"]:
         p.refused.append(f"state_budget_mb {run.state_budget_mb:g}: {files['ring_refused']}")
     n, streamed = model.params, model.layers * model.block_params
@@ -1106,6 +1122,9 @@ def report(model: ModelShape, machine: Machine, run: Run, layouts: Sequence[Layo
             for tier, parts in (("GPU", p.gpu), ("host", p.host), ("disk", p.disk)):
                 for what, b in parts.items():
                     lines.append(f"    {tier:5s} {what:42s} {b / GB:10.3f} GB")
+            for what, b in p.later.items():
+                lines.append(f"    disk  {what + ' before the first step':42s} "
+                             f"{(p.disk[what] - b) / GB:10.3f} GB (the rest reserved then)")
             for what, b in p.freed.items():
                 lines.append(f"    disk  {what + ' after the first step':42s} "
                              f"{(p.disk[what] - b) / GB:10.3f} GB (holes)")

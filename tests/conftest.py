@@ -90,11 +90,11 @@ def disk_full_at(monkeypatch, module, n):
     import errno
     real, opened = module.open_direct, []
 
-    def open_direct(path, create=False, size=0):
+    def open_direct(path, create=False, size=0, ranges=None):
         opened.append(path)
         if len(opened) == n:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(path, create=create, size=size)
+        return real(path, create=create, size=size, ranges=ranges)
     monkeypatch.setattr(module, "open_direct", open_direct)
     return opened
 

@@ -396,3 +396,60 @@ def test_an_error_in_the_first_step_in_backward_refuses_the_next(kernels, tmp_pa
         assert sa.keys() == sb.keys() and all(
             torch.equal(bits(sa[i][k]), bits(sb[i][k])) for i in sa for k in sa[i])
         opt.close()
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_no_room_for_the_second_generation_is_said_as_the_second_step_starts(
+        kernels, tmp_path, monkeypatch, early):
+    """A new two-generation state reserves on disk only the slots its first step writes,
+    the rest (what the second step writes) once that step committed: by then the heads
+    gave back the param files' room (nvme_heads.given_back). No room then: the first step
+    stays committed, and the second is refused as it starts, nothing of it run (the params
+    and the files at step 1); once there is room it runs as if it was never refused."""
+    from offload_adam.nvme.direct_io import allocated_bytes
+    from offload_adam.nvme import NvmeError
+    from conftest import holes_supported
+    opts = dict(lr=3e-3, bucket_mb=0.01, state_dtype="bfloat16", step_in_backward=early)
+    real = os.posix_fallocate
+
+    def full(fd, at, n):   # (the state's creation reserved what it needs first, for real)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def run(model, opt, it):
+        early_backward(model, it)
+        opt.step()
+        opt.zero_grad()
+
+    with sim_path("sim-seed1"):
+        a, b = early_model(), early_model()
+        ram = offload_adam.AdamW(decay_groups(a), **opts)
+        opt = offload_adam.AdamW(decay_groups(b), state_dirs=tmp_path, **opts)
+        path = tmp_path / NAMES["data"]
+        holes = holes_supported(tmp_path)
+        size = path.stat().st_size
+        if holes:   # (the header and one slot of each bucket)
+            assert allocated_bytes(str(path)) < size // 2 + 8192
+        run(a, ram, 0)
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        run(b, opt, 0)
+        assert opt.step_count == 1
+        stepped = [p.detach().clone() for p in early_params(b)]
+        with pytest.raises(NvmeError, match=r"reserving the second generation of the "
+                           r"optimizer state file .* \(the disk is full\)\. The state of step 1 "
+                           r"\(the last completed one\) is intact on disk, and nothing of the "
+                           r"next step was written: make room and step again"):
+            run(b, opt, 1)
+        assert opt.step_count == 1
+        assert all(torch.equal(p, q) for p, q in zip(early_params(b), stepped))
+        monkeypatch.setattr(os, "posix_fallocate", real)
+        opt.zero_grad()
+        for it in (1, 2):
+            run(a, ram, it)
+            run(b, opt, it)
+        if holes:
+            assert allocated_bytes(str(path)) >= size
+        assert all(torch.equal(p, q) for p, q in zip(early_params(a), early_params(b)))
+        sa, sb = ram.state_dict()["state"], opt.state_dict()["state"]
+        assert sa.keys() == sb.keys() and all(
+            torch.equal(bits(sa[i][k]), bits(sb[i][k])) for i in sa for k in sa[i])
+        opt.close()

@@ -10,12 +10,13 @@ import warnings
 
 import pytest
 
-from conftest import disk_full_at
+from conftest import disk_full_at, holes_supported
 from nvme_adam import (adam_fn, compact_step, fails_at, fill_initial, flip_byte, make_spec,
                        same_bits)
 from offload_adam.nvme import (NvmeError, NvmeState, StateSpec, StepPipeline, direct_io,
                                manifest, store)
-from offload_adam.nvme.layout import BucketSpec, place
+from offload_adam.nvme.direct_io import allocated_bytes
+from offload_adam.nvme.layout import HEADER_BYTES, BucketSpec, place
 
 
 def ring_of(spec, n=3):
@@ -407,6 +408,42 @@ def test_directories_on_one_drive_share_its_free_space(tmp_path, monkeypatch):
     assert file_bytes(a) == {} and file_bytes(b) == {}
     with NvmeState.open([a, b], spec) as state:   # the next run makes them
         assert state.step == 0
+
+
+def test_a_new_two_generation_state_takes_the_room_given_back_after_its_first_step(
+        tmp_path, monkeypatch):
+    """A new two-generation state reserves the slots its first pass writes at once, the
+    others once that pass committed, when the heads gave back the param files' extents
+    (`credit`, per filesystem): a disk whose free space holds the whole state only with
+    them is taken (its peak: the larger of before and after), one that falls short, or
+    whose credit is on another filesystem, is refused before anything is written."""
+    spec = make_spec("fp32", buckets=4, numel=200000)
+    whole, gen = sum(place(spec, 1)[1]), spec.nbytes
+    dev = os.stat(tmp_path).st_dev
+    real = shutil.disk_usage
+    monkeypatch.setattr(store.shutil, "disk_usage",
+                        lambda f: real(f)._replace(free=whole - gen // 2))
+    with pytest.raises(NvmeError, match=r"needs .* at its peak: less the .* of the param "
+                                        r"files given back after the first step\), only"):
+        NvmeState.open(tmp_path, spec, credit={dev: gen // 4})
+    for credit in (None, {dev + 1: gen}):
+        with pytest.raises(NvmeError, match=r"\(4 buckets, 2 slots each\), only"):
+            NvmeState.open(tmp_path, spec, credit=credit)
+    assert file_bytes(tmp_path) == {}
+    with NvmeState.open(tmp_path, spec, credit={dev: 2 * gen}) as state:
+        path = state.paths[0]
+        assert os.path.getsize(path) == whole
+        if holes_supported(tmp_path):   # (the header and slot 1 of each bucket; the
+            # file system's own blocks of its extents' index)
+            assert 0 <= allocated_bytes(path) - (HEADER_BYTES + gen) <= 65536
+        monkeypatch.undo()
+        pipe = StepPipeline(state, ring_of(spec))
+        pipe.load(fill_initial(0), step=0)   # (its first pass: the slots reserved)
+        if holes_supported(tmp_path):
+            assert allocated_bytes(path) >= whole
+        pipe.step(adam_fn(0, 0))
+        pipe.close()
+        assert state.step == 1
 
 
 def test_the_free_space_asked_counts_the_manifest_and_a_filesystem_of_no_size_is_used(

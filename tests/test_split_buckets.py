@@ -371,6 +371,51 @@ def test_blocks_in_the_heads_leave_their_files(device, tmp_path, monkeypatch, fo
     assert not _streamer(runs[1][0]).files.in_heads
 
 
+def test_a_new_two_generation_state_takes_the_room_its_blocks_give_back(device, tmp_path,
+                                                                        monkeypatch):
+    """A new state in two generations reserves the slots its second step writes only
+    after the first step committed, when the blocks in the heads gave their param files'
+    extents back (nvme_heads.given_back): a disk with room for the state's peak but not
+    for the whole state beside the param files takes it, and it trains as with room to
+    spare; without that credit it is refused, nothing left behind."""
+    from offload_adam.nvme import NvmeError, store
+    model, opt = build(tmp_path, "a", True, monkeypatch)   # (plenty of room: the sizes)
+    files = _streamer(model).files
+    credit = sum(-(-files.sizes[b] // 4096) * 4096 for b in (0, 1, 2, 4, 5))
+    state = opt._store.state
+    whole = sum(state.file_sizes)
+    train(model, opt, 1)
+    opt.close()
+    runs = []
+    for tag, given in (("b", True), ("c", False)):
+        monkeypatch.setattr(nvme_tier, "HEADS", True)
+        model = make_llama(layers=6)
+        offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / f"p{tag}",
+                                   param_cache_mb=slots_mb(model, 4))
+        (tmp_path / f"s{tag}").mkdir()
+        real = store.shutil.disk_usage
+        monkeypatch.setattr(store.shutil, "disk_usage",
+                            lambda f: real(f)._replace(free=whole - credit // 2))
+        if not given:
+            monkeypatch.setattr(nvme_heads, "given_back", lambda found: {})
+        options = {**OPTS, "state_dirs": str(tmp_path / f"s{tag}")}
+        if not given:
+            with pytest.raises(NvmeError, match=r"needs .* \(\d+ buckets, 2 slots each\), only"):
+                offload_adam.AdamW(model.parameters(), **options)
+            assert not os.path.exists(tmp_path / f"s{tag}" / "offload_adam_state.bin")
+            monkeypatch.undo()
+            continue
+        opt = offload_adam.AdamW(model.parameters(), **options)
+        monkeypatch.undo()
+        monkeypatch.setattr(nvme_tier, "HEADS", True)
+        train(model, opt, 3)
+        assert _streamer(model).files.in_heads == {0, 1, 2, 4, 5}
+        runs.append((model, opt))
+    model, opt = build(tmp_path, "d", True, monkeypatch)
+    train(model, opt, 3)
+    assert_same_training(runs[0], (model, opt))
+
+
 def test_an_optimizer_dropped_puts_its_blocks_back_in_their_files(device, tmp_path,
                                                                   monkeypatch):
     """An optimizer dropped without close() (collected) puts the blocks in its heads back

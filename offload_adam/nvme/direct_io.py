@@ -24,7 +24,7 @@ import threading
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -227,11 +227,13 @@ class AlignedBuffer:
         self.tensor = self.view = self._mmap = None
 
 
-def open_direct(path: str, create: bool, size: int = 0) -> Tuple[int, bool]:
+def open_direct(path: str, create: bool, size: int = 0,
+                ranges: Optional[Sequence[Tuple[int, int]]] = None) -> Tuple[int, bool]:
     """A read/write fd of `path` and whether it is O_DIRECT: buffered where the filesystem
     refuses direct I/O at open or at the first aligned read (tmpfs before Linux 6.6, some
     network and FUSE filesystems). `size`: when creating, the bytes to reserve
-    (posix_fallocate: a full disk fails here, not mid-step)."""
+    (posix_fallocate: a full disk fails here, not mid-step); `ranges`: (offset, bytes)
+    the only ones reserved of them (the rest a hole until reserved later)."""
     flags = os.O_RDWR | (os.O_CREAT if create else 0) | getattr(os, "O_CLOEXEC", 0)
     direct = getattr(os, "O_DIRECT", 0)
     for mode in ((flags | direct, True), (flags, False)) if direct else ((flags, False),):
@@ -244,7 +246,12 @@ def open_direct(path: str, create: bool, size: int = 0) -> Tuple[int, bool]:
         try:
             if create:
                 os.ftruncate(fd, 0)
-                if size:
+                if ranges is not None:
+                    os.ftruncate(fd, size)
+                    for at, n in ranges:
+                        if n:
+                            os.posix_fallocate(fd, at, n)
+                elif size:
                     os.posix_fallocate(fd, 0, size)
             if not mode[1] or _reads_aligned(fd):
                 return fd, mode[1]

@@ -33,7 +33,12 @@ another thread while a pass steps the state: their requests are the slot's first
 manifest keeps their checksum too ("head_sums"), and the range a head read has in flight
 is pinned: a write into it (compact: room a commit freed meanwhile) waits for the read.
 
-Two generations: the manifest keeps both slots' checksums and the step the other slot held
+Two generations: a new state reserves on disk only the slots its first pass writes (one
+of each bucket); the others once that pass committed ("unreserved", `_reserve_rest`), at the
+latest as the next pass reads or writes its first bucket, so that a disk without room for
+them says so before a step runs, the last one intact. By then the param files of the blocks
+kept as heads gave back their room (nvme_heads.py), which the free-space check at creation
+counts (`credit`). The manifest keeps both slots' checksums and the step the other slot held
 when it was last current (`previous`), so that a state can be set back one step
 (`rollback`) while that slot is intact: the ranks of a sharded run that died between their
 commits agree on the older step that way (nvme_tier.py).
@@ -211,7 +216,8 @@ class NvmeState:
     @classmethod
     def open(cls, folders: Sequence[str], spec: StateSpec, io_threads: int = 4,
              compact: bool = False, log_bytes: Optional[Sequence[int]] = None,
-             spares: int = SPARES, rank: Optional[int] = None) -> "NvmeState":
+             spares: int = SPARES, rank: Optional[int] = None,
+             credit: Optional[Dict[int, int]] = None) -> "NvmeState":
         """The state in `folders` (one file each), created (all zero, step 0) where the
         directories hold none of its files; refused when they hold another spec's state,
         a state that cannot be trusted (module docstring), or are locked. `compact`: one
@@ -219,7 +225,11 @@ class NvmeState:
         log_bytes[i] (the space reserved for them at creation; a larger record grows the
         log); a state of the other layout is refused with what to give. `rank`: the
         rank of a sharded run that opens it (None: one process), kept in a new state's
-        manifest; a state another rank made is refused (_check_rank)."""
+        manifest; a state another rank made is refused (_check_rank). `credit`: the bytes
+        that the first commit gives back to each filesystem (st_dev), the param files'
+        extents of the blocks kept as heads (nvme_heads.given_back): a new two-generation
+        state, whose second slots are reserved only after that commit (`_reserve_rest`),
+        is checked for free space against its peak with them."""
         if isinstance(folders, (str, os.PathLike)):
             folders = [folders]
         if not folders:
@@ -234,7 +244,8 @@ class NvmeState:
         state = None
         try:
             with interrupts_deferred(hold_all=OPEN_HELD):
-                state = cls._open(folders, spec, io_threads, compact, log_bytes, spares, rank)
+                state = cls._open(folders, spec, io_threads, compact, log_bytes, spares,
+                                  rank, credit or {})
         except BaseException:   # (a Ctrl-C held: raised once the state is open)
             if state is not None:
                 state.close(discard=True)
@@ -242,7 +253,7 @@ class NvmeState:
         return state
 
     @classmethod
-    def _open(cls, folders, spec, io_threads, compact, log_bytes, spares, rank):
+    def _open(cls, folders, spec, io_threads, compact, log_bytes, spares, rank, credit):
         locks = manifest.DirLocks(folders)
         fds: List[int] = []
         io = None
@@ -261,7 +272,7 @@ class NvmeState:
                 fresh = True
             if created:
                 layout = (compact, list(log_bytes or [0] * len(spec.buckets)), spares)
-                body, fds = _create(folders, spec, buffered, layout, rank)
+                body, fds = _create(folders, spec, buffered, layout, rank, credit)
             else:
                 _check_layout(folders[0], body, compact)
                 fds = _open_files(folders, body, buffered)
@@ -376,6 +387,7 @@ class NvmeState:
     def read(self, i: int, buf: AlignedBuffer) -> Request:
         """Starts reading bucket i's committed copy into `buf`."""
         self._check_stepping()
+        self._reserve_rest()
         slot = 0 if self.compact else self.slots[i]
         return Request("reading", i, slot, self._submit(self._io.read, i, buf, self._at(i)))
 
@@ -434,6 +446,7 @@ class NvmeState:
         self._check_stepping()
         e = self.extents[i]
         if not self.compact:
+            self._reserve_rest()
             slot = 1 - self.slots[i]
             self._wait_pins(e.file, e.at(slot), e.nbytes)
             return Request("writing", i, slot, self._submit(self._io.write, i, buf, e.at(slot)))
@@ -568,6 +581,31 @@ class NvmeState:
         self._store(body, "committing the step")
         self.from_params_next = []
         self._committed(written)
+        try:   # (after the heads gave the param files' extents back: their room)
+            self._reserve_rest()
+        except NvmeError:
+            pass   # (the step is committed; the next pass tries again, and says why)
+
+    def _reserve_rest(self) -> None:
+        """Two generations: a state made with only its first pass's slots reserved
+        ("unreserved": _create) reserves the rest once that pass committed, at the latest
+        as the next pass reads or writes its first bucket, before it steps anything: a
+        full disk is said then, the last completed step intact, never mid-pass."""
+        if not self._body.get("unreserved") or not self._body["written"]:
+            return
+        for fd, path, size in zip(self._fds, self.paths, self.file_sizes):
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                hint = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+                raise NvmeError(e.errno, f"offload_adam: reserving the second generation of "
+                                f"the optimizer state file {path} ({size_text(size)} in all) "
+                                f"failed: {e.strerror or e}{hint}. The state of step "
+                                f"{self.step} (the last completed one) is intact on disk, "
+                                "and nothing of the next step was written: make room and "
+                                "step again", path) from e
+        with self._lock:   # (written to the manifest by the next commit)
+            self._body = dict(self._body, unreserved=False)
 
     def _committed(self, written: List[int]) -> None:
         if self.on_commit is not None and written:
@@ -1195,11 +1233,14 @@ def _check_rank(folder: str, body: Optional[dict], rank: Optional[int]) -> None:
 
 
 def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
-            rank: Optional[int] = None):
+            rank: Optional[int] = None, credit: Optional[Dict[int, int]] = None):
     """A new state: the spec and a manifest that says nothing was committed yet go first
     (a crash before the data files are whole leaves a state that is made anew), then the
     data files, reserved whole (compact: and the redo logs). `layout`: (compact, the
-    redo bytes of each bucket, spares)."""
+    redo bytes of each bucket, spares). Two generations: only the slots the first pass
+    writes are reserved now ("unreserved"), the others after its commit (_reserve_rest),
+    which gives back the param files' extents of the blocks the heads keep (`credit`, per
+    st_dev): the state's second generation takes their room, not room beside them."""
     compact, log_bytes, spares = layout
     extents, sizes = place(spec, len(folders))
     body = {"format": FORMAT, "uuid": uuid.uuid4().hex, "folders": folders,
@@ -1215,6 +1256,12 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
         body.update(layout="compact", spares=spares, file_sizes=sizes,
                     offsets=ring.first_offsets(), heads=ring.first_heads(), log_sizes=logs,
                     intent=None, done=[], loading=False)
+        ranges = None
+    else:   # (the first pass writes slot 1 of each bucket: 1 - slots[i])
+        body["unreserved"] = True
+        ranges = [[(0, HEADER_BYTES)] for _ in folders]
+        for e in extents:
+            ranges[e.file].append((e.at(1), e.nbytes))
     # the free space of each filesystem against what all its directories need (two
     # directories on one drive share its free bytes). The first also holds the spec and
     # the manifest, which a commit writes anew beside the old one before the rename, and
@@ -1225,26 +1272,34 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
             + round_up(len(manifest.pack(spec.to_json())), ALIGN))
     drives: Dict[int, list] = {}
     for k, (folder, size, log) in enumerate(zip(folders, sizes, logs)):
+        first = sum(n for _, n in ranges[k]) if ranges is not None else size
         drives.setdefault(os.stat(folder).st_dev, []).append(
-            (folder, size + log + (meta if k == 0 else 0)))
-    for on_drive in drives.values():
+            (folder, size + log + (meta if k == 0 else 0), size - first))
+    for dev, on_drive in drives.items():
         folder = on_drive[0][0]
         usage = shutil.disk_usage(folder)
         if usage.total == 0:   # a filesystem that says nothing of its size (ramfs, some
             continue           # FUSE ones): a full one fails at the reservation below
         free = usage.free
-        for other, _ in on_drive:
+        for other, _, _ in on_drive:
             for name in (DATA_FILE, redo.LOG_FILE):
                 old = os.path.join(other, name)
                 free += os.path.getsize(old) if os.path.exists(old) else 0
-        need = sum(n for _, n in on_drive)
+        # (at its peak: before the first commit the slots not reserved, after it the
+        # param files' extents it gave back)
+        need = sum(n for _, n, _ in on_drive)
+        back = min(sum(later for _, _, later in on_drive), (credit or {}).get(dev, 0))
+        need -= back
         if need > free:
             what = (f"one copy and {spares} spares" if compact else f"{SLOTS} slots each")
             where = (repr(folder) if len(on_drive) == 1 else
-                     f"{[f for f, _ in on_drive]} (one filesystem)")
+                     f"{[f for f, _, _ in on_drive]} (one filesystem)")
             raise NvmeError(errno.ENOSPC, f"offload_adam: the optimizer state needs "
                             f"{size_text(need)} in {where} ({len(spec.buckets)} "
-                            f"buckets, {what}), only {size_text(free)} is free", folder)
+                            f"buckets, {what}"
+                            + (f", at its peak: less the {size_text(back)} of the param "
+                               "files given back after the first step" if back else "")
+                            + f"), only {size_text(free)} is free", folder)
     # a state never committed, made anew here: its data files' headers go first, so that
     # a crash after the new manifest and before the new headers leaves files that are
     # unwritten (made anew at the next open), not another state's (refused at every open
@@ -1260,7 +1315,7 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
             path = os.path.join(folders[0], name)
             raise NvmeError(e.errno, f"offload_adam: could not create the optimizer state "
                             f"file {path}: {e.strerror or e}", path) from e
-    fds = _open_all(folders, body, buffered, create=True)
+    fds = _open_all(folders, body, buffered, create=True, ranges=ranges)
     if compact:
         try:
             redo.RedoLog(folders, logs, create=True).close()
@@ -1314,16 +1369,19 @@ def _open_files(folders: List[str], body: dict, buffered: List[str]) -> List[int
     return _open_all(folders, body, buffered, create=False)
 
 
-def _open_all(folders: List[str], body: dict, buffered: List[str], create: bool) -> List[int]:
-    """The data files' fds: created (reserved whole, header written) or checked (size);
-    the folders that refused O_DIRECT are added to `buffered`."""
+def _open_all(folders: List[str], body: dict, buffered: List[str], create: bool,
+              ranges: Optional[List[list]] = None) -> List[int]:
+    """The data files' fds: created (reserved whole, or each only over its `ranges`;
+    header written) or checked (size); the folders that refused O_DIRECT are added to
+    `buffered`."""
     fds: List[int] = []
     buf = AlignedBuffer(HEADER_BYTES, pin=False)
     try:
         for k, (folder, size) in enumerate(zip(folders, body["file_sizes"])):
             path = os.path.join(folder, DATA_FILE)
             try:
-                fd, direct = open_direct(path, create=create, size=size)
+                fd, direct = open_direct(path, create=create, size=size,
+                                         ranges=ranges[k] if ranges is not None else None)
             except OSError as e:
                 what = "create" if create else "open"
                 raise NvmeError(e.errno, f"offload_adam: could not {what} the optimizer state "
