@@ -5,8 +5,10 @@ Issue 28's acceptance run. A stack of wide MLP blocks (bf16), built on the meta 
 no full copy ever sits in RAM, streams its blocks' params from param files through a cache of
 `--cache-mb`, on the synchronous host stand-in of a GPU (engine/device.HostDevice: the "device"
 copies are memcpy, its memory is RAM and counted); the optimizer keeps the fp32 master and moments
-in compact state files (state_footprint="compact") and steps each block during backward
-(step_in_backward), the grads through its bounded ring. In one run, on one directory:
+in compact state files (state_footprint="compact"; --footprint two_generations the other
+layout) and steps each block during backward (step_in_backward), the grads through its bounded
+ring. The disk's bytes (st_blocks) are taken before the first step and after the last: with
+--heads the peak is the larger. In one run, on one directory:
 
   disk limit   O_DIRECT sequential write and read bandwidth before and after (nvme_bench.disk_limit);
                with --probe-each-gb also between iterations, each iteration then set against
@@ -168,6 +170,9 @@ def main():
                     help="state_budget_mb= (the state ring: 12 of the largest bucket, one param)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "8bit"))
+    ap.add_argument("--footprint", default="compact", choices=("compact", "two_generations"),
+                    help="state_footprint= (two_generations: no redo log; the slots the "
+                         "second step writes reserved after the first)")
     ap.add_argument("--heads", action="store_true",
                     help="design R2 (nvme_tier.HEADS, internal): the blocks' params kept as "
                          "the heads of their state's buckets, masters split, their param "
@@ -229,10 +234,16 @@ def main():
             os.makedirs(state_dir)
             nvme_tier.HEADS = args.heads
             opt = offload_adam.AdamW(model.parameters(), lr=1e-4, num_threads=args.threads,
-                                     state_dirs=state_dir, state_footprint="compact",
+                                     state_dirs=state_dir, state_footprint=args.footprint,
                                      step_in_backward=True, free_grads_after_copy=True,
                                      bucket_mb=args.bucket_mb, state_budget_mb=args.budget_mb,
                                      state_dtype=args.state_dtype)
+            # the disk's bytes before the first step (the peak is this or after it)
+            opened = {name: sum(allocated_bytes(os.path.join(d, f)) for f in os.listdir(d))
+                      for name, d in (("state", state_dir), ("params", param_dir))}
+            log(out, f"allocated on disk before the first step (st_blocks): state "
+                     f"{opened['state'] / 1e9:.2f} GB + params {opened['params'] / 1e9:.2f} GB "
+                     f"= {(opened['state'] + opened['params']) / n:.2f} B/param")
             gen = torch.Generator().manual_seed(1)
             x = torch.randn(args.tokens, args.dim, generator=gen).to(torch.bfloat16)
             reset_peak()
@@ -290,13 +301,15 @@ def main():
         shutil.rmtree(state_dir)
         row["limit_after"] = after = limit_of(args, out, "after the run")
         # what the design says a step moves (plan.py's terms)
-        log_bytes = 2 * n
+        compact = args.footprint == "compact"
+        log_bytes = 2 * n if compact else 0
         miss = max(0, 2 * n_streamed - cache)
         # (the compact pass at step() writes each block whole: it reads none)
         expect_read = gen_bytes + log_bytes + 2 * miss
         # (--heads: the new params are the state's heads, written with it; the compact
-        # pass commits before the cache gives a block away: no param file written)
-        params_written = 0 if args.heads else 2 * n_streamed
+        # pass commits before the cache gives a block away: no param file written; two
+        # generations commit at the end, so a block given away before goes to its file)
+        params_written = 0 if args.heads and compact else 2 * n_streamed
         expect_write = gen_bytes + log_bytes + params_written
         med = statistics.median(steps[1:] or steps)
         med_read = statistics.median(r for r, _ in traffic[1:] or traffic)
@@ -316,7 +329,8 @@ def main():
         log(out, f"bytes per iteration (median of 2..): read {med_read / 1e9:.2f} GB (expected at "
                  f"most {expect_read / 1e9:.2f}: state {gen_bytes / 1e9:.2f} + log {log_bytes / 1e9:.2f} "
                  f"+ param misses in forward and backward {2 * miss / 1e9:.2f}), written {med_write / 1e9:.2f} GB (expected "
-                 f"{expect_write / 1e9:.2f}: state + log + params {params_written / 1e9:.2f})")
+                 f"{expect_write / 1e9:.2f}: state + log + params {params_written / 1e9:.2f}"
+                 + (", at most" if args.heads and not compact else "") + ")")
         later = range(1, len(steps)) if len(steps) > 1 else range(len(steps))
         med_step = statistics.median(phases[k][2] for k in later)
         med_fb = statistics.median(phases[k][0] + phases[k][1] for k in later)
@@ -372,7 +386,8 @@ def main():
                      f"{at_peak['mmapped_bytes'] / 2**20:.0f} MiB")
         row.update(params=n, streamed=n_streamed, block_bytes=block_bytes, cache_bytes=cache,
                    state_ring_bytes=ring, grad_ring_bytes=grad_ring, disk_bytes=disk,
-                   disk_allocated_bytes=allocated, heads=args.heads,
+                   disk_allocated_bytes=allocated, disk_allocated_before_first=opened,
+                   heads=args.heads, footprint=args.footprint,
                    head_buffers_peak=head_buffers,
                    generation_bytes=gen_bytes, log_bytes=log_bytes, expected_read=expect_read,
                    expected_write=expect_write, traffic=traffic, step_seconds=steps,
