@@ -60,7 +60,13 @@ committed) until the commit; with the data files and the redo log made sparse an
 whole only after that commit, the disk then peaks at the state plus a block or so. Its
 open points: a reservation or pass that fails for a full disk after blocks left their files
 (the heads copied back to them before the state's files go); the free-space check's credit
-is there (two generations use it).
+is there (two generations use it). A third way, for step_in_backward (the planner's recipe),
+the log's 2 B/param and the param files' 2 trading places as two generations' slots do: a new
+compact state's first pass needs no redo log (no intent: a crash makes it anew), so it may
+step in backward as two generations do (DiskEarly, writing in place) instead of logging the
+grads there and reading them back at step() (DiskLog), the log then reserved only after that
+commit; the peak is then the state and the larger of the two (8.2 B/param at 70 B). To check:
+the swap to DiskLog after the first commit, and the tests that count on the first step's log.
 """
 
 from __future__ import annotations
