@@ -33,40 +33,26 @@ written (ParamFiles.restore_in_heads: extents given back at once, the model's by
 dropped), and a model built on the meta device wrote none of them before (ParamFiles.blank),
 so its param files are only reserved when streamed, and given back as the optimizer is built.
 
-Not yet (why it is not the default): a fresh state's param files are reserved whole when
-streaming starts (and written by the model's load), and a compact state's files whole when
-opened, so until a step commits both are on disk (10.1 B/param at 70 B params, 8.2 after; its
-layout without the heads: 10.0 throughout). Two generations are past that: a new state's
-second slots are reserved only once the first step committed (NvmeState._reserve_rest), when
-the blocks gave their extents back (`given_back`, the free-space check's credit), so their
-peak is the state's (12.3 B/param at 70 B; 14.0 without the heads, 14.25 before). For compact,
-whose first pass writes its one copy in place (and, stepped in backward, its redo log too):
-one way: a fresh store commits a step 0 at open, block by block (each bucket's range
-allocated, its heads written from the block, committed, the block's extent given back).
-Reserving the heads lazily is not enough alone (tried: the 6-block test
-model's disk peaked at 839,680 bytes lazily against 835,584 reserved, 716,800 after): a new
-compact state's first pass writes in place and commits whole at its end (store.py), so every
-head is written before any block's extent can be given back. The step 0 must therefore be a
-fill of its own (masters from the params, moments zero) whose blocks leave their files as
-written (a crash in it makes the state anew, the params then streamed again from the model),
-after which the first pass is an ordinary compact one (intent, redo log, commits a few buckets
-at a time); what it must settle first: a disk full mid-fill (the blocks already given back
-are only in heads not committed), and an existing state at step 0 filled anew at open.
-Another way, without a fill (not tried): a first pass cut short loses nothing today (the state
-is made anew, the params streamed again from the model: the param files are scratch), so the
-first pass itself may give back each block's extent once the in-place writes of its buckets
-are done, the block read from those heads (checked against the sums the writes took, not yet
-committed) until the commit; with the data files and the redo log made sparse and reserved
-whole only after that commit, the disk then peaks at the state plus a block or so. Its
-open points: a reservation or pass that fails for a full disk after blocks left their files
-(the heads copied back to them before the state's files go); the free-space check's credit
-is there (two generations use it). A third way, for step_in_backward (the planner's recipe),
-the log's 2 B/param and the param files' 2 trading places as two generations' slots do: a new
-compact state's first pass needs no redo log (no intent: a crash makes it anew), so it may
-step in backward as two generations do (DiskEarly, writing in place) instead of logging the
-grads there and reading them back at step() (DiskLog), the log then reserved only after that
-commit; the peak is then the state and the larger of the two (8.2 B/param at 70 B). To check:
-the swap to DiskLog after the first commit, and the tests that count on the first step's log.
+Not yet the default (nvme_tier.HEADS): a fresh state's param files are reserved whole when
+streaming starts (and written by the model's load), so until a step commits both they and
+the state are on disk. What else a new state reserves waits for that commit, when the
+blocks give their extents back (`given_back`: the free-space check's credit): two
+generations' second slots (NvmeState._reserve_rest; the peak is then the state's, 12.3
+B/param at 70 B params, 14.0 without the heads) and a compact state's redo logs (its first
+pass writes no record: stepped at step() it never does, and with step_in_backward it steps
+its buckets in backward in place, as two generations do, DiskEarly, instead of logging their
+grads, DiskLog from its commit on; the peak is the state and the larger of the log and the
+param files, 8.2 B/param at 70 B, 10.0 without the heads). A compact first pass abandoned
+in backward sets its buckets written in place back to step 0 (NvmeState.restart_first_pass).
+Ways to lower the compact fresh peak further (the state with the param files): a step 0
+committed at open, block by block (each bucket's range allocated, its heads written from
+the block, committed, the block's extent given back; a fill of its own, masters from the
+params, moments zero, whose disk-full mid-fill must put back the blocks given back), or a
+first pass that gives back each block's extent once its buckets' in-place writes are done,
+the block read from those heads (checked against the sums the writes took) until the
+commit, the heads copied back to the blocks if the pass fails. (Reserving the heads lazily
+alone is not enough, tried: a compact first pass commits whole at its end, so every head is
+written before any block's extent can be given back.)
 """
 
 from __future__ import annotations

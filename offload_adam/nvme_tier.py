@@ -436,10 +436,11 @@ class FileStore:
         # this store, which holds the engine: a dropped optimizer is freed at once)
         me = weakref.ref(self)
         edited = lambda: me() is not None and me()._edited_now()   # noqa: E731
-        if engine is not None and engine.early is not None and compact:
+        if engine is not None and engine.early is not None and self.state.logs_steps:
             self._early = DiskLog(engine, engine.early, self.pipeline, files, edited)
             engine.early.use_files(self._early)
         elif engine is not None and engine.early is not None:
+            # (compact too while nothing is committed: _files_early_for_now)
             self._early = DiskEarly(engine, engine.early, self.pipeline, files, edited,
                                     guess=not self._resumed)
             engine.early.use_files(self._early)
@@ -484,7 +485,7 @@ class FileStore:
             try:   # (compact: the redo log reserved for the grads, as the params' dtypes)
                 with interrupts_deferred(hold_all=OPEN_HELD):   # (kept as it opens)
                     credit = (nvme_heads.given_back(nvme_heads.linkable(buckets, spec))
-                              if HEADS and not compact else None)
+                              if HEADS else None)
                     self.state = NvmeState.open(list(dirs), spec, compact=compact,
                                                 log_bytes=records, rank=rank, credit=credit)
                 break
@@ -1114,15 +1115,32 @@ class FileStore:
                 for link in self._heads:
                     link.end_pass()
                 self._mark(state)
+                self._files_early_for_now()
 
     # ---- compact: the redo log ----------------------------------------------------------
+
+    def _files_early_for_now(self) -> None:
+        """step_in_backward over compact files: a new state's first pass has no redo log
+        (a crash makes the state anew), so it steps in backward as two generations do
+        (DiskEarly: each bucket written in place, set back to step 0 if abandoned; no
+        record written, the logs reserved only once it committed, into the room the heads'
+        blocks gave back). From its commit (a step's or a load's) on, each step's grads go
+        to the redo log in backward (DiskLog)."""
+        early = self._early
+        if (not isinstance(early, DiskEarly) or not self.state.logs_steps or early.busy
+                or self.engine is None):
+            return
+        self._early = DiskLog(self.engine, self.engine.early, self.pipeline, early.files,
+                              early.edited, ring=False)
+        self._early.on_lend = early.on_lend
+        self.engine.early.use_files(self._early)
 
     def _log_step(self, param_groups, grad_scale: float, run, early) -> None:
         """Compact: the redo records of the buckets not logged in backward (DiskLog),
         then the intent, with the hyperparameters and grad scales they are stepped with;
         where the files' pass needs no intent (a new state's first step) the records
         logged in backward are still what it reads the grads from."""
-        if early is not None:
+        if isinstance(early, DiskLog):
             early.settle()   # (its records written)
         if not self.state.logs_steps:
             return
@@ -1437,6 +1455,7 @@ class FileStore:
         for link in self._heads:   # (the heads take the loaded masters' high halves)
             link.out(unlink=False)
         self.pipeline.load(fill, step=step)
+        self._files_early_for_now()
         self._stepped = stepped
         for p, own in extras.items():   # (_mark takes them into a stepped param's entry)
             state[p] = own

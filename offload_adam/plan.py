@@ -19,7 +19,9 @@ each layout
                     ring of buffers, stepped in backward (its grads through the grad ring)
              compact  the same files with state_footprint="compact": one copy in a ring
                     with 4 spare buckets and the redo log of the grads, written in backward
-                    (through the grad ring) and read back by the pass at step()
+                    (through the grad ring) and read back by the pass at step(); a new
+                    state's first step is stepped in backward in place, with no log (the
+                    log's room reserved once it committed)
     state_dtype     float32, bfloat16 or "8bit" moments (state_format.py)
 
 it counts the bytes on the GPU, in host RAM and on disk, says whether they fit the machine,
@@ -804,7 +806,8 @@ class Plan:
     expected_s: float = 0.0   # the step as the code schedules it (`schedule`)
     # disk bytes of `disk` given back once the first step commits (the heads: the param
     # files' extents, holes from then on), and those reserved only then (two generations:
-    # the slots the second step writes); the peak is the larger of before and after
+    # the slots the second step writes; compact: the redo log); the peak is the larger
+    # of before and after
     freed: Dict[str, float] = field(default_factory=dict)
     later: Dict[str, float] = field(default_factory=dict)
     refused: List[str] = field(default_factory=list)   # what the code would refuse to build
@@ -910,6 +913,8 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
         p.freed["param files"] = p.disk["param files"]
     if layout.state == "files":   # (NvmeState: the first pass writes one slot of each)
         p.later["state (2 generations)"] = float(files["generation_bytes"])
+    elif layout.state == "compact":   # (a new state's first pass writes no redo record)
+        p.later["grad redo log"] = p.disk["grad redo log"]
     if layout.in_files and files["ring_refused"]:
         p.refused.append(f"state_budget_mb {run.state_budget_mb:g}: {files['ring_refused']}")
     n, streamed = model.params, model.layers * model.block_params

@@ -2,6 +2,7 @@
 its allocation rule, its steps against the same steps in host RAM, a step cut short and
 finished from the log, its footprint, and what is refused. (Killed processes:
 test_nvme_crash.py.)"""
+import contextlib
 import os
 import random
 import threading
@@ -379,6 +380,68 @@ def test_a_record_of_the_buffered_log_before_direct_io_reads_back(tmp_path):
     log.close()
 
 
+def test_a_new_state_reserves_its_redo_log_once_its_first_step_committed(kernels, tmp_path,
+                                                                         monkeypatch):
+    """A new compact state's first pass writes no redo record (a crash in it makes the
+    state anew), so its logs are made sparse and reserved once that pass committed, when
+    the heads gave back the param files' extents (the free-space check's `credit`): a disk
+    with room for the state and those extents only is taken. No room at that reservation:
+    the next step says so before anything of it is written, the first one intact, and
+    once there is room it steps bitwise as a state never short of room."""
+    import errno
+    import shutil
+    from conftest import holes_supported
+    from offload_adam.nvme import store
+    from offload_adam.nvme.direct_io import NvmeError, allocated_bytes
+    spec = make_spec("fp32", buckets=4, numel=20000)
+    folders = {k: tmp_path / k for k in ("sized", "short", "ref")}
+    for f in folders.values():
+        f.mkdir()
+    sized = open_compact([str(folders["sized"])], spec)
+    data, log = os.path.getsize(sized.paths[0]), os.path.getsize(folders["sized"] / LOG_FILE)
+    sized.close()
+    dev = os.stat(tmp_path).st_dev
+    real = shutil.disk_usage
+    with monkeypatch.context() as patch:   # room for the data and half the logs
+        patch.setattr(store.shutil, "disk_usage",
+                      lambda f: real(f)._replace(free=data + log // 2))
+        with pytest.raises(NvmeError, match=r"needs .*\(4 buckets, one copy and 4 spares\), "
+                                            r"only .* is free"):
+            open_compact([str(folders["short"])], spec)
+        state = open_compact([str(folders["short"])], spec, credit={dev: log})
+    path = folders["short"] / LOG_FILE
+    assert os.path.getsize(path) == log
+    if holes_supported(tmp_path):
+        assert allocated_bytes(str(path)) < 4096 * 4
+    ref = open_compact([str(folders["ref"])], spec)
+    pipes = {id(s): pipeline(s) for s in (state, ref)}
+
+    def full(fd, offset, n):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with monkeypatch.context() as patch:   # the first step commits; its logs are not reserved
+        patch.setattr(os, "posix_fallocate", full)
+        compact_step(state, pipes[id(state)], seed=1)
+        assert state.step == 1
+        first = on_disk(state)
+        with pytest.raises(NvmeError, match=r"reserving the redo logs .* \(the disk is full\)"
+                                            r"\. The state of step 1 .* is intact on disk, and "
+                                            r"nothing of the next step was written"):
+            compact_step(state, pipes[id(state)], seed=1)
+    assert state.step == 1 and not state.pending
+    assert same_bits(first, on_disk(state))
+    for _ in range(2):   # room again: on, bitwise the run never short of room
+        compact_step(state, pipes[id(state)], seed=1)
+    if holes_supported(tmp_path):
+        assert allocated_bytes(str(path)) >= log
+    for _ in range(3):
+        compact_step(ref, pipes[id(ref)], seed=1)
+    assert state.step == ref.step == 3
+    assert same_bits(on_disk(ref), on_disk(state))
+    for s in (state, ref):
+        pipes[id(s)].close()
+        s.close()
+
+
 def test_the_other_layout_and_a_load_cut_short_are_refused(kernels, tmp_path):
     spec = make_spec("fp32", buckets=3, numel=2000)
     with open_compact([tmp_path], spec) as state:
@@ -526,9 +589,13 @@ def test_compact_files_with_the_engine_train_as_ram(kernels, tmp_path, in_backwa
     the layers streamed per block) on the asynchronous simulated device, stepped over the
     compact files: bitwise the run in RAM, also with a param edited between steps (its
     master starts again from it, which the redo log keeps too). With step_in_backward the
-    grads of the complete file buckets go to the log during backward (engine/disk_log.py):
-    the grad ring, under half the grads' bytes here (bucket_mb 0.001), holds them without overflowing after
-    the first step, and the step reads them back."""
+    new state's first pass steps its buckets in backward, in place (no redo log: a crash
+    makes it anew; engine/disk_early.py), and from its commit on the grads of the complete
+    file buckets go to the log during backward (engine/disk_log.py): the grad ring, under
+    half the grads' bytes here (bucket_mb 0.001), holds them without overflowing after the
+    first step, and the step reads them back."""
+    from offload_adam.engine.disk_early import DiskEarly
+    from offload_adam.engine.disk_log import DiskLog
     sim = AsyncSimDevice(seed=2)
     try:
         with simulated(sim), sim.watch():
@@ -556,14 +623,20 @@ def test_compact_files_with_the_engine_train_as_ram(kernels, tmp_path, in_backwa
                             model.head.mul_(0.5)
                     engine_loss(model, k).backward()
                     if o is opt and in_backward:
-                        logged.append(len(o._store._early.logged))
+                        early = o._store._early
+                        assert isinstance(early, DiskEarly if k == 0 else DiskLog)
+                        if k == 0:
+                            first = len(early._stepped_files)
+                        else:
+                            logged.append(len(early.logged))
                         ring = o._engine.ring
                         assert k == 0 or ring.overflow_bytes == 0
                     o.step()
                     o.zero_grad()
             assert_same(engine_values(ref), engine_values(m), ram, opt)
             if in_backward:
-                assert min(logged) > 0, logged   # buckets logged in backward, every step
+                assert first > 0   # buckets stepped in backward at the first step
+                assert min(logged) > 0, logged   # buckets logged in backward, every step after
                 # each read ahead of its kernel, on an I/O thread (NvmeState.record_ahead)
                 assert len(readers) >= sum(logged)
                 assert all(r.startswith("offload_adam_io") for r in readers), readers
@@ -681,14 +754,12 @@ def test_a_full_disk_in_a_compact_step_loses_nothing(kernels, tmp_path, monkeypa
     resumed_as(tmp_path, "8bit", ps, ram, step=4)
 
 
-def test_a_full_disk_while_logging_in_backward_steps_nothing(kernels, tmp_path, monkeypatch):
-    """step_in_backward on compact files: the log's writes fail (ENOSPC) in backward, on
-    the worker: step() raises naming the log and saying nothing was written; the files
-    stay at the last step, and training on (that iteration's step not taken) is bitwise
-    the run in RAM that skipped it too."""
-    import errno
-    from offload_adam.nvme.direct_io import NvmeError
-    sim = AsyncSimDevice(seed=4)
+@contextlib.contextmanager
+def ram_and_compact_in_backward(tmp_path, seed: int):
+    """On the asynchronous simulated device: two small_layers models, one stepped in RAM
+    and one over new compact files with step_in_backward, (ref, m, ram, opt); at the end
+    the two bitwise the same, and the device's checks."""
+    sim = AsyncSimDevice(seed=seed)
     try:
         with simulated(sim), sim.watch():
             ref, m = small_layers(False, False), small_layers(False, False)
@@ -696,26 +767,92 @@ def test_a_full_disk_while_logging_in_backward_steps_nothing(kernels, tmp_path, 
             opt = offload_adam.AdamW(m.parameters(), lr=3e-3, bucket_mb=0.001,
                                      state_dtype="bfloat16", state_dirs=str(tmp_path),
                                      state_footprint="compact", step_in_backward=True)
-            def full(*a, **kw):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            for k in range(4):
-                for model, o in ((ref, ram), (m, opt)):
-                    if k == 2 and o is opt:   # the reference skips it, the disk fails it
-                        with monkeypatch.context() as patch:
-                            patch.setattr(os, "pwritev", full)
-                            engine_loss(model, k).backward()   # (the worker's log writes)
-                            with pytest.raises(NvmeError, match=r"redo log .* disk is "
-                                               r"full\)\. Nothing of this step was"):
-                                o.step()
-                        assert o.step_count == 2
-                    else:
-                        engine_loss(model, k).backward()
-                        if k != 2:
-                            o.step()
-                    o.zero_grad()
-            assert opt.step_count == 3
+            yield ref, m, ram, opt
             assert_same(engine_values(ref), engine_values(m), ram, opt)
             opt.close()
         sim.check()
     finally:
         sim.close()
+
+
+def test_a_full_disk_while_logging_in_backward_steps_nothing(kernels, tmp_path, monkeypatch):
+    """step_in_backward on compact files: the log's writes fail (ENOSPC) in backward, on
+    the worker: step() raises naming the log and saying nothing was written; the files
+    stay at the last step, and training on (that iteration's step not taken) is bitwise
+    the run in RAM that skipped it too."""
+    import errno
+    from offload_adam.nvme.direct_io import NvmeError
+    with ram_and_compact_in_backward(tmp_path, seed=4) as (ref, m, ram, opt):
+        def full(*a, **kw):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        for k in range(4):
+            for model, o in ((ref, ram), (m, opt)):
+                if k == 2 and o is opt:   # the reference skips it, the disk fails it
+                    with monkeypatch.context() as patch:
+                        patch.setattr(os, "pwritev", full)
+                        engine_loss(model, k).backward()   # (the worker's log writes)
+                        with pytest.raises(NvmeError, match=r"redo log .* disk is "
+                                           r"full\)\. Nothing of this step was"):
+                            o.step()
+                    assert o.step_count == 2
+                else:
+                    engine_loss(model, k).backward()
+                    if k != 2:
+                        o.step()
+                o.zero_grad()
+        assert opt.step_count == 3
+
+
+def test_a_first_step_abandoned_in_backward_is_set_back_and_runs_again(kernels, tmp_path):
+    """step_in_backward on a new compact state: its first pass steps buckets in backward,
+    in place (no redo log). A step dropped then (zero_grad() before step()) sets those
+    buckets back to step 0, so the next backward steps them again: training on is bitwise
+    the run in RAM that never took that step (once a first pass cut short that way left
+    files holding no whole step, refused until the optimizer was built anew)."""
+    with ram_and_compact_in_backward(tmp_path, seed=6) as (ref, m, ram, opt):
+        engine_loss(m, 9).backward()
+        opt._engine.drain()
+        assert opt._store.state._in_place   # (buckets written in place in backward)
+        with pytest.raises(RuntimeError, match="Nothing was stepped"):
+            opt.zero_grad()   # (the step begun in backward dropped)
+        for k in range(3):
+            for model, o in ((ref, ram), (m, opt)):
+                engine_loss(model, k).backward()
+                o.step()
+                o.zero_grad()
+        assert opt.step_count == 3
+
+
+def test_no_room_for_the_redo_log_after_the_first_step_is_said_as_the_next_logs(
+        kernels, tmp_path, monkeypatch):
+    """step_in_backward on a new compact state whose redo logs cannot be reserved once
+    its first step committed (the disk full then): the next backward's records say so,
+    step() raises before anything of that step is written (the first intact), and once
+    there is room training on is bitwise the run in RAM that skipped that step."""
+    import errno
+    from offload_adam.nvme.direct_io import NvmeError
+
+    def full(fd, offset, n):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    with ram_and_compact_in_backward(tmp_path, seed=7) as (ref, m, ram, opt):
+        for k in range(4):
+            for model, o in ((ref, ram), (m, opt)):
+                if k < 2 and o is opt:   # the reference skips step 1, the disk fails it
+                    with monkeypatch.context() as patch:
+                        patch.setattr(os, "posix_fallocate", full)
+                        engine_loss(model, k).backward()
+                        if k == 0:
+                            o.step()
+                        else:
+                            with pytest.raises(NvmeError, match=(
+                                    r"reserving the redo logs .* \(the disk is full\)\. "
+                                    r"The state of step 1 .* intact on disk, and nothing "
+                                    r"of the next step was written")):
+                                o.step()
+                    assert o.step_count == 1
+                else:
+                    engine_loss(model, k).backward()
+                    if k != 1:
+                        o.step()
+                o.zero_grad()
+        assert opt.step_count == 3

@@ -371,19 +371,26 @@ def test_blocks_in_the_heads_leave_their_files(device, tmp_path, monkeypatch, fo
     assert not _streamer(runs[1][0]).files.in_heads
 
 
-def test_a_new_two_generation_state_takes_the_room_its_blocks_give_back(device, tmp_path,
-                                                                        monkeypatch):
-    """A new state in two generations reserves the slots its second step writes only
-    after the first step committed, when the blocks in the heads gave their param files'
-    extents back (nvme_heads.given_back): a disk with room for the state's peak but not
-    for the whole state beside the param files takes it, and it trains as with room to
-    spare; without that credit it is refused, nothing left behind."""
+@pytest.mark.parametrize("footprint", [{}, dict(state_footprint="compact",
+                                                step_in_backward=True)],
+                         ids=["two_generations", "compact"])
+def test_a_new_state_takes_the_room_its_blocks_give_back(device, tmp_path, monkeypatch,
+                                                         footprint):
+    """A new state reserves what its first pass does not write only after that pass
+    committed, when the blocks in the heads gave their param files' extents back
+    (nvme_heads.given_back): two generations the slots the second step writes, compact its
+    redo logs (its first step, stepped in backward in place, writes no record). A disk
+    with room for the state's peak but not for the whole state beside the param files
+    takes it, and it trains as with room to spare; without that credit it is refused,
+    nothing left behind."""
     from offload_adam.nvme import NvmeError, store
-    model, opt = build(tmp_path, "a", True, monkeypatch)   # (plenty of room: the sizes)
+    model, opt = build(tmp_path, "a", True, monkeypatch, **footprint)   # (the sizes)
     files = _streamer(model).files
     credit = sum(-(-files.sizes[b] // 4096) * 4096 for b in (0, 1, 2, 4, 5))
     state = opt._store.state
-    whole = sum(state.file_sizes)
+    later = sum(state._log.sizes) if state.compact else sum(state.file_sizes) // 2
+    whole = sum(state.file_sizes) + (later if state.compact else 0)
+    assert later > 65536   # (the manifest's room is a few KiB of it)
     train(model, opt, 1)
     opt.close()
     runs = []
@@ -395,12 +402,13 @@ def test_a_new_two_generation_state_takes_the_room_its_blocks_give_back(device, 
         (tmp_path / f"s{tag}").mkdir()
         real = store.shutil.disk_usage
         monkeypatch.setattr(store.shutil, "disk_usage",
-                            lambda f: real(f)._replace(free=whole - credit // 2))
+                            lambda f: real(f)._replace(free=whole - min(credit, later) // 2))
         if not given:
             monkeypatch.setattr(nvme_heads, "given_back", lambda found: {})
-        options = {**OPTS, "state_dirs": str(tmp_path / f"s{tag}")}
+        options = {**OPTS, "state_dirs": str(tmp_path / f"s{tag}"), **footprint}
         if not given:
-            with pytest.raises(NvmeError, match=r"needs .* \(\d+ buckets, 2 slots each\), only"):
+            with pytest.raises(NvmeError, match=r"needs .* \(\d+ buckets, (2 slots each|one "
+                                                r"copy and 4 spares)\), only"):
                 offload_adam.AdamW(model.parameters(), **options)
             assert not os.path.exists(tmp_path / f"s{tag}" / "offload_adam_state.bin")
             monkeypatch.undo()
@@ -411,7 +419,7 @@ def test_a_new_two_generation_state_takes_the_room_its_blocks_give_back(device, 
         train(model, opt, 3)
         assert _streamer(model).files.in_heads == {0, 1, 2, 4, 5}
         runs.append((model, opt))
-    model, opt = build(tmp_path, "d", True, monkeypatch)
+    model, opt = build(tmp_path, "d", True, monkeypatch, **footprint)
     train(model, opt, 3)
     assert_same_training(runs[0], (model, opt))
 

@@ -405,6 +405,11 @@ class OffloadEngine:
                 p.grad = None
         self._rebucket(list(dict.fromkeys(p.rec for b in self.buckets for p in b.pieces)))
 
+    def ring_busy(self, busy: Callable[[], bool]) -> None:
+        """The ring's `busy` from now on (a files' pass that follows on the one that
+        made it: nvme_tier._files_early_for_now)."""
+        self._ring_busy = self.ring.busy = busy
+
     def _make_ring(self, size: Callable[[list], int], busy: Callable[[], bool],
                    nbytes: int) -> None:
         """A ring of `nbytes`, size(the params) made now; `size` is asked again after a

@@ -34,6 +34,10 @@ itself (a disk's) is not one of these: the buckets it lent there had their param
 as they were stepped, and the streamed params stepped in backward are not put back, so
 those params are ahead of the files and the next step is refused, as without
 step_in_backward (nvme_tier.py, NvmeState.params_ahead).
+
+A new compact state's first pass runs here too (no redo log to write: disk_log.py takes
+over from its commit on). It writes each bucket in place, not into another slot, so an
+abandoned one sets the buckets it wrote back to step 0 (NvmeState.restart_first_pass).
 """
 
 from __future__ import annotations
@@ -65,12 +69,12 @@ class FileBucketsInBackward:
     every bucket: its grads overflow the ring meanwhile, as after state_resume=True)."""
 
     def __init__(self, engine, early, pipeline, files: FileBuckets,
-                 edited: Callable[[], bool] = lambda: False):
+                 edited: Callable[[], bool] = lambda: False, ring: bool = True):
         self._engine = weakref.ref(engine)
         self._early = early
         self.pipeline = pipeline
         self.files = files
-        self._edited = edited
+        self.edited = edited
         # called with each file bucket lent to be stepped here, before its params are read
         # (the file store's heads: nvme_heads.py)
         self.on_lend: Callable[[int], None] = lambda i: None
@@ -85,6 +89,9 @@ class FileBucketsInBackward:
         largest = max((sum(p.numel * e.rec.dtype.itemsize for e in entries for p in e.pieces)
                        for entries in files if entries), default=0)
         bucket, asked = engine.bucket_bytes, engine.ring_asked   # (the size holds no engine)
+        if not ring:   # the ring of the pass this one follows on (the same file buckets)
+            engine.ring_busy(_weakly(self.busy_stepping))
+            return
         engine.use_ring(lambda params: ring_bytes(largest, bucket, asked=asked,
                                                   trainable=trainable_bytes(params)),
                         _weakly(self.busy_stepping))
@@ -120,7 +127,7 @@ class FileBucketsInBackward:
                 return None   # accumulated before its bucket started: counted once
             first = not self._parts_in
             if first:   # (a group's step() refuses: nothing of this backward steps either)
-                self._skipped = self._edited() or self._early.refusal(engine)
+                self._skipped = self.edited() or self._early.refusal(engine)
             for i in todo:
                 if piece is not None and any(id(p) not in rec.copy.sent_ids
                                              for p in self._entry_of[i, id(rec)].pieces):
@@ -196,8 +203,10 @@ class DiskEarly(FileBucketsInBackward):
         if counted is None:
             return
         engine, complete, first = counted
-        if self.order is None or self._skipped:
-            return   # no order to step in, or the state edited: all at step()
+        if self.order is None or self._skipped or self.pipeline.state.logs_steps:
+            # no order to step in, the state edited, or a compact state committed (its
+            # steps log first: disk_log.py, nvme_tier._files_early_for_now): all at step()
+            return
         for i in complete:
             if not self._begin_bucket(engine, i):
                 return   # the optimizer is gone
@@ -287,6 +296,10 @@ class DiskEarly(FileBucketsInBackward):
             kept = self._kept
             written, self.written = self.written, set()
             self._reset()   # (closes the pass)
+            try:   # (compact: a new state's buckets written in place set back to step 0)
+                self.pipeline.state.restart_first_pass()
+            except OSError:
+                pass   # (the files stay unsure: every later pass says why)
             self._restore(engine, stepped, kept, written)
             if self.unrestored:
                 # their first values are not kept: a next step would start their masters

@@ -1,5 +1,9 @@
 """step_in_backward with compact state files: the grads go to the redo log in backward.
 
+(From the state's first commit on. A new state's first pass has no log, a crash in it
+making the state anew, so it steps in backward in place as disk_early.py does:
+nvme_tier.FileStore._files_early_for_now.)
+
 A compact state (nvme/store.py, state_footprint="compact") keeps one copy of each bucket:
 no bucket may move before every bucket's redo record is on disk, so the files' pass cannot
 step buckets in backward as disk_early.py does (the grads of the buckets after them do not
@@ -33,12 +37,12 @@ class DiskLog(FileBucketsInBackward):
     nvme.StepPipeline over a compact state."""
 
     def __init__(self, engine, early, pipeline, files: FileBuckets,
-                 edited: Callable[[], bool] = lambda: False):
+                 edited: Callable[[], bool] = lambda: False, ring: bool = True):
         self.state = pipeline.state
         self.unrestored = 0   # (nothing is stepped in backward: nothing to put back)
         self.stepped: List[ParamRec] = []
         self.written: set = set()   # (nothing stepped in backward is written over either)
-        super().__init__(engine, early, pipeline, files, edited)
+        super().__init__(engine, early, pipeline, files, edited, ring)
         self._reset()
 
     def _reset(self) -> None:

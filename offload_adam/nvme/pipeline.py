@@ -121,7 +121,9 @@ class StepPipeline:
                 raise ValueError("offload_adam: internal error: a compact state's step cut "
                                  "short is finished in its buckets' order")
             n = len(order)
-        elif sorted(order) != list(range(n)) or (st.compact and order != sorted(order)):
+        elif sorted(order) != list(range(n)) or (st.logs_steps and order != sorted(order)):
+            # (a compact ring is written in its buckets' order; a new state's first pass,
+            # in place, in any: step_in_backward's, in the order its grads complete)
             raise ValueError(f"offload_adam: internal error: a pipeline order {order} is "
                              f"not one of the {n} buckets each")
         # k: a bucket's position in the pass, which picks its buffer (k % ring)

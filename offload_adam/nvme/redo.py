@@ -14,9 +14,11 @@ files (O_DIRECT where the filesystem allows: the log's 2 B/param a step neither 
 page cache nor are read back from it unseen): a record goes out through a small aligned
 buffer in whole 4 KiB blocks, chunk by chunk, starting with the block the last record ended
 in (its bytes kept, written again unchanged) and padded with zeros after its end;
-fdatasync makes the records durable before the intent names them. The log is reserved at creation to what the records take (a
-larger record, a param's values beside its grads, grows it: a full disk then fails the step
-before anything moved).
+fdatasync makes the records durable before the intent names them. The log is reserved to
+what the records take (a larger record, a param's values beside its grads, grows it: a full
+disk then fails the step before anything moved): a new state's logs are made sparse, as its
+first pass writes no record, and reserved once that pass committed (store.py: by then the
+param files of the blocks whose values the state keeps gave their room back).
 
 A record: MAGIC, the JSON length (u64 LE), the JSON ({"meta": the caller's, "tensors":
 [[name, dtype, shape], ...]}, padded with spaces so that the tensors start on a cache
@@ -78,10 +80,13 @@ def log_sizes(files: Sequence[int], reserves: Sequence[int], nfiles: int) -> Lis
 class RedoLog:
     """The log files of `folders`; `sizes`: the bytes each reserves (`create`: made so;
     else a missing one is refused: a state whose files were removed in part is not
-    trusted, and nothing is made over it)."""
+    trusted, and nothing is made over it). `reserve=False` with `create`: made that size
+    but sparse, its blocks reserved later (`reserve`)."""
 
-    def __init__(self, folders: Sequence[str], sizes: Sequence[int], create: bool = False):
+    def __init__(self, folders: Sequence[str], sizes: Sequence[int], create: bool = False,
+                 reserve: bool = True):
         self.paths = [os.path.join(f, LOG_FILE) for f in folders]
+        self.sizes = list(sizes)
         self.fds: List[int] = []
         # Per file: the records not on disk yet, in a buffer of CHUNK bytes that holds the
         # log from `base` (a block boundary) for `filled` bytes; the log's end is there.
@@ -94,7 +99,8 @@ class RedoLog:
         try:
             for path, size in zip(self.paths, sizes):
                 try:
-                    fd, _ = open_direct(path, create=create, size=size)
+                    fd, _ = open_direct(path, create=create, size=size,
+                                        ranges=None if reserve else [])
                 except FileNotFoundError:
                     raise FileNotFoundError(
                         f"offload_adam: the redo log {path} of the compact optimizer state in "
@@ -111,6 +117,13 @@ class RedoLog:
         except BaseException:
             self.close()
             raise
+
+    def reserve(self) -> None:
+        """Reserves every log's blocks (made sparse: `reserve=False`); an OSError (a full
+        disk) raises, the logs as they were."""
+        for fd, size in zip(self.fds, self.sizes):
+            if size:
+                os.posix_fallocate(fd, 0, size)
 
     def close(self) -> None:
         while self.fds:

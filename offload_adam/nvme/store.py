@@ -57,7 +57,10 @@ cut short leaves a manifest marked `loading`, refused at open with what to do. A
 compact state's first pass (nothing committed) has no log and writes in place: a crash in
 it makes the state anew at the next open, and an error in it once a bucket is written
 leaves files that hold no whole state, so every later pass and views() are refused until
-the optimizer is built anew (abandon_pass).
+the optimizer is built anew (abandon_pass), unless its caller sets the buckets it wrote back
+to step 0 (restart_first_pass: a pass started in backward and abandoned, its params put
+back). Its redo logs are made sparse, since that pass writes no record, and reserved once
+it committed ("log_unreserved", `_reserve_rest`), at the latest as the next step logs.
 """
 
 from __future__ import annotations
@@ -200,6 +203,7 @@ class NvmeState:
             # state, and no later pass may read them), and whether that pass is a load
             self._in_place: List[int] = []
             self._in_place_load = False
+            self._cut_first = False   # a first step cut short, restart_first_pass may undo
             self._new_pass()
             self._log = redo.RedoLog(folders, body["log_sizes"])
             self._logged: Dict[int, List[int]] = {}   # this step's records written so far
@@ -563,6 +567,10 @@ class NvmeState:
             self._in_place, self._in_place_load = [], False
             self.forget_log()
             self._committed(written)
+            try:   # (after the heads gave the param files' extents back: their room)
+                self._reserve_rest()
+            except NvmeError:
+                pass   # (the step is committed; the next step tries again, and says why)
             return
         body = dict(self._body)
         slots = list(body["slots"])
@@ -590,22 +598,36 @@ class NvmeState:
         """Two generations: a state made with only its first pass's slots reserved
         ("unreserved": _create) reserves the rest once that pass committed, at the latest
         as the next pass reads or writes its first bucket, before it steps anything: a
-        full disk is said then, the last completed step intact, never mid-pass."""
-        if not self._body.get("unreserved") or not self._body["written"]:
+        full disk is said then, the last completed step intact, never mid-pass. Compact:
+        so its redo logs ("log_unreserved"), at the latest as the next step logs."""
+        if not self._body["written"]:
+            return
+        if self._body.get("log_unreserved"):
+            self._reserving(self._log.reserve, f"the redo logs {self._log.paths} of the "
+                            f"compact optimizer state ({size_text(sum(self._log.sizes))} in "
+                            "all)", self._log.paths[0])
+            with self._lock:
+                self._body = dict(self._body, log_unreserved=False)
+        if not self._body.get("unreserved"):
             return
         for fd, path, size in zip(self._fds, self.paths, self.file_sizes):
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                hint = " (the disk is full)" if e.errno == errno.ENOSPC else ""
-                raise NvmeError(e.errno, f"offload_adam: reserving the second generation of "
-                                f"the optimizer state file {path} ({size_text(size)} in all) "
-                                f"failed: {e.strerror or e}{hint}. The state of step "
-                                f"{self.step} (the last completed one) is intact on disk, "
-                                "and nothing of the next step was written: make room and "
-                                "step again", path) from e
+            self._reserving(lambda: os.posix_fallocate(fd, 0, size), f"the second generation "
+                            f"of the optimizer state file {path} ({size_text(size)} in all)",
+                            path)
         with self._lock:   # (written to the manifest by the next commit)
             self._body = dict(self._body, unreserved=False)
+
+    def _reserving(self, reserve: Callable[[], None], what: str, path: str) -> None:
+        """reserve(); an OSError (a full disk) is said as `what` not reserved, with the
+        last completed step intact and nothing of the next one written."""
+        try:
+            reserve()
+        except OSError as e:
+            hint = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+            raise NvmeError(e.errno, f"offload_adam: reserving {what} failed: "
+                            f"{e.strerror or e}{hint}. The state of step {self.step} (the "
+                            "last completed one) is intact on disk, and nothing of the next "
+                            "step was written: make room and step again", path) from e
 
     def _committed(self, written: List[int]) -> None:
         if self.on_commit is not None and written:
@@ -652,6 +674,7 @@ class NvmeState:
         """Compact: writes bucket i's redo record of the coming step now (step_in_backward:
         as its grads complete), durable at `begin`; `record(i)` reads it back."""
         self._check_stepping()
+        self._reserve_rest()
         self._logged[i] = self._log.append(self.extents[i].file, record)
 
     def forget_log(self) -> None:
@@ -671,6 +694,7 @@ class NvmeState:
         self._check_stepping()
         if not self._body["written"]:
             return
+        self._reserve_rest()
         if sorted(set(records) | set(self._logged)) != list(range(len(self.spec.buckets))):
             raise RuntimeError("offload_adam: internal error: a step's redo log must have "
                                "a record for every bucket")
@@ -781,6 +805,8 @@ class NvmeState:
             if not self._body["written"] and self._in_place:
                 # No redo log to finish it from, and the manifest's step 0 is not what
                 # the buckets written hold any more: a next pass would step those twice
+                # (unless they are set back to it: restart_first_pass)
+                self._cut_first = self._unsure is None and not self._in_place_load
                 self._unsure = self._unsure or self._first_pass_cut()
                 self._hint = self._hint or self._first_pass_hint()
             elif self._body["loading"]:
@@ -799,6 +825,30 @@ class NvmeState:
                 except OSError:
                     return   # (_store said so: _unsure, as a resume finishes it)
                 self.forget_log()
+
+    def restart_first_pass(self) -> None:
+        """A new state's first step cut short (abandon_pass) whose buckets written in place
+        are set back to step 0, zeros (what a new state's files hold: its masters start
+        from the params, marks.forget, its moments at zero), so that the next step runs it
+        again: a pass started in backward and abandoned (step_in_backward: disk_early.py,
+        as two generations' other slots are left unused). Nothing to do, or the files
+        unsure for another reason: as they are. An error writing them: they stay unsure."""
+        if not self.compact or not self._cut_first:
+            return
+        self._cut_first = False
+        largest = max(self.extents[i].nbytes for i in self._in_place)
+        zeros = AlignedBuffer(largest, pin=False)
+        try:
+            zeros.view[:] = bytes(largest)
+            for i in sorted(set(self._in_place)):
+                e = self.extents[i]
+                at = HEADER_BYTES + self._body["offsets"][i]
+                self._raise(wait(self._io.write(self._fds[e.file], zeros.view[:e.nbytes], at)),
+                            f"setting bucket {i} back to step 0", self.paths[e.file])
+        finally:
+            zeros.close()
+        self._in_place = []
+        self._unsure = self._hint = None
 
     def _first_pass_cut(self) -> str:
         """Why a new compact state cut short in its first pass holds no state."""
@@ -1253,9 +1303,10 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
         ring = Circular(spec, [e.file for e in extents], len(folders), spares)
         sizes = ring.file_sizes()
         logs = redo.log_sizes([e.file for e in extents], log_bytes, len(folders))
+        # (the logs sparse until the first pass committed: it writes no record)
         body.update(layout="compact", spares=spares, file_sizes=sizes,
                     offsets=ring.first_offsets(), heads=ring.first_heads(), log_sizes=logs,
-                    intent=None, done=[], loading=False)
+                    intent=None, done=[], loading=False, log_unreserved=True)
         ranges = None
     else:   # (the first pass writes slot 1 of each bucket: 1 - slots[i])
         body["unreserved"] = True
@@ -1272,9 +1323,9 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
             + round_up(len(manifest.pack(spec.to_json())), ALIGN))
     drives: Dict[int, list] = {}
     for k, (folder, size, log) in enumerate(zip(folders, sizes, logs)):
-        first = sum(n for _, n in ranges[k]) if ranges is not None else size
+        later = size - sum(n for _, n in ranges[k]) if ranges is not None else log
         drives.setdefault(os.stat(folder).st_dev, []).append(
-            (folder, size + log + (meta if k == 0 else 0), size - first))
+            (folder, size + log + (meta if k == 0 else 0), later))
     for dev, on_drive in drives.items():
         folder = on_drive[0][0]
         usage = shutil.disk_usage(folder)
@@ -1285,8 +1336,8 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
             for name in (DATA_FILE, redo.LOG_FILE):
                 old = os.path.join(other, name)
                 free += os.path.getsize(old) if os.path.exists(old) else 0
-        # (at its peak: before the first commit the slots not reserved, after it the
-        # param files' extents it gave back)
+        # (at its peak: before the first commit the slots (compact: the logs) not
+        # reserved, after it the param files' extents it gave back)
         need = sum(n for _, n, _ in on_drive)
         back = min(sum(later for _, _, later in on_drive), (credit or {}).get(dev, 0))
         need -= back
@@ -1318,7 +1369,7 @@ def _create(folders: List[str], spec: StateSpec, buffered: List[str], layout,
     fds = _open_all(folders, body, buffered, create=True, ranges=ranges)
     if compact:
         try:
-            redo.RedoLog(folders, logs, create=True).close()
+            redo.RedoLog(folders, logs, create=True, reserve=False).close()
         except OSError as e:
             for fd in fds:
                 os.close(fd)
