@@ -173,10 +173,11 @@ def main():
     ap.add_argument("--footprint", default="compact", choices=("compact", "two_generations"),
                     help="state_footprint= (two_generations: no redo log; the slots the "
                          "second step writes reserved after the first)")
-    ap.add_argument("--heads", action="store_true",
-                    help="design R2 (nvme_tier.HEADS, internal): the blocks' params kept as "
-                         "the heads of their state's buckets, masters split, their param "
-                         "file extents given back once a step committed them")
+    ap.add_argument("--heads", action=argparse.BooleanOptionalAction, default=True,
+                    help="design R2 (nvme_tier.HEADS, the default; --no-heads: whole "
+                         "masters): the blocks' params kept as the heads of their state's "
+                         "buckets, masters split, their param file extents given back once "
+                         "a step committed them")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--limit-gb", type=float, default=8.0)

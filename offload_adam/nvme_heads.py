@@ -1,6 +1,7 @@
 """Streamed blocks' values kept once, as the heads of the file store's buckets (design R2).
 
-With nvme_tier.HEADS, the params streamed from param files are laid out as the heads of
+With nvme_tier.HEADS (the default; OFFLOAD_ADAM_HEADS=0 turns it off), the params streamed
+from param files are laid out as the heads of
 their state's buckets, each master split (param_state.adam_bucket(split=True)): the bf16
 value is the master's high half, committed with the state. A block whose params all live
 so then needs its param file only until a step commits its heads: from then on its values
@@ -33,9 +34,10 @@ written (ParamFiles.restore_in_heads: extents given back at once, the model's by
 dropped), and a model built on the meta device wrote none of them before (ParamFiles.blank),
 so its param files are only reserved when streamed, and given back as the optimizer is built.
 
-Not yet the default (nvme_tier.HEADS): a fresh state's param files are reserved whole when
-streaming starts (and written by the model's load), so until a step commits both they and
-the state are on disk. What else a new state reserves waits for that commit, when the
+The default since no layout's disk peaks higher with it than without: a fresh state's param
+files are reserved whole when streaming starts (and written by the model's load), so until a
+step commits both they and the state are on disk, but what else a new state reserves waits
+for that commit, when the
 blocks give their extents back (`given_back`: the free-space check's credit): two
 generations' second slots (NvmeState._reserve_rest; the peak is then the state's, 12.3
 B/param at 70 B params, 14.0 without the heads) and a compact state's redo logs (its first

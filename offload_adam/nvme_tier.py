@@ -161,12 +161,13 @@ def _bucket_spec(entries: List[_Param], fmt: str, amsgrad: bool) -> BucketSpec:
                        split=bool(entries) and entries[0].split)
 
 
-# Design R2 of the smaller footprint (issue 28), internal for now (OFFLOAD_ADAM_HEADS=1
-# turns it on, for a test run): the params streamed from param files are laid out as the
-# heads of their state's buckets, each master split (param_state.adam_bucket(split=True)),
-# a bucket holding one block's params, and the blocks are loaded from the heads once a
-# step committed them (nvme_heads.py); files laid out before resume in their layout.
-HEADS = os.environ.get("OFFLOAD_ADAM_HEADS") == "1"
+# Design R2 of the smaller footprint (issue 28), the default (OFFLOAD_ADAM_HEADS=0 turns
+# it off: whole masters, the blocks' values in their param files only): the params
+# streamed from param files are laid out as the heads of their state's buckets, each
+# master split (param_state.adam_bucket(split=True)), a bucket holding one block's params,
+# and the blocks are loaded from the heads once a step committed them (nvme_heads.py);
+# files laid out before resume in their layout.
+HEADS = os.environ.get("OFFLOAD_ADAM_HEADS", "1") != "0"
 
 
 def _head_block(p, rec):

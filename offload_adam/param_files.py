@@ -26,7 +26,7 @@ stepped param from its committed master, here into the param files, so a file ho
 step cut short is never read again. Each block's bytes are
 checksummed (CRC32C per I/O request) when written and checked when read back.
 
-With the state in files laid out with heads (nvme_heads.py, internal: nvme_tier.HEADS), a
+With the state in files laid out with heads (nvme_heads.py, the default: nvme_tier.HEADS), a
 block whose params all live in the state's buckets is, once a step committed them, loaded
 from those heads (`in_heads`: its file extent given back, a hole), and a resume puts it there
 at once, its file not written (`restore_in_heads`); a write by other than the CPU step, or a

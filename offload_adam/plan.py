@@ -886,8 +886,9 @@ def _model_files(model: ModelShape, state_dtype: str, bucket_mb: float,
 
 
 def heads_layout(layout: Layout) -> bool:
-    """Whether the code lays this layout's state out with heads (nvme_tier.HEADS, internal
-    for now): the blocks streamed from param files, their state in files."""
+    """Whether the code lays this layout's state out with heads (nvme_tier.HEADS, the
+    default; OFFLOAD_ADAM_HEADS=0 plans whole masters): the blocks streamed from param
+    files, their state in files."""
     from . import nvme_tier
     return nvme_tier.HEADS and layout.params == "files" and layout.in_files
 

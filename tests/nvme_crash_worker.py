@@ -228,7 +228,7 @@ def engine_worker(state_dir, until, streamed, compact, progress):
     """As optimizer_worker, for the engine with step_in_backward on the simulated device
     (`compact`: on compact files; streamed="files": the layers' params in param files
     beside the state); the model starts from its init, and the files restore it."""
-    nvme_tier.HEADS = streamed == "heads"   # (the split buckets: internal)
+    nvme_tier.HEADS = streamed == "heads"   # (the split buckets, the default: set either way)
     sim = AsyncSimDevice(seed=until % 7)
     with simulated(sim), sim.watch():
         m = engine_model(seed=11, streamed=bool(streamed),

@@ -262,7 +262,7 @@ def test_step_in_backward_killed_at_random_instants_resumes_bitwise(kernels, tmp
     "files": the host copies in param files (issue 28), a cache of 4 blocks of 8, the
     worker's files left as the kill left them and the resumed model's made anew;
     "heads": so, the state's buckets laid out with the params as their heads and split
-    masters (nvme_tier.HEADS, internal)."""
+    masters (nvme_tier.HEADS, the default)."""
     monkeypatch.setattr(nvme_tier, "HEADS", streamed == "heads")
     rng = random.Random(8642)
     state_dir = tmp_path / "state"

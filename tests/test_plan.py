@@ -73,7 +73,7 @@ def test_host_and_disk_bytes_are_the_allocated_ones(kernels, tmp_path, monkeypat
     with the state in RAM, 2 micro-batches accumulated on the host, or one stepped in
     backward; in files, one, stepped in backward; one micro-batch through the grad ring,
     from the first backward on). "+heads": the state laid out with the blocks' values as
-    its buckets' heads (nvme_tier.HEADS, internal), the param files' extents given back."""
+    its buckets' heads (nvme_tier.HEADS, the default), the param files' extents given back."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     monkeypatch.setattr(nvme_tier, "HEADS", params.endswith("+heads"))
     params = params.removesuffix("+heads")

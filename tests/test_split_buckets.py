@@ -1,4 +1,4 @@
-"""Design R2 of the smaller footprint (nvme_tier.HEADS, internal): the params streamed
+"""Design R2 of the smaller footprint (nvme_tier.HEADS, the default): the params streamed
 from param files laid out as the heads of their state's buckets, each master split
 (param_state.adam_bucket(split=True)), and the blocks loaded from the committed heads, their
 param file extents given back (nvme_heads.py). Stepped, saved, loaded and resumed, it is bit
