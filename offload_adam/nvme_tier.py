@@ -1128,9 +1128,8 @@ class FileStore:
         blocks gave back). From its commit (a step's or a load's) on, each step's grads go
         to the redo log in backward (DiskLog)."""
         early = self._early
-        if (not isinstance(early, DiskEarly) or not self.state.logs_steps or early.busy
-                or self.engine is None):
-            return
+        if not isinstance(early, DiskEarly) or not self.state.logs_steps or early.busy:
+            return   # (a DiskEarly is made only with an engine)
         self._early = DiskLog(self.engine, self.engine.early, self.pipeline, early.files,
                               early.edited, ring=False)
         self._early.on_lend = early.on_lend
@@ -1139,8 +1138,8 @@ class FileStore:
     def _log_step(self, param_groups, grad_scale: float, run, early) -> None:
         """Compact: the redo records of the buckets not logged in backward (DiskLog),
         then the intent, with the hyperparameters and grad scales they are stepped with;
-        where the files' pass needs no intent (a new state's first step) the records
-        logged in backward are still what it reads the grads from."""
+        none where the files' pass needs no intent (a new state's first step, which logs
+        nothing in backward either: _files_early_for_now)."""
         if isinstance(early, DiskLog):
             early.settle()   # (its records written)
         if not self.state.logs_steps:

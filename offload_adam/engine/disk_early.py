@@ -86,12 +86,12 @@ class FileBucketsInBackward:
                 self._entry_of[i, id(e.rec)] = e
         self._lock = threading.Lock()
         self._jobs = 0
-        largest = max((sum(p.numel * e.rec.dtype.itemsize for e in entries for p in e.pieces)
-                       for entries in files if entries), default=0)
-        bucket, asked = engine.bucket_bytes, engine.ring_asked   # (the size holds no engine)
         if not ring:   # the ring of the pass this one follows on (the same file buckets)
             engine.ring_busy(_weakly(self.busy_stepping))
             return
+        largest = max((sum(p.numel * e.rec.dtype.itemsize for e in entries for p in e.pieces)
+                       for entries in files if entries), default=0)
+        bucket, asked = engine.bucket_bytes, engine.ring_asked   # (the size holds no engine)
         engine.use_ring(lambda params: ring_bytes(largest, bucket, asked=asked,
                                                   trainable=trainable_bytes(params)),
                         _weakly(self.busy_stepping))
