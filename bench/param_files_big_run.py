@@ -13,6 +13,10 @@ ring. The disk's bytes (st_blocks) are taken before the first step and after the
   disk limit   O_DIRECT sequential write and read bandwidth before and after (nvme_bench.disk_limit);
                with --probe-each-gb also between iterations, each iteration then set against
                the mean of the limits probed on either side of it (the VM's disk drifts)
+  compute      forward and backward of --compute-blocks blocks resident, nothing read or
+               written (compute_floor), scaled to the model: each phase of an iteration is set
+               against the larger of its compute and its disk bytes at the probed speeds, the
+               iteration against their sum (on this stand-in the CPU computes what a GPU would)
   steps        forward + backward + step() per iteration, --steps of them (the first writes the
                state for the first time); per iteration the bytes read and written (/proc/self/io)
   expected     the bytes the design says (the planner's terms, offload_adam/plan.py): the state
@@ -85,6 +89,41 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+
+def compute_floor(args, out) -> dict:
+    """What forward and backward take with nothing read or written: --compute-blocks of the
+    model's blocks resident in RAM (bf16, this process's threads, the run's tokens), median
+    of 5 after a warm-up, scaled to --blocks. On the host stand-in the "device" is this CPU,
+    so an iteration's forward can be no faster than max(this, its reads at the disk's read
+    speed), backward likewise with its reads and writes; step() computes only the CPU step."""
+    k = max(1, min(args.compute_blocks, args.blocks))
+    gen = torch.Generator().manual_seed(2)
+    blocks = torch.nn.ModuleList(Block(args.dim, args.hidden) for _ in range(k)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in blocks.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02, generator=gen)
+    x = torch.randn(args.tokens, args.dim, generator=gen).to(torch.bfloat16)
+    fwd, bwd = [], []
+    for _ in range(6):
+        t = time.perf_counter()
+        y = x
+        for b in blocks:
+            y = b(y)
+        loss = y.float().pow(2).mean()
+        t_f = time.perf_counter()
+        loss.backward()
+        t_b = time.perf_counter()
+        fwd.append(t_f - t)
+        bwd.append(t_b - t_f)
+        blocks.zero_grad(set_to_none=True)
+    scale = args.blocks / k
+    floor = {"blocks_timed": k, "forward_s": statistics.median(fwd[1:]) * scale,
+             "backward_s": statistics.median(bwd[1:]) * scale}
+    log(out, f"compute alone ({k} blocks resident, median of 5, scaled to {args.blocks}): forward "
+             f"{floor['forward_s']:.1f} s, backward {floor['backward_s']:.1f} s")
+    return floor
 
 
 class Stack(torch.nn.Module):
@@ -179,6 +218,8 @@ def main():
                          "buckets, masters split, their param file extents given back once "
                          "a step committed them")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compute-blocks", type=int, default=4,
+                    help="blocks timed resident for the compute floor (compute_floor)")
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--limit-gb", type=float, default=8.0)
     ap.add_argument("--probe-each-gb", type=float, default=0.0,
@@ -201,6 +242,7 @@ def main():
     os.makedirs(args.dir, exist_ok=True)
     try:
         row["limit_before"] = before = limit_of(args, out, "before the run")
+        row["compute_floor"] = floor = compute_floor(args, out)
         rss_start = rss_now()
         with simulated(HostDevice(torch.device("cpu"))):
             with torch.device("meta"):
@@ -251,6 +293,7 @@ def main():
             watch = PeakWatch()
             rss_before = rss_now()
             steps, phases, traffic, step_traffic, rss = [], [], [], [], []
+            fwd_traffic = []   # forward's (read, written); backward's = the rest before step()
             probes = []   # --probe-each-gb: before iteration k, probes[k]; after the last
             for k in range(args.steps):
                 if args.probe_each_gb:
@@ -261,6 +304,8 @@ def main():
                 watch.phase = f"forward {k + 1}"
                 loss = model(x)
                 t_fwd = time.perf_counter()
+                rf, wf = io_bytes()
+                fwd_traffic.append((rf - r0, wf - w0))
                 watch.phase = f"backward {k + 1}"
                 loss.backward()
                 t_bwd = time.perf_counter()
@@ -350,6 +395,32 @@ def main():
                      f"{med_step:.1f} s for {step_read / 1e9:.2f} GB read + {step_write / 1e9:.2f} GB "
                      f"written: limit {step_limit:.1f} s, ratio {med_step / step_limit:.3f}; forward + "
                      f"backward {med_fb:.1f} s (the CPU computes them here: no disk limit covers it)")
+        # each phase against the larger of its compute (compute_floor) and its disk bytes:
+        # what this stand-in could do at best, the compute being the CPU's here
+        for name, lim in (("before", before), ("after", after)):
+            per = []
+            for k in later:
+                fr, fw = fwd_traffic[k]
+                br = traffic[k][0] - step_traffic[k][0] - fr
+                bw = traffic[k][1] - step_traffic[k][1] - fw
+                disk = [fr / lim["read_Bps"] + fw / lim["write_Bps"],
+                        br / lim["read_Bps"] + bw / lim["write_Bps"],
+                        step_traffic[k][0] / lim["read_Bps"]
+                        + step_traffic[k][1] / lim["write_Bps"]]
+                bounds = [max(floor["forward_s"], disk[0]), max(floor["backward_s"], disk[1]),
+                          disk[2]]
+                per.append({"iteration": k + 1, "phase_seconds": phases[k],
+                            "phase_disk_seconds": disk, "phase_bound_seconds": bounds,
+                            "ratio": steps[k] / sum(bounds)})
+            ratio = statistics.median(p["ratio"] for p in per)
+            row[f"phase_ratio_{name}"] = {"per_iteration": per, "ratio": ratio}
+            mid = per[len(per) // 2]
+            log(out, f"per phase against max(compute, disk {name}), iteration {mid['iteration']}: "
+                     + ", ".join(f"{what} {t:.1f} s / {b:.1f}" for what, t, b in zip(
+                         ("forward", "backward", "step()"), mid["phase_seconds"],
+                         mid["phase_bound_seconds"]))
+                     + f" (disk alone {' / '.join(f'{d:.1f}' for d in mid['phase_disk_seconds'])}"
+                     f"); iteration / the sum, median of 2..: {ratio:.3f}")
         if probes:   # each iteration against the disk just before and just after it
             per = []
             for k in later:
@@ -392,7 +463,7 @@ def main():
                    head_buffers_peak=head_buffers,
                    generation_bytes=gen_bytes, log_bytes=log_bytes, expected_read=expect_read,
                    expected_write=expect_write, traffic=traffic, step_seconds=steps,
-                   phase_seconds=phases, step_traffic=step_traffic,
+                   phase_seconds=phases, step_traffic=step_traffic, forward_traffic=fwd_traffic,
                    step_median=med, read_median=med_read, write_median=med_write,
                    rss_start=rss_start, rss_before_steps=rss_before, vmrss_after_steps=rss,
                    peak_rss=row_peak, rss_bound_above_start=bound,
