@@ -545,18 +545,28 @@ def test_each_pass_reads_only_the_blocks_the_cache_lacks(device, tmp_path, in_ba
     assert files.hold_s["step"] == step
 
 
-def test_backward_reads_ahead_over_the_blocks_step_writes_next(device, tmp_path):
+@pytest.mark.parametrize("logged", [False, True], ids=["at-step", "compact-logged"])
+def test_backward_reads_ahead_over_the_blocks_step_writes_next(device, tmp_path, logged):
     """Backward reads ahead as far as forward does: a block backward used is next needed
     by step() (which writes it whole: nothing read for it), after the rest of backward,
     so the read-ahead takes its slot for a block backward uses sooner. Kept for the step
     instead (ranked before every use, and _floors counting it as next used in the next
     forward), it held its slot, and backward read at most `prefetch` blocks ahead of its
     use (8 blocks, 5 slots, prefetch 1: block 5 found [3, 4] read, now [0, 1, 2, 3, 4]). What
-    each pass reads stays 3 blocks, and step() reads none."""
+    each pass reads stays 3 blocks, and step() reads none. `logged`: step_in_backward over
+    compact state files, whose first step is stepped in backward in place and the next
+    ones' grads logged in backward for the pass at step(): from the second step on, the
+    same (the blocks stayed ranked as stepped in backward, by the first pass's watch,
+    and backward read nothing ahead: found in bench/param_files_big_run.py)."""
     model = make_llama(layers=8, frozen=())
     s = offload_adam.stream_params(model, Block, prefetch=1, param_dirs=tmp_path / "p",
                                    param_cache_mb=slots_mb(model, 5))
-    opt = offload_adam.AdamW(model.parameters(), **OPTS)
+    extra = {}
+    if logged:
+        (tmp_path / "s").mkdir()
+        extra = dict(state_dirs=[tmp_path / "s"], state_footprint="compact",
+                     step_in_backward=True)
+    opt = offload_adam.AdamW(model.parameters(), **OPTS, **extra)
     train(model, opt, 2)
     files, held = s.files, {}
     use = s._use

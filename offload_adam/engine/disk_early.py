@@ -194,6 +194,12 @@ class DiskEarly(FileBucketsInBackward):
         """Whether a pass was queued this iteration (it may not have started yet)."""
         return self._kicked or self._gen is not None
 
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether its pass steps buckets in backward: not on a committed compact state
+        (arrived: its steps log first, all at step())."""
+        return not self.pipeline.state.logs_steps
+
     # ---- during backward (autograd's thread) ----------------------------------------
 
     def arrived(self, rec: ParamRec, piece=None) -> None:

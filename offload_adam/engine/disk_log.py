@@ -79,6 +79,9 @@ class DiskLog(FileBucketsInBackward):
                 self._kicked = True
             engine.run(self._log_ready)
 
+    # nothing is stepped in backward: the pass runs at step() (EarlyStart.steps_in_backward)
+    steps_in_backward = False
+
     def half_written(self, block) -> bool:
         """Nothing is stepped in backward here: no block is ever half written."""
         return False

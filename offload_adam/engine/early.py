@@ -95,6 +95,13 @@ class EarlyStart:
         """The state is in files: `files` (a DiskEarly) steps it in backward."""
         self.files = files
 
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether the steps of the blocks it watches run in backward (the streamed
+        blocks' cache ranks them by it: param_stream._stepped_at_step): not where the
+        files' pass runs at step(), the grads logged in backward (disk_log.py)."""
+        return self.files is None or self.files.steps_in_backward
+
     # ---- during backward ----------------------------------------------------------------
 
     def before_copy(self, rec) -> bool:
