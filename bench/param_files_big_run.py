@@ -394,7 +394,8 @@ def main():
                      f"({'met' if med <= 1.15 * limit_t else 'MISSED'}: <= 1.15); step() alone "
                      f"{med_step:.1f} s for {step_read / 1e9:.2f} GB read + {step_write / 1e9:.2f} GB "
                      f"written: limit {step_limit:.1f} s, ratio {med_step / step_limit:.3f}; forward + "
-                     f"backward {med_fb:.1f} s (the CPU computes them here: no disk limit covers it)")
+                     f"backward {med_fb:.1f} s (computed by the CPU here: set per phase against the larger of "
+                     f"compute and disk below)")
         # each phase against the larger of its compute (compute_floor) and its disk bytes:
         # what this stand-in could do at best, the compute being the CPU's here
         for name, lim in (("before", before), ("after", after)):
