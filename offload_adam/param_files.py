@@ -74,6 +74,13 @@ __all__ = ["ParamFiles", "FILE_NAME", "min_slots", "default_cache_slots"]
 
 FILE_NAME = "offload_adam_params.bin"
 
+# Blocks' worth of reads from the heads into buffers of their own in flight at once (a block
+# over several buckets: nvme_heads._HeadReads): two, so that the next block's reads start
+# while the one before is put in its slot (with one the disk idled between them: forward
+# 2.6-2.9 s -> 2.1-2.6 s on a 40-block bench/param_files_big_run.py with the relaxed first
+# read-ahead, param_stream._floors); each is a block of host memory beside the cache.
+HEAD_READS = 2
+
 
 def min_slots(prefetch: int) -> int:
     """Slots the streamer needs at once: the block in use, `prefetch` ahead, one given
@@ -388,8 +395,8 @@ class ParamFiles:
         block the cache holds in part (the CPU step wrote the rest: hold_to_write) has
         the requests holding its missing bytes read now, as a load would be, instead
         of by its reader under the lock (_complete). A block in the heads read through
-        buffers of its own (nvme_heads._HeadReads) waits while a block's worth of such
-        reads is in flight: the read-ahead of the whole cache would otherwise hold a
+        buffers of its own (nvme_heads._HeadReads) waits while HEAD_READS blocks' worth of
+        such reads are in flight: the read-ahead of the whole cache would otherwise hold a
         buffer beside each of its slots (those whose reads are done are put in their
         slots first, their buffers freed)."""
         with self.lock:
@@ -407,8 +414,8 @@ class ParamFiles:
                         self._start_completion(slot)
                     continue
                 if i in self.in_heads and not self.heads.direct.get(i, True) \
-                        and self._head_buffers() >= max(self.sizes):
-                    return   # (read into buffers of their own: a block's worth at a time)
+                        and self._head_buffers() >= HEAD_READS * max(self.sizes):
+                    return   # (read into buffers of their own: HEAD_READS blocks' worth)
                 slot = self._victim(sooner_than=i, wait=False,
                                     floor=None if floors is None else floors[k])
                 if slot is None:

@@ -1498,13 +1498,21 @@ class ParamStreamer:
         end of the order (_rank: the two agree, or the read-ahead is refused the slots
         _rank gives away), ahead of _step_key's order among them: for the step, a block
         given away costs a slot whichever it is, and a read only where the step does not
-        write it whole (which one block read ahead saves)."""
+        write it whole (which one block read ahead saves). The first use past the
+        prefetch window (`first`) is the exception: its floor is its own next use, so that
+        one block is always read ahead of the copies. With only the rule above, once the
+        cache kept the blocks backward uses first, forward read through one slot, each
+        block's read started as the block before it was copied, the disk idle meanwhile;
+        the price is at most a block read again a pass (a kept block given away for it,
+        where the cache would have given away one the window used)."""
         cursor, order, gap = self._cursor, self._order, self._gap
         n = len(order)
         floors: List[float] = []
         seen = -math.inf
         for q in range(max(cursor - 1, 0), min(first + count, n)):
-            if q >= first:
+            if q == first:
+                floors.append(float(q - cursor))
+            elif q > first:
                 floors.append(max(seen, float(q - cursor)))
             i, phase = order[q]
             nxt = float(q - cursor + gap[q])

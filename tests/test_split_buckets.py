@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import offload_adam
-from offload_adam import nvme_heads, nvme_tier, split_master
+from offload_adam import nvme_heads, nvme_tier, param_files, split_master
 from offload_adam.nvme.direct_io import AlignedBuffer, allocated_bytes
 from offload_adam.param_files import ParamFiles
 from offload_adam.params import home_of
@@ -143,18 +143,20 @@ class _FakeHeads:
 @pytest.mark.parametrize("direct", [False, True], ids=["own-buffers", "into-the-slot"])
 def test_reading_ahead_from_the_heads_holds_a_block_of_buffers(tmp_path, direct):
     """ParamFiles.read_ahead over blocks in the heads: those read through buffers of their
-    own (a block over several buckets) start while less than a block's worth of such
-    buffers is in flight, a done read is put in its slot to make room; those read into
-    their slots start as far as the cache has room. Every block reads back its bytes."""
+    own (a block over several buckets) start while less than HEAD_READS (2) blocks' worth
+    of such buffers is in flight, a done read is put in its slot to make room; those read
+    into their slots start as far as the cache has room. Every block reads back its bytes."""
     from test_param_files import _Recorder
+    n = param_files.HEAD_READS
+    assert n == 2   # (the next block's reads start while the one before is put in place)
     files = ParamFiles([tmp_path], [8192] * 8, 8 * 8192, prefetch=0, device=_Recorder(),
                        settle=lambda i: None)
     files.heads = heads = _FakeHeads(8, direct)
     files.in_heads = set(range(8))
     files.rank = lambda i: i
     files.read_ahead(list(range(8)))
-    assert heads.started == (list(range(8)) if direct else [0])
-    assert files._head_buffers() == (0 if direct else 8192)
+    assert heads.started == (list(range(8)) if direct else list(range(n)))
+    assert files._head_buffers() == (0 if direct else n * 8192)
     for k in range(1, 8):
         for slot in files.slots:
             if slot.heading is not None:
@@ -162,8 +164,8 @@ def test_reading_ahead_from_the_heads_holds_a_block_of_buffers(tmp_path, direct)
                     if not f.done():
                         f.set_result(8192)
         files.read_ahead(list(range(8)))
-        assert heads.started == (list(range(8)) if direct else list(range(k + 1)))
-        assert files._head_buffers() <= 8192
+        assert heads.started == (list(range(8)) if direct else list(range(min(n * (k + 1), 8))))
+        assert files._head_buffers() <= n * 8192
     for i in range(8):
         for f in files.slot_of[i].heading.futures if files.slot_of[i].heading else []:
             if not f.done():
