@@ -59,7 +59,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import offload_adam  # noqa: E402
-from offload_adam import nvme_tier  # noqa: E402
+from offload_adam import nvme_tier, param_files  # noqa: E402
 from offload_adam.nvme.direct_io import allocated_bytes  # noqa: E402
 from offload_adam.engine.device import HostDevice  # noqa: E402
 from offload_adam.testing import ring_buffers, simulated, state_files  # noqa: E402
@@ -404,14 +404,15 @@ def main():
                 fr, fw = fwd_traffic[k]
                 br = traffic[k][0] - step_traffic[k][0] - fr
                 bw = traffic[k][1] - step_traffic[k][1] - fw
-                disk = [fr / lim["read_Bps"] + fw / lim["write_Bps"],
-                        br / lim["read_Bps"] + bw / lim["write_Bps"],
-                        step_traffic[k][0] / lim["read_Bps"]
-                        + step_traffic[k][1] / lim["write_Bps"]]
-                bounds = [max(floor["forward_s"], disk[0]), max(floor["backward_s"], disk[1]),
-                          disk[2]]
+                # (not `disk`: the files' sizes, saved as disk_bytes below)
+                phase_disk = [fr / lim["read_Bps"] + fw / lim["write_Bps"],
+                              br / lim["read_Bps"] + bw / lim["write_Bps"],
+                              step_traffic[k][0] / lim["read_Bps"]
+                              + step_traffic[k][1] / lim["write_Bps"]]
+                bounds = [max(floor["forward_s"], phase_disk[0]),
+                          max(floor["backward_s"], phase_disk[1]), phase_disk[2]]
                 per.append({"iteration": k + 1, "phase_seconds": phases[k],
-                            "phase_disk_seconds": disk, "phase_bound_seconds": bounds,
+                            "phase_disk_seconds": phase_disk, "phase_bound_seconds": bounds,
                             "ratio": steps[k] / sum(bounds)})
             ratio = statistics.median(p["ratio"] for p in per)
             row[f"phase_ratio_{name}"] = {"per_iteration": per, "ratio": ratio}
@@ -439,8 +440,9 @@ def main():
                 + f"; median {ratio:.3f} ({'met' if ratio <= 1.15 else 'MISSED'}: <= 1.15)")
         device_peak = (args.prefetch + 2) * block_bytes
         # --heads: a block over several buckets is read from its heads through buffers
-        # beside the cache's slots, about a block's worth at a time (ParamFiles.read_ahead)
-        head_bound = 2 * block_bytes if args.heads else 0
+        # beside the cache's slots, HEAD_READS blocks' worth in flight (ParamFiles.read_ahead;
+        # this model's blocks are all one size)
+        head_bound = param_files.HEAD_READS * block_bytes if args.heads else 0
         bound = cache + ring + grad_ring + device_peak + head_bound + 2**30
         log(out, f"peak RSS {row_peak / 2**30:.2f} GiB ({(row_peak - rss_start) / 2**30:.2f} above "
                  f"the start's {rss_start / 2**30:.2f}); bound: param cache {cache / 2**20:.0f} MiB + "

@@ -76,9 +76,10 @@ FILE_NAME = "offload_adam_params.bin"
 
 # Blocks' worth of reads from the heads into buffers of their own in flight at once (a block
 # over several buckets: nvme_heads._HeadReads): two, so that the next block's reads start
-# while the one before is put in its slot (with one the disk idled between them: forward
-# 2.6-2.9 s -> 2.1-2.6 s on a 40-block bench/param_files_big_run.py with the relaxed first
-# read-ahead, param_stream._floors); each is a block of host memory beside the cache.
+# while the one before is put in its slot (with one the disk idled between them; with the
+# relaxed first read-ahead, param_stream._floors, forward 2.8-2.9 s -> 1.9-2.2 s on a
+# 40-block bench/param_files_big_run.py, bench/README.md); each is a block of host memory
+# beside the cache, which the planner does not count (plan.py).
 HEAD_READS = 2
 
 

@@ -141,7 +141,7 @@ class _FakeHeads:
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["own-buffers", "into-the-slot"])
-def test_reading_ahead_from_the_heads_holds_a_block_of_buffers(tmp_path, direct):
+def test_reading_ahead_from_the_heads_holds_two_blocks_of_buffers(tmp_path, direct):
     """ParamFiles.read_ahead over blocks in the heads: those read through buffers of their
     own (a block over several buckets) start while less than HEAD_READS (2) blocks' worth
     of such buffers is in flight, a done read is put in its slot to make room; those read
