@@ -210,4 +210,18 @@ void grad_sq_sums(const Bucket& b, double* out, int num_threads) {
   for (size_t i = 0; i < chunks.size(); ++i) out[chunks[i].tensor] += partial[i];
 }
 
+int64_t grad_fingerprint(const void* bits, int word_bytes, int64_t n, const int64_t* weights, int64_t chunk) {
+  if (word_bytes != 2 && word_bytes != 4)
+    throw std::invalid_argument("offload_adam: fingerprint words are 2 or 4 bytes, got " + std::to_string(word_bytes));
+  if (chunk < 1) throw std::invalid_argument("offload_adam: fingerprint chunk must be >= 1, got " + std::to_string(chunk));
+  const WeightedBitsFn sum = active_kernels().weighted_bits[word_bytes == 2 ? 0 : 1];
+  const char* at = static_cast<const char*>(bits);
+  uint64_t total = 0;
+  for (int64_t i = 0, k = 0; i < n; i += chunk, ++k) {
+    const uint64_t factor = (static_cast<uint64_t>(k) * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull) | 1u;
+    total += sum(at + i * word_bytes, weights, std::min(chunk, n - i)) * factor;
+  }
+  return static_cast<int64_t>(total);   // (two's complement: the device's int64)
+}
+
 }  // namespace offload_adam

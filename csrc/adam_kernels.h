@@ -135,6 +135,14 @@ void split_master_encode(const float* masters, int64_t n, uint16_t* params, uint
 void split_master_decode(const uint16_t* params, const uint16_t* lo, const uint8_t* tie, int64_t n,
                          float* masters, int num_threads);
 
+// The fingerprint of a grad's bits (offload_adam/engine/grads.py, grad_fingerprint, is
+// its definition and its device version): n signed words of word_bytes (2 or 4) in
+// chunks of `chunk`; each chunk's sum of word x weights[its position in the chunk], times
+// the chunk's odd factor (a Weyl sequence), all modulo 2^64. One thread; the same
+// number on every variant. Throws std::invalid_argument for another word size or a
+// chunk < 1.
+int64_t grad_fingerprint(const void* bits, int word_bytes, int64_t n, const int64_t* weights, int64_t chunk);
+
 // CRC32C (Castagnoli) of n bytes at data, continuing crc (0 to start; a result passed
 // back continues it, as zlib's crc32 does): the standard CRC32C, the same number on every
 // variant (crc32c.h says exactly what and how fast). The active variant's: SSE4.2's

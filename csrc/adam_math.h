@@ -614,5 +614,7 @@ IsaKernels make_kernels() {
   k.q8_decode[1] = &q8_decode_values<V, true>;
   k.split_decode = &split_master_decode_values;
   k.split_encode = &split_master_encode_values;
+  k.weighted_bits[0] = &weighted_bits<int16_t>;
+  k.weighted_bits[1] = &weighted_bits<int32_t>;
   return k;
 }

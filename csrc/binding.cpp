@@ -369,6 +369,22 @@ void split_master_decode(const at::Tensor& params, const at::Tensor& lo, const a
                           masters.data_ptr<float>(), threads);
 }
 
+// oa::grad_fingerprint of a grad's bits (a CPU tensor of int16 or int32 words) with the
+// weights of a chunk's positions (int64; their count is the chunk).
+int64_t grad_fingerprint(const at::Tensor& bits, const at::Tensor& weights) {
+  check_cpu_contiguous(bits, "bits", 0);
+  check_cpu_contiguous(weights, "weights", 0);
+  if (bits.scalar_type() != at::kShort && bits.scalar_type() != at::kInt)
+    fail_type("bits must be int16 or int32 (a grad's bit patterns), got " +
+              std::string(c10::toString(bits.scalar_type())));
+  if (weights.scalar_type() != at::kLong)
+    fail_type("weights must be int64, got " + std::string(c10::toString(weights.scalar_type())));
+  if (weights.numel() < 1) fail_value("weights must hold at least one weight (one per position of a chunk)");
+  py::gil_scoped_release no_gil;
+  return oa::grad_fingerprint(bits.data_ptr(), static_cast<int>(bits.element_size()), bits.numel(),
+                              weights.data_ptr<int64_t>(), weights.numel());
+}
+
 // oa::crc32c of a contiguous buffer: bytes, or a memoryview (the NVMe tier's I/O threads
 // hold slices of an mmap); a non-contiguous one is a BufferError. The buffer is held
 // (an mmap cannot close under it) and the GIL released while it runs, so the I/O threads
@@ -420,6 +436,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params"), py::arg("lo"), py::arg("tie"), py::arg("masters"), py::arg("num_threads") = 1);
   m.def("grad_sq_sums", &grad_sq_sums, "Per-tensor sum of squares, accumulated in double", py::arg("grads"),
         py::arg("num_threads"));
+  m.def("grad_fingerprint", &grad_fingerprint,
+        "A grad's fingerprint from its bits and a chunk's weights (engine/grads.py); the GIL is released",
+        py::arg("bits"), py::arg("weights"));
   m.def("crc32c", &crc32c_of_buffer, "CRC32C (Castagnoli) of a buffer, continuing value; the GIL is released",
         py::arg("data"), py::arg("value") = 0);
   m.def("threads_refused", &oa::threads_refused,

@@ -17,6 +17,7 @@ namespace {
 #include "split_master.h"
 #include "simd_scalar.h"
 #include "simd_avx2.h"
+#include "grad_fingerprint.h"
 #include "adam_math.h"
 #include "crc32c.h"
 }  // namespace

@@ -53,6 +53,8 @@ using Q8DecodeFn = void (*)(const uint8_t* codes, const float* scales, int64_t n
 // A split master (split_master.h) to fp32 and back, n elements; tie bits 8 per byte.
 using SplitDecodeFn = void (*)(const uint16_t* p, const uint16_t* lo, const uint8_t* tie, int64_t n, float* out);
 using SplitEncodeFn = void (*)(const float* m, int64_t n, uint16_t* lo, uint8_t* tie);
+// Sum modulo 2^64 of n signed 16- or 32-bit words times their int64 weights (grad_fingerprint.h).
+using WeightedBitsFn = uint64_t (*)(const void* bits, const int64_t* weights, int64_t n);
 // CRC32C of n bytes continuing crc (crc32c.h).
 using Crc32cFn = uint32_t (*)(uint32_t crc, const void* data, int64_t n);
 
@@ -66,6 +68,7 @@ struct IsaKernels {
   Q8DecodeFn q8_decode[2];
   SplitDecodeFn split_decode;
   SplitEncodeFn split_encode;
+  WeightedBitsFn weighted_bits[2];  // [0] 16-bit words, [1] 32-bit words
   Crc32cFn crc32c;          // the SSE4.2 instruction (x86 variants) or the table step
 };
 

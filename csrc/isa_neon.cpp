@@ -18,6 +18,7 @@ namespace {
 #include "split_master.h"
 #include "simd_scalar.h"
 #include "simd_neon.h"
+#include "grad_fingerprint.h"
 #include "adam_math.h"
 #include "crc32c.h"
 }  // namespace

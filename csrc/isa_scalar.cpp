@@ -11,6 +11,7 @@ namespace {  // internal linkage: each ISA unit keeps its own copy of the inline
 #include "float_bits.h"
 #include "split_master.h"
 #include "simd_scalar.h"
+#include "grad_fingerprint.h"
 #include "adam_math.h"
 #include "crc32c.h"
 }  // namespace

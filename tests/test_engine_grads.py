@@ -16,14 +16,20 @@ from models import (BF16, MLP_OPTS, OPTS, assert_same, loss_of, make_mlp, make_p
 
 
 
+# The device's fingerprint (torch ops: CUDA, the simulated device) and the host's (the
+# kernels: HostDevice, a CPU engine's), one number.
+FINGERPRINTS = ["grad_fingerprint", "host_fingerprint"]
+
+
+@pytest.mark.parametrize("fingerprint", FINGERPRINTS)
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
 @pytest.mark.parametrize("chunk", [64, 1 << 22])
-def test_grad_fingerprint(monkeypatch, dtype, chunk):
+def test_grad_fingerprint(monkeypatch, kernels, fingerprint, dtype, chunk):
     """The fingerprint moves for the edits a user makes through .data, also
     those that keep the sum of the bit patterns (negating a tensor with as many
     positive as negative elements), and not for an untouched or copied grad."""
     monkeypatch.setattr(engine_grads, "_FINGERPRINT_CHUNK", chunk)
-    fp = engine_grads.grad_fingerprint
+    fp = getattr(engine_grads, fingerprint)
     half = torch.rand(500, generator=torch.Generator().manual_seed(0)) + 0.5
     g = torch.cat([half, -half]).to(dtype)
     base = fp(g)
@@ -40,12 +46,15 @@ def test_grad_fingerprint(monkeypatch, dtype, chunk):
     assert torch.equal(fp(wide.t()), fp(wide.t().contiguous()))
 
 
-@pytest.mark.parametrize("dtype", [BF16, torch.float32])
-def test_grad_fingerprint_is_its_formula(monkeypatch, dtype):
+@pytest.mark.parametrize("fingerprint", FINGERPRINTS)
+@pytest.mark.parametrize("dtype", [BF16, torch.float32, torch.float64])
+def test_grad_fingerprint_is_its_formula(monkeypatch, kernels, fingerprint, dtype):
     """The fingerprint is the sum, modulo 2^64, of each element's bit pattern (signed)
     times the odd weight of its position in its chunk and its chunk's odd factor:
     computed here with Python's integers over a grad of several chunks and a partial
-    last one."""
+    last one. (A float64 grad is twice as many 32-bit words: the device's version
+    summed only the first half of them, in a product buffer too short, until
+    2026-12-08.)"""
     monkeypatch.setattr(engine_grads, "_FINGERPRINT_CHUNK", 64)
     g = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
     bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32).tolist()
@@ -54,7 +63,66 @@ def test_grad_fingerprint_is_its_formula(monkeypatch, dtype):
     want = sum(b * weights[i % 64] * engine_grads._chunk_factor(i // 64)
                for i, b in enumerate(bits)) % 2**64
     want -= 2**64 if want >= 2**63 else 0
-    assert engine_grads.grad_fingerprint(g).item() == want
+    assert getattr(engine_grads, fingerprint)(g).item() == want
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32, torch.float64])
+def test_the_host_fingerprint_is_the_device_fingerprint_on_every_isa(kernels, dtype):
+    """The kernels' fingerprint (every ISA variant this CPU runs) gives the torch ops'
+    number at the CPU's real chunk: sizes within one chunk, on its edges, over several;
+    a strided grad and a transposed one (each taken as its values in order)."""
+    chunk = engine_grads._chunk(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(n, generator=gen).to(dtype)
+             for n in (0, 1, 31, chunk - 1, chunk, chunk + 1, 3 * chunk + 5)]
+    wide = torch.randn(2, chunk + 3, generator=gen).to(dtype)
+    grads += [wide[0, ::2], wide.t()]
+    assert not grads[-2].is_contiguous() and not grads[-1].is_contiguous()
+    active = kernels.isa()
+    try:
+        for isa in kernels.supported_isas():
+            kernels.set_isa(isa)
+            for g in grads:
+                got, want = engine_grads.host_fingerprint(g), engine_grads.grad_fingerprint(g)
+                assert got.dtype == torch.int64 and got.shape == () and got.device == g.device
+                assert torch.equal(got, want), (isa, g.shape)
+    finally:
+        kernels.set_isa(active)
+
+
+def test_the_kernels_fingerprint_refuses_what_is_no_grad_s_bits(kernels):
+    w = engine_grads._weights(torch.device("cpu"), 64)
+    with pytest.raises(TypeError, match="bits must be int16 or int32.*Float"):
+        kernels.grad_fingerprint(torch.zeros(4), w)
+    with pytest.raises(TypeError, match="weights must be int64"):
+        kernels.grad_fingerprint(torch.zeros(4, dtype=torch.int16), w.to(torch.int32))
+    with pytest.raises(ValueError, match="at least one weight"):
+        kernels.grad_fingerprint(torch.zeros(4, dtype=torch.int16), w[:0])
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.grad_fingerprint(torch.zeros(8, dtype=torch.int16)[::2], w)
+
+
+def test_a_host_engine_sees_a_hidden_edit_with_the_kernels_fingerprint(kernels, monkeypatch):
+    """bf16 params in host memory stepped by the engine (step_in_backward: its
+    HostDevice, no simulated device) fingerprint their grads with the kernels, and a
+    .data edit after backward (no version bump) is still seen at step()."""
+    from offload_adam.engine.device import HostDevice
+    calls = []
+
+    def spy(grad):
+        calls.append(grad.numel())
+        return engine_grads.host_fingerprint(grad)
+    monkeypatch.setattr(HostDevice, "fingerprint", staticmethod(spy))
+    model = make_mlp()
+    opt = offload_adam.AdamW(model.parameters(), step_in_backward=True, **MLP_OPTS)
+    mlp_loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    assert set(calls) == {p.numel() for p in model.parameters()}   # (each at its copy, and more)
+    mlp_loss(model, 1).backward()
+    model[2].weight.grad.data.mul_(0.5)
+    with pytest.raises(RuntimeError, match="changed after it was copied"):
+        opt.step()
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])

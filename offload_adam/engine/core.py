@@ -73,7 +73,7 @@ from .device import HostDevice, current_host_stand_in, make_device
 from .host_memory import HostArenas, put_off
 from .early import EarlyStart, format_changed, steps_kept
 from .grad_ring import GradRing, block_grad_bytes, ring_bytes, trainable_bytes
-from .grads import GradCopy, grad_fingerprint, sq_sum, start_check
+from .grads import GradCopy, sq_sum, start_check
 from .param_check import ParamCheck
 from .layout import (Bucket, Entry, ParamRec, Piece, allocate_state, allocate_transfers, cut,
                      local, make_buckets, state_roles)
@@ -635,7 +635,7 @@ class OffloadEngine:
             early_pieces = early and len(rec.pieces) > 1
             g = local(grad).detach()
             fp = fingerprints[i] if fingerprints is not None else (
-                grad_fingerprint(g) if self.verify_grads else None)
+                self.device.fingerprint(g) if self.verify_grads else None)
             if rec.flat and not g.is_contiguous():
                 # Pieces are ranges of the flat grad: one contiguous copy, on
                 # the D2H stream, in order with the copies that read it.

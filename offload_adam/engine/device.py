@@ -24,6 +24,9 @@ from the device is this (`dsts`/`srcs`: a tensor or equal-length lists):
                                               user's that issues device work (the
                                               engine's worker): its device, its stream
     pin(t) / unpin(t)                        page-lock host memory in place, and undo it
+    fingerprint(grad)  -> 0-dim int64 tensor  grads.grad_fingerprint's number for a grad,
+                                              computed in the device's order (queued on
+                                              the current stream), not waited for
     materialize(t) / release(t)              give device tensor t's storage its bytes (on
                                               the current stream), and take them back
                                               (param_stream.py: a streamed block's params
@@ -64,6 +67,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from .grads import grad_fingerprint, host_fingerprint
 from .packed_copy import plan_copy, run_plan
 
 
@@ -120,6 +124,8 @@ class HostDevice:
 
     def h2d(self, dsts, srcs, after=None) -> Transfer:
         return self._copy(dsts, srcs)
+
+    fingerprint = staticmethod(host_fingerprint)   # (the kernels: on the spot)
 
     def fence(self):
         return None
@@ -268,6 +274,8 @@ class CudaDevice:
         # The worker's thread would otherwise use device 0 and the default
         # stream; every copy it issues names a side stream itself.
         return torch.cuda.device(self.device)
+
+    fingerprint = staticmethod(grad_fingerprint)   # (torch ops on the current stream)
 
     def fence(self):
         return self._current().record_event()

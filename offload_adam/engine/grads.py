@@ -29,7 +29,7 @@ from typing import List, Optional
 import torch
 
 from ..distributed import local
-from ..kernel_step import grad_sq_sums
+from ..kernel_step import grad_sq_sums, kernels
 
 # Elements per reduction in grad_fingerprint: bounds its int64 temporaries on
 # the device (two of 8 MiB). On the CPU (a CPU engine, the host stand-in of a GPU)
@@ -78,19 +78,38 @@ def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
     (8), the int64 product written (8) into one buffer reused per chunk and read by the
     sum (8): 26 B, about 9 ms per billion elements at an H100's 3 TB/s, an estimate (not
     measured). (Widened in a copy of their own first, and the product a new tensor each
-    chunk, it took 42 B, and 5.8 ns per element on the dev VM's CPU against 0.9 now, on
-    the host stand-in of a GPU.) A fused CUDA kernel would need 2 B."""
+    chunk, it took 42 B, and 5.8 ns per element on the dev VM's CPU against 0.9 with
+    this one, on the host stand-in of a GPU; grads in host memory now take
+    host_fingerprint.) A fused CUDA kernel would need 2 B."""
     g = grad.detach().reshape(-1)
+    if g.element_size() > 4:   # (its words are int32 pairs: a view needs stride 1)
+        g = g.contiguous()
     bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=g.device)
     chunk = _chunk(g.device)
-    product = torch.empty(min(chunk, g.numel()), dtype=torch.int64, device=g.device)
-    for i in range(0, g.numel(), chunk):
+    product = torch.empty(min(chunk, bits.numel()), dtype=torch.int64, device=g.device)
+    for i in range(0, bits.numel(), chunk):
         part = bits[i:i + chunk]
         out = product[:part.numel()]
         torch.mul(part, _weights(g.device, part.numel()), out=out)
         total += out.sum() * _chunk_factor(i // chunk)   # (int64: wraps modulo 2^64)
     return total
+
+
+def host_fingerprint(grad: torch.Tensor) -> torch.Tensor:
+    """grad_fingerprint's number for a grad in host memory (a CPU engine's: bf16
+    params on the host, and the host stand-in of a GPU), computed by the kernels in
+    one pass (csrc/grad_fingerprint.h: 2 B read per bf16 element, the chunk's weights
+    from the cache) instead of grad_fingerprint's 26 B per element of torch ops,
+    with the same chunks and weights; the GIL is released meanwhile. The devices
+    whose work is queued (CUDA, and the simulated device that checks the engine's
+    ordering of it) use grad_fingerprint."""
+    g = grad.detach().reshape(-1)
+    if not g.is_contiguous():   # (a strided 1-D grad: reshape kept the view)
+        g = g.contiguous()
+    bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32)
+    value = kernels().grad_fingerprint(bits, _weights(g.device, _chunk(g.device)))
+    return torch.tensor(value, dtype=torch.int64)
 
 
 class GradCopy:
@@ -139,7 +158,7 @@ class FingerprintCheck:
     def __init__(self, device, recs: list):
         self.recs = recs
         self.grads = [r.param.grad for r in recs]
-        self.now = [grad_fingerprint(local(g)) for g in self.grads]
+        self.now = [device.fingerprint(local(g)) for g in self.grads]
         differs = torch.stack(self.now) != torch.stack([r.copy.fingerprint for r in recs])
         self._result, self.done = device.fetch(differs)
 

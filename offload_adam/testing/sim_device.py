@@ -87,6 +87,7 @@ from torch.utils._pytree import tree_flatten
 from ..byte_view import byte_view
 from ..distributed import local
 from ..engine.device import Transfer, as_list, outside_transforms, storage_bytes
+from ..engine.grads import grad_fingerprint
 from ..engine.packed_copy import plan_copy, run_plan
 from ..params import byte_span
 
@@ -492,6 +493,9 @@ class AsyncSimDevice:
                 if op is not None:
                     for x in self._before(op):
                         x.published_to.add(stream)
+
+    # The device's own: torch ops, watched as compute work, as CUDA runs them.
+    fingerprint = staticmethod(grad_fingerprint)
 
     def fetch(self, t: torch.Tensor):
         values = t.tolist()

@@ -964,6 +964,59 @@ void test_stream_limit_and_sq_sums() {
   }
 }
 
+// The grads' fingerprint: every variant gives the sum written out here (each word times
+// its position's weight, times its chunk's odd factor, modulo 2^64) for 16- and 32-bit
+// words, chunks whole and partial, signed words at their extremes; a bad word size or
+// chunk throws.
+void test_grad_fingerprint() {
+  std::mt19937_64 rng(7);
+  const int64_t chunk = 1000;
+  std::vector<int64_t> w(chunk);
+  for (auto& x : w) x = static_cast<int64_t>(rng() | 1u);
+  std::vector<int16_t> h(3 * chunk + 17);
+  std::vector<int32_t> f(h.size());
+  for (size_t i = 0; i < h.size(); ++i) {
+    h[i] = static_cast<int16_t>(rng());
+    f[i] = static_cast<int32_t>(rng());
+  }
+  h[5] = INT16_MIN, h[6] = INT16_MAX, f[5] = INT32_MIN, f[6] = INT32_MAX;
+  auto want = [&](auto word, int64_t n) {
+    uint64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t k = static_cast<uint64_t>(i / chunk);
+      const uint64_t factor = (k * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull) | 1u;
+      total += static_cast<uint64_t>(static_cast<int64_t>(word[i])) * static_cast<uint64_t>(w[i % chunk]) * factor;
+    }
+    return static_cast<int64_t>(total);
+  };
+  for (oa::Isa isa : oa::supported_isas()) {
+    oa::set_isa(oa::isa_name(isa));
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{37}, chunk, chunk + 1, static_cast<int64_t>(h.size())}) {
+      CHECK(oa::grad_fingerprint(h.data(), 2, n, w.data(), chunk) == want(h.data(), n),
+            "isa=%s n=%lld: 16-bit words", oa::isa_name(isa), static_cast<long long>(n));
+      CHECK(oa::grad_fingerprint(f.data(), 4, n, w.data(), chunk) == want(f.data(), n),
+            "isa=%s n=%lld: 32-bit words", oa::isa_name(isa), static_cast<long long>(n));
+    }
+  }
+  oa::set_isa("auto");
+  for (int bad : {1, 8}) {
+    bool threw = false;
+    try {
+      oa::grad_fingerprint(h.data(), bad, 4, w.data(), chunk);
+    } catch (const std::invalid_argument& e) {
+      threw = std::string(e.what()).find(std::to_string(bad)) != std::string::npos;
+    }
+    CHECK(threw, "words of %d bytes must throw invalid_argument naming the size", bad);
+  }
+  bool threw = false;
+  try {
+    oa::grad_fingerprint(h.data(), 2, 4, w.data(), 0);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw, "a chunk of 0 must throw invalid_argument");
+}
+
 // q8 <-> fp32 conversions: every ISA equals the scalar one; every code survives
 // decode -> encode; random values come back within the code's rounding.
 void test_q8_conversions() {
@@ -1172,6 +1225,7 @@ int main(int argc, char** argv) {
     test_q8_amsgrad_rejected();
     test_unaligned_lp();
     test_stream_limit_and_sq_sums();
+    test_grad_fingerprint();
     test_q8_conversions();
     test_q8_extremes_agree();
     test_isa_errors();
