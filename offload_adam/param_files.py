@@ -78,8 +78,9 @@ FILE_NAME = "offload_adam_params.bin"
 # over several buckets: nvme_heads._HeadReads): two, so that the next block's reads start
 # while the one before is put in its slot (with one the disk idled between them; with the
 # relaxed first read-ahead, param_stream._floors, forward 2.8-2.9 s -> 1.9-2.2 s on a
-# 40-block bench/param_files_big_run.py, bench/README.md); each is a block of host memory
-# beside the cache, which the planner does not count (plan.py).
+# 40-block bench/param_files_big_run.py, bench/README.md); a block's reads start only while
+# its buffers fit beside those in flight within HEAD_READS of the largest blocks, host memory
+# beside the cache that the planner counts (plan.py, "head reads").
 HEAD_READS = 2
 
 
@@ -396,10 +397,10 @@ class ParamFiles:
         block the cache holds in part (the CPU step wrote the rest: hold_to_write) has
         the requests holding its missing bytes read now, as a load would be, instead
         of by its reader under the lock (_complete). A block in the heads read through
-        buffers of its own (nvme_heads._HeadReads) waits while HEAD_READS blocks' worth of
-        such reads are in flight: the read-ahead of the whole cache would otherwise hold a
-        buffer beside each of its slots (those whose reads are done are put in their
-        slots first, their buffers freed)."""
+        buffers of its own (nvme_heads._HeadReads) waits until its buffers fit beside
+        those in flight within HEAD_READS of the largest blocks: the read-ahead of the
+        whole cache would otherwise hold a buffer beside each of its slots (those whose
+        reads are done are put in their slots first, their buffers freed)."""
         with self.lock:
             for slot in self.slots:
                 if slot.heading is not None and slot.heading.own \
@@ -415,7 +416,7 @@ class ParamFiles:
                         self._start_completion(slot)
                     continue
                 if i in self.in_heads and not self.heads.direct.get(i, True) \
-                        and self._head_buffers() >= HEAD_READS * max(self.sizes):
+                        and self._head_buffers() + self.sizes[i] > HEAD_READS * max(self.sizes):
                     return   # (read into buffers of their own: HEAD_READS blocks' worth)
                 slot = self._victim(sooner_than=i, wait=False,
                                     floor=None if floors is None else floors[k])

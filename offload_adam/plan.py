@@ -43,7 +43,9 @@ accumulated on the host), prefetch k blocks ahead.
 With params in files (param_files.py) each block's file extent is its host copy rounded to
 4 KiB, the cache holds as many blocks as RAM has left (at least prefetch + 3; the report
 says the param_cache_mb to pass, stream_params' own default being prefetch + 5 blocks),
-forward and backward each read what the cache does not hold, and the step's new values of
+forward and backward each read what the cache does not hold (with the state's heads, a block
+over several buckets through buffers of its own beside the cache: param_files.HEAD_READS
+blocks' worth at most, counted in host RAM), and the step's new values of
 a block reach its file when the cache gives the block away (a block the cache keeps is not
 written; at step(), as the compact state's pass does after the log, a block the cache does
 not hold is not read first: the step writes every byte of it, the model's blocks having
@@ -893,6 +895,20 @@ def heads_layout(layout: Layout) -> bool:
     return nvme_tier.HEADS and layout.params == "files" and layout.in_files
 
 
+def _heads_direct(model: ModelShape, files: dict) -> bool:
+    """Whether every streamed block is read from the heads straight into its cache slot
+    (nvme_heads: its params the start of one bucket, in its order: counted so where
+    that holds of the block alone in its bucket); else its reads go through buffers
+    beside the cache, param_files.HEAD_READS of the largest blocks at most."""
+    per, first = len(model.block_tensors()), 1
+    for k in range(model.layers):
+        own = range(first + k * per, first + (k + 1) * per)
+        holders = [b for b in files["bucket_params"] if any(i in own for i in b)]
+        if len(holders) != 1 or list(holders[0][:per]) != list(own):
+            return False
+    return True
+
+
 def _seams(model: ModelShape, files: dict) -> bool:
     """Whether a file bucket holds params of two streamed blocks (model.tensors() order:
     the embedding, then the blocks' params)."""
@@ -903,7 +919,7 @@ def _seams(model: ModelShape, files: dict) -> bool:
 
 
 def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
-    from .param_files import cache_slots, min_slots
+    from .param_files import HEAD_READS, cache_slots, min_slots
     check_size(model, run)
     heads = heads_layout(layout)
     files = _model_files(replace(model, name=""), layout.state_dtype, run.bucket_mb,
@@ -919,6 +935,10 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     if layout.in_files and files["ring_refused"]:
         p.refused.append(f"state_budget_mb {run.state_budget_mb:g}: {files['ring_refused']}")
     n, streamed = model.params, model.layers * model.block_params
+    if heads and not _heads_direct(model, files):
+        # (beside the cache while they fly; host_bytes() does not hold them for good)
+        p.host["head reads (at most)"] = float(
+            HEAD_READS * home_bytes([s for _, s in model.block_tensors()]))   # (ParamFiles.sizes)
     cache = 0.0
     if layout.params == "files":   # what the host has left caches the param files, in blocks
         slot = param_slot_bytes(model)

@@ -119,8 +119,9 @@ class _FakeHeads:
     """A heads source for ParamFiles alone: block i's bytes are i + 1, read through a
     buffer of its own (or into the slot: `direct`) by requests the test completes."""
 
-    def __init__(self, n, direct):
+    def __init__(self, n, direct, sizes=None):
         self.direct = {i: direct for i in range(n)}
+        self.sizes = sizes or [8192] * n
         self.started = []
 
     def read(self, i, into=None):
@@ -128,8 +129,8 @@ class _FakeHeads:
 
         class Reads:
             futures = [Future()]
-            nbytes = 8192
-            own = 0 if heads.direct[i] else 8192
+            nbytes = heads.sizes[i]
+            own = 0 if heads.direct[i] else heads.sizes[i]
 
             def finish(self, into):
                 into.fill_(i + 1)
@@ -171,6 +172,40 @@ def test_reading_ahead_from_the_heads_holds_two_blocks_of_buffers(tmp_path, dire
             if not f.done():
                 f.set_result(8192)
         assert bool((files.hold(i)[:8192] == i + 1).all()), i
+        files.unhold(i, dirty=False)
+    files.heads, files.in_heads = None, set()
+    files.close()
+
+
+def test_head_reads_of_unequal_blocks_hold_at_most_two_of_the_largest(tmp_path):
+    """Blocks of unequal sizes read through buffers of their own: a block's reads start
+    only while its buffers fit, beside those in flight, in HEAD_READS x the largest block
+    (the cap was checked without the block to start: 8 + 4 KiB in flight let an 8 KiB
+    block start, 20 KiB against 16)."""
+    from test_param_files import _Recorder
+    sizes = [8192, 4096, 8192, 4096, 8192, 4096]
+    cap = param_files.HEAD_READS * max(sizes)
+    files = ParamFiles([tmp_path], sizes, len(sizes) * 8192, prefetch=0, device=_Recorder(),
+                       settle=lambda i: None)
+    files.heads = heads = _FakeHeads(len(sizes), False, sizes)
+    files.in_heads = set(range(len(sizes)))
+    files.rank = lambda i: i
+    files.read_ahead(list(range(len(sizes))))
+    assert heads.started == [0, 1] and files._head_buffers() == 12288
+    for _ in range(len(sizes)):
+        for slot in files.slots:
+            for f in slot.heading.futures if slot.heading is not None else []:
+                if not f.done():
+                    f.set_result(0)
+                    break   # (one block done a round: the next may start beside the rest)
+        files.read_ahead(list(range(len(sizes))))
+        assert files._head_buffers() <= cap, (heads.started, files._head_buffers())
+    assert heads.started == list(range(len(sizes)))
+    for i, size in enumerate(sizes):
+        for f in files.slot_of[i].heading.futures if files.slot_of[i].heading else []:
+            if not f.done():
+                f.set_result(0)
+        assert bool((files.hold(i)[:size] == i + 1).all()), i
         files.unhold(i, dirty=False)
     files.heads, files.in_heads = None, set()
     files.close()
