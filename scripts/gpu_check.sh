@@ -5,6 +5,7 @@
 # ~0.9B one resident, streamed and under FSDP2's CPUOffloadPolicy; a ~6.9B one from param
 # files and from RAM), compute-sanitizer (racecheck, synccheck) on small training runs
 # (params resident and streamed), the transfer benchmark against pinned bandwidth, the
+# grads' fingerprint (its host and device time per element), the
 # step benchmark on this host's CPU, the end-to-end comparison with the peers and the
 # size sweep. Every log and JSON goes under
 # bench/results/<gpu name>/, with summary.txt (each stage's exit code and time);
@@ -97,6 +98,9 @@ stage files_read 120 "$PY" bench/param_files_read.py --blocks 24 --rows 51200 --
   --cache-blocks 10 --steps 3 --dir "${TMPDIR:-/tmp}/offload_adam_files_read" --out "$R" --tag "$name"
 stage racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 "$PY" tests/cuda/test_engine_cuda.py
 stage transfer_bench 60 "$PY" bench/transfer_bench.py --mb 512 --repeats 5 --out "$R" --tag "$name"
+# the grads' fingerprint (verify_grads): host and device time per element, by chunks per round
+stage fingerprint 40 "$PY" bench/fingerprint_bench.py --device cuda --grads 16 --numel 16777216 \
+  --rows 1,2,8 --out "$R" --tag "$name"
 stage step_bench 90 "$PY" bench/step_bench.py --numel 33554432 --steps 12 --warmup 2 --no-deepspeed \
   --no-plot --out "$R" --tag "${name}_host"
 stage e2e 150 "$PY" -m bench.e2e --device cuda --size 350m --steps ${E2E_STEPS:-8} --warmup 3 \

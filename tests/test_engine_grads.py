@@ -21,14 +21,21 @@ from models import (BF16, MLP_OPTS, OPTS, assert_same, loss_of, make_mlp, make_p
 FINGERPRINTS = ["grad_fingerprint", "host_fingerprint"]
 
 
+# Whole chunks a round of the device's version: the CPU's 1, and a GPU's several (its
+# own 8 there), here on the CPU.
+ROWS = [1, 3]
+
+
 @pytest.mark.parametrize("fingerprint", FINGERPRINTS)
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
 @pytest.mark.parametrize("chunk", [64, 1 << 22])
-def test_grad_fingerprint(monkeypatch, kernels, fingerprint, dtype, chunk):
+@pytest.mark.parametrize("per_round", ROWS)
+def test_grad_fingerprint(monkeypatch, kernels, fingerprint, dtype, chunk, per_round):
     """The fingerprint moves for the edits a user makes through .data, also
     those that keep the sum of the bit patterns (negating a tensor with as many
     positive as negative elements), and not for an untouched or copied grad."""
     monkeypatch.setattr(engine_grads, "_FINGERPRINT_CHUNK", chunk)
+    monkeypatch.setattr(engine_grads, "_rows", lambda device: per_round)
     fp = getattr(engine_grads, fingerprint)
     half = torch.rand(500, generator=torch.Generator().manual_seed(0)) + 0.5
     g = torch.cat([half, -half]).to(dtype)
@@ -48,14 +55,18 @@ def test_grad_fingerprint(monkeypatch, kernels, fingerprint, dtype, chunk):
 
 @pytest.mark.parametrize("fingerprint", FINGERPRINTS)
 @pytest.mark.parametrize("dtype", [BF16, torch.float32, torch.float64])
-def test_grad_fingerprint_is_its_formula(monkeypatch, kernels, fingerprint, dtype):
+@pytest.mark.parametrize("per_round", ROWS + [4])
+def test_grad_fingerprint_is_its_formula(monkeypatch, kernels, fingerprint, dtype,
+                                        per_round):
     """The fingerprint is the sum, modulo 2^64, of each element's bit pattern (signed)
     times the odd weight of its position in its chunk and its chunk's odd factor:
     computed here with Python's integers over a grad of several chunks and a partial
     last one. (A float64 grad is twice as many 32-bit words: the device's version
     summed only the first half of them, in a product buffer too short, until
-    2026-12-08.)"""
+    2026-12-08.) The device's version reduces `per_round` whole chunks a round: a bf16
+    or float32 grad here is 15 of them and a partial one, 3 rounds of 4 and one of 3 at 4."""
     monkeypatch.setattr(engine_grads, "_FINGERPRINT_CHUNK", 64)
+    monkeypatch.setattr(engine_grads, "_rows", lambda device: per_round)
     g = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(dtype)
     bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32).tolist()
     weights = engine_grads._weights(g.device, 64).tolist()
@@ -67,10 +78,13 @@ def test_grad_fingerprint_is_its_formula(monkeypatch, kernels, fingerprint, dtyp
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32, torch.float64])
-def test_the_host_fingerprint_is_the_device_fingerprint_on_every_isa(kernels, dtype):
+@pytest.mark.parametrize("per_round", ROWS)
+def test_the_host_fingerprint_is_the_device_fingerprint_on_every_isa(kernels, monkeypatch,
+                                                                     dtype, per_round):
     """The kernels' fingerprint (every ISA variant this CPU runs) gives the torch ops'
     number at the CPU's real chunk: sizes within one chunk, on its edges, over several;
     a strided grad and a transposed one (each taken as its values in order)."""
+    monkeypatch.setattr(engine_grads, "_rows", lambda device: per_round)
     chunk = engine_grads._chunk(torch.device("cpu"))
     gen = torch.Generator().manual_seed(11)
     grads = [torch.randn(n, generator=gen).to(dtype)
@@ -408,3 +422,26 @@ def test_an_unpickled_optimizer_takes_grad_scaler_s_scale_as_the_original(path, 
         runs.append(m)
         opt.close()
     assert all(torch.equal(a, b) for a, b in zip(runs[0].parameters(), runs[1].parameters()))
+
+
+def test_the_fingerprint_bench_runs_and_its_contenders_agree(kernels, tmp_path):
+    """bench/fingerprint_bench.py on a tiny size: it checks every contender's numbers equal
+    before timing (rows 1 and 3 of the torch version, the kernels per ISA) and writes a
+    median per contender."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(repo / "bench" / "fingerprint_bench.py"), "--grads", "2",
+           "--numel", str(3 * 131072 + 5), "--rows", "1,3", "--passes", "2", "--tag", "pytest",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=repo,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "fingerprint_bench_pytest.json").read_text())
+    names = {"torch/rows=1", "torch/rows=3"} | {f"kernel/{i}" for i in kernels.supported_isas()}
+    assert set(result["medians"]) == names
+    assert all(len(s["done_ns"]) == 2 and min(s["done_ns"]) > 0
+               for s in result["samples"].values())
