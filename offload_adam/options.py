@@ -51,7 +51,7 @@ documented here and nowhere else.
     counter for them then) are copied again instead of missed. Costs two passes over the grads on the
     device per step (at the copy, and at reuse in step()), ~12 ms per billion
     params each on an H100 (estimated); for bf16/fp16 params in host memory the
-    kernels take it, ~0.3 ns per element on one AVX-512 core of the dev VM
+    kernels take it, 0.3-0.4 ns per element on one AVX-512 core of the dev VM
     (torch ops took 2.3). Turn it off only if nothing edits
     grads behind their version counters. (CPU params stepped in place need no
     check: the kernel reads p.grad.)
