@@ -690,9 +690,14 @@ def home_bytes(shapes: Sequence[Tuple[int, ...]]) -> int:
     return sum(_round(2 * math.prod(s), _HOME_ALIGN) for s in shapes)
 
 
+def block_host_bytes(model: "ModelShape") -> int:
+    """One streamed block's host copy (param_stream.py's layout; ParamFiles.sizes)."""
+    return home_bytes([s for _, s in model.block_tensors()])
+
+
 def param_slot_bytes(model: "ModelShape") -> int:
     """One block's extent in the param files, and one slot of their cache (param_files.py)."""
-    return _round(home_bytes([s for _, s in model.block_tensors()]), _FILE_ALIGN)
+    return _round(block_host_bytes(model), _FILE_ALIGN)
 
 
 def param_file_bytes(model: "ModelShape") -> int:
@@ -937,8 +942,7 @@ def plan(model: ModelShape, machine: Machine, run: Run, layout: Layout) -> Plan:
     n, streamed = model.params, model.layers * model.block_params
     if heads and not _heads_direct(model, files):
         # (beside the cache while they fly; host_bytes() does not hold them for good)
-        p.host["head reads (at most)"] = float(
-            HEAD_READS * home_bytes([s for _, s in model.block_tensors()]))   # (ParamFiles.sizes)
+        p.host["head reads (at most)"] = float(HEAD_READS * block_host_bytes(model))
     cache = 0.0
     if layout.params == "files":   # what the host has left caches the param files, in blocks
         slot = param_slot_bytes(model)

@@ -86,6 +86,16 @@ def _rows(device: torch.device) -> int:
     return 1 if device.type == "cpu" else _FINGERPRINT_ROWS
 
 
+def _words(grad: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    """The grad's bit patterns as a flat view of signed words: int16 for 2-byte
+    elements, else int32 (a float64 element is two). `contiguous`: copied first if
+    strided (the kernels need it; a view of wider words as int32 needs it always)."""
+    g = grad.detach().reshape(-1)
+    if contiguous or g.element_size() > 4:   # (reshape keeps a strided 1-D grad a view)
+        g = g.contiguous()
+    return g.view(torch.int16 if g.element_size() == 2 else torch.int32)
+
+
 def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
     """An int64 (a 0-dim tensor on the grad's device, computed without waiting
     for it) that changes when the grad's values change: the sum, modulo 2^64, of
@@ -102,22 +112,20 @@ def grad_fingerprint(grad: torch.Tensor) -> torch.Tensor:
     chunk, it took 42 B, and 5.8 ns per element on the dev VM's CPU against 0.9 with
     this one, on the host stand-in of a GPU; grads in host memory now take
     host_fingerprint.) A fused CUDA kernel would need 2 B."""
-    g = grad.detach().reshape(-1)
-    if g.element_size() > 4:   # (its words are int32 pairs: a view needs stride 1)
-        g = g.contiguous()
-    bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=g.device)
-    n, chunk, rows = bits.numel(), _chunk(g.device), _rows(g.device)
-    product = torch.empty(min(chunk * rows, n), dtype=torch.int64, device=g.device)
+    bits = _words(grad, contiguous=False)
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    device = bits.device
+    n, chunk, rows = bits.numel(), _chunk(device), _rows(device)
+    product = torch.empty(min(chunk * rows, n), dtype=torch.int64, device=device)
     whole = n - n % chunk
     for i in range(0, whole, chunk * rows):   # `rows` whole chunks a round
         k = min(rows, (whole - i) // chunk)
         out = product[:k * chunk].view(k, chunk)
-        torch.mul(bits[i:i + k * chunk].view(k, chunk), _weights(g.device, chunk), out=out)
-        total += (out.sum(dim=1) * _factors(g.device, i // chunk, k)).sum()   # (wraps mod 2^64)
+        torch.mul(bits[i:i + k * chunk].view(k, chunk), _weights(device, chunk), out=out)
+        total += (out.sum(dim=1) * _factors(device, i // chunk, k)).sum()   # (wraps mod 2^64)
     if whole < n:   # the last, partial chunk
         out = product[:n - whole]
-        torch.mul(bits[whole:], _weights(g.device, n - whole), out=out)
+        torch.mul(bits[whole:], _weights(device, n - whole), out=out)
         total += out.sum() * _chunk_factor(whole // chunk)
     return total
 
@@ -130,11 +138,8 @@ def host_fingerprint(grad: torch.Tensor) -> torch.Tensor:
     with the same chunks and weights; the GIL is released meanwhile. The devices
     whose work is queued (CUDA, and the simulated device that checks the engine's
     ordering of it) use grad_fingerprint."""
-    g = grad.detach().reshape(-1)
-    if not g.is_contiguous():   # (a strided 1-D grad: reshape kept the view)
-        g = g.contiguous()
-    bits = g.view(torch.int16 if g.element_size() == 2 else torch.int32)
-    value = kernels().grad_fingerprint(bits, _weights(g.device, _chunk(g.device)))
+    bits = _words(grad, contiguous=True)
+    value = kernels().grad_fingerprint(bits, _weights(bits.device, _chunk(bits.device)))
     return torch.tensor(value, dtype=torch.int64)
 
 
